@@ -1,0 +1,115 @@
+"""Gated delta rule (Gated DeltaNet recurrence), MODEL_SPEC §3.6 steps 5-7.
+
+Per value head h (key head h // r, r = Hv / Hk), state S in R^{Dk x Dv} (f32), per token t:
+
+    S   <- exp(g_t) * S
+    u    = v_t - S^T k_t                 (delta: value minus the current prediction)
+    S   <- S + k_t (beta_t * u)^T         (rank-1 update)
+    o_t  = S^T q_t                        (read with the updated state)
+
+Inputs (already conv'd, L2-normalised, q scaled by Dk^-0.5): q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
+g (log-decay <= 0), beta [B, T, Hv] f32; state [B, Hv, Dk, Dv] f32. A token with g = 0 and beta = 0
+leaves the state unchanged (how callers mask padding). Outputs o [B, T, Hv, Dv] f32 and the final
+state; `gdn_recurrence_ref(..., return_states=True)` also returns the state after every token
+[B, T, Hv, Dk, Dv] (for committing any accepted length in speculative decoding).
+
+`gdn_chunked_ref` computes the same with the chunked WY form (chunk C, sequential over chunks,
+parallel inside), for prefill. This file holds the pure-jnp references; kernels join them (issue 4).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _expand_heads(x: jax.Array, hv: int) -> jax.Array:
+    """[B, T, Hk, D] -> [B, T, Hv, D]: each key head repeated r times consecutively (h // r)."""
+    return jnp.repeat(x, hv // x.shape[2], axis=2)
+
+
+def _check(q, k, v, g, beta, state) -> None:
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if k.shape != q.shape or v.shape[:2] != (b, t) or hv % hk:
+        raise ValueError(f"gdn: q {q.shape}, k {k.shape}, v {v.shape} need q,k [B,T,Hk,Dk], v [B,T,Hv,Dv], Hk | Hv")
+    if g.shape != (b, t, hv) or beta.shape != (b, t, hv) or state.shape != (b, hv, dk, dv):
+        raise ValueError(f"gdn: g {g.shape}, beta {beta.shape}, state {state.shape} do not match q/v")
+
+
+def gdn_recurrence_ref(q, k, v, g, beta, state, return_states: bool = False):
+    """Token-by-token recurrence (lax.scan over T)."""
+    _check(q, k, v, g, beta, state)
+    hv = v.shape[2]
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k = f32(_expand_heads(q, hv)), f32(_expand_heads(k, hv))
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, f32(v), f32(g), f32(beta)))
+
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, b_t = inputs  # [B, H, Dk], [B, H, Dk], [B, H, Dv], [B, H], [B, H]
+        s = s * jnp.exp(g_t)[..., None, None]
+        u = v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * u, precision=HIGHEST)
+        o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
+        return s, (o_t, s) if return_states else (o_t, None)
+
+    final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    o = jnp.moveaxis(o, 0, 1)
+    if return_states:
+        return o, final, jnp.moveaxis(states, 0, 1)
+    return o, final
+
+
+def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
+    """Chunked WY form. Per chunk (local i, j), gamma = cumsum(g), Gam_ij = exp(gamma_i - gamma_j):
+
+        L   = strict_lower(beta_i k_i.k_j Gam_ij);  Tm = (I + L)^-1
+        U   = Tm diag(beta) V;                      W = Tm diag(beta exp(gamma)) K
+        Vn  = U - W S
+        O   = (Q * exp(gamma)) S + ((Q K^T) * Gam * [i >= j]) Vn
+        S  <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T Vn
+
+    T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged.
+    """
+    _check(q, k, v, g, beta, state)
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def prep(x):  # [B, T, H, ...] -> [N, B, H, C, ...] f32, zero-padded
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((b, n, chunk) + x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    qc, kc = prep(_expand_heads(q, hv)), prep(_expand_heads(k, hv))
+    vc, gc, bc = prep(v), prep(g), prep(beta)  # [N,B,H,C,Dv], [N,B,H,C], [N,B,H,C]
+    gamma = jnp.cumsum(gc, axis=-1)
+    lower_incl = jnp.tril(jnp.ones((chunk, chunk), bool))
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    gam = jnp.exp(jnp.where(lower_incl, diff, -jnp.inf))  # [N,B,H,C,C], 0 above the diagonal
+    kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=HIGHEST)
+    lmat = jnp.where(strict, bc[..., :, None] * kk * gam, 0.0)
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+    tm = jax.scipy.linalg.solve_triangular(eye + lmat, jnp.broadcast_to(eye, lmat.shape), lower=True,
+                                           unit_diagonal=True)
+    u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=HIGHEST)
+    w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=HIGHEST)
+    qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=HIGHEST) * gam, 0.0)
+
+    def step(s, xs):
+        q_c, k_c, u_c, w_c, qk_c, gamma_c = xs  # s: [B, H, Dk, Dv]
+        vn = u_c - jnp.einsum("bhcd,bhdv->bhcv", w_c, s, precision=HIGHEST)
+        o = (jnp.einsum("bhcd,bhdv->bhcv", q_c * jnp.exp(gamma_c)[..., None], s, precision=HIGHEST)
+             + jnp.einsum("bhij,bhjv->bhiv", qk_c, vn, precision=HIGHEST))
+        last = gamma_c[..., -1:]  # [B, H, 1]
+        s = (jnp.exp(last)[..., None] * s
+             + jnp.einsum("bhcd,bhcv->bhdv", k_c * jnp.exp(last - gamma_c)[..., None], vn, precision=HIGHEST))
+        return s, o
+
+    final, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, u, w, qk, gamma))
+    o = jnp.moveaxis(o, 2, 3).swapaxes(0, 1).reshape(b, n * chunk, hv, dv)[:, :t]  # [N,B,H,C,Dv] -> [B,T,H,Dv]
+    return o, final

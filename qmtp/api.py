@@ -1,0 +1,170 @@
+"""The public Python API: load a checkpoint, generate greedily, read teacher-forced logits.
+
+    model = qmtp.load("path/to/checkpoint", dtype="bfloat16")
+    result = qmtp.generate(model, ["def fibonacci("], max_new_tokens=32)
+    logits = qmtp.target_logits(model, [1, 2, 3])          # numpy [T, V] float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmtp import checkpoint, decode, model as model_lib, ops
+from qmtp.config import ModelConfig
+from qmtp.paging import CapacityError, PageAllocator
+from qmtp.state import init_state
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two >= this (fewer recompiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded checkpoint plus the options it runs with. Immutable; holds no decode state."""
+
+    cfg: ModelConfig
+    params: dict
+    tokenizer: object | None  # tokenizers.Tokenizer, when the checkpoint has tokenizer.json
+    checkpoint_dir: str
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    num_pages: int | None = None  # None: exactly what each call needs
+    impl: str = "ref"
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per prompt (stop token included when one was hit)
+    texts: list[str] | None  # decoded new tokens, when a tokenizer is available
+    prompt_lengths: list[int]
+    stats: dict  # ttft_s, decode_s, new_tokens, decode_tokens_per_s, steps, warmup_s
+
+
+def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
+         impl: str = "ref", progress: bool = True) -> Model:
+    """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
+    if page_size <= 0 or (num_pages is not None and num_pages <= 0):
+        raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
+    ops.check_impl(impl)
+    cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress)
+    return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl)
+
+
+def _load_tokenizer(checkpoint_dir: str):
+    path = os.path.join(checkpoint_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise ValueError(f"{path}: cannot load tokenizer ({e})") from None
+
+
+def encode(model: Model, prompts) -> list[list[int]]:
+    """Text prompts -> token ids (through tokenizer.json); id lists pass through, validated."""
+    ids = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError(f"prompt {i} is text but {model.checkpoint_dir} has no tokenizer.json; "
+                                 "pass token ids instead")
+            p = model.tokenizer.encode(p, add_special_tokens=False).ids
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < model.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary [0, {model.cfg.vocab_size})")
+        ids.append(p)
+    if not ids:
+        raise ValueError("no prompts given")
+    return ids
+
+
+def _bucket(n: int) -> int:
+    return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
+
+
+def _new_state(model: Model, capacities: list[int]):
+    """Reserves pages for each sequence's capacity and returns a zero state with that page table."""
+    limit = model.cfg.max_position_embeddings
+    for b, c in enumerate(capacities):
+        if c > limit:
+            raise CapacityError(f"sequence {b} needs {c} positions > max_position_embeddings={limit}")
+    pages_needed = [-(-c // model.page_size) for c in capacities]
+    allocator = PageAllocator(model.num_pages or sum(pages_needed), model.page_size)
+    handles = [allocator.reserve(c) for c in capacities]
+    table = allocator.page_table(handles)
+    return init_state(model.cfg, table, allocator.num_pages, model.page_size, DTYPES[model.dtype])
+
+
+def _prompt_batch(prompt_ids: list[list[int]]):
+    t = _bucket(max(len(p) for p in prompt_ids))
+    tokens = np.zeros((len(prompt_ids), t), np.int32)
+    for b, p in enumerate(prompt_ids):
+        tokens[b, :len(p)] = p
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompt_ids], jnp.int32)
+
+
+def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None,
+             warmup: bool = False) -> GenerationResult:
+    """Greedy generation for a batch of prompts (text or token-id lists), loop on the device.
+
+    Stops each sequence at a stop id (default: generation_config's eos ids) or after
+    `max_new_tokens`. With warmup=True the compiled programs are built first (timed as warmup_s),
+    so ttft_s / decode_s measure execution only."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    prompt_ids = encode(model, prompts)
+    stop = tuple(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    capacities = [len(p) + max_new_tokens for p in prompt_ids]
+    tokens, n_valid = _prompt_batch(prompt_ids)
+    spec = decode.LoopSpec(max_tokens=max_new_tokens, stop_ids=stop)
+    max_new = jnp.full((len(prompt_ids),), max_new_tokens, jnp.int32)
+
+    def run(limit):
+        state = _new_state(model, capacities)
+        t0 = time.perf_counter()
+        first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid, impl=model.impl)
+        first.block_until_ready()
+        t1 = time.perf_counter()
+        out, count, steps, state = decode.greedy_loop(model.cfg, spec, model.params, state, first,
+                                                      jnp.minimum(max_new, limit), impl=model.impl)
+        out.block_until_ready()
+        return out, count, steps, t1 - t0, time.perf_counter() - t1
+
+    warmup_s = 0.0
+    if warmup:
+        t0 = time.perf_counter()
+        run(1)  # compiles prefill and the loop (the loop's shapes do not depend on the limit)
+        run(2)
+        warmup_s = time.perf_counter() - t0
+    out, count, steps, ttft, decode_s = run(max_new_tokens)
+    out, count = np.asarray(out), np.asarray(count)
+    new = [out[b, :count[b]].tolist() for b in range(len(prompt_ids))]
+    n_decoded = int(sum(max(c - 1, 0) for c in count))
+    texts = [model.tokenizer.decode(t, skip_special_tokens=True) for t in new] if model.tokenizer else None
+    stats = {"ttft_s": ttft, "decode_s": decode_s, "warmup_s": warmup_s, "new_tokens": int(count.sum()),
+             "steps": int(steps), "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
+             "batch": len(prompt_ids)}
+    return GenerationResult(new, texts, [len(p) for p in prompt_ids], stats)
+
+
+def target_logits(model: Model, token_ids) -> np.ndarray:
+    """Teacher-forced logits [T, V] (float32 numpy) of the target over one token sequence."""
+    (ids,) = encode(model, [list(token_ids)])
+    state = _new_state(model, [len(ids)])
+    tokens = jnp.asarray([ids], jnp.int32)
+    _, hidden, _ = decode.prefill(model.cfg, model.params, state, tokens, jnp.asarray([len(ids)], jnp.int32),
+                                  impl=model.impl)
+    logits = jax.jit(model_lib.logits_from_hidden, static_argnames="impl")(model.params, hidden[0], impl=model.impl)
+    return np.asarray(logits, np.float32)

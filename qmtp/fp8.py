@@ -1,0 +1,74 @@
+"""FP8 E4M3 block-scaled weights: the one statement of the convention (MODEL_SPEC §5.1).
+
+    W[o, i] = float(W_fp8[o, i]) * scale[o // 128, i // 128]
+
+`scale` is the checkpoint's `weight_scale_inv` (a plain multiplier despite its name), shape
+[ceil(out/128), ceil(in/128)]; ragged last blocks use their block's scale. Weights keep the
+checkpoint's [out, in] layout; scales are held as float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from qmtp.config import FP8_BLOCK
+
+E4M3_MAX = 448.0
+FP8_DTYPE = ml_dtypes.float8_e4m3fn
+
+# safetensors' numpy reader looks float8 dtypes up on the numpy module; ml_dtypes provides them.
+if not hasattr(np, "float8_e4m3fn"):
+    np.float8_e4m3fn = ml_dtypes.float8_e4m3fn
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Block:
+    """A block-quantized linear weight. weight: [..., O, I] float8_e4m3fn; scale: [..., ceil(O/128), ceil(I/128)] f32."""
+
+    weight: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+
+def scale_grid(out_features: int, in_features: int, block: int = FP8_BLOCK) -> tuple[int, int]:
+    """Shape of the scale grid for an [out, in] weight."""
+    return (-(-out_features // block), -(-in_features // block))
+
+
+def _expand_np(scale: np.ndarray, out_features: int, in_features: int, block: int) -> np.ndarray:
+    return np.repeat(np.repeat(scale, block, axis=-2), block, axis=-1)[..., :out_features, :in_features]
+
+
+def quantize_np(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """[O, I] float -> (E4M3 weight [O, I], f32 scale grid) with amax/448 per block (exact for zeros)."""
+    w = np.asarray(w, np.float32)
+    o, i = w.shape
+    go, gi = scale_grid(o, i, block)
+    padded = np.zeros((go * block, gi * block), np.float32)
+    padded[:o, :i] = np.abs(w)
+    amax = padded.reshape(go, block, gi, block).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    q = np.clip(w / _expand_np(scale, o, i, block), -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_np(q: np.ndarray, scale: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
+    """E4M3 [..., O, I] with scale grid -> float32 [..., O, I]."""
+    o, i = q.shape[-2:]
+    return q.astype(np.float32) * _expand_np(np.asarray(scale, np.float32), o, i, block)
+
+
+def dequantize(w: Fp8Block, dtype=jnp.float32, block: int = FP8_BLOCK) -> jax.Array:
+    """jnp twin of dequantize_np; materializes the full weight (reference path only)."""
+    o, i = w.weight.shape[-2:]
+    s = jnp.repeat(jnp.repeat(w.scale.astype(jnp.float32), block, axis=-2), block, axis=-1)[..., :o, :i]
+    return (w.weight.astype(jnp.float32) * s).astype(dtype)

@@ -1,0 +1,148 @@
+"""Pure layer functions of the Qwen3.5 / Qwen3-Next decoder (MODEL_SPEC §3).
+
+All functions take B sequences of T new tokens: x [B, T, E] in the compute dtype, `n_valid` [B]
+(tokens t >= n_valid[b] are right-padding: they change no state), and the per-layer params / state
+slices. Head counts are read from array shapes, never from the config.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qmtp import ops
+
+F32 = jnp.float32
+
+
+# ---- norms (§3.1, §3.2) ------------------------------------------------------------------------
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), in f32, cast back to x's dtype."""
+    x32 = x.astype(F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """GDN output norm (plain weight, not 1 + w): x / sqrt(mean(x^2) + eps) * w * silu(z), in f32."""
+    x32 = x.astype(F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return y * w.astype(F32) * jax.nn.silu(z.astype(F32))
+
+
+# ---- rotary embedding (§3.5) -------------------------------------------------------------------
+def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Partial NeoX (rotate-half) RoPE on dims [0, R) of each head; x [B, T, H, D], positions [B, T].
+
+    inv_freq[j] = theta^(-2j/R); angle = pos * inv_freq; with x1 = x[:R/2], x2 = x[R/2:R]:
+    [x1 cos - x2 sin, x2 cos + x1 sin]; dims [R, D) pass through."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=F32) * 2.0 / rotary_dim))  # [R/2]
+    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, R/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(F32)
+    x1, x2, rest = x32[..., :half], x32[..., half:rotary_dim], x32[..., rotary_dim:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ---- MLP (§3.4) --------------------------------------------------------------------------------
+def mlp(p: dict, x: jax.Array, impl: str) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate.T) * (x @ up.T))."""
+    gate = ops.linear(x, p["mlp_gate"], impl)
+    up = ops.linear(x, p["mlp_up"], impl)
+    return ops.linear((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], impl)
+
+
+# ---- paged KV ----------------------------------------------------------------------------------
+def write_kv(pages: jax.Array, page_table: jax.Array, positions: jax.Array, valid: jax.Array,
+             new: jax.Array) -> jax.Array:
+    """Scatters new [B, T, Hkv, D] into pages [P, S, Hkv, D] at `positions` [B, T] where `valid`.
+
+    Invalid tokens, and positions beyond the page table, are dropped (never written)."""
+    n_pages, page_size = pages.shape[:2]
+    slot = positions // page_size
+    in_table = slot < page_table.shape[1]
+    page = jnp.take_along_axis(page_table, jnp.minimum(slot, page_table.shape[1] - 1), axis=1)
+    flat = jnp.where(valid & in_table, page * page_size + positions % page_size, n_pages * page_size)
+    out = pages.reshape((n_pages * page_size,) + pages.shape[2:])
+    out = out.at[flat.reshape(-1)].set(new.reshape((-1,) + new.shape[2:]).astype(pages.dtype), mode="drop")
+    return out.reshape(pages.shape)
+
+
+# ---- gated full attention (§3.5) ---------------------------------------------------------------
+def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+              lengths: jax.Array, n_valid: jax.Array, *, eps: float, rotary_dim: int, theta: float,
+              impl: str):
+    """Gated GQA attention of T new tokens at positions lengths + t over the paged KV.
+
+    Returns (out [B, T, E], k_pages', v_pages'). q_proj rows are per head [query | gate]."""
+    b, t, _ = x.shape
+    d = p["q_norm"].shape[-1]
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+    valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
+    qg = ops.linear(x, p["q_proj"], impl).reshape(b, t, -1, 2 * d)  # [B, T, Hq, 2D]
+    q, gate = qg[..., :d], qg[..., d:].reshape(b, t, -1)  # [B, T, Hq, D], [B, T, Hq*D]
+    k = ops.linear(x, p["k_proj"], impl).reshape(b, t, -1, d)  # [B, T, Hkv, D]
+    v = ops.linear(x, p["v_proj"], impl).reshape(b, t, -1, d)
+    q = rope(rms_norm(q, p["q_norm"], eps), positions, rotary_dim, theta)
+    k = rope(rms_norm(k, p["k_norm"], eps), positions, rotary_dim, theta)
+    k_pages = write_kv(k_pages, page_table, positions, valid, k)
+    v_pages = write_kv(v_pages, page_table, positions, valid, v)
+    o = ops.paged_attention_op(q, k_pages, v_pages, page_table, positions, lengths + n_valid,
+                               scale=d ** -0.5, impl=impl)  # [B, T, Hq, D]
+    o = (o.reshape(b, t, -1).astype(F32) * jax.nn.sigmoid(gate.astype(F32))).astype(x.dtype)
+    return ops.linear(o, p["o_proj"], impl), k_pages, v_pages
+
+
+# ---- Gated DeltaNet (§3.6) ---------------------------------------------------------------------
+def causal_conv(u: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax.Array):
+    """Depthwise causal conv + SiLU over time. u [B, T, C]; conv_state [B, W-1, C] (previous inputs);
+    w [C, W] (tap W-1 multiplies the current token).
+
+    y_t[c] = silu(sum_i w[c, i] * u_{t-W+1+i}[c]); returns (y [B, T, C] f32, new state = the last W-1
+    inputs up to each sequence's last valid token)."""
+    width = w.shape[1]
+    t = u.shape[1]
+    window = jnp.concatenate([conv_state.astype(u.dtype), u], axis=1)  # [B, W-1+T, C]
+    w32 = w.astype(F32)
+    acc = sum(window[:, i:i + t].astype(F32) * w32[:, i] for i in range(width))
+    idx = n_valid[:, None] + jnp.arange(width - 1)[None]  # [B, W-1]: inputs n-W+1 .. n-1
+    new_state = jnp.take_along_axis(window, idx[:, :, None], axis=1)
+    return jax.nn.silu(acc), new_state.astype(conv_state.dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
+                   n_valid: jax.Array, *, eps: float, key_heads: int, impl: str,
+                   chunked: bool, return_states: bool = False):
+    """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv].
+
+    Returns (out [B, T, E], conv_state', ssm_state'[, per-token ssm states [B, T, Hv, Dk, Dv]])."""
+    b, t, _ = x.shape
+    hv = p["A_log"].shape[-1]
+    dk, dv = ssm_state.shape[-2:]
+    key_dim = key_heads * dk
+    valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
+    mixed = ops.linear(x, p["in_proj_qkv"], impl)  # [B, T, C] with C = q | k | v
+    z = ops.linear(x, p["in_proj_z"], impl).reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid(ops.linear(x, p["in_proj_b"], impl).astype(F32))  # [B, T, Hv]
+    a = ops.linear(x, p["in_proj_a"], impl).astype(F32)
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])  # log-decay <= 0
+    beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
+
+    y, conv_state = causal_conv(mixed, conv_state, p["conv"], n_valid)  # y f32 [B, T, C]
+    q = l2_normalize(y[..., :key_dim].reshape(b, t, key_heads, dk)) * dk ** -0.5
+    k = l2_normalize(y[..., key_dim:2 * key_dim].reshape(b, t, key_heads, dk))
+    v = y[..., 2 * key_dim:].reshape(b, t, hv, dv)
+    if chunked:
+        o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state, impl=impl)
+    else:
+        o, ssm, *states = ops.gdn_recurrence(q, k, v, g, beta, ssm_state, return_states=return_states, impl=impl)
+    o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
+    out = ops.linear(o, p["out_proj"], impl)
+    result = (out, conv_state, ssm.astype(ssm_state.dtype))
+    return result + tuple(states) if return_states else result

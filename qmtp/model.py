@@ -1,0 +1,99 @@
+"""The target model: B sequences x T new tokens through every decoder layer (MODEL_SPEC §3.3).
+
+    x0 = embed[ids];  per layer: h = x + Mixer(norm_in(x)); x = h + MLP(norm_post(h))
+    hidden = final_norm(x);  logits = hidden @ lm_head.T
+
+The mixer is Gated DeltaNet or gated attention per `cfg.layer_types`; layer params come from the
+per-kind stacks. Token t of sequence b sits at position state.lengths[b] + t; tokens t >= n_valid[b]
+are padding and change nothing (no KV write, no GDN/conv update, no length increment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from qmtp import layers, ops
+from qmtp.config import LINEAR, ModelConfig
+from qmtp.state import DecodeState, PagedKV
+
+# Prefill chunks GDN with the WY form above this many tokens; shorter calls (decode, verify) run
+# the per-token recurrence, which is exact per position and cheap for T <= K+1.
+CHUNKED_GDN_MIN_TOKENS = 16
+
+
+def layer_slice(stack: dict, j: int) -> dict:
+    """Params of layer j of a per-kind stack."""
+    return jax.tree_util.tree_map(lambda a: a[j], stack)
+
+
+def lm_head(params: dict) -> jax.Array:
+    return params["lm_head"] if "lm_head" in params else params["embed"]
+
+
+def logits_from_hidden(params: dict, hidden: jax.Array, impl: str) -> jax.Array:
+    """[..., E] post-final-norm hidden -> f32 logits [..., V] (f32 accumulation, no rounding)."""
+    return ops.linear(hidden, lm_head(params), impl, out_dtype=jnp.float32)
+
+
+def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, impl: str) -> tuple:
+    """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`."""
+    out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps))
+    h = x + out
+    return h + layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps), impl), new_state
+
+
+def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
+            *, impl: str = "ref", return_gdn_states: bool = False):
+    """Runs the target over tokens [B, T] (right-padded to n_valid [B]).
+
+    Returns (hidden [B, T, E] post-final-norm, new state[, per-token GDN states]). Logits are taken
+    from the hidden by the caller (`logits_from_hidden`) for the positions it needs."""
+    b, t = tokens.shape
+    x = params["embed"][tokens]  # [B, T, E]
+    chunked = t >= CHUNKED_GDN_MIN_TOKENS and not return_gdn_states
+    ks, vs, convs, ssms, per_token = [], [], [], [], []
+    ids = {"gdn": 0, "attn": 0}
+    for kind in cfg.layer_types:
+        if kind == LINEAR:
+            j = ids["gdn"]
+            ids["gdn"] += 1
+            p = layer_slice(params["gdn"], j)
+            mixer = lambda h, p=p, j=j: layers.gated_deltanet(
+                p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps,
+                key_heads=cfg.linear_num_key_heads, impl=impl, chunked=chunked,
+                return_states=return_gdn_states)
+            x, new = decoder_layer(cfg, p, x, mixer, impl)
+            convs.append(new[0])
+            ssms.append(new[1])
+            if return_gdn_states:
+                per_token.append(new[2])
+        else:
+            j = ids["attn"]
+            ids["attn"] += 1
+            p = layer_slice(params["attn"], j)
+            mixer = lambda h, p=p, j=j: layers.attention(
+                p, h, state.kv.k[j], state.kv.v[j], state.page_table, state.lengths, n_valid,
+                eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, impl=impl)
+            x, new = decoder_layer(cfg, p, x, mixer, impl)
+            ks.append(new[0])
+            vs.append(new[1])
+    hidden = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    new_state = dataclasses.replace(
+        state,
+        kv=PagedKV(jnp.stack(ks) if ks else state.kv.k, jnp.stack(vs) if vs else state.kv.v),
+        conv=jnp.stack(convs) if convs else state.conv,
+        ssm=jnp.stack(ssms) if ssms else state.ssm,
+        lengths=state.lengths + n_valid,
+    )
+    if return_gdn_states:
+        return hidden, new_state, jnp.stack(per_token)  # [Lg, B, T, Hv, Dk, Dv]
+    return hidden, new_state
+
+
+def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """x [B, T, ...] -> x[b, n_valid[b] - 1] : [B, ...]."""
+    idx = jnp.maximum(n_valid - 1, 0)
+    return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]

@@ -1,0 +1,58 @@
+"""The one switch between the Pallas kernels and their pure-jnp `_ref` twins.
+
+Every hot operation of the model goes through here with an explicit `impl`:
+  "ref"    - pure jnp (XLA); runs everywhere, the semantics every kernel is tested against;
+  "pallas" - the Pallas GPU kernels (issue 4); not available yet.
+Model code never imports `pallas_kernels` directly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import fp8_matmul, gdn, paged_attention
+from qmtp.fp8 import Fp8Block
+
+IMPLS = ("ref",)
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: supported {IMPLS} (Pallas kernels are not built yet)")
+
+
+def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
+    """y = x @ W.T for W [O, I] in the compute dtype or an Fp8Block; output in `out_dtype` (x's dtype).
+
+    Accumulates in f32 (preferred_element_type) and rounds once at the end."""
+    check_impl(impl)
+    out_dtype = out_dtype or x.dtype
+    if isinstance(w, Fp8Block):
+        return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
+    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                   precision=_precision(x.dtype))
+    return y.astype(out_dtype)
+
+
+def _precision(dtype):
+    # f32 runs (tests, oracle parity) must not silently drop to TF32 / bf16 passes on the GPU.
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def gdn_recurrence(q, k, v, g, beta, state, return_states: bool = False, impl: str = "ref"):
+    """Per-token gated delta rule for decode / verify (T small); see pallas_kernels/gdn.py."""
+    check_impl(impl)
+    return gdn.gdn_recurrence_ref(q, k, v, g, beta, state, return_states=return_states)
+
+
+def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):
+    """Chunked gated delta rule for prefill; same math as gdn_recurrence."""
+    check_impl(impl)
+    return gdn.gdn_chunked_ref(q, k, v, g, beta, state)
+
+
+def paged_attention_op(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, impl: str = "ref"):
+    """Causal GQA attention of T queries over paged KV; see pallas_kernels/paged_attention.py."""
+    check_impl(impl)
+    return paged_attention.paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale)

@@ -1,0 +1,87 @@
+"""The decode state: an immutable pytree passed into every step function and returned by it.
+
+    kv.k, kv.v     [La, P, S, Hkv, D]   paged KV of the target's full-attention layers (compute dtype)
+    mtp_kv.k, .v   [Lm, P, S, Hkv, D]   paged KV of the MTP layers (same page table and positions)
+    conv           [Lg, B, W-1, C]      last W-1 pre-conv inputs of each GDN layer (compute dtype)
+    ssm            [Lg, B, Hv, Dk, Dv]  GDN recurrent state (cfg.ssm_dtype, float32 by default)
+    page_table     [B, Pmax] int32      page ids of each sequence; position p lives in page
+                                        page_table[b, p // S], slot p % S
+    lengths        [B] int32            committed tokens per sequence (KV beyond is stale)
+
+The conv state is time-major ([W-1, C] per sequence) so a new chunk is appended along time.
+Everything is zero-initialised (MODEL_SPEC §7.8): stale memory never reaches live positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmtp.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    k: jax.Array  # [L, P, S, Hkv, D]
+    v: jax.Array  # [L, P, S, Hkv, D]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    kv: PagedKV
+    mtp_kv: PagedKV
+    conv: jax.Array  # [Lg, B, W-1, C]
+    ssm: jax.Array  # [Lg, B, Hv, Dk, Dv]
+    page_table: jax.Array  # [B, Pmax] int32
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+
+def state_shapes(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
+                 dtype) -> DecodeState:
+    """Abstract (ShapeDtypeStruct) state; the one place that states every shape and dtype."""
+    s = jax.ShapeDtypeStruct
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    kv = lambda layers: PagedKV(s((layers, num_pages, page_size, hkv, d), dtype),
+                                s((layers, num_pages, page_size, hkv, d), dtype))
+    return DecodeState(
+        kv=kv(cfg.num_full_layers),
+        mtp_kv=kv(cfg.mtp_layers),
+        conv=s((cfg.num_linear_layers, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
+        ssm=s((cfg.num_linear_layers, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+               cfg.linear_value_head_dim), jnp.dtype(cfg.ssm_dtype)),
+        page_table=s((batch, pages_per_seq), jnp.int32),
+        lengths=s((batch,), jnp.int32),
+    )
+
+
+def init_state(cfg: ModelConfig, page_table: np.ndarray, num_pages: int, page_size: int, dtype) -> DecodeState:
+    """Zero state for len(page_table) sequences with the given page table [B, Pmax]."""
+    page_table = np.asarray(page_table, np.int32)
+    batch, pages_per_seq = page_table.shape
+    shapes = state_shapes(cfg, batch, num_pages, page_size, pages_per_seq, dtype)
+    state = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    return dataclasses.replace(state, page_table=jnp.asarray(page_table))
+
+
+def state_bytes(state: DecodeState) -> dict[str, int]:
+    """Bytes of each part of the state (for reports)."""
+    size = lambda a: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+    return {"kv": size(state.kv.k) * 2, "mtp_kv": size(state.mtp_kv.k) * 2,
+            "conv": size(state.conv), "ssm": size(state.ssm)}
