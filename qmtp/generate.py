@@ -1,0 +1,98 @@
+"""Command line generation: python -m qmtp.generate --flagfile=configs/tiny.flags
+
+Loads a checkpoint (or builds a synthetic preset on first use with --checkpoint=preset:NAME),
+runs greedy decoding with the loop on the device, prints the text and tokens/s, and optionally
+writes everything to --output_json. Bad input ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+PRESET_PREFIX = "preset:"
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None,
+                    "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), or "
+                    "'preset:NAME[:DTYPE]' for a synthetic checkpoint built on first use into the cache "
+                    "($QMTP_CACHE or ~/.cache/qmtp), e.g. preset:tiny or preset:tiny:fp8.")
+flags.DEFINE_multi_string("prompt", [], "A text prompt (repeat the flag for a batch). Needs tokenizer.json.")
+flags.DEFINE_multi_string("prompt_ids", [], "A prompt as comma-separated token ids, e.g. '1,2,3' "
+                          "(repeatable; combined with --prompt into one batch).")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt (the EOS token counts).", lower_bound=1)
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
+                  "Compute dtype for activations and non-FP8 weights (FP8 weights stay FP8).")
+flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.", lower_bound=1)
+flags.DEFINE_integer("num_pages", 0, "KV-cache pages in total; 0 = exactly what the batch needs.", lower_bound=0)
+flags.DEFINE_enum("impl", "ref", ["ref"], "Kernel implementation: 'ref' (pure XLA). Pallas kernels come later.")
+flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of generation_config.json).")
+flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
+flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
+
+
+def resolve_checkpoint(spec: str) -> str:
+    """A directory, or preset:NAME[:DTYPE] built on first use."""
+    if not spec.startswith(PRESET_PREFIX):
+        return spec
+    from qmtp.tools import make_checkpoint
+    parts = spec[len(PRESET_PREFIX):].split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
+    return make_checkpoint.ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16")
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt_ids={text!r}: expected comma-separated integers") from None
+
+
+def run(argv) -> dict:
+    import qmtp
+    if len(argv) > 1:
+        raise ValueError(f"unexpected positional arguments {argv[1:]} (use --prompt)")
+    if not FLAGS.checkpoint:
+        raise ValueError("--checkpoint is required (a checkpoint directory or preset:tiny)")
+    prompts = list(FLAGS.prompt) + [parse_ids(p) for p in FLAGS.prompt_ids]
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt_ids")
+    stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
+    model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint), dtype=FLAGS.dtype, page_size=FLAGS.page_size,
+                      num_pages=FLAGS.num_pages or None, impl=FLAGS.impl)
+    result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
+                           warmup=FLAGS.warmup)
+    for i, tokens in enumerate(result.tokens):
+        shown = prompts[i] if isinstance(prompts[i], str) else f"ids {prompts[i]}"
+        print(f"[{i}] prompt: {shown!r}")
+        if result.texts is not None:
+            print(f"[{i}] text: {result.texts[i]!r}")
+        print(f"[{i}] tokens: {tokens}")
+    s = result.stats
+    print(f"batch {s['batch']}: {s['new_tokens']} new tokens, TTFT {s['ttft_s'] * 1e3:.1f} ms, "
+          f"decode {s['decode_tokens_per_s']:.1f} tok/s ({s['steps']} steps in {s['decode_s'] * 1e3:.1f} ms), "
+          f"compile/warm-up {s['warmup_s']:.1f} s")
+    report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl,
+              "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
+              "texts": result.texts, "stats": s}
+    if FLAGS.output_json:
+        with open(FLAGS.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def main(argv):
+    from qmtp.checkpoint import CheckpointError
+    from qmtp.config import ConfigError
+    try:
+        run(argv)
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)
