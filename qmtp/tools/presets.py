@@ -1,0 +1,406 @@
+"""Presets of the synthetic checkpoint writer: a Qwen3.5 `text_config` plus the weights that go with it.
+
+A preset is a text_config builder (optionally sliced to `num_layers` decoder layers) and a weight
+generator `weights(entry, fp8_eligible) -> value` called once per `qmtp.params.TensorEntry`.
+
+Weight convention, shared by every preset (this is what makes the bf16 / fp8 / fp32 checkpoints of
+one preset and seed twins):
+  * The generator is called with the table entry only; its value never depends on the storage dtype.
+  * A value is a float array whose entries are all exactly representable in bf16 (so bf16 and fp32
+    storage hold the same numbers and an FP8 checkpoint stores `qmtp.fp8.quantize_np` of them), or
+    an `Fp8Block` (E4M3 codes + f32 block scales) for a tensor that an FP8 checkpoint stores
+    quantized, whose float value `qmtp.fp8.dequantize_np(...)` is bf16-exact and quantizes back to
+    the same codes and scales, or a `HashedNormal`: either of the two, drawn lazily row block by row
+    block (the writer streams it without materializing the whole tensor).
+  * Each tensor is drawn from its own stream, keyed by (seed, tensor name): a `--num_layers` slice
+    has the same layer-0 weights as the full model, and order of generation does not matter.
+
+Distributions (`RandomWeights`): linear [out, in] ~ N(0, 1/sqrt(in)) (lm_head too: logits O(1));
+embed_tokens N(0, 1); zero-centred norms N(0, 0.1); linear_attn.norm 1 + N(0, 0.1); A_log = log U(1, 16);
+dt_bias N(0, 0.5); conv1d N(0, 0.3). lm_head rows of ids >= the tokenizer's size (vocab padding of
+real-shape presets) are zero, so greedy argmax stays inside the tokenizer.
+
+Two ways to draw the big matrices:
+  * exact (tiny): float32 normals from a seeded PCG64 `np.random.Generator`, rounded to bf16.
+  * fast (real shapes, ~27 G values; `HashedNormal`): counter-based splitmix64 hashing of the
+    element index (pure uint64 arithmetic, independent of the numpy version) gives 16-bit words
+    that index a 65536-entry table of N(0, 1) quantiles (Python's statistics.NormalDist), already
+    in the target format (bf16 bits, or E4M3 codes of N(0, 64) for FP8-eligible weights, with
+    per-block scales ~ std/64 varying +-15%). Several threads fill disjoint chunks; no float64
+    normals are drawn.
+
+Future presets (e.g. "controlled acceptance") subclass `RandomWeights`, override `__call__` for the
+tensors they pin down (delegating the rest to `super().__call__`), and name the subclass in their
+`Preset(weights_cls=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from qmtp import params
+from qmtp.config import FULL, LINEAR, ModelConfig
+from qmtp.fp8 import FP8_BLOCK, FP8_DTYPE, Fp8Block, scale_grid
+from qmtp.tools import tiny_tokenizer
+
+GENERATOR_VERSION = 1  # bump whenever a preset's config or weights change (part of the cache key)
+
+WeightFn = Callable[[params.TensorEntry, bool], "WeightValue"]
+
+# --------------------------------------------------------------------------------------------------
+# text configs
+# --------------------------------------------------------------------------------------------------
+
+
+def layer_types(num_layers: int, interval: int) -> list[str]:
+    """Layer i is full attention iff (i+1) % interval == 0; fewer than `interval` layers end with one
+    full-attention layer ([linear]*(N-1) + [full]) so both kinds appear."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers={num_layers}: must be >= 1")
+    if num_layers < interval:
+        return [LINEAR] * (num_layers - 1) + [FULL]
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+
+
+def mrope_section(rotary_dim: int) -> list[int]:
+    """Splits rotary_dim/2 frequency slots over (t, h, w) like Qwen3.5's [11, 11, 10] for 64."""
+    half = rotary_dim // 2
+    return [half // 3 + (1 if i < half % 3 else 0) for i in range(3)]
+
+
+def _text_config(*, hidden: int, ffn: int, num_layers: int, interval: int, heads: int, kv_heads: int,
+                 head_dim: int, partial_rotary: float, rope_theta: float, gdn_k_heads: int,
+                 gdn_v_heads: int, gdn_k_dim: int, gdn_v_dim: int, conv: int, vocab: int, tie: bool,
+                 max_positions: int) -> dict:
+    """A Qwen3.5 `text_config` (model_type qwen3_5_text) with the released models' fixed fields."""
+    rotary_dim = int(head_dim * partial_rotary)
+    eot = tiny_tokenizer.bos_token_id(tiny_tokenizer.TINY_VOCAB_SIZE)  # config bos = eos = <|endoftext|>
+    return {
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": num_layers,
+        "layer_types": layer_types(num_layers, interval),
+        "full_attention_interval": interval,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "attn_output_gate": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "partial_rotary_factor": partial_rotary,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta,
+                            "partial_rotary_factor": partial_rotary,
+                            "mrope_section": mrope_section(rotary_dim), "mrope_interleaved": True},
+        "rms_norm_eps": 1e-6,
+        "linear_num_key_heads": gdn_k_heads,
+        "linear_num_value_heads": gdn_v_heads,
+        "linear_key_head_dim": gdn_k_dim,
+        "linear_value_head_dim": gdn_v_dim,
+        "linear_conv_kernel_dim": conv,
+        "hidden_act": "silu",
+        "output_gate_type": "swish",
+        "mamba_ssm_dtype": "float32",
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+        "max_position_embeddings": max_positions,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": "bfloat16",
+    }
+
+
+def tiny_text_config(num_layers: int | None = None) -> dict:
+    """CPU-sized model; dims 160 / 272 / 64 are not multiples of 128 (ragged FP8 blocks)."""
+    n = 4 if num_layers is None else num_layers
+    return _text_config(hidden=160, ffn=272, num_layers=n, interval=2, heads=4, kv_heads=2, head_dim=32,
+                        partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=32,
+                        gdn_v_dim=32, conv=4, vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
+
+
+def qwen3_5_27b_text_config(num_layers: int | None = None) -> dict:
+    """Qwen3.5-27B shapes (MODEL_SPEC §1.3); vocab 248320 of which the tokenizer uses the first 384."""
+    n = 64 if num_layers is None else num_layers
+    return _text_config(hidden=5120, ffn=17408, num_layers=n, interval=4, heads=24, kv_heads=4, head_dim=256,
+                        partial_rotary=0.25, rope_theta=1e7, gdn_k_heads=16, gdn_v_heads=48, gdn_k_dim=128,
+                        gdn_v_dim=128, conv=4, vocab=248320, tie=False, max_positions=262144)
+
+
+# --------------------------------------------------------------------------------------------------
+# fast draws: splitmix64 counter hash -> 16-bit index -> quantile table
+# --------------------------------------------------------------------------------------------------
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_BLOCK_SALT = 0x5851F42D4C957F2D  # separates the per-block stream from the per-element one
+_CHUNK = 1 << 20  # elements per work item (a multiple of 4: four 16-bit words per uint64)
+FAST_CODE_STD = 64.0  # std of the E4M3 codes; table max ~4.2 sigma = 267 < 448
+_SCALE_FACTORS = np.array([0.85, 0.95, 1.05, 1.15])  # per-block scale variation (rms ~1.0)
+
+
+def _round_significant(x: np.ndarray, bits: int) -> np.ndarray:
+    """float32 array: x rounded to `bits` significant bits."""
+    mantissa, exponent = np.frexp(np.asarray(x, np.float64))  # mantissa in [0.5, 1)
+    return np.ldexp(np.round(mantissa * 2.0 ** bits) / 2.0 ** bits, exponent).astype(np.float32)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """In-place splitmix64 finalizer over a uint64 array (wrapping arithmetic)."""
+    z ^= z >> np.uint64(30)
+    z *= _MIX1
+    z ^= z >> np.uint64(27)
+    z *= _MIX2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def _hash_words(start: int, count: int, key: int) -> np.ndarray:
+    """[count] uint64: splitmix64(key + i * golden) for i in [start, start + count)."""
+    z = np.arange(start, start + count, dtype=np.uint64)
+    z *= _GOLDEN
+    z += np.uint64(key)
+    return _splitmix64(z)
+
+
+@functools.lru_cache(maxsize=1)
+def _unit_normal_table() -> np.ndarray:
+    """[65536] float64: N(0,1) quantiles at (k + 0.5) / 65536, exactly antisymmetric."""
+    nd = statistics.NormalDist()
+    upper = np.array([nd.inv_cdf((k + 0.5) / 65536) for k in range(32768, 65536)])
+    return np.concatenate([-upper[::-1], upper])
+
+
+def _fill_from_table(table: np.ndarray, start: int, count: int, key: int) -> np.ndarray:
+    """[count] array of table.dtype: element k (k in [start, start + count)) of the stream of `key`
+    is table[16-bit word k of the hash words], i.e. lane k % 4 of word k // 4 (little-endian)."""
+    out = np.empty(count, table.dtype)
+    first = start - start % 4  # streams are cut at word boundaries
+
+    def work(lo: int) -> None:  # absolute element range [lo, hi) of the stream, lo % 4 == 0
+        hi = min(start + count, lo + _CHUNK)
+        words = _hash_words(lo // 4, (hi - lo + 3) // 4, key).astype("<u8", copy=False)
+        lanes = words.view("<u2")[max(start - lo, 0): hi - lo]
+        out[max(lo - start, 0): hi - start] = table[lanes]
+
+    starts = range(first, start + count, _CHUNK)
+    if len(starts) <= 2:
+        for lo in starts:
+            work(lo)
+    else:
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            list(pool.map(work, starts))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _table(std: float, fp8: bool) -> np.ndarray:
+    """[65536] N(0, std) quantiles as E4M3 codes (uint8) or bf16 bits (uint16)."""
+    if fp8:
+        return (_unit_normal_table() * std).astype(FP8_DTYPE).view(np.uint8)
+    return (_unit_normal_table() * std).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+@dataclasses.dataclass(frozen=True)
+class HashedNormal:
+    """A lazily drawn 2-D N(0, std) tensor of the fast path; any row range can be drawn on its own.
+
+    fp8=False: bfloat16 values. fp8=True: an FP8 block weight, E4M3 codes ~ E4M3(N(0, 64)) with one
+    code per [block, block] tile (at a hashed position inside its valid, possibly ragged, part) set
+    to +-448, so `quantize_np(dequantize_np(codes, scale))` gives back (codes, scale) exactly, and
+    scale[b] = std/64 * f_b (f_b in {0.85, 0.95, 1.05, 1.15} hashed per block) rounded to 4
+    significant bits, so code * scale (<= 8 significant bits) is exact in bf16.
+    Rows >= live_rows (if set) are zero (vocabulary padding of lm_head).
+    """
+
+    shape: tuple[int, int]
+    std: float
+    key: int
+    fp8: bool = False
+    live_rows: int | None = None
+
+    def __post_init__(self):
+        if self.fp8 and self.live_rows is not None:
+            raise ValueError("HashedNormal: zero padding rows (live_rows) are for bf16 tensors only")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(FP8_DTYPE if self.fp8 else ml_dtypes.bfloat16)
+
+    @property
+    def zero_from(self) -> int:
+        """First row that is all zeros (the row count when none is)."""
+        return self.shape[0] if self.live_rows is None else min(self.live_rows, self.shape[0])
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) in `self.dtype` (E4M3 codes with their +-448 markers, or bf16)."""
+        o, i = self.shape
+        out = np.zeros((hi - lo, i), np.uint8 if self.fp8 else np.uint16)
+        live_hi = min(hi, self.zero_from)
+        if live_hi > lo:
+            table = _table(FAST_CODE_STD if self.fp8 else self.std, self.fp8)
+            out[: live_hi - lo] = _fill_from_table(table, lo * i, (live_hi - lo) * i, self.key).reshape(-1, i)
+        if self.fp8:
+            r, c, code, _ = self._blocks()
+            sel = (r >= lo) & (r < hi)
+            out[r[sel] - lo, c[sel]] = code[sel]
+        return out.view(self.dtype)
+
+    @property
+    def scale(self) -> np.ndarray:
+        """[ceil(O/128), ceil(I/128)] float32 block scales (fp8 only)."""
+        return self._blocks()[3]
+
+    def materialize(self) -> np.ndarray | Fp8Block:
+        """The whole tensor: a bf16 array, or an `Fp8Block` of codes and scales."""
+        codes = self.rows(0, self.shape[0])
+        return Fp8Block(weight=codes, scale=self.scale) if self.fp8 else codes
+
+    def _blocks(self, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per block (flattened [Go*Gi]): row, column and uint8 code of its +-448 marker; scale [Go, Gi]."""
+        o, i = self.shape
+        go, gi = scale_grid(o, i, block)
+        bits = _hash_words(0, go * gi, self.key ^ _BLOCK_SALT).reshape(go, gi)  # [Go, Gi] per-block randomness
+        bo, bi = np.meshgrid(np.arange(go), np.arange(gi), indexing="ij")  # [Go, Gi] block coordinates
+        heights = np.minimum(block, o - bo * block).astype(np.uint64)  # valid rows of each (ragged) block
+        widths = np.minimum(block, i - bi * block).astype(np.uint64)
+        rows = bo * block + ((bits & np.uint64(0xFFFF)) % heights).astype(np.int64)
+        cols = bi * block + (((bits >> np.uint64(16)) & np.uint64(0xFFFF)) % widths).astype(np.int64)
+        negative = ((bits >> np.uint64(32)) & np.uint64(1)).astype(np.uint8)
+        codes = np.uint8(0x7E) | (negative << np.uint8(7))  # E4M3 +-448
+        factor = _SCALE_FACTORS[((bits >> np.uint64(40)) & np.uint64(3)).astype(np.int64)]
+        scale = _round_significant(self.std / FAST_CODE_STD * factor, 4)  # [Go, Gi] float32
+        return rows.ravel(), cols.ravel(), codes.ravel(), scale
+
+
+WeightValue = np.ndarray | Fp8Block | HashedNormal  # float array (bf16-exact values), FP8 block, or lazy
+
+
+def fast_bf16_normal(shape: tuple[int, int], std: float, key: int) -> np.ndarray:
+    """bfloat16 [O, I], entries N(0, std) quantiles drawn by hashing (see `HashedNormal`)."""
+    return HashedNormal(tuple(shape), std, key).materialize()
+
+
+def fast_fp8_normal(shape: tuple[int, int], std: float, key: int) -> Fp8Block:
+    """Block-FP8 [O, I] whose dequantized value is ~N(0, std) (see `HashedNormal`)."""
+    return HashedNormal(tuple(shape), std, key, fp8=True).materialize()
+
+
+# --------------------------------------------------------------------------------------------------
+# the default random weights
+# --------------------------------------------------------------------------------------------------
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 array with every value rounded to the nearest bf16."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+class RandomWeights:
+    """name -> value for every checkpoint tensor, by role (distributions in the module doc).
+
+    `weights(entry, fp8_eligible)`: `fp8_eligible` says whether an FP8 checkpoint stores this tensor
+    quantized (the same answer for every storage dtype); the fast path then returns a lazy FP8
+    `HashedNormal`, whose dequantized value the bf16 / fp32 twins store. Exact path: float32 arrays
+    of bf16-exact values. Subclass and override `__call__` to pin specific tensors.
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int, *, fast: bool, live_vocab: int):
+        self.cfg, self.seed, self.fast, self.live_vocab = cfg, seed, fast, live_vocab
+
+    def __call__(self, entry: params.TensorEntry, fp8_eligible: bool) -> WeightValue:
+        role, key = entry.role, entry.key
+        if role == params.EMBED and key == "lm_head":
+            return self._lm_head(entry, fp8_eligible)
+        if role == params.EMBED:
+            return self._matrix(entry, entry.shape, 1.0, fp8_eligible)
+        if role in (params.LINEAR, params.FUSED_QKVZ, params.FUSED_BA):
+            return self._matrix(entry, entry.shape, 1.0 / math.sqrt(entry.shape[1]), fp8_eligible)
+        rng = self.rng(entry.name)
+        if role == params.NORM:
+            offset = 1.0 if key == "gdn_norm" else 0.0  # linear_attn.norm is applied as w, the rest as 1 + w
+            return _round_bf16(offset + 0.1 * rng.standard_normal(entry.shape, np.float32))
+        if role == params.CONV:
+            return _round_bf16(0.3 * rng.standard_normal(entry.shape, np.float32))
+        if role == params.FP32 and key == "A_log":
+            return _round_bf16(np.log(rng.uniform(1.0, 16.0, entry.shape)))
+        if role == params.FP32 and key == "dt_bias":
+            return _round_bf16(0.5 * rng.standard_normal(entry.shape, np.float32))
+        raise ValueError(f"{entry.name}: no synthetic initializer for role {role!r} / key {key!r}")
+
+    def rng(self, name: str) -> np.random.Generator:
+        """The seeded PCG64 generator of one tensor."""
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence(self._digest(name)[0])))
+
+    def hash_key(self, name: str) -> int:
+        """The 64-bit key of one tensor's fast (splitmix64) stream."""
+        return self._digest(name)[1]
+
+    def _digest(self, name: str) -> tuple[int, int]:
+        d = hashlib.sha256(f"qmtp-synthetic/{self.seed}/{name}".encode()).digest()
+        return int.from_bytes(d[:16], "little"), int.from_bytes(d[16:24], "little")
+
+    def _matrix(self, entry: params.TensorEntry, shape: tuple[int, int], std: float, fp8_eligible: bool,
+                live_rows: int | None = None) -> WeightValue:
+        """A 2-D N(0, std) tensor (rows >= live_rows zero): exact normals, or a lazy `HashedNormal`."""
+        if self.fast:
+            return HashedNormal(shape, std, self.hash_key(entry.name), fp8=fp8_eligible, live_rows=live_rows)
+        live = shape[0] if live_rows is None else min(live_rows, shape[0])
+        out = np.zeros(shape, np.float32)
+        out[:live] = _round_bf16(std * self.rng(entry.name).standard_normal((live, shape[1]), np.float32))
+        return out
+
+    def _lm_head(self, entry: params.TensorEntry, fp8_eligible: bool) -> WeightValue:
+        """[V, E] ~ N(0, 1/sqrt(E)) with rows >= live_vocab (padding ids) zero."""
+        v, e = entry.shape
+        return self._matrix(entry, (v, e), 1.0 / math.sqrt(e), fp8_eligible, live_rows=self.live_vocab)
+
+
+# --------------------------------------------------------------------------------------------------
+# the preset registry
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named synthetic model: its text_config builder and its weight generator."""
+
+    name: str
+    description: str
+    text_config: Callable[[int | None], dict]  # num_layers (None: the preset's own) -> text_config
+    fast_weights: bool  # draw 2-D tensors with `HashedNormal` (real shapes) instead of exact normals
+    tokenizer_vocab_size: int = tiny_tokenizer.TINY_VOCAB_SIZE
+    weights_cls: type[RandomWeights] = RandomWeights  # the hook for presets that pin tensors
+
+    def weights(self, cfg: ModelConfig, seed: int) -> WeightFn:
+        """The per-tensor weight generator for a config of this preset."""
+        return self.weights_cls(cfg, seed, fast=self.fast_weights, live_vocab=self.tokenizer_vocab_size)
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("tiny", "CPU test model: E 160, F 272, 4 layers (GDN/attn alternating), V 384, exact normals",
+           tiny_text_config, fast_weights=False),
+    Preset("qwen3_5_27b", "Qwen3.5-27B shapes: E 5120, F 17408, 64 layers, V 248320 (tokenizer 384), fast draws",
+           qwen3_5_27b_text_config, fast_weights=True),
+)}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; ValueError naming the known ones otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    return PRESETS[name]
