@@ -94,5 +94,15 @@ def main(argv):
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    # absl exits with status 1 after --help; a help request is not an error.
+    if any(a in ("--help", "-h", "--helpshort") for a in sys.argv[1:]):
+        FLAGS(sys.argv[:1])
+        print(__doc__)
+        print(FLAGS.main_module_help())
+        sys.exit(0)
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

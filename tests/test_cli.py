@@ -1,0 +1,79 @@
+"""python -m qmtp.generate end to end, including its bad-input messages."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cache):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(cache), PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "qmtp.generate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("qmtp_cache")
+
+
+def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
+    out = tmp_path / "out.json"
+    r = run("--flagfile=configs/tiny.flags", "--max_new_tokens=5", f"--output_json={out}", cache=cache)
+    assert r.returncode == 0, r.stderr
+    assert "[0] text:" in r.stdout and "tok/s" in r.stdout
+    report = json.loads(out.read_text())
+    assert report["prompts"] == ["def fibonacci(", "The quick brown fox"]
+    assert all(1 <= len(t) <= 5 for t in report["tokens"]) and len(report["texts"]) == 2
+    assert report["stats"]["decode_tokens_per_s"] > 0
+    # the preset was built into the cache on first use
+    assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
+
+
+def test_prompt_ids_match_the_text_prompt(cache, tmp_path):
+    from qmtp.tools import make_checkpoint, tiny_tokenizer
+    ids = tiny_tokenizer.build_tokenizer().encode("def fibonacci(", add_special_tokens=False).ids
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    common = ("--checkpoint=preset:tiny", "--max_new_tokens=4", "--dtype=float32", "--stop_token_ids=")
+    assert run(*common, "--prompt=def fibonacci(", f"--output_json={a}", cache=cache).returncode == 0
+    assert run(*common, "--prompt_ids=" + ",".join(map(str, ids)), f"--output_json={b}", cache=cache).returncode == 0
+    assert json.loads(a.read_text())["tokens"] == json.loads(b.read_text())["tokens"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--checkpoint=/nonexistent/ckpt", "--prompt=hi"), "error: /nonexistent/ckpt: checkpoint directory not found"),
+    (("--checkpoint=preset:tiny", "--prompt=hello world", "--num_pages=1", "--page_size=4"),
+     "error: .* tokens need .* pages of 4, but the KV cache has only 1 pages .*raise --num_pages"),
+    (("--checkpoint=preset:tiny", "--prompt_ids=1,x,3"), "error: --prompt_ids='1,x,3': expected comma-separated"),
+    (("--checkpoint=preset:tiny", "--prompt_ids=1,99999"), r"error: prompt 0: token ids \[99999\] outside"),
+    (("--checkpoint=preset:nope", "--prompt=hi"), "error: .*nope"),
+    (("--checkpoint=preset:tiny",), "error: give at least one --prompt or --prompt_ids"),
+])
+def test_bad_input_gives_one_error_line(cache, args, message):
+    r = run(*args, cache=cache)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.search(message, lines[0]), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--checkpoint=preset:tiny", "--no_such_flag=1"), "Unknown command line flag 'no_such_flag'"),
+    (("--checkpoint=preset:tiny", "--dtype=float16"), "value should be one of"),
+])
+def test_flag_errors_are_rejected(cache, args, message):
+    r = run(*args, cache=cache)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_explains_every_flag(cache):
+    r = run("--help", cache=cache)
+    assert r.returncode == 0
+    for flag in ("checkpoint", "prompt", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
+                 "output_json", "stop_token_ids", "warmup", "impl"):
+        assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
