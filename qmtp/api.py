@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmtp import checkpoint, decode, model as model_lib, ops
+from qmtp import checkpoint, decode, model as model_lib, mtp, ops, speculate
 from qmtp.config import ModelConfig
 from qmtp.paging import CapacityError, PageAllocator
 from qmtp.state import init_state
@@ -43,7 +44,17 @@ class GenerationResult:
     tokens: list[list[int]]  # new tokens per prompt (stop token included when one was hit)
     texts: list[str] | None  # decoded new tokens, when a tokenizer is available
     prompt_lengths: list[int]
-    stats: dict  # ttft_s, decode_s, new_tokens, decode_tokens_per_s, steps, warmup_s
+    stats: dict  # ttft_s, decode_s, new_tokens, decode_tokens_per_s, steps, warmup_s; with MTP also
+    # mtp_k, rounds, drafted, accepted, acceptance_rate, mean_accepted_length, accept_hist,
+    # position_acceptance (share of rounds whose draft i was accepted)
+
+
+@dataclasses.dataclass
+class MtpLogits:
+    logits: np.ndarray  # [T-1, V] f32: draft logits at p from (h_p, x_{p+1}), predicting x_{p+2}
+    draft_argmax: np.ndarray  # [T-1]
+    target_argmax: np.ndarray  # [T-1]: the target's own next-token argmax at p+1
+    agreement: float  # mean(draft_argmax == target_argmax): top-1 acceptance of the first draft
 
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
@@ -115,32 +126,70 @@ def _prompt_batch(prompt_ids: list[list[int]]):
     return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompt_ids], jnp.int32)
 
 
-def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None,
-             warmup: bool = False) -> GenerationResult:
+def _check_sampling(temperature: float) -> None:
+    if temperature != 0.0:
+        raise ValueError(f"temperature={temperature}: only greedy decoding (temperature 0) is supported; "
+                         "random sampling is not implemented")
+
+
+def _cap_schedule(accept_cap, rounds: int, batch: int, k: int) -> jax.Array:
+    """None (no cap) | int | [R] | [R, B] -> int32 [R', B] caps on accepted drafts per round."""
+    if accept_cap is None:
+        return jnp.full((1, batch), k, jnp.int32)
+    cap = np.asarray(accept_cap, np.int32)
+    if cap.ndim == 0:
+        cap = np.full((1, batch), int(cap), np.int32)
+    elif cap.ndim == 1:
+        cap = np.repeat(cap[:, None], batch, axis=1)
+    if cap.ndim != 2 or cap.shape[1] != batch or (cap < 0).any() or (cap > k).any():
+        raise ValueError(f"accept_cap: expected ints in [0, {k}] shaped [] / [R] / [R, {batch}], got {cap.shape}")
+    return jnp.asarray(cap)
+
+
+def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int = 0,
+             accept_cap=None, temperature: float = 0.0, warmup: bool = False) -> GenerationResult:
     """Greedy generation for a batch of prompts (text or token-id lists), loop on the device.
 
-    Stops each sequence at a stop id (default: generation_config's eos ids) or after
-    `max_new_tokens`. With warmup=True the compiled programs are built first (timed as warmup_s),
-    so ttft_s / decode_s measure execution only."""
+    mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (same tokens).
+    `accept_cap` (MTP only) caps the accepted drafts per round: an int, or a schedule [R] / [R, B]
+    (round r uses row min(r, R-1)); capping never changes the tokens. Stops each sequence at a stop
+    id (default: generation_config's eos ids) or after `max_new_tokens`. With warmup=True the
+    compiled programs are built first (timed as warmup_s), so ttft_s / decode_s measure execution."""
+    _check_sampling(temperature)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if mtp_k:
+        speculate.SpecConfig(mtp_k, 1, ())  # validates k
+        mtp.check_supported(model.cfg)
     prompt_ids = encode(model, prompts)
+    batch = len(prompt_ids)
     stop = tuple(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    capacities = [len(p) + max_new_tokens for p in prompt_ids]
+    # verify writes K+1 positions past the committed length
+    capacities = [len(p) + max_new_tokens + (mtp_k + 1 if mtp_k else 0) for p in prompt_ids]
     tokens, n_valid = _prompt_batch(prompt_ids)
-    spec = decode.LoopSpec(max_tokens=max_new_tokens, stop_ids=stop)
-    max_new = jnp.full((len(prompt_ids),), max_new_tokens, jnp.int32)
+    max_new = jnp.full((batch,), max_new_tokens, jnp.int32)
+    cap = _cap_schedule(accept_cap, max_new_tokens, batch, mtp_k) if mtp_k else None
 
     def run(limit):
         state = _new_state(model, capacities)
         t0 = time.perf_counter()
-        first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid, impl=model.impl)
+        if mtp_k:
+            first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid, impl=model.impl)
+        else:
+            first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid, impl=model.impl)
         first.block_until_ready()
         t1 = time.perf_counter()
-        out, count, steps, state = decode.greedy_loop(model.cfg, spec, model.params, state, first,
-                                                      jnp.minimum(max_new, limit), impl=model.impl)
+        if mtp_k:
+            spec = speculate.SpecConfig(mtp_k, max_new_tokens, stop)
+            out, count, extra, state = speculate.spec_loop(model.cfg, spec, model.params, state, first, d1, mh,
+                                                           jnp.minimum(max_new, limit), cap, impl=model.impl)
+        else:
+            spec = decode.LoopSpec(max_tokens=max_new_tokens, stop_ids=stop)
+            out, count, steps, state = decode.greedy_loop(model.cfg, spec, model.params, state, first,
+                                                          jnp.minimum(max_new, limit), impl=model.impl)
+            extra = {"steps": steps}
         out.block_until_ready()
-        return out, count, steps, t1 - t0, time.perf_counter() - t1
+        return out, count, extra, t1 - t0, time.perf_counter() - t1
 
     warmup_s = 0.0
     if warmup:
@@ -148,15 +197,26 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         run(1)  # compiles prefill and the loop (the loop's shapes do not depend on the limit)
         run(2)
         warmup_s = time.perf_counter() - t0
-    out, count, steps, ttft, decode_s = run(max_new_tokens)
+    out, count, extra, ttft, decode_s = run(max_new_tokens)
     out, count = np.asarray(out), np.asarray(count)
-    new = [out[b, :count[b]].tolist() for b in range(len(prompt_ids))]
+    new = [out[b, :count[b]].tolist() for b in range(batch)]
     n_decoded = int(sum(max(c - 1, 0) for c in count))
     texts = [model.tokenizer.decode(t, skip_special_tokens=True) for t in new] if model.tokenizer else None
     stats = {"ttft_s": ttft, "decode_s": decode_s, "warmup_s": warmup_s, "new_tokens": int(count.sum()),
-             "steps": int(steps), "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
-             "batch": len(prompt_ids)}
+             "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
+             "batch": batch, "mtp_k": mtp_k}
+    stats.update(_mtp_stats(extra, mtp_k) if mtp_k else {"steps": int(extra["steps"])})
     return GenerationResult(new, texts, [len(p) for p in prompt_ids], stats)
+
+
+def _mtp_stats(extra: dict, k: int) -> dict:
+    rounds, drafted, accepted = (int(np.asarray(extra[n]).sum()) for n in ("rounds", "drafted", "accepted"))
+    pos = np.asarray(extra["position_accepts"])
+    return {"steps": int(np.asarray(extra["rounds"]).max(initial=0)), "rounds": rounds, "drafted": drafted,
+            "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else float("nan"),
+            "mean_accepted_length": (accepted + rounds) / rounds if rounds else float("nan"),
+            "accept_hist": np.asarray(extra["accept_hist"]).tolist(),
+            "position_acceptance": (pos / rounds).tolist() if rounds else [float("nan")] * k}
 
 
 def target_logits(model: Model, token_ids) -> np.ndarray:
@@ -168,3 +228,30 @@ def target_logits(model: Model, token_ids) -> np.ndarray:
                                   impl=model.impl)
     logits = jax.jit(model_lib.logits_from_hidden, static_argnames="impl")(model.params, hidden[0], impl=model.impl)
     return np.asarray(logits, np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def _teacher_forced(cfg, params, state, tokens, impl):
+    n = jnp.asarray([tokens.shape[1]], jnp.int32)
+    hidden, state = model_lib.forward(cfg, params, state, tokens, n, impl=impl)
+    target = model_lib.logits_from_hidden(params, hidden[0], impl)  # [T, V]
+    # MTP at positions 0..T-2 from (x_{p+1}, h_p)
+    mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:], hidden[:, :-1], jnp.zeros((1,), jnp.int32), n - 1,
+                        impl=impl)
+    return target, model_lib.logits_from_hidden(params, mh[0], impl)
+
+
+def mtp_logits(model: Model, token_ids) -> MtpLogits:
+    """Teacher-forced MTP drafts: for each position p < T-1, the draft logits from the target's
+    post-norm hidden h_p and the true next token x_{p+1} (predicting x_{p+2}), and their top-1
+    agreement with the target's own argmax at p+1."""
+    mtp.check_supported(model.cfg)
+    (ids,) = encode(model, [list(token_ids)])
+    if len(ids) < 2:
+        raise ValueError("mtp_logits needs at least 2 tokens")
+    state = _new_state(model, [len(ids)])
+    target, draft = _teacher_forced(model.cfg, model.params, state, jnp.asarray([ids], jnp.int32), model.impl)
+    target_next = np.asarray(jnp.argmax(target[1:], axis=-1))
+    draft = np.asarray(draft, np.float32)
+    draft_argmax = np.argmax(draft, axis=-1)
+    return MtpLogits(draft, draft_argmax, target_next, float(np.mean(draft_argmax == target_next)))

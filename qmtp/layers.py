@@ -101,15 +101,20 @@ def causal_conv(u: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax.
     w [C, W] (tap W-1 multiplies the current token).
 
     y_t[c] = silu(sum_i w[c, i] * u_{t-W+1+i}[c]); returns (y [B, T, C] f32, new state = the last W-1
-    inputs up to each sequence's last valid token)."""
+    inputs up to each sequence's last valid token, window [B, W-1+T, C] = [state | u])."""
     width = w.shape[1]
     t = u.shape[1]
     window = jnp.concatenate([conv_state.astype(u.dtype), u], axis=1)  # [B, W-1+T, C]
     w32 = w.astype(F32)
     acc = sum(window[:, i:i + t].astype(F32) * w32[:, i] for i in range(width))
-    idx = n_valid[:, None] + jnp.arange(width - 1)[None]  # [B, W-1]: inputs n-W+1 .. n-1
-    new_state = jnp.take_along_axis(window, idx[:, :, None], axis=1)
-    return jax.nn.silu(acc), new_state.astype(conv_state.dtype)
+    return jax.nn.silu(acc), conv_window_state(window, n_valid, width).astype(conv_state.dtype), window
+
+
+def conv_window_state(window: jax.Array, n_keep: jax.Array, width: int) -> jax.Array:
+    """Conv state after the first n_keep [B] new tokens: window[b, n_keep + (0 .. W-2)] (inputs
+    n_keep-W+1 .. n_keep-1 of the new tokens, reaching back into the old state)."""
+    idx = n_keep[:, None] + jnp.arange(width - 1)[None]  # [B, W-1]
+    return jnp.take_along_axis(window, idx[:, :, None], axis=1)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -118,10 +123,12 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
                    n_valid: jax.Array, *, eps: float, key_heads: int, impl: str,
-                   chunked: bool, return_states: bool = False):
+                   chunked: bool, return_replay: bool = False):
     """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv].
 
-    Returns (out [B, T, E], conv_state', ssm_state'[, per-token ssm states [B, T, Hv, Dk, Dv]])."""
+    Returns (out [B, T, E], conv_state', ssm_state'[, replay]). `replay` holds what rebuilds the
+    state after any prefix of the T tokens without running the layer again (speculative commit):
+    window [B, W-1+T, C] and the recurrence inputs q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]."""
     b, t, _ = x.shape
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]
@@ -134,15 +141,19 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])  # log-decay <= 0
     beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
 
-    y, conv_state = causal_conv(mixed, conv_state, p["conv"], n_valid)  # y f32 [B, T, C]
+    y, new_conv, window = causal_conv(mixed, conv_state, p["conv"], n_valid)  # y f32 [B, T, C]
     q = l2_normalize(y[..., :key_dim].reshape(b, t, key_heads, dk)) * dk ** -0.5
     k = l2_normalize(y[..., key_dim:2 * key_dim].reshape(b, t, key_heads, dk))
     v = y[..., 2 * key_dim:].reshape(b, t, hv, dv)
+    # padding must not touch the state even if its inputs are not finite: zero k and v as well
+    k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
     if chunked:
         o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state, impl=impl)
     else:
-        o, ssm, *states = ops.gdn_recurrence(q, k, v, g, beta, ssm_state, return_states=return_states, impl=impl)
+        o, ssm = ops.gdn_recurrence(q, k, v, g, beta, ssm_state, impl=impl)
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
     out = ops.linear(o, p["out_proj"], impl)
-    result = (out, conv_state, ssm.astype(ssm_state.dtype))
-    return result + tuple(states) if return_states else result
+    result = (out, new_conv, ssm.astype(ssm_state.dtype))
+    if return_replay:
+        return result + ({"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta},)
+    return result

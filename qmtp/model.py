@@ -46,14 +46,15 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, impl: str) -> 
 
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
-            *, impl: str = "ref", return_gdn_states: bool = False):
+            *, impl: str = "ref", return_gdn_replay: bool = False):
     """Runs the target over tokens [B, T] (right-padded to n_valid [B]).
 
-    Returns (hidden [B, T, E] post-final-norm, new state[, per-token GDN states]). Logits are taken
-    from the hidden by the caller (`logits_from_hidden`) for the positions it needs."""
+    Returns (hidden [B, T, E] post-final-norm, new state[, GDN replay]). Logits are taken from the
+    hidden by the caller (`logits_from_hidden`) for the positions it needs. The replay (each entry
+    stacked over the Lg GDN layers) lets `commit_gdn` rebuild the GDN/conv state after any prefix."""
     b, t = tokens.shape
     x = params["embed"][tokens]  # [B, T, E]
-    chunked = t >= CHUNKED_GDN_MIN_TOKENS and not return_gdn_states
+    chunked = t >= CHUNKED_GDN_MIN_TOKENS and not return_gdn_replay
     ks, vs, convs, ssms, per_token = [], [], [], [], []
     ids = {"gdn": 0, "attn": 0}
     for kind in cfg.layer_types:
@@ -64,11 +65,11 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
             mixer = lambda h, p=p, j=j: layers.gated_deltanet(
                 p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps,
                 key_heads=cfg.linear_num_key_heads, impl=impl, chunked=chunked,
-                return_states=return_gdn_states)
+                return_replay=return_gdn_replay)
             x, new = decoder_layer(cfg, p, x, mixer, impl)
             convs.append(new[0])
             ssms.append(new[1])
-            if return_gdn_states:
+            if return_gdn_replay:
                 per_token.append(new[2])
         else:
             j = ids["attn"]
@@ -88,9 +89,29 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
         ssm=jnp.stack(ssms) if ssms else state.ssm,
         lengths=state.lengths + n_valid,
     )
-    if return_gdn_states:
-        return hidden, new_state, jnp.stack(per_token)  # [Lg, B, T, Hv, Dk, Dv]
+    if return_gdn_replay:
+        return hidden, new_state, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_token)
     return hidden, new_state
+
+
+def commit_gdn(replay: dict, ssm0: jax.Array, n_keep: jax.Array, *, impl: str = "ref"):
+    """GDN/conv state after the first n_keep [B] tokens of a forward that returned `replay`.
+
+    ssm0 [Lg, B, Hv, Dk, Dv] is the state before that forward. Tokens t >= n_keep are masked
+    (g = beta = 0 leaves the state exactly unchanged) and the per-token recurrence runs again from
+    ssm0, with the Lg layers folded into the batch: the same arithmetic as the forward, so the
+    result is the state the forward had after token n_keep - 1. Returns (conv [Lg, B, W-1, C], ssm)."""
+    lg, b = ssm0.shape[:2]
+    t = replay["g"].shape[2]
+    width = replay["window"].shape[2] - t + 1
+    keep = (jnp.arange(t)[None] < n_keep[:, None])[None, :, :, None]  # [1, B, T, 1]
+    fold = lambda a: a.reshape((lg * b,) + a.shape[2:])
+    # g = beta = k = v = 0 on dropped tokens: exp(0) S + k (beta u)^T = S exactly, even for NaN inputs
+    g, beta = (jnp.where(keep, replay[n], 0.0) for n in ("g", "beta"))
+    k, v = (jnp.where(keep[..., None], replay[n], 0.0) for n in ("k", "v"))
+    _, ssm = ops.gdn_recurrence(fold(replay["q"]), fold(k), fold(v), fold(g), fold(beta), fold(ssm0), impl=impl)
+    conv = jax.vmap(lambda w: layers.conv_window_state(w, n_keep, width))(replay["window"])
+    return conv, ssm.reshape(ssm0.shape).astype(ssm0.dtype)
 
 
 def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:

@@ -40,10 +40,10 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def gdn_recurrence(q, k, v, g, beta, state, return_states: bool = False, impl: str = "ref"):
+def gdn_recurrence(q, k, v, g, beta, state, impl: str = "ref"):
     """Per-token gated delta rule for decode / verify (T small); see pallas_kernels/gdn.py."""
     check_impl(impl)
-    return gdn.gdn_recurrence_ref(q, k, v, g, beta, state, return_states=return_states)
+    return gdn.gdn_recurrence_ref(q, k, v, g, beta, state)
 
 
 def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):

@@ -96,6 +96,7 @@ def build_config(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, num_l
             "note": "random weights; text only (no vision tower)",
         },
     }
+    config["qmtp_synthetic"].update(spec.metadata(seed))  # e.g. a controlled preset's permutation
     if text["vocab_size"] > spec.tokenizer_vocab_size:
         config["qmtp_synthetic"]["note"] += (f"; ids >= {spec.tokenizer_vocab_size} are vocabulary padding "
                                              "(no tokenizer entry, zero lm_head rows)")

@@ -29,9 +29,14 @@ Two ways to draw the big matrices:
     per-block scales ~ std/64 varying +-15%). Several threads fill disjoint chunks; no float64
     normals are drawn.
 
-Future presets (e.g. "controlled acceptance") subclass `RandomWeights`, override `__call__` for the
-tensors they pin down (delegating the rest to `super().__call__`), and name the subclass in their
-`Preset(weights_cls=...)`.
+Presets that pin tensors down subclass `RandomWeights`, override `__call__` for those tensors
+(delegating the rest to `super().__call__`), and name the subclass in their `Preset(weights_cls=...)`.
+
+"Controlled acceptance" presets (`tiny_controlled`, `qwen3_5_27b_controlled`; `ControlledWeights`):
+the target's greedy next token after input token x is `controlled_permutation(preset, seed)[x]` for
+any context, and the MTP head drafts the same, so natural MTP acceptance is 100% (construction in the
+`ControlledWeights` doc). Every other tensor keeps its random draw; only the residual-branch output
+projections are scaled down.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import os
 import statistics
@@ -322,6 +328,11 @@ class RandomWeights:
     def __init__(self, cfg: ModelConfig, seed: int, *, fast: bool, live_vocab: int):
         self.cfg, self.seed, self.fast, self.live_vocab = cfg, seed, fast, live_vocab
 
+    @classmethod
+    def synthetic_metadata(cls, live_vocab: int, seed: int) -> dict:
+        """Extra keys of config.json's `qmtp_synthetic` block (none for plain random weights)."""
+        return {}
+
     def __call__(self, entry: params.TensorEntry, fp8_eligible: bool) -> WeightValue:
         role, key = entry.role, entry.key
         if role == params.EMBED and key == "lm_head":
@@ -371,6 +382,185 @@ class RandomWeights:
 
 
 # --------------------------------------------------------------------------------------------------
+# controlled acceptance
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PinnedRows(HashedNormal):
+    """A bf16 `HashedNormal` whose first rows are given instead of drawn: rows [0, n) are `head`
+    (bfloat16 [n, I], n <= zero_from), the rest drawn (or zero from live_rows on) as usual."""
+
+    head: np.ndarray | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.fp8:
+            raise ValueError("PinnedRows: bf16 tensors only")
+        if (self.head is None or self.head.ndim != 2 or self.head.shape[1] != self.shape[1]
+                or self.head.shape[0] > self.zero_from or self.head.dtype != ml_dtypes.bfloat16):
+            raise ValueError(f"PinnedRows: head must be bfloat16 [n <= {self.zero_from}, {self.shape[1]}]")
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        out = super().rows(lo, hi)
+        n = self.head.shape[0]
+        if lo < n:
+            out[: min(hi, n) - lo] = self.head[lo: min(hi, n)]
+        return out
+
+
+def _hash_cycle(ids: np.ndarray, key: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids in a hashed random order, the successor of each of them in that cyclic order)."""
+    order = ids[np.argsort(_hash_words(0, len(ids), key), kind="stable")]
+    return order, np.roll(order, -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _permutation(live_vocab: int, seed: int) -> np.ndarray:
+    """Read-only [live_vocab] int64: the controlled presets' token permutation (see
+    `controlled_permutation`). Pure uint64 hashing of (seed, group): independent of numpy's RNGs."""
+    specials = sorted(tiny_tokenizer.special_token_ids(live_vocab).values())
+    regular = np.setdiff1d(np.arange(live_vocab), specials)
+    if len(regular) < 2:
+        raise ValueError(f"live vocab {live_vocab}: too small for a controlled permutation")
+    pi = np.full(live_vocab, -1, np.int64)
+    for group, tag in ((regular, "regular"), (np.asarray(specials), "special")):
+        digest = hashlib.sha256(f"qmtp-controlled-permutation/{seed}/{tag}".encode()).digest()
+        order, successor = _hash_cycle(group.astype(np.int64), int.from_bytes(digest[:8], "little"))
+        pi[order] = successor
+    assert sorted(pi.tolist()) == list(range(live_vocab)) and not np.any(pi == np.arange(live_vocab))
+    pi.setflags(write=False)
+    return pi
+
+
+class ControlledWeights(RandomWeights):
+    """Weights whose greedy behaviour is known: the target maps input token x to `pi[x]` whatever
+    the context, and the MTP head drafts `pi[token]` (natural acceptance 100%).
+
+    pi (`controlled_permutation`): over the tokenizer's live ids, one seeded cycle through all
+    regular ids and one through the special tokens, so pi has no fixed point (pi[x] != x: a
+    mis-wired MTP that reproduces its input token, or the wrong one, is always wrong), a prompt of
+    regular tokens never generates a special (stop) token, and greedy text from any regular token
+    runs through every regular id before repeating (period live_vocab - 3).
+
+    Construction (E = hidden size, emb_x = embed_tokens row x):
+      * embed_tokens rows of live ids: their random draw rescaled to norm sqrt(E) (rms 1); rows of
+        padding ids keep their N(0, 1) draw.
+      * lm_head row pi[x] = (LOGIT_SCALE / E) * emb_x for live x; rows of padding ids zero.
+      * every residual branch is scaled down: o_proj, linear_attn.out_proj and mlp.down_proj (target
+        and MTP layer) ~ N(0, OUTPUT_SCALE / sqrt(in)); everything else keeps the default draw
+        (norm weights N(0, 0.1), all other projections N(0, 1/sqrt(in)), GDN gates / conv ...).
+        The residual stream at position p stays dominated by emb_{x_p}, so the post-final-norm
+        hidden h_p ~ sqrt(E) * emb_{x_p} / |emb_{x_p}| and logit[pi[y]] ~ LOGIT_SCALE * cos(h_p, emb_y):
+        argmax pi[x_p], ids outside the live vocab score ~0.
+      * mtp.fc = [I + N(0, FC_NOISE / sqrt(E)) | N(0, FC_NOISE / sqrt(E))]: the identity block acts
+        on the normed embedding (MODEL_SPEC §4.1, embedding columns first), so the MTP output at p
+        follows emb_{x_{p+1}} -> draft pi[x_{p+1}]; fed its own post-mtp.norm hidden (which follows
+        its input token's embedding) and its previous draft, it keeps drafting pi[draft].
+        Swapped concat halves make it follow the hidden instead (draft pi[x_p] = x_{p+1}), and the
+        unshifted token x_p gives pi[x_p]: both always wrong since pi has no fixed point.
+    """
+
+    LOGIT_SCALE = 32.0  # logit of the followed token when the hidden lies exactly along its embedding
+    OUTPUT_SCALE = 0.1  # std multiplier (x 1/sqrt(in)) of o_proj, out_proj and mlp.down_proj
+    FC_NOISE = 0.1  # std multiplier (x 1/sqrt(E)) of the random parts of mtp.fc
+    OUTPUT_KEYS = ("o_proj", "out_proj", "mlp_down")
+
+    def __init__(self, cfg: ModelConfig, seed: int, *, fast: bool, live_vocab: int):
+        super().__init__(cfg, seed, fast=fast, live_vocab=live_vocab)
+        if cfg.tie_word_embeddings:
+            raise ValueError("controlled weights need an untied lm_head (tie_word_embeddings=false)")
+        if not 0 < live_vocab <= cfg.vocab_size:
+            raise ValueError(f"live vocab {live_vocab} outside [1, vocab_size={cfg.vocab_size}]")
+        self.permutation = _permutation(live_vocab, seed)
+
+    @classmethod
+    def synthetic_metadata(cls, live_vocab: int, seed: int) -> dict:
+        return {
+            "note": "controlled acceptance weights: target greedy next token after x is "
+                    "controlled.permutation[x] for any context, the MTP head drafts the same; text only",
+            "controlled": {"permutation": _permutation(live_vocab, seed).tolist(), "permutation_seed": seed,
+                           "logit_scale": cls.LOGIT_SCALE, "output_scale": cls.OUTPUT_SCALE,
+                           "mtp_fc_noise": cls.FC_NOISE},
+        }
+
+    def __call__(self, entry: params.TensorEntry, fp8_eligible: bool) -> WeightValue:
+        role, key = entry.role, entry.key
+        if role == params.EMBED and key == "embed":
+            return self._embed(entry)
+        if role == params.EMBED and key == "lm_head":
+            return self._lm_head(entry, fp8_eligible)
+        if entry.group == "mtp" and key == "fc":
+            return self._mtp_fc(entry)
+        if role == params.LINEAR and key in self.OUTPUT_KEYS:
+            return self._matrix(entry, entry.shape, self.OUTPUT_SCALE / math.sqrt(entry.shape[1]), fp8_eligible)
+        return super().__call__(entry, fp8_eligible)
+
+    @functools.cached_property
+    def live_embedding(self) -> np.ndarray:
+        """[live_vocab, E] float32 (bf16-exact): embed_tokens rows of the live ids, norm ~sqrt(E)."""
+        v, e = self.cfg.vocab_size, self.cfg.hidden_size
+        entry = params.TensorEntry(self.cfg.weight_prefix + "embed_tokens.weight", None, None, "embed", (v, e),
+                                   params.EMBED)
+        drawn = self._matrix(entry, (v, e), 1.0, False)
+        raw = drawn.rows(0, self.live_vocab) if isinstance(drawn, HashedNormal) else drawn[: self.live_vocab]
+        raw = np.asarray(raw, np.float64)
+        return _round_bf16(raw * (math.sqrt(e) / np.linalg.norm(raw, axis=1, keepdims=True)))
+
+    def _embed(self, entry: params.TensorEntry) -> WeightValue:
+        drawn = self._matrix(entry, entry.shape, 1.0, False)
+        if isinstance(drawn, HashedNormal):
+            return PinnedRows(drawn.shape, drawn.std, drawn.key, head=self.live_embedding.astype(ml_dtypes.bfloat16))
+        drawn[: self.live_vocab] = self.live_embedding
+        return drawn
+
+    def _lm_head(self, entry: params.TensorEntry, fp8_eligible: bool) -> WeightValue:
+        v, e = entry.shape
+        head = np.zeros((self.live_vocab, e), np.float32)
+        head[self.permutation] = _round_bf16(self.LOGIT_SCALE / e * self.live_embedding.astype(np.float64))
+        if self.fast:
+            return PinnedRows((v, e), 1.0 / math.sqrt(e), self.hash_key(entry.name), live_rows=self.live_vocab,
+                              head=head.astype(ml_dtypes.bfloat16))
+        out = np.zeros((v, e), np.float32)
+        out[: self.live_vocab] = head
+        return out
+
+    def _mtp_fc(self, entry: params.TensorEntry) -> np.ndarray:
+        e = self.cfg.hidden_size
+        if entry.shape != (e, 2 * e):
+            raise ValueError(f"{entry.name}: shape {list(entry.shape)}, expected [{e}, {2 * e}]")
+        drawn = self._matrix(entry, entry.shape, self.FC_NOISE / math.sqrt(e), False)
+        w = np.asarray(drawn.materialize() if isinstance(drawn, HashedNormal) else drawn, np.float32)
+        w[np.arange(e), np.arange(e)] += 1.0  # identity on the normed embedding (input columns [0, E))
+        return _round_bf16(w)
+
+
+def controlled_permutation(preset_name: str, seed: int) -> np.ndarray:
+    """pi of a controlled preset (int64 [tokenizer vocab size], a copy): for checkpoints of
+    `preset_name` and `seed` the target's greedy next token after x is pi[x] in any context, and the
+    MTP head drafts it. Depends only on the seed and the live vocab (not on --num_layers or dtype)."""
+    spec = get_preset(preset_name)
+    if not issubclass(spec.weights_cls, ControlledWeights):
+        raise ValueError(f"preset {preset_name!r} is not a controlled-acceptance preset")
+    return _permutation(spec.tokenizer_vocab_size, seed).copy()
+
+
+def read_controlled_permutation(config_or_dir: str | dict) -> np.ndarray:
+    """pi recorded in a checkpoint's config.json (`qmtp_synthetic.controlled.permutation`), from a
+    checkpoint directory, a config.json path or the loaded dict; ValueError if it has none."""
+    config = config_or_dir
+    if isinstance(config_or_dir, str):
+        path = os.path.join(config_or_dir, "config.json") if os.path.isdir(config_or_dir) else config_or_dir
+        with open(path) as f:
+            config = json.load(f)
+    controlled = config.get("qmtp_synthetic", {}).get("controlled")
+    if not controlled or "permutation" not in controlled:
+        raise ValueError(f"{config_or_dir if isinstance(config_or_dir, str) else 'config'}: not a controlled-"
+                         "acceptance checkpoint (no qmtp_synthetic.controlled.permutation)")
+    return np.asarray(controlled["permutation"], np.int64)
+
+
+# --------------------------------------------------------------------------------------------------
 # the preset registry
 # --------------------------------------------------------------------------------------------------
 
@@ -390,12 +580,21 @@ class Preset:
         """The per-tensor weight generator for a config of this preset."""
         return self.weights_cls(cfg, seed, fast=self.fast_weights, live_vocab=self.tokenizer_vocab_size)
 
+    def metadata(self, seed: int) -> dict:
+        """Extra keys of config.json's `qmtp_synthetic` block for this preset and seed."""
+        return self.weights_cls.synthetic_metadata(self.tokenizer_vocab_size, seed)
+
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny", "CPU test model: E 160, F 272, 4 layers (GDN/attn alternating), V 384, exact normals",
            tiny_text_config, fast_weights=False),
     Preset("qwen3_5_27b", "Qwen3.5-27B shapes: E 5120, F 17408, 64 layers, V 248320 (tokenizer 384), fast draws",
            qwen3_5_27b_text_config, fast_weights=True),
+    Preset("tiny_controlled", "tiny with controlled acceptance: greedy next token = a seeded permutation of the "
+           "input token, MTP drafts it (100% acceptance)", tiny_text_config, fast_weights=False,
+           weights_cls=ControlledWeights),
+    Preset("qwen3_5_27b_controlled", "qwen3_5_27b shapes with controlled acceptance (see tiny_controlled)",
+           qwen3_5_27b_text_config, fast_weights=True, weights_cls=ControlledWeights),
 )}
 
 

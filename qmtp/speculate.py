@@ -1,0 +1,149 @@
+"""Greedy MTP speculative decoding: the whole generation is one `lax.while_loop` on the device.
+
+One round, for a sequence whose target has consumed positions < L and whose pending token is t_L
+(ARCHITECTURE.md "The speculative round"):
+  1. draft   d_1 comes from the previous round (or the MTP prefill); d_2..d_K from K-1 MTP steps at
+             positions L .. L+K-2, each fed the previous draft and the previous post-mtp.norm hidden;
+  2. verify  one target pass over [t_L, d_1 .. d_K] at positions L .. L+K -> argmaxes g_0 .. g_K;
+  3. accept  a = leading i with d_{i+1} == g_i (optionally capped by a schedule); bonus = g_a;
+  4. commit  lengths += a+1; GDN/conv state rebuilt after a+1 tokens from the verify replay
+             (model.commit_gdn); attention KV past L+a is stale and masked by length;
+             the MTP KV at L .. L+a is refreshed from the target hiddens h_L .. h_{L+a} with the
+             shifted tokens (d_1 .. d_a, bonus) = (g_0 .. g_a), whose output at L+a gives the next d_1;
+  5. emit    g_0 .. g_a (= d_1 .. d_a, bonus), clipped at a stop id and max_new_tokens.
+Greedy output equals plain greedy decoding token for token (tests pin it down).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from qmtp import decode, model, mtp
+from qmtp.config import ModelConfig
+from qmtp.state import DecodeState
+
+MAX_K = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static shape of a speculative loop."""
+
+    k: int  # drafts per round, 1..MAX_K
+    max_tokens: int  # output buffer width (>= every max_new_tokens)
+    stop_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if not 1 <= self.k <= MAX_K:
+            raise ValueError(f"mtp_k={self.k}: supported 1..{MAX_K} (0 = plain decoding)")
+
+
+def _logits(params, h, impl):
+    return model.logits_from_hidden(params, h, impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))
+def prefill(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
+            impl: str = "ref"):
+    """Target prefill, then MTP prefill over the shifted prompt (lag-1, MODEL_SPEC §4.2).
+
+    Returns (first token x_n [B], first draft d_1 [B], MTP hidden at n-1 [B, E], state)."""
+    start = state.lengths
+    hidden, state = model.forward(cfg, params, state, tokens, n_valid, impl=impl)
+    first = decode.greedy(_logits(params, model.last_valid(hidden, n_valid), impl))
+    shifted = mtp.shift_left(tokens, n_valid, first)
+    mh, state = mtp.forward(cfg, params, state, shifted, hidden, start, n_valid, impl=impl)
+    mh_last = model.last_valid(mh, n_valid)
+    return first, decode.greedy(_logits(params, mh_last, impl)), mh_last, state
+
+
+def accepted_length(drafts: jax.Array, target: jax.Array) -> jax.Array:
+    """drafts [B, K], target argmax [B, K+1] -> number of leading drafts equal to the target [B]."""
+    match = drafts == target[:, :-1]
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _emit(out, count, tokens, n_take, max_new, stop_ids, live, max_tokens):
+    """Writes tokens[b, :n] (n = n_take clipped at the first stop id and at max_new) after count[b].
+
+    Returns (out, count, done_now)."""
+    b, t = tokens.shape
+    idx = jnp.arange(t)[None]
+    stop = decode.is_stop(tokens, stop_ids) & (idx < n_take[:, None])
+    first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, t + 1)
+    n = jnp.minimum(jnp.minimum(n_take, first_stop), max_new - count) * live
+    cols = jnp.where(idx < n[:, None], count[:, None] + idx, max_tokens)  # out-of-range -> dropped
+    out = out.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
+    count = count + n
+    done_now = live.astype(bool) & ((first_stop <= n) | (count >= max_new))
+    return out, count, done_now
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "impl"), donate_argnames=("state",))
+def spec_loop(cfg: ModelConfig, spec: SpecConfig, params: dict, state: DecodeState, first: jax.Array,
+              d1: jax.Array, mh: jax.Array, max_new: jax.Array, accept_cap: jax.Array, impl: str = "ref"):
+    """Speculative greedy decoding after `prefill`.
+
+    first [B] = x_n (already emitted as token 0), d1 [B] / mh [B, E] = first draft and its MTP hidden,
+    max_new [B] >= 1, accept_cap [R, B] int32 caps the accepted drafts of round r (K = no cap).
+    Returns (tokens [B, max_tokens], counts [B], stats, state) with stats: rounds [B], drafted [B],
+    accepted [B], accept_hist [K+1] (rounds that accepted exactly a drafts), position_accepts [K]."""
+    k = spec.k
+    b = first.shape[0]
+    out = jnp.full((b, spec.max_tokens), decode.PAD_TOKEN, jnp.int32).at[:, 0].set(first)
+    count = jnp.ones((b,), jnp.int32)
+    done = decode.is_stop(first, spec.stop_ids) | (count >= max_new)
+    zeros = jnp.zeros((b,), jnp.int32)
+    stats = {"rounds": zeros, "drafted": zeros, "accepted": zeros,
+             "accept_hist": jnp.zeros((k + 1,), jnp.int32), "position_accepts": jnp.zeros((k,), jnp.int32)}
+
+    def cond(carry):
+        done, r = carry[5], carry[6]
+        return (~jnp.all(done)) & (r < spec.max_tokens)
+
+    def body(carry):
+        state, pending, d1, mh, out, done, r, count, stats = carry
+        live = (~done).astype(jnp.int32)
+        base = state.lengths  # L [B]
+        # 1. draft d_2 .. d_K
+        drafts, h = [d1], mh
+        for step in range(1, k):
+            hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live,
+                                    impl=impl)
+            h = hs[:, 0]
+            drafts.append(decode.greedy(_logits(params, h, impl)))
+        drafts = jnp.stack(drafts, axis=1)  # [B, K]
+        # 2. verify [t_L, d_1 .. d_K]
+        ssm0 = state.ssm
+        tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, K+1]
+        hidden, state, replay = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl,
+                                              return_gdn_replay=True)
+        target = decode.greedy(_logits(params, hidden, impl))  # [B, K+1]
+        # 3. accept
+        a = jnp.minimum(accepted_length(drafts, target), accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)])
+        n_keep = (a + 1) * live
+        # 4. commit
+        conv, ssm = model.commit_gdn(replay, ssm0, n_keep, impl=impl)
+        state = dataclasses.replace(state, conv=conv, ssm=ssm, lengths=base + n_keep)
+        mh_all, state = mtp.forward(cfg, params, state, target, hidden, base, n_keep, impl=impl)
+        mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
+        d1 = decode.greedy(_logits(params, mh, impl))
+        pending = jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
+        # 5. emit
+        out, count, done_now = _emit(out, count, target, a + 1, max_new, spec.stop_ids, live, spec.max_tokens)
+        on = live.astype(bool)
+        stats = {"rounds": stats["rounds"] + live, "drafted": stats["drafted"] + live * k,
+                 "accepted": stats["accepted"] + a * live,
+                 "accept_hist": stats["accept_hist"] + jnp.sum(jax.nn.one_hot(a, k + 1, dtype=jnp.int32)
+                                                               * live[:, None], axis=0),
+                 "position_accepts": stats["position_accepts"] + jnp.sum(
+                     ((jnp.arange(k)[None] < a[:, None]) & on[:, None]).astype(jnp.int32), axis=0)}
+        return state, pending, d1, mh, out, done | done_now, r + 1, count, stats
+
+    carry = (state, first, d1, mh, out, done, jnp.int32(0), count, stats)
+    state, _, _, _, out, _, _, count, stats = jax.lax.while_loop(cond, body, carry)
+    return out, count, stats, state
