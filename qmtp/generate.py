@@ -1,7 +1,8 @@
 """Command line generation: python -m qmtp.generate --flagfile=configs/tiny.flags
 
 Loads a checkpoint (or builds a synthetic preset on first use with --checkpoint=preset:NAME),
-runs greedy decoding with the loop on the device, prints the text and tokens/s, and optionally
+runs greedy decoding (plain, or MTP speculative with --mtp_k) with the loop on the device, prints
+the text, tokens/s and MTP acceptance statistics, and optionally
 writes everything to --output_json. Bad input ends with one line on stderr and exit status 2.
 """
 
@@ -29,6 +30,11 @@ flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.", lower_bound=1
 flags.DEFINE_integer("num_pages", 0, "KV-cache pages in total; 0 = exactly what the batch needs.", lower_bound=0)
 flags.DEFINE_enum("impl", "ref", ["ref"], "Kernel implementation: 'ref' (pure XLA). Pallas kernels come later.")
 flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of generation_config.json).")
+flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain greedy decoding. "
+                     "The tokens are the same either way; MTP needs a checkpoint with mtp.* tensors.",
+                     lower_bound=0, upper_bound=4)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature. Only greedy decoding (0) is supported; anything "
+                   "else is refused.")
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
@@ -64,7 +70,7 @@ def run(argv) -> dict:
     model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint), dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
-                           warmup=FLAGS.warmup)
+                           mtp_k=FLAGS.mtp_k, temperature=FLAGS.temperature, warmup=FLAGS.warmup)
     for i, tokens in enumerate(result.tokens):
         shown = prompts[i] if isinstance(prompts[i], str) else f"ids {prompts[i]}"
         print(f"[{i}] prompt: {shown!r}")
@@ -75,7 +81,11 @@ def run(argv) -> dict:
     print(f"batch {s['batch']}: {s['new_tokens']} new tokens, TTFT {s['ttft_s'] * 1e3:.1f} ms, "
           f"decode {s['decode_tokens_per_s']:.1f} tok/s ({s['steps']} steps in {s['decode_s'] * 1e3:.1f} ms), "
           f"compile/warm-up {s['warmup_s']:.1f} s")
-    report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl,
+    if FLAGS.mtp_k:
+        print(f"MTP K={FLAGS.mtp_k}: {s['rounds']} rounds, {s['accepted']}/{s['drafted']} drafts accepted "
+              f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
+              "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
+    report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s}
     if FLAGS.output_json:

@@ -31,6 +31,7 @@ def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     assert report["prompts"] == ["def fibonacci(", "The quick brown fox"]
     assert all(1 <= len(t) <= 5 for t in report["tokens"]) and len(report["texts"]) == 2
     assert report["stats"]["decode_tokens_per_s"] > 0
+    assert report["mtp_k"] == 3 and "MTP K=3:" in r.stdout and report["stats"]["drafted"] > 0
     # the preset was built into the cache on first use
     assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
 
@@ -53,6 +54,8 @@ def test_prompt_ids_match_the_text_prompt(cache, tmp_path):
     (("--checkpoint=preset:tiny", "--prompt_ids=1,99999"), r"error: prompt 0: token ids \[99999\] outside"),
     (("--checkpoint=preset:nope", "--prompt=hi"), "error: .*nope"),
     (("--checkpoint=preset:tiny",), "error: give at least one --prompt or --prompt_ids"),
+    (("--checkpoint=preset:tiny", "--prompt=hi", "--temperature=0.8"),
+     "error: temperature=0.8: only greedy decoding .* is supported"),
 ])
 def test_bad_input_gives_one_error_line(cache, args, message):
     r = run(*args, cache=cache)
@@ -75,5 +78,5 @@ def test_help_explains_every_flag(cache):
     r = run("--help", cache=cache)
     assert r.returncode == 0
     for flag in ("checkpoint", "prompt", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
-                 "output_json", "stop_token_ids", "warmup", "impl"):
+                 "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation

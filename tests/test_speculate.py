@@ -1,0 +1,200 @@
+"""MTP speculative decoding: token-exact against plain greedy, state commit, MTP math, stops/limits."""
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import numpy_ref as ref
+import qmtp
+from pallas_kernels import gdn
+from qmtp import decode, model as model_lib, speculate
+from qmtp.api import _new_state, _prompt_batch
+from qmtp.tools import make_checkpoint
+from tolerance import F32_MODEL, F32_RECURRENCE, assert_close
+
+ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
+RNG = np.random.default_rng(11)
+PROMPTS = [RNG.integers(0, 250, n).tolist() for n in (5, 19, 33)]
+PAGE_SIZE_FOR_K = {1: 1, 2: 3, 3: 5, 4: 16}  # boundaries land on and across page edges
+
+
+@pytest.fixture(scope="module")
+def random_ckpt():
+    return qmtp.load(ORACLE, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain_random(random_ckpt):
+    return qmtp.generate(random_ckpt, PROMPTS, max_new_tokens=14, stop_token_ids=[]).tokens
+
+
+@pytest.fixture(scope="module")
+def controlled_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("controlled") / "ckpt"
+    return make_checkpoint.write_checkpoint(str(path), "tiny_controlled", "fp32", seed=5)
+
+
+@pytest.fixture(scope="module")
+def controlled(controlled_dir):
+    return qmtp.load(controlled_dir, dtype="float32", page_size=4)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_random_checkpoint_mtp_equals_plain(random_ckpt, plain_random, k):
+    model = dataclasses.replace(random_ckpt, page_size=PAGE_SIZE_FOR_K[k])
+    result = qmtp.generate(model, PROMPTS, max_new_tokens=14, stop_token_ids=[], mtp_k=k)
+    assert result.tokens == plain_random
+    assert result.stats["drafted"] == k * result.stats["rounds"]
+    if k == 2:  # batch 1
+        alone = qmtp.generate(model, PROMPTS[1:2], max_new_tokens=14, stop_token_ids=[], mtp_k=k)
+        assert alone.tokens == plain_random[1:2]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_controlled_checkpoint_accepts_everything_and_equals_plain(controlled, k):
+    prompts = [RNG.integers(0, 380, n).tolist() for n in (4, 17, 30)]
+    plain = qmtp.generate(controlled, prompts, max_new_tokens=13, stop_token_ids=[])
+    spec = qmtp.generate(controlled, prompts, max_new_tokens=13, stop_token_ids=[], mtp_k=k)
+    assert spec.tokens == plain.tokens
+    assert spec.stats["acceptance_rate"] == 1.0, spec.stats
+    assert spec.stats["position_acceptance"] == [1.0] * k
+    assert spec.stats["accept_hist"][k] == spec.stats["rounds"]
+
+
+def _run_spec(model, prompts, k, max_new, cap):
+    state = _new_state(model, [len(p) + max_new + k + 1 for p in prompts])
+    tokens, n_valid = _prompt_batch(prompts)
+    first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid)
+    spec = speculate.SpecConfig(k, max_new, ())
+    cap = jnp.full((1, len(prompts)), cap, jnp.int32)
+    out, count, stats, state = speculate.spec_loop(model.cfg, spec, model.params, state, first, d1, mh,
+                                                   jnp.full((len(prompts),), max_new, jnp.int32), cap)
+    return np.asarray(out), stats, state
+
+
+def _run_plain(model, prompts, max_new):
+    state = _new_state(model, [len(p) + max_new + 5 for p in prompts])
+    tokens, n_valid = _prompt_batch(prompts)
+    first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid)
+    out, _, _, state = decode.greedy_loop(model.cfg, decode.LoopSpec(max_new, ()), model.params, state, first,
+                                          jnp.full((len(prompts),), max_new, jnp.int32))
+    return np.asarray(out), state
+
+
+def _kv(state, b, n):
+    s, table = state.kv.page_size, np.asarray(state.page_table)[b]
+    return np.stack([np.asarray(state.kv.k)[:, table[p // s], p % s] for p in range(n)], axis=1)
+
+
+@pytest.mark.parametrize("a", [0, 1, 2, 3])
+def test_forced_acceptance_length_gives_plain_tokens_and_state(controlled, a):
+    k, rounds = 3, 3
+    max_new = 1 + rounds * (a + 1)  # no clipping: every round emits exactly a + 1 tokens
+    prompts = [RNG.integers(0, 380, n).tolist() for n in (6, 21)]
+    out, stats, state = _run_spec(controlled, prompts, k, max_new, cap=a)
+    want, plain_state = _run_plain(controlled, prompts, max_new)
+    np.testing.assert_array_equal(out, want)
+    assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
+    np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(plain_state.lengths))
+    assert_close(state.ssm, plain_state.ssm, F32_MODEL, f"ssm after a={a}")
+    assert_close(state.conv, plain_state.conv, F32_MODEL, f"conv after a={a}")
+    for b, p in enumerate(prompts):
+        n = len(p) + max_new - 1
+        assert_close(_kv(state, b, n), _kv(plain_state, b, n), F32_MODEL, f"kv seq {b}")
+
+
+def test_commit_equals_recurrence_over_committed_tokens_and_ignores_poisoned_rejects():
+    lg, b, t, hk, hv, dk, dv, c, w = 2, 3, 5, 2, 4, 8, 8, 6, 4
+    rnd = lambda *s: RNG.standard_normal(s).astype(np.float32)
+    l2 = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    replay = {"q": l2(rnd(lg, b, t, hk, dk)), "k": l2(rnd(lg, b, t, hk, dk)), "v": rnd(lg, b, t, hv, dv),
+              "g": -np.abs(rnd(lg, b, t, hv)), "beta": 1 / (1 + np.exp(-rnd(lg, b, t, hv))),
+              "window": rnd(lg, b, w - 1 + t, c)}
+    n_keep = np.array([1, 3, 5], np.int32)
+    poisoned = {name: arr.copy() for name, arr in replay.items()}
+    for bi, n in enumerate(n_keep):
+        for name in ("q", "k", "v", "g", "beta"):
+            poisoned[name][:, bi, n:] = np.nan  # rejected positions
+    ssm0 = rnd(lg, b, hv, dk, dv)
+    conv, ssm = model_lib.commit_gdn({n: jnp.asarray(a) for n, a in poisoned.items()}, jnp.asarray(ssm0),
+                                     jnp.asarray(n_keep))
+    for layer in range(lg):
+        for bi, n in enumerate(n_keep):
+            args = [replay[name][layer, bi:bi + 1, :n] for name in ("q", "k", "v", "g", "beta")]
+            _, want = gdn.gdn_recurrence_ref(*map(jnp.asarray, args), jnp.asarray(ssm0[layer, bi:bi + 1]))
+            assert_close(np.asarray(ssm)[layer, bi], np.asarray(want)[0], F32_RECURRENCE, "committed ssm")
+            np.testing.assert_array_equal(np.asarray(conv)[layer, bi], replay["window"][layer, bi, n:n + w - 1])
+
+
+def _numpy_mtp_logits(ckpt_dir, ids, hidden, cfg):
+    """MODEL_SPEC §4.1 in float64 numpy from the raw safetensors: draft logits at p = 0..T-2."""
+    t = {k: v.astype(np.float64) for k, v in load_file(os.path.join(ckpt_dir, "model.safetensors")).items()}
+    eps, d = cfg.rms_norm_eps, cfg.head_dim
+    embed = t["model.language_model.embed_tokens.weight"]
+    head = t.get("lm_head.weight", embed)
+    L = "mtp.layers.0."
+    n = len(ids) - 1
+    e = ref.rms_norm(embed[ids[1:]], t["mtp.pre_fc_norm_embedding.weight"], eps)
+    hh = ref.rms_norm(hidden[:n], t["mtp.pre_fc_norm_hidden.weight"], eps)
+    x = np.concatenate([e, hh], -1) @ t["mtp.fc.weight"].T  # [n, E]
+    a = ref.rms_norm(x, t[L + "input_layernorm.weight"], eps)
+    qg = (a @ t[L + "self_attn.q_proj.weight"].T).reshape(n, -1, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(n, -1)
+    k = (a @ t[L + "self_attn.k_proj.weight"].T).reshape(n, -1, d)
+    v = (a @ t[L + "self_attn.v_proj.weight"].T).reshape(n, -1, d)
+    q = np.stack([ref.rope(ref.rms_norm(q[p], t[L + "self_attn.q_norm.weight"], eps), p, cfg.rotary_dim,
+                           cfg.rope_theta) for p in range(n)])
+    k = np.stack([ref.rope(ref.rms_norm(k[p], t[L + "self_attn.k_norm.weight"], eps), p, cfg.rotary_dim,
+                           cfg.rope_theta) for p in range(n)])
+    o = ref.attention(q, k, v, np.arange(n), d ** -0.5).reshape(n, -1) / (1 + np.exp(-gate))
+    h = x + o @ t[L + "self_attn.o_proj.weight"].T
+    m = ref.rms_norm(h, t[L + "post_attention_layernorm.weight"], eps)
+    gt, up = m @ t[L + "mlp.gate_proj.weight"].T, m @ t[L + "mlp.up_proj.weight"].T
+    h = h + (gt / (1 + np.exp(-gt)) * up) @ t[L + "mlp.down_proj.weight"].T
+    return ref.rms_norm(h, t["mtp.norm.weight"], eps) @ head.T
+
+
+def test_mtp_logits_match_an_independent_numpy_mtp(random_ckpt):
+    ids = PROMPTS[2]
+    state = _new_state(random_ckpt, [len(ids)])
+    hidden, _ = model_lib.forward(random_ckpt.cfg, random_ckpt.params, state, jnp.asarray([ids]),
+                                  jnp.asarray([len(ids)]))
+    want = _numpy_mtp_logits(ORACLE, np.asarray(ids), np.asarray(hidden[0], np.float64), random_ckpt.cfg)
+    got = qmtp.mtp_logits(random_ckpt, ids)
+    assert_close(got.logits, want, F32_MODEL, "mtp logits")
+    target = qmtp.target_logits(random_ckpt, ids)
+    np.testing.assert_array_equal(got.target_argmax, target[1:].argmax(-1))
+    assert got.agreement == pytest.approx(np.mean(want.argmax(-1) == target[1:].argmax(-1)))
+
+
+def test_stop_inside_accepted_prefix_and_max_new_mid_round(controlled):
+    prompts = [RNG.integers(0, 380, n).tolist() for n in (5, 12, 9)]
+    free = qmtp.generate(controlled, prompts, max_new_tokens=12, stop_token_ids=[])
+    stop = free.tokens[0][3]  # inside the first round's accepted drafts at K = 4
+    for max_new in (7, 12):  # at K = 4 a round emits 5 tokens: 7 = 1 + 5 + a clipped third round
+        plain = qmtp.generate(controlled, prompts, max_new_tokens=max_new, stop_token_ids=[stop])
+        spec = qmtp.generate(controlled, prompts, max_new_tokens=max_new, stop_token_ids=[stop], mtp_k=4)
+        assert spec.tokens == plain.tokens
+        assert len(spec.tokens[0]) == free.tokens[0].index(stop) + 1  # sequence 0 stopped early ...
+        assert max(len(t) for t in spec.tokens[1:]) > len(spec.tokens[0])  # ... while another went on
+
+
+def test_bfloat16_controlled_mtp_equals_plain(controlled_dir):
+    """The bf16 rule: plain and MTP are both exact greedy decodings of bf16 numerics that differ
+    only in batch shape (K+1 verify rows vs 1); where top-2 margins are large they agree."""
+    model = qmtp.load(controlled_dir, dtype="bfloat16", page_size=8)
+    prompts = [RNG.integers(0, 380, n).tolist() for n in (7, 20)]
+    plain = qmtp.generate(model, prompts, max_new_tokens=10, stop_token_ids=[])
+    spec = qmtp.generate(model, prompts, max_new_tokens=10, stop_token_ids=[], mtp_k=3)
+    assert spec.tokens == plain.tokens and spec.stats["acceptance_rate"] == 1.0
+
+
+def test_sampling_and_bad_k_are_refused(random_ckpt):
+    with pytest.raises(ValueError, match="only greedy decoding"):
+        qmtp.generate(random_ckpt, PROMPTS[:1], temperature=0.7)
+    with pytest.raises(ValueError, match="mtp_k=5: supported 1..4"):
+        qmtp.generate(random_ckpt, PROMPTS[:1], mtp_k=5)
