@@ -4,7 +4,9 @@
 
 DIR gets:
   config.json              model_type qwen3_5 (VLM wrapper), text fields under text_config; for
-                           --dtype=fp8 also quantization_config (fp8, e4m3, dynamic, [128, 128] blocks)
+                           --dtype=fp8 also quantization_config (fp8, e4m3, dynamic, [128, 128] blocks);
+                           qmtp_synthetic says how it was made (preset, dtype, seed, layers; controlled
+                           presets add controlled.permutation, see presets.ControlledWeights)
   model.safetensors        or model-0000i-of-0000N.safetensors + model.safetensors.index.json when
                            the tensors exceed --max_shard_bytes (HF's layout: metadata.total_size,
                            weight_map name -> file)
