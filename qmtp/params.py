@@ -162,3 +162,48 @@ def iter_linear_keys(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
     for entry in tensor_table(cfg):
         if entry.role == LINEAR:
             yield entry.group, entry.key
+
+
+def abstract_params(cfg: ModelConfig, dtype, fp8_linear: bool = False) -> dict:
+    """The parameter tree as jax.ShapeDtypeStructs, as `checkpoint.load` would build it.
+
+    `fp8_linear`: every LINEAR weight except in_proj_b/a and mtp.fc (MODEL_SPEC §5.2) is an Fp8Block.
+    For memory planning and abstract evaluation (jax.eval_shape) without reading any weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from qmtp.fp8 import Fp8Block, scale_grid
+
+    sizes = group_sizes(cfg)
+    tree: dict = {"gdn": {}, "attn": {}, "mtp": {"layers": {}}}
+    keep_bf16 = {"in_proj_b", "in_proj_a", "fc"}
+
+    def leaf(key, shape, role, stacked):
+        lead = (sizes[stacked],) if stacked else ()
+        if role in (NORM, FP32):
+            return jax.ShapeDtypeStruct(lead + shape, jnp.float32)
+        if role == CONV:
+            return jax.ShapeDtypeStruct(lead + (shape[0], shape[2]), dtype)
+        if role == LINEAR and fp8_linear and key not in keep_bf16:
+            return Fp8Block(jax.ShapeDtypeStruct(lead + shape, jnp.float8_e4m3fn),
+                            jax.ShapeDtypeStruct(lead + scale_grid(*shape), jnp.float32))
+        return jax.ShapeDtypeStruct(lead + shape, dtype)
+
+    for e in tensor_table(cfg):
+        if e.index not in (None, 0):
+            continue
+        node = tree if e.group is None else (tree["mtp"] if e.group == "mtp" else
+                                             tree["mtp"]["layers"] if e.group == "mtp_layers" else tree[e.group])
+        stacked = e.group if e.index is not None else None
+        if e.role in (FUSED_QKVZ, FUSED_BA):  # split into the two Qwen3.5 projections
+            out_a = cfg.conv_dim if e.role == FUSED_QKVZ else cfg.linear_num_value_heads
+            out_b = e.shape[0] - out_a
+            for key, rows in zip(e.key.split("+"), (out_a, out_b)):
+                node[key] = leaf(key, (rows, e.shape[1]), LINEAR, stacked)
+        else:
+            node[e.key] = leaf(e.key, e.shape, e.role, stacked)
+    if not tree["mtp"]["layers"]:
+        tree["mtp"].pop("layers")
+    if not tree["mtp"]:
+        tree.pop("mtp")
+    return tree

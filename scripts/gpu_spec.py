@@ -21,6 +21,8 @@ from absl import app, flags
 flags.DEFINE_string("out", "spec.json", "Where to write the JSON results.")
 flags.DEFINE_integer("slice_layers", 4, "Layers of the 27B-shaped controlled slice.")
 flags.DEFINE_integer("new_tokens", 64, "Tokens generated per run.")
+flags.DEFINE_list("cases", ["tiny_random_bf16", "tiny_controlled_bf16", "q35_27b_controlled_fp8"],
+                  "Which cases to run (see CASES).")
 FLAGS = flags.FLAGS
 
 
@@ -45,6 +47,21 @@ def compiled_memory(model, prompts, k: int) -> dict:
             ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "generated_code_size_in_bytes")}
 
 
+def divergence(model, prompts, plain, other) -> list:
+    """Where MTP output leaves plain greedy: index, and plain's top-2 logit margin there."""
+    import numpy as np
+    import qmtp
+    rows = []
+    for p, a, b in zip(prompts, plain, other):
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        logits = qmtp.target_logits(model, p + a[:i])[-1]
+        top = np.sort(logits)[-2:]
+        rows.append({"index": i, "plain": a[i], "mtp": b[i], "margin": float(top[1] - top[0])})
+    return rows
+
+
 def run_case(name: str, preset: str, dtype: str, num_layers) -> dict:
     import numpy as np
     import qmtp
@@ -55,7 +72,7 @@ def run_case(name: str, preset: str, dtype: str, num_layers) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint.write_checkpoint(os.path.join(tmp, name), preset=preset, dtype=dtype, seed=0,
                                                 num_layers=num_layers)
-        model = qmtp.load(path, dtype="bfloat16", page_size=16)
+        model = qmtp.load(path, dtype="float32" if dtype == "fp32" else "bfloat16", page_size=16)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 380, 64).tolist()]
         plain = None
@@ -67,6 +84,8 @@ def run_case(name: str, preset: str, dtype: str, num_layers) -> dict:
             row = {x: res.stats[x] for x in keep if x in res.stats}
             plain = res.tokens if k == 0 else plain
             row["tokens_equal_plain"] = res.tokens == plain
+            if res.tokens != plain:
+                row["divergence"] = divergence(model, prompts, plain, res.tokens)
             row["ms_per_step"] = res.stats["decode_s"] / max(res.stats["steps"], 1) * 1e3
             out["modes"][f"k{k}"] = row
             print(name, f"k={k}", json.dumps(row), flush=True)
@@ -82,11 +101,11 @@ def run_case(name: str, preset: str, dtype: str, num_layers) -> dict:
 def main(argv):
     import jax
     results = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "cases": []}
-    cases = [("tiny_random_bf16", "tiny", "bf16", None),
-             ("tiny_controlled_bf16", "tiny_controlled", "bf16", None),
-             (f"q35_27b_controlled_{FLAGS.slice_layers}layer_fp8", "qwen3_5_27b_controlled", "fp8",
-              FLAGS.slice_layers)]
-    for case in cases:
+    cases = {"tiny_random_bf16": ("tiny", "bf16", None), "tiny_random_fp32": ("tiny", "fp32", None),
+             "tiny_controlled_bf16": ("tiny_controlled", "bf16", None),
+             "q35_27b_controlled_fp8": ("qwen3_5_27b_controlled", "fp8", FLAGS.slice_layers),
+             "q35_27b_controlled_bf16": ("qwen3_5_27b_controlled", "bf16", FLAGS.slice_layers)}
+    for case in [(name,) + cases[name] for name in FLAGS.cases]:
         t0 = time.time()
         try:
             results["cases"].append(run_case(*case))

@@ -142,3 +142,12 @@ def test_missing_directory_and_bad_dtype(tmp_path):
         qmtp.load(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="dtype='float16'"):
         qmtp.load(os.path.join(ORACLE, "qwen3_5"), dtype="float16")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_abstract_params_match_loaded_layouts(name):
+    import jax
+    import jax.numpy as jnp
+    cfg, params = checkpoint.load(os.path.join(ORACLE, name), dtype="float32")
+    spec = lambda tree: jax.tree_util.tree_map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)
+    assert spec(params) == spec(P.abstract_params(cfg, jnp.float32))

@@ -91,3 +91,15 @@ def test_fp8_embedding_is_rejected(fp8_dir, tmp_path):
     _edit(bad, edit)
     with pytest.raises(CheckpointError, match=r"embed_tokens.weight: F8_E4M3 is only supported for linear weights"):
         qmtp.load(bad)
+
+
+def test_abstract_params_describe_the_loaded_tree(fp8_dir):
+    import jax
+    import jax.numpy as jnp
+    from qmtp.params import abstract_params
+    model = qmtp.load(fp8_dir, dtype="bfloat16")
+    abstract = abstract_params(model.cfg, jnp.bfloat16, fp8_linear=True)
+    got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), model.params)
+    want = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), abstract)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert jax.tree_util.tree_leaves(got) == jax.tree_util.tree_leaves(want)
