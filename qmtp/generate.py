@@ -33,6 +33,10 @@ flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of ge
 flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain greedy decoding. "
                      "The tokens are the same either way; MTP needs a checkpoint with mtp.* tensors.",
                      lower_bound=0, upper_bound=4)
+flags.DEFINE_list("accept_profile", None, "MTP only: cap the accepted drafts per round with a seeded schedule "
+                  "reproducing this cumulative per-position acceptance, e.g. 0.85,0.70,0.57 (benchmarking on "
+                  "controlled checkpoints; the tokens do not change).")
+flags.DEFINE_integer("accept_seed", 0, "Seed of the --accept_profile schedule.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature. Only greedy decoding (0) is supported; anything "
                    "else is refused.")
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
@@ -67,10 +71,21 @@ def run(argv) -> dict:
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt_ids")
     stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
+    cap = None
+    if FLAGS.accept_profile:
+        if not FLAGS.mtp_k:
+            raise ValueError("--accept_profile needs --mtp_k >= 1")
+        try:
+            profile = [float(x) for x in FLAGS.accept_profile]
+        except ValueError:
+            raise ValueError(f"--accept_profile={','.join(FLAGS.accept_profile)}: expected numbers") from None
+        from qmtp.speculate import acceptance_schedule
+        cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
     model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint), dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
-                           mtp_k=FLAGS.mtp_k, temperature=FLAGS.temperature, warmup=FLAGS.warmup)
+                           mtp_k=FLAGS.mtp_k, accept_cap=cap, temperature=FLAGS.temperature,
+                           warmup=FLAGS.warmup)
     for i, tokens in enumerate(result.tokens):
         shown = prompts[i] if isinstance(prompts[i], str) else f"ids {prompts[i]}"
         print(f"[{i}] prompt: {shown!r}")

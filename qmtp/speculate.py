@@ -42,6 +42,22 @@ class SpecConfig:
             raise ValueError(f"mtp_k={self.k}: supported 1..{MAX_K} (0 = plain decoding)")
 
 
+def acceptance_schedule(profile, k: int, rounds: int, batch: int, seed: int = 0):
+    """A seeded cap schedule [rounds, batch] reproducing a cumulative per-position acceptance profile.
+
+    profile[i] = P(accepted length >= i + 1), non-increasing in [0, 1] (e.g. 0.85, 0.70, 0.57); positions
+    past the profile get 0. Each (round, sequence) draws u ~ U(0, 1) and caps the accepted drafts at
+    #{i : u < profile[i]}, so P(cap >= i + 1) = profile[i]. Capping never changes greedy tokens."""
+    import numpy as np
+    p = np.zeros(k)
+    given = np.asarray(profile, np.float64)[:k]
+    p[:len(given)] = given
+    if (p < 0).any() or (p > 1).any() or (np.diff(p) > 0).any():
+        raise ValueError(f"acceptance profile {list(profile)}: expected non-increasing values in [0, 1]")
+    u = np.random.default_rng(seed).random((rounds, batch))
+    return (u[..., None] < p).sum(-1).astype(np.int32)
+
+
 def _logits(params, h, impl):
     return model.logits_from_hidden(params, h, impl)
 

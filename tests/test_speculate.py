@@ -201,3 +201,24 @@ def test_sampling_and_bad_k_are_refused(random_ckpt):
         qmtp.generate(random_ckpt, PROMPTS[:1], temperature=0.7)
     with pytest.raises(ValueError, match="mtp_k=5: supported 1..4"):
         qmtp.generate(random_ckpt, PROMPTS[:1], mtp_k=5)
+
+
+def test_acceptance_schedule_reproduces_the_profile():
+    caps = speculate.acceptance_schedule([0.85, 0.70, 0.57], k=4, rounds=4000, batch=2, seed=1)
+    share = [(caps >= i).mean() for i in (1, 2, 3, 4)]
+    sigma = (0.25 / 8000) ** 0.5  # binomial standard deviation bound
+    assert np.allclose(share, [0.85, 0.70, 0.57, 0.0], atol=5 * sigma)
+    assert (speculate.acceptance_schedule([0.5], 2, 10, 1, seed=3) == speculate.acceptance_schedule(
+        [0.5], 2, 10, 1, seed=3)).all()
+    with pytest.raises(ValueError, match="non-increasing"):
+        speculate.acceptance_schedule([0.5, 0.9], 2, 10, 1)
+
+
+def test_profiled_acceptance_on_the_controlled_checkpoint_keeps_the_tokens(controlled):
+    prompts = [RNG.integers(0, 380, 9).tolist()]
+    plain = qmtp.generate(controlled, prompts, max_new_tokens=13, stop_token_ids=[])
+    cap = speculate.acceptance_schedule([0.85, 0.70, 0.57], 3, 13, 1, seed=0)
+    spec = qmtp.generate(controlled, prompts, max_new_tokens=13, stop_token_ids=[], mtp_k=3, accept_cap=cap)
+    assert spec.tokens == plain.tokens
+    rounds = spec.stats["rounds"]
+    assert spec.stats["accept_hist"] == np.bincount(cap[:rounds, 0], minlength=4).tolist()
