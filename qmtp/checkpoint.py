@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -279,5 +280,4 @@ def _place(tree: dict, entry: P.TensorEntry, key: str, value, sizes: dict[str, i
 
 
 def _to_device(host: dict) -> dict:
-    import jax
     return jax.tree_util.tree_map(jnp.asarray, host)
