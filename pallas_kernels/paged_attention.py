@@ -7,13 +7,42 @@ where key position j of sequence b lives in page page_table[b, j // S], slot j %
 h reads KV head h // (Hq / Hkv). Shapes: q [B, T, Hq, D]; k_pages, v_pages [P, S, Hkv, D];
 page_table [B, Pmax] int32; q_positions [B, T] int32; kv_lengths [B] int32 -> o [B, T, Hq, D].
 Slots outside the mask may hold anything (NaN included): they never reach the output.
-This file holds the pure-jnp reference; the Pallas kernel joins it (issue 4).
+A row with no valid key outputs 0. Softmax in f32; output in q's dtype.
+
+`paged_attention_ref` is the pure-jnp reference (gathers the pages into a contiguous context).
+`paged_attention` is the Pallas kernel (generic Pallas, Triton lowering; `interpret=True` on CPU):
+
+  grid (B, Hkv, NS). Program (b, h, s) processes the R = pow2(max(16, G*T)) query rows of kv head h
+  (row r = t*G + g, query head h*G + g, G = Hq/Hkv; rows >= G*T are padding), so each key/value
+  row is read once per kv head. Split s owns keys [s*L, min((s+1)*L, n)) with n = min(kv_lengths[b],
+  Pmax*S) and L = round_up(cdiv(n, NS), BK): the loop bound is dynamic, keys past the length are
+  never read, and the work is spread over the splits whatever the table capacity. Each step
+  gathers BK keys (page ids read from the page table inside the loop, clamped to [0, P)), so any
+  page size S works (1, 3, 16, 64, ...). Online softmax in base 2 (scores * scale * log2 e);
+  scores outside the mask are set to -inf with `where`, and K/V loads are masked (never read) past
+  the length, so NaN/Inf in unused slots cannot reach the output. Per split the kernel writes the
+  unnormalised f32 accumulator, its running max m and sum l; a small jnp step combines the splits
+  (exp2(m_s - max_s m_s) weights) and sets rows with no valid key to 0.
+  MMA dtype: q is cast to the KV dtype; bf16/f16 KV use tensor-core dots with f32 accumulation
+  (probabilities rounded to the KV dtype for P @ V, as in flash attention); f32 KV uses IEEE f32
+  dots (precision HIGHEST), so f32 results match the reference to rounding.
+  Limits: D a power of two >= 16 (Triton tile and dot sizes); page ids of the pages below the
+  length must lie in [0, P) (out-of-range ids are clamped; the reference's gather clamps/wraps).
+  The Triton lowering has no scalar prefetch, so every load indexes whole-array refs with index
+  arrays (a gather; the interpret mode cannot mix index arrays with slices).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 def _check(q, k_pages, v_pages, page_table, q_positions, kv_lengths) -> None:
@@ -47,3 +76,168 @@ def paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths
     probs = jnp.where(valid[:, None, None], probs, 0.0)  # rows with no valid key give 0, not NaN
     o = jnp.einsum("bkgtn,bnkd->btkgd", probs, vals.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+# ---- Pallas kernel -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tile config. block_k: keys per inner step (power of two >= 16). The number of key splits is
+    NS = clamp(cdiv(target_programs, B*Hkv), 1, cdiv(Pmax*S, min_keys_per_split)) (static)."""
+
+    block_k: int = 64
+    max_tile_bytes: int = 64 * 1024  # K+V tiles of one step; block_k shrinks to fit (f32 KV, big D)
+    target_programs: int = 264  # two programs per SM on an H200 (132 SMs)
+    min_keys_per_split: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"PagedAttentionConfig: block_k={self.block_k} must be a power of two >= 16")
+        if self.target_programs < 1 or self.min_keys_per_split < 1:
+            raise ValueError(f"PagedAttentionConfig: target_programs and min_keys_per_split must be >= 1: {self}")
+
+    def keys_per_step(self, d: int, itemsize: int) -> int:
+        fit = self.max_tile_bytes // (2 * d * itemsize)
+        return max(16, min(self.block_k, 1 << max(0, fit.bit_length() - 1)))
+
+    def num_splits(self, b: int, hkv: int, n_ctx: int) -> int:
+        want = -(-self.target_programs // (b * hkv))
+        cap = -(-n_ctx // self.min_keys_per_split)
+        return max(1, min(want, cap))
+
+
+DEFAULT_CONFIG = PagedAttentionConfig()
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def _kernel(q_ref, k_ref, v_ref, pt_ref, qpos_ref, len_ref, acc_ref, m_ref, l_ref, *,
+            g: int, t: int, rows: int, page_size: int, n_pages: int, n_ctx: int, n_splits: int,
+            block_k: int, scale_log2: float, precision):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    d = q_ref.shape[-1]
+    kv_dtype = k_ref.dtype
+
+    r = jax.lax.iota(jnp.int32, rows)
+    row_ok = r < g * t
+    r_t = jnp.where(row_ok, jax.lax.div(r, g), 0)
+    r_h = h * g + jax.lax.rem(r, g)
+    col = jax.lax.iota(jnp.int32, d)[None, :]  # gathers index every axis with arrays (interpret mode
+    row_ok2 = jnp.broadcast_to(row_ok[:, None], (rows, d))  # cannot mix array indices and slices)
+    q = plgpu.load(q_ref.at[b, r_t[:, None], r_h[:, None], col], mask=row_ok2, other=0.0).astype(kv_dtype)
+    q_pos = plgpu.load(qpos_ref.at[b, r_t], mask=row_ok, other=-1)  # [R]; padding rows see no key
+
+    cdiv = lambda a, c: jax.lax.div(a + (c - 1), c)  # a >= 0
+    n = jnp.clip(len_ref[b], 0, n_ctx)  # keys [0, n) of this sequence
+    split_len = cdiv(cdiv(n, n_splits), block_k) * block_k
+    start = s * split_len
+    end = jnp.minimum(start + split_len, n)
+    n_blocks = cdiv(jnp.maximum(end - start, 0), block_k)  # dynamic: 0 for splits past the length
+
+    def body(i, carry):
+        acc, m, l = carry
+        j = start + i * block_k + jax.lax.iota(jnp.int32, block_k)  # key positions [BK]
+        key_ok = j < end
+        page = plgpu.load(pt_ref.at[b, jax.lax.div(j, page_size)], mask=key_ok, other=0)
+        page = jnp.clip(page, 0, n_pages - 1)
+        slot = jax.lax.rem(j, page_size)
+        key_ok2 = jnp.broadcast_to(key_ok[:, None], (block_k, d))
+        k = plgpu.load(k_ref.at[page[:, None], slot[:, None], h, col], mask=key_ok2, other=0.0)  # [BK, D]
+        v = plgpu.load(v_ref.at[page[:, None], slot[:, None], h, col], mask=key_ok2, other=0.0)
+        sc = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2  # [R, BK] f32
+        valid = key_ok[None, :] & (j[None, :] <= q_pos[:, None])
+        sc = jnp.where(valid, sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid key yet: keep exp2 finite
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(sc - m_safe[:, None])  # exactly 0 where masked
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kv_dtype), v, precision=precision)
+        return acc, m_new, l
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    plgpu.store(acc_ref, acc)
+    plgpu.store(m_ref, m)
+    plgpu.store(l_ref, l)
+
+
+def _validate(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, config) -> None:
+    for name, a, nd in (("q", q, 4), ("k_pages", k_pages, 4), ("v_pages", v_pages, 4),
+                        ("page_table", page_table, 2), ("q_positions", q_positions, 2),
+                        ("kv_lengths", kv_lengths, 1)):
+        if getattr(a, "ndim", None) != nd:
+            raise ValueError(f"paged_attention: {name} must have {nd} dims, got shape {getattr(a, 'shape', a)}")
+    _check(q, k_pages, v_pages, page_table, q_positions, kv_lengths)
+    for name, a in (("page_table", page_table), ("q_positions", q_positions), ("kv_lengths", kv_lengths)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"paged_attention: {name} must be an integer array, got {a.dtype}")
+    for name, a in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if jnp.dtype(a.dtype) not in _FLOATS:
+            raise ValueError(f"paged_attention: {name} dtype {a.dtype} not in float32/bfloat16/float16")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"paged_attention: k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ")
+    b, t, _, d = q.shape
+    if min(b, t, *k_pages.shape[:3], page_table.shape[1]) < 1:
+        raise ValueError(f"paged_attention: empty axis in q {q.shape}, pages {k_pages.shape}, "
+                         f"page_table {page_table.shape}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"paged_attention: head dim D={d} must be a power of two >= 16 (Triton tiles)")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise ValueError(f"paged_attention: scale must be a Python float (static), got {type(scale).__name__}")
+    if not isinstance(config, PagedAttentionConfig):
+        raise ValueError(f"paged_attention: config must be a PagedAttentionConfig, got {type(config).__name__}")
+
+
+def paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale: float, *,
+                    interpret: bool = False, config: PagedAttentionConfig | None = None):
+    """Pallas paged attention with the semantics of `paged_attention_ref` (see the module docstring)."""
+    config = DEFAULT_CONFIG if config is None else config
+    _validate(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, config)
+    return _paged_attention(q, k_pages, v_pages, page_table.astype(jnp.int32), q_positions.astype(jnp.int32),
+                            kv_lengths.astype(jnp.int32), scale=float(scale), interpret=bool(interpret),
+                            config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *, scale, interpret, config):
+    b, t, hq, d = q.shape
+    n_pages, page_size, hkv, _ = k_pages.shape
+    g = hq // hkv
+    rows = _pow2_at_least(g * t, 16)
+    n_ctx = page_table.shape[1] * page_size
+    n_splits = config.num_splits(b, hkv, n_ctx)
+    block_k = config.keys_per_step(d, jnp.dtype(k_pages.dtype).itemsize)
+    f32 = jnp.dtype(jnp.float32)
+    precision = jax.lax.Precision.HIGHEST if jnp.dtype(k_pages.dtype) == f32 else None
+    kernel = functools.partial(
+        _kernel, g=g, t=t, rows=rows, page_size=page_size, n_pages=n_pages, n_ctx=n_ctx, n_splits=n_splits,
+        block_k=block_k, scale_log2=scale * math.log2(math.e), precision=precision)
+    full = lambda a: pl.BlockSpec(a.shape, lambda i, j, k: (0,) * a.ndim)  # the whole array, indexed inside
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, n_splits),
+        in_specs=[full(q), full(k_pages), full(v_pages), full(page_table), full(q_positions), full(kv_lengths)],
+        out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, j, k: (i, j, k, 0, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, n_splits, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, n_splits, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, n_splits, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="paged_attention",
+    )(q, k_pages, v_pages, page_table, q_positions, kv_lengths)
+    # Combine the splits: weights exp2(m_s - max_s m_s); empty splits have m = -inf -> weight 0.
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [B, Hkv, NS, R]
+    l_tot = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
+    acc_tot = jnp.sum(w[..., None] * acc, axis=2)  # [B, Hkv, R, D]
+    o = jnp.where(l_tot[..., None] > 0, acc_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
+    o = o[:, :, :g * t].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return o.astype(q.dtype)

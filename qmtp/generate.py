@@ -28,7 +28,9 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
                   "Compute dtype for activations and non-FP8 weights (FP8 weights stay FP8).")
 flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.", lower_bound=1)
 flags.DEFINE_integer("num_pages", 0, "KV-cache pages in total; 0 = exactly what the batch needs.", lower_bound=0)
-flags.DEFINE_enum("impl", "ref", ["ref"], "Kernel implementation: 'ref' (pure XLA). Pallas kernels come later.")
+flags.DEFINE_enum("impl", "ref", ["ref", "pallas"],
+                  "Kernel implementation: 'ref' (pure XLA) or 'pallas' (Pallas GPU kernels where they exist; "
+                  "interpret mode on the CPU, which is slow).")
 flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of generation_config.json).")
 flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain greedy decoding. "
                      "The tokens are the same either way; MTP needs a checkpoint with mtp.* tensors.",

@@ -2,7 +2,9 @@
 
 Every hot operation of the model goes through here with an explicit `impl`:
   "ref"    - pure jnp (XLA); runs everywhere, the semantics every kernel is tested against;
-  "pallas" - the Pallas GPU kernels (issue 4); not available yet.
+  "pallas" - the Pallas kernels (Triton lowering) on the GPU; on the CPU backend they run in
+             interpret mode, so the same flag works in tests (slowly).
+Operations without a kernel yet (chunked GDN prefill) use the reference under both.
 Model code never imports `pallas_kernels` directly.
 """
 
@@ -14,12 +16,16 @@ import jax.numpy as jnp
 from pallas_kernels import fp8_matmul, gdn, paged_attention
 from qmtp.fp8 import Fp8Block
 
-IMPLS = ("ref",)
+IMPLS = ("ref", "pallas")
 
 
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: supported {IMPLS} (Pallas kernels are not built yet)")
+        raise ValueError(f"impl={impl!r}: supported {IMPLS}")
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
 
 
 def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
@@ -43,6 +49,8 @@ def _precision(dtype):
 def gdn_recurrence(q, k, v, g, beta, state, impl: str = "ref"):
     """Per-token gated delta rule for decode / verify (T small); see pallas_kernels/gdn.py."""
     check_impl(impl)
+    if impl == "pallas":
+        return gdn.gdn_recurrence(q, k, v, g, beta, state, interpret=_interpret())
     return gdn.gdn_recurrence_ref(q, k, v, g, beta, state)
 
 
@@ -55,4 +63,7 @@ def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):
 def paged_attention_op(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, impl: str = "ref"):
     """Causal GQA attention of T queries over paged KV; see pallas_kernels/paged_attention.py."""
     check_impl(impl)
+    if impl == "pallas":
+        return paged_attention.paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale,
+                                               interpret=_interpret())
     return paged_attention.paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale)

@@ -1,0 +1,22 @@
+"""The model with impl="pallas" (kernels in interpret mode on the CPU) against impl="ref"."""
+
+import dataclasses
+import os
+
+import numpy as np
+
+import qmtp
+from tolerance import F32_MODEL, assert_close
+
+ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
+
+
+def test_pallas_impl_matches_ref_logits_and_mtp_tokens():
+    ref = qmtp.load(ORACLE, dtype="float32")
+    pallas = dataclasses.replace(ref, impl="pallas")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 250, n).tolist() for n in (5, 19)]
+    assert_close(qmtp.target_logits(pallas, prompts[1]), qmtp.target_logits(ref, prompts[1]), F32_MODEL, "logits")
+    want = qmtp.generate(ref, prompts, max_new_tokens=6, stop_token_ids=[], mtp_k=2)
+    got = qmtp.generate(pallas, prompts, max_new_tokens=6, stop_token_ids=[], mtp_k=2)
+    assert got.tokens == want.tokens
