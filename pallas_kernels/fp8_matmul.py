@@ -2,13 +2,24 @@
 
 Layout: w [O, I] float8_e4m3fn as the checkpoint stores it, scale [ceil(O/128), ceil(I/128)] f32
 (ragged last blocks use their block's scale), x [..., I] bf16 or f32, f32 accumulation, output in
-`out_dtype`. This file holds the pure-jnp reference; the Pallas kernels join it (issue 4).
+`out_dtype`.
+
+`fp8_matmul_ref` is the pure-jnp reference (dequantize to f32, einsum at HIGHEST precision);
+`fp8_matmul` is its Pallas twin (same signature plus `interpret` and `config`): a weight-streaming
+kernel for M <= 16 rows (decode, verify) and a tiled GEMM for more rows (prefill); see the
+section "Pallas kernels" below for the tiling.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 BLOCK = 128
 
@@ -35,3 +46,288 @@ def fp8_matmul_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None)
     y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize_ref(w, scale),
                    precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas kernels (generic Pallas, Triton lowering; `interpret=True` runs them on the CPU).
+#
+# Both regimes walk I in chunks of BLOCK = 128 columns, the width of one scale block, and factor
+# the block scale out of each chunk:
+#
+#     y[t, o] = sum_c scale[o // 128, c] * (sum_{i in chunk c} x[t, i] * float(w[o, i]))
+#
+# The inner sum runs on exact products: an E4M3 value is exact in bf16 (4 significant bits,
+# exponents 2^-9 .. 2^8), a bf16 x times it is exact in f32, and an f32 x is split into three
+# bf16 pieces (hi + mid + lo = x exactly, 24 significant bits) so tensor-core bf16 dots lose
+# nothing. Every tile is a power of two wide (the Triton lowering's rule); ragged O, I and M are
+# handled with masked loads whose masked lanes become 0 and masked stores, emitted only where a
+# shape is ragged, so the real (128-multiple) shapes run unmasked, fully vectorized loads.
+#
+# Decode (M <= DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k). A program owns BO output rows of W
+# (BO divides 128, so one scale row), streams its [BO, I / split_k] FP8 slab in [BO, 128] chunks
+# (one scalar scale per chunk), and accumulates [BO, BM] in f32 with either a tensor-core dot
+# (rows padded to BM = 16, the dot minimum; `swap_ab` puts W on the dot's M side) or, for a single
+# row, f32 FMAs on the CUDA cores into a [BO, 128] accumulator that is row-summed once at the end.
+# With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
+# (deterministic, no atomics).
+#
+# Prefill: grid (cdiv(M, BM), cdiv(O, BN)), M-blocks fastest so the programs sharing one W tile run
+# together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
+# ----------------------------------------------------------------------------------------------
+
+DECODE_MAX_ROWS = 16  # M above this runs the prefill GEMM
+DOT_MIN = 16  # smallest M / N / K of a Triton dot
+SM_COUNT = 132  # H200 streaming multiprocessors (the split-K heuristic's occupancy target)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Few-row (decode / verify) tile config. block_o: W rows per program (a power of two in
+    [16, 128]); split_k: programs along I, each summing a contiguous run of 128-column chunks (f32
+    partials reduced by XLA); use_dot: tensor-core dot (rows padded to 16) or, for M == 1 only, f32
+    multiply + row sums; swap_ab: dot(W, x^T) instead of dot(x, W^T); num_warps / num_stages:
+    Triton launch parameters (stages pipeline the chunk loop's loads)."""
+
+    block_o: int = 64
+    split_k: int = 1
+    use_dot: bool = True
+    swap_ab: bool = True
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Many-row GEMM tile config: block_m x block_n output tiles (powers of two, block_m >= 16,
+    16 <= block_n <= 128 so a tile has one scale row), K chunk = 128 (one scale column)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def decode_config(m: int, o: int, i: int) -> DecodeConfig:
+    """Heuristic: BO = 64; one row runs the FMA path, more rows the tensor-core dot; split_k (a
+    power of two <= 8, at least 4 chunks per split) until the grid has >= 2 programs per SM, so
+    narrow O (o_proj / down_proj: O = 5120 -> 80 row blocks) still fills the H200."""
+    bo = 64
+    n_o, n_chunks = _cdiv(o, bo), _cdiv(i, BLOCK)
+    split = 1
+    while n_o * split < 2 * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
+        split *= 2
+    return DecodeConfig(block_o=bo, split_k=split, use_dot=m > 1)
+
+
+def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
+    """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above."""
+    del o, i
+    if m <= 256:
+        return PrefillConfig(block_m=64 if m > 32 else 32, block_n=128, num_warps=4, num_stages=3)
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+
+
+def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
+    """The dispatch on M: few rows stream W (bandwidth-bound), many rows run the GEMM."""
+    return decode_config(m, o, i) if m <= DECODE_MAX_ROWS else prefill_config(m, o, i)
+
+
+def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
+    """bf16 x -> [x]; f32 x -> [hi, mid, lo] bf16 with hi + mid + lo == x (each residual is exact)."""
+    if x.dtype == jnp.bfloat16:
+        return [x]
+    x = x.astype(jnp.float32)
+    pieces = []
+    for _ in range(3):
+        p = x.astype(jnp.bfloat16)
+        pieces.append(p)
+        x = x - p.astype(jnp.float32)
+    return pieces
+
+
+def _dot_sum(a_pieces, b, *, swap: bool) -> jax.Array:
+    """sum_p a_p @ b^T ([R, 128] x [C, 128] -> [R, C] f32), or b @ a_p^T when swap."""
+    out = None
+    for a in reversed(a_pieces):  # smallest piece first
+        d = plgpu.dot(b, a, trans_b=True) if swap else plgpu.dot(a, b, trans_b=True)
+        out = d if out is None else out + d
+    return out
+
+
+def _mask2(rows, cols):
+    """Outer AND of optional [R] and [C] validity vectors (None: all valid)."""
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return cols[None, :]
+    if cols is None:
+        return rows[:, None]
+    return rows[:, None] & cols[None, :]
+
+
+def _load_x(ref, mask):
+    """Activation tile; lanes outside `mask` (None: all valid) read as 0."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
+
+
+def _load_w(ref, mask, dtype):
+    """FP8 weight tile converted to `dtype` (exact); lanes outside `mask` are 0. The masked load
+    has no `other` (the lowering cannot build an FP8 constant), so the select runs after the cast."""
+    if mask is None:
+        return plgpu.load(ref).astype(dtype)
+    return jnp.where(mask, plgpu.load(ref, mask=mask).astype(dtype), 0.0)
+
+
+def _decode_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split):
+    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]
+    bo = cfg.block_o
+    po, pk = pl.program_id(0), pl.program_id(1)
+    o0 = pl.multiple_of(po * bo, bo)
+    srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
+    n_chunks = _cdiv(i, BLOCK)
+    rows_ok = (o0 + jnp.arange(bo)) < o if o % bo else None
+    m_ok = jnp.arange(bm) < m if bm != m else None
+    o_major = cfg.swap_ab  # dot accumulator [bo, bm] instead of [bm, bo]
+
+    def body(c, acc):
+        k0 = pl.multiple_of(c * BLOCK, BLOCK)
+        cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
+        xm, wm = _mask2(m_ok, cols_ok), _mask2(rows_ok, cols_ok)
+        xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], xm)
+        s = s_ref[srow, c]
+        if cfg.use_dot:
+            wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
+            return acc + _dot_sum(_bf16_pieces(xc), wc, swap=o_major) * s
+        # one row: elementwise f32 FMAs into [bo, 128]; the row sums wait until after the loop
+        wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float32)
+        return acc + wc * (xc.astype(jnp.float32) * s)
+
+    c0 = pk * chunks_per_split
+    c1 = jnp.minimum(c0 + chunks_per_split, n_chunks)
+    acc_shape = (bo, bm) if cfg.use_dot and o_major else (bm, bo) if cfg.use_dot else (bo, BLOCK)
+    acc = jax.lax.fori_loop(c0, c1, body, jnp.zeros(acc_shape, jnp.float32))
+    if not cfg.use_dot:
+        acc = jnp.sum(acc, axis=1)[None, :]  # [1, bo]
+    elif o_major:
+        acc = acc.T
+    plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
+
+
+def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
+    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [M, O]
+    bm, bn = cfg.block_m, cfg.block_n
+    pm, pn = pl.program_id(0), pl.program_id(1)
+    m0 = pl.multiple_of(pm * bm, bm)
+    n0 = pl.multiple_of(pn * bn, bn)
+    srow = pn // (BLOCK // bn)
+    m_ok = (m0 + jnp.arange(bm)) < m if m % bm else None
+    n_ok = (n0 + jnp.arange(bn)) < o if o % bn else None
+
+    def body(c, acc):
+        k0 = pl.multiple_of(c * BLOCK, BLOCK)
+        cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
+        xm, wm = _mask2(m_ok, cols_ok), _mask2(n_ok, cols_ok)
+        xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], xm)
+        wc = _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
+        return acc + _dot_sum(_bf16_pieces(xc), wc, swap=False) * s_ref[srow, c]
+
+    acc = jax.lax.fori_loop(0, _cdiv(i, BLOCK), body, jnp.zeros((bm, bn), jnp.float32))
+    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))
+
+
+def _check_config(config, m: int) -> None:
+    if isinstance(config, DecodeConfig):
+        c = config
+        if not (_is_pow2(c.block_o) and DOT_MIN <= c.block_o <= BLOCK):
+            raise ValueError(f"fp8_matmul: DecodeConfig.block_o={c.block_o} must be a power of two in [16, 128]")
+        if m > DECODE_MAX_ROWS:
+            raise ValueError(f"fp8_matmul: DecodeConfig is for M <= {DECODE_MAX_ROWS} rows, got M={m}")
+        if not c.use_dot and m != 1:
+            raise ValueError(f"fp8_matmul: DecodeConfig(use_dot=False) is for one row, got M={m}")
+        if c.split_k < 1:
+            raise ValueError(f"fp8_matmul: DecodeConfig.split_k={c.split_k} must be >= 1")
+    elif isinstance(config, PrefillConfig):
+        c = config
+        if not (_is_pow2(c.block_m) and c.block_m >= DOT_MIN):
+            raise ValueError(f"fp8_matmul: PrefillConfig.block_m={c.block_m} must be a power of two >= 16")
+        if not (_is_pow2(c.block_n) and DOT_MIN <= c.block_n <= BLOCK):
+            raise ValueError(f"fp8_matmul: PrefillConfig.block_n={c.block_n} must be a power of two in [16, 128]")
+    else:
+        raise ValueError(f"fp8_matmul: config must be a DecodeConfig or PrefillConfig, got {type(config).__name__}")
+    if config.num_warps < 1 or config.num_stages < 1:
+        raise ValueError(f"fp8_matmul: bad config {config}: num_warps and num_stages must be >= 1")
+
+
+def _check_dtypes(x, w, scale, out_dtype) -> None:
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"fp8_matmul: x has dtype {x.dtype}; bfloat16 or float32 needed")
+    if w.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; float8_e4m3fn needed (the checkpoint's E4M3)")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(f"fp8_matmul: scale has dtype {scale.dtype}; floating point needed")
+    if out_dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"fp8_matmul: out_dtype {out_dtype} is not bfloat16, float16 or float32")
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, interpret: bool = False,
+               config: DecodeConfig | PrefillConfig | None = None) -> jax.Array:
+    """Pallas twin of `fp8_matmul_ref(x, w, scale, out_dtype)`: x [..., I] bf16/f32, w [O, I] E4M3,
+    scale [ceil(O/128), ceil(I/128)] -> [..., O] in out_dtype (default x.dtype), f32 accumulation.
+
+    Leading dims of x are flattened to M rows; M <= 16 runs the weight-streaming decode kernel,
+    more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work."""
+    _check(x, w, scale)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    _check_dtypes(x, w, scale, out_dtype)
+    lead, (o, i) = x.shape[:-1], w.shape
+    m = math.prod(lead)
+    if m == 0 or o == 0 or i == 0:
+        return jnp.zeros((*lead, o), out_dtype)
+    config = config or default_config(m, o, i)
+    _check_config(config, m)
+    n_chunks = _cdiv(i, BLOCK)
+    split = 1
+    if isinstance(config, DecodeConfig):
+        cps = _cdiv(n_chunks, min(config.split_k, n_chunks))
+        split = _cdiv(n_chunks, cps)  # no empty splits
+    if max(m * i, o * i, split * m * o) >= 2**31:
+        raise ValueError(f"fp8_matmul: M={m}, O={o}, I={i}, split_k={split}: the kernels index with int32 "
+                         "offsets; split the call so that M*I, O*I and split_k*M*O stay below 2^31")
+    x2, scale = x.reshape(m, i), scale.astype(jnp.float32)
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    if isinstance(config, DecodeConfig):
+        bm = 1 if not config.use_dot else max(DOT_MIN, _next_pow2(m))
+        kernel = functools.partial(_decode_kernel, m=m, o=o, i=i, bm=bm, cfg=config, chunks_per_split=cps)
+        part_dtype = out_dtype if split == 1 else jnp.float32
+        y = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((split, m, o), part_dtype),
+            grid=(_cdiv(o, config.block_o), split),
+            compiler_params=params,
+            interpret=interpret,
+            name="fp8_matmul_decode",
+        )(x2, w, scale)
+        y = y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)
+    else:
+        kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config)
+        y = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((m, o), out_dtype),
+            grid=(_cdiv(m, config.block_m), _cdiv(o, config.block_n)),
+            compiler_params=params,
+            interpret=interpret,
+            name="fp8_matmul_prefill",
+        )(x2, w, scale)
+    return y.reshape(*lead, o)

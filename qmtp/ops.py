@@ -35,6 +35,8 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
     check_impl(impl)
     out_dtype = out_dtype or x.dtype
     if isinstance(w, Fp8Block):
+        if impl == "pallas":
+            return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
                    precision=_precision(x.dtype))

@@ -21,6 +21,7 @@ from absl import app, flags
 flags.DEFINE_string("out", "spec.json", "Where to write the JSON results.")
 flags.DEFINE_integer("slice_layers", 4, "Layers of the 27B-shaped controlled slice.")
 flags.DEFINE_integer("new_tokens", 64, "Tokens generated per run.")
+flags.DEFINE_enum("impl", "ref", ["ref", "pallas"], "Kernel implementation.")
 flags.DEFINE_list("cases", ["tiny_random_bf16", "tiny_controlled_bf16", "q35_27b_controlled_fp8"],
                   "Which cases to run (see CASES).")
 FLAGS = flags.FLAGS
@@ -68,11 +69,11 @@ def run_case(name: str, preset: str, dtype: str, num_layers) -> dict:
     from qmtp.state import state_bytes
     from qmtp.api import _new_state
     from qmtp.tools import make_checkpoint
-    out = {"name": name, "preset": preset, "weights": dtype, "modes": {}}
+    out = {"name": name, "preset": preset, "weights": dtype, "impl": FLAGS.impl, "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint.write_checkpoint(os.path.join(tmp, name), preset=preset, dtype=dtype, seed=0,
                                                 num_layers=num_layers)
-        model = qmtp.load(path, dtype="float32" if dtype == "fp32" else "bfloat16", page_size=16)
+        model = qmtp.load(path, dtype="float32" if dtype == "fp32" else "bfloat16", page_size=16, impl=FLAGS.impl)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 380, 64).tolist()]
         plain = None

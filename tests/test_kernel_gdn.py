@@ -19,6 +19,7 @@ import pytest
 
 from pallas_kernels import gdn
 from tolerance import assert_close
+from h200_lowering import H200, lower_for_h200, triton_calls
 
 F32_UNIT_ROUNDOFF = 2.0 ** -24
 
@@ -348,7 +349,6 @@ def test_gated_wrapper_rejects_bad_inputs():
 # ------------------------------------------------------------------------------------------------
 
 HK, HV, DK, DV = 16, 48, 128, 128  # Qwen3.5-27B GDN shapes
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 
 
 def real_shapes(b, t, dtype=jnp.float32):
@@ -357,40 +357,8 @@ def real_shapes(b, t, dtype=jnp.float32):
             s((b, t, HV), jnp.float32), s((b, t, HV), jnp.float32), s((b, HV, DK, DV), jnp.float32))
 
 
-def lower_for_h200(fn, args, **jit_kw):
-    """jit(fn).trace(*args).lower(lowering_platforms=("cuda",)) under an abstract H200: the Triton
-    lowering asks the (abstract) device for its compute capability, so a bare CPU process needs the
-    abstract mesh to say which GPU it targets."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn, **jit_kw).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def triton_calls(lowered):
-    """The Triton custom calls of a lowered module: (backend_config dict attr, Triton module)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering as triton_lowering
-
-    found = []
-
-    def walk(op):
-        op = op.operation
-        if op.name == "stablehlo.custom_call" and "triton" in str(op.attributes["call_target_name"]):
-            found.append(op.attributes["mhlo.backend_config"])
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    walk(child)
-
-    walk(lowered.compiler_ir("stablehlo"))
-    out = []
-    for cfg in found:
-        with triton_lowering._new_ir_context():
-            module = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes)
-            assert module.operation.verify(), "the Triton module does not verify"
-            text = str(module)
-        out.append((cfg, text))
-    return out
 
 
 @pytest.mark.parametrize("t", [1, 5])

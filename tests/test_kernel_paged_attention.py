@@ -29,6 +29,7 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from tolerance import assert_close
+from h200_lowering import H200, lower_for_h200, triton_calls, attr_int
 
 F32_UNIT_ROUNDOFF = 2.0 ** -24
 BF16_UNIT_ROUNDOFF = 2.0 ** -9
@@ -267,7 +268,6 @@ def test_wrapper_rejects_head_dim_not_power_of_two():
 # lowering for the H200 from the CPU (CI): Pallas -> Triton IR, verified; PTX is built by XLA on the GPU
 # ------------------------------------------------------------------------------------------------
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 REAL = dict(hq=24, hkv=4, d=256, s=16, context=4096)
 
 
@@ -280,42 +280,10 @@ def real_shapes(b, t, dtype=jnp.bfloat16):
             sds((b, pmax), jnp.int32), sds((b, t), jnp.int32), sds((b,), jnp.int32))
 
 
-def lower_for_h200(fn, args):
-    """jit(fn).trace(*args).lower(lowering_platforms=("cuda",)) under an abstract H200 mesh: the Triton
-    lowering asks the device for its compute capability, which a CPU-only process only has this way."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def triton_calls(lowered):
-    """(backend_config, Triton module text) of each Triton custom call; each module is verified."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering as triton_lowering
-
-    found = []
-
-    def walk(op):
-        op = op.operation
-        if op.name == "stablehlo.custom_call" and "triton" in str(op.attributes["call_target_name"]):
-            found.append(op.attributes["mhlo.backend_config"])
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    walk(child)
-
-    walk(lowered.compiler_ir("stablehlo"))
-    out = []
-    for cfg in found:
-        with triton_lowering._new_ir_context():
-            module = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes)
-            assert module.operation.verify(), "the Triton module does not verify"
-            out.append((cfg, str(module)))
-    return out
 
 
-def attr_int(cfg, key):
-    return int(str(cfg[key]).split(":")[0])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -1,0 +1,427 @@
+"""FP8 block-scaled matmul: the ref against a float64 formula, the Pallas kernel against the ref.
+
+CPU: the kernels run with interpret=True on small ragged shapes. In interpret mode a read past the
+end of an array returns NaN (Pallas pads with its "uninitialized" value) and output slots no program
+stores to stay NaN, so a missing mask or an unwritten tile shows up as a non-finite result
+(`assert_close` rejects those); `test_interpret_mode_poisons_out_of_bounds` proves the poison is
+really there. Integer-valued problems make every sum exact in f32, so there the kernel must equal the
+ref bit for bit whatever its accumulation order, config or raggedness.
+
+CI also lowers the kernels for the H200 from the CPU (the StableHLO with the Triton custom call and
+the Triton module inside it). What that cannot catch: Triton's own passes (TTIR -> TTGIR -> PTX:
+layouts, shared memory, registers) run only when XLA compiles on a GPU, i.e. in the `gpu` tests:
+    JAX_PLATFORMS=cuda PYTHONPATH=. python -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import fp8_matmul as fm
+from pallas_kernels.fp8_matmul import DecodeConfig, PrefillConfig
+from qmtp.fp8 import quantize_np
+from tolerance import assert_close
+from h200_lowering import H200, lower_for_h200, triton_calls, attr_int
+
+E4M3 = ml_dtypes.float8_e4m3fn
+F32_EPS = 2.0**-24  # unit roundoff of f32
+# One bf16 ulp relative to the value (8 significant bits: ulp(v) <= 2^-7 |v|). Two f32 results that
+# agree to ~1e-6 can still round to neighbouring bf16 values, at most one ulp apart.
+BF16_ULP = 2.0**-7
+
+
+def f32_accum_tol(n_terms: int) -> float:
+    """Two f32 evaluations of the same I-term sums in different orders (kernel: exact products,
+    per-128-chunk sums, scale, chunk sums; ref: dequantized weights, one dot): each of the ~I
+    roundings adds an independent error <= 2^-24 of a partial sum bounded by ~max|y|, so the
+    difference is a random walk of about sqrt(I) * 2^-24 * max|y|. Factor 8: both sides, and the
+    tail over a few hundred cases (measured: at most 0.7 * sqrt(I) * 2^-24)."""
+    return 8.0 * math.sqrt(n_terms) * F32_EPS
+
+
+def out_tol(n_terms: int, out_dtype) -> float:
+    tol = f32_accum_tol(n_terms)
+    return tol + BF16_ULP if jnp.dtype(out_dtype) == jnp.bfloat16 else tol
+
+
+# ------------------------------------------------------------------------------------------------
+# problems
+# ------------------------------------------------------------------------------------------------
+
+
+def f64_formula(x, wq, scale, block=128):
+    """y[t, o] = sum over scale blocks (bo, bi) of scale[bo, bi] * x[t, block bi] . w[o in bo, block bi]."""
+    x = np.asarray(x, np.float64).reshape(-1, wq.shape[1])
+    o, i = wq.shape
+    y = np.zeros((x.shape[0], o), np.float64)
+    for bo in range(scale.shape[0]):
+        for bi in range(scale.shape[1]):
+            rows, cols = slice(bo * block, min((bo + 1) * block, o)), slice(bi * block, min((bi + 1) * block, i))
+            y[:, rows] += float(scale[bo, bi]) * (x[:, cols] @ np.asarray(wq[rows, cols], np.float64).T)
+    return y
+
+
+def random_problem(rng, m, o, i, x_dtype, lead=None):
+    """Gaussian weights whose 128x128 blocks differ in magnitude by up to 2^12 (so a scale applied to
+    the wrong block is a large error), quantized with the project's quantize_np; gaussian x."""
+    gain = 4.0 ** rng.integers(-3, 4, (-(-o // 128), -(-i // 128)))
+    gain = np.repeat(np.repeat(gain, 128, 0), 128, 1)[:o, :i]
+    wq, scale = quantize_np((rng.standard_normal((o, i)) * gain).astype(np.float32))
+    x = rng.standard_normal((*(lead or (m,)), i)).astype(np.float32)
+    x = np.asarray(jnp.asarray(x, x_dtype).astype(jnp.float32))  # the values the kernel sees
+    return x, wq, scale
+
+
+def exact_problem(rng, m, o, i, x_dtype=jnp.bfloat16):
+    """Integers |x| <= 4, E4M3 integers |w| <= 16 (exact in E4M3), scales 2^-3 .. 2^3: every product
+    and partial sum is a multiple of 2^-3 below 2^17, so f32 arithmetic is exact in any order."""
+    x = rng.integers(-4, 5, (m, i)).astype(np.float32)
+    wq = rng.integers(-16, 17, (o, i)).astype(np.float32).astype(E4M3)
+    scale = (2.0 ** rng.integers(-3, 4, (-(-o // 128), -(-i // 128)))).astype(np.float32)
+    return x, wq, scale
+
+
+# jitted once per signature (an eager interpret-mode pallas_call is re-lowered on every call)
+_kernel = jax.jit(fm.fp8_matmul, static_argnums=(3,), static_argnames=("interpret", "config"))
+_ref = jax.jit(fm.fp8_matmul_ref, static_argnums=(3,))
+
+
+def run_kernel(x, wq, scale, x_dtype, out_dtype, config=None, interpret=True):
+    y = _kernel(jnp.asarray(x, x_dtype), jnp.asarray(wq), jnp.asarray(scale), jnp.dtype(out_dtype),
+                interpret=interpret, config=config)
+    assert y.dtype == jnp.dtype(out_dtype) and y.shape == (*np.shape(x)[:-1], wq.shape[0])
+    return np.asarray(y.astype(jnp.float32))
+
+
+def run_ref(x, wq, scale, x_dtype, out_dtype):
+    y = _ref(jnp.asarray(x, x_dtype), jnp.asarray(wq), jnp.asarray(scale), jnp.dtype(out_dtype))
+    return np.asarray(y.astype(jnp.float32))
+
+
+SHAPES = [(272, 160), (64, 300), (384, 256), (130, 129)]  # (O, I): ragged rows, columns, both
+ROWS = [1, 3, 5, 16, 40]  # 1..16: decode kernel, 40: prefill GEMM
+
+
+# ------------------------------------------------------------------------------------------------
+# the ref against float64
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("o,i", SHAPES + [(128, 128), (1, 1)])
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_ref_matches_float64_formula(o, i, x_dtype):
+    rng = np.random.default_rng(o * 1000 + i)
+    x, wq, scale = random_problem(rng, 5, o, i, x_dtype)
+    want = f64_formula(x, wq, scale)
+    assert_close(run_ref(x, wq, scale, x_dtype, jnp.float32), want, f32_accum_tol(i), "ref vs float64")
+    assert_close(run_ref(x, wq, scale, x_dtype, jnp.bfloat16), want, out_tol(i, jnp.bfloat16), "ref bf16 out")
+    xe, we, se = exact_problem(rng, 5, o, i)
+    np.testing.assert_array_equal(run_ref(xe, we, se, x_dtype, jnp.float32), f64_formula(xe, we, se))
+
+
+def test_ref_uses_the_block_of_each_element():
+    """One nonzero weight per block, one scale per block: y picks exactly scale[o // 128, i // 128]."""
+    o, i = 272, 300
+    scale = np.arange(1, 1 + 3 * 3, dtype=np.float32).reshape(3, 3)
+    wq = np.zeros((o, i), E4M3)
+    x = np.zeros((1, i), np.float32)
+    for r, c in [(0, 0), (127, 128), (128, 127), (271, 299), (200, 260)]:
+        wq[:] = 0
+        x[:] = 0
+        wq[r, c], x[0, c] = 1.0, 1.0
+        y = run_ref(x, wq, scale, jnp.float32, jnp.float32)
+        assert y[0, r] == scale[r // 128, c // 128] and np.count_nonzero(y) == 1, (r, c)
+        y = run_kernel(x, wq, scale, jnp.float32, jnp.float32)
+        assert y[0, r] == scale[r // 128, c // 128] and np.count_nonzero(y) == 1, (r, c)
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernel against the ref (interpret mode)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("o,i", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_kernel_matches_ref(m, o, i):
+    """Default config (decode kernel for M <= 16, GEMM above), f32 output: tight f32 tolerance. x is
+    bf16 or f32 in a checkerboard over (M, shape), so every M and every shape sees both (each
+    interpret-mode compile costs ~0.4 s of CPU; the full product would double the file's time)."""
+    x_dtype = (jnp.bfloat16, jnp.float32)[(ROWS.index(m) + SHAPES.index((o, i))) % 2]
+    rng = np.random.default_rng(m * 7 + o + i)
+    x, wq, scale = random_problem(rng, m, o, i, x_dtype)
+    assert_close(run_kernel(x, wq, scale, x_dtype, jnp.float32), run_ref(x, wq, scale, x_dtype, jnp.float32),
+                 f32_accum_tol(i), f"kernel vs ref m={m} o={o} i={i} x={jnp.dtype(x_dtype).name}")
+
+
+@pytest.mark.parametrize("m,o,i", [(1, 272, 160), (5, 130, 129), (16, 64, 300), (40, 384, 256)])
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_bf16_output(m, o, i, x_dtype):
+    rng = np.random.default_rng(m + o + i)
+    x, wq, scale = random_problem(rng, m, o, i, x_dtype)
+    got = run_kernel(x, wq, scale, x_dtype, jnp.bfloat16)
+    assert_close(got, run_ref(x, wq, scale, x_dtype, jnp.bfloat16), out_tol(i, jnp.bfloat16), "bf16 out vs ref")
+    assert_close(got, f64_formula(x, wq, scale), out_tol(i, jnp.bfloat16), "bf16 out vs float64")
+
+
+CONFIGS = {  # name: (config, rows)
+    "decode_default": (None, [1, 16]),
+    "decode_fma_bo16": (DecodeConfig(block_o=16, use_dot=False), [1]),
+    "decode_fma_bo128": (DecodeConfig(block_o=128, use_dot=False, split_k=2), [1]),
+    "decode_dot_one_row": (DecodeConfig(use_dot=True), [1]),
+    "decode_noswap_bo32": (DecodeConfig(block_o=32, swap_ab=False), [2, 16]),
+    "decode_split2_bo128": (DecodeConfig(block_o=128, split_k=2), [5]),
+    "decode_split3_bo16": (DecodeConfig(block_o=16, split_k=3), [3]),  # uneven chunk runs
+    "decode_split8": (DecodeConfig(split_k=8), [4]),  # more splits than chunks: clipped
+    "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
+    "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
+    "prefill_default": (None, [17, 130]),
+}
+EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x, out), alternated
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kernel_exact_on_integer_problems(name):
+    """Bit-exact against the float64 formula (exact in f32, then one rounding to the output dtype) on
+    ragged shapes for every config: a masked lane that leaked anything, a chunk summed twice or a
+    wrong scale would change the result."""
+    config, rows = CONFIGS[name]
+    rng = np.random.default_rng(len(name))
+    for k, (m, (o, i)) in enumerate(itertools.product(rows, [(272, 300), (130, 129)])):
+        x_dtype, out_dtype = EXACT_DTYPES[k % 2]
+        x, wq, scale = exact_problem(rng, m, o, i)
+        got = run_kernel(x, wq, scale, x_dtype, out_dtype, config)
+        assert np.all(np.isfinite(got)), f"{name} m={m} o={o} i={i}: non-finite (unmasked read?)"
+        want = np.asarray(jnp.asarray(f64_formula(x, wq, scale), jnp.float32).astype(out_dtype).astype(jnp.float32))
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} m={m} o={o} i={i}")
+
+
+def test_f32_activations_keep_f32_precision():
+    """x values that bf16 cannot hold (24-bit mantissas): the three-piece split must reproduce the f32
+    result; rounding x to bf16 instead would be off by ~2^-9 relative, far above the tolerance."""
+    rng = np.random.default_rng(5)
+    for m, config in [(1, None), (4, None), (1, DecodeConfig(use_dot=True)), (40, None)]:
+        x, wq, scale = random_problem(rng, m, 130, 300, jnp.float32)
+        x = x * (1.0 + 2.0**-12)  # push mantissa bits beyond bf16
+        got = run_kernel(x, wq, scale, jnp.float32, jnp.float32, config)
+        assert_close(got, f64_formula(x, wq, scale), f32_accum_tol(300), f"f32 x m={m}")
+        as_bf16 = f64_formula(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)), wq, scale)
+        assert np.max(np.abs(as_bf16 - f64_formula(x, wq, scale))) > 10 * f32_accum_tol(300) * np.abs(as_bf16).max()
+
+
+def test_leading_dims_and_empty_inputs():
+    rng = np.random.default_rng(3)
+    for lead in [(2, 3), (1, 1, 1), (3, 7)]:  # 6 and 1 rows: decode; 21 rows: prefill
+        x, wq, scale = random_problem(rng, 0, 130, 129, jnp.bfloat16, lead=lead)
+        got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32)
+        assert got.shape == (*lead, 130)
+        assert_close(got, run_ref(x, wq, scale, jnp.bfloat16, jnp.float32), f32_accum_tol(129), f"lead {lead}")
+    _, wq, scale = random_problem(rng, 1, 130, 129, jnp.bfloat16)
+    y = fm.fp8_matmul(jnp.zeros((0, 129), jnp.bfloat16), jnp.asarray(wq), jnp.asarray(scale), interpret=True)
+    assert y.shape == (0, 130) and y.dtype == jnp.bfloat16
+
+
+def test_interpret_mode_poisons_out_of_bounds():
+    """The poison the NaN checks rely on: interpret mode reads NaN past an array's end (f32 and
+    E4M3) and leaves unstored output NaN. If a JAX upgrade changed this, the ragged tests above
+    could no longer see a missing mask, so this test fails first."""
+
+    def kernel(x_ref, w_ref, o_ref):
+        start = pl.program_id(0) * 8  # dynamic, like the kernel's tile offsets
+        x = plgpu.load(x_ref.at[pl.ds(start, 8)])
+        w = plgpu.load(w_ref.at[pl.ds(start, 8)]).astype(jnp.float32)
+        plgpu.store(o_ref.at[pl.ds(start, 8)], x + w, mask=jnp.arange(8) < 6)
+
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), grid=(1,), interpret=True)(
+        jnp.ones((5,), jnp.float32), jnp.ones((5,), jnp.float8_e4m3fn))
+    out = np.asarray(out)
+    np.testing.assert_array_equal(out[:5], 2.0)
+    assert np.all(np.isnan(out[5:])), out
+
+
+def test_default_config_heuristic():
+    assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
+    assert isinstance(fm.default_config(17, 17408, 5120), PrefillConfig)
+    assert fm.default_config(1, 17408, 5120) == DecodeConfig(block_o=64, split_k=1, use_dot=False)
+    assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=1, use_dot=True)
+    # narrow O: 80 row blocks -> split-K 4 -> 320 programs on 132 SMs
+    assert fm.default_config(5, 5120, 17408).split_k == 4
+    assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
+    assert fm.default_config(5, 130, 129).split_k == 1  # two chunks: nothing to split
+    assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
+
+
+def _bad(**kw):
+    rng = np.random.default_rng(0)
+    x, wq, scale = exact_problem(rng, 3, 130, 129)
+    args = dict(x=jnp.asarray(x, jnp.bfloat16), w=jnp.asarray(wq), scale=jnp.asarray(scale), out_dtype=None,
+                config=None)
+    args.update(kw)
+    fm.fp8_matmul(args["x"], args["w"], args["scale"], args["out_dtype"], interpret=True, config=args["config"])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(w=jnp.zeros((130, 128), jnp.float8_e4m3fn)), r"x \(3, 129\) and w \(130, 128\)"),
+    (dict(scale=jnp.ones((2, 1), jnp.float32)), r"scale \(2, 1\) is not the 128x128 grid \(2, 2\)"),
+    (dict(w=jnp.zeros((130, 129), jnp.bfloat16)), r"float8_e4m3fn needed"),
+    (dict(x=jnp.zeros((3, 129), jnp.int32)), r"bfloat16 or float32 needed"),
+    (dict(out_dtype=jnp.int8), r"out_dtype int8"),
+    (dict(config=DecodeConfig(block_o=48)), r"block_o=48 must be a power of two in \[16, 128\]"),
+    (dict(config=DecodeConfig(block_o=256)), r"block_o=256"),
+    (dict(config=DecodeConfig(use_dot=False)), r"use_dot=False\) is for one row, got M=3"),
+    (dict(config=DecodeConfig(split_k=0)), r"split_k=0"),
+    (dict(config=PrefillConfig(block_m=8)), r"block_m=8 must be a power of two >= 16"),
+    (dict(config=PrefillConfig(block_n=256)), r"block_n=256"),
+    (dict(config=PrefillConfig(num_warps=0)), r"num_warps and num_stages must be >= 1"),
+    (dict(config="fast"), r"DecodeConfig or PrefillConfig"),
+])
+def test_wrapper_rejects_bad_inputs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _bad(**kw)
+
+
+def test_wrapper_rejects_int32_offset_overflow():
+    sds = jax.ShapeDtypeStruct  # shapes only: nothing is allocated
+    with pytest.raises(ValueError, match=r"int32 offsets"):
+        jax.eval_shape(lambda x, w, s: fm.fp8_matmul(x, w, s), sds((1, 65536), jnp.bfloat16),
+                       sds((32768, 65536), jnp.float8_e4m3fn), sds((256, 512), jnp.float32))
+
+
+def test_decode_config_rejects_many_rows():
+    rng = np.random.default_rng(0)
+    x, wq, scale = exact_problem(rng, 17, 130, 129)
+    with pytest.raises(ValueError, match=r"DecodeConfig is for M <= 16 rows, got M=17"):
+        fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(scale), interpret=True,
+                      config=DecodeConfig())
+
+
+# ------------------------------------------------------------------------------------------------
+# lowering for the H200 from the CPU (CI)
+# ------------------------------------------------------------------------------------------------
+
+E, F = 5120, 17408  # Qwen3.5-27B hidden and ffn sizes
+
+
+
+
+
+
+
+
+LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
+    "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 64, 1), 0),  # FMA path
+    "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 1), 1),
+    "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 4), 1),
+    "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 1), 3),  # hi / mid / lo pieces
+    "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
+    "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),
+    "ragged_decode": (5, 130, 129, jnp.bfloat16, (3, 1), 1),
+    "ragged_fma": (1, 130, 129, jnp.float32, (3, 1), 0),
+    "ragged_prefill": (40, 130, 129, jnp.bfloat16, (1, 2), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWER_CASES))
+def test_kernel_lowers_for_h200(name):
+    m, o, i, x_dtype, grid, n_dots = LOWER_CASES[name]
+    sds = jax.ShapeDtypeStruct
+    args = (sds((m, i), x_dtype), sds((o, i), jnp.float8_e4m3fn), sds((-(-o // 128), -(-i // 128)), jnp.float32))
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args)
+    [(cfg, ir_text)] = triton_calls(lowered)
+    config = fm.default_config(m, o, i)
+    assert tuple(attr_int(cfg, f"grid_{a}") for a in "xy") == grid and attr_int(cfg, "grid_z") == 1
+    assert attr_int(cfg, "num_warps") == config.num_warps and attr_int(cfg, "num_stages") == config.num_stages
+    assert "scf.for" in ir_text, "the chunk loop is not an scf.for (Triton cannot pipeline it)"
+    assert ir_text.count("tt.dot ") == n_dots
+    assert "tt.fp_to_fp" in ir_text, "E4M3 -> bf16/f32 conversion"
+    w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
+    assert len(w_loads) == 1
+    aligned = o % 128 == 0 and i % 128 == 0
+    # real shapes: the weight load carries no mask (vectorized 16-byte loads); ragged ones are masked
+    assert (w_loads[0].count("%") == 2) == aligned, w_loads[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# on the GPU (deselected on the CPU):
+#   JAX_PLATFORMS=cuda PYTHONPATH=. python -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py
+# ------------------------------------------------------------------------------------------------
+
+
+def gpu_required():
+    if jax.default_backend() != "gpu":
+        pytest.fail(f"gpu test on backend {jax.default_backend()!r}: run with JAX_PLATFORMS=cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def real_weights(o, i, kind):
+    """Weights at real sizes, made once per session (generating ~90M values costs seconds).
+    kind "random": random_problem's block-graded gaussians; "exact": E4M3 integers |w| <= 16 with
+    scales 1 .. 8 (with |x| <= 2 and I <= 17408 every sum is an integer below 2^22: exact in f32, also
+    in the tensor cores' f32 accumulators, in any order)."""
+    rng = np.random.default_rng(o * 3 + i)
+    if kind == "random":
+        _, wq, scale = random_problem(rng, 1, o, i, jnp.bfloat16)
+        return wq, scale
+    wq = rng.integers(-16, 17, (o, i), dtype=np.int8).astype(np.float32).astype(E4M3)
+    return wq, (2.0 ** rng.integers(0, 4, (-(-o // 128), -(-i // 128)))).astype(np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("o,i", [(F, E), (E, F)])  # gate/up and down projections of Qwen3.5-27B
+def test_gpu_kernel_matches_ref_real_shapes(o, i):
+    gpu_required()
+    wq, scale = real_weights(o, i, "random")
+    rng = np.random.default_rng(o)
+    for m in (1, 4, 5, 16, 40, 512):
+        x = np.asarray(jnp.asarray(rng.standard_normal((m, i)), jnp.bfloat16).astype(jnp.float32))
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            got = run_kernel(x, wq, scale, jnp.bfloat16, out_dtype, interpret=False)
+            want = run_ref(x, wq, scale, jnp.bfloat16, out_dtype)
+            assert_close(got, want, out_tol(i, out_dtype), f"gpu m={m} o={o} i={i} out={jnp.dtype(out_dtype).name}")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_f32_activations():
+    gpu_required()
+    wq, scale = real_weights(F, E, "random")
+    rng = np.random.default_rng(1)
+    for m in (1, 5, 40):
+        x = rng.standard_normal((m, E)).astype(np.float32)
+        got = run_kernel(x, wq, scale, jnp.float32, jnp.float32, interpret=False)
+        assert_close(got, f64_formula(x, wq, scale), f32_accum_tol(E), f"gpu f32 x m={m}")
+
+
+GPU_CONFIGS = {  # name: (config, rows)
+    "default": (None, [1, 5, 16, 40]),
+    "decode_noswap": (DecodeConfig(swap_ab=False), [3, 16]),
+    "decode_bo128_split2": (DecodeConfig(block_o=128, split_k=2), [5]),
+    "decode_bo32_split4_w8": (DecodeConfig(block_o=32, split_k=4, num_warps=8), [16]),
+    "decode_fma_bo32": (DecodeConfig(use_dot=False, block_o=32), [1]),
+    "prefill_default": (PrefillConfig(), [1, 600]),
+    "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CONFIGS))
+def test_gpu_kernel_exact_on_integer_problems(name):
+    """Bit-exact against the ref at real and ragged sizes for each config on the device."""
+    gpu_required()
+    config, rows = GPU_CONFIGS[name]
+    rng = np.random.default_rng(len(name))
+    for o, i in [(F, E), (E, F), (F + 72, E + 40)]:
+        wq, scale = real_weights(o, i, "exact")
+        for m in rows:
+            x = rng.integers(-2, 3, (m, i)).astype(np.float32)
+            got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config, interpret=False)
+            np.testing.assert_array_equal(got, run_ref(x, wq, scale, jnp.bfloat16, jnp.float32),
+                                          err_msg=f"{name} m={m} o={o} i={i}")
