@@ -17,6 +17,10 @@ from pallas_kernels import fp8_matmul, gdn, paged_attention
 from qmtp.fp8 import Fp8Block
 
 IMPLS = ("ref", "pallas")
+# The paged-attention kernel holds all G*T query rows of a KV head in one tile: it is built for decode
+# and verify (T <= K+1). Prefill (long T) uses the reference until a prefill attention kernel exists
+# (measured: a 64-token prefill asked for 384 KiB of shared memory at D = 256).
+PAGED_ATTENTION_MAX_QUERIES = 8
 
 
 def check_impl(impl: str) -> None:
@@ -65,7 +69,7 @@ def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):
 def paged_attention_op(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, impl: str = "ref"):
     """Causal GQA attention of T queries over paged KV; see pallas_kernels/paged_attention.py."""
     check_impl(impl)
-    if impl == "pallas":
+    if impl == "pallas" and q.shape[1] <= PAGED_ATTENTION_MAX_QUERIES:
         return paged_attention.paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale,
                                                interpret=_interpret())
     return paged_attention.paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale)
