@@ -184,7 +184,8 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True) ->
 
 def _read_host(cfg, table, headers, checkpoint_dir, compute, progress) -> dict:
     sizes = P.group_sizes(cfg)
-    tree: dict = {"gdn": {}, "attn": {}, "mtp": {"layers": {}}}
+    tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
+                  "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
     names = [e.name for e in table] + [e.name + SCALE_SUFFIX for e in table if e.name + SCALE_SUFFIX in headers]
     total = sum(_BYTES.get(headers[n].dtype, 4) * int(np.prod(headers[n].shape)) for n in names)
     bar = _Progress(len(table), total, progress)
@@ -198,15 +199,12 @@ def _read_host(cfg, table, headers, checkpoint_dir, compute, progress) -> dict:
                 sh = headers[entry.name + SCALE_SUFFIX]
                 scale = _read(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX).astype(np.float32)
             for key, value in _convert(cfg, entry, raw, scale, compute):
-                _place(tree, entry, key, value, sizes)
+                _place(tree, entry, key, value)
             bar.step(raw.nbytes + (0 if scale is None else scale.nbytes))
     finally:
         handles.clear()
-    if not tree["mtp"]["layers"]:
-        tree["mtp"].pop("layers")
-    if len(tree["mtp"]) == 0:
-        tree.pop("mtp")
-    return tree
+    _check_uniform_fp8(tree)
+    return P.finalize_tree(tree)
 
 
 def _read(handles: dict, checkpoint_dir: str, file: str, name: str) -> np.ndarray:
@@ -255,28 +253,25 @@ def _block_rows(rows: list[int], name: str) -> list[int]:
     return blocks
 
 
-def _place(tree: dict, entry: P.TensorEntry, key: str, value, sizes: dict[str, int]) -> None:
-    """Top-level tensors go in directly; layer tensors into a preallocated [L, ...] stack."""
+def _place(tree: dict, entry: P.TensorEntry, key: str, value) -> None:
+    """Top-level and MTP glue tensors go in directly; layer tensors into their layer's dict."""
     if entry.group is None:
         tree[key] = value
-        return
-    node = tree["mtp"] if entry.group == "mtp" else (
-        tree["mtp"]["layers"] if entry.group == "mtp_layers" else tree[entry.group])
-    if entry.index is None:
-        node[key] = value
-        return
-    n = sizes[entry.group]
-    if key not in node:
-        node[key] = (Fp8Block(np.empty((n,) + value.weight.shape, value.weight.dtype),
-                              np.empty((n,) + value.scale.shape, np.float32))
-                     if isinstance(value, Fp8Block) else np.empty((n,) + value.shape, value.dtype))
-    stack = node[key]
-    if isinstance(stack, Fp8Block) != isinstance(value, Fp8Block):
-        raise CheckpointError(f"{entry.name}: FP8 and non-FP8 {key} weights mixed within the {entry.group} layers")
-    if isinstance(value, Fp8Block):
-        stack.weight[entry.index], stack.scale[entry.index] = value.weight, value.scale
+    elif entry.group == "mtp" and entry.index is None:
+        tree["mtp"][key] = value
+    elif entry.group == "mtp_layers":
+        tree["mtp"]["layers"][entry.index][key] = value
     else:
-        stack[entry.index] = value
+        tree[entry.group][entry.index][key] = value
+
+
+def _check_uniform_fp8(tree: dict) -> None:
+    """Within a layer kind a projection is FP8 in every layer or in none (one compiled layer body)."""
+    for group, layers in (("gdn", tree["gdn"]), ("attn", tree["attn"]), ("mtp.layers", tree["mtp"]["layers"])):
+        for key in (layers[0] if layers else {}):
+            kinds = {isinstance(layer[key], Fp8Block) for layer in layers}
+            if len(kinds) > 1:
+                raise CheckpointError(f"{group} layers mix FP8 and non-FP8 {key} weights")
 
 
 def _to_device(host: dict) -> dict:

@@ -3,8 +3,8 @@
     x0 = embed[ids];  per layer: h = x + Mixer(norm_in(x)); x = h + MLP(norm_post(h))
     hidden = final_norm(x);  logits = hidden @ lm_head.T
 
-The mixer is Gated DeltaNet or gated attention per `cfg.layer_types`; layer params come from the
-per-kind stacks. Token t of sequence b sits at position state.lengths[b] + t; tokens t >= n_valid[b]
+The mixer is Gated DeltaNet or gated attention per `cfg.layer_types`; layer params and state are
+per-layer arrays (params["gdn"][j], state.ssm[j], ...), so no layer is sliced out of a stack. Token t of sequence b sits at position state.lengths[b] + t; tokens t >= n_valid[b]
 are padding and change nothing (no KV write, no GDN/conv update, no length increment).
 """
 
@@ -22,11 +22,6 @@ from qmtp.state import DecodeState, PagedKV
 # Prefill chunks GDN with the WY form above this many tokens; shorter calls (decode, verify) run
 # the per-token recurrence, which is exact per position and cheap for T <= K+1.
 CHUNKED_GDN_MIN_TOKENS = 16
-
-
-def layer_slice(stack: dict, j: int) -> dict:
-    """Params of layer j of a per-kind stack."""
-    return jax.tree_util.tree_map(lambda a: a[j], stack)
 
 
 def lm_head(params: dict) -> jax.Array:
@@ -61,7 +56,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
         if kind == LINEAR:
             j = ids["gdn"]
             ids["gdn"] += 1
-            p = layer_slice(params["gdn"], j)
+            p = params["gdn"][j]
             mixer = lambda h, p=p, j=j: layers.gated_deltanet(
                 p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps,
                 key_heads=cfg.linear_num_key_heads, impl=impl, chunked=chunked,
@@ -74,7 +69,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
         else:
             j = ids["attn"]
             ids["attn"] += 1
-            p = layer_slice(params["attn"], j)
+            p = params["attn"][j]
             mixer = lambda h, p=p, j=j: layers.attention(
                 p, h, state.kv.k[j], state.kv.v[j], state.page_table, state.lengths, n_valid,
                 eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, impl=impl)
@@ -84,34 +79,35 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     hidden = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     new_state = dataclasses.replace(
         state,
-        kv=PagedKV(jnp.stack(ks) if ks else state.kv.k, jnp.stack(vs) if vs else state.kv.v),
-        conv=jnp.stack(convs) if convs else state.conv,
-        ssm=jnp.stack(ssms) if ssms else state.ssm,
+        kv=PagedKV(tuple(ks), tuple(vs)),
+        conv=tuple(convs),
+        ssm=tuple(ssms),
         lengths=state.lengths + n_valid,
     )
     if return_gdn_replay:
-        return hidden, new_state, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_token)
+        return hidden, new_state, tuple(per_token)
     return hidden, new_state
 
 
-def commit_gdn(replay: dict, ssm0: jax.Array, n_keep: jax.Array, *, impl: str = "ref"):
+def commit_gdn(replay: tuple, ssm0: tuple, n_keep: jax.Array, *, impl: str = "ref"):
     """GDN/conv state after the first n_keep [B] tokens of a forward that returned `replay`.
 
-    ssm0 [Lg, B, Hv, Dk, Dv] is the state before that forward. Tokens t >= n_keep are masked
+    ssm0 (Lg x [B, Hv, Dk, Dv]) is the state before that forward. Tokens t >= n_keep are masked
     (g = beta = 0 leaves the state exactly unchanged) and the per-token recurrence runs again from
-    ssm0, with the Lg layers folded into the batch: the same arithmetic as the forward, so the
-    result is the state the forward had after token n_keep - 1. Returns (conv [Lg, B, W-1, C], ssm)."""
-    lg, b = ssm0.shape[:2]
-    t = replay["g"].shape[2]
-    width = replay["window"].shape[2] - t + 1
-    keep = (jnp.arange(t)[None] < n_keep[:, None])[None, :, :, None]  # [1, B, T, 1]
-    fold = lambda a: a.reshape((lg * b,) + a.shape[2:])
-    # g = beta = k = v = 0 on dropped tokens: exp(0) S + k (beta u)^T = S exactly, even for NaN inputs
-    g, beta = (jnp.where(keep, replay[n], 0.0) for n in ("g", "beta"))
-    k, v = (jnp.where(keep[..., None], replay[n], 0.0) for n in ("k", "v"))
-    _, ssm = ops.gdn_recurrence(fold(replay["q"]), fold(k), fold(v), fold(g), fold(beta), fold(ssm0), impl=impl)
-    conv = jax.vmap(lambda w: layers.conv_window_state(w, n_keep, width))(replay["window"])
-    return conv, ssm.reshape(ssm0.shape).astype(ssm0.dtype)
+    ssm0: the same arithmetic as the forward, so the result is the state the forward had after
+    token n_keep - 1. Returns (conv, ssm) tuples over the Lg layers."""
+    convs, ssms = [], []
+    for rep, s0 in zip(replay, ssm0):
+        t = rep["g"].shape[1]
+        width = rep["window"].shape[1] - t + 1
+        keep = (jnp.arange(t)[None] < n_keep[:, None])[..., None]  # [B, T, 1]
+        # g = beta = k = v = 0 on dropped tokens: exp(0) S + k (beta u)^T = S exactly, even for NaN inputs
+        g, beta = (jnp.where(keep, rep[n], 0.0) for n in ("g", "beta"))
+        k, v = (jnp.where(keep[..., None], rep[n], 0.0) for n in ("k", "v"))
+        _, ssm = ops.gdn_recurrence(rep["q"], k, v, g, beta, s0, impl=impl)
+        convs.append(layers.conv_window_state(rep["window"], n_keep, width))
+        ssms.append(ssm.astype(s0.dtype))
+    return tuple(convs), tuple(ssms)
 
 
 def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:

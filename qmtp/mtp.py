@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from qmtp import layers, model, ops
 from qmtp.config import ModelConfig
-from qmtp.state import DecodeState, PagedKV
+from qmtp.state import DecodeState
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -43,14 +43,13 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     e = layers.rms_norm(params["embed"][tokens], mp["pre_fc_norm_embedding"], eps)  # [B, T, E]
     hh = layers.rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
     u = ops.linear(jnp.concatenate([e, hh], axis=-1), mp["fc"], impl)  # [B, T, E]
-    p = model.layer_slice(mp["layers"], 0)
+    p = mp["layers"][0]
     mixer = lambda h: layers.attention(p, h, state.mtp_kv.k[0], state.mtp_kv.v[0], state.page_table, start,
                                        n_valid, eps=eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta,
                                        impl=impl)
     u, (k_pages, v_pages) = model.decoder_layer(cfg, p, u, mixer, impl)
     hm = layers.rms_norm(u, mp["norm"], eps)
-    mtp_kv = PagedKV(state.mtp_kv.k.at[0].set(k_pages), state.mtp_kv.v.at[0].set(v_pages))
-    return hm, dataclasses.replace(state, mtp_kv=mtp_kv)
+    return hm, dataclasses.replace(state, mtp_kv=state.mtp_kv.replace_layer(0, k_pages, v_pages))
 
 
 def shift_left(tokens: jax.Array, n_valid: jax.Array, last: jax.Array) -> jax.Array:

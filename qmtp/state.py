@@ -1,13 +1,16 @@
 """The decode state: an immutable pytree passed into every step function and returned by it.
 
-    kv.k, kv.v     [La, P, S, Hkv, D]   paged KV of the target's full-attention layers (compute dtype)
-    mtp_kv.k, .v   [Lm, P, S, Hkv, D]   paged KV of the MTP layers (same page table and positions)
-    conv           [Lg, B, W-1, C]      last W-1 pre-conv inputs of each GDN layer (compute dtype)
-    ssm            [Lg, B, Hv, Dk, Dv]  GDN recurrent state (cfg.ssm_dtype, float32 by default)
-    page_table     [B, Pmax] int32      page ids of each sequence; position p lives in page
-                                        page_table[b, p // S], slot p % S
-    lengths        [B] int32            committed tokens per sequence (KV beyond is stale)
+    kv.k, kv.v     La x [P, S, Hkv, D]   paged KV of the target's full-attention layers (compute dtype)
+    mtp_kv.k, .v   Lm x [P, S, Hkv, D]   paged KV of the MTP layers (same page table and positions)
+    conv           Lg x [B, W-1, C]      last W-1 pre-conv inputs of each GDN layer (compute dtype)
+    ssm            Lg x [B, Hv, Dk, Dv]  GDN recurrent state (cfg.ssm_dtype, float32 by default)
+    page_table     [B, Pmax] int32       page ids of each sequence; position p lives in page
+                                         page_table[b, p // S], slot p % S
+    lengths        [B] int32             committed tokens per sequence (KV beyond is stale)
 
+Per-layer state is a tuple of arrays, one per layer, not one stacked array: a layer then reads and
+updates its own buffer in place (the loop carry is donated), where slicing a stack and re-stacking
+would copy every layer's state each step (measured for weights: scripts/gpu_layout_probe.py).
 The conv state is time-major ([W-1, C] per sequence) so a new chunk is appended along time.
 Everything is zero-initialised (MODEL_SPEC §7.8): stale memory never reaches live positions.
 """
@@ -26,16 +29,19 @@ from qmtp.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKV:
-    k: jax.Array  # [L, P, S, Hkv, D]
-    v: jax.Array  # [L, P, S, Hkv, D]
+    k: tuple[jax.Array, ...]  # L x [P, S, Hkv, D]
+    v: tuple[jax.Array, ...]  # L x [P, S, Hkv, D]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
+
+    def replace_layer(self, j: int, k: jax.Array, v: jax.Array) -> "PagedKV":
+        return PagedKV(self.k[:j] + (k,) + self.k[j + 1:], self.v[:j] + (v,) + self.v[j + 1:])
 
 
 @jax.tree_util.register_dataclass
@@ -43,8 +49,8 @@ class PagedKV:
 class DecodeState:
     kv: PagedKV
     mtp_kv: PagedKV
-    conv: jax.Array  # [Lg, B, W-1, C]
-    ssm: jax.Array  # [Lg, B, Hv, Dk, Dv]
+    conv: tuple[jax.Array, ...]  # Lg x [B, W-1, C]
+    ssm: tuple[jax.Array, ...]  # Lg x [B, Hv, Dk, Dv]
     page_table: jax.Array  # [B, Pmax] int32
     lengths: jax.Array  # [B] int32
 
@@ -58,14 +64,14 @@ def state_shapes(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, p
     """Abstract (ShapeDtypeStruct) state; the one place that states every shape and dtype."""
     s = jax.ShapeDtypeStruct
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
-    kv = lambda layers: PagedKV(s((layers, num_pages, page_size, hkv, d), dtype),
-                                s((layers, num_pages, page_size, hkv, d), dtype))
+    pages = lambda layers: tuple(s((num_pages, page_size, hkv, d), dtype) for _ in range(layers))
+    lg = cfg.num_linear_layers
     return DecodeState(
-        kv=kv(cfg.num_full_layers),
-        mtp_kv=kv(cfg.mtp_layers),
-        conv=s((cfg.num_linear_layers, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
-        ssm=s((cfg.num_linear_layers, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-               cfg.linear_value_head_dim), jnp.dtype(cfg.ssm_dtype)),
+        kv=PagedKV(pages(cfg.num_full_layers), pages(cfg.num_full_layers)),
+        mtp_kv=PagedKV(pages(cfg.mtp_layers), pages(cfg.mtp_layers)),
+        conv=tuple(s((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype) for _ in range(lg)),
+        ssm=tuple(s((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                    jnp.dtype(cfg.ssm_dtype)) for _ in range(lg)),
         page_table=s((batch, pages_per_seq), jnp.int32),
         lengths=s((batch,), jnp.int32),
     )
@@ -82,6 +88,6 @@ def init_state(cfg: ModelConfig, page_table: np.ndarray, num_pages: int, page_si
 
 def state_bytes(state: DecodeState) -> dict[str, int]:
     """Bytes of each part of the state (for reports)."""
-    size = lambda a: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-    return {"kv": size(state.kv.k) * 2, "mtp_kv": size(state.mtp_kv.k) * 2,
-            "conv": size(state.conv), "ssm": size(state.ssm)}
+    size = lambda tree: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                            for a in jax.tree_util.tree_leaves(tree))
+    return {"kv": size(state.kv), "mtp_kv": size(state.mtp_kv), "conv": size(state.conv), "ssm": size(state.ssm)}

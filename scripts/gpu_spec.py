@@ -39,7 +39,7 @@ def compiled_memory(model, prompts, k: int) -> dict:
     max_new = jnp.full((b,), n, jnp.int32)
     first = jnp.zeros((b,), jnp.int32)
     if k:
-        mh = jnp.zeros((b, model.cfg.hidden_size), state.conv.dtype)
+        mh = jnp.zeros((b, model.cfg.hidden_size), state.kv.k[0].dtype)
         lowered = speculate.spec_loop.lower(model.cfg, speculate.SpecConfig(k, n, ()), model.params, state, first,
                                             first, mh, max_new, jnp.full((1, b), k, jnp.int32))
     else:

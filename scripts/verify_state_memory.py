@@ -40,7 +40,7 @@ def main(argv):
             n = jax.ShapeDtypeStruct((b,), jnp.int32)
             _, _, replay = jax.eval_shape(
                 lambda p, s, t, nv: model.forward(cfg, p, s, t, nv, return_gdn_replay=True), params, state, tokens, n)
-            per_position = cfg.num_linear_layers * b * (k + 1) * int(np.prod(state.ssm.shape[2:])) * 4
+            per_position = cfg.num_linear_layers * b * (k + 1) * int(np.prod(state.ssm[0].shape[1:])) * 4
             rows.append({"batch": b, "k": k, "replay_bytes": nbytes(replay), "per_position_states_bytes": per_position,
                          "ssm_state_bytes": nbytes(state.ssm), "conv_state_bytes": nbytes(state.conv)})
             print(json.dumps(rows[-1]), flush=True)

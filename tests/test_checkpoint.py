@@ -44,14 +44,15 @@ def test_fused_qkvz_and_ba_row_order_from_the_spec():
 
 def test_loads_nested_layout_with_stacks_and_dtypes(ckpt):
     cfg, params = checkpoint.load(ckpt, dtype="bfloat16")
-    assert params["gdn"]["in_proj_qkv"].shape == (2, cfg.conv_dim, 64)
-    assert params["attn"]["q_proj"].shape == (2, 2 * 4 * 32, 64)
-    assert params["gdn"]["conv"].shape == (2, cfg.conv_dim, 4)
-    assert params["gdn"]["A_log"].dtype == np.float32 and params["gdn"]["dt_bias"].dtype == np.float32
+    assert len(params["gdn"]) == len(params["attn"]) == 2 and len(params["mtp"]["layers"]) == 1
+    assert params["gdn"][1]["in_proj_qkv"].shape == (cfg.conv_dim, 64)
+    assert params["attn"][0]["q_proj"].shape == (2 * 4 * 32, 64)
+    assert params["gdn"][0]["conv"].shape == (cfg.conv_dim, 4)
+    assert params["gdn"][0]["A_log"].dtype == np.float32 and params["gdn"][1]["dt_bias"].dtype == np.float32
     assert params["final_norm"].dtype == np.float32 and params["embed"].dtype.name == "bfloat16"
-    assert params["mtp"]["layers"]["q_proj"].shape == (1, 256, 64) and "fc" in params["mtp"]
+    assert params["mtp"]["layers"][0]["q_proj"].shape == (256, 64) and "fc" in params["mtp"]
     raw = load_file(os.path.join(ckpt, "model.safetensors"))
-    np.testing.assert_array_equal(np.asarray(params["attn"]["k_proj"][1], np.float32),
+    np.testing.assert_array_equal(np.asarray(params["attn"][1]["k_proj"], np.float32),
                                   raw[PREFIX + "layers.3.self_attn.k_proj.weight"].astype("bfloat16").astype(np.float32))
 
 
@@ -104,24 +105,16 @@ def _split(ckpt, with_index: bool, duplicate: bool = False):
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def test_sharded_checkpoint_loads_the_same_params(ckpt, tmp_path):
+def test_sharded_checkpoint_loads_the_same_params(ckpt):
+    import jax
     _, single = checkpoint.load(ckpt, dtype="float32")
     _split(ckpt, with_index=True)
     _, sharded = checkpoint.load(ckpt, dtype="float32")
-    flat1, flat2 = (P_.items() for P_ in (_flatten(single), _flatten(sharded)))
-    for (k1, a), (k2, b) in zip(sorted(flat1), sorted(flat2)):
-        assert k1 == k2
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _flatten(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, prefix + k + "/"))
-        else:
-            out[prefix + k] = v
-    return out
+    flat1, tree1 = jax.tree_util.tree_flatten_with_path(single)
+    flat2, tree2 = jax.tree_util.tree_flatten_with_path(sharded)
+    assert tree1 == tree2
+    for (path, a), (_, b) in zip(flat1, flat2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
 def test_duplicated_tensor_across_shards(ckpt):

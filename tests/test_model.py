@@ -35,7 +35,7 @@ def kv_by_position(state, b, n):
     """Contiguous [La, n, Hkv, D] keys of sequence b, read through its page table."""
     s = state.kv.page_size
     table = np.asarray(state.page_table)[b]
-    k = np.asarray(state.kv.k)
+    k = np.stack([np.asarray(layer) for layer in state.kv.k])
     return np.stack([k[:, table[p // s], p % s] for p in range(n)], axis=1)
 
 
@@ -55,8 +55,8 @@ def test_prefill_then_decode_equals_longer_prefill(tiny, page_size):
     h_inc = jnp.concatenate([h_part, jnp.stack(steps, 1)], axis=1)
     logits = lambda h: model_lib.logits_from_hidden(params, h, "ref")
     assert_close(logits(h_inc), logits(h_full), F32_MODEL, "logits")
-    assert_close(part.ssm, full.ssm, F32_MODEL, "ssm state")
-    assert_close(part.conv, full.conv, F32_MODEL, "conv state")
+    assert_close(np.stack(part.ssm), np.stack(full.ssm), F32_MODEL, "ssm state")
+    assert_close(np.stack(part.conv), np.stack(full.conv), F32_MODEL, "conv state")
     assert_close(kv_by_position(part, 0, len(ids)), kv_by_position(full, 0, len(ids)), F32_MODEL, "kv")
     assert int(part.lengths[0]) == int(full.lengths[0]) == len(ids)
 
@@ -85,7 +85,7 @@ def test_page_layout_and_nan_poisoned_pool_do_not_change_logits(tiny):
     base = fresh_state(tiny, [len(ids)], 7)
     _, h_base, _ = decode.prefill(cfg, params, base, jnp.asarray([ids]), jnp.asarray([len(ids)]))
     poisoned = fresh_state(tiny, [len(ids)], 4, extra_pages=5, shuffle=True)
-    nan = lambda: jnp.full(poisoned.kv.k.shape, jnp.nan, poisoned.kv.k.dtype)
+    nan = lambda: tuple(jnp.full(a.shape, jnp.nan, a.dtype) for a in poisoned.kv.k)
     poisoned = dataclasses.replace(poisoned, kv=PagedKV(nan(), nan()))
     _, h_pois, _ = decode.prefill(cfg, params, poisoned, jnp.asarray([ids]), jnp.asarray([len(ids)]))
     assert_close(h_pois, h_base, F32_MODEL, "hidden with NaN pool and shuffled pages")

@@ -90,7 +90,8 @@ def _run_plain(model, prompts, max_new):
 
 def _kv(state, b, n):
     s, table = state.kv.page_size, np.asarray(state.page_table)[b]
-    return np.stack([np.asarray(state.kv.k)[:, table[p // s], p % s] for p in range(n)], axis=1)
+    k = np.stack([np.asarray(layer) for layer in state.kv.k])
+    return np.stack([k[:, table[p // s], p % s] for p in range(n)], axis=1)
 
 
 @pytest.mark.parametrize("a", [0, 1, 2, 3])
@@ -103,8 +104,8 @@ def test_forced_acceptance_length_gives_plain_tokens_and_state(controlled, a):
     np.testing.assert_array_equal(out, want)
     assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
     np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(plain_state.lengths))
-    assert_close(state.ssm, plain_state.ssm, F32_MODEL, f"ssm after a={a}")
-    assert_close(state.conv, plain_state.conv, F32_MODEL, f"conv after a={a}")
+    assert_close(np.stack(state.ssm), np.stack(plain_state.ssm), F32_MODEL, f"ssm after a={a}")
+    assert_close(np.stack(state.conv), np.stack(plain_state.conv), F32_MODEL, f"conv after a={a}")
     for b, p in enumerate(prompts):
         n = len(p) + max_new - 1
         assert_close(_kv(state, b, n), _kv(plain_state, b, n), F32_MODEL, f"kv seq {b}")
@@ -123,14 +124,14 @@ def test_commit_equals_recurrence_over_committed_tokens_and_ignores_poisoned_rej
         for name in ("q", "k", "v", "g", "beta"):
             poisoned[name][:, bi, n:] = np.nan  # rejected positions
     ssm0 = rnd(lg, b, hv, dk, dv)
-    conv, ssm = model_lib.commit_gdn({n: jnp.asarray(a) for n, a in poisoned.items()}, jnp.asarray(ssm0),
-                                     jnp.asarray(n_keep))
+    per_layer = tuple({n: jnp.asarray(a[layer]) for n, a in poisoned.items()} for layer in range(lg))
+    conv, ssm = model_lib.commit_gdn(per_layer, tuple(jnp.asarray(s) for s in ssm0), jnp.asarray(n_keep))
     for layer in range(lg):
         for bi, n in enumerate(n_keep):
             args = [replay[name][layer, bi:bi + 1, :n] for name in ("q", "k", "v", "g", "beta")]
             _, want = gdn.gdn_recurrence_ref(*map(jnp.asarray, args), jnp.asarray(ssm0[layer, bi:bi + 1]))
-            assert_close(np.asarray(ssm)[layer, bi], np.asarray(want)[0], F32_RECURRENCE, "committed ssm")
-            np.testing.assert_array_equal(np.asarray(conv)[layer, bi], replay["window"][layer, bi, n:n + w - 1])
+            assert_close(np.asarray(ssm[layer])[bi], np.asarray(want)[0], F32_RECURRENCE, "committed ssm")
+            np.testing.assert_array_equal(np.asarray(conv[layer])[bi], replay["window"][layer, bi, n:n + w - 1])
 
 
 def _numpy_mtp_logits(ckpt_dir, ids, hidden, cfg):
