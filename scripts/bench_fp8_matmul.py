@@ -54,18 +54,6 @@ def timed(fn, *args, trials):
     return statistics.median(times), min(times)
 
 
-def copy_bandwidth(trials: int, gib: float) -> dict:
-    import jax
-    import jax.numpy as jnp
-    n = int(gib * (1 << 28))  # f32 elements
-    x = jnp.zeros((n,), jnp.float32)
-    med, best = timed(jax.jit(lambda a: a + 1), x, trials=max(trials, 10))
-    del x
-    nbytes = 2 * n * 4  # read + write
-    return {"bytes": nbytes, "median_s": med, "best_s": best, "tb_per_s": nbytes / med / 1e12,
-            "tb_per_s_best": nbytes / best / 1e12}
-
-
 def make_weights(o: int, i: int, n: int, seed: int):
     """n different [O, I] E4M3 weights with realistic values and [ceil(O/128), ceil(I/128)] scales."""
     import jax
@@ -125,6 +113,7 @@ def candidate_configs(m: int):
 
 
 def main(argv):
+    from qmtp.bandwidth import copy_bandwidth
     del argv
     import jax
     import jax.numpy as jnp
@@ -134,7 +123,7 @@ def main(argv):
 
     results = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
                "n_weights": FLAGS.n_weights, "reps": FLAGS.reps, "cases": []}
-    copy = copy_bandwidth(FLAGS.trials, FLAGS.copy_gib)
+    copy = copy_bandwidth(FLAGS.copy_gib, max(FLAGS.trials, 10))
     results["copy"] = copy
     print(json.dumps({"copy": copy}), flush=True)
     calls = FLAGS.reps * FLAGS.n_weights

@@ -70,22 +70,6 @@ def timed(step, carry, consts, repeats: int):
     return carry, {"median_s": statistics.median(times), "best_s": min(times), "first_call_s": first}
 
 
-def copy_bandwidth() -> dict:
-    import jax
-    import jax.numpy as jnp
-    x = jnp.zeros((1 << 30,), jnp.float32)  # 4 GiB
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    best = min(times)
-    del x
-    return {"bytes": 2 * (1 << 32), "best_s": best, "tb_per_s": 2 * (1 << 32) / best / 1e12}
-
-
 def gdn_inputs(key, b: int, t: int):
     """Model-like inputs: q, k L2-normalised (q * Dk^-0.5), g < 0, 0 < beta < 1, state ~ N(0, 0.25)."""
     import jax
@@ -259,6 +243,7 @@ def bench_prefill(results: dict) -> None:
 
 
 def main(argv):
+    from qmtp.bandwidth import copy_bandwidth
     import jax
     results = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
                "device_kind": jax.devices()[0].device_kind}

@@ -44,16 +44,6 @@ def timed(fn, *args, iters: int) -> float:
     return best
 
 
-def copy_bandwidth(iters: int, log2_elems: int) -> dict:
-    n = 2 ** log2_elems
-    x = jnp.zeros((n,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    sec = timed(f, x, iters=iters)
-    del x
-    nbytes = 2 * 4 * n
-    return {"bytes": nbytes, "seconds": sec, "GBps": nbytes / sec / 1e9}
-
-
 def make_case(rng, b, t, context, hq, hkv, d, s, layers, dtype):
     pmax = -(-context // s)
     n_pages = b * pmax
@@ -87,6 +77,7 @@ def make_program(attn, layers: int, reps: int):
 
 
 def main() -> None:
+    from qmtp.bandwidth import copy_bandwidth
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--b", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--t", type=int, nargs="*", default=[1, 5])
@@ -115,8 +106,8 @@ def main() -> None:
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "config": vars(config),
               "shape": {"hq": args.hq, "hkv": args.hkv, "d": args.d, "page_size": args.page_size,
                         "dtype": jnp.dtype(dtype).name},
-              "copy": copy_bandwidth(args.iters, args.copy_log2_elems), "cases": []}
-    copy_gbps = report["copy"]["GBps"]
+              "copy": copy_bandwidth(2 ** args.copy_log2_elems / (1 << 28), max(args.iters, 3)), "cases": []}
+    copy_gbps = report["copy"]["tb_per_s"] * 1e3
     rng = np.random.default_rng(0)
     for b in args.b:
         for t in args.t:

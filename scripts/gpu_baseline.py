@@ -23,21 +23,6 @@ flags.DEFINE_integer("new_tokens", 32, "Tokens generated per run.")
 FLAGS = flags.FLAGS
 
 
-def copy_bandwidth() -> dict:
-    import jax
-    import jax.numpy as jnp
-    x = jnp.zeros((1 << 30,), jnp.float32)  # 4 GiB
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    best = min(times)
-    return {"bytes": 2 * x.nbytes, "best_s": best, "tb_per_s": 2 * x.nbytes / best / 1e12}
-
-
 def peak_memory() -> int | None:
     import jax
     stats = jax.devices()[0].memory_stats() or {}
@@ -67,6 +52,7 @@ def run_case(name: str, preset: str, dtype: str, num_layers, compute_dtype: str)
 
 
 def main(argv):
+    from qmtp.bandwidth import copy_bandwidth
     import jax
     results = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
                "copy": copy_bandwidth(), "cases": []}
