@@ -172,29 +172,35 @@ def _block_v(dv: int, config: RecurrenceConfig) -> int:
     return bv
 
 
-def _recurrence_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, n_tokens: int):
-    # q_ref, k_ref [T, Dk]; v_ref, o_ref [T, BV]; g_ref, beta_ref [T]; s_ref, s_out_ref [Dk, BV]
-    f32 = jnp.float32
+def _delta_update(s, k_t, v_t, g_t, b_t):
+    """One token's state update on a [Dk, BV] f32 tile: decay, delta, rank-1 update."""
+    s = s * jnp.exp(g_t)  # g = 0: exact identity
+    u = v_t - jnp.sum(s * k_t[:, None], axis=0)  # [BV]
+    return s + k_t[:, None] * (b_t * u)[None, :]  # k = 0 or beta = 0: adds exact zeros
 
-    def token(t, s):
-        q_t = q_ref[t, :].astype(f32)
-        k_t = k_ref[t, :].astype(f32)
-        v_t = v_ref[t, :].astype(f32)
-        g_t = g_ref[t].astype(f32)
-        b_t = beta_ref[t].astype(f32)
-        s = s * jnp.exp(g_t)  # g = 0: exact identity
-        u = v_t - jnp.sum(s * k_t[:, None], axis=0)  # [BV]
-        s = s + k_t[:, None] * (b_t * u)[None, :]  # k = 0 or beta = 0: adds exact zeros
-        o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)  # q never reaches s
-        return s
 
-    s = s_ref[...].astype(f32)
+def _run_tokens(token, s_ref, s_out_ref, n_tokens: int) -> None:
+    """Runs token(t, s) -> s over the tokens with the state tile in registers; unrolled when short."""
+    s = s_ref[...].astype(jnp.float32)
     if n_tokens <= MAX_UNROLLED_TOKENS:
         for t in range(n_tokens):
             s = token(t, s)
     else:
         s = jax.lax.fori_loop(0, n_tokens, token, s)
     s_out_ref[...] = s.astype(s_out_ref.dtype)
+
+
+def _recurrence_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, n_tokens: int):
+    # q_ref, k_ref [T, Dk]; v_ref, o_ref [T, BV]; g_ref, beta_ref [T]; s_ref, s_out_ref [Dk, BV]
+    f32 = jnp.float32
+
+    def token(t, s):
+        s = _delta_update(s, k_ref[t, :].astype(f32), v_ref[t, :].astype(f32), g_ref[t].astype(f32),
+                          beta_ref[t].astype(f32))
+        o_ref[t, :] = jnp.sum(s * q_ref[t, :].astype(f32)[:, None], axis=0).astype(o_ref.dtype)  # q never reaches s
+        return s
+
+    _run_tokens(token, s_ref, s_out_ref, n_tokens)
 
 
 def _check_kernel_inputs(q, k, v, g, beta, state, config: RecurrenceConfig) -> int:
@@ -300,25 +306,13 @@ def _gated_kernel(q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s
     def token(t, s):
         x = a_ref[t].astype(f32) + dt_bias
         softplus = jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-        g_t = decay * softplus
         b_t = 1.0 / (1.0 + jnp.exp(-b_ref[t].astype(f32)))
-        q_t = q_ref[t, :].astype(f32)
-        k_t = k_ref[t, :].astype(f32)
-        v_t = v_ref[t, :].astype(f32)
-        new = s * jnp.exp(g_t)
-        u = v_t - jnp.sum(new * k_t[:, None], axis=0)
-        new = new + k_t[:, None] * (b_t * u)[None, :]
+        new = _delta_update(s, k_ref[t, :].astype(f32), v_ref[t, :].astype(f32), decay * softplus, b_t)
         s = jnp.where(t < n_valid, new, s)  # padding: the old state, bit for bit
-        o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
+        o_ref[t, :] = jnp.sum(s * q_ref[t, :].astype(f32)[:, None], axis=0).astype(o_ref.dtype)
         return s
 
-    s = s_ref[...].astype(f32)
-    if n_tokens <= MAX_UNROLLED_TOKENS:
-        for t in range(n_tokens):
-            s = token(t, s)
-    else:
-        s = jax.lax.fori_loop(0, n_tokens, token, s)
-    s_out_ref[...] = s.astype(s_out_ref.dtype)
+    _run_tokens(token, s_ref, s_out_ref, n_tokens)
 
 
 def gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, *, interpret: bool = False,
