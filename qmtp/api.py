@@ -132,7 +132,7 @@ def _check_sampling(temperature: float) -> None:
                          "random sampling is not implemented")
 
 
-def _cap_schedule(accept_cap, rounds: int, batch: int, k: int) -> jax.Array:
+def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
     """None (no cap) | int | [R] | [R, B] -> int32 [R', B] caps on accepted drafts per round."""
     if accept_cap is None:
         return jnp.full((1, batch), k, jnp.int32)
@@ -168,7 +168,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     capacities = [len(p) + max_new_tokens + (mtp_k + 1 if mtp_k else 0) for p in prompt_ids]
     tokens, n_valid = _prompt_batch(prompt_ids)
     max_new = jnp.full((batch,), max_new_tokens, jnp.int32)
-    cap = _cap_schedule(accept_cap, max_new_tokens, batch, mtp_k) if mtp_k else None
+    cap = _cap_schedule(accept_cap, batch, mtp_k) if mtp_k else None
 
     def run(limit):
         state = _new_state(model, capacities)

@@ -202,6 +202,8 @@ def test_sampling_and_bad_k_are_refused(random_ckpt):
         qmtp.generate(random_ckpt, PROMPTS[:1], temperature=0.7)
     with pytest.raises(ValueError, match="mtp_k=5: supported 1..4"):
         qmtp.generate(random_ckpt, PROMPTS[:1], mtp_k=5)
+    with pytest.raises(ValueError, match=r"accept_cap: expected ints in \[0, 2\]"):
+        qmtp.generate(random_ckpt, PROMPTS[:1], mtp_k=2, accept_cap=3)
 
 
 def test_acceptance_schedule_reproduces_the_profile():
