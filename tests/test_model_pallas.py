@@ -20,3 +20,14 @@ def test_pallas_impl_matches_ref_logits_and_mtp_tokens():
     want = qmtp.generate(ref, prompts, max_new_tokens=6, stop_token_ids=[], mtp_k=2)
     got = qmtp.generate(pallas, prompts, max_new_tokens=6, stop_token_ids=[], mtp_k=2)
     assert got.tokens == want.tokens
+
+
+def test_pallas_impl_on_an_fp8_checkpoint_matches_ref(tmp_path):
+    from qmtp.tools import make_checkpoint
+    path = make_checkpoint.write_checkpoint(str(tmp_path / "fp8"), "tiny", "fp8", seed=2)
+    ref = qmtp.load(path, dtype="float32")
+    pallas = dataclasses.replace(ref, impl="pallas")
+    ids = list(range(3, 24))
+    assert_close(qmtp.target_logits(pallas, ids), qmtp.target_logits(ref, ids), F32_MODEL, "fp8 logits")
+    want = qmtp.generate(ref, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=1)
+    assert qmtp.generate(pallas, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=1).tokens == want.tokens
