@@ -13,7 +13,6 @@ Margins measured are printed (pytest -s) as "margin[...]" lines.
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import math
 import os
@@ -343,18 +342,12 @@ def test_numpy_mtp_acceptance_on_generated_text(models, pi, kind):
 
 
 # --------------------------------------------------------------------------------------------------
-# the engine's MTP head (qmtp.api.mtp_logits / generate(mtp_k=...)); skipped only while absent
+# the engine's MTP head (qmtp.api.mtp_logits / generate(mtp_k=...))
 # --------------------------------------------------------------------------------------------------
-
-
-def _needs_engine_mtp():
-    if not hasattr(api, "mtp_logits"):
-        pytest.skip("qmtp.api.mtp_logits not available yet")
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_engine_mtp_logits(models, pi, kind):
-    _needs_engine_mtp()
     m = models[kind]
     ids = prompts(pi)["all_ids_0"][:N_MTP]
     r = api.mtp_logits(m, ids)
@@ -369,7 +362,6 @@ def test_engine_mtp_logits(models, pi, kind):
 
 
 def test_engine_mtp_with_swapped_fc_halves_is_always_wrong(ckpts, pi, tmp_path):
-    _needs_engine_mtp()
     bad = str(tmp_path / "swapped")
     shutil.copytree(ckpts["fp32"], bad)
     path = os.path.join(bad, "model.safetensors")
@@ -387,8 +379,6 @@ def test_engine_mtp_with_swapped_fc_halves_is_always_wrong(ckpts, pi, tmp_path):
 
 @pytest.mark.parametrize("kind", ["bf16"])
 def test_engine_speculative_generation_accepts_everything(models, pi, kind):
-    if "mtp_k" not in inspect.signature(api.generate).parameters:
-        pytest.skip("qmtp.api.generate has no mtp_k yet")
     prompt = follow(pi, 9, 20)
     res = api.generate(models[kind], [prompt], max_new_tokens=24, mtp_k=3)
     assert res.tokens[0] == follow(pi, prompt[-1], 25)[1:]
@@ -455,7 +445,6 @@ def test_27b_controlled_slice_forward(tmp_path):
     assert np.array_equal(np.argmax(logits, -1), pi[ids]) and not logits[:, LIVE:].any()
     report("target 27B 2-layer fp8", margin(logits))
     assert margin(logits).min() > MIN_TARGET_MARGIN
-    if hasattr(api, "mtp_logits"):
-        r = api.mtp_logits(m, ids)
-        assert r.agreement == 1.0 and np.array_equal(r.draft_argmax, pi[ids[1:]])
-        report("engine MTP 27B 2-layer fp8", margin(r.logits))
+    r = api.mtp_logits(m, ids)
+    assert r.agreement == 1.0 and np.array_equal(r.draft_argmax, pi[ids[1:]])
+    report("engine MTP 27B 2-layer fp8", margin(r.logits))
