@@ -55,7 +55,7 @@ import numpy as np
 from qmtp import params
 from qmtp.config import FULL, LINEAR, ModelConfig
 from qmtp.tools import tiny_tokenizer
-from qmtp.tools.fast_random import (FAST_CODE_STD, HashedNormal, _hash_words,  # noqa: F401 (re-exported)
+from qmtp.tools.fast_random import (FAST_CODE_STD, HashedNormal, WeightValue, _hash_words,  # noqa: F401
                                    fast_bf16_normal, fast_fp8_normal)
 
 GENERATOR_VERSION = 1  # bump whenever a preset's config or weights change (part of the cache key)
