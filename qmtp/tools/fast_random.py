@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import statistics
 from concurrent.futures import ThreadPoolExecutor
