@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -65,10 +64,3 @@ def dequantize_np(q: np.ndarray, scale: np.ndarray, block: int = FP8_BLOCK) -> n
     """E4M3 [..., O, I] with scale grid -> float32 [..., O, I]."""
     o, i = q.shape[-2:]
     return q.astype(np.float32) * _expand_np(np.asarray(scale, np.float32), o, i, block)
-
-
-def dequantize(w: Fp8Block, dtype=jnp.float32, block: int = FP8_BLOCK) -> jax.Array:
-    """jnp twin of dequantize_np; materializes the full weight (reference path only)."""
-    o, i = w.weight.shape[-2:]
-    s = jnp.repeat(jnp.repeat(w.scale.astype(jnp.float32), block, axis=-2), block, axis=-1)[..., :o, :i]
-    return (w.weight.astype(jnp.float32) * s).astype(dtype)

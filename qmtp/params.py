@@ -25,8 +25,6 @@ the tree, its HF shape and its role. The loader and the synthetic checkpoint wri
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
-
 from qmtp.config import ModelConfig
 
 # Roles of checkpoint tensors.
@@ -159,13 +157,6 @@ def fused_ba_rows(cfg: ModelConfig) -> tuple[list[int], list[int]]:
         b += range(g * 2 * r, g * 2 * r + r)
         a += range(g * 2 * r + r, (g + 1) * 2 * r)
     return b, a
-
-
-def iter_linear_keys(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
-    """(group, key) of every linear weight in the param tree."""
-    for entry in tensor_table(cfg):
-        if entry.role == LINEAR:
-            yield entry.group, entry.key
 
 
 def abstract_params(cfg: ModelConfig, dtype, fp8_linear: bool = False) -> dict:
