@@ -190,6 +190,15 @@ def _run_tokens(token, s_ref, s_out_ref, n_tokens: int) -> None:
     s_out_ref[...] = s.astype(s_out_ref.dtype)
 
 
+def _block_specs(t: int, dk: int, bv: int, r: int):
+    """Grid (B, Hv, Dv/BV) blocks: q/k of key head h // r, v/o tiles, per-token gates, state tile."""
+    sq = pl.squeezed
+    return (pl.BlockSpec((sq, t, sq, dk), lambda ib, ih, iv: (ib, 0, ih // r, 0)),
+            pl.BlockSpec((sq, t, sq, bv), lambda ib, ih, iv: (ib, 0, ih, iv)),
+            pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, ih)),
+            pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv)))
+
+
 def _recurrence_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, n_tokens: int):
     # q_ref, k_ref [T, Dk]; v_ref, o_ref [T, BV]; g_ref, beta_ref [T]; s_ref, s_out_ref [Dk, BV]
     f32 = jnp.float32
@@ -234,12 +243,8 @@ def gdn_recurrence(q, k, v, g, beta, state, *, interpret: bool = False,
     state = state.astype(jnp.float32)
     if t == 0:
         return jnp.zeros((b, 0, hv, dv), jnp.float32), state
-    sq = pl.squeezed
     kernel = functools.partial(_recurrence_kernel, n_tokens=t)
-    qk_spec = pl.BlockSpec((sq, t, sq, dk), lambda ib, ih, iv: (ib, 0, ih // r, 0))
-    tv_spec = pl.BlockSpec((sq, t, sq, bv), lambda ib, ih, iv: (ib, 0, ih, iv))
-    gate_spec = pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, ih))
-    s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+    qk_spec, tv_spec, gate_spec, s_spec = _block_specs(t, dk, bv, r)
     o, final = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((b, t, hv, dv), jnp.float32),
@@ -330,12 +335,9 @@ def gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, *, inter
     if t == 0:
         return jnp.zeros((bsz, 0, hv, dv), jnp.float32), state
     sq = pl.squeezed
-    qk_spec = pl.BlockSpec((sq, t, sq, dk), lambda ib, ih, iv: (ib, 0, ih // r, 0))
-    tv_spec = pl.BlockSpec((sq, t, sq, bv), lambda ib, ih, iv: (ib, 0, ih, iv))
-    gate_spec = pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, ih))
+    qk_spec, tv_spec, gate_spec, s_spec = _block_specs(t, dk, bv, r)
     head_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ih,))
     batch_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ib,))
-    s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
     return pl.pallas_call(
         functools.partial(_gated_kernel, n_tokens=t),
         out_shape=(jax.ShapeDtypeStruct((bsz, t, hv, dv), jnp.float32),

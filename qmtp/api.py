@@ -195,7 +195,6 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     if warmup:
         t0 = time.perf_counter()
         run(1)  # compiles prefill and the loop (the loop's shapes do not depend on the limit)
-        run(2)
         warmup_s = time.perf_counter() - t0
     out, count, extra, ttft, decode_s = run(max_new_tokens)
     out, count = np.asarray(out), np.asarray(count)
