@@ -86,7 +86,9 @@ class DecodeConfig:
     [16, 128]); split_k: programs along I, each summing a contiguous run of 128-column chunks (f32
     partials reduced by XLA); use_dot: tensor-core dot (rows padded to 16) or, for M == 1 only, f32
     multiply + row sums; swap_ab: dot(W, x^T) instead of dot(x, W^T); num_warps / num_stages:
-    Triton launch parameters (stages pipeline the chunk loop's loads)."""
+    Triton launch parameters (stages pipeline the chunk loop's loads); chunks_per_step: 128-column
+    chunks loaded per loop iteration (more bytes in flight per program; a remainder runs one chunk
+    at a time)."""
 
     block_o: int = 64
     split_k: int = 1
@@ -94,6 +96,7 @@ class DecodeConfig:
     swap_ab: bool = True
     num_warps: int = 4
     num_stages: int = 4
+    chunks_per_step: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +204,7 @@ def _decode_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, bm, cfg: DecodeConfig
     m_ok = jnp.arange(bm) < m if bm != m else None
     o_major = cfg.swap_ab  # dot accumulator [bo, bm] instead of [bm, bo]
 
-    def body(c, acc):
+    def chunk(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         xm, wm = _mask2(m_ok, cols_ok), _mask2(rows_ok, cols_ok)
@@ -214,10 +217,20 @@ def _decode_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, bm, cfg: DecodeConfig
         wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float32)
         return acc + wc * (xc.astype(jnp.float32) * s)
 
+    u = cfg.chunks_per_step
     c0 = pk * chunks_per_split
     c1 = jnp.minimum(c0 + chunks_per_split, n_chunks)
     acc_shape = (bo, bm) if cfg.use_dot and o_major else (bm, bo) if cfg.use_dot else (bo, BLOCK)
-    acc = jax.lax.fori_loop(c0, c1, body, jnp.zeros(acc_shape, jnp.float32))
+    acc = jnp.zeros(acc_shape, jnp.float32)
+    if u > 1:  # u chunks per iteration, then the remainder one at a time
+        def group(g, acc):
+            for j in range(u):
+                acc = chunk(c0 + g * u + j, acc)
+            return acc
+        n_groups = (c1 - c0) // u
+        acc = jax.lax.fori_loop(0, n_groups, group, acc)
+        c0 = c0 + n_groups * u
+    acc = jax.lax.fori_loop(c0, c1, chunk, acc)
     if not cfg.use_dot:
         acc = jnp.sum(acc, axis=1)[None, :]  # [1, bo]
     elif o_major:
@@ -258,6 +271,8 @@ def _check_config(config, m: int) -> None:
             raise ValueError(f"fp8_matmul: DecodeConfig(use_dot=False) is for one row, got M={m}")
         if c.split_k < 1:
             raise ValueError(f"fp8_matmul: DecodeConfig.split_k={c.split_k} must be >= 1")
+        if c.chunks_per_step < 1:
+            raise ValueError(f"fp8_matmul: DecodeConfig.chunks_per_step={c.chunks_per_step} must be >= 1")
     elif isinstance(config, PrefillConfig):
         c = config
         if not (_is_pow2(c.block_m) and c.block_m >= DOT_MIN):

@@ -182,6 +182,10 @@ CONFIGS = {  # name: (config, rows)
     "decode_split2_bo128": (DecodeConfig(block_o=128, split_k=2), [5]),
     "decode_split3_bo16": (DecodeConfig(block_o=16, split_k=3), [3]),  # uneven chunk runs
     "decode_split8": (DecodeConfig(split_k=8), [4]),  # more splits than chunks: clipped
+    # 3 chunks (I = 300 / 129 -> 3 / 2 chunks): a group of 2 and a remainder of 1, or only a remainder
+    "decode_fma_unroll2": (DecodeConfig(block_o=32, use_dot=False, chunks_per_step=2), [1]),
+    "decode_dot_unroll2_split2": (DecodeConfig(split_k=2, chunks_per_step=2), [5]),
+    "decode_dot_unroll4": (DecodeConfig(block_o=16, chunks_per_step=4), [2, 16]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -279,6 +283,7 @@ def _bad(**kw):
     (dict(config=DecodeConfig(block_o=256)), r"block_o=256"),
     (dict(config=DecodeConfig(use_dot=False)), r"use_dot=False\) is for one row, got M=3"),
     (dict(config=DecodeConfig(split_k=0)), r"split_k=0"),
+    (dict(config=DecodeConfig(chunks_per_step=0)), r"chunks_per_step=0 must be >= 1"),
     (dict(config=PrefillConfig(block_m=8)), r"block_m=8 must be a power of two >= 16"),
     (dict(config=PrefillConfig(block_n=256)), r"block_n=256"),
     (dict(config=PrefillConfig(num_warps=0)), r"num_warps and num_stages must be >= 1"),

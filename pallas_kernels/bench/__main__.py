@@ -1,0 +1,90 @@
+"""`python -m pallas_kernels.bench`: the kernels at the Qwen3.5-27B shapes on the GPU, in one run.
+
+Prints, in one process: the copy bandwidth (the ceiling every figure is a share of), then for each
+part the Pallas kernel's time, achieved bandwidth (or TFLOP/s for prefill GEMMs) and share of the
+copy bandwidth next to the XLA path on the same shapes, and a summary table at the end. Every row
+is also written to --out as it is measured (a run cut by a time limit keeps what it measured).
+
+Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at 1-16 rows, prefill rows against
+XLA's bf16 matmul), gdn (decode/verify recurrence at batch 1-16, chunked prefill), attention (paged
+attention for 1..K+1 queries at 1K-32K context), step (the whole 64-layer target decode step,
+impl=pallas vs impl=ref, batch 1, against the roofline). `--quick --interpret` runs a CPU smoke
+test of the harness (no figures mean anything there).
+
+    JAX_PLATFORMS=cuda PYTHONPATH=. python -m pallas_kernels.bench --out=$OUT/bench.json
+    JAX_PLATFORMS=cuda PYTHONPATH=. python -m pallas_kernels.bench --parts=fp8 --fp8_sweep
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+PARTS = ("fp8", "gdn", "attention", "step")
+
+flags.DEFINE_list("parts", list(PARTS), f"Which parts to run, in order: any of {', '.join(PARTS)}.")
+flags.DEFINE_string("out", "bench.json", "JSON file with every row, the copy bandwidth and the versions.")
+flags.DEFINE_bool("quick", False, "Minimal cases and sizes (with --interpret: a CPU smoke test of the harness).")
+flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in interpret mode (CPU; figures are meaningless).")
+flags.DEFINE_bool("fp8_sweep", False, "fp8: also time candidate tile configs (a few seconds of compile each).")
+flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmul, and bf16 weights).")
+flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
+flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step).")
+flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
+flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
+flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
+flags.DEFINE_list("step_impls", ["pallas", "ref"], "step: implementations to time.")
+flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from pallas_kernels.bench import common
+    from qmtp.bandwidth import copy_bandwidth
+
+    unknown = [p for p in FLAGS.parts if p not in PARTS]
+    if unknown:
+        print(f"error: --parts: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    rec = common.Recorder(FLAGS.out, {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+                                      "flags": {f: getattr(FLAGS, f) for f in ("parts", "quick", "interpret")}})
+    copy = copy_bandwidth(0.0625 if FLAGS.quick else FLAGS.copy_gib, 3 if FLAGS.quick else 10)
+    rec.set("copy", copy)
+    tb = copy["tb_per_s"]
+    opts = dict(quick=FLAGS.quick, interpret=FLAGS.interpret)
+    for part in FLAGS.parts:
+        print(f"== {part}", file=sys.stderr, flush=True)
+        if part == "fp8":
+            from pallas_kernels.bench import fp8
+            agg = fp8.run(tb, rec.emit, sweep=FLAGS.fp8_sweep, xla=FLAGS.xla,
+                          decode_ms=[int(m) for m in FLAGS.fp8_ms],
+                          prefill_ms=[int(m) for m in FLAGS.fp8_prefill_ms if m],
+                          only_shapes=[tuple(int(v) for v in s.split("x")) for s in FLAGS.fp8_shapes], **opts)
+            rec.set("fp8_step_aggregate", {str(k): v for k, v in agg.items()})
+            if FLAGS.fp8_sweep:
+                rec.set("fp8_best_configs", fp8.best_configs(rec.results["rows"]))
+        elif part == "gdn":
+            from pallas_kernels.bench import gdn
+            gdn.run(tb, rec.emit, **opts)
+        elif part == "attention":
+            from pallas_kernels.bench import attention
+            attention.run(tb, rec.emit, **opts)
+        else:
+            from pallas_kernels.bench import step
+            step.run(tb, rec.emit, num_layers=FLAGS.step_layers, context=FLAGS.step_context,
+                     impls=tuple(FLAGS.step_impls), **opts)
+    print(f"\ncopy bandwidth {tb:.3f} TB/s ({copy['bytes'] / 2**30:.1f} GiB moved per call)")
+    print(common.summary_table(rec.results["rows"]))
+    if "fp8_step_aggregate" in rec.results:
+        print("fp8 matmuls of one 27B decode step (default configs):",
+              json.dumps(rec.results["fp8_step_aggregate"]))
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,195 @@
+"""FP8 block matmul at the Qwen3.5-27B shapes: Pallas kernels vs the XLA paths.
+
+For every FP8 weight shape of the 27B target ([O, I] and how many of it one decode step reads, taken
+from the model's own parameter declarations) and every row count M:
+  - decode rows (1-16: one token, K+1 verify tokens, small batches): one jitted program runs a
+    lax.fori_loop of `reps` iterations, each calling the matmul on n distinct weights of that shape
+    (n chosen so they hold >= 8x the L2 cache, so no weight is re-read from L2); the outputs feed a
+    tiny update of x, so nothing is hoisted. Figure: fp8_tb_s = O*I bytes / time per matmul, as a
+    share of the copy bandwidth; the same formula for the XLA rows so they compare by time.
+  - prefill rows (>= 1024): TFLOP/s = 2 M O I / time, against XLA's bf16 matmul on the same shape
+    (weights pre-dequantized to bf16: the best XLA can do) and XLA's dequantize-then-matmul.
+impl: pallas (default config, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
+einsum), xla_bf16 (bf16 weights, plain einsum). rel_err: max |y - y_ref| / max |y_ref| of the
+first output. A per-step aggregate weights each shape by its count in a decode step.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+
+from pallas_kernels.bench.common import L2_BYTES, timed
+
+DECODE_MS = (1, 4, 5, 16)
+PREFILL_MS = (1024, 4096)
+
+
+def step_shapes() -> dict[tuple[int, int], list[str]]:
+    """{(O, I): [tensor keys]} of every FP8 weight the 27B target reads per decode step (MTP excluded)."""
+    import jax.numpy as jnp
+
+    from qmtp import config as qc
+    from qmtp import params as qp
+    from qmtp.fp8 import Fp8Block
+    from qmtp.tools import make_checkpoint
+
+    cfg = qc.from_dict(make_checkpoint.build_config("qwen3_5_27b", "fp8", 0, None))
+    tree = qp.abstract_params(cfg, jnp.bfloat16, fp8_linear=True)
+    shapes: dict = collections.defaultdict(list)
+    for group in ("gdn", "attn"):
+        for layer in tree[group]:
+            for key, leaf in layer.items():
+                if isinstance(leaf, Fp8Block):
+                    shapes[leaf.shape].append(f"{group}.{key}")
+    return dict(shapes)
+
+
+def make_weights(o: int, i: int, n: int, seed: int):
+    """n distinct [O, I] E4M3 weights (values spread over the E4M3 range) and their scale grids."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def one(key):
+        kw, ks = jax.random.split(key)
+        w = (jax.random.normal(kw, (o, i), jnp.float32) * 64.0).clip(-448, 448).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(ks, (-(-o // 128), -(-i // 128)), jnp.float32, 1e-4, 2e-4)
+        return w, s
+
+    pairs = [one(k) for k in jax.random.split(jax.random.key(seed), n)]
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+
+def loop_program(matmul, reps: int, full_sum: bool):
+    """jit(x, ws, ss): fori_loop over reps; each iteration y_k = matmul(x, ws[k], ss[k]) for all k.
+    Pallas outputs are sliced (XLA cannot narrow a custom call); XLA paths are summed in full so XLA
+    cannot shrink the matmul to the columns used."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def prog(x, ws, ss):
+        def body(_, carry):
+            x, acc = carry
+            ys = [matmul(x, w, s) for w, s in zip(ws, ss)]
+            if full_sum:
+                tot = sum(jnp.sum(y.astype(jnp.float32), axis=-1, keepdims=True) for y in ys)
+            else:
+                tot = sum(y[:, :1].astype(jnp.float32) for y in ys)
+            return x + (tot * 1e-30).astype(x.dtype), acc + jnp.sum(tot)
+
+        return jax.lax.fori_loop(0, reps, body, (x, jnp.float32(0)))
+
+    return prog
+
+
+def candidate_configs(m: int) -> list:
+    """Tile configs the sweep tries besides the default (compile time: a few seconds each)."""
+    from pallas_kernels.fp8_matmul import DecodeConfig, PrefillConfig
+    if m > 16:
+        return [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                for bm, bn, nw, ns in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4),
+                                       (64, 64, 4, 4), (256, 128, 8, 3)]]
+    cands = []
+    if m == 1:
+        cands += [DecodeConfig(block_o=bo, use_dot=False, split_k=sk, num_warps=nw, num_stages=ns,
+                               chunks_per_step=u)
+                  for bo, sk, nw, ns, u in [(32, 1, 4, 4, 1), (64, 1, 8, 4, 1), (64, 1, 4, 2, 1), (64, 2, 4, 4, 1),
+                                            (128, 1, 8, 3, 1), (64, 1, 4, 3, 2), (64, 1, 4, 2, 4), (32, 1, 4, 3, 4),
+                                            (128, 1, 8, 2, 2), (64, 2, 4, 2, 4), (16, 1, 2, 3, 4)]]
+    cands += [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u)
+              for bo, sk, sw, nw, ns, u in [(64, 1, False, 4, 4, 1), (32, 1, True, 4, 4, 1), (128, 1, True, 4, 4, 1),
+                                            (128, 1, True, 8, 3, 1), (64, 2, True, 4, 4, 1), (64, 1, True, 8, 4, 1),
+                                            (64, 1, True, 4, 3, 2), (64, 1, True, 4, 2, 4), (32, 1, True, 4, 3, 4),
+                                            (128, 1, True, 8, 2, 2), (128, 1, True, 8, 3, 4), (64, 2, True, 4, 2, 4),
+                                            (32, 2, True, 4, 3, 4)]]
+    return cands
+
+
+def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False,
+        xla: bool = True, decode_ms=DECODE_MS, prefill_ms=PREFILL_MS, only_shapes=(), reps: int = 8,
+        trials: int = 5) -> dict:
+    """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import fp8_matmul as fm
+
+    shapes = {(272, 300): ["ragged"], (130, 129): ["ragged"]} if quick else step_shapes()
+    if only_shapes:
+        unknown = [s for s in only_shapes if s not in shapes]
+        if unknown:
+            raise ValueError(f"--fp8_shapes: {unknown} not among the step's shapes {sorted(shapes)}")
+        shapes = {s: shapes[s] for s in only_shapes}
+    if quick:
+        decode_ms, prefill_ms, reps, trials = (1, 5), (40,), 1, 1
+    ref = jax.jit(lambda x, w, s: fm.fp8_matmul_ref(x, w, s))
+    pallas_default: dict = collections.defaultdict(dict)  # m -> {(o, i): s_per_call}
+    for si, ((o, i), keys) in enumerate(shapes.items()):
+        n = 2 if quick else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
+        ws, ss = make_weights(o, i, n, seed=si)
+        bf16 = None
+        for m in (*decode_ms, *prefill_ms):
+            x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
+            want = np.asarray(ref(x, ws[0], ss[0]), np.float64)
+            runs = [("pallas", None)] + ([("pallas", c) for c in candidate_configs(m)] if sweep else [])
+            if xla:
+                runs += [("xla", None), ("xla_bf16", None)]
+            for impl, config in runs:
+                row = {"kernel": "fp8_matmul", "case": f"{o}x{i} M={m}", "o": o, "i": i, "m": m, "impl": impl,
+                       "tensors": sorted(set(keys)), "count_per_step": len(keys), "n_weights": n}
+                try:
+                    if impl == "pallas":
+                        cfg = config or fm.default_config(m, o, i)
+                        row.update(config=repr(cfg), default=config is None)
+                        mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret)
+                        prog, args = loop_program(mm, reps, False), (x, ws, ss)
+                    elif impl == "xla":
+                        mm = fm.fp8_matmul_ref
+                        prog, args = loop_program(mm, reps, True), (x, ws, ss)
+                    else:
+                        if bf16 is None:
+                            deq = jax.jit(lambda w, s: fm.dequantize_ref(w, s, jnp.bfloat16))
+                            bf16 = tuple(deq(w, s) for w, s in zip(ws, ss))
+                        mm = lambda x, w, s: jnp.einsum("mi,oi->mo", x, w,  # noqa: E731
+                                                        preferred_element_type=jnp.float32)
+                        prog, args = loop_program(mm, reps, True), (x, bf16, ss)
+                    got = np.asarray(jax.jit(mm)(x, args[1][0], ss[0]).astype(jnp.float32), np.float64)
+                    row["rel_err"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+                    med, best = timed(prog, *args, trials=trials)
+                    per = med / (reps * n)
+                    row.update(s_per_call=per, best_s_per_call=best / (reps * n), bytes=o * i,
+                               tb_s=o * i / per / 1e12, share_of_copy=o * i / per / 1e12 / copy_tb_s,
+                               tflop_s=2 * m * o * i / per / 1e12)
+                    if impl == "pallas" and config is None:
+                        pallas_default[m][(o, i)] = per
+                except Exception as e:  # record and go on: one failing config must not hide the others
+                    row["error"] = repr(e)[:1000]
+                emit(row)
+        del ws, ss, bf16
+
+    aggregate = {}
+    for m, times in pallas_default.items():
+        if len(times) == len(shapes):
+            total_bytes = sum(o * i * len(shapes[(o, i)]) for o, i in times)
+            total_s = sum(t * len(shapes[shape]) for shape, t in times.items())
+            aggregate[m] = {"s_per_step": total_s, "tb_s": total_bytes / total_s / 1e12,
+                            "share_of_copy": total_bytes / total_s / 1e12 / copy_tb_s}
+    return aggregate
+
+
+def best_configs(rows: list[dict]) -> dict:
+    """Fastest exact pallas config per (shape, M) among the rows (for choosing defaults)."""
+    best: dict = {}
+    for r in rows:
+        if r.get("kernel") == "fp8_matmul" and r["impl"] == "pallas" and "tb_s" in r and r.get("rel_err", 1) < 1e-2:
+            key = r["case"]
+            if key not in best or r["tb_s"] > best[key]["tb_s"]:
+                best[key] = {"config": r["config"], "tb_s": r["tb_s"], "share_of_copy": r["share_of_copy"],
+                             "default_tb_s": best.get(key, {}).get("default_tb_s")}
+            if r.get("default"):
+                best[key]["default_tb_s"] = r["tb_s"]
+    return best

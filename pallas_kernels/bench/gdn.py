@@ -1,0 +1,277 @@
+"""Gated DeltaNet at the Qwen3.5-27B shapes (Hk 16, Hv 48, Dk = Dv = 128): Pallas vs the jnp refs.
+
+Decode / verify (kernel "gdn_decode", B in {1, 8, 16}, T in {1, 4 = K+1 verify for K = 3, 5}):
+`gdn_recurrence_ref` (impl "xla") and the Pallas `gdn_recurrence` (impl "pallas", one row per tile
+config; `config` "BVxWARPS" on the non-default ones), each timed inside one jitted fori_loop that
+updates `layers` distinct states per iteration (48 = one decode step of the 27B model, 144 MiB of
+state per sequence: far more than the 50 MB L2, and no host dispatch per call). s_per_call = median
+wall time / (layers * iters). bytes = 2 * B * Hv * Dk * Dv * 4: the f32 state read and written once
+per call (q, k, v, o are < 1% of it). rel_err = max |x - x_ref| / max |x_ref| over o and the state.
+
+Chunked prefill (kernel "gdn_prefill", B = 1, T in {512, 4096}): `gdn_chunked_ref` (impl "xla"; the
+only prefill path, no kernel yet) with `prefill_layers` layers in one jitted program, and the Pallas
+recurrence kernel at the same T (impl "pallas", its token loop; rel_err vs the chunked form).
+bytes = the state read + written, q, k, v, g, beta read and o written (all f32). The argument the
+rows carry: is the chunked form cheap enough for prefill? tokens_per_s (one layer),
+tokens_per_s_48_layers (all GDN layers), and share_of_layer = t_gdn / (t_gdn + t_matmuls), where
+t_matmuls is the same run's time for the bf16 XLA matmuls of one 27B GDN decoder layer (in_proj
+qkv, z, b/a, out_proj, MLP gate/up/down) over the same T tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import gdn as gdn_kernel
+
+HK, HV, DK, DV = 16, 48, 128, 128
+HIDDEN, FFN = 5120, 17408
+GDN_LAYERS = 48
+CHUNK = 64  # gdn_chunked_ref's default chunk
+# Tile configs, block_v x num_warps; the first is the frozen default (gdn_kernel.RECURRENCE_CONFIG).
+CONFIGS = ("32x4", "16x4", "64x4", "32x2", "32x8", "128x8")
+DEFAULT_CONFIG = f"{gdn_kernel.RECURRENCE_CONFIG.block_v}x{gdn_kernel.RECURRENCE_CONFIG.num_warps}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    batches: tuple = (1, 8, 16)
+    tokens: tuple = (1, 4, 5)  # decode, K+1 verify for K = 3, the default K = 4
+    configs: tuple = CONFIGS
+    layers: int = GDN_LAYERS  # distinct states per loop iteration (one decode step's worth)
+    iters: int = 20
+    repeats: int = 7
+    prefill_tokens: tuple = (512, 4096)
+    prefill_layers: int = 4
+    hidden: int = HIDDEN
+    ffn: int = FFN
+
+
+def sizes(quick: bool, interpret: bool) -> Sizes:
+    """The full sweep; quick: one batch, T in {1, 5}, the default config, one prefill length;
+    interpret (CPU smoke test of the code paths): few layers and calls, small layer matmuls."""
+    s = Sizes()
+    if quick:
+        s = dataclasses.replace(s, batches=(1,), tokens=(1, 5), configs=CONFIGS[:1], repeats=3,
+                                prefill_tokens=(512,))
+    if interpret:
+        s = dataclasses.replace(s, layers=2, iters=1, repeats=2, prefill_layers=1, hidden=256, ffn=512,
+                                prefill_tokens=tuple(min(t, CHUNK) for t in s.prefill_tokens[:1]))
+    return s
+
+
+def _timing(step, carry, consts, repeats: int):
+    """carry = step(carry, consts) once to compile and warm, then `repeats` times timed. The carry is
+    donated (updated in place) and the inputs are arguments, never closed-over constants (which XLA
+    could fold or hoist). Returns the last carry and (median_s, best_s, first_call_s)."""
+    t0 = time.perf_counter()
+    carry = jax.block_until_ready(step(carry, consts))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(step(carry, consts))
+        times.append(time.perf_counter() - t0)
+    return carry, (statistics.median(times), min(times), first)
+
+
+def _rates(nbytes: int, s_per_call: float, copy_tb_s: float) -> dict:
+    tb_s = nbytes / s_per_call / 1e12
+    return {"s_per_call": s_per_call, "bytes": int(nbytes), "tb_s": tb_s, "share_of_copy": tb_s / copy_tb_s}
+
+
+def _error_row(base: dict, nbytes: int, e: Exception) -> dict:
+    # one failing case must not hide the others: record it and go on
+    print(f"{base['kernel']} {base['case']} {base['impl']} failed: {e!r}", file=sys.stderr, flush=True)
+    return {**base, "s_per_call": None, "bytes": int(nbytes), "tb_s": None, "share_of_copy": None,
+            "error": repr(e)[:1000]}
+
+
+def rel_err(a, e) -> float:
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    return float(np.max(np.abs(a - e)) / max(np.max(np.abs(e)), 1e-30))
+
+
+def gdn_inputs(key, b: int, t: int):
+    """Model-like inputs: q, k L2-normalised (q * Dk^-0.5), g < 0, 0 < beta < 1, state ~ N(0, 0.25)."""
+    ks = jax.random.split(key, 6)
+    l2 = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    q = l2(jax.random.normal(ks[0], (b, t, HK, DK))) * DK ** -0.5
+    k = l2(jax.random.normal(ks[1], (b, t, HK, DK)))
+    v = jax.random.normal(ks[2], (b, t, HV, DV))
+    g = -0.3 * jnp.exp(0.5 * jax.random.normal(ks[3], (b, t, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, HV)))
+    state = 0.5 * jax.random.normal(ks[5], (b, HV, DK, DV))
+    return q, k, v, g, beta, state
+
+
+def _kernel_fn(config: str, interpret: bool):
+    bv, warps = map(int, config.split("x"))
+    cfg = gdn_kernel.RecurrenceConfig(block_v=bv, num_warps=warps)
+    return functools.partial(gdn_kernel.gdn_recurrence, config=cfg, interpret=interpret)
+
+
+# ---- decode / verify ------------------------------------------------------------------------------
+
+def _decode_time(fn, b: int, t: int, sz: Sizes) -> dict:
+    """fn(q, k, v, g, beta, state) -> (o, state'), sz.layers states updated per fori_loop iteration."""
+    inputs = gdn_inputs(jax.random.key(b * 10 + t), b, t)[:5]
+    states = tuple(0.5 * jax.random.normal(jax.random.key(1000 + i), (b, HV, DK, DV)) for i in range(sz.layers))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(carry, inputs):
+        def body(i, c):
+            sts, acc = c
+            new = []
+            for s in sts:
+                o, s = fn(*inputs, s)
+                acc = acc + jnp.sum(o)  # keeps o live (the ref would otherwise skip computing it)
+                new.append(s)
+            return tuple(new), acc
+        return jax.lax.fori_loop(0, sz.iters, body, carry)
+
+    carry, (med, best, first) = _timing(step, (states, jnp.zeros((), jnp.float32)), inputs, sz.repeats)
+    calls = sz.layers * sz.iters
+    return {"s_per_call": med / calls, "best_s_per_call": best / calls, "first_call_s": first,
+            "finite": bool(jnp.isfinite(carry[1])), "layers": sz.layers, "iters": sz.iters}
+
+
+def bench_decode(copy_tb_s: float, emit, sz: Sizes, configs, with_ref: bool, interpret: bool) -> None:
+    for b in sz.batches:
+        for t in sz.tokens:
+            nbytes = 2 * b * HV * DK * DV * 4
+            args = gdn_inputs(jax.random.key(7), b, t)
+            want = None
+            impls = [("xla", None, gdn_kernel.gdn_recurrence_ref)] if with_ref else []
+            impls += [("pallas", c, _kernel_fn(c, interpret)) for c in configs]
+            for impl, config, fn in impls:
+                base = {"kernel": "gdn_decode", "case": f"B={b} T={t}", "impl": impl, "B": b, "T": t}
+                if config is not None and config != DEFAULT_CONFIG:
+                    base["config"] = config
+                try:
+                    extra = {}
+                    if config is not None:
+                        if want is None:
+                            want = jax.jit(gdn_kernel.gdn_recurrence_ref)(*args)
+                        o, s = jax.jit(fn)(*args)
+                        extra = {"rel_err_o": rel_err(o, want[0]), "rel_err_state": rel_err(s, want[1])}
+                        extra["rel_err"] = max(extra["rel_err_o"], extra["rel_err_state"])
+                    m = _decode_time(fn, b, t, sz)
+                    row = {**base, **_rates(nbytes, m.pop("s_per_call"), copy_tb_s), **extra, **m}
+                except Exception as e:
+                    row = _error_row(base, nbytes, e)
+                emit(row)
+
+
+# ---- chunked prefill ------------------------------------------------------------------------------
+
+def chunked_flops_per_token() -> float:
+    """Multiply-adds x 2 of gdn_chunked_ref per token, all heads: intra-chunk C x C products (K K^T,
+    U, W, Q K^T, the intra-chunk output) and the per-chunk state products (W S, Q S, K^T Vn)."""
+    return HV * (2 * CHUNK * (3 * DK + 2 * DV) + 6 * DK * DV)
+
+
+def prefill_bytes(b: int, t: int) -> int:
+    """f32 state read + written, q, k, v, g, beta read, o written."""
+    return 4 * (2 * b * HV * DK * DV + b * t * (2 * HK * DK + 2 * HV * DV + 2 * HV))
+
+
+def layer_matmuls(x, w):
+    """The bf16 matmuls of one 27B GDN decoder layer over x [T, E]: projections, out_proj, MLP."""
+    mm = lambda a, m: jnp.einsum("ti,oi->to", a, m, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    qkv, z = mm(x, w["qkv"]), mm(x, w["z"])
+    ba = mm(x, w["ba"])
+    o = z * jax.nn.sigmoid(qkv[:, :HV * DV]) + ba[:, :1]  # stands in for the GDN output [T, Hv*Dv]
+    h = x + mm(o, w["out"])
+    return h + mm(jax.nn.silu(mm(h, w["gate"])) * mm(h, w["up"]), w["down"])
+
+
+def _layer_matmuls_time(t: int, sz: Sizes) -> tuple[float, float]:
+    """(seconds, TFLOP/s) of one layer's bf16 matmuls over t tokens, sz.prefill_layers layers per program."""
+    key = jax.random.key(t)
+    mk = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) * 0.02
+    e, f = sz.hidden, sz.ffn
+    ws = [{"qkv": mk(10 * j, (2 * HK * DK + HV * DV, e)), "z": mk(10 * j + 1, (HV * DV, e)),
+           "ba": mk(10 * j + 2, (2 * HV, e)), "out": mk(10 * j + 3, (e, HV * DV)),
+           "gate": mk(10 * j + 4, (f, e)), "up": mk(10 * j + 5, (f, e)),
+           "down": mk(10 * j + 6, (e, f))} for j in range(sz.prefill_layers)]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def matmuls(x, ws):
+        for w in ws:
+            x = layer_matmuls(x, w)
+        return x
+
+    _, (med, _, _) = _timing(matmuls, jax.random.normal(key, (t, e), jnp.bfloat16), ws, sz.repeats)
+    per_layer = med / sz.prefill_layers
+    params = sum(w.size for w in ws[0].values())
+    return per_layer, 2 * params * t / per_layer / 1e12
+
+
+def _prefill_time(fn, t: int, sz: Sizes) -> dict:
+    """One jitted program runs fn on sz.prefill_layers distinct layers' inputs and states (donated)."""
+    n = sz.prefill_layers
+    xs = [gdn_inputs(jax.random.key(100 + i), 1, t) for i in range(n)]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def program(carry, ins):
+        outs = [fn(*x, s) for x, s in zip(ins, carry[0])]
+        return tuple(s for _, s in outs), carry[1] + sum(jnp.sum(o) for o, _ in outs)
+
+    carry = (tuple(x[5] for x in xs), jnp.zeros((), jnp.float32))
+    _, (med, best, first) = _timing(program, carry, [x[:5] for x in xs], sz.repeats)
+    return {"s_per_call": med / n, "best_s_per_call": best / n, "first_call_s": first, "layers_per_program": n}
+
+
+def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool) -> None:
+    kernel = _kernel_fn(DEFAULT_CONFIG, interpret)
+    for t in sz.prefill_tokens:
+        nbytes = prefill_bytes(1, t)
+        base = {"kernel": "gdn_prefill", "case": f"B=1 T={t}", "B": 1, "T": t}
+        mm_s = None
+        try:
+            m = _prefill_time(gdn_kernel.gdn_chunked_ref, t, sz)
+            s = m.pop("s_per_call")
+            mm_s, mm_tflops = _layer_matmuls_time(t, sz)
+            row = {**base, "impl": "xla", **_rates(nbytes, s, copy_tb_s), **m,
+                   "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
+                   "tflops": chunked_flops_per_token() * t / s / 1e12,
+                   "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
+                   "share_of_layer": s / (s + mm_s)}
+        except Exception as e:
+            row = _error_row({**base, "impl": "xla"}, nbytes, e)
+        emit(row)
+
+        try:  # the recurrence kernel's token loop at prefill lengths, for comparison
+            fresh = gdn_inputs(jax.random.key(100), 1, t)
+            o_c, s_c = jax.jit(gdn_kernel.gdn_chunked_ref)(*fresh)
+            o_k, s_k = jax.jit(kernel)(*fresh)
+            err = {"rel_err_o": rel_err(o_k, o_c), "rel_err_state": rel_err(s_k, s_c)}
+            m = _prefill_time(kernel, t, sz)
+            s = m.pop("s_per_call")
+            row = {**base, "impl": "pallas", **_rates(nbytes, s, copy_tb_s), **m,
+                   "rel_err": max(err.values()), **err, "tokens_per_s": t / s,
+                   "tokens_per_s_48_layers": t / (GDN_LAYERS * s)}
+            if mm_s is not None:
+                row["share_of_layer"] = s / (s + mm_s)
+        except Exception as e:
+            row = _error_row({**base, "impl": "pallas"}, nbytes, e)
+        emit(row)
+
+
+def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False) -> None:
+    """Times the kernel and its XLA/jnp reference at the Qwen3.5-27B shapes; calls emit(row) per measured case."""
+    sz = sizes(quick, interpret)
+    # the ref and the default config everywhere, then prefill, then the rest of the config sweep:
+    # whatever a time limit cuts off, the main figures are already emitted
+    bench_decode(copy_tb_s, emit, sz, sz.configs[:1], with_ref=True, interpret=interpret)
+    bench_prefill(copy_tb_s, emit, sz, interpret)
+    bench_decode(copy_tb_s, emit, sz, sz.configs[1:], with_ref=False, interpret=interpret)

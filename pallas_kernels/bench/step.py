@@ -1,0 +1,129 @@
+"""The whole target decode step at the Qwen3.5-27B shapes: impl="pallas" vs impl="ref", batch 1.
+
+Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
+FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
+positions, and `qmtp.decode.greedy_loop` (one jitted while_loop, as generation runs it) decodes
+n_short and n_long tokens; the per-step time is the difference over (n_long - n_short), so
+dispatch and the loop's set-up cancel. Both lengths share one compiled program.
+
+Roofline (PERFORMANCE.md): the bytes a step must read = every target parameter except the
+embedding table (one row is read) and the MTP subtree, + GDN and conv state read and written,
++ K and V of `context` positions in every attention layer; over the copy bandwidth measured in
+the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import numpy as np
+
+
+def _nbytes(tree) -> int:
+    import jax
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+@functools.partial(__import__("jax").jit, static_argnums=(1, 2, 3))
+def _leaf(key, shape, dtype, kind):
+    """One parameter on the device. kind: fp8 (E4M3 spread over the format's range), scale (so each
+    output has about unit variance), zero (norms: zero-centered; A_log, dt_bias), dense (1/sqrt(fan-in))."""
+    import jax
+    import jax.numpy as jnp
+    if kind == "fp8":
+        return (jax.random.normal(key, shape, jnp.float32) * 64.0).clip(-448, 448).astype(jnp.float8_e4m3fn)
+    if kind == "zero":
+        return jnp.zeros(shape, dtype)
+    if kind == "scale":
+        return jnp.full(shape, 1.0 / (64.0 * np.sqrt(shape[1] * 128)), dtype)
+    return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[-1])).astype(dtype)
+
+
+def random_params(cfg, dtype, seed: int = 0) -> dict:
+    """A tree with `qmtp.params.abstract_params(cfg, dtype, fp8_linear=True)`'s structure, filled
+    on the device."""
+    import jax
+    import jax.numpy as jnp
+
+    from qmtp import params as qp
+    from qmtp.fp8 import Fp8Block
+
+    abstract = qp.abstract_params(cfg, dtype, fp8_linear=True)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract, is_leaf=lambda x: isinstance(x, Fp8Block))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, leaf in zip(keys, leaves):
+        if isinstance(leaf, Fp8Block):
+            out.append(Fp8Block(_leaf(key, leaf.weight.shape, jnp.float8_e4m3fn, "fp8"),
+                                _leaf(key, leaf.scale.shape, jnp.float32, "scale")))
+        else:
+            kind = "zero" if leaf.dtype == jnp.float32 or len(leaf.shape) == 1 else "dense"
+            out.append(_leaf(key, tuple(leaf.shape), leaf.dtype, kind))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def step_bytes(params: dict, state, context: int) -> dict:
+    """Bytes one batch-1 decode step must move (see the module docstring), by part."""
+    weights = _nbytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
+    kv_per_position = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.kv.k) * 2
+    return {"weights": weights, "gdn_state": 2 * _nbytes(state.ssm), "conv_state": 2 * _nbytes(state.conv),
+            "kv": kv_per_position * context}
+
+
+def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, num_layers: int | None = None,
+        context: int = 1024, n_short: int = 8, n_long: int = 40, impls=("pallas", "ref"), trials: int = 3) -> None:
+    """Emits one row per impl: s_per_step, tokens/s, share of the roofline, compile time."""
+    import jax
+    import jax.numpy as jnp
+
+    from qmtp import config as qc
+    from qmtp import decode
+    from qmtp.state import init_state
+    from qmtp.tools import make_checkpoint
+
+    del interpret  # qmtp.ops chooses interpret mode itself on a CPU backend
+    preset = "tiny" if quick else "qwen3_5_27b"
+    if quick:
+        num_layers, context, n_short, n_long, trials = num_layers or 4, 40, 2, 6, 1
+    cfg = qc.from_dict(make_checkpoint.build_config(preset, "fp8", 0, num_layers))
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(random_params(cfg, jnp.bfloat16))
+    gen_s = time.perf_counter() - t0
+    page = 16
+    pages = -(-(context + n_long + 1) // page)
+    state0 = init_state(cfg, np.arange(pages, dtype=np.int32)[None], pages, page, jnp.bfloat16)
+    parts = step_bytes(params, state0, context)
+    total = sum(parts.values())
+    roofline_s = total / (copy_tb_s * 1e12)
+    case = f"{cfg.num_hidden_layers} layers B=1 ctx={context}"
+    spec = decode.LoopSpec(n_long, ())
+    first = jnp.zeros((1,), jnp.int32)
+
+    for impl in impls:
+        row = {"kernel": "decode_step", "case": case, "impl": impl, "preset": preset,
+               "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,
+               "roofline_s": roofline_s, "param_generation_s": gen_s}
+        try:
+            def once(n, impl=impl):
+                state = init_state(cfg, np.arange(pages, dtype=np.int32)[None], pages, page, jnp.bfloat16)
+                state = dataclasses.replace(state, lengths=jnp.full((1,), context, jnp.int32))  # KV holds context
+                t = time.perf_counter()
+                out = decode.greedy_loop(cfg, spec, params, state, first, jnp.full((1,), n, jnp.int32), impl=impl)
+                jax.block_until_ready(out)
+                return time.perf_counter() - t, int(out[2])
+
+            t = time.perf_counter()
+            once(n_short)  # compile + warm up
+            row["compile_s"] = time.perf_counter() - t
+            short = [once(n_short) for _ in range(trials)]
+            long = [once(n_long) for _ in range(trials)]
+            steps = long[0][1] - short[0][1]
+            per = (float(np.median([s for s, _ in long])) - float(np.median([s for s, _ in short]))) / steps
+            row.update(s_per_call=per, s_per_step=per, tokens_per_s=1.0 / per, tb_s=total / per / 1e12,
+                       share_of_copy=total / per / 1e12 / copy_tb_s, share_of_roofline=roofline_s / per,
+                       steps_timed=steps)
+        except Exception as e:
+            row["error"] = repr(e)[:1000]
+        emit(row)
