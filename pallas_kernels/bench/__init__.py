@@ -1,0 +1,1 @@
+"""Benchmarks of the Pallas kernels on the GPU: `python -m pallas_kernels.bench --help`."""
