@@ -14,7 +14,8 @@ state; `gdn_recurrence_ref(..., return_states=True)` also returns the state afte
 [B, T, Hv, Dk, Dv] (for committing any accepted length in speculative decoding).
 
 `gdn_chunked_ref` computes the same with the chunked WY form (chunk C, sequential over chunks,
-parallel inside), for prefill (no kernel yet: scripts/bench_gdn.py measures what it costs).
+parallel inside), for prefill (no kernel yet: `PYTHONPATH=. python -m pallas_kernels.bench --parts=gdn`
+measures what it costs).
 
 Kernels (generic Pallas, Triton lowering; `interpret=True` runs them on the CPU):
 - `gdn_recurrence(q, k, v, g, beta, state, *, interpret, config)`: twin of `gdn_recurrence_ref`

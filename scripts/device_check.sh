@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and times, in one call (device time is scarce):
 #   scripts/device_check.sh [STEP ...]      (default: all steps; results and logs under $OUT)
-# Steps: kernel_tests, bench_fp8, bench_gdn, bench_attention, layout, spec.
+# Steps: kernel_tests, fp8, gdn, attention, step, spec.
 # Each step has its own time limit so a slow one cannot eat the others; every log ends with rc=N.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests bench_fp8 bench_gdn bench_attention layout spec)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests fp8 gdn attention step spec)
 
 run_step() {  # name limit_s command...
   local name=$1 limit=$2
@@ -19,16 +19,22 @@ run_step() {  # name limit_s command...
   tail -n 4 "$OUT/$name.log" | cut -c1-300
 }
 
+bench() {  # part limit_s [flags...]
+  local part=$1 limit=$2
+  shift 2
+  run_step "bench_$part" "$limit" python3 -m pallas_kernels.bench --parts="$part" --out="$OUT/bench_$part.json" "$@"
+}
+
 for s in "${steps[@]}"; do
   case $s in
     kernel_tests) run_step kernel_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
                     tests/test_kernel_fp8_matmul.py tests/test_kernel_gdn.py tests/test_kernel_paged_attention.py ;;
-    bench_fp8) run_step bench_fp8 150 python3 scripts/bench_fp8_matmul.py --out="$OUT/bench_fp8.json" ;;
-    bench_gdn) run_step bench_gdn 150 python3 scripts/bench_gdn.py --out="$OUT/bench_gdn.json" ;;
-    bench_attention) run_step bench_attention 150 python3 scripts/bench_paged_attention.py ;;
-    layout) run_step layout 60 python3 scripts/gpu_layout_probe.py ;;
+    fp8) bench fp8 240 ;;
+    gdn) bench gdn 150 ;;
+    attention) bench attention 150 ;;
+    step) bench step 200 ;;
     spec) run_step spec 300 python3 scripts/gpu_spec.py --impl=pallas --cases=q35_27b_controlled_fp8 \
             --out="$OUT/spec.json" ;;
-    *) echo "unknown step $s (kernel_tests bench_fp8 bench_gdn bench_attention layout spec)"; exit 2 ;;
+    *) echo "unknown step $s (kernel_tests fp8 gdn attention step spec)"; exit 2 ;;
   esac
 done

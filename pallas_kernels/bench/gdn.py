@@ -235,19 +235,19 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool) -> None:
     kernel = _kernel_fn(DEFAULT_CONFIG, interpret)
     for t in sz.prefill_tokens:
         nbytes = prefill_bytes(1, t)
-        base = {"kernel": "gdn_prefill", "case": f"B=1 T={t}", "B": 1, "T": t}
+        base = lambda impl: {"kernel": "gdn_prefill", "case": f"B=1 T={t}", "impl": impl, "B": 1, "T": t}
         mm_s = None
         try:
             m = _prefill_time(gdn_kernel.gdn_chunked_ref, t, sz)
             s = m.pop("s_per_call")
             mm_s, mm_tflops = _layer_matmuls_time(t, sz)
-            row = {**base, "impl": "xla", **_rates(nbytes, s, copy_tb_s), **m,
+            row = {**base("xla"), **_rates(nbytes, s, copy_tb_s), **m,
                    "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
                    "tflops": chunked_flops_per_token() * t / s / 1e12,
                    "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
                    "share_of_layer": s / (s + mm_s)}
         except Exception as e:
-            row = _error_row({**base, "impl": "xla"}, nbytes, e)
+            row = _error_row(base("xla"), nbytes, e)
         emit(row)
 
         try:  # the recurrence kernel's token loop at prefill lengths, for comparison
@@ -257,13 +257,13 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool) -> None:
             err = {"rel_err_o": rel_err(o_k, o_c), "rel_err_state": rel_err(s_k, s_c)}
             m = _prefill_time(kernel, t, sz)
             s = m.pop("s_per_call")
-            row = {**base, "impl": "pallas", **_rates(nbytes, s, copy_tb_s), **m,
+            row = {**base("pallas"), **_rates(nbytes, s, copy_tb_s), **m,
                    "rel_err": max(err.values()), **err, "tokens_per_s": t / s,
                    "tokens_per_s_48_layers": t / (GDN_LAYERS * s)}
             if mm_s is not None:
                 row["share_of_layer"] = s / (s + mm_s)
         except Exception as e:
-            row = _error_row({**base, "impl": "pallas"}, nbytes, e)
+            row = _error_row(base("pallas"), nbytes, e)
         emit(row)
 
 

@@ -1,0 +1,40 @@
+"""CPU smoke test of the GDN and paged-attention benchmarks (`python -m pallas_kernels.bench`): the
+quick case set with the kernels in interpret mode runs end to end and emits well-formed rows. The
+timings themselves mean nothing on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pallas_kernels.bench import attention, gdn
+
+REQUIRED = {"kernel", "case", "impl", "s_per_call", "bytes", "tb_s", "share_of_copy"}
+
+
+def rel_err_bound(row: dict) -> float:
+    # bf16 outputs (paged attention) round to 2^-8 relative to the largest element; f32 ones (GDN)
+    # agree to ~1e-6
+    return 2.0 ** -7 if row.get("dtype") == "bfloat16" else 1e-3
+
+
+@pytest.mark.parametrize("module, kernels", [(gdn, {"gdn_decode", "gdn_prefill"}),
+                                             (attention, {"paged_attention"})])
+def test_quick_interpret_run(module, kernels):
+    rows = []
+    module.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True)
+    assert rows
+    for row in rows:
+        assert REQUIRED <= row.keys(), row
+        assert "error" not in row, row
+        assert row["kernel"] in kernels and row["impl"] in ("pallas", "xla"), row
+        assert math.isfinite(row["s_per_call"]) and row["s_per_call"] > 0, row
+        assert isinstance(row["bytes"], int) and row["bytes"] > 0, row
+        assert row["tb_s"] == pytest.approx(row["bytes"] / row["s_per_call"] / 1e12)
+        assert row["share_of_copy"] == pytest.approx(row["tb_s"])  # copy_tb_s = 1
+        if "rel_err" in row:
+            assert row["rel_err"] < rel_err_bound(row), row
+    assert {r["kernel"] for r in rows} == kernels
+    assert {r["impl"] for r in rows} == {"pallas", "xla"}
+    assert any("rel_err" in r for r in rows if r["impl"] == "pallas")
