@@ -66,8 +66,10 @@ def fp8_matmul_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None)
 # Decode (M <= DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k). A program owns BO output rows of W
 # (BO divides 128, so one scale row), streams its [BO, I / split_k] FP8 slab in [BO, 128] chunks
 # (one scalar scale per chunk), and accumulates [BO, BM] in f32 with either a tensor-core dot
-# (rows padded to BM = 16, the dot minimum; `swap_ab` puts W on the dot's M side) or, for a single
-# row, f32 FMAs on the CUDA cores into a [BO, 128] accumulator that is row-summed once at the end.
+# (rows padded to BM = 16, the dot minimum; `swap_ab` puts W on the dot's M side) or, for up to
+# FMA_MAX_ROWS rows, f32 FMAs on the CUDA cores into one [BO, 128] accumulator per row, row-summed
+# once at the end (no padding, no layout change of the loaded chunk: the faster path where the
+# CUDA cores keep up with HBM).
 # With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
 # (deterministic, no atomics).
 #
@@ -77,6 +79,7 @@ def fp8_matmul_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None)
 
 DECODE_MAX_ROWS = 16  # M above this runs the prefill GEMM
 DOT_MIN = 16  # smallest M / N / K of a Triton dot
+FMA_MAX_ROWS = 8  # the CUDA-core path keeps one [block_o, 128] f32 accumulator per row in registers
 SM_COUNT = 132  # H200 streaming multiprocessors (the split-K heuristic's occupancy target)
 
 
@@ -84,7 +87,7 @@ SM_COUNT = 132  # H200 streaming multiprocessors (the split-K heuristic's occupa
 class DecodeConfig:
     """Few-row (decode / verify) tile config. block_o: W rows per program (a power of two in
     [16, 128]); split_k: programs along I, each summing a contiguous run of 128-column chunks (f32
-    partials reduced by XLA); use_dot: tensor-core dot (rows padded to 16) or, for M == 1 only, f32
+    partials reduced by XLA); use_dot: tensor-core dot (rows padded to 16) or, for M <= 8, f32
     multiply + row sums; swap_ab: dot(W, x^T) instead of dot(x, W^T); num_warps / num_stages:
     Triton launch parameters (stages pipeline the chunk loop's loads); chunks_per_step: 128-column
     chunks loaded per loop iteration (more bytes in flight per program; a remainder runs one chunk
@@ -207,21 +210,26 @@ def _decode_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, bm, cfg: DecodeConfig
     def chunk(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
-        xm, wm = _mask2(m_ok, cols_ok), _mask2(rows_ok, cols_ok)
-        xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], xm)
+        wm = _mask2(rows_ok, cols_ok)
         s = s_ref[srow, c]
         if cfg.use_dot:
+            xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
             wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
             return acc + _dot_sum(_bf16_pieces(xc), wc, swap=o_major) * s
-        # one row: elementwise f32 FMAs into [bo, 128]; the row sums wait until after the loop
+        # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
+        # until after the loop); the weight chunk is loaded once for all rows
         wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float32)
-        return acc + wc * (xc.astype(jnp.float32) * s)
+        xm = _mask2(None, cols_ok)
+        return tuple(a + wc * (_load_x(x_ref.at[pl.ds(r, 1), pl.ds(k0, BLOCK)], xm).astype(jnp.float32) * s)
+                     for r, a in enumerate(acc))
 
     u = cfg.chunks_per_step
     c0 = pk * chunks_per_split
     c1 = jnp.minimum(c0 + chunks_per_split, n_chunks)
-    acc_shape = (bo, bm) if cfg.use_dot and o_major else (bm, bo) if cfg.use_dot else (bo, BLOCK)
-    acc = jnp.zeros(acc_shape, jnp.float32)
+    if cfg.use_dot:
+        acc = jnp.zeros((bo, bm) if o_major else (bm, bo), jnp.float32)
+    else:
+        acc = tuple(jnp.zeros((bo, BLOCK), jnp.float32) for _ in range(m))
     if u > 1:  # u chunks per iteration, then the remainder one at a time
         def group(g, acc):
             for j in range(u):
@@ -232,8 +240,11 @@ def _decode_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, bm, cfg: DecodeConfig
         c0 = c0 + n_groups * u
     acc = jax.lax.fori_loop(c0, c1, chunk, acc)
     if not cfg.use_dot:
-        acc = jnp.sum(acc, axis=1)[None, :]  # [1, bo]
-    elif o_major:
+        for r, a in enumerate(acc):
+            plgpu.store(o_ref.at[pk, pl.ds(r, 1), pl.ds(o0, bo)], jnp.sum(a, axis=1)[None, :].astype(o_ref.dtype),
+                        mask=_mask2(None, rows_ok))
+        return
+    if o_major:
         acc = acc.T
     plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
 
@@ -267,8 +278,8 @@ def _check_config(config, m: int) -> None:
             raise ValueError(f"fp8_matmul: DecodeConfig.block_o={c.block_o} must be a power of two in [16, 128]")
         if m > DECODE_MAX_ROWS:
             raise ValueError(f"fp8_matmul: DecodeConfig is for M <= {DECODE_MAX_ROWS} rows, got M={m}")
-        if not c.use_dot and m != 1:
-            raise ValueError(f"fp8_matmul: DecodeConfig(use_dot=False) is for one row, got M={m}")
+        if not c.use_dot and m > FMA_MAX_ROWS:
+            raise ValueError(f"fp8_matmul: DecodeConfig(use_dot=False) is for at most {FMA_MAX_ROWS} rows, got M={m}")
         if c.split_k < 1:
             raise ValueError(f"fp8_matmul: DecodeConfig.split_k={c.split_k} must be >= 1")
         if c.chunks_per_step < 1:
@@ -323,7 +334,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, 
     x2, scale = x.reshape(m, i), scale.astype(jnp.float32)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     if isinstance(config, DecodeConfig):
-        bm = 1 if not config.use_dot else max(DOT_MIN, _next_pow2(m))
+        bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
         kernel = functools.partial(_decode_kernel, m=m, o=o, i=i, bm=bm, cfg=config, chunks_per_split=cps)
         part_dtype = out_dtype if split == 1 else jnp.float32
         y = pl.pallas_call(

@@ -184,6 +184,7 @@ CONFIGS = {  # name: (config, rows)
     "decode_split8": (DecodeConfig(split_k=8), [4]),  # more splits than chunks: clipped
     # 3 chunks (I = 300 / 129 -> 3 / 2 chunks): a group of 2 and a remainder of 1, or only a remainder
     "decode_fma_unroll2": (DecodeConfig(block_o=32, use_dot=False, chunks_per_step=2), [1]),
+    "decode_fma_rows": (DecodeConfig(block_o=16, use_dot=False, chunks_per_step=2, split_k=2), [3, 8]),
     "decode_dot_unroll2_split2": (DecodeConfig(split_k=2, chunks_per_step=2), [5]),
     "decode_dot_unroll4": (DecodeConfig(block_o=16, chunks_per_step=4), [2, 16]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
@@ -213,7 +214,7 @@ def test_f32_activations_keep_f32_precision():
     """x values that bf16 cannot hold (24-bit mantissas): the three-piece split must reproduce the f32
     result; rounding x to bf16 instead would be off by ~2^-9 relative, far above the tolerance."""
     rng = np.random.default_rng(5)
-    for m, config in [(1, None), (4, None), (1, DecodeConfig(use_dot=True)), (40, None)]:
+    for m, config in [(1, None), (4, None), (1, DecodeConfig(use_dot=True)), (4, DecodeConfig(use_dot=False)), (40, None)]:
         x, wq, scale = random_problem(rng, m, 130, 300, jnp.float32)
         x = x * (1.0 + 2.0**-12)  # push mantissa bits beyond bf16
         got = run_kernel(x, wq, scale, jnp.float32, jnp.float32, config)
@@ -281,7 +282,8 @@ def _bad(**kw):
     (dict(out_dtype=jnp.int8), r"out_dtype int8"),
     (dict(config=DecodeConfig(block_o=48)), r"block_o=48 must be a power of two in \[16, 128\]"),
     (dict(config=DecodeConfig(block_o=256)), r"block_o=256"),
-    (dict(config=DecodeConfig(use_dot=False)), r"use_dot=False\) is for one row, got M=3"),
+    (dict(x=jnp.zeros((9, 129), jnp.bfloat16), config=DecodeConfig(use_dot=False)),
+     r"use_dot=False\) is for at most 8 rows, got M=9"),
     (dict(config=DecodeConfig(split_k=0)), r"split_k=0"),
     (dict(config=DecodeConfig(chunks_per_step=0)), r"chunks_per_step=0 must be >= 1"),
     (dict(config=PrefillConfig(block_m=8)), r"block_m=8 must be a power of two >= 16"),

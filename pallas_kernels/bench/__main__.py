@@ -31,7 +31,7 @@ flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in interpret mode 
 flags.DEFINE_bool("fp8_sweep", False, "fp8: also time candidate tile configs (a few seconds of compile each).")
 flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmul, and bf16 weights).")
 flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
-flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step).")
+flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; others allowed).")
 flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
 flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
