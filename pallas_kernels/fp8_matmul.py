@@ -126,15 +126,24 @@ def _next_pow2(n: int) -> int:
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
-    """Heuristic: BO = 64; one row runs the FMA path, more rows the tensor-core dot; split_k (a
-    power of two <= 8, at least 4 chunks per split) until the grid has >= 2 programs per SM, so
-    narrow O (o_proj / down_proj: O = 5120 -> 80 row blocks) still fills the H200."""
+    """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
+    WORKSPACE.md). One row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
+    programs, 2 warps, 4 chunks per iteration (2.0-2.5 TB/s vs 1.5-2.1 for the 64-row default).
+    Otherwise 64-row programs, split_k (a power of two <= 8, >= 4 chunks per split) until the grid
+    has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more
+    rows use the tensor-core dot with at least 2 splits, and the wide shapes put x on the dot's M
+    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120])."""
     bo = 64
     n_o, n_chunks = _cdiv(o, bo), _cdiv(i, BLOCK)
+    wide = n_o >= SM_COUNT
+    if m == 1 and wide:
+        return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4)
     split = 1
     while n_o * split < 2 * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
         split *= 2
-    return DecodeConfig(block_o=bo, split_k=split, use_dot=m > 1)
+    if m > 1 and n_chunks >= 16:
+        split = max(split, 2)
+    return DecodeConfig(block_o=bo, split_k=split, use_dot=m > 1, swap_ab=not (m > 1 and wide))
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
@@ -196,10 +205,28 @@ def _load_w(ref, mask, dtype):
     return jnp.where(mask, plgpu.load(ref, mask=mask).astype(dtype), 0.0)
 
 
-def _decode_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split):
-    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]
-    bo = cfg.block_o
+def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split):
+    # refs: x [M, I]; n weights [O_j, I] fp8; n scale grids [GO_j, GI] f32; n outputs [split_k, M, O_j].
+    # The row-block axis of the grid runs over the weights one after another; each program serves
+    # the weight its block falls in (one launch for several projections of the same x).
+    n = len(os)
+    x_ref, w_refs, s_refs, o_refs = refs[0], refs[1:1 + n], refs[1 + n:1 + 2 * n], refs[1 + 2 * n:]
     po, pk = pl.program_id(0), pl.program_id(1)
+    body = functools.partial(_decode_program, m=m, i=i, bm=bm, cfg=cfg, chunks_per_split=chunks_per_split)
+    if n == 1:
+        body(x_ref, w_refs[0], s_refs[0], o_refs[0], po, pk, o=os[0])
+        return
+    start = 0
+    for w_ref, s_ref, o_ref, o in zip(w_refs, s_refs, o_refs, os):
+        blocks = _cdiv(o, cfg.block_o)
+        pl.when((po >= start) & (po < start + blocks))(
+            functools.partial(body, x_ref, w_ref, s_ref, o_ref, po - start, pk, o=o))
+        start += blocks
+
+
+def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split):
+    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w
+    bo = cfg.block_o
     o0 = pl.multiple_of(po * bo, bo)
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
     n_chunks = _cdiv(i, BLOCK)
@@ -314,46 +341,68 @@ def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, 
 
     Leading dims of x are flattened to M rows; M <= 16 runs the weight-streaming decode kernel,
     more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work."""
-    _check(x, w, scale)
+    return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config)[0]
+
+
+def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool = False,
+                    config: DecodeConfig | PrefillConfig | None = None) -> tuple[jax.Array, ...]:
+    """(fp8_matmul(x, w_j, scale_j) for each j), with the weights sharing one decode launch.
+
+    Few rows (M <= 16): one pallas_call whose row blocks run over all the weights (fewer launches,
+    and small projections such as k/v fill the GPU together with the large ones); the config is
+    chosen for the summed O. Many rows: one GEMM per weight."""
+    ws, scales = tuple(ws), tuple(scales)
+    if not ws or len(ws) != len(scales):
+        raise ValueError(f"fp8_matmul_many: {len(ws)} weights and {len(scales)} scale grids; one of each per projection")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    _check_dtypes(x, w, scale, out_dtype)
-    lead, (o, i) = x.shape[:-1], w.shape
+    for w, scale in zip(ws, scales):
+        _check(x, w, scale)
+        _check_dtypes(x, w, scale, out_dtype)
+    lead, i, os = x.shape[:-1], x.shape[-1], tuple(w.shape[0] for w in ws)
     m = math.prod(lead)
-    if m == 0 or o == 0 or i == 0:
-        return jnp.zeros((*lead, o), out_dtype)
-    config = config or default_config(m, o, i)
+    if m == 0 or i == 0 or 0 in os:
+        return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
+    config = config or default_config(m, sum(os), i)
     _check_config(config, m)
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
+    if isinstance(config, PrefillConfig):
+        return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, w.shape[0])
+                     for w, s in zip(ws, scales))
     n_chunks = _cdiv(i, BLOCK)
-    split = 1
-    if isinstance(config, DecodeConfig):
-        cps = _cdiv(n_chunks, min(config.split_k, n_chunks))
-        split = _cdiv(n_chunks, cps)  # no empty splits
+    cps = _cdiv(n_chunks, min(config.split_k, n_chunks))
+    split = _cdiv(n_chunks, cps)  # no empty splits
+    _check_int32(m, max(os), i, split)
+    bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
+    kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps)
+    part_dtype = out_dtype if split == 1 else jnp.float32
+    ys = pl.pallas_call(
+        kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct((split, m, o), part_dtype) for o in os),
+        grid=(sum(_cdiv(o, config.block_o) for o in os), split),
+        compiler_params=params,
+        interpret=interpret,
+        name="fp8_matmul_decode",
+    )(x2, *ws, *scales)
+    return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)
+                 for y, o in zip(ys, os))
+
+
+def _check_int32(m: int, o: int, i: int, split: int) -> None:
     if max(m * i, o * i, split * m * o) >= 2**31:
         raise ValueError(f"fp8_matmul: M={m}, O={o}, I={i}, split_k={split}: the kernels index with int32 "
                          "offsets; split the call so that M*I, O*I and split_k*M*O stay below 2^31")
-    x2, scale = x.reshape(m, i), scale.astype(jnp.float32)
-    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-    if isinstance(config, DecodeConfig):
-        bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
-        kernel = functools.partial(_decode_kernel, m=m, o=o, i=i, bm=bm, cfg=config, chunks_per_split=cps)
-        part_dtype = out_dtype if split == 1 else jnp.float32
-        y = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((split, m, o), part_dtype),
-            grid=(_cdiv(o, config.block_o), split),
-            compiler_params=params,
-            interpret=interpret,
-            name="fp8_matmul_decode",
-        )(x2, w, scale)
-        y = y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)
-    else:
-        kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config)
-        y = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((m, o), out_dtype),
-            grid=(_cdiv(m, config.block_m), _cdiv(o, config.block_n)),
-            compiler_params=params,
-            interpret=interpret,
-            name="fp8_matmul_prefill",
-        )(x2, w, scale)
-    return y.reshape(*lead, o)
+
+
+def _prefill_call(x2, w, scale, out_dtype, config: PrefillConfig, params, interpret: bool) -> jax.Array:
+    (m, i), o = x2.shape, w.shape[0]
+    _check_int32(m, o, i, 1)
+    kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, o), out_dtype),
+        grid=(_cdiv(m, config.block_m), _cdiv(o, config.block_n)),
+        compiler_params=params,
+        interpret=interpret,
+        name="fp8_matmul_prefill",
+    )(x2, w, scale)

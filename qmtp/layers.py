@@ -49,8 +49,7 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
 # ---- MLP (§3.4) --------------------------------------------------------------------------------
 def mlp(p: dict, x: jax.Array, impl: str) -> jax.Array:
     """SwiGLU: down(silu(x @ gate.T) * (x @ up.T))."""
-    gate = ops.linear(x, p["mlp_gate"], impl)
-    up = ops.linear(x, p["mlp_up"], impl)
+    gate, up = ops.linear_many(x, (p["mlp_gate"], p["mlp_up"]), impl)
     return ops.linear((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], impl)
 
 
@@ -81,10 +80,10 @@ def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
     d = p["q_norm"].shape[-1]
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
     valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
-    qg = ops.linear(x, p["q_proj"], impl).reshape(b, t, -1, 2 * d)  # [B, T, Hq, 2D]
+    qg, k, v = ops.linear_many(x, (p["q_proj"], p["k_proj"], p["v_proj"]), impl)
+    qg = qg.reshape(b, t, -1, 2 * d)  # [B, T, Hq, 2D]
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, -1)  # [B, T, Hq, D], [B, T, Hq*D]
-    k = ops.linear(x, p["k_proj"], impl).reshape(b, t, -1, d)  # [B, T, Hkv, D]
-    v = ops.linear(x, p["v_proj"], impl).reshape(b, t, -1, d)
+    k, v = k.reshape(b, t, -1, d), v.reshape(b, t, -1, d)  # [B, T, Hkv, D]
     q = rope(rms_norm(q, p["q_norm"], eps), positions, rotary_dim, theta)
     k = rope(rms_norm(k, p["k_norm"], eps), positions, rotary_dim, theta)
     k_pages = write_kv(k_pages, page_table, positions, valid, k)
@@ -134,8 +133,8 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     dk, dv = ssm_state.shape[-2:]
     key_dim = key_heads * dk
     valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
-    mixed = ops.linear(x, p["in_proj_qkv"], impl)  # [B, T, C] with C = q | k | v
-    z = ops.linear(x, p["in_proj_z"], impl).reshape(b, t, hv, dv)
+    mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), impl)  # [B, T, C] with C = q | k | v
+    z = z.reshape(b, t, hv, dv)
     beta = jax.nn.sigmoid(ops.linear(x, p["in_proj_b"], impl).astype(F32))  # [B, T, Hv]
     a = ops.linear(x, p["in_proj_a"], impl).astype(F32)
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])  # log-decay <= 0

@@ -47,6 +47,16 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
     return y.astype(out_dtype)
 
 
+def linear_many(x: jax.Array, ws, impl: str = "ref") -> tuple[jax.Array, ...]:
+    """(linear(x, w) for w in ws): several projections of the same x. With impl="pallas" and all
+    weights Fp8Block, the few-row (decode / verify) case runs as one kernel launch over all of them
+    (fewer launches per layer; measured in WORKSPACE.md); otherwise one matmul each."""
+    check_impl(impl)
+    if impl == "pallas" and all(isinstance(w, Fp8Block) for w in ws):
+        return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret())
+    return tuple(linear(x, w, impl) for w in ws)
+
+
 def _precision(dtype):
     # f32 runs (tests, oracle parity) must not silently drop to TF32 / bf16 passes on the GPU.
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

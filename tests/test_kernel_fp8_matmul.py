@@ -210,6 +210,45 @@ def test_kernel_exact_on_integer_problems(name):
         np.testing.assert_array_equal(got, want, err_msg=f"{name} m={m} o={o} i={i}")
 
 
+MANY_CONFIGS = {  # name: (config, rows)
+    "default": (None, [1, 4, 16]),
+    "fma_split2_bo16": (DecodeConfig(block_o=16, use_dot=False, split_k=2), [1, 3]),
+    "dot_bo32_unroll2": (DecodeConfig(block_o=32, chunks_per_step=2), [5]),
+    "prefill": (PrefillConfig(block_m=16, block_n=32), [3, 40]),
+}
+
+
+@pytest.mark.parametrize("name", list(MANY_CONFIGS))
+def test_many_weights_in_one_launch_exact(name):
+    """Three weights of different ragged heights behind one x (as q/k/v or gate/up are): each output
+    is bit-exact against its own float64 formula, so a program that served the wrong weight, read
+    across a weight boundary or wrote into a neighbour's output would show."""
+    config, rows = MANY_CONFIGS[name]
+    rng = np.random.default_rng(11)
+    for m in rows:
+        x, w0, s0 = exact_problem(rng, m, 130, 300)
+        ws, ss = [w0], [s0]
+        for o in (16, 272):
+            _, w, s = exact_problem(rng, m, o, 300)
+            ws.append(w)
+            ss.append(s)
+        got = jax.jit(lambda x, ws, ss: fm.fp8_matmul_many(x, ws, ss, jnp.float32, interpret=True, config=config))(
+            jnp.asarray(x, jnp.bfloat16), tuple(map(jnp.asarray, ws)), tuple(map(jnp.asarray, ss)))
+        for j, (y, w, s) in enumerate(zip(got, ws, ss)):
+            assert y.shape == (m, w.shape[0])
+            np.testing.assert_array_equal(np.asarray(y), f64_formula(x, w, s), err_msg=f"{name} m={m} weight {j}")
+
+
+def test_many_rejects_mismatched_inputs():
+    rng = np.random.default_rng(0)
+    x, wq, scale = exact_problem(rng, 2, 130, 129)
+    with pytest.raises(ValueError, match=r"2 weights and 1 scale grids"):
+        fm.fp8_matmul_many(jnp.asarray(x, jnp.bfloat16), (jnp.asarray(wq),) * 2, (jnp.asarray(scale),), interpret=True)
+    with pytest.raises(ValueError, match=r"x \(2, 129\) and w \(130, 64\)"):
+        fm.fp8_matmul_many(jnp.asarray(x, jnp.bfloat16), (jnp.asarray(wq), jnp.zeros((130, 64), jnp.float8_e4m3fn)),
+                           (jnp.asarray(scale), jnp.ones((2, 1), jnp.float32)), interpret=True)
+
+
 def test_f32_activations_keep_f32_precision():
     """x values that bf16 cannot hold (24-bit mantissas): the three-piece split must reproduce the f32
     result; rounding x to bf16 instead would be off by ~2^-9 relative, far above the tolerance."""
@@ -256,8 +295,10 @@ def test_interpret_mode_poisons_out_of_bounds():
 def test_default_config_heuristic():
     assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
     assert isinstance(fm.default_config(17, 17408, 5120), PrefillConfig)
-    assert fm.default_config(1, 17408, 5120) == DecodeConfig(block_o=64, split_k=1, use_dot=False)
-    assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=1, use_dot=True)
+    assert fm.default_config(1, 17408, 5120) == DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2,
+                                                             num_stages=3, chunks_per_step=4)
+    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=False)
+    assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False)
     # narrow O: 80 row blocks -> split-K 4 -> 320 programs on 132 SMs
     assert fm.default_config(5, 5120, 17408).split_k == 4
     assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
@@ -325,10 +366,10 @@ E, F = 5120, 17408  # Qwen3.5-27B hidden and ffn sizes
 
 
 LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
-    "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 64, 1), 0),  # FMA path
-    "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 1), 1),
+    "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 16, 1), 0),  # FMA path
+    "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 2), 1),
     "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 4), 1),
-    "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 1), 3),  # hi / mid / lo pieces
+    "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
     "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
     "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),
     "ragged_decode": (5, 130, 129, jnp.bfloat16, (3, 1), 1),
@@ -351,10 +392,26 @@ def test_kernel_lowers_for_h200(name):
     assert ir_text.count("tt.dot ") == n_dots
     assert "tt.fp_to_fp" in ir_text, "E4M3 -> bf16/f32 conversion"
     w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
-    assert len(w_loads) == 1
+    u = getattr(config, "chunks_per_step", 1)
+    assert len(w_loads) == (1 if u == 1 else u + 1)  # u unrolled chunk loads, then the remainder loop's
     aligned = o % 128 == 0 and i % 128 == 0
-    # real shapes: the weight load carries no mask (vectorized 16-byte loads); ragged ones are masked
-    assert (w_loads[0].count("%") == 2) == aligned, w_loads[0]
+    # real shapes: the weight loads carry no mask (vectorized 16-byte loads); ragged ones are masked
+    assert all((ld.count("%") == 2) == aligned for ld in w_loads), w_loads
+
+
+def test_many_weights_lower_to_one_launch_for_h200():
+    """q/k/v of a 27B attention layer at K+1 = 4 rows: one Triton call whose grid covers the three
+    weights' row blocks, one guarded branch (scf.if) per weight."""
+    sds = jax.ShapeDtypeStruct
+    os = (12288, 1024, 1024)
+    ws = tuple(sds((o, E), jnp.float8_e4m3fn) for o in os)
+    ss = tuple(sds((o // 128, E // 128), jnp.float32) for o in os)
+    lowered = lower_for_h200(lambda x, ws, ss: fm.fp8_matmul_many(x, ws, ss), (sds((4, E), jnp.bfloat16), ws, ss))
+    [(cfg, ir_text)] = triton_calls(lowered)
+    config = fm.default_config(4, sum(os), E)
+    assert attr_int(cfg, "grid_x") == sum(os) // config.block_o
+    assert ir_text.count("scf.if") >= 3
+    assert len([ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]) == 3
 
 
 # ------------------------------------------------------------------------------------------------
