@@ -17,6 +17,8 @@ from pallas_kernels import fp8_matmul, gdn, paged_attention
 from qmtp.fp8 import Fp8Block
 
 IMPLS = ("ref", "pallas")
+# linear_many's shared launch; False only to measure what sharing gains (pallas_kernels.bench --parts=step)
+SHARED_PROJECTION_LAUNCH = True
 # The paged-attention kernel holds all G*T query rows of a KV head in one tile: it is built for decode
 # and verify (T <= K+1). Prefill (long T) uses the reference until a prefill attention kernel exists
 # (measured: a 64-token prefill asked for 384 KiB of shared memory at D = 256).
@@ -52,7 +54,7 @@ def linear_many(x: jax.Array, ws, impl: str = "ref") -> tuple[jax.Array, ...]:
     weights Fp8Block, the few-row (decode / verify) case runs as one kernel launch over all of them
     (fewer launches per layer; measured in WORKSPACE.md); otherwise one matmul each."""
     check_impl(impl)
-    if impl == "pallas" and all(isinstance(w, Fp8Block) for w in ws):
+    if impl == "pallas" and SHARED_PROJECTION_LAUNCH and all(isinstance(w, Fp8Block) for w in ws):
         return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret())
     return tuple(linear(x, w, impl) for w in ws)
 

@@ -1,4 +1,5 @@
-"""The whole target decode step at the Qwen3.5-27B shapes: impl="pallas" vs impl="ref", batch 1.
+"""The whole target decode step at the Qwen3.5-27B shapes: impl="pallas" vs impl="ref", batch 1
+(and "pallas_separate": Pallas with one launch per projection, to measure the shared launch).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
@@ -73,13 +74,13 @@ def step_bytes(params: dict, state, context: int) -> dict:
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, num_layers: int | None = None,
-        context: int = 1024, n_short: int = 8, n_long: int = 40, impls=("pallas", "ref"), trials: int = 3) -> None:
+        context: int = 1024, n_short: int = 8, n_long: int = 40, impls=("pallas", "pallas_separate", "ref"), trials: int = 3) -> None:
     """Emits one row per impl: s_per_step, tokens/s, share of the roofline, compile time."""
     import jax
     import jax.numpy as jnp
 
     from qmtp import config as qc
-    from qmtp import decode
+    from qmtp import decode, ops
     from qmtp.state import init_state
     from qmtp.tools import make_checkpoint
 
@@ -101,8 +102,13 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     spec = decode.LoopSpec(n_long, ())
     first = jnp.zeros((1,), jnp.int32)
 
-    for impl in impls:
-        row = {"kernel": "decode_step", "case": case, "impl": impl, "preset": preset,
+    for name in impls:
+        # "pallas_separate": the Pallas path with one launch per projection (what ops.linear_many's
+        # shared launch saves); jax.clear_caches() so the loop is traced again under the setting
+        impl = "pallas" if name == "pallas_separate" else name
+        ops.SHARED_PROJECTION_LAUNCH = name != "pallas_separate"
+        jax.clear_caches()
+        row = {"kernel": "decode_step", "case": case, "impl": name, "preset": preset,
                "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,
                "roofline_s": roofline_s, "param_generation_s": gen_s}
         try:
@@ -127,3 +133,4 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         except Exception as e:
             row["error"] = repr(e)[:1000]
         emit(row)
+    ops.SHARED_PROJECTION_LAUNCH = True
