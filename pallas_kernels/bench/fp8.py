@@ -64,8 +64,9 @@ def make_weights(o: int, i: int, n: int, seed: int):
 
 def loop_program(matmul, reps: int, full_sum: bool):
     """jit(x, ws, ss): fori_loop over reps; each iteration y_k = matmul(x, ws[k], ss[k]) for all k.
-    Pallas outputs are sliced (XLA cannot narrow a custom call); XLA paths are summed in full so XLA
-    cannot shrink the matmul to the columns used."""
+    Pallas outputs are sliced (XLA cannot narrow a custom call). XLA outputs are reduced in full with
+    a max, so XLA can neither shrink the matmul to the columns used nor reassociate it (a sum over
+    the outputs would let it compute x @ (W^T 1), a plain reduction of W: the first runs did)."""
     import jax
     import jax.numpy as jnp
 
@@ -75,7 +76,7 @@ def loop_program(matmul, reps: int, full_sum: bool):
             x, acc = carry
             ys = [matmul(x, w, s) for w, s in zip(ws, ss)]
             if full_sum:
-                tot = sum(jnp.sum(y.astype(jnp.float32), axis=-1, keepdims=True) for y in ys)
+                tot = sum(jnp.max(y.astype(jnp.float32), axis=-1, keepdims=True) for y in ys)
             else:
                 tot = sum(y[:, :1].astype(jnp.float32) for y in ys)
             return x + (tot * 1e-30).astype(x.dtype), acc + jnp.sum(tot)

@@ -1,5 +1,6 @@
 """The whole target decode step at the Qwen3.5-27B shapes: impl="pallas" vs impl="ref", batch 1
-(and "pallas_separate": Pallas with one launch per projection, to measure the shared launch).
+and the Pallas path with one kernel launch per projection ("pallas_separate": what
+`qmtp.ops.linear_many`'s shared launch saves).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
@@ -20,6 +21,10 @@ import functools
 import time
 
 import numpy as np
+
+
+# name -> ops.SHARED_PROJECTION_LAUNCH for impl="pallas"
+VARIANTS = {"pallas": True, "pallas_separate": False}
 
 
 def _nbytes(tree) -> int:
@@ -103,10 +108,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     first = jnp.zeros((1,), jnp.int32)
 
     for name in impls:
-        # "pallas_separate": the Pallas path with one launch per projection (what ops.linear_many's
-        # shared launch saves); jax.clear_caches() so the loop is traced again under the setting
-        impl = "pallas" if name == "pallas_separate" else name
-        ops.SHARED_PROJECTION_LAUNCH = name != "pallas_separate"
+        # variants of impl="pallas" with one of qmtp.ops' measured policies off (VARIANTS);
+        # jax.clear_caches() so the loop is traced again under the setting
+        impl = "ref" if name == "ref" else "pallas"
+        ops.SHARED_PROJECTION_LAUNCH = VARIANTS.get(name, True)
         jax.clear_caches()
         row = {"kernel": "decode_step", "case": case, "impl": name, "preset": preset,
                "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,
