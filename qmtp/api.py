@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmtp import checkpoint, decode, model as model_lib, mtp, ops, speculate
+from qmtp import tp as tp_lib
 from qmtp.config import ModelConfig
 from qmtp.paging import CapacityError, PageAllocator
 from qmtp.state import init_state
@@ -37,6 +38,11 @@ class Model:
     page_size: int = 16
     num_pages: int | None = None  # None: exactly what each call needs
     impl: str = "ref"
+    mesh: object | None = None  # jax.sharding.Mesh over the "tp" axis when loaded with tp > 1
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size
 
 
 @dataclasses.dataclass
@@ -58,15 +64,20 @@ class MtpLogits:
 
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
-         impl: str = "ref", progress: bool = True) -> Model:
-    """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory."""
+         impl: str = "ref", progress: bool = True, tp: int = 1) -> Model:
+    """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory.
+
+    tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
+    call runs as one shard_map over them (same tokens as tp = 1)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
         raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
     ops.check_impl(impl)
-    cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress)
-    return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl)
+    mesh = tp_lib.make_mesh(tp) if tp != 1 else None
+    cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
+    return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl,
+                 mesh)
 
 
 def _load_tokenizer(checkpoint_dir: str):
@@ -115,7 +126,16 @@ def _new_state(model: Model, capacities: list[int]):
     allocator = PageAllocator(model.num_pages or sum(pages_needed), model.page_size)
     handles = [allocator.reserve(c) for c in capacities]
     table = allocator.page_table(handles)
+    if model.mesh is not None:
+        return tp_lib.init_state(model.cfg, model.mesh, table, allocator.num_pages, model.page_size, DTYPES[model.dtype])
     return init_state(model.cfg, table, allocator.num_pages, model.page_size, DTYPES[model.dtype])
+
+
+def _call(model: Model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, **static):
+    """fn(*lead, *args, **static) on one device, or as one shard_map over the model's mesh."""
+    if model.mesh is None:
+        return fn(*lead, *args, **static)
+    return tp_lib.sharded(fn, model.mesh, lead, args, kinds, out_kinds, check_vma=model.impl == "ref", **static)
 
 
 def _prompt_batch(prompt_ids: list[list[int]]):
@@ -173,20 +193,26 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     def run(limit):
         state = _new_state(model, capacities)
         t0 = time.perf_counter()
+        args, kinds = (model.params, state, tokens, n_valid), ("params", "state", "rep", "rep")
         if mtp_k:
-            first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid, impl=model.impl)
+            first, d1, mh, state = _call(model, speculate.prefill, (model.cfg,), args, kinds,
+                                         ("rep", "rep", "rep", "state"), impl=model.impl)
         else:
-            first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid, impl=model.impl)
+            first, _, state = _call(model, decode.prefill, (model.cfg,), args, kinds, ("rep", "rep", "state"),
+                                    impl=model.impl)
         first.block_until_ready()
         t1 = time.perf_counter()
         if mtp_k:
             spec = speculate.SpecConfig(mtp_k, max_new_tokens, stop)
-            out, count, extra, state = speculate.spec_loop(model.cfg, spec, model.params, state, first, d1, mh,
-                                                           jnp.minimum(max_new, limit), cap, impl=model.impl)
+            out, count, extra, state = _call(
+                model, speculate.spec_loop, (model.cfg, spec),
+                (model.params, state, first, d1, mh, jnp.minimum(max_new, limit), cap),
+                ("params", "state", "rep", "rep", "rep", "rep", "rep"), ("rep", "rep", "rep", "state"), impl=model.impl)
         else:
             spec = decode.LoopSpec(max_tokens=max_new_tokens, stop_ids=stop)
-            out, count, steps, state = decode.greedy_loop(model.cfg, spec, model.params, state, first,
-                                                          jnp.minimum(max_new, limit), impl=model.impl)
+            out, count, steps, state = _call(
+                model, decode.greedy_loop, (model.cfg, spec), (model.params, state, first, jnp.minimum(max_new, limit)),
+                ("params", "state", "rep", "rep"), ("rep", "rep", "rep", "state"), impl=model.impl)
             extra = {"steps": steps}
         out.block_until_ready()
         return out, count, extra, t1 - t0, time.perf_counter() - t1
@@ -223,21 +249,27 @@ def target_logits(model: Model, token_ids) -> np.ndarray:
     (ids,) = encode(model, [list(token_ids)])
     state = _new_state(model, [len(ids)])
     tokens = jnp.asarray([ids], jnp.int32)
-    _, hidden, _ = decode.prefill(model.cfg, model.params, state, tokens, jnp.asarray([len(ids)], jnp.int32),
-                                  impl=model.impl)
-    logits = jax.jit(model_lib.logits_from_hidden, static_argnames="impl")(model.params, hidden[0], impl=model.impl)
+    (logits,) = _call(model, _target_logits, (model.cfg,), (model.params, state, tokens), ("params", "state", "rep"),
+                      ("rep",), impl=model.impl)
     return np.asarray(logits, np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def _target_logits(cfg, params, state, tokens, impl):
+    n = jnp.asarray([tokens.shape[1]], jnp.int32)
+    hidden, _ = model_lib.forward(cfg, params, state, tokens, n, impl=impl)
+    return (tp_lib.gather_vocab(model_lib.logits_from_hidden(params, hidden[0], impl)),)  # [T, V]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"))
 def _teacher_forced(cfg, params, state, tokens, impl):
     n = jnp.asarray([tokens.shape[1]], jnp.int32)
     hidden, state = model_lib.forward(cfg, params, state, tokens, n, impl=impl)
-    target = model_lib.logits_from_hidden(params, hidden[0], impl)  # [T, V]
+    target = tp_lib.gather_vocab(model_lib.logits_from_hidden(params, hidden[0], impl))  # [T, V]
     # MTP at positions 0..T-2 from (x_{p+1}, h_p)
     mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:], hidden[:, :-1], jnp.zeros((1,), jnp.int32), n - 1,
                         impl=impl)
-    return target, model_lib.logits_from_hidden(params, mh[0], impl)
+    return target, tp_lib.gather_vocab(model_lib.logits_from_hidden(params, mh[0], impl))
 
 
 def mtp_logits(model: Model, token_ids) -> MtpLogits:
@@ -249,7 +281,8 @@ def mtp_logits(model: Model, token_ids) -> MtpLogits:
     if len(ids) < 2:
         raise ValueError("mtp_logits needs at least 2 tokens")
     state = _new_state(model, [len(ids)])
-    target, draft = _teacher_forced(model.cfg, model.params, state, jnp.asarray([ids], jnp.int32), model.impl)
+    target, draft = _call(model, _teacher_forced, (model.cfg,), (model.params, state, jnp.asarray([ids], jnp.int32)),
+                          ("params", "state", "rep"), ("rep", "rep"), impl=model.impl)
     target_next = np.asarray(jnp.argmax(target[1:], axis=-1))
     draft = np.asarray(draft, np.float32)
     draft_argmax = np.argmax(draft, axis=-1)

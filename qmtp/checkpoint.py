@@ -167,8 +167,11 @@ class _Progress:
                   end=end, file=sys.stderr, flush=True)
 
 
-def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True) -> tuple[ModelConfig, dict]:
-    """Reads config.json and the safetensors into (ModelConfig, params) on the default device."""
+def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True, mesh=None) -> tuple[ModelConfig, dict]:
+    """Reads config.json and the safetensors into (ModelConfig, params) on the default device, or,
+    with a tensor-parallel `mesh`, straight into the TP layout: each device receives only its shard,
+    read as slices of the files (`qmtp.shard_layout`), so the host never holds more than one
+    tensor's pieces at a time."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(_DTYPES)}")
     if not os.path.isdir(checkpoint_dir):
@@ -178,6 +181,10 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True) ->
     if cfg.mtp_num_hidden_layers is None:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=count_mtp_layers(headers))
     table = validate(cfg, headers, checkpoint_dir)
+    if mesh is not None and mesh.size > 1:
+        from qmtp import tp
+        tp.check_tp(cfg, mesh.size, fp8=any(n.endswith(SCALE_SUFFIX) for n in headers))
+        return cfg, _read_sharded(cfg, table, headers, checkpoint_dir, _DTYPES[dtype], progress, mesh)
     host = _read_host(cfg, table, headers, checkpoint_dir, _DTYPES[dtype], progress)
     return cfg, _to_device(host)
 
@@ -205,6 +212,105 @@ def _read_host(cfg, table, headers, checkpoint_dir, compute, progress) -> dict:
         handles.clear()
     _check_uniform_fp8(tree)
     return P.finalize_tree(tree)
+
+
+def _read_sharded(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> dict:
+    """As _read_host, but every split tensor is read shard by shard as slices of its file and put on
+    its device at once; replicated tensors are read whole and put on every device."""
+    from qmtp import shard_layout, tp
+    n = mesh.size
+    devices = list(mesh.devices.flat)
+    sizes = P.group_sizes(cfg)
+    tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
+                  "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
+    total = sum(_BYTES.get(headers[e.name].dtype, 4) * int(np.prod(headers[e.name].shape)) for e in table)
+    bar = _Progress(len(table), total, progress)
+    handles: dict[str, object] = {}
+    try:
+        for entry in table:
+            h = headers[entry.name]
+            fp8 = h.dtype == "F8_E4M3"
+            sh = headers[entry.name + SCALE_SUFFIX] if fp8 else None
+            sources = _key_rows(cfg, entry)  # param key -> checkpoint rows (None: all, in order)
+            for key, rows in sources.items():
+                dim = shard_layout.split_dim(key)
+                if dim is None:  # replicated: read once, place everywhere
+                    raw = _select(handles, checkpoint_dir, h.file, entry.name, 0, rows)
+                    scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, 0,
+                                    None if rows is None else _block_rows(rows, entry.name)) if fp8 else None
+                    value = _piece(entry, raw, scale, compute)
+                    _place(tree, entry, key, jax.tree_util.tree_map(
+                        lambda a: jax.device_put(a, tp.NamedSharding(mesh, tp.P())), value))
+                    continue
+                length = len(rows) if rows is not None and dim == 0 else h.shape[dim]
+                pieces = []
+                for s_i, device in enumerate(devices):
+                    idx = shard_layout.shard_indices(cfg, key, length, n, s_i)
+                    src = [rows[i] for i in idx] if rows is not None and dim == 0 else idx
+                    raw = _select(handles, checkpoint_dir, h.file, entry.name, dim, src)
+                    scale = None
+                    if fp8:
+                        blocks = shard_layout.block_indices(src, f"{entry.name} (shard {s_i} of {n})")
+                        scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, dim, blocks)
+                    pieces.append(jax.device_put(_piece(entry, raw, scale, compute), device))
+                if fp8:
+                    value = Fp8Block(tp.assemble([p.weight for p in pieces], dim, mesh),
+                                     tp.assemble([p.scale for p in pieces], dim, mesh))
+                else:
+                    value = tp.assemble(pieces, dim, mesh)
+                _place(tree, entry, key, value)
+            bar.step(_BYTES.get(h.dtype, 4) * int(np.prod(h.shape)))
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(str(e)) from None
+    finally:
+        handles.clear()
+    _check_uniform_fp8(tree)
+    return P.finalize_tree(tree)
+
+
+def _key_rows(cfg: ModelConfig, entry: P.TensorEntry) -> dict:
+    """Param key(s) an entry fills -> the checkpoint rows each takes (None: all rows, in order)."""
+    if entry.role == P.FUSED_QKVZ:
+        return dict(zip(entry.key.split("+"), P.fused_qkvz_rows(cfg)))
+    if entry.role == P.FUSED_BA:
+        return dict(zip(entry.key.split("+"), P.fused_ba_rows(cfg)))
+    return {entry.key: None}
+
+
+def _piece(entry: P.TensorEntry, raw: np.ndarray, scale, compute):
+    """One host piece of a parameter in its final dtype (as _convert, for an already selected piece)."""
+    if entry.role in (P.NORM, P.FP32):
+        return raw.astype(np.float32)
+    if entry.role == P.CONV:
+        return raw[:, 0, :].astype(compute)
+    if entry.role == P.EMBED:
+        return raw.astype(compute)
+    return _linear(raw, None if scale is None else scale.astype(np.float32), compute)
+
+
+def _select(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, indices) -> np.ndarray:
+    """The given indices along `dim` of a stored tensor (None: the whole tensor), read as slices of
+    the file: one read per run of consecutive indices."""
+    if indices is None:
+        return _read(handles, checkpoint_dir, file, name)
+    from qmtp.shard_layout import ranges
+    parts = [_read_slice(handles, checkpoint_dir, file, name, dim, a, b) for a, b in ranges(list(indices))]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=dim)
+
+
+def _read_slice(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, start: int,
+                stop: int) -> np.ndarray:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, without reading the rest."""
+    path = os.path.join(checkpoint_dir, file)
+    try:
+        if file not in handles:
+            handles[file] = safe_open(path, framework="numpy")
+        view = handles[file].get_slice(name)
+        return view[start:stop] if dim == 0 else view[:, start:stop]
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read {name}[{'' if dim == 0 else ':, '}{start}:{stop}] ({e})") from None
 
 
 def _read(handles: dict, checkpoint_dir: str, file: str, name: str) -> np.ndarray:

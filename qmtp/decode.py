@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qmtp import model
+from qmtp import model, tp
 from qmtp.config import ModelConfig
 from qmtp.state import DecodeState
 
@@ -21,8 +21,9 @@ PAD_TOKEN = -1  # fills the output buffer after a sequence stops
 
 
 def greedy(logits: jax.Array) -> jax.Array:
-    """argmax over the last axis; ties go to the lowest id (as torch.argmax and HF generate)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """argmax over the last axis; ties go to the lowest id (as torch.argmax and HF generate). Under
+    tensor parallelism logits are this shard's vocabulary slice and the argmax is taken across shards."""
+    return tp.greedy_argmax(logits)
 
 
 def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:

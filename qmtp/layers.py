@@ -2,7 +2,9 @@
 
 All functions take B sequences of T new tokens: x [B, T, E] in the compute dtype, `n_valid` [B]
 (tokens t >= n_valid[b] are right-padding: they change no state), and the per-layer params / state
-slices. Head counts are read from array shapes, never from the config.
+slices. Head counts are read from array shapes, never from the config, so the same functions run
+on one device and on a tensor-parallel shard (local heads); row-parallel projections (o_proj,
+out_proj, mlp_down) return f32 partial sums that `tp.all_reduce` adds (identity on one device).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qmtp import ops
+from qmtp import ops, tp
 
 F32 = jnp.float32
 
@@ -50,7 +52,13 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
 def mlp(p: dict, x: jax.Array, impl: str) -> jax.Array:
     """SwiGLU: down(silu(x @ gate.T) * (x @ up.T))."""
     gate, up = ops.linear_many(x, (p["mlp_gate"], p["mlp_up"]), impl)
-    return ops.linear((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], impl)
+    return row_parallel((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], impl)
+
+
+def row_parallel(x: jax.Array, w, impl: str) -> jax.Array:
+    """x @ W.T for a projection whose input dim may be split across shards: f32 partial sums,
+    reduced across shards, rounded once to x's dtype (as one device rounds its accumulator once)."""
+    return tp.all_reduce(ops.linear(x, w, impl, out_dtype=F32)).astype(x.dtype)
 
 
 # ---- paged KV ----------------------------------------------------------------------------------
@@ -91,7 +99,7 @@ def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
     o = ops.paged_attention_op(q, k_pages, v_pages, page_table, positions, lengths + n_valid,
                                scale=d ** -0.5, impl=impl)  # [B, T, Hq, D]
     o = (o.reshape(b, t, -1).astype(F32) * jax.nn.sigmoid(gate.astype(F32))).astype(x.dtype)
-    return ops.linear(o, p["o_proj"], impl), k_pages, v_pages
+    return row_parallel(o, p["o_proj"], impl), k_pages, v_pages
 
 
 # ---- Gated DeltaNet (§3.6) ---------------------------------------------------------------------
@@ -121,7 +129,7 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
-                   n_valid: jax.Array, *, eps: float, key_heads: int, impl: str,
+                   n_valid: jax.Array, *, eps: float, impl: str,
                    chunked: bool, return_replay: bool = False):
     """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv].
 
@@ -131,7 +139,8 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     b, t, _ = x.shape
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]
-    key_dim = key_heads * dk
+    key_dim = (p["conv"].shape[0] - hv * dv) // 2  # conv channels are q | k | v
+    key_heads = key_dim // dk
     valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
     mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), impl)  # [B, T, C] with C = q | k | v
     z = z.reshape(b, t, hv, dv)
@@ -151,7 +160,7 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     else:
         o, ssm = ops.gdn_recurrence(q, k, v, g, beta, ssm_state, impl=impl)
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
-    out = ops.linear(o, p["out_proj"], impl)
+    out = row_parallel(o, p["out_proj"], impl)
     result = (out, new_conv, ssm.astype(ssm_state.dtype))
     if return_replay:
         return result + ({"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta},)

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from qmtp import layers, ops
+from qmtp import layers, ops, tp
 from qmtp.config import LINEAR, ModelConfig
 from qmtp.state import DecodeState, PagedKV
 
@@ -48,7 +48,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     hidden by the caller (`logits_from_hidden`) for the positions it needs. The replay (each entry
     stacked over the Lg GDN layers) lets `commit_gdn` rebuild the GDN/conv state after any prefix."""
     b, t = tokens.shape
-    x = params["embed"][tokens]  # [B, T, E]
+    x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
     chunked = t >= CHUNKED_GDN_MIN_TOKENS and not return_gdn_replay
     ks, vs, convs, ssms, per_token = [], [], [], [], []
     ids = {"gdn": 0, "attn": 0}
@@ -58,8 +58,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
             ids["gdn"] += 1
             p = params["gdn"][j]
             mixer = lambda h, p=p, j=j: layers.gated_deltanet(
-                p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps,
-                key_heads=cfg.linear_num_key_heads, impl=impl, chunked=chunked,
+                p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps, impl=impl, chunked=chunked,
                 return_replay=return_gdn_replay)
             x, new = decoder_layer(cfg, p, x, mixer, impl)
             convs.append(new[0])

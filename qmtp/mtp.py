@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from qmtp import layers, model, ops
+from qmtp import layers, model, ops, tp
 from qmtp.config import ModelConfig
 from qmtp.state import DecodeState
 
@@ -40,7 +40,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     mtp_kv updated); lengths are not touched (the target owns them)."""
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
-    e = layers.rms_norm(params["embed"][tokens], mp["pre_fc_norm_embedding"], eps)  # [B, T, E]
+    e = layers.rms_norm(tp.embed_lookup(params["embed"], tokens), mp["pre_fc_norm_embedding"], eps)  # [B, T, E]
     hh = layers.rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
     u = ops.linear(jnp.concatenate([e, hh], axis=-1), mp["fc"], impl)  # [B, T, E]
     p = mp["layers"][0]

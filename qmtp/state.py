@@ -60,10 +60,12 @@ class DecodeState:
 
 
 def state_shapes(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
-                 dtype) -> DecodeState:
-    """Abstract (ShapeDtypeStruct) state; the one place that states every shape and dtype."""
+                 dtype, kv_heads: int | None = None) -> DecodeState:
+    """Abstract (ShapeDtypeStruct) state; the one place that states every shape and dtype.
+    kv_heads: KV heads of the cache (default the config's; tensor parallelism with fewer KV heads
+    than devices stores each replica)."""
     s = jax.ShapeDtypeStruct
-    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    hkv, d = kv_heads or cfg.num_key_value_heads, cfg.head_dim
     pages = lambda layers: tuple(s((num_pages, page_size, hkv, d), dtype) for _ in range(layers))
     lg = cfg.num_linear_layers
     return DecodeState(

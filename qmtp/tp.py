@@ -1,18 +1,35 @@
-"""Tensor parallelism: the mesh, its validation, and the cross-shard collectives the model needs.
+"""Tensor parallelism: the mesh, the collectives the model calls, and the shard_map around the
+outermost jitted functions.
 
-Only this module knows meshes and axis names (ARCHITECTURE.md, house rule 5). This first step holds
-the pieces that do not depend on how the parameters are laid out: a 1-D "tp" mesh over N devices,
-the check that a model can be split N ways, and the vocabulary-parallel greedy argmax. Sharded
-loading and the shard_map around prefill and the speculative loop come next (issue 5).
+Only this module knows meshes and axis names (ARCHITECTURE.md, house rule 5). Model code calls the
+collectives below unconditionally; each is the identity when no "tp" axis is bound (TP1, or any
+code outside shard_map), so one model implementation serves every N:
+
+    all_reduce(x)        psum of row-parallel partial sums (after o_proj, out_proj, mlp_down)
+    embed_lookup(E, ids) vocabulary-parallel embedding: each shard looks up its id range, psum
+    greedy_argmax(l)     vocabulary-parallel argmax over logits [..., V/n] (ties: lowest id)
+    gather_vocab(l)      the full logits [..., V] (API calls that return logits)
+
+`sharded(fn, ...)` runs a jitted entry point (prefill, the greedy or speculative while_loop) as one
+shard_map over the mesh, with PartitionSpecs derived from the parameter keys
+(`qmtp.shard_layout`) and the decode state's layout; `shard_params` places a host parameter tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from qmtp import shard_layout
 from qmtp.config import FP8_BLOCK, ModelConfig
+from qmtp.fp8 import Fp8Block
+from qmtp.state import DecodeState, PagedKV, state_shapes
 
 AXIS = "tp"
 
@@ -46,6 +63,8 @@ def check_tp(cfg: ModelConfig, n: int, fp8: bool = False) -> None:
     if fp8:
         shards = {"intermediate_size / tp": cfg.intermediate_size // n,
                   "attention q rows / tp": 2 * cfg.num_attention_heads * cfg.head_dim // n,
+                  "attention o_proj columns / tp": cfg.num_attention_heads * cfg.head_dim // n,
+                  "attention k/v rows / tp": shard_layout.kv_heads_per_shard(cfg, n) * cfg.head_dim,
                   "GDN value_dim / tp": cfg.value_dim // n, "GDN key_dim / tp": cfg.key_dim // n}
         for name, size in shards.items():
             if size % FP8_BLOCK:
@@ -64,3 +83,160 @@ def vocab_parallel_argmax(logits: jax.Array, axis_name: str = AXIS) -> jax.Array
     best = jax.lax.pmax(local_max, axis_name)
     candidate = jnp.where(local_max == best, local_id, jnp.iinfo(jnp.int32).max)
     return jax.lax.pmin(candidate, axis_name)
+
+
+# ---- collectives the model calls (identity when no "tp" axis is bound) ---------------------------
+def _bound() -> bool:
+    try:
+        jax.lax.axis_size(AXIS)
+    except NameError:
+        return False
+    return True
+
+
+def all_reduce(x: jax.Array) -> jax.Array:
+    """Sum of the shards' partial results (row-parallel projections). Callers pass f32 partials so
+    the sum is rounded once, as the single-device matmul rounds its f32 accumulator once."""
+    return jax.lax.psum(x, AXIS) if _bound() else x
+
+
+def embed_lookup(embed: jax.Array, ids: jax.Array) -> jax.Array:
+    """embed[ids] for a table split by vocabulary rows: [V/n, E] here, ids global -> [..., E]."""
+    if not _bound():
+        return embed[ids]
+    rows = embed.shape[0]
+    local = ids - jax.lax.axis_index(AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[..., None], embed[jnp.clip(local, 0, rows - 1)], 0)
+    return jax.lax.psum(x, AXIS)  # exactly one shard contributes a non-zero row: the sum is exact
+
+
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """Greedy token id [...] int32 from logits [..., V] (TP1) or this shard's [..., V/n] slice."""
+    if _bound():
+        return vocab_parallel_argmax(logits)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def gather_vocab(logits: jax.Array) -> jax.Array:
+    """Full logits [..., V] from the shards' [..., V/n] slices (identity in TP1)."""
+    if not _bound():
+        return logits
+    # the invariant form: every shard holds the same full result (shard_map's check_vma knows it)
+    return jax.lax.all_gather(logits, AXIS, axis=logits.ndim - 1, tiled=True, to="invarying")
+
+
+# ---- layouts ---------------------------------------------------------------------------------------
+def _leaf_key(path) -> str:
+    """The parameter key of a leaf: the last dict key on its path (Fp8Block fields share it)."""
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return keys[-1]
+
+
+def _dim_spec(ndim: int, dim: int | None) -> P:
+    if dim is None:
+        return P()
+    return P(*[AXIS if d == dim else None for d in range(ndim)])
+
+
+def param_specs(params: dict) -> dict:
+    """PartitionSpecs of a parameter tree (same structure; Fp8Block weight and scale split alike)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _dim_spec(leaf.ndim, shard_layout.split_dim(_leaf_key(path))), params)
+
+
+def state_specs(state: DecodeState) -> DecodeState:
+    """KV pages split by head, conv state by channel, GDN state by value head; tables replicated."""
+    kv = lambda pk: PagedKV(tuple(P(None, None, AXIS, None) for _ in pk.k), tuple(P(None, None, AXIS, None) for _ in pk.v))
+    return DecodeState(kv=kv(state.kv), mtp_kv=kv(state.mtp_kv), conv=tuple(P(None, None, AXIS) for _ in state.conv),
+                       ssm=tuple(P(None, AXIS) for _ in state.ssm), page_table=P(), lengths=P())
+
+
+def global_state_shapes(cfg: ModelConfig, n: int, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
+                        dtype) -> DecodeState:
+    """The TP-global state shapes: as `state_shapes`, with n * (KV heads per shard) KV heads."""
+    return state_shapes(cfg, batch, num_pages, page_size, pages_per_seq, dtype,
+                        kv_heads=n * shard_layout.kv_heads_per_shard(cfg, n))
+
+
+def init_state(cfg: ModelConfig, mesh: Mesh, page_table: np.ndarray, num_pages: int, page_size: int,
+               dtype) -> DecodeState:
+    """A zero decode state created directly in its shards (nothing is built on one device first)."""
+    page_table = np.asarray(page_table, np.int32)
+    shapes = global_state_shapes(cfg, mesh.size, page_table.shape[0], num_pages, page_size, page_table.shape[1],
+                                 dtype)
+    shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), state_specs(shapes))
+    zeros = jax.jit(lambda: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+                    out_shardings=shardings)()
+    table = jax.device_put(page_table, NamedSharding(mesh, P()))
+    return dataclasses.replace(zeros, page_table=table)
+
+
+def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
+    """Places a host (numpy) parameter tree on the mesh in the TP layout: each device receives only
+    its pieces (`shard_layout`), assembled into TP-global arrays."""
+    n = mesh.size
+
+    def place(path, leaf):
+        key = _leaf_key(path)
+        dim = shard_layout.split_dim(key)
+        if dim is None:
+            return jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, P())), leaf)
+        w = np.asarray(leaf.weight if isinstance(leaf, Fp8Block) else leaf)
+        pieces_w, pieces_s = [], []
+        for s in range(n):
+            idx = shard_layout.shard_indices(cfg, key, w.shape[dim], n, s)
+            pieces_w.append(np.take(w, idx, axis=dim))
+            if isinstance(leaf, Fp8Block):
+                pieces_s.append(np.take(np.asarray(leaf.scale), shard_layout.block_indices(idx, key), axis=dim))
+        if isinstance(leaf, Fp8Block):
+            return Fp8Block(assemble(pieces_w, dim, mesh), assemble(pieces_s, dim, mesh))
+        return assemble(pieces_w, dim, mesh)
+
+    return jax.tree_util.tree_map_with_path(place, params, is_leaf=lambda x: isinstance(x, Fp8Block))
+
+
+def assemble(pieces: list, dim: int, mesh: Mesh) -> jax.Array:
+    """One TP-global array from per-device pieces (piece s on device s), split along `dim`."""
+    devices = list(mesh.devices.flat)
+    shape = list(pieces[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    sharding = NamedSharding(mesh, _dim_spec(len(shape), dim))
+    arrays = [jax.device_put(p, d) for p, d in zip(pieces, devices)]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
+# ---- the shard_map around an entry point -----------------------------------------------------------
+_SHARDED: dict = {}
+
+
+def _specs(kind: str, value):
+    if kind == "params":
+        return param_specs(value)
+    if kind == "state":
+        return state_specs(value)
+    return P()  # replicated: a prefix spec for the whole argument
+
+
+def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True,
+            **static):
+    """fn(*lead, *args, **static) as one jitted shard_map over `mesh`.
+
+    fn is a jitted entry point (its Python body is taken from __wrapped__); lead and static are its
+    static arguments (cfg, spec, impl); kinds name each arg ("params", "state" or "rep") and each
+    output ("state" or "rep"). The state argument is donated, as the single-device entry points do."""
+    state_arg = args[kinds.index("state")] if "state" in kinds else None
+    key = (fn, mesh, lead, tuple(sorted(static.items())), kinds, out_kinds, check_vma,
+           jax.tree_util.tree_structure(args))
+    if key not in _SHARDED:
+        in_specs = tuple(_specs(k, a) for k, a in zip(kinds, args))
+        out_specs = tuple(state_specs(state_arg) if k == "state" else P() for k in out_kinds)
+        body = functools.partial(_call_wrapped, fn.__wrapped__, lead, static)
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+        donate = tuple(i for i, k in enumerate(kinds) if k == "state")
+        _SHARDED[key] = jax.jit(mapped, donate_argnums=donate)
+    return _SHARDED[key](*args)
+
+
+def _call_wrapped(raw_fn, lead, static, *args):
+    return tuple(raw_fn(*lead, *args, **dict(static)))
