@@ -137,6 +137,15 @@ def tiny_text_config(num_layers: int | None = None) -> dict:
                         gdn_v_dim=32, conv=4, vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
 
 
+def tiny_tp_text_config(num_layers: int | None = None) -> dict:
+    """CPU model for tensor-parallel tests: every split dim of its FP8 weights is a whole number of
+    128-blocks at TP2, and it has a single KV head (replicated across shards)."""
+    n = 4 if num_layers is None else num_layers
+    return _text_config(hidden=256, ffn=512, num_layers=n, interval=2, heads=4, kv_heads=1, head_dim=128,
+                        partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=128,
+                        gdn_v_dim=128, conv=4, vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
+
+
 def qwen3_5_27b_text_config(num_layers: int | None = None) -> dict:
     """Qwen3.5-27B shapes (MODEL_SPEC §1.3); vocab 248320 of which the tokenizer uses the first 384."""
     n = 64 if num_layers is None else num_layers
@@ -427,6 +436,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny", "CPU test model: E 160, F 272, 4 layers (GDN/attn alternating), V 384, exact normals",
            tiny_text_config, fast_weights=False),
+    Preset("tiny_tp", "CPU tensor-parallel test model: E 256, F 512, one KV head, head dim 128 (FP8 splits "
+           "2 ways on 128-blocks; the KV head is replicated)", tiny_tp_text_config, fast_weights=False),
     Preset("qwen3_5_27b", "Qwen3.5-27B shapes: E 5120, F 17408, 64 layers, V 248320 (tokenizer 384), fast draws",
            qwen3_5_27b_text_config, fast_weights=True),
     Preset("tiny_controlled", "tiny with controlled acceptance: greedy next token = a seeded permutation of the "

@@ -1,0 +1,174 @@
+"""Tensor parallelism end to end on two fake CPU devices (conftest sets jax_num_cpu_devices=2):
+TP2 greedy tokens == TP1 greedy tokens (plain and MTP K = 1..4, batch 1 and 3), logits within a
+stated tolerance, a forgotten psum is caught, and sharded loading reads only each device's shard.
+
+Tolerance: TP2 differs from TP1 only in f32 summation order (the row-parallel projections add two
+f32 partial sums; the vocabulary-parallel head is exact), so in float32 the logits agree to ~1e-6
+relative; TP_LOGITS_RTOL leaves 10x room. Tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp import checkpoint, params, shard_layout
+from qmtp.tools import make_checkpoint
+
+ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle")
+TP_LOGITS_RTOL = 1e-5
+PROMPTS = [[5, 17, 99, 3, 250], [7, 8], list(range(20, 53))]  # batch 3, lengths 5 / 2 / 33
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_devices():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (jax_num_cpu_devices=2 in conftest)")
+
+
+def _pair(path, dtype="float32"):
+    return (qmtp.load(path, dtype=dtype, progress=False), qmtp.load(path, dtype=dtype, progress=False, tp=2))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    path = make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("tp") / "tiny"), "tiny", "fp32", seed=3)
+    return _pair(path)
+
+
+@pytest.fixture(scope="module")
+def controlled_pair(tmp_path_factory):
+    path = make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("tp") / "ctl"), "tiny_controlled", "fp32",
+                                            seed=5)
+    return _pair(path)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    return make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("tp") / "fp8"), "tiny_tp", "fp8", seed=1)
+
+
+def _same_tokens(pair, prompts, k, max_new=10):
+    one, two = (qmtp.generate(m, prompts, max_new_tokens=max_new, mtp_k=k) for m in pair)
+    assert one.tokens == two.tokens, f"K={k}: TP2 {two.tokens} != TP1 {one.tokens}"
+    return one, two
+
+
+def _close(a, b, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30)
+    assert err <= TP_LOGITS_RTOL, f"{what}: relative error {err:.2e} > {TP_LOGITS_RTOL}"
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_tiny_random_tp2_equals_tp1(tiny_pair, k):
+    _same_tokens(tiny_pair, PROMPTS if k in (0, 3) else PROMPTS[:1], k)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_controlled_tp2_equals_tp1_with_full_acceptance(controlled_pair, k):
+    one, two = _same_tokens(controlled_pair, PROMPTS[:1] if k in (1, 2) else PROMPTS, k, max_new=12)
+    if k:
+        assert two.stats["acceptance_rate"] == one.stats["acceptance_rate"] == 1.0
+        assert two.stats["position_acceptance"] == one.stats["position_acceptance"]
+
+
+def test_logits_and_mtp_logits_within_tolerance(tiny_pair):
+    ids = PROMPTS[2]
+    _close(qmtp.target_logits(tiny_pair[0], ids), qmtp.target_logits(tiny_pair[1], ids), "target logits")
+    one, two = (qmtp.mtp_logits(m, ids) for m in tiny_pair)
+    _close(one.logits, two.logits, "MTP logits")
+    np.testing.assert_array_equal(one.draft_argmax, two.draft_argmax)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_hf_oracle_fixtures_tp2(name):
+    """The HF-verified fixtures (Qwen3.5 nested layout; Qwen3-Next fused projections and tied
+    embeddings, whose fused rows must be composed with the shard selection): TP2 logits match
+    the logits HF transformers produced, and TP2 greedy tokens equal TP1's."""
+    path = os.path.join(ORACLE, name)
+    pair = _pair(path)
+    expected = np.load(os.path.join(path, "expected.npz"))
+    ids = [int(t) for t in expected["prompt_0"]]
+    tp2 = qmtp.target_logits(pair[1], ids)
+    _close(qmtp.target_logits(pair[0], ids), tp2, f"{name} logits")
+    hf = np.asarray(expected["logits_0"], np.float64)
+    assert np.max(np.abs(tp2 - hf)) / np.max(np.abs(hf)) <= 1e-4, f"{name}: TP2 logits vs HF transformers"
+    _same_tokens(pair, PROMPTS[:2], 0, max_new=8)
+    if pair[0].cfg.mtp_layers == 1:
+        _same_tokens(pair, PROMPTS[:2], 2, max_new=8)
+
+
+def test_fp8_with_replicated_kv_head_tp2_equals_tp1(fp8_dir):
+    """FP8 block weights split on 128-blocks (scales split alike) and one KV head replicated on both
+    shards: same tokens as TP1, plain and MTP."""
+    pair = _pair(fp8_dir)
+    assert pair[1].params["attn"][0]["k_proj"].weight.shape[0] == 2 * 128  # one KV head per shard
+    for k in (0, 2):
+        _same_tokens(pair, PROMPTS[:2], k, max_new=6)
+
+
+def test_forgotten_psum_is_caught(tiny_pair, monkeypatch):
+    """If a row-parallel projection's partial sums were not reduced, shard_map's replication check
+    refuses the program (check_vma), so the bug cannot produce silently wrong tokens."""
+    from qmtp import tp
+    monkeypatch.setattr(tp, "all_reduce", lambda x: x)
+    tp._SHARDED.clear()
+    try:
+        with pytest.raises(ValueError, match="out_specs"):
+            qmtp.generate(tiny_pair[1], PROMPTS[:1], max_new_tokens=2)
+    finally:
+        tp._SHARDED.clear()
+
+
+def test_sharded_loading_reads_only_each_shard(fp8_dir, monkeypatch):
+    """Every split tensor is read as slices: the rows/columns read for shard s are exactly the ones
+    `shard_layout` assigns to s, no split tensor is read whole, and every stored byte is read once."""
+    slices, whole = [], []
+    real_slice, real_read = checkpoint._read_slice, checkpoint._read
+
+    def spy_slice(handles, d, file, name, dim, start, stop):
+        slices.append((name, dim, start, stop))
+        return real_slice(handles, d, file, name, dim, start, stop)
+
+    def spy_read(handles, d, file, name):
+        whole.append(name)
+        return real_read(handles, d, file, name)
+
+    monkeypatch.setattr(checkpoint, "_read_slice", spy_slice)
+    monkeypatch.setattr(checkpoint, "_read", spy_read)
+    model = qmtp.load(fp8_dir, dtype="float32", progress=False, tp=2)
+    cfg = model.cfg
+    headers = checkpoint.read_headers(fp8_dir)
+    for entry in params.tensor_table(cfg):
+        dim = shard_layout.split_dim(entry.key)
+        got = [(d, a, b) for name, d, a, b in slices if name == entry.name]
+        if dim is None:
+            assert entry.name in whole and not got, entry.name
+            continue
+        assert entry.name not in whole, f"{entry.name} was read whole"
+        length = headers[entry.name].shape[dim]
+        want = []
+        for s in range(2):
+            want += [(dim, a, b) for a, b in shard_layout.ranges(shard_layout.shard_indices(cfg, entry.key, length, 2, s))]
+        assert got == want, entry.name
+    # bytes: each split tensor's rows read once across the shards (a replicated KV head is read by both)
+    kv = {e.name for e in params.tensor_table(cfg) if e.key in ("k_proj", "v_proj")}
+    for name in {n for n, *_ in slices} - kv:
+        if name.endswith(checkpoint.SCALE_SUFFIX):
+            continue
+        dim = next(d for n, d, *_ in slices if n == name)
+        covered = sum(b - a for n, d, a, b in slices if n == name)
+        assert covered == headers[name].shape[dim], name
+
+
+def test_tp_is_refused_with_a_clear_message(tmp_path):
+    path = make_checkpoint.write_checkpoint(str(tmp_path / "t"), "tiny", "fp8", seed=0)
+    with pytest.raises(ValueError, match=r"--tp=2: FP8 weights need shard boundaries on 128-multiples"):
+        qmtp.load(path, progress=False, tp=2)
+    with pytest.raises(ValueError, match=r"--tp=3: 2 cpu device\(s\) visible"):
+        qmtp.load(path, progress=False, tp=3)
