@@ -41,6 +41,10 @@ flags.DEFINE_list("accept_profile", None, "MTP only: cap the accepted drafts per
 flags.DEFINE_integer("accept_seed", 0, "Seed of the --accept_profile schedule.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature. Only greedy decoding (0) is supported; anything "
                    "else is refused.")
+flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this many devices (each loads only its "
+                     "shard; the tokens are the same as with 1). Must divide the model's head counts, MLP width "
+                     "and vocabulary; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.",
+                     lower_bound=1)
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
@@ -84,7 +88,7 @@ def run(argv) -> dict:
         from qmtp.speculate import acceptance_schedule
         cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
     model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint), dtype=FLAGS.dtype, page_size=FLAGS.page_size,
-                      num_pages=FLAGS.num_pages or None, impl=FLAGS.impl)
+                      num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
                            mtp_k=FLAGS.mtp_k, accept_cap=cap, temperature=FLAGS.temperature,
                            warmup=FLAGS.warmup)
@@ -103,6 +107,7 @@ def run(argv) -> dict:
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
+              "tp": FLAGS.tp,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s}
     if FLAGS.output_json:

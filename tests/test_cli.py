@@ -11,8 +11,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args, cache):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(cache), PYTHONPATH=ROOT)
+def run(*args, cache, devices=1):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(cache), PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.run([sys.executable, "-m", "qmtp.generate", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -46,7 +47,19 @@ def test_prompt_ids_match_the_text_prompt(cache, tmp_path):
     assert json.loads(a.read_text())["tokens"] == json.loads(b.read_text())["tokens"]
 
 
+def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
+    outs = []
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        r = run("--checkpoint=preset:tiny", "--prompt=def fibonacci(", "--max_new_tokens=6", "--dtype=float32",
+                "--mtp_k=2", f"--tp={tp}", f"--output_json={out}", cache=cache, devices=2)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(json.loads(out.read_text()))
+    assert outs[0]["tokens"] == outs[1]["tokens"] and outs[1]["tp"] == 2
+
+
 @pytest.mark.parametrize("args,message", [
+    (("--checkpoint=preset:tiny", "--prompt=hi", "--tp=2"), r"error: --tp=2: 1 cpu device\(s\) visible"),
     (("--checkpoint=/nonexistent/ckpt", "--prompt=hi"), "error: /nonexistent/ckpt: checkpoint directory not found"),
     (("--checkpoint=preset:tiny", "--prompt=hello world", "--num_pages=1", "--page_size=4"),
      "error: .* tokens need .* pages of 4, but the KV cache has only 1 pages .*raise --num_pages"),
@@ -78,5 +91,5 @@ def test_help_explains_every_flag(cache):
     r = run("--help", cache=cache)
     assert r.returncode == 0
     for flag in ("checkpoint", "prompt", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
-                 "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature"):
+                 "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "tp"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
