@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._vma import align
+
 BLOCK = 128
 
 
@@ -376,14 +378,15 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
     bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
     kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps)
     part_dtype = out_dtype if split == 1 else jnp.float32
+    args, out = align(x2, *ws, *scales)
     ys = pl.pallas_call(
         kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct((split, m, o), part_dtype) for o in os),
+        out_shape=tuple(out((split, m, o), part_dtype) for o in os),
         grid=(sum(_cdiv(o, config.block_o) for o in os), split),
         compiler_params=params,
         interpret=interpret,
         name="fp8_matmul_decode",
-    )(x2, *ws, *scales)
+    )(*args)
     return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)
                  for y, o in zip(ys, os))
 
@@ -398,9 +401,10 @@ def _prefill_call(x2, w, scale, out_dtype, config: PrefillConfig, params, interp
     (m, i), o = x2.shape, w.shape[0]
     _check_int32(m, o, i, 1)
     kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config)
+    (x2, w, scale), out = align(x2, w, scale)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, o), out_dtype),
+        out_shape=out((m, o), out_dtype),
         grid=(_cdiv(m, config.block_m), _cdiv(o, config.block_n)),
         compiler_params=params,
         interpret=interpret,

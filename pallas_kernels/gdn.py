@@ -41,6 +41,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._vma import align
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -246,10 +248,10 @@ def gdn_recurrence(q, k, v, g, beta, state, *, interpret: bool = False,
         return jnp.zeros((b, 0, hv, dv), jnp.float32), state
     kernel = functools.partial(_recurrence_kernel, n_tokens=t)
     qk_spec, tv_spec, gate_spec, s_spec = _block_specs(t, dk, bv, r)
+    (q, k, v, g, beta, state), out = align(q, k, v, g, beta, state)
     o, final = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, t, hv, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32)),
+        out_shape=(out((b, t, hv, dv), jnp.float32), out((b, hv, dk, dv), jnp.float32)),
         grid=(b, hv, dv // bv),
         in_specs=[qk_spec, qk_spec, tv_spec, gate_spec, gate_spec, s_spec],
         out_specs=[tv_spec, s_spec],
@@ -339,10 +341,10 @@ def gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, *, inter
     qk_spec, tv_spec, gate_spec, s_spec = _block_specs(t, dk, bv, r)
     head_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ih,))
     batch_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ib,))
+    args, out = align(q, k, v, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state)
     return pl.pallas_call(
         functools.partial(_gated_kernel, n_tokens=t),
-        out_shape=(jax.ShapeDtypeStruct((bsz, t, hv, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((bsz, hv, dk, dv), jnp.float32)),
+        out_shape=(out((bsz, t, hv, dv), jnp.float32), out((bsz, hv, dk, dv), jnp.float32)),
         grid=(bsz, hv, dv // bv),
         in_specs=[qk_spec, qk_spec, tv_spec, gate_spec, gate_spec, head_spec, head_spec, batch_spec, s_spec],
         out_specs=[tv_spec, s_spec],
@@ -350,4 +352,4 @@ def gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, *, inter
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gdn_recurrence_gated",
-    )(q, k, v, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state)
+    )(*args)

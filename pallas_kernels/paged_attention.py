@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._vma import align
+
 
 def _check(q, k_pages, v_pages, page_table, q_positions, kv_lengths) -> None:
     b, t, hq, d = q.shape
@@ -219,6 +221,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
         _kernel, g=g, t=t, rows=rows, page_size=page_size, n_pages=n_pages, n_ctx=n_ctx, n_splits=n_splits,
         block_k=block_k, scale_log2=scale * math.log2(math.e), precision=precision)
     full = lambda a: pl.BlockSpec(a.shape, lambda i, j, k: (0,) * a.ndim)  # the whole array, indexed inside
+    (q, k_pages, v_pages, page_table, q_positions, kv_lengths), out = align(
+        q, k_pages, v_pages, page_table, q_positions, kv_lengths)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_splits),
@@ -226,9 +230,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
         out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, j, k: (i, j, k, 0, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, n_splits, rows, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, n_splits, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, n_splits, rows), jnp.float32)],
+        out_shape=[out((b, hkv, n_splits, rows, d), jnp.float32), out((b, hkv, n_splits, rows), jnp.float32),
+                   out((b, hkv, n_splits, rows), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="paged_attention",

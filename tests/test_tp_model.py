@@ -172,3 +172,14 @@ def test_tp_is_refused_with_a_clear_message(tmp_path):
         qmtp.load(path, progress=False, tp=2)
     with pytest.raises(ValueError, match=r"--tp=3: 2 cpu device\(s\) visible"):
         qmtp.load(path, progress=False, tp=3)
+
+
+def test_pallas_kernels_under_tp2(fp8_dir):
+    """The Pallas path (interpret mode here) inside the TP2 shard_map: FP8 matmul on weight shards,
+    GDN recurrence and paged attention on head shards give TP1's tokens. (shard_map's replication
+    check is on for impl="ref" only: interpret mode trips over it inside kernel bodies; the psums are
+    model code, the same for both impls, so the ref check covers them.)"""
+    pair = (qmtp.load(fp8_dir, dtype="float32", progress=False, impl="pallas"),
+            qmtp.load(fp8_dir, dtype="float32", progress=False, impl="pallas", tp=2))
+    for k in (0, 2):
+        _same_tokens(pair, [[1, 2, 3]], k, max_new=4)
