@@ -220,7 +220,14 @@ def _specs(kind: str, value):
 
 def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True,
             **static):
-    """fn(*lead, *args, **static) as one jitted shard_map over `mesh`.
+    """fn(*lead, *args, **static) as one jitted shard_map over `mesh` (see `sharded_fn`)."""
+    return sharded_fn(fn, mesh, lead, args, kinds, out_kinds, check_vma, **static)(*args)
+
+
+def sharded_fn(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True,
+               **static):
+    """The jitted shard_map of fn(*lead, *args, **static) for arguments shaped like `args` (arrays or
+    ShapeDtypeStructs: `.lower(*args)` works on abstract ones).
 
     fn is a jitted entry point (its Python body is taken from __wrapped__); lead and static are its
     static arguments (cfg, spec, impl); kinds name each arg ("params", "state" or "rep") and each
@@ -235,7 +242,7 @@ def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: t
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
         donate = tuple(i for i, k in enumerate(kinds) if k == "state")
         _SHARDED[key] = jax.jit(mapped, donate_argnums=donate)
-    return _SHARDED[key](*args)
+    return _SHARDED[key]
 
 
 def _call_wrapped(raw_fn, lead, static, *args):
