@@ -1,0 +1,253 @@
+"""The benchmark harness: python -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags
+
+In one process, on the same prompts: the copy bandwidth (the ceiling every share is quoted
+against), plain greedy decoding, MTP K = 1..4 with natural acceptance, and MTP with the accepted
+drafts capped by a seeded acceptance profile (default 0.85 / 0.70 / 0.57 cumulative per position,
+what Qwen 3.x heads show on code). Each mode runs --repeats times after a compile warm-up (compile
+time reported separately); every mode's tokens must equal plain greedy's (a mismatch fails the run,
+exit status 1).
+
+Per mode: decode tokens/s = sum(output_tokens - 1) / sum(wall - TTFT) (median, min, max over the
+repeats), TTFT, mean accepted length, per-position acceptance, speedup over plain, share of the
+bandwidth roofline (`qmtp.bench_report`), peak device memory. Writes one JSON (config, versions,
+device, figures, raw timings) and one PNG plot (tokens/s vs K, natural and profiled, with the
+roofline and the MTP ceilings). `--engine=ref` runs the pure-XLA path, `--engine=pallas` the
+kernels; on the CPU the tiny presets give a quick smoke run (configs/bench_tiny.flags).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8",
+                    "Checkpoint directory, or preset:NAME[:DTYPE] (a synthetic checkpoint built on first use into "
+                    "the cache; the *_controlled presets give 100% natural acceptance so profiles can be imposed).")
+flags.DEFINE_integer("num_layers", None, "Presets only: build a slice with this many decoder layers (default: all).")
+flags.DEFINE_enum("engine", "pallas", ["pallas", "ref"], "Kernel path: 'pallas' (Pallas kernels) or 'ref' (pure XLA).")
+flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices).", lower_bound=1)
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype (FP8 weights stay FP8).")
+flags.DEFINE_list("ks", ["1", "2", "3", "4"], "MTP drafts per round to measure with natural acceptance.")
+flags.DEFINE_list("profile", ["0.85", "0.70", "0.57"],
+                  "Cumulative per-position acceptance imposed by capping accepted drafts (empty: no profiled "
+                  "runs); profiled runs use every K in --ks up to the profile's length.")
+flags.DEFINE_integer("profile_seed", 0, "Seed of the acceptance-cap schedule.")
+flags.DEFINE_list("prompt_lengths", ["64"], "Prompt lengths in tokens (each length is its own table).")
+flags.DEFINE_list("batch", ["1"], "Batch sizes (each its own table).")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per sequence.", lower_bound=2)
+flags.DEFINE_integer("repeats", 3, "Timed runs per mode (median and spread reported).", lower_bound=1)
+flags.DEFINE_integer("prompt_seed", 0, "Seed of the random prompt tokens.")
+flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
+flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
+flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
+flags.DEFINE_string("plot_from", None, "Only draw the plot of an existing result JSON (no benchmark).")
+
+
+def resolve_checkpoint(spec: str, num_layers: int | None) -> str:
+    from qmtp.tools import make_checkpoint
+    if not spec.startswith("preset:"):
+        if num_layers is not None:
+            raise ValueError("--num_layers slices synthetic presets only")
+        return spec
+    parts = spec[len("preset:"):].split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
+    return make_checkpoint.ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16",
+                                         num_layers=num_layers)
+
+
+def random_prompts(model, batch: int, length: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of `length` ids drawn from the tokenizer's ordinary tokens (no specials)."""
+    import numpy as np
+    vocab = model.cfg.vocab_size
+    if model.tokenizer is not None:
+        vocab = min(vocab, model.tokenizer.get_vocab_size(with_added_tokens=False))
+    special = set(model.cfg.eos_token_ids) | {model.cfg.bos_token_id}
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(batch):
+        ids = rng.integers(0, vocab, size=length * 2)
+        out.append([int(i) for i in ids if int(i) not in special][:length])
+    return out
+
+
+def memory() -> dict:
+    """Resident and peak device memory of the first device (None where the backend has no stats)."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"bytes_in_use": stats.get("bytes_in_use"), "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def show(self, what: str) -> None:
+        self.done += 1
+        print(f"[{self.done}/{self.total} {time.perf_counter() - self.t0:.0f}s] {what}", file=sys.stderr, flush=True)
+
+
+def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, label: str) -> dict:
+    """Warm-up (compile), then `repeats` timed generations of one mode."""
+    import qmtp
+    t = time.perf_counter()
+    qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
+                  accept_cap=cap, warmup=True)
+    compile_s = time.perf_counter() - t
+    runs = []
+    for r in range(repeats):
+        res = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
+                            accept_cap=cap)
+        runs.append(res)
+        progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s")
+    return {"compile_s": compile_s, "runs": runs}
+
+
+def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, bytes_, copy_bps: float) -> dict:
+    from qmtp import bench_report as br
+    runs = mode["runs"]
+    s0 = runs[-1].stats
+    out = {"name": name, "k": k, "acceptance": acceptance, "compile_s": mode["compile_s"],
+           "decode_tokens_per_s": br.spread([r.stats["decode_tokens_per_s"] for r in runs]),
+           "ttft_s": br.spread([r.stats["ttft_s"] for r in runs]),
+           "raw": [{k_: v for k_, v in r.stats.items()} for r in runs]}
+    tokens = runs[-1].tokens
+    out["tokens_match_plain"] = plain_tokens is None or tokens == plain_tokens
+    if not out["tokens_match_plain"]:
+        out["first_mismatch"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                                 for x, y in zip(tokens, plain_tokens)]
+    batch = bytes_["batch"]
+    roof = br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)
+    if k:
+        out.update(mean_accepted_length=s0["mean_accepted_length"], acceptance_rate=s0["acceptance_rate"],
+                   position_acceptance=s0["position_acceptance"])
+        out["ceiling_tok_s"] = br.mtp_ceiling_tok_s(bytes_["target_total"], bytes_["draft_total"],
+                                                    s0["position_acceptance"], batch, copy_bps)
+        out["share_of_ceiling"] = out["decode_tokens_per_s"]["median"] / out["ceiling_tok_s"]
+    out["share_of_roofline"] = out["decode_tokens_per_s"]["median"] / roof
+    return out
+
+
+def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progress) -> dict:
+    """All modes for one (batch, prompt length)."""
+    import numpy as np
+
+    from qmtp import api, bench_report as br
+    from qmtp.speculate import acceptance_schedule
+    prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)
+    ks = [int(k) for k in FLAGS.ks]
+    profile = [float(p) for p in FLAGS.profile if p]
+    state = api._new_state(model, [length + FLAGS.max_new_tokens + 5] * batch)
+    bytes_ = br.step_bytes(model.params, state, context=length + FLAGS.max_new_tokens // 2)
+    del state
+    case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
+    plain = run_mode(model, prompts, 0, None, FLAGS.repeats, progress, f"B={batch} P={length} plain")
+    plain_tokens = plain["runs"][-1].tokens
+    case["modes"].append(summarize("plain", 0, "-", plain, None, bytes_, copy_bps))
+    for k in ks:
+        m = run_mode(model, prompts, k, None, FLAGS.repeats, progress, f"B={batch} P={length} K={k} natural")
+        case["modes"].append(summarize(f"mtp K={k} natural", k, "natural", m, plain_tokens, bytes_, copy_bps))
+    rounds = FLAGS.max_new_tokens + 1
+    for k in [k for k in ks if k <= len(profile)]:
+        cap = acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)
+        m = run_mode(model, prompts, k, cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} profiled")
+        s = summarize(f"mtp K={k} profiled", k, "profiled", m, plain_tokens, bytes_, copy_bps)
+        s["imposed_profile"] = profile[:k]
+        case["modes"].append(s)
+    base = case["modes"][0]["decode_tokens_per_s"]["median"]
+    for m in case["modes"]:
+        m["speedup"] = m["decode_tokens_per_s"]["median"] / base
+    case["roofline"] = {"plain_tok_s": br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)}
+    case["all_tokens_match_plain"] = bool(np.all([m["tokens_match_plain"] for m in case["modes"]]))
+    return case
+
+
+def main(argv):
+    del argv
+    from qmtp import bench_report as br
+    if FLAGS.plot_from:
+        with open(FLAGS.plot_from) as f:
+            result = json.load(f)
+        paths = [br.plot(dict(case, config=result["config"]), _plot_path(FLAGS.plot_from, i, len(result["cases"])))
+                 for i, case in enumerate(result["cases"])]
+        print("\n".join(p or "matplotlib is not installed" for p in paths))
+        return 0
+    try:
+        return _run()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plot_path(out: str, i: int, n: int) -> str:
+    base = FLAGS.plot or os.path.splitext(out)[0] + ".png"
+    return base if n == 1 else f"{os.path.splitext(base)[0]}_{i}.png"
+
+
+def _run() -> int:
+    import jax
+
+    import qmtp
+    from qmtp import bench_report as br
+    from qmtp.bandwidth import copy_bandwidth
+    batches, lengths = [int(b) for b in FLAGS.batch], [int(p) for p in FLAGS.prompt_lengths]
+    n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
+    progress = Progress(len(batches) * len(lengths) * n_modes * FLAGS.repeats)
+    copy = copy_bandwidth(FLAGS.copy_gib, 10)
+    print(f"copy bandwidth {copy['tb_per_s']:.3f} TB/s", file=sys.stderr, flush=True)
+    path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
+    t = time.perf_counter()
+    model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp)
+    load_s = time.perf_counter() - t
+    resident = memory()
+    config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,
+              "engine": FLAGS.engine, "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
+              "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
+              "prompt_lengths": FLAGS.prompt_lengths,
+              "title": f"{os.path.basename(path)} engine={FLAGS.engine} TP{FLAGS.tp}"}
+    result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
+              "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
+              "memory_after_load": resident, "cases": []}
+    ok = True
+    for b in batches:
+        for p in lengths:
+            case = bench_case(model, b, p, copy["tb_per_s"] * 1e12, progress)
+            case["memory"] = memory()
+            result["cases"].append(case)
+            ok &= case["all_tokens_match_plain"]
+            with open(FLAGS.out, "w") as f:
+                json.dump(result, f, indent=2, default=str)
+            print(f"\nbatch {b}, prompt {p} tokens (roofline {case['roofline']['plain_tok_s']:.1f} tok/s, "
+                  f"copy {copy['tb_per_s']:.2f} TB/s):")
+            print(br.table(case["modes"]))
+    for i, case in enumerate(result["cases"]):
+        png = br.plot(dict(case, config=config), _plot_path(FLAGS.out, i, len(result["cases"])))
+        case["plot"] = png
+    result["all_tokens_match_plain"] = ok
+    with open(FLAGS.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(f"\nwrote {FLAGS.out}" + "".join(f", {c['plot']}" for c in result["cases"] if c.get("plot")))
+    if not ok:
+        bad = [m["name"] for c in result["cases"] for m in c["modes"] if not m["tokens_match_plain"]]
+        print(f"error: tokens differ from plain greedy in: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cli() -> None:
+    if any(a in ("--help", "-h", "--helpshort") for a in sys.argv[1:]):
+        FLAGS(sys.argv[:1])
+        print(__doc__)
+        print(FLAGS.main_module_help())
+        sys.exit(0)
+    app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,110 @@
+"""The benchmark harness's arithmetic and outputs: bytes per step, rooflines, summary table, plot.
+
+Roofline (PERFORMANCE.md), from the actual parameter tree and decode state:
+
+    target_bytes = all target parameters except the embedding table (one row is read per token)
+                   + GDN state read and written + conv state read and written + K/V of `context`
+                   positions in every attention layer;      (per target pass of batch 1)
+    draft_bytes  = the MTP subtree + the lm_head it shares + its K/V at `context` positions.
+    plain roofline       = 1 / (target_bytes / copy_bandwidth)                          tok/s
+    MTP K ceiling at cumulative per-position acceptance p_1 >= ... >= p_K:
+        tokens per round = 1 + sum_i p_i;  bytes per round = target_bytes + K * draft_bytes
+        (K-1 draft steps, the verify pass, the draft refresh after the commit)
+        ceiling          = (1 + sum_i p_i) / (bytes per round / copy_bandwidth)          tok/s
+All bandwidth figures are the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+
+def nbytes(tree) -> int:
+    import jax
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+def step_bytes(params: dict, state, context: int) -> dict:
+    """Bytes one target pass and one MTP draft step over the state's whole batch must read (see the
+    module docstring; weights once, state and K/V per sequence, every sequence at `context`)."""
+    kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.kv.k) * 2  # K and V, per position
+    mtp_kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.mtp_kv.k) * 2
+    lm_head = params["lm_head"] if "lm_head" in params else params["embed"]
+    target = {"weights": nbytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
+              + (0 if "lm_head" in params else nbytes(lm_head)),
+              "gdn_state": 2 * nbytes(state.ssm), "conv_state": 2 * nbytes(state.conv),
+              "kv": kv_pos * context * state.batch}
+    draft = {"mtp_weights": nbytes(params.get("mtp", {})), "lm_head": nbytes(lm_head),
+             "kv": mtp_kv_pos * context * state.batch}
+    return {"batch": state.batch, "target": target, "draft": draft, "target_total": sum(target.values()),
+            "draft_total": sum(draft.values())}
+
+
+def roofline_tok_s(target_total: int, batch: int, copy_bytes_per_s: float) -> float:
+    """Plain decoding at the bandwidth ceiling: `batch` tokens per target pass."""
+    return batch * copy_bytes_per_s / target_total
+
+
+def mtp_ceiling_tok_s(target_total: int, draft_total: int, acceptance, batch: int, copy_bytes_per_s: float) -> float:
+    """Tokens/s at the bandwidth ceiling for K = len(acceptance) drafts per round."""
+    k = len(acceptance)
+    return batch * (1.0 + float(np.sum(acceptance))) * copy_bytes_per_s / (target_total + k * draft_total)
+
+
+def spread(values: list[float]) -> dict:
+    """Median and spread of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": values}
+
+
+def table(modes: list[dict]) -> str:
+    """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share."""
+    head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "acc.len", "per-position", "roofline"]
+    rows = [head]
+    for m in modes:
+        tps = m["decode_tokens_per_s"]
+        rows.append([m["name"], str(m["k"]), f"{tps['median']:.1f}", f"{tps['min']:.1f}-{tps['max']:.1f}",
+                     f"{m.get('speedup', float('nan')):.2f}x", f"{m['ttft_s']['median'] * 1e3:.1f}",
+                     f"{m['mean_accepted_length']:.2f}" if m["k"] else "-",
+                     "/".join(f"{p:.2f}" for p in m.get("position_acceptance", [])) or "-",
+                     f"{m['share_of_roofline']:.0%}" if m.get("share_of_roofline") is not None else "-"])
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def plot(result: dict, path: str) -> str | None:
+    """tokens/s vs K for natural and profiled acceptance, with the plain roofline and the MTP
+    ceilings drawn; returns the path, or None when matplotlib is missing (the JSON has everything:
+    `python -m qmtp.bench --plot_from=result.json` draws it later on any machine)."""
+    try:
+        import matplotlib
+        import matplotlib.ticker
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, marker in (("natural", "o"), ("profiled", "s")):
+        pts = sorted((m["k"], m["decode_tokens_per_s"]["median"]) for m in result["modes"]
+                     if m["k"] == 0 or m["acceptance"] == kind)
+        if len(pts) > 1:
+            ax.plot(*zip(*pts), marker=marker, label=f"qmtp, {kind} acceptance")
+        ceil = sorted((m["k"], m["ceiling_tok_s"]) for m in result["modes"]
+                      if m["k"] and m["acceptance"] == kind and m.get("ceiling_tok_s"))
+        if ceil:
+            ax.plot(*zip(*ceil), linestyle=":", marker=marker, alpha=0.6, label=f"bandwidth ceiling, {kind}")
+    roof = result.get("roofline", {}).get("plain_tok_s")
+    if roof:
+        ax.axhline(roof, color="gray", linestyle="--", label=f"plain roofline {roof:.0f} tok/s")
+    ax.set_xlabel("MTP drafts per round K (0 = plain)")
+    ax.set_ylabel(f"decode tokens/s (batch {result.get('batch', 1)})")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title(result["config"].get("title", "qmtp decode throughput"), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,92 @@
+"""The benchmark harness (python -m qmtp.bench): a CPU smoke run on the tiny controlled preset
+(no figures asserted: only that every mode ran, matched plain greedy and was reported), the
+roofline arithmetic against hand-computed values, and the token check that fails a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from qmtp import bench_report as br
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(*args, tmp_path, cache):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, QMTP_CACHE=str(cache))
+    return subprocess.run([sys.executable, "-m", "qmtp.bench", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
+    out = tmp_path / "r.json"
+    r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1,3",
+                  "--max_new_tokens=12", tmp_path=tmp_path, cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["all_tokens_match_plain"] and res["copy"]["tb_per_s"] > 0 and res["load_s"] > 0
+    (case,) = res["cases"]
+    names = [m["name"] for m in case["modes"]]
+    assert names == ["plain", "mtp K=1 natural", "mtp K=3 natural", "mtp K=1 profiled", "mtp K=3 profiled"]
+    for m in case["modes"]:
+        assert m["decode_tokens_per_s"]["median"] > 0 and m["ttft_s"]["n"] == 1 and m["share_of_roofline"] > 0
+    natural3 = case["modes"][2]
+    assert natural3["position_acceptance"] == [1.0, 1.0, 1.0] and natural3["mean_accepted_length"] == 4.0
+    assert case["modes"][4]["imposed_profile"] == [0.85, 0.70, 0.57]
+    assert case["modes"][4]["mean_accepted_length"] < 4.0  # the cap took effect
+    assert os.path.getsize(case["plot"]) > 1000
+    assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout  # the table
+    assert "[1/5" in r.stderr  # progress
+
+
+def test_help_and_plot_from(tmp_path):
+    r = run_bench("--help", tmp_path=tmp_path, cache=tmp_path)
+    assert r.returncode == 0
+    for flag in ("checkpoint", "engine", "tp", "ks", "profile", "prompt_lengths", "batch", "repeats", "out", "plot_from"):
+        assert f"--{flag}" in r.stdout, flag
+
+
+def test_roofline_and_ceiling_arithmetic():
+    # 10 GB per target pass, 1 GB per draft step, 4 TB/s
+    bw = 4e12
+    assert br.roofline_tok_s(10e9, 1, bw) == pytest.approx(400.0)
+    assert br.roofline_tok_s(10e9, 4, bw) == pytest.approx(1600.0)
+    # K=3 at 0.85/0.70/0.57: 3.12 tokens per round of 10 + 3 GB -> 3.12 / 3.25 ms
+    assert br.mtp_ceiling_tok_s(10e9, 1e9, [0.85, 0.70, 0.57], 1, bw) == pytest.approx(3.12 / 13e9 * 4e12)
+
+
+def test_step_bytes_counts_weights_state_and_kv():
+    import jax.numpy as jnp
+
+    from qmtp import params as qp
+    from qmtp.state import state_shapes
+    from qmtp.tools import make_checkpoint
+    from qmtp import config as qc
+    cfg = qc.from_dict(make_checkpoint.build_config("tiny", "bf16", 0, None))
+    params = qp.abstract_params(cfg, jnp.bfloat16)
+    state = state_shapes(cfg, 2, 8, 16, 4, jnp.bfloat16)
+    b = br.step_bytes(params, state, context=100)
+    e, v = cfg.hidden_size, cfg.vocab_size
+    layer_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for layer in params["gdn"] + params["attn"]
+                      for a in layer.values())
+    assert b["target"]["weights"] == layer_bytes + v * e * 2 + e * 4  # layers + bf16 lm_head + f32 final norm
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    assert b["target"]["kv"] == cfg.num_full_layers * 2 * hkv * d * 2 * 100 * 2  # layers, K+V, bf16, ctx, batch
+    assert b["draft"]["lm_head"] == v * e * 2 and b["batch"] == 2
+
+
+def test_a_token_mismatch_is_reported():
+    from qmtp import bench
+    run = lambda toks: types.SimpleNamespace(tokens=toks, stats={  # noqa: E731
+        "decode_tokens_per_s": 1.0, "ttft_s": 0.1, "mean_accepted_length": 2.0, "acceptance_rate": 1.0,
+        "position_acceptance": [1.0]})
+    bytes_ = {"batch": 1, "target_total": 10, "draft_total": 1}
+    good = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 3]])]}, [[1, 2, 3]], bytes_, 1e3)
+    bad = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 4]])]}, [[1, 2, 3]], bytes_, 1e3)
+    assert good["tokens_match_plain"] and not bad["tokens_match_plain"] and bad["first_mismatch"] == [2]
