@@ -43,6 +43,8 @@ flags.DEFINE_list("batch", ["1"], "Batch sizes (each its own table).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per sequence.", lower_bound=2)
 flags.DEFINE_integer("repeats", 3, "Timed runs per mode (median and spread reported).", lower_bound=1)
 flags.DEFINE_integer("prompt_seed", 0, "Seed of the random prompt tokens.")
+flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative round alone (target step, verify, "
+                  "draft, commit, all-reduce) for each K, next to the measured round time.")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
 flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
@@ -90,6 +92,9 @@ class Progress:
 
     def show(self, what: str) -> None:
         self.done += 1
+        self.note(what)
+
+    def note(self, what: str) -> None:
         print(f"[{self.done}/{self.total} {time.perf_counter() - self.t0:.0f}s] {what}", file=sys.stderr, flush=True)
 
 
@@ -134,6 +139,23 @@ def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, byte
     return out
 
 
+def breakdown(model, batch: int, length: int, ks: list[int], modes: list[dict], progress: Progress) -> dict:
+    """Per K: each piece of a round timed alone (qmtp.bench_breakdown) and the measured round time
+    of the natural-acceptance mode (decode time / rounds)."""
+    from qmtp import api, bench_breakdown as bd
+    out = {}
+    for k in ks:
+        pieces = bd.measure(model, lambda: api._new_state(model, [length + FLAGS.max_new_tokens + 8] * batch), k)
+        mode = next(m for m in modes if m["k"] == k and m["acceptance"] == "natural")
+        raw = mode["raw"][-1]
+        pieces["measured_round"] = raw["decode_s"] / max(raw["steps"], 1)
+        plain = next(m for m in modes if m["k"] == 0)["raw"][-1]
+        pieces["measured_plain_step"] = plain["decode_s"] / max(plain["steps"], 1)
+        out[str(k)] = pieces
+        progress.note(f"breakdown K={k}: " + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in pieces.items()))
+    return out
+
+
 def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progress) -> dict:
     """All modes for one (batch, prompt length)."""
     import numpy as np
@@ -164,6 +186,8 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     for m in case["modes"]:
         m["speedup"] = m["decode_tokens_per_s"]["median"] / base
     case["roofline"] = {"plain_tok_s": br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)}
+    if FLAGS.breakdown:
+        case["breakdown"] = breakdown(model, batch, length, ks, case["modes"], progress)
     case["all_tokens_match_plain"] = bool(np.all([m["tokens_match_plain"] for m in case["modes"]]))
     return case
 
@@ -226,6 +250,8 @@ def _run() -> int:
             print(f"\nbatch {b}, prompt {p} tokens (roofline {case['roofline']['plain_tok_s']:.1f} tok/s, "
                   f"copy {copy['tb_per_s']:.2f} TB/s):")
             print(br.table(case["modes"]))
+            if case.get("breakdown"):
+                print(br.breakdown_table(case["breakdown"]))
     for i, case in enumerate(result["cases"]):
         png = br.plot(dict(case, config=config), _plot_path(FLAGS.out, i, len(result["cases"])))
         case["plot"] = png

@@ -108,3 +108,15 @@ def plot(result: dict, path: str) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def breakdown_table(breakdown: dict) -> str:
+    """Milliseconds per piece of a round, per K (qmtp.bench_breakdown), with the measured round."""
+    names = ["target_step", "verify", "draft", "commit", "all_reduce", "predicted_round", "measured_round",
+             "measured_plain_step"]
+    present = [n for n in names if any(n in v for v in breakdown.values())]
+    rows = [["K"] + present] + [[k] + [f"{v[n] * 1e3:.3f}" if n in v else "-" for n in present]
+                                for k, v in breakdown.items()]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(val.ljust(w) for val, w in zip(r, widths)).rstrip() for r in rows]
+    return "milliseconds per piece of a round:\n" + "\n".join(lines)

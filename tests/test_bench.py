@@ -41,7 +41,10 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     assert case["modes"][4]["imposed_profile"] == [0.85, 0.70, 0.57]
     assert case["modes"][4]["mean_accepted_length"] < 4.0  # the cap took effect
     assert os.path.getsize(case["plot"]) > 1000
-    assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout  # the table
+    assert set(case["breakdown"]) == {"1", "3"}
+    for pieces in case["breakdown"].values():
+        assert {"target_step", "verify", "draft", "commit", "predicted_round", "measured_round"} <= set(pieces)
+    assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout and "per piece of a round" in r.stdout
     assert "[1/5" in r.stderr  # progress
 
 

@@ -1,0 +1,134 @@
+"""Where a speculative round's time goes: each piece timed alone, on the device, in one jitted loop.
+
+A round of MTP K is (K-1) draft steps + one verify pass over K+1 tokens + the GDN/conv commit +
+one draft refresh (speculate.spec_loop). Each piece runs `n` times inside a jitted fori_loop over
+the loaded model and a real decode state (positions reset every iteration, so the cache never
+grows); its time is (t(n_long) - t(n_short)) / (n_long - n_short) with one compiled program, so
+dispatch and set-up cancel:
+
+    target_step  model.forward over 1 token + logits + argmax       (a plain decode step)
+    verify       model.forward over K+1 tokens with the GDN replay + logits + argmax
+    draft        mtp.forward over 1 token + logits + argmax        (one draft step)
+    commit       model.commit_gdn: the GDN/conv state after the accepted prefix
+    all_reduce   (TP > 1) the all-reduces of one target pass alone: 2 per layer + 3, of [B, E] f32
+
+predicted round = (K-1) draft + verify + commit + draft; the harness compares it with the measured
+round (decode time / rounds): the difference is the loop's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from qmtp import decode, model as model_lib, mtp, tp
+from qmtp.config import ModelConfig
+
+N_SHORT, N_LONG = 2, 10
+
+
+def _reset(state, lengths):
+    return dataclasses.replace(state, lengths=lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "t", "impl"))
+def target_loop(cfg: ModelConfig, params, state, n, t: int, impl: str):
+    b = state.lengths.shape[0]
+    lengths = state.lengths
+
+    def body(_, carry):
+        state, tok = carry
+        tokens = jnp.broadcast_to(tok[:, None], (b, t))
+        if t == 1:
+            hidden, state = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t), impl=impl)
+        else:
+            hidden, state, _ = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t),
+                                                 impl=impl, return_gdn_replay=True)
+        nxt = decode.greedy(model_lib.logits_from_hidden(params, hidden, impl))  # [B, T]
+        return state, nxt[:, -1]
+
+    state, tok = jax.lax.fori_loop(0, n, body, (state, jnp.zeros((b,), jnp.int32)))
+    return tok, state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def draft_loop(cfg: ModelConfig, params, state, n, impl: str):
+    b = state.lengths.shape[0]
+    e = cfg.hidden_size
+
+    def body(_, carry):
+        state, tok, h = carry
+        hs, state = mtp.forward(cfg, params, state, tok[:, None], h[:, None], state.lengths, jnp.ones((b,), jnp.int32),
+                                impl=impl)
+        return state, decode.greedy(model_lib.logits_from_hidden(params, hs[:, 0], impl)), hs[:, 0]
+
+    carry = (state, jnp.zeros((b,), jnp.int32), jnp.zeros((b, e), state.kv.k[0].dtype))
+    state, tok, _ = jax.lax.fori_loop(0, n, body, carry)
+    return tok, state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "impl"))
+def commit_loop(cfg: ModelConfig, params, state, n, k: int, impl: str):
+    b = state.lengths.shape[0]
+    tokens = jnp.zeros((b, k + 1), jnp.int32)
+    _, _, replay = model_lib.forward(cfg, params, state, tokens, jnp.full((b,), k + 1), impl=impl,
+                                     return_gdn_replay=True)
+
+    def body(i, ssm):
+        _, ssm = model_lib.commit_gdn(replay, ssm, jnp.full((b,), 1 + i % k, jnp.int32), impl=impl)
+        return ssm
+
+    ssm = jax.lax.fori_loop(0, n, body, state.ssm)
+    return state.lengths, dataclasses.replace(state, ssm=ssm)  # the work lives on in the returned state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def all_reduce_loop(cfg: ModelConfig, params, state, n):
+    b = state.lengths.shape[0]
+    count = 2 * cfg.num_hidden_layers + 3
+    # a factor that differs per shard (a vocabulary-split embedding entry), so each reduction is a
+    # real cross-device sum, as the model's partial sums are
+    f = 1.0 + 1e-9 * params["embed"][0, 0].astype(jnp.float32)
+
+    def body(_, x):
+        for _ in range(count):
+            x = tp.all_reduce(x * f) * 0.5
+        return x
+
+    x = jax.lax.fori_loop(0, n, body, jnp.ones((b, cfg.hidden_size), jnp.float32))
+    return x[:, 0].astype(jnp.int32), state
+
+
+def _time_piece(call, n_short=N_SHORT, n_long=N_LONG) -> float:
+    """Seconds per iteration of a loop `call(n) -> result`, from two trip counts (compiled once)."""
+    jax.block_until_ready(call(n_short))  # compile + warm up
+    times = {}
+    for n in (n_short, n_long, n_short, n_long):
+        t = time.perf_counter()
+        jax.block_until_ready(call(n))
+        times.setdefault(n, []).append(time.perf_counter() - t)
+    return (min(times[n_long]) - min(times[n_short])) / (n_long - n_short)
+
+
+def measure(model, new_state, k: int) -> dict:
+    """Seconds per piece for MTP K on `model`; new_state() gives a fresh decode state (donated)."""
+    from qmtp.api import _call
+    pieces = {"target_step": (target_loop, {"t": 1}), "verify": (target_loop, {"t": k + 1}),
+              "draft": (draft_loop, {}), "commit": (commit_loop, {"k": k})}
+    if model.tp > 1:
+        pieces["all_reduce"] = (all_reduce_loop, {})
+    out = {}
+    for name, (fn, extra) in pieces.items():
+        static = dict(extra, impl=model.impl) if fn is not all_reduce_loop else {}
+
+        def call(n, fn=fn, static=static):
+            args = (model.params, new_state(), jnp.int32(n))
+            return _call(model, fn, (model.cfg,), args, ("params", "state", "rep"), ("rep", "state"), **static)
+
+        out[name] = _time_piece(call)
+    out["predicted_round"] = (k - 1) * out["draft"] + out["verify"] + out["commit"] + out["draft"]
+    return out
