@@ -64,18 +64,28 @@ class MtpLogits:
 
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
-         impl: str = "ref", progress: bool = True, tp: int = 1) -> Model:
+         impl: str = "ref", progress: bool = True, tp: int = 1, converted_cache: str | None = None) -> Model:
     """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory.
 
     tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
-    call runs as one shard_map over them (same tokens as tp = 1)."""
+    call runs as one shard_map over them (same tokens as tp = 1).
+
+    converted_cache: a directory for an orbax-checkpoint cache of the converted (and sharded) parameter
+    tree (`qmtp.converted_cache`), one entry per checkpoint files (name, size, mtime) x dtype x tp. A hit
+    restores the tree directly onto the devices without reading the safetensors; a miss reads them and
+    writes the entry. An unreadable entry is reported on stderr and read again from the checkpoint."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
         raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
     ops.check_impl(impl)
     mesh = tp_lib.make_mesh(tp) if tp != 1 else None
-    cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
+    if converted_cache is None:
+        cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
+    else:
+        from qmtp import converted_cache as cache_lib
+        cfg, params = cache_lib.load_or_convert(converted_cache, checkpoint_dir, dtype, progress, mesh,
+                                                checkpoint.load)
     return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl,
                  mesh)
 

@@ -32,6 +32,7 @@ flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8",
 flags.DEFINE_integer("num_layers", None, "Presets only: build a slice with this many decoder layers (default: all).")
 flags.DEFINE_enum("engine", "pallas", ["pallas", "ref"], "Kernel path: 'pallas' (Pallas kernels) or 'ref' (pure XLA).")
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices).", lower_bound=1)
+flags.DEFINE_string("converted_cache", None, "Orbax cache of the converted parameters (see qmtp.generate).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype (FP8 weights stay FP8).")
 flags.DEFINE_list("ks", ["1", "2", "3", "4"], "MTP drafts per round to measure with natural acceptance.")
 flags.DEFINE_list("profile", ["0.85", "0.70", "0.57"],
@@ -227,7 +228,7 @@ def _run() -> int:
     print(f"copy bandwidth {copy['tb_per_s']:.3f} TB/s", file=sys.stderr, flush=True)
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
-    model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp)
+    model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp, converted_cache=FLAGS.converted_cache)
     load_s = time.perf_counter() - t
     resident = memory()
     config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,

@@ -45,6 +45,9 @@ flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this man
                      "shard; the tokens are the same as with 1). Must divide the model's head counts, MLP width "
                      "and vocabulary; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.",
                      lower_bound=1)
+flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the converted (and sharded) "
+                    "parameters: the first load writes it, later loads of the same checkpoint files, dtype and --tp "
+                    "restore from it instead of reading the safetensors.")
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
@@ -88,7 +91,8 @@ def run(argv) -> dict:
         from qmtp.speculate import acceptance_schedule
         cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
     model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint), dtype=FLAGS.dtype, page_size=FLAGS.page_size,
-                      num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp)
+                      num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
+                      converted_cache=FLAGS.converted_cache)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
                            mtp_k=FLAGS.mtp_k, accept_cap=cap, temperature=FLAGS.temperature,
                            warmup=FLAGS.warmup)

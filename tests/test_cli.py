@@ -56,6 +56,14 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(json.loads(out.read_text()))
     assert outs[0]["tokens"] == outs[1]["tokens"] and outs[1]["tp"] == 2
+    # the converted cache: a miss writes it, the next run hits it, same tokens
+    conv = tmp_path / "conv"
+    for expect in ("miss", "hit"):
+        r = run("--checkpoint=preset:tiny", "--prompt=def fibonacci(", "--max_new_tokens=6", "--dtype=float32",
+                "--mtp_k=2", "--tp=2", f"--converted_cache={conv}", f"--output_json={tmp_path / 'c.json'}",
+                cache=cache, devices=2)
+        assert r.returncode == 0 and f"converted cache: {expect}" in r.stderr, r.stderr[-2000:]
+        assert json.loads((tmp_path / "c.json").read_text())["tokens"] == outs[0]["tokens"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -91,5 +99,6 @@ def test_help_explains_every_flag(cache):
     r = run("--help", cache=cache)
     assert r.returncode == 0
     for flag in ("checkpoint", "prompt", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
-                 "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "tp"):
+                 "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "tp",
+                 "converted_cache"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
