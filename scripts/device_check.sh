@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and times, in one call (device time is scarce):
 #   scripts/device_check.sh [STEP ...]      (default: all steps; results and logs under $OUT)
-# Steps: kernel_tests, fp8, gdn, attention, step, spec.
+# Steps: kernel_tests, fp8, gdn, attention, step, spec, bench27 (the 27B FP8 table on one GPU),
+#        bench27_tp2 (the same at TP2: run on nvidia-h200-x2), collectives.
 # Each step has its own time limit so a slow one cannot eat the others; every log ends with rc=N.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_PLATFORMS=cuda
@@ -35,6 +36,11 @@ for s in "${steps[@]}"; do
     step) bench step 200 ;;
     spec) run_step spec 300 python3 scripts/gpu_spec.py --impl=pallas --cases=q35_27b_controlled_fp8 \
             --out="$OUT/spec.json" ;;
-    *) echo "unknown step $s (kernel_tests fp8 gdn attention step spec)"; exit 2 ;;
+    bench27) run_step bench27 560 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --repeats=2 \
+               --out="$OUT/bench27_tp1.json" --converted_cache=/tmp/qmtp_conv ;;
+    bench27_tp2) run_step bench27_tp2 560 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
+                   --repeats=2 --out="$OUT/bench27_tp2.json" --converted_cache=/tmp/qmtp_conv ;;
+    collectives) run_step collectives 120 env JAX_PLATFORMS=cpu python3 scripts/tp_collectives.py ;;
+    *) echo "unknown step $s (kernel_tests fp8 gdn attention step spec bench27 bench27_tp2 collectives)"; exit 2 ;;
   esac
 done
