@@ -17,12 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmtp import checkpoint, decode, model as model_lib, mtp, ops, speculate
+from qmtp import fp8 as fp8_lib
 from qmtp import tp as tp_lib
 from qmtp.config import ModelConfig
 from qmtp.paging import CapacityError, PageAllocator
 from qmtp.state import init_state
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+DRAFT_HEADS = ("bf16", "fp8")
 MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two >= this (fewer recompiles)
 
 
@@ -64,7 +66,8 @@ class MtpLogits:
 
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
-         impl: str = "ref", progress: bool = True, tp: int = 1, converted_cache: str | None = None) -> Model:
+         impl: str = "ref", progress: bool = True, tp: int = 1, converted_cache: str | None = None,
+         draft_head: str = "bf16") -> Model:
     """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory.
 
     tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
@@ -73,12 +76,18 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     converted_cache: a directory for an orbax-checkpoint cache of the converted (and sharded) parameter
     tree (`qmtp.converted_cache`), one entry per checkpoint files (name, size, mtime) x dtype x tp. A hit
     restores the tree directly onto the devices without reading the safetensors; a miss reads them and
-    writes the entry. An unreadable entry is reported on stderr and read again from the checkpoint."""
+    writes the entry. An unreadable entry is reported on stderr and read again from the checkpoint.
+
+    draft_head: "bf16" (MTP drafts use the shared lm_head) or "fp8" (drafts use an FP8 128x128-block
+    copy of it made at load: half the bytes per draft step, for 1.27 GB more memory at 27B; the
+    verify pass keeps the exact lm_head, so the tokens are the same)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
         raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
     ops.check_impl(impl)
+    if draft_head not in DRAFT_HEADS:
+        raise ValueError(f"draft_head={draft_head!r}: supported {DRAFT_HEADS}")
     mesh = tp_lib.make_mesh(tp) if tp != 1 else None
     if converted_cache is None:
         cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
@@ -86,8 +95,19 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
         from qmtp import converted_cache as cache_lib
         cfg, params = cache_lib.load_or_convert(converted_cache, checkpoint_dir, dtype, progress, mesh,
                                                 checkpoint.load)
+    if draft_head == "fp8" and "mtp" in params:
+        params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(model_lib.lm_head(params), mesh)))
     return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl,
                  mesh)
+
+
+def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:
+    """An FP8 block copy of a [V, E] head, made where the head lives. Under TP each device quantizes
+    its own vocabulary rows in their own 128-blocks (its kernels only ever see that piece), so the
+    split need not fall on a 128-row boundary of the full head."""
+    if mesh is None:
+        return jax.jit(fp8_lib.quantize)(w)
+    return tp_lib.map_vocab_shards(fp8_lib.quantize, mesh)(w)
 
 
 def _load_tokenizer(checkpoint_dir: str):
@@ -279,7 +299,7 @@ def _teacher_forced(cfg, params, state, tokens, impl):
     # MTP at positions 0..T-2 from (x_{p+1}, h_p)
     mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:], hidden[:, :-1], jnp.zeros((1,), jnp.int32), n - 1,
                         impl=impl)
-    return target, tp_lib.gather_vocab(model_lib.logits_from_hidden(params, mh[0], impl))
+    return target, tp_lib.gather_vocab(model_lib.draft_logits(params, mh[0], impl))
 
 
 def mtp_logits(model: Model, token_ids) -> MtpLogits:

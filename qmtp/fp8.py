@@ -60,6 +60,22 @@ def quantize_np(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.n
     return q, scale
 
 
+def quantize(w: jax.Array, block: int = FP8_BLOCK) -> Fp8Block:
+    """`quantize_np` on the device: [O, I] -> Fp8Block, the same formula (XLA's f32 division may
+    round 1 ulp away from numpy's, so scales can differ in the last bit). Runs where w lives; a
+    weight split along O on 128-multiples stays split (blocks never straddle the split)."""
+    import jax.numpy as jnp
+    o, i = w.shape
+    go, gi = scale_grid(o, i, block)
+    w32 = w.astype(jnp.float32)
+    padded = jnp.pad(jnp.abs(w32), ((0, go * block - o), (0, gi * block - i)))
+    amax = padded.reshape(go, block, gi, block).max(axis=(1, 3))
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+    full = jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)[:o, :i]
+    q = jnp.clip(w32 / full, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return Fp8Block(q, scale)
+
+
 def dequantize_np(q: np.ndarray, scale: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
     """E4M3 [..., O, I] with scale grid -> float32 [..., O, I]."""
     o, i = q.shape[-2:]

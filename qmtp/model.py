@@ -33,6 +33,16 @@ def logits_from_hidden(params: dict, hidden: jax.Array, impl: str) -> jax.Array:
     return ops.linear(hidden, lm_head(params), impl, out_dtype=jnp.float32)
 
 
+def draft_logits(params: dict, hidden: jax.Array, impl: str) -> jax.Array:
+    """Logits of an MTP draft: through params["mtp"]["draft_head"] when the model was loaded with an
+    FP8 draft head (half the bytes of the bf16 lm_head per draft step), else the shared lm_head.
+    Drafts are only proposals: the verify pass always uses the exact lm_head, so tokens never change."""
+    head = params.get("mtp", {}).get("draft_head")
+    if head is None:
+        return logits_from_hidden(params, hidden, impl)
+    return ops.linear(hidden, head, impl, out_dtype=jnp.float32)
+
+
 def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, impl: str) -> tuple:
     """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`."""
     out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps))

@@ -6,6 +6,7 @@ dim, in that order, and the TP-global array is the shards' pieces concatenated a
 contiguous split of the global array gives each device exactly its piece):
 
     embed, lm_head          [V, E]     dim 0, contiguous (vocabulary-parallel)
+    mtp.draft_head          [V, E]     dim 0, contiguous (the optional FP8 copy of lm_head for drafts)
     q_proj                  [2HqD, E]  dim 0, contiguous: rows are per head [query | gate], whole heads
     k_proj, v_proj          [HkvD, E]  dim 0 by KV head; with fewer KV heads than shards, shard s takes
                                        KV head s * Hkv // n (KV heads replicated n / Hkv times)
@@ -30,7 +31,7 @@ from __future__ import annotations
 from qmtp.config import FP8_BLOCK, ModelConfig
 
 REPLICATED = None
-_CONTIGUOUS_0 = {"embed", "lm_head", "q_proj", "mlp_gate", "mlp_up", "in_proj_z", "in_proj_b", "in_proj_a",
+_CONTIGUOUS_0 = {"embed", "lm_head", "draft_head", "q_proj", "mlp_gate", "mlp_up", "in_proj_z", "in_proj_b", "in_proj_a",
                  "A_log", "dt_bias"}
 _CONTIGUOUS_1 = {"o_proj", "mlp_down", "out_proj"}
 _KV_HEADS = {"k_proj", "v_proj"}

@@ -206,6 +206,12 @@ def assemble(pieces: list, dim: int, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
+def map_vocab_shards(fn, mesh: Mesh):
+    """jit(fn) applied to each device's rows of arrays split by vocabulary ([V/n, ...] pieces in,
+    pieces out): e.g. quantizing each shard of the lm_head in its own 128-blocks."""
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS, None), out_specs=P(AXIS, None)))
+
+
 # ---- the shard_map around an entry point -----------------------------------------------------------
 _SHARDED: dict = {}
 
