@@ -1,0 +1,170 @@
+"""qmtp.train, train_data, train_loss and export on the CPU (issue 8), with configs/train_tiny.flags.
+
+Run A (module fixture) is an uninterrupted 8-step run; the tests read its metrics, checkpoints and
+tokenizer. Resume is checked bitwise: the same jitted step on the same inputs is deterministic on
+the CPU, so a run stopped at step 4 and resumed must hold exactly run A's parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qmtp import api, checkpoint, export, train, train_data, train_loss
+from qmtp import config as qconfig
+from qmtp.params import tensor_table
+from qmtp.tools import make_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "train_tiny.flags")
+
+
+def _train(*args: str) -> None:
+    assert train.main(["train", f"--flagfile={TINY}", *args]) == 0
+
+
+def _rows(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _restore(run_dir: str):
+    """(cfg, config dict, final params, opt_state) of a joint run."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    cfg = qconfig.from_dict(config)
+    with open(os.path.join(run_dir, "run_config.json")) as f:
+        rc = json.load(f)
+    hp = train.Hyper(rc["steps"], rc["learning_rate"], rc["warmup_steps"], rc["min_lr_ratio"], rc["weight_decay"],
+                     rc["grad_clip"], rc["adam_b1"], rc["adam_b2"], rc["mtp_loss_weight"], rc["compute_dtype"], False)
+    fresh = jax.tree_util.tree_map(jnp.asarray, train_loss.init_params(cfg, 0))
+    got = train.restore(run_dir, {"params": fresh, "opt_state": hp.optimizer().init(fresh), "step": jnp.int32(0)})
+    return cfg, config, got["params"], got["opt_state"], int(got["step"])
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("train") / "a")
+    _train(f"--out_dir={out}", "--final_eval_windows=0")
+    return out
+
+
+def test_tokenizer_round_trips_text(run_a):
+    data = train_data.prepare(os.path.join(run_a, "data"), vocab_size=None)
+    tok = data.tokenizer
+    assert tok.get_vocab_size() == 512
+    assert train_data.special_ids(tok) == {"<|endoftext|>": 509, "<|im_start|>": 510, "<|im_end|>": 511}
+    for text in ['def f(x):\n\treturn {"a": x ** 2}  # ok\n', "héllo wörld ✓ 你好 \x00\x7f", "   \n\n  trailing  "]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert all(0 <= i < 509 for i in ids)
+        assert tok.decode(ids) == text
+    chat = "<|im_start|>user\nhi<|im_end|>"
+    assert tok.encode(chat, add_special_tokens=False).ids[0] == 510
+    assert tok.decode(tok.encode(chat, add_special_tokens=False).ids, skip_special_tokens=False) == chat
+    # the token streams are the tokenizer applied to the corpus; training it again gives the same tokenizer
+    corpus = train_data.load_corpus(eval_fraction=0.1, max_bytes=300000)
+    assert train_data.train_tokenizer(corpus.train_texts, 512).to_str() == tok.to_str()
+    assert np.array_equal(data.eval, train_data.encode_stream(tok, corpus.eval_texts))
+    assert not set(corpus.train_files) & set(corpus.eval_files)
+
+
+def test_few_steps_lower_both_losses_on_a_fixed_batch(run_a):
+    evals = [r for r in _rows(run_a) if r["kind"] == "eval"]
+    first, last = evals[0], evals[-1]
+    assert (first["step"], last["step"]) == (0, 8)
+    assert np.isfinite([first["main"], first["mtp"], last["main"], last["mtp"]]).all()
+    assert last["main"] < first["main"] - 0.4, (first, last)
+    assert last["mtp"] < first["mtp"] - 0.4, (first, last)  # the MTP term alone: ~0.2
+    assert os.path.getsize(os.path.join(run_a, "loss.png")) > 10_000
+
+
+def test_resume_reproduces_the_uninterrupted_run_bitwise(run_a, tmp_path):
+    out = str(tmp_path / "b")
+    _train(f"--out_dir={out}", "--stop_at_step=4")
+    assert not os.path.exists(os.path.join(out, "export"))
+    _train(f"--out_dir={out}", "--resume", "--final_eval_windows=0")
+    *_, params_a, opt_a, step_a = _restore(run_a)
+    *_, params_b, opt_b, step_b = _restore(out)
+    assert step_a == step_b == 8
+    leaves_a, leaves_b = jax.tree_util.tree_leaves((params_a, opt_a)), jax.tree_util.tree_leaves((params_b, opt_b))
+    assert len(leaves_a) == len(leaves_b)
+    differ = [i for i, (x, y) in enumerate(zip(leaves_a, leaves_b)) if not np.array_equal(np.asarray(x), np.asarray(y))]
+    assert differ == [], f"{len(differ)} of {len(leaves_a)} parameter / optimizer leaves differ"
+    assert [r for r in _rows(out) if r["kind"] == "eval"][-1] == [r for r in _rows(run_a) if r["kind"] == "eval"][-1]
+
+
+def test_export_round_trips_through_qmtp_load(run_a, tmp_path):
+    cfg, config, params, _, _ = _restore(run_a)
+    tok = train_data.prepare(os.path.join(run_a, "data"), vocab_size=None).tokenizer
+    ids = tok.encode("import os\n\ndef main(argv):\n    return len(argv)\n", add_special_tokens=False).ids
+    limit = 300_000
+    for dtype, expected_params in (("fp32", params),
+                                   ("bf16", jax.tree_util.tree_map(
+                                       lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), params))):
+        out = str(tmp_path / dtype)
+        export.export_checkpoint(out, config, jax.device_get(params), tok, dtype, max_shard_bytes=limit)
+        shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+        assert len(shards) > 1 and all(os.path.getsize(os.path.join(out, n)) <= limit + 4096 for n in shards)
+        loaded = api.load(out, dtype="float32", progress=False)
+        assert loaded.cfg == dataclasses.replace(cfg, eos_token_ids=(511, 509))  # + generation_config's eos
+        in_memory = api.Model(loaded.cfg, expected_params, tok, out, dtype="float32")
+        assert np.array_equal(api.target_logits(loaded, ids), api.target_logits(in_memory, ids))
+        assert np.array_equal(api.mtp_logits(loaded, ids).logits, api.mtp_logits(in_memory, ids).logits)
+        with open(os.path.join(out, "config.json")) as f:
+            written = json.load(f)
+        assert written["model_type"] == "qwen3_5" and written["text_config"]["mtp_num_hidden_layers"] == 1
+        with open(os.path.join(out, "generation_config.json")) as f:
+            assert json.load(f)["eos_token_id"] == [511, 509]
+        with open(os.path.join(out, "tokenizer_config.json")) as f:
+            template = json.load(f)["chat_template"]
+        import jinja2
+        rendered = jinja2.Template(template).render(messages=[{"role": "user", "content": "hi"}],
+                                                    add_generation_prompt=True)
+        assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        names = set(checkpoint.read_headers(out))
+        assert names == {e.name for e in tensor_table(loaded.cfg)}
+
+
+def _raw_tensors(ckpt_dir: str) -> dict[str, bytes]:
+    from safetensors import safe_open
+    out = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(ckpt_dir, name), framework="numpy") as f:
+                for key in f.keys():
+                    out[key] = np.ascontiguousarray(f.get_tensor(key)).tobytes()
+    return out
+
+
+def test_train_mtp_only_changes_only_the_mtp_tensors(tmp_path):
+    src = make_checkpoint.write_checkpoint(str(tmp_path / "fp8"), "tiny", "fp8", seed=3)
+    out = str(tmp_path / "mtp_run")
+    _train(f"--out_dir={out}", "--train_mtp_only", f"--init_checkpoint={src}", "--mtp_data=self_distill",
+           "--self_distill_sequences=4", "--self_distill_prompt_len=16", "--steps=3", "--learning_rate=3e-2",
+           "--final_eval_windows=1", "--seq_len=48")
+    before, after = _raw_tensors(src), _raw_tensors(os.path.join(out, "export"))
+    assert before.keys() == after.keys()
+    mtp_weights = [n for n in before if n.startswith("mtp.") and not n.endswith("_scale_inv")]
+    assert len(mtp_weights) == 15 and any(n.endswith("q_proj.weight") for n in mtp_weights)
+    unchanged = [n for n in before if not n.startswith("mtp.")]
+    assert any(n.endswith("weight_scale_inv") for n in unchanged)  # FP8 target tensors are part of the check
+    assert [n for n in unchanged if before[n] != after[n]] == []
+    assert [n for n in mtp_weights if before[n] == after[n]] == []
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors"):
+            with open(os.path.join(src, name), "rb") as f, open(os.path.join(out, "export", name), "rb") as g:
+                assert f.read() == g.read(), name
+    # the written-back checkpoint loads strictly; its FP8 MTP projections are the re-quantized trained values
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["trained_parameters"] < summary["total_parameters"]
+    assert 0.0 <= summary["heldout_mtp_acceptance"]["acceptance"] <= 1.0
+    train_rows = [r for r in _rows(out) if r["kind"] == "train"]  # batches drawn from the same 4 continuations
+    assert train_rows[-1]["mtp"] < train_rows[0]["mtp"] - 0.2
+    assert train_rows[-1]["loss"] == train_rows[-1]["mtp"]  # the frozen target's loss is not optimized
