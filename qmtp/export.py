@@ -59,7 +59,7 @@ def model_config(*, hidden_size: int, intermediate_size: int, num_layers: int, f
                  note: dict | None = None) -> dict:
     """config.json of a trained model: make_checkpoint.build_config's layout with our geometry.
     Token ids: the tokenizer layout of `qmtp.train_data` (specials are the last three ids)."""
-    text = presets._text_config(
+    text = presets.text_config(
         hidden=hidden_size, ffn=intermediate_size, num_layers=num_layers, interval=full_attention_interval,
         heads=num_attention_heads, kv_heads=num_key_value_heads, head_dim=head_dim,
         partial_rotary=partial_rotary_factor, rope_theta=rope_theta, gdn_k_heads=linear_num_key_heads,
@@ -196,7 +196,7 @@ def mtp_tensor_bytes(cfg: qconfig.ModelConfig, headers: dict, mtp_params: dict) 
         value, h = hf_value(tree, entry), headers[entry.name]
         if h.dtype == "F8_E4M3":
             sh = headers[entry.name + "_scale_inv"]
-            q, scale = checkpoint_writer._quantize(value, "bf16" if sh.dtype == "BF16" else "fp32")
+            q, scale = checkpoint_writer.quantize_stored(value, "bf16" if sh.dtype == "BF16" else "fp32")
             out[entry.name], out[entry.name + "_scale_inv"] = q.tobytes(), scale.tobytes()
         elif h.dtype in _NP:
             out[entry.name] = value.astype(_NP[h.dtype]).tobytes()

@@ -134,7 +134,7 @@ def _dequantize(codes: np.ndarray, scale: np.ndarray, np_dtype: np.dtype) -> np.
     return out
 
 
-def _quantize(value: np.ndarray | fp8.Fp8Block, scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def quantize_stored(value: np.ndarray | fp8.Fp8Block, scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(E4M3 [O, I], scale grid in the stored dtype). Float values go through `fp8.quantize_np`; with
     bf16 scales the codes are recomputed against the bf16-rounded scales (dequant stays consistent)."""
     if isinstance(value, fp8.Fp8Block):
@@ -176,7 +176,7 @@ class TensorSource:
         if isinstance(value, presets.HashedNormal):
             value = value.materialize()
         if t.part == "fp8_weight":
-            arr, self._scales[t.entry.name] = _quantize(value, self.fp8_scale_dtype)
+            arr, self._scales[t.entry.name] = quantize_stored(value, self.fp8_scale_dtype)
         elif isinstance(value, fp8.Fp8Block):
             arr = _dequantize(np.asarray(value.weight), np.asarray(value.scale), _NP_DTYPES[t.dtype])
         else:

@@ -83,7 +83,7 @@ def mrope_section(rotary_dim: int) -> list[int]:
     return [half // 3 + (1 if i < half % 3 else 0) for i in range(3)]
 
 
-def _text_config(*, hidden: int, ffn: int, num_layers: int, interval: int, heads: int, kv_heads: int,
+def text_config(*, hidden: int, ffn: int, num_layers: int, interval: int, heads: int, kv_heads: int,
                  head_dim: int, partial_rotary: float, rope_theta: float, gdn_k_heads: int,
                  gdn_v_heads: int, gdn_k_dim: int, gdn_v_dim: int, conv: int, vocab: int, tie: bool,
                  max_positions: int) -> dict:
@@ -132,7 +132,7 @@ def _text_config(*, hidden: int, ffn: int, num_layers: int, interval: int, heads
 def tiny_text_config(num_layers: int | None = None) -> dict:
     """CPU-sized model; dims 160 / 272 / 64 are not multiples of 128 (ragged FP8 blocks)."""
     n = 4 if num_layers is None else num_layers
-    return _text_config(hidden=160, ffn=272, num_layers=n, interval=2, heads=4, kv_heads=2, head_dim=32,
+    return text_config(hidden=160, ffn=272, num_layers=n, interval=2, heads=4, kv_heads=2, head_dim=32,
                         partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=32,
                         gdn_v_dim=32, conv=4, vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
 
@@ -141,7 +141,7 @@ def tiny_tp_text_config(num_layers: int | None = None) -> dict:
     """CPU model for tensor-parallel tests: every split dim of its FP8 weights is a whole number of
     128-blocks at TP2, and it has a single KV head (replicated across shards)."""
     n = 4 if num_layers is None else num_layers
-    return _text_config(hidden=256, ffn=512, num_layers=n, interval=2, heads=4, kv_heads=1, head_dim=128,
+    return text_config(hidden=256, ffn=512, num_layers=n, interval=2, heads=4, kv_heads=1, head_dim=128,
                         partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=128,
                         gdn_v_dim=128, conv=4, vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
 
@@ -149,7 +149,7 @@ def tiny_tp_text_config(num_layers: int | None = None) -> dict:
 def qwen3_5_27b_text_config(num_layers: int | None = None) -> dict:
     """Qwen3.5-27B shapes (MODEL_SPEC §1.3); vocab 248320 of which the tokenizer uses the first 384."""
     n = 64 if num_layers is None else num_layers
-    return _text_config(hidden=5120, ffn=17408, num_layers=n, interval=4, heads=24, kv_heads=4, head_dim=256,
+    return text_config(hidden=5120, ffn=17408, num_layers=n, interval=4, heads=24, kv_heads=4, head_dim=256,
                         partial_rotary=0.25, rope_theta=1e7, gdn_k_heads=16, gdn_v_heads=48, gdn_k_dim=128,
                         gdn_v_dim=128, conv=4, vocab=248320, tie=False, max_positions=262144)
 
