@@ -12,6 +12,12 @@ One round, for a sequence whose target has consumed positions < L and whose pend
              shifted tokens (d_1 .. d_a, bonus) = (g_0 .. g_a), whose output at L+a gives the next d_1;
   5. emit    g_0 .. g_a (= d_1 .. d_a, bonus), clipped at a stop id and max_new_tokens.
 Greedy output equals plain greedy decoding token for token (tests pin it down).
+
+Two loops share the round (`_round`):
+  spec_loop    a whole generation from `prefill` (static stop ids, output width max_tokens);
+  spec_rounds  at most N rounds resumed from a carried `decode.Slots` (pending t_L, d1, MTP hidden,
+               remaining budget, per-slot stop ids, done), for the serving engine: between calls the
+               host inserts new requests into free slots and retires finished ones (qmtp.slots).
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ def prefill(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     shifted = mtp.shift_left(tokens, n_valid, first)
     mh, state = mtp.forward(cfg, params, state, shifted, hidden, start, n_valid, impl=impl)
     mh_last = model.last_valid(mh, n_valid)
-    return first, decode.greedy(_logits(params, mh_last, impl)), mh_last, state
+    return first, decode.greedy(model.draft_logits(params, mh_last, impl)), mh_last, state
 
 
 def accepted_length(drafts: jax.Array, target: jax.Array) -> jax.Array:
@@ -83,13 +89,13 @@ def accepted_length(drafts: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-def _emit(out, count, tokens, n_take, max_new, stop_ids, live, max_tokens):
-    """Writes tokens[b, :n] (n = n_take clipped at the first stop id and at max_new) after count[b].
+def _emit(out, count, tokens, n_take, max_new, stop_mask, live, max_tokens):
+    """Writes tokens[b, :n] (n = n_take clipped at the first stop and at max_new) after count[b].
 
-    Returns (out, count, done_now)."""
+    stop_mask [B, T]: which tokens are stop ids. Returns (out, count, done_now)."""
     b, t = tokens.shape
     idx = jnp.arange(t)[None]
-    stop = decode.is_stop(tokens, stop_ids) & (idx < n_take[:, None])
+    stop = stop_mask & (idx < n_take[:, None])
     first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, t + 1)
     n = jnp.minimum(jnp.minimum(n_take, first_stop), max_new - count) * live
     cols = jnp.where(idx < n[:, None], count[:, None] + idx, max_tokens)  # out-of-range -> dropped
@@ -97,6 +103,57 @@ def _emit(out, count, tokens, n_take, max_new, stop_ids, live, max_tokens):
     count = count + n
     done_now = live.astype(bool) & ((first_stop <= n) | (count >= max_new))
     return out, count, done_now
+
+
+def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: jax.Array, d1: jax.Array,
+           mh: jax.Array, live: jax.Array, cap: jax.Array, impl: str):
+    """One speculative round (steps 1-4 of the module doc) for the rows with live [B] = 1.
+
+    pending [B] = t_L, d1 [B], mh [B, E]; cap [B] caps the accepted drafts (K = no cap). Returns
+    (target argmax g_0..g_K [B, K+1], accepted a [B], state, next pending, next d1, next mh)."""
+    base = state.lengths  # L [B]
+    # 1. draft d_2 .. d_K
+    drafts, h = [d1], mh
+    for step in range(1, k):
+        hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live,
+                                impl=impl)
+        h = hs[:, 0]
+        drafts.append(decode.greedy(model.draft_logits(params, h, impl)))
+    drafts = jnp.stack(drafts, axis=1)  # [B, K]
+    # 2. verify [t_L, d_1 .. d_K]
+    ssm0 = state.ssm
+    tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, K+1]
+    hidden, state, replay = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl,
+                                          return_gdn_replay=True)
+    target = decode.greedy(_logits(params, hidden, impl))  # [B, K+1]
+    # 3. accept
+    a = jnp.minimum(accepted_length(drafts, target), cap)
+    n_keep = (a + 1) * live
+    # 4. commit
+    conv, ssm = model.commit_gdn(replay, ssm0, n_keep, impl=impl)
+    state = dataclasses.replace(state, conv=conv, ssm=ssm, lengths=base + n_keep)
+    mh_all, state = mtp.forward(cfg, params, state, target, hidden, base, n_keep, impl=impl)
+    mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
+    d1 = decode.greedy(model.draft_logits(params, mh, impl))
+    pending = jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
+    return target, a, state, pending, d1, mh
+
+
+def _zero_stats(b: int, k: int) -> dict:
+    zeros = jnp.zeros((b,), jnp.int32)
+    return {"rounds": zeros, "drafted": zeros, "accepted": zeros,
+            "accept_hist": jnp.zeros((k + 1,), jnp.int32), "position_accepts": jnp.zeros((k,), jnp.int32)}
+
+
+def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int) -> dict:
+    """Adds one round (accepted a [B] of the live [B] rows) to the acceptance statistics."""
+    on = live.astype(bool)
+    return {"rounds": stats["rounds"] + live, "drafted": stats["drafted"] + live * k,
+            "accepted": stats["accepted"] + a * live,
+            "accept_hist": stats["accept_hist"] + jnp.sum(jax.nn.one_hot(a, k + 1, dtype=jnp.int32)
+                                                          * live[:, None], axis=0),
+            "position_accepts": stats["position_accepts"] + jnp.sum(
+                ((jnp.arange(k)[None] < a[:, None]) & on[:, None]).astype(jnp.int32), axis=0)}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "impl"), donate_argnames=("state",))
@@ -113,9 +170,7 @@ def spec_loop(cfg: ModelConfig, spec: SpecConfig, params: dict, state: DecodeSta
     out = jnp.full((b, spec.max_tokens), decode.PAD_TOKEN, jnp.int32).at[:, 0].set(first)
     count = jnp.ones((b,), jnp.int32)
     done = decode.is_stop(first, spec.stop_ids) | (count >= max_new)
-    zeros = jnp.zeros((b,), jnp.int32)
-    stats = {"rounds": zeros, "drafted": zeros, "accepted": zeros,
-             "accept_hist": jnp.zeros((k + 1,), jnp.int32), "position_accepts": jnp.zeros((k,), jnp.int32)}
+    stats = _zero_stats(b, k)
 
     def cond(carry):
         done, r = carry[5], carry[6]
@@ -124,42 +179,47 @@ def spec_loop(cfg: ModelConfig, spec: SpecConfig, params: dict, state: DecodeSta
     def body(carry):
         state, pending, d1, mh, out, done, r, count, stats = carry
         live = (~done).astype(jnp.int32)
-        base = state.lengths  # L [B]
-        # 1. draft d_2 .. d_K
-        drafts, h = [d1], mh
-        for step in range(1, k):
-            hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live,
-                                    impl=impl)
-            h = hs[:, 0]
-            drafts.append(decode.greedy(_logits(params, h, impl)))
-        drafts = jnp.stack(drafts, axis=1)  # [B, K]
-        # 2. verify [t_L, d_1 .. d_K]
-        ssm0 = state.ssm
-        tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, K+1]
-        hidden, state, replay = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl,
-                                              return_gdn_replay=True)
-        target = decode.greedy(_logits(params, hidden, impl))  # [B, K+1]
-        # 3. accept
-        a = jnp.minimum(accepted_length(drafts, target), accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)])
-        n_keep = (a + 1) * live
-        # 4. commit
-        conv, ssm = model.commit_gdn(replay, ssm0, n_keep, impl=impl)
-        state = dataclasses.replace(state, conv=conv, ssm=ssm, lengths=base + n_keep)
-        mh_all, state = mtp.forward(cfg, params, state, target, hidden, base, n_keep, impl=impl)
-        mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
-        d1 = decode.greedy(_logits(params, mh, impl))
-        pending = jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
-        # 5. emit
-        out, count, done_now = _emit(out, count, target, a + 1, max_new, spec.stop_ids, live, spec.max_tokens)
-        on = live.astype(bool)
-        stats = {"rounds": stats["rounds"] + live, "drafted": stats["drafted"] + live * k,
-                 "accepted": stats["accepted"] + a * live,
-                 "accept_hist": stats["accept_hist"] + jnp.sum(jax.nn.one_hot(a, k + 1, dtype=jnp.int32)
-                                                               * live[:, None], axis=0),
-                 "position_accepts": stats["position_accepts"] + jnp.sum(
-                     ((jnp.arange(k)[None] < a[:, None]) & on[:, None]).astype(jnp.int32), axis=0)}
-        return state, pending, d1, mh, out, done | done_now, r + 1, count, stats
+        cap = accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
+        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, cap, impl)
+        out, count, done_now = _emit(out, count, target, a + 1, max_new, decode.is_stop(target, spec.stop_ids),
+                                     live, spec.max_tokens)
+        return state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k)
 
     carry = (state, first, d1, mh, out, done, jnp.int32(0), count, stats)
     state, _, _, _, out, _, _, count, stats = jax.lax.while_loop(cond, body, carry)
     return out, count, stats, state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "n_rounds", "impl"), donate_argnames=("state",))
+def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: DecodeState, slots: decode.Slots,
+                impl: str = "ref"):
+    """At most n_rounds speculative rounds with K = k drafts, resumed from `slots` (stops early once
+    every slot is done); each round emits g_0 .. g_a clipped at the slot's stop ids and `remaining`.
+
+    Returns (tokens [B, n_rounds * (k+1)] (PAD_TOKEN after each slot's count), counts [B], stats as
+    spec_loop's, state, slots); concatenated over calls, the same tokens as spec_loop."""
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"mtp_k={k}: supported 1..{MAX_K} (0 = plain decoding: decode.greedy_steps)")
+    b = slots.done.shape[0]
+    width = n_rounds * (k + 1)
+    out = jnp.full((b, width), decode.PAD_TOKEN, jnp.int32)
+    count = jnp.zeros((b,), jnp.int32)
+    no_cap = jnp.full((b,), k, jnp.int32)
+
+    def cond(carry):
+        done, r = carry[5], carry[6]
+        return (~jnp.all(done)) & (r < n_rounds)
+
+    def body(carry):
+        state, pending, d1, mh, out, done, r, count, stats = carry
+        live = (~done).astype(jnp.int32)
+        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, no_cap, impl)
+        out, count, done_now = _emit(out, count, target, a + 1, slots.remaining,
+                                     decode.is_stop_rows(target, slots.stop), live, width)
+        return state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k)
+
+    carry = (state, slots.pending, slots.d1, slots.mh, out, slots.done, jnp.int32(0), count, _zero_stats(b, k))
+    state, pending, d1, mh, out, done, _, count, stats = jax.lax.while_loop(cond, body, carry)
+    slots = decode.Slots(pending=pending, d1=d1, mh=mh, remaining=slots.remaining - count, stop=slots.stop,
+                         done=done)
+    return out, count, stats, state, slots

@@ -1,0 +1,84 @@
+"""Chat messages -> prompt text through the checkpoint's jinja2 chat template.
+
+The template is `chat_template` of the checkpoint's tokenizer_config.json (a string, or a list of
+{name, template} of which "default" is used), rendered as Hugging Face transformers renders it: a
+sandboxed jinja2 environment with trim_blocks and lstrip_blocks, `raise_exception(msg)`,
+`strftime_now(fmt)` and a `tojson` filter, with variables messages, add_generation_prompt=True,
+bos_token, eos_token (and tools=None). The rendered text is tokenized with special tokens parsed
+(<|im_start|> becomes its id) and no extra BOS/EOS.
+
+A checkpoint without a template (or without tokenizer_config.json) gets DEFAULT_TEMPLATE, ChatML
+(the format of the Qwen family):
+
+    <|im_start|>{role}\n{content}<|im_end|>\n   per message, then   <|im_start|>assistant\n
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+DEFAULT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (the template raised, or is not valid jinja2)."""
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...} in some tokenizer configs
+        return value.get("content")
+    return value
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None,
+                 origin: str = "default"):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"{origin}: chat_template is not valid jinja2 ({e})") from None
+        self.source, self.origin = source, origin
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str) -> "ChatTemplate":
+        """The checkpoint's template, or DEFAULT_TEMPLATE when it has none."""
+        path = os.path.join(checkpoint_dir, "tokenizer_config.json")
+        if not os.path.isfile(path):
+            return cls(DEFAULT_TEMPLATE)
+        with open(path) as f:
+            config = json.load(f)
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates
+            source = {t.get("name"): t.get("template") for t in source}.get("default")
+        if not source:
+            return cls(DEFAULT_TEMPLATE, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")), origin=path)
+
+    def render(self, messages: list[dict]) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, tools=None,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template ({self.origin}) failed: {e}") from None
+
+
+def _raise(message: str):
+    raise ChatTemplateError(f"chat template: {message}")

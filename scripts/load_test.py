@@ -1,0 +1,151 @@
+"""Bounded load test of an OpenAI-compatible server (python -m qmtp.server, or any other).
+
+    python scripts/load_test.py --url=http://127.0.0.1:8000 --requests=256 --concurrency=16 \
+        --prompt_tokens=32,512 --max_tokens=64 [--stream] [--output_json=load.json]
+
+`concurrency` clients each send requests one after another until `requests` were sent or
+`duration_s` passed (whichever first). Prompts are random token-id lists (lengths uniform in the
+--prompt_tokens range, seeded), so no tokenizer is needed and every prompt is distinct (no
+snapshot hits unless --repeat_prompts). Reports requests/s, generated tokens/s, latency percentiles
+(p50/p90/p99 of the whole request; with --stream also of the time to first token), and the errors by
+HTTP status. Exit status 1 when any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+import httpx
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--requests", type=int, default=64, help="total requests (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8, help="clients sending at once (default %(default)s)")
+    p.add_argument("--duration_s", type=float, default=300.0, help="stop sending after this many seconds "
+                   "(default %(default)s)")
+    p.add_argument("--prompt_tokens", default="16,128", help="MIN,MAX prompt length in tokens (default %(default)s)")
+    p.add_argument("--max_tokens", type=int, default=32, help="max_tokens of every request (default %(default)s)")
+    p.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn from [0, vocab) (default %(default)s)")
+    p.add_argument("--repeat_prompts", type=int, default=0, help="draw prompts from a pool of this many "
+                   "(0 = every prompt distinct)")
+    p.add_argument("--stream", action="store_true", help="stream (SSE) and measure time to first token")
+    p.add_argument("--timeout_s", type=float, default=600.0, help="per-request timeout (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_json", default=None, help="also write the report here")
+    args = p.parse_args(argv)
+    try:
+        lo, hi = (int(x) for x in args.prompt_tokens.split(","))
+    except ValueError:
+        p.error(f"--prompt_tokens={args.prompt_tokens!r}: expected MIN,MAX")
+    if not 1 <= lo <= hi or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        p.error("need 1 <= MIN <= MAX, --requests >= 1, --concurrency >= 1, --max_tokens >= 1")
+    args.prompt_range = (lo, hi)
+    return args
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    s = sorted(values)
+    pick = lambda q: s[min(len(s) - 1, int(round(q * (len(s) - 1))))]  # noqa: E731 (nearest rank)
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "mean": sum(s) / len(s)}
+
+
+async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[int]) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+    t0 = time.perf_counter()
+    if not args.stream:
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            return {"ok": False, "status": r.status_code, "latency_s": time.perf_counter() - t0}
+        usage = r.json()["usage"]
+        return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": usage["completion_tokens"]}
+    body["stream"] = True
+    ttft, tokens = None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"ok": False, "status": r.status_code, "latency_s": time.perf_counter() - t0}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"ok": False, "status": "stream_error", "latency_s": time.perf_counter() - t0}
+            n = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))
+            if n and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens += n
+    return {"ok": True, "latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens}
+
+
+async def run(args) -> dict:
+    rng = random.Random(args.seed)
+    pool = None
+    if args.repeat_prompts:
+        pool = [[rng.randrange(args.vocab) for _ in range(rng.randint(*args.prompt_range))]
+                for _ in range(args.repeat_prompts)]
+    limits = httpx.Limits(max_connections=args.concurrency + 2)
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        sent, results = 0, []
+        start = time.perf_counter()
+
+        async def worker():
+            nonlocal sent
+            while sent < args.requests and time.perf_counter() - start < args.duration_s:
+                sent += 1
+                prompt = (rng.choice(pool) if pool else
+                          [rng.randrange(args.vocab) for _ in range(rng.randint(*args.prompt_range))])
+                try:
+                    results.append(await one_request(client, args, model, prompt))
+                except httpx.HTTPError as e:
+                    results.append({"ok": False, "status": type(e).__name__, "latency_s": 0.0})
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        elapsed = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+    errors: dict = {}
+    for r in results:
+        if not r["ok"]:
+            errors[str(r["status"])] = errors.get(str(r["status"]), 0) + 1
+    tokens = sum(r["tokens"] for r in ok)
+    report = {"url": args.url, "model": model, "requests": len(results), "succeeded": len(ok), "errors": errors,
+              "concurrency": args.concurrency, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_range,
+              "stream": args.stream, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,
+              "generated_tokens": tokens, "tokens_per_s": tokens / elapsed,
+              "latency_s": percentiles([r["latency_s"] for r in ok])}
+    if args.stream:
+        report["ttft_s"] = percentiles([r["ttft_s"] for r in ok if r.get("ttft_s") is not None])
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = asyncio.run(run(args))
+    lat = report["latency_s"]
+    fmt = lambda x: "n/a" if x is None else f"{x * 1e3:.1f} ms"  # noqa: E731
+    print(f"{report['succeeded']}/{report['requests']} requests in {report['elapsed_s']:.2f} s: "
+          f"{report['requests_per_s']:.2f} req/s, {report['tokens_per_s']:.1f} generated tok/s")
+    print(f"latency p50 {fmt(lat['p50'])}, p90 {fmt(lat['p90'])}, p99 {fmt(lat['p99'])}")
+    if args.stream:
+        t = report["ttft_s"]
+        print(f"time to first token p50 {fmt(t['p50'])}, p90 {fmt(t['p90'])}, p99 {fmt(t['p99'])}")
+    if report["errors"]:
+        print(f"errors by status: {report['errors']}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if not report["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""The continuous-batching engine (qmtp.engine) without HTTP: tokens equal qmtp.generate (plain and
+MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, snapshots; nothing leaks.
+
+Compile budget: every engine here has the same shapes (3 slots, page size 8, max_model_len 48,
+12 pages, 2 rounds per call), so the prefill (prompt buckets 16 and 32) and the loop compile once
+per K. Prompts are at most 32 tokens; requests make at most 14 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp.engine import Engine, EngineConfig
+from qmtp.requests import EngineStopped, QueueFull, RequestError
+from qmtp.tools import make_checkpoint
+
+SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
+RNG = np.random.default_rng(7)
+PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (3, 9, 17, 30, 5, 12, 24, 1)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_cpu_blas():
+    """scipy's OpenBLAS, which jax's CPU triangular solve calls in the chunked GDN prefill, hands work to
+    a second thread and waits ~65 ms for it on this 2-core machine (measured: prefill 65 ms with 2
+    BLAS threads, 2-3 ms with 1). One thread for these tests; restored afterwards."""
+    import ctypes
+    import glob
+
+    import scipy
+    import scipy.linalg  # noqa: F401 (loads the library)
+    libs = glob.glob(os.path.join(os.path.dirname(scipy.__file__), os.pardir, "scipy.libs", "libscipy_openblas*.so"))
+    if not libs:
+        yield
+        return
+    lib = ctypes.CDLL(libs[0])
+    before = lib.scipy_openblas_get_num_threads()
+    lib.scipy_openblas_set_num_threads(1)
+    yield
+    lib.scipy_openblas_set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("engine") / "tiny"), "tiny", "fp32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False)
+
+
+def make_engine(model, k, start=True, **kw) -> Engine:
+    cfg = dict(batch_slots=SLOTS, mtp_k=k, rounds_per_call=ROUNDS, max_model_len=MAX_LEN, num_pages=PAGES)
+    cfg.update(kw)
+    engine = Engine(model, EngineConfig(**cfg))
+    return engine.start() if start else engine
+
+
+def assert_all_free(engine: Engine) -> None:
+    """Every page and slot is back, and each admitted request released exactly once."""
+    s = engine.stats()
+    assert s["free_pages"] == s["num_pages"] == engine.allocator.num_pages, s
+    assert s["free_slots"] == SLOTS and s["active"] == 0 and s["queued"] == 0, s
+    assert engine.counters["released"] == engine.counters["admitted"], dict(engine.counters)
+    assert not engine._active and sorted(engine._free_slots) == list(range(SLOTS))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """qmtp.generate of each prompt alone (stop ids: the checkpoint's eos), 14 tokens, plain."""
+    return [qmtp.generate(model, [p], max_new_tokens=14).tokens[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_tokens_equal_generate(model, reference, k):
+    engine = make_engine(model, k)
+    handles = [engine.submit(p, 14) for p in PROMPTS]
+    results = [h.result(300) for h in handles]
+    assert [r.tokens for r in results] == reference
+    if k:  # MTP on: the same tokens, and MTP really ran
+        assert engine.counters["mtp_drafted"] == 2 * engine.counters["mtp_rounds"] > 0
+        alone = qmtp.generate(model, [PROMPTS[2]], max_new_tokens=14, mtp_k=k).tokens[0]
+        assert alone == reference[2]
+    for r, want in zip(results, reference):
+        assert r.finish_reason == ("stop" if want[-1] in model.cfg.eos_token_ids else "length")
+        assert r.text == model.tokenizer.decode(want, skip_special_tokens=True)
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_stop_ids_stop_strings_and_short_max_tokens(model, reference):
+    engine = make_engine(model, 2)
+    ref = reference[3]
+    by_id = engine.submit(PROMPTS[3], 14, stop_token_ids=[ref[4]])
+    one = engine.submit(PROMPTS[3], 1)
+    full_text = model.tokenizer.decode(ref, skip_special_tokens=True)
+    cut = next(i for i in range(3, len(full_text)) if full_text[i] != "\ufffd")
+    stop = full_text[cut:cut + 2]
+    by_string = engine.submit(PROMPTS[3], 14, stop=(stop, "never-appears"))
+    r = by_id.result(60)
+    assert r.tokens == ref[:ref.index(ref[4]) + 1] and r.finish_reason == "stop"
+    r = one.result(60)
+    assert r.tokens == ref[:1] and r.finish_reason == "length"
+    r = by_string.result(60)
+    assert r.finish_reason == "stop" and r.text == full_text[:full_text.find(stop)]
+    assert r.tokens == ref[:len(r.tokens)] and stop not in r.text
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_limits_and_waiting_for_pages(model, reference):
+    engine = make_engine(model, 2, start=False)
+    with pytest.raises(RequestError, match=r"prompt \(30 tokens\) \+ max_tokens \(19\) = 49 exceeds the context "
+                                           r"limit max_model_len=48 \(--max_model_len\)") as e:
+        engine.submit(PROMPTS[3], 19)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(RequestError, match="the prompt has 48 tokens; the context limit is max_model_len=48"):
+        engine.submit([1] * 48, 1)
+    with pytest.raises(RequestError, match=r"outside the vocabulary"):
+        engine.submit([1, 10**6], 1)
+    with pytest.raises(RequestError, match=r"--max_stop_ids"):
+        engine.submit([1], 1, stop_token_ids=list(range(9)))
+    small = make_engine(model, 2, start=False, num_pages=4)  # 32 tokens of KV in all
+    with pytest.raises(RequestError, match=r"needs 5 KV pages of 8 tokens but the cache has only 4 pages "
+                                           r"\(--num_pages\)"):
+        small.submit(PROMPTS[3], 5)  # 30 + 5 + K+1 = 38 positions
+    # three requests of 5 pages each cannot share 12 pages: the third waits for one to finish
+    handles = [engine.submit(PROMPTS[i], 14) for i in (3, 6, 2)]  # 30/24/17 + 14 + 3 -> 6/6/5 pages
+    engine.start()
+    results = [h.result(120) for h in handles]
+    assert [r.tokens for r in results] == [reference[i] for i in (3, 6, 2)]
+    assert handles[2].first_token_s >= min(h.finished_s for h in handles[:2])
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_cancel_queued_and_active_requests(model, reference):
+    engine = make_engine(model, 2, start=False)
+    queued = engine.submit(PROMPTS[0], 14)
+    queued.cancel()
+    assert queued.result(1).finish_reason == "cancelled" and queued.tokens == []
+    box = {}
+
+    def cancel_after_first(event):  # runs on the engine thread: cancel once tokens flow
+        if event.tokens and event.finish_reason is None:
+            box["handle"].cancel()
+
+    box["handle"] = engine.submit(PROMPTS[1], 14, listener=cancel_after_first)
+    others = [engine.submit(p, 14) for p in PROMPTS[2:6]]
+    engine.start()
+    active = box["handle"]
+    assert active.wait(60) and active.finish_reason == "cancelled"
+    assert 1 <= len(active.tokens) < 14 and active.tokens == reference[1][:len(active.tokens)]
+    assert [h.result(60).tokens for h in others] == reference[2:6]  # the others are untouched
+    assert engine.counters["finished_cancelled"] == 2
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_shutdown_aborts_queued_and_finishes_active_within_the_timeout(model, reference):
+    # a generous timeout: the active requests finish, the queued ones are aborted at once
+    engine = make_engine(model, 2, start=False)
+    started, proceed = threading.Event(), threading.Event()
+
+    def pause_once(event):  # holds the engine thread at the first token until shutdown began
+        started.set()
+        proceed.wait(30)
+
+    first = engine.submit(PROMPTS[1], 14, listener=pause_once)  # 9 + 14 + 3 positions: 4 pages
+    order = (0, 2, 3, 4, 5, 6)  # 3 and 5 pages: they join `first` in the slots (12 pages); 4 wait
+    handles = [engine.submit(PROMPTS[i], 14) for i in order]
+    engine.start()
+    assert started.wait(60)
+    engine.shutdown(timeout=60)
+    proceed.set()
+    assert engine.stop(timeout=60)
+    assert [h.result(1).finish_reason for h in handles[2:]] == ["abort"] * 4
+    assert all(not h.tokens for h in handles[2:])
+    for h, want in zip([first] + handles[:2], [reference[1], reference[0], reference[2]]):
+        assert h.finish_reason in ("stop", "length") and h.tokens == want
+    assert_all_free(engine)
+    with pytest.raises(EngineStopped):
+        engine.submit(PROMPTS[0], 2)
+    assert engine.stop(1)  # again: still fine
+
+
+def test_shutdown_timeout_aborts_active_requests_and_stop_can_be_called_again(model, reference):
+    engine = make_engine(model, 2, start=False)
+    gate, blocked = threading.Event(), threading.Event()
+
+    def hold(event):  # blocks the engine thread on the first token of this request
+        if not gate.is_set():
+            blocked.set()
+            gate.wait(30)
+
+    held = engine.submit(PROMPTS[1], 14, listener=hold)
+    others = [engine.submit(p, 14) for p in PROMPTS[2:4]]
+    queued = [engine.submit(p, 14) for p in PROMPTS[4:7]]  # 3 slots: these wait
+    engine.start()
+    assert blocked.wait(60)
+    assert engine.stop(timeout=0.0, wait=0.2) is False  # the thread is stuck in a listener
+    assert all(h.result(1).finish_reason == "abort" and not h.tokens for h in queued)
+    gate.set()
+    assert engine.stop(timeout=0.0, wait=30) is True  # called again: now it is done
+    for h in [held] + others:
+        assert h.wait(1) and h.finish_reason in ("abort", "stop", "length")
+        assert h.tokens == reference[PROMPTS.index(h.prompt_ids)][:len(h.tokens)]
+    assert held.finish_reason == "abort" and len(held.tokens) < 14
+    assert_all_free(engine)
+
+
+def test_queue_bound(model):
+    engine = make_engine(model, 0, start=False, max_queue=2)
+    handles = [engine.submit(PROMPTS[0], 2) for _ in range(2)]
+    with pytest.raises(QueueFull, match=r"--max_queue"):
+        engine.submit(PROMPTS[0], 2)
+    engine.start()
+    assert all(h.result(60).finish_reason in ("stop", "length") for h in handles)
+    assert engine.stop(5)
+    assert engine.counters["rejected_queue_full"] == 1
+    assert_all_free(engine)
+
+
+def test_snapshots_give_identical_tokens_within_the_byte_budget(model, ckpt, reference):
+    probe = make_engine(model, 2, start=False)
+    per_snapshot = probe._snapshot_bytes(2)  # a prompt of <= 16 tokens: bucket 16 = 2 pages of 8
+    budget = 2 * per_snapshot + per_snapshot // 2  # room for two
+    engine = make_engine(model, 2, snapshot_budget_bytes=budget)
+    a, b, c = PROMPTS[1], PROMPTS[4], PROMPTS[5]  # 9, 5, 12 tokens
+    order = [a, b, a, c, b, a, a]  # c evicts b (least recently used), so b misses again
+    peaks, hits = [], []
+    for p in order:
+        r = engine.generate(p, 14, timeout=60)
+        assert r.tokens == reference[PROMPTS.index(p)]
+        hits.append(r.snapshot_hit)
+        peaks.append(engine.snapshots.bytes)
+    assert hits == [False, False, True, False, False, False, True]
+    assert max(peaks) <= budget and engine.snapshots.peak_bytes <= budget
+    assert engine.snapshots.evicted >= 1 and engine.counters["prefills"] == 5
+    # a prompt of 17..32 tokens needs a 4-page snapshot: bigger than this budget's share, still fits
+    r = engine.generate(PROMPTS[3], 14, timeout=60)
+    assert r.tokens == reference[3] and engine.snapshots.peak_bytes <= budget
+    # reloading the model drops every snapshot: the next identical prompt is prefilled again
+    engine.reload(qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False), timeout=60)
+    assert len(engine.snapshots) == 0 and engine.snapshots.bytes == 0
+    r = engine.generate(a, 14, timeout=60)
+    assert not r.snapshot_hit and r.tokens == reference[1]
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_tp2_engine_equals_tp1_generate(ckpt, model, reference):
+    import jax
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    tp2 = qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False, tp=2)
+    engine = make_engine(tp2, 2, snapshot_budget_bytes=1 << 20)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # the third is a snapshot hit
+    results = [engine.generate(p, 14, timeout=300) for p in prompts]
+    assert [r.tokens for r in results] == [reference[0], reference[1], reference[0]]
+    assert results[2].snapshot_hit
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_bad_engine_config_names_the_flag(model):
+    with pytest.raises(ValueError, match=r"--mtp_k=5: supported 0..4"):
+        Engine(model, EngineConfig(mtp_k=5))
+    with pytest.raises(ValueError, match=r"--max_model_len=5000 \+ 3 .* exceeds max_position_embeddings=4096"):
+        Engine(model, EngineConfig(mtp_k=2, max_model_len=5000))
+    with pytest.raises(ValueError, match=r"--batch_slots=0 must be >= 1"):
+        Engine(model, EngineConfig(batch_slots=0))
+
+
+def test_an_idle_engine_wakes_up_for_a_new_request(model):
+    """submit() notifies the idle scheduler: no waiting out its idle poll period (IDLE_WAIT_S)."""
+    from qmtp.engine import IDLE_WAIT_S
+    engine = make_engine(model, 0)
+    engine.generate(PROMPTS[0], 2, timeout=60)  # compiled
+    time.sleep(0.1)  # the thread is idle now
+    t0 = time.perf_counter()
+    assert engine.generate(PROMPTS[0], 2, timeout=60).finish_reason in ("stop", "length")
+    assert time.perf_counter() - t0 < 0.5 * IDLE_WAIT_S
+    assert engine.stop(5)
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_strings(model):
+    from qmtp.textstream import TextStream
+    tok = model.tokenizer
+    text = "def fibonacci(n): caf\u00e9 \U0001F642 done"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    stream, deltas = TextStream(tok), []
+    for t in ids:
+        deltas.append(stream.push([t]))
+        assert "\ufffd" not in deltas[-1]  # never a half character
+    deltas.append(stream.finish())
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) == text
+    stopped = TextStream(tok, ("bonac", "zzz"))
+    out = "".join(stopped.push([t]) for t in ids)
+    assert stopped.stopped and out == stopped.text == "def fi" and stopped.finish() == ""
+
+
+def test_controlled_checkpoint_accepts_every_draft_and_metrics_show_it(tmp_path):
+    from qmtp import metrics
+    path = make_checkpoint.write_checkpoint(str(tmp_path / "ctl"), "tiny_controlled", "fp32", seed=5)
+    controlled = qmtp.load(path, dtype="float32", page_size=PAGE, progress=False)  # same shapes: no new compile
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[5]]
+    want = [qmtp.generate(controlled, [p], max_new_tokens=14, stop_token_ids=[]).tokens[0] for p in prompts]
+    engine = make_engine(controlled, 2, stop_token_ids=())
+    assert [engine.generate(p, 14, timeout=60).tokens for p in prompts] == want
+    assert engine.counters["mtp_accepted"] == engine.counters["mtp_drafted"] > 0
+    text = metrics.render(engine)
+    assert 'qmtp_mtp_position_acceptance{position="1"} 1.0' in text
+    assert 'qmtp_mtp_position_acceptance{position="2"} 1.0' in text
+    assert "qmtp_mtp_acceptance_rate 1.0" in text and "qmtp_mtp_mean_accepted_length 3.0" in text
+    rounds = engine.counters["mtp_rounds"]
+    assert f'qmtp_mtp_rounds_by_accepted_total{{accepted="2"}} {rounds}' in text
+    assert 'qmtp_mtp_rounds_by_accepted_total{accepted="0"} 0' in text
+    assert 'qmtp_requests_total{outcome="length"} 3' in text
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_a_failing_device_call_fails_every_request_and_releases_everything(model, monkeypatch):
+    engine = make_engine(model, 0, start=False)
+    assert engine.warmup([3]) > 0  # compiles before start(); leaves nothing behind
+    assert_all_free(engine)
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "_run_loop", broken)
+    handles = [engine.submit(p, 5) for p in PROMPTS[:5]]
+    engine.start()
+    results = [h.result(60) for h in handles]
+    assert all(r.finish_reason == "error" and "device lost" in r.error for r in results)
+    assert "device lost" in engine.failed and not engine.running
+    with pytest.raises(EngineStopped, match="device lost"):
+        engine.submit(PROMPTS[0], 2)
+    assert engine.stop(5)
+    assert_all_free(engine)

@@ -1,0 +1,462 @@
+"""The OpenAI-compatible server (qmtp.server) on a loopback port with real clients: the official
+openai client (completions, chat, streaming), httpx for raw bodies, the CLI and the load script in
+subprocesses. Tokens equal qmtp.generate; errors have OpenAI-style bodies; nothing leaks.
+
+The engines have the shapes of tests/test_engine.py (3 slots, page size 8, max_model_len 48,
+12 pages, 2 rounds per call), so a run of both files compiles each program once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import qmtp
+from qmtp.engine import Engine, EngineConfig
+from qmtp.server import Server, ServerSettings, create_app
+from qmtp.tools import make_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
+NAME = "tiny-test"
+MAX_TOKENS_LIMIT = 20
+RNG = np.random.default_rng(3)
+TEXTS = ["def fibonacci(", "The quick brown fox", "class Counter:", "x"]
+ID_PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (2, 7, 13, 21, 29)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_cpu_blas():
+    """scipy's OpenBLAS, which jax's CPU triangular solve calls in the chunked GDN prefill, hands work to
+    a second thread and waits ~65 ms for it on this 2-core machine (measured: prefill 65 ms with 2
+    BLAS threads, 2-3 ms with 1). One thread for these tests; restored afterwards."""
+    import ctypes
+    import glob
+
+    import scipy
+    import scipy.linalg  # noqa: F401 (loads the library)
+    libs = glob.glob(os.path.join(os.path.dirname(scipy.__file__), os.pardir, "scipy.libs", "libscipy_openblas*.so"))
+    if not libs:
+        yield
+        return
+    lib = ctypes.CDLL(libs[0])
+    before = lib.scipy_openblas_get_num_threads()
+    lib.scipy_openblas_set_num_threads(1)
+    yield
+    lib.scipy_openblas_set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("server") / "tiny"), "tiny", "fp32", seed=0)
+    return qmtp.load(path, dtype="float32", page_size=PAGE, progress=False)
+
+
+def serve(model, k, snapshot_budget_bytes=0, max_queue=64, start_engine=True, shutdown_timeout_s=30.0):
+    engine = Engine(model, EngineConfig(batch_slots=SLOTS, mtp_k=k, rounds_per_call=ROUNDS, max_model_len=MAX_LEN,
+                                        num_pages=PAGES, max_queue=max_queue,
+                                        snapshot_budget_bytes=snapshot_budget_bytes))
+    settings = ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4,
+                              shutdown_timeout_s=shutdown_timeout_s)
+    app = create_app(engine, settings, manage_engine=start_engine)
+    server = Server(app, engine, port=0, shutdown_timeout_s=shutdown_timeout_s).start_in_thread()
+    return server, f"http://127.0.0.1:{server.port}"
+
+
+@pytest.fixture(scope="module")
+def mtp_server(model):
+    server, url = serve(model, 2, snapshot_budget_bytes=200_000)
+    yield server, url
+    assert server.stop(60)
+
+
+@pytest.fixture(scope="module")
+def plain_server(model):
+    server, url = serve(model, 0)
+    yield server, url
+    assert server.stop(60)
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def assert_all_free(engine: Engine) -> None:
+    s = engine.stats()
+    assert s["free_pages"] == s["num_pages"] and s["free_slots"] == SLOTS, s
+    assert s["active"] == 0 and s["queued"] == 0, s
+    assert engine.counters["released"] == engine.counters["admitted"], dict(engine.counters)
+
+
+def wait_idle(engine: Engine, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.stats()["active"] or engine.stats()["queued"]:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+
+
+def encode(model, text):
+    return model.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_completion_chat_and_streaming_equal_generate_with_mtp_on_and_off(model, mtp_server, plain_server):
+    want = qmtp.generate(model, [TEXTS[0]], max_new_tokens=8)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    # the checkpoint's ChatML template, written out (not rendered by the code under test)
+    chat_ids = encode(model, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    assert chat_ids[0] == model.tokenizer.token_to_id("<|im_start|>")  # special tokens parsed
+    chat_want = qmtp.generate(model, [chat_ids], max_new_tokens=8)
+    texts = {}
+    for name, (_, url) in (("mtp", mtp_server), ("plain", plain_server)):
+        c = client(url)
+        r = c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=8, temperature=0)
+        assert r.choices[0].token_ids == want.tokens[0] and r.choices[0].text == want.texts[0]
+        assert r.usage.prompt_tokens == len(encode(model, TEXTS[0])) and r.usage.completion_tokens == 8
+        assert r.choices[0].finish_reason == "length" and r.model == NAME
+        chat = c.chat.completions.create(model=NAME, messages=messages, max_tokens=8)
+        assert chat.choices[0].token_ids == chat_want.tokens[0]
+        assert chat.choices[0].message.content == chat_want.texts[0] and chat.choices[0].message.role == "assistant"
+        chunks = list(c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=8, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.texts[0]
+        assert sum((ch.choices[0].token_ids for ch in chunks if ch.choices), []) == want.tokens[0]
+        assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 8
+        chat_chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, stream=True))
+        assert chat_chunks[0].choices[0].delta.role == "assistant"
+        texts[name] = "".join(ch.choices[0].delta.content or "" for ch in chat_chunks)
+        assert texts[name] == chat_want.texts[0] and chat_chunks[-1].choices[0].finish_reason == "length"
+        ids = c.completions.create(model=NAME, prompt=ID_PROMPTS[2], max_tokens=5)  # token-id prompt
+        assert ids.choices[0].token_ids == qmtp.generate(model, [ID_PROMPTS[2]], max_new_tokens=5).tokens[0]
+        listed = c.models.list()
+        assert [m.id for m in listed.data] == [NAME]
+    assert texts["mtp"] == texts["plain"]
+    metrics = httpx.get(mtp_server[1] + "/metrics").text
+    assert "qmtp_mtp_draft_tokens_total" in metrics and 'qmtp_mtp_position_acceptance{position="2"}' in metrics
+    assert _metric(metrics, "qmtp_mtp_draft_tokens_total") == 2 * _metric(metrics, "qmtp_mtp_rounds_total") > 0
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server):
+    server, url = mtp_server
+    pool = [(p, p) for p in ID_PROMPTS] + [(t, encode(model, t)) for t in TEXTS]
+    full = {i: qmtp.generate(model, [ids], max_new_tokens=6).tokens[0] for i, (_, ids) in enumerate(pool)}
+    eos = set(model.cfg.eos_token_ids)
+
+    def expected(i, max_tokens):  # greedy: a shorter request is a prefix of a longer one (cut at a stop id)
+        out = []
+        for t in full[i][:max_tokens]:
+            out.append(t)
+            if t in eos:
+                break
+        return out
+
+    async def one_client(c, seed):
+        rng = np.random.default_rng(seed)
+        mismatches = []
+        for j in range(64):
+            i, m = int(rng.integers(len(pool))), int(rng.integers(1, 7))
+            if j % 3 == 0:  # a third streams
+                stream = await c.completions.create(model=NAME, prompt=pool[i][0], max_tokens=m, stream=True)
+                got = [t async for ch in stream for t in (ch.choices[0].token_ids if ch.choices else [])]
+            else:
+                r = await c.completions.create(model=NAME, prompt=pool[i][0], max_tokens=m)
+                got = r.choices[0].token_ids
+            if got != expected(i, m):
+                mismatches.append((i, m, got))
+        return mismatches
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300,
+                               http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=40)))
+        async with c:
+            return await asyncio.gather(*(one_client(c, s) for s in range(20)))
+
+    before = dict(server.engine.counters)
+    t0 = time.perf_counter()
+    results = asyncio.run(main())
+    elapsed = time.perf_counter() - t0
+    assert results == [[]] * 20
+    wait_idle(server.engine)
+    counters = server.engine.counters
+    assert counters["finished_stop"] + counters["finished_length"] - before.get("finished_stop", 0) - before.get(
+        "finished_length", 0) == 20 * 64
+    assert_all_free(server.engine)
+    snaps = server.engine.snapshots
+    assert snaps.hits > 0 and snaps.peak_bytes <= snaps.budget_bytes
+    print(f"1280 requests in {elapsed:.1f} s")
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    (b"{not json", 400, None, "invalid_json"),
+    (b"[1, 2]", 400, None, "invalid_json"),
+    (json.dumps({"model": NAME}).encode(), 400, "prompt", "missing_required_parameter"),
+    (json.dumps({"model": NAME, "prompt": 5}).encode(), 400, "prompt", "invalid_type"),
+    (json.dumps({"model": NAME, "prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens", "invalid_type"),
+    (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "model", "model_not_found"),
+    (json.dumps({"model": NAME, "prompt": "x", "max_tokens": MAX_TOKENS_LIMIT + 1}).encode(), 400, "max_tokens",
+     "max_tokens_exceeded"),
+    (json.dumps({"model": NAME, "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens", "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": list(range(40)), "max_tokens": 10}).encode(), 400, "max_tokens",
+     "context_length_exceeded"),
+    (json.dumps({"model": NAME, "prompt": list(range(48)), "max_tokens": 1}).encode(), 400, "prompt",
+     "context_length_exceeded"),
+    (json.dumps({"model": NAME, "prompt": "x", "temperature": 0.7}).encode(), 400, "temperature",
+     "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "n": 2}).encode(), 400, "n", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": ["a", "b"]}).encode(), 400, "prompt", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop",
+     "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": [1, 99999]}).encode(), 400, "prompt", "invalid_value"),
+])
+def test_bad_requests_get_openai_error_bodies(mtp_server, body, status, param, code):
+    server, url = mtp_server
+    r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == code and err["message"], err
+    assert err["type"] == "invalid_request_error"
+    assert_all_free(server.engine)
+
+
+def test_bad_requests_through_the_openai_client(mtp_server):
+    c = client(mtp_server[1])
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist") as e:
+        c.completions.create(model="nope", prompt="x")
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(openai.BadRequestError, match=r"only greedy decoding"):
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=1.0)
+    with pytest.raises(openai.BadRequestError, match=r"context limit (is )?max_model_len=48"):
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello " * 30}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match=r"exceeds the server limit of 20 \(--max_tokens_limit\)"):
+        c.completions.create(model=NAME, prompt="x", max_tokens=21)
+    r = httpx.get(mtp_server[1] + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_client_disconnect_mid_stream_cancels_the_request(model, mtp_server, monkeypatch):
+    server, url = mtp_server
+    engine = server.engine
+    slow = engine._run_loop
+
+    def slow_loop():  # +100 ms per device call (2 tokens): the request is far from done when the client leaves
+        time.sleep(0.1)
+        slow()
+
+    monkeypatch.setattr(engine, "_run_loop", slow_loop)
+    wait_idle(engine)
+    cancelled = engine.counters["finished_cancelled"]
+    body = {"model": NAME, "prompt": ID_PROMPTS[0], "max_tokens": MAX_TOKENS_LIMIT, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as h:
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["token_ids"]
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while engine.counters["finished_cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.01)
+    wait_idle(engine)
+    assert_all_free(engine)
+    # a client that gives up on a non-streamed request cancels it too (noticed within DISCONNECT_POLL_S)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=0.3)
+    deadline = time.monotonic() + 10
+    while engine.counters["finished_cancelled"] == cancelled + 1:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.01)
+    wait_idle(engine)
+    assert_all_free(engine)
+
+
+def test_full_queue_gets_429_and_a_stopped_engine_503(model):
+    server, url = serve(model, 0, max_queue=2, start_engine=False)
+    engine = server.engine
+    try:
+        assert httpx.get(url + "/health").status_code == 503  # engine not running yet
+        results = []
+
+        def post():
+            results.append(httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": [1, 2], "max_tokens": 2},
+                                      timeout=60))
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while engine.stats()["queued"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        full = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": [1, 2], "max_tokens": 2})
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            client(url).completions.create(model=NAME, prompt=[1, 2], max_tokens=2)
+        engine.start()
+        for t in threads:
+            t.join(60)
+        assert [r.status_code for r in results] == [200, 200]
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert engine.stop(10)
+        late = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": [1, 2], "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(url + "/health").status_code == 503
+        metrics = httpx.get(url + "/metrics").text
+        assert _metric(metrics, 'qmtp_requests_rejected_total{reason="queue_full"}') == 2
+        assert_all_free(engine)
+    finally:
+        assert server.stop(30)
+
+
+def test_shutdown_with_active_and_queued_requests(model):
+    server, url = serve(model, 2, shutdown_timeout_s=0.5)
+    engine = server.engine
+    slow = engine._run_loop
+    engine._run_loop = lambda: (time.sleep(0.2), slow())  # streams stay active past the timeout
+    outcomes = {}
+
+    def stream(i):
+        c = client(url)
+        try:
+            for _ in c.completions.create(model=NAME, prompt=ID_PROMPTS[i % 2], max_tokens=MAX_TOKENS_LIMIT,
+                                          stream=True):
+                pass
+            outcomes[i] = "finished"
+        except openai.APIError as e:
+            outcomes[i] = ("error", getattr(e, "code", None) or (e.body or {}).get("code"))
+
+    def complete(i):
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": ID_PROMPTS[0], "max_tokens": 4},
+                       timeout=60)
+        outcomes[i] = (r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    threads += [threading.Thread(target=complete, args=(i,)) for i in range(3, 5)]
+    for t in threads[:3]:
+        t.start()
+    deadline = time.monotonic() + 60
+    while engine.stats()["active"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for t in threads[3:]:
+        t.start()
+    while engine.stats()["queued"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert server.stop(30)  # what SIGINT / SIGTERM do
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 15
+    assert [outcomes[i] for i in range(3)] == [("error", "shutting_down")] * 3  # streams: aborted at the timeout
+    assert [outcomes[i] for i in (3, 4)] == [(503, "shutting_down")] * 2  # queued: aborted at once
+    assert engine.counters["finished_abort"] == 5
+    assert not engine.running and engine.stop(1)
+    assert_all_free(engine)
+
+
+def test_snapshot_hits_are_exact_and_reported(model, mtp_server):
+    server, url = mtp_server
+    c = client(url)
+    prompt = "snapshot me, please"
+    metrics = httpx.get(url + "/metrics").text
+    hits0, lookups0 = _metric(metrics, "qmtp_snapshot_hits_total"), _metric(metrics, "qmtp_snapshot_lookups_total")
+    cold = c.completions.create(model=NAME, prompt=prompt, max_tokens=6)
+    warm = c.completions.create(model=NAME, prompt=prompt, max_tokens=6)
+    assert warm.choices[0].token_ids == cold.choices[0].token_ids
+    assert cold.choices[0].token_ids == qmtp.generate(model, [prompt], max_new_tokens=6).tokens[0]
+    metrics = httpx.get(url + "/metrics").text
+    assert _metric(metrics, "qmtp_snapshot_hits_total") == hits0 + 1
+    assert _metric(metrics, "qmtp_snapshot_lookups_total") == lookups0 + 2
+    assert 0 < _metric(metrics, "qmtp_snapshot_hit_rate") <= 1
+    assert _metric(metrics, "qmtp_snapshot_bytes") <= _metric(metrics, "qmtp_snapshot_budget_bytes") == 200_000
+
+
+def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
+    out = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={mtp_server[1]}", "--requests=24",
+                        "--concurrency=4", "--prompt_tokens=2,20", "--max_tokens=4", "--stream",
+                        f"--output_json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["succeeded"] == 24 and report["errors"] == {}
+    assert report["requests_per_s"] > 0 and report["tokens_per_s"] > 0 and report["generated_tokens"] > 0
+    assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p90"] <= report["latency_s"]["p99"]
+    assert "req/s" in r.stdout and "p99" in r.stdout
+    h = subprocess.run([sys.executable, "scripts/load_test.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert h.returncode == 0 and "--concurrency" in h.stdout and "p50/p90/p99" in h.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(tmp_path), PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
+    h = subprocess.run([sys.executable, "-m", "qmtp.server", "--help"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert h.returncode == 0
+    for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
+                 "max_queue", "snapshot_budget_bytes", "host", "port", "tp", "shutdown_timeout_s"):
+        assert f"--{flag}" in h.stdout, flag
+    bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: /nonexistent")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "qmtp.server", "--flagfile=configs/server_tiny.flags",
+                             f"--port={port}", "--nowarmup", "--mtp_k=1", "--log_level=warning"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        r = client(f"http://127.0.0.1:{port}").completions.create(model="tiny", prompt="def fibonacci(", max_tokens=3)
+        assert len(r.choices[0].token_ids) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "serving" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_chat_template_default_and_errors(tmp_path):
+    from qmtp.chat_template import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError
+    bare = ChatTemplate.from_checkpoint(str(tmp_path))  # no tokenizer_config.json: the ChatML default
+    assert bare.source == DEFAULT_TEMPLATE
+    assert bare.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "</s>"},
+        "chat_template": "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+                         "[{{ m.role }}] {{ m.content | tojson }}{{ eos_token }}{% endfor %}"}))
+    custom = ChatTemplate.from_checkpoint(str(tmp_path))
+    assert custom.render([{"role": "user", "content": "a\"b"}]) == '[user] "a\\"b"</s>'
+    with pytest.raises(ChatTemplateError, match="no tools"):
+        custom.render([{"role": "tool", "content": "x"}])
