@@ -258,8 +258,7 @@ def test_snapshots_give_identical_tokens_within_the_byte_budget(model, ckpt, ref
 
 def test_tp2_engine_equals_tp1_generate(ckpt, model, reference):
     import jax
-    if len(jax.devices()) < 2:
-        pytest.skip("needs 2 devices")
+    assert len(jax.devices()) >= 2, "needs 2 devices (jax_num_cpu_devices=2 in conftest.py)"
     tp2 = qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False, tp=2)
     engine = make_engine(tp2, 2, snapshot_budget_bytes=1 << 20)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # the third is a snapshot hit
