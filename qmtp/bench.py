@@ -23,7 +23,7 @@ import platform
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8",
@@ -50,19 +50,6 @@ flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
 flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
 flags.DEFINE_string("plot_from", None, "Only draw the plot of an existing result JSON (no benchmark).")
-
-
-def resolve_checkpoint(spec: str, num_layers: int | None) -> str:
-    from qmtp.tools import make_checkpoint
-    if not spec.startswith("preset:"):
-        if num_layers is not None:
-            raise ValueError("--num_layers slices synthetic presets only")
-        return spec
-    parts = spec[len("preset:"):].split(":")
-    if len(parts) > 2 or not parts[0]:
-        raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
-    return make_checkpoint.ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16",
-                                         num_layers=num_layers)
 
 
 def random_prompts(model, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -226,6 +213,7 @@ def _run() -> int:
     progress = Progress(len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
     print(f"copy bandwidth {copy['tb_per_s']:.3f} TB/s", file=sys.stderr, flush=True)
+    from qmtp.generate import resolve_checkpoint
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
     model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp, converted_cache=FLAGS.converted_cache)
@@ -268,12 +256,8 @@ def _run() -> int:
 
 
 def cli() -> None:
-    if any(a in ("--help", "-h", "--helpshort") for a in sys.argv[1:]):
-        FLAGS(sys.argv[:1])
-        print(__doc__)
-        print(FLAGS.main_module_help())
-        sys.exit(0)
-    app.run(lambda argv: sys.exit(main(argv)))
+    from qmtp import cli_help
+    cli_help.run(lambda argv: sys.exit(main(argv)), __doc__)
 
 
 if __name__ == "__main__":

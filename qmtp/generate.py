@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import flags
 
 PRESET_PREFIX = "preset:"
 
@@ -52,15 +52,18 @@ flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures e
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
 
-def resolve_checkpoint(spec: str) -> str:
-    """A directory, or preset:NAME[:DTYPE] built on first use."""
+def resolve_checkpoint(spec: str, num_layers: int | None = None) -> str:
+    """A directory, or preset:NAME[:DTYPE] built on first use (num_layers: a slice of the preset)."""
     if not spec.startswith(PRESET_PREFIX):
+        if num_layers is not None:
+            raise ValueError("--num_layers slices synthetic presets only")
         return spec
     from qmtp.tools import make_checkpoint
     parts = spec[len(PRESET_PREFIX):].split(":")
     if len(parts) > 2 or not parts[0]:
         raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
-    return make_checkpoint.ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16")
+    return make_checkpoint.ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16",
+                                         num_layers=num_layers)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -131,13 +134,8 @@ def main(argv):
 
 
 def cli() -> None:
-    # absl exits with status 1 after --help; a help request is not an error.
-    if any(a in ("--help", "-h", "--helpshort") for a in sys.argv[1:]):
-        FLAGS(sys.argv[:1])
-        print(__doc__)
-        print(FLAGS.main_module_help())
-        sys.exit(0)
-    app.run(main)
+    from qmtp import cli_help
+    cli_help.run(main, __doc__)
 
 
 if __name__ == "__main__":

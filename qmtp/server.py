@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from absl import app as absl_app, flags
+from absl import flags
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -388,13 +388,9 @@ def main(argv):
 
 
 def cli() -> None:
+    from qmtp import cli_help
     define_flags()
-    if any(a in ("--help", "-h", "--helpshort") for a in sys.argv[1:]):
-        FLAGS(sys.argv[:1])
-        print(__doc__)
-        print(FLAGS.main_module_help())
-        sys.exit(0)
-    absl_app.run(main)
+    cli_help.run(main, __doc__)
 
 
 if __name__ == "__main__":
