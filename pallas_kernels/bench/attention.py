@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import paged_attention as pa
+from pallas_kernels.bench.common import timed
 
 HQ, HKV, D = 24, 4, 256
 PAGE_SIZE = 16
@@ -52,17 +51,6 @@ def sizes(quick: bool, interpret: bool) -> Sizes:
         s = dataclasses.replace(s, contexts=tuple(sorted({min(c, 512) for c in s.contexts})), max_layers=2,
                                 reps=1, repeats=2)
     return s
-
-
-def _timing(fn, args, repeats: int) -> tuple[float, float]:
-    """(median, best) wall seconds of `repeats` blocked calls fn(*args), after one warm-up (compile)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
 
 
 def make_case(rng, b: int, t: int, context: int, layers: int):
@@ -145,7 +133,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False)
                             got = np.asarray(jax.jit(attn)(*one), np.float64)
                             want = np.asarray(jax.jit(impls["xla"])(*one), np.float64)
                             extra["rel_err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-                        med, best = _timing(make_program(attn, layers, sz.reps), inputs, sz.repeats)
+                        med, best = timed(make_program(attn, layers, sz.reps), *inputs, trials=sz.repeats)
                         calls = sz.reps * layers
                         rows[impl] = {**_row(row_base, nbytes, med / calls, copy_tb_s), **extra,
                                       "best_s_per_call": best / calls}
