@@ -27,11 +27,6 @@ import numpy as np
 VARIANTS = {"pallas": True, "pallas_separate": False}
 
 
-def _nbytes(tree) -> int:
-    import jax
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
-
-
 @functools.partial(__import__("jax").jit, static_argnums=(1, 2, 3))
 def _leaf(key, shape, dtype, kind):
     """One parameter on the device. kind: fp8 (E4M3 spread over the format's range), scale (so each
@@ -70,14 +65,6 @@ def random_params(cfg, dtype, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def step_bytes(params: dict, state, context: int) -> dict:
-    """Bytes one batch-1 decode step must move (see the module docstring), by part."""
-    weights = _nbytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
-    kv_per_position = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.kv.k) * 2
-    return {"weights": weights, "gdn_state": 2 * _nbytes(state.ssm), "conv_state": 2 * _nbytes(state.conv),
-            "kv": kv_per_position * context}
-
-
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, num_layers: int | None = None,
         context: int = 1024, n_short: int = 8, n_long: int = 40, impls=("pallas", "pallas_separate", "ref"), trials: int = 3) -> None:
     """Emits one row per impl: s_per_step, tokens/s, share of the roofline, compile time."""
@@ -85,7 +72,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
 
     from qmtp import config as qc
-    from qmtp import decode, ops
+    from qmtp import bench_report, decode, ops
     from qmtp.state import init_state
     from qmtp.tools import make_checkpoint
 
@@ -100,7 +87,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     page = 16
     pages = -(-(context + n_long + 1) // page)
     state0 = init_state(cfg, np.arange(pages, dtype=np.int32)[None], pages, page, jnp.bfloat16)
-    parts = step_bytes(params, state0, context)
+    parts = bench_report.step_bytes(params, state0, context)["target"]  # the harness's own accounting
     total = sum(parts.values())
     roofline_s = total / (copy_tb_s * 1e12)
     case = f"{cfg.num_hidden_layers} layers B=1 ctx={context}"
