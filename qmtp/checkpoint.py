@@ -280,11 +280,11 @@ def _key_rows(cfg: ModelConfig, entry: P.TensorEntry) -> dict:
 
 
 def _piece(entry: P.TensorEntry, raw: np.ndarray, scale, compute):
-    """One host piece of a parameter in its final dtype (as _convert, for an already selected piece)."""
+    """A parameter (or a selected piece of one) in its final dtype; fused rows are split by the caller."""
     if entry.role in (P.NORM, P.FP32):
         return raw.astype(np.float32)
     if entry.role == P.CONV:
-        return raw[:, 0, :].astype(compute)
+        return raw[:, 0, :].astype(compute)  # [C, 1, W] -> [C, W]
     if entry.role == P.EMBED:
         return raw.astype(compute)
     return _linear(raw, None if scale is None else scale.astype(np.float32), compute)
@@ -325,14 +325,8 @@ def _read(handles: dict, checkpoint_dir: str, file: str, name: str) -> np.ndarra
 
 def _convert(cfg: ModelConfig, entry: P.TensorEntry, raw: np.ndarray, scale, compute):
     """Yields (param key, host value) pairs for one checkpoint tensor."""
-    if entry.role in (P.NORM, P.FP32):
-        yield entry.key, raw.astype(np.float32)
-    elif entry.role == P.CONV:
-        yield entry.key, raw[:, 0, :].astype(compute)  # [C, 1, W] -> [C, W]
-    elif entry.role == P.EMBED:
-        yield entry.key, raw.astype(compute)
-    elif entry.role == P.LINEAR:
-        yield entry.key, _linear(raw, scale, compute)
+    if entry.role not in (P.FUSED_QKVZ, P.FUSED_BA):
+        yield entry.key, _piece(entry, raw, scale, compute)
     else:  # fused Qwen3-Next projections: permute rows into the Qwen3.5 layout
         rows = P.fused_qkvz_rows(cfg) if entry.role == P.FUSED_QKVZ else P.fused_ba_rows(cfg)
         for key, idx in zip(entry.key.split("+"), rows):
