@@ -213,7 +213,7 @@ def _run() -> int:
     progress = Progress(len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
     print(f"copy bandwidth {copy['tb_per_s']:.3f} TB/s", file=sys.stderr, flush=True)
-    from qmtp.generate import resolve_checkpoint
+    from qmtp.tools.make_checkpoint import resolve_checkpoint
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
     model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp, converted_cache=FLAGS.converted_cache)

@@ -13,7 +13,6 @@ import sys
 
 from absl import flags
 
-PRESET_PREFIX = "preset:"
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None,
@@ -52,20 +51,6 @@ flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures e
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
 
-def resolve_checkpoint(spec: str, num_layers: int | None = None) -> str:
-    """A directory, or preset:NAME[:DTYPE] built on first use (num_layers: a slice of the preset)."""
-    if not spec.startswith(PRESET_PREFIX):
-        if num_layers is not None:
-            raise ValueError("--num_layers slices synthetic presets only")
-        return spec
-    from qmtp.tools import make_checkpoint
-    parts = spec[len(PRESET_PREFIX):].split(":")
-    if len(parts) > 2 or not parts[0]:
-        raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
-    return make_checkpoint.ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16",
-                                         num_layers=num_layers)
-
-
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -75,6 +60,7 @@ def parse_ids(text: str) -> list[int]:
 
 def run(argv) -> dict:
     import qmtp
+    from qmtp.tools import make_checkpoint
     if len(argv) > 1:
         raise ValueError(f"unexpected positional arguments {argv[1:]} (use --prompt)")
     if not FLAGS.checkpoint:
@@ -93,7 +79,8 @@ def run(argv) -> dict:
             raise ValueError(f"--accept_profile={','.join(FLAGS.accept_profile)}: expected numbers") from None
         from qmtp.speculate import acceptance_schedule
         cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
-    model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint), dtype=FLAGS.dtype, page_size=FLAGS.page_size,
+    path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
+    model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
                       converted_cache=FLAGS.converted_cache)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,

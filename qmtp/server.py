@@ -35,9 +35,9 @@ from qmtp import metrics
 from qmtp import openai_protocol as oai
 from qmtp.chat_template import ChatTemplate, ChatTemplateError
 from qmtp.requests import EngineStopped, QueueFull, RequestError
+from qmtp.tools.make_checkpoint import PRESET_PREFIX, resolve_checkpoint
 
 FLAGS = flags.FLAGS
-PRESET_PREFIX = "preset:"
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -325,17 +325,6 @@ class Server:
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
-
-
-def resolve_checkpoint(spec: str) -> str:
-    """A directory, or preset:NAME[:DTYPE] built on first use (as python -m qmtp.generate)."""
-    if not spec.startswith(PRESET_PREFIX):
-        return spec
-    from qmtp.tools import make_checkpoint
-    parts = spec[len(PRESET_PREFIX):].split(":")
-    if len(parts) > 2 or not parts[0]:
-        raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
-    return make_checkpoint.ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16")
 
 
 def build(argv) -> tuple:

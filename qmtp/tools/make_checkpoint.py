@@ -258,6 +258,23 @@ def ensure_preset(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, cach
         raise
 
 
+PRESET_PREFIX = "preset:"  # --checkpoint=preset:NAME[:DTYPE] in the command lines
+
+
+def resolve_checkpoint(spec: str, num_layers: int | None = None) -> str:
+    """A directory, or preset:NAME[:DTYPE] built on first use (num_layers: a slice of the preset)."""
+    if not spec.startswith(PRESET_PREFIX):
+        if num_layers is not None:
+            raise ValueError("--num_layers slices synthetic presets only")
+        return spec
+    parts = spec[len(PRESET_PREFIX):].split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
+    return ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16",
+                                         num_layers=num_layers)
+
+
+
 # --------------------------------------------------------------------------------------------------
 # command line
 # --------------------------------------------------------------------------------------------------
