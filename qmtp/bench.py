@@ -44,8 +44,13 @@ flags.DEFINE_list("batch", ["1"], "Batch sizes (each its own table).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per sequence.", lower_bound=2)
 flags.DEFINE_integer("repeats", 3, "Timed runs per mode (median and spread reported).", lower_bound=1)
 flags.DEFINE_integer("prompt_seed", 0, "Seed of the random prompt tokens.")
+flags.DEFINE_multi_string("prompt_text", [], "Text prompt (repeatable; needs the checkpoint's tokenizer.json): "
+                          "measure on these prompts, one sequence each, instead of random tokens; --batch and "
+                          "--prompt_lengths are then ignored. Natural acceptance of a trained model depends on it.")
 flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative round alone (target step, verify, "
-                  "draft, commit, all-reduce) for each K, next to the measured round time.")
+                  "draft, commit, all-reduce) for each K of --breakdown_ks, next to the measured round time.")
+flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
+                  "its own verify and commit programs, which takes minutes at 64 layers.")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
 flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
@@ -144,13 +149,14 @@ def breakdown(model, batch: int, length: int, ks: list[int], modes: list[dict], 
     return out
 
 
-def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progress) -> dict:
-    """All modes for one (batch, prompt length)."""
+def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progress, prompts=None) -> dict:
+    """All modes for one (batch, prompt length): random prompts, or the given token-id prompts."""
     import numpy as np
 
     from qmtp import api, bench_report as br
     from qmtp.speculate import acceptance_schedule
-    prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)
+    if prompts is None:
+        prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)
     ks = [int(k) for k in FLAGS.ks]
     profile = [float(p) for p in FLAGS.profile if p]
     state = api._new_state(model, [length + FLAGS.max_new_tokens + 5] * batch)
@@ -160,10 +166,12 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     plain = run_mode(model, prompts, 0, None, FLAGS.repeats, progress, f"B={batch} P={length} plain")
     plain_tokens = plain["runs"][-1].tokens
     case["modes"].append(summarize("plain", 0, "-", plain, None, bytes_, copy_bps))
-    for k in ks:
-        m = run_mode(model, prompts, k, None, FLAGS.repeats, progress, f"B={batch} P={length} K={k} natural")
-        case["modes"].append(summarize(f"mtp K={k} natural", k, "natural", m, plain_tokens, bytes_, copy_bps))
     rounds = FLAGS.max_new_tokens + 1
+    for k in ks:
+        # "no cap" as a schedule of the profiled runs' shape: both runs of a K share one compiled loop
+        no_cap = np.full((rounds, batch), k, np.int32)
+        m = run_mode(model, prompts, k, no_cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} natural")
+        case["modes"].append(summarize(f"mtp K={k} natural", k, "natural", m, plain_tokens, bytes_, copy_bps))
     for k in [k for k in ks if k <= len(profile)]:
         cap = acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)
         m = run_mode(model, prompts, k, cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} profiled")
@@ -175,7 +183,8 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
         m["speedup"] = m["decode_tokens_per_s"]["median"] / base
     case["roofline"] = {"plain_tok_s": br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)}
     if FLAGS.breakdown:
-        case["breakdown"] = breakdown(model, batch, length, ks, case["modes"], progress)
+        bks = [int(k) for k in FLAGS.breakdown_ks] or ks
+        case["breakdown"] = breakdown(model, batch, length, bks, case["modes"], progress)
     case["all_tokens_match_plain"] = bool(np.all([m["tokens_match_plain"] for m in case["modes"]]))
     return case
 
@@ -206,9 +215,14 @@ def _run() -> int:
     import jax
 
     import qmtp
-    from qmtp import bench_report as br
+    from qmtp import api, bench_report as br
     from qmtp.bandwidth import copy_bandwidth
     batches, lengths = [int(b) for b in FLAGS.batch], [int(p) for p in FLAGS.prompt_lengths]
+    unknown = sorted(set(FLAGS.breakdown_ks) - set(FLAGS.ks), key=int)
+    if unknown:  # checked before the minutes of loading and compiling
+        raise ValueError(f"--breakdown_ks={','.join(unknown)} not in --ks={','.join(FLAGS.ks)}")
+    if FLAGS.prompt_text:
+        batches, lengths = [len(FLAGS.prompt_text)], [0]
     n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
     progress = Progress(len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
@@ -228,9 +242,13 @@ def _run() -> int:
               "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
               "memory_after_load": resident, "cases": []}
     ok = True
+    text_ids = api.encode(model, FLAGS.prompt_text) if FLAGS.prompt_text else None
+    if text_ids is not None:
+        batches, lengths = [len(text_ids)], [max(len(p) for p in text_ids)]
+        config["prompt_text"] = FLAGS.prompt_text
     for b in batches:
         for p in lengths:
-            case = bench_case(model, b, p, copy["tb_per_s"] * 1e12, progress)
+            case = bench_case(model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids)
             case["memory"] = memory()
             result["cases"].append(case)
             ok &= case["all_tokens_match_plain"]

@@ -93,3 +93,19 @@ def test_a_token_mismatch_is_reported():
     good = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 3]])]}, [[1, 2, 3]], bytes_, 1e3)
     bad = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 4]])]}, [[1, 2, 3]], bytes_, 1e3)
     assert good["tokens_match_plain"] and not bad["tokens_match_plain"] and bad["first_mismatch"] == [2]
+
+
+def test_text_prompts_and_breakdown_ks(tmp_path):
+    out = tmp_path / "t.json"
+    r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1,3",
+                  "--breakdown_ks=3", "--profile=", "--max_new_tokens=8", "--prompt_text=def fibonacci(",
+                  "--prompt_text=import os", tmp_path=tmp_path, cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (case,) = res["cases"]
+    assert case["batch"] == 2 and res["config"]["prompt_text"] == ["def fibonacci(", "import os"]
+    assert [m["name"] for m in case["modes"]] == ["plain", "mtp K=1 natural", "mtp K=3 natural"]
+    assert set(case["breakdown"]) == {"3"}
+    bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--ks=1", "--breakdown_ks=2",
+                    "--repeats=1", "--max_new_tokens=4", tmp_path=tmp_path, cache=tmp_path / "cache")
+    assert bad.returncode == 2 and "--breakdown_ks=2 not in --ks=1" in bad.stderr

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The measurements that need the GPUs, as background jobs on an nvidia-h200-x2 machine, so that one
+# held machine does all of them and each device call only waits and collects:
+#
+#   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
+#   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
+#
+# Both end by packing what exists so far into $OUT (results.tgz: logs and JSON; demo_export.tar.*:
+# the trained demo checkpoint in pieces under the transfer limit). Jobs:
+#   GPU 0: write the Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1, then
+#          the server load test on that checkpoint (issue 7): MTP K=3, then plain (shorter)
+#   GPU 1: train the demo model (issue 8), then bench it (plain vs MTP on a text prompt)
+#   both:  once both lines ended, the qmtp.bench table at TP2 and a second (cached) TP2 load
+set -u
+R=/tmp/qmtp_run
+SRC=/tmp/qmtp_src
+cmd=${1:-wait}
+limit=${2:-560}
+
+pack() {
+  [ -n "${OUT:-}" ] || return 0
+  (cd $R && tar czf "$OUT/results.tgz" --exclude='train/ckpt' --exclude='train/export' --exclude='train/data' \
+     --exclude='*.safetensors' . 2>/dev/null)
+  if [ -f $R/train/export/config.json ]; then
+    (cd $R/train && tar cf - export | split -b 15000000 - "$OUT/demo_export.tar.")
+  fi
+  ls -la "$OUT"
+  for f in $R/*.log; do echo "== $f"; tail -n 3 "$f" | cut -c1-250; done
+}
+
+job() {  # name timeout_s command... (one line of the log per job start/end in $R/jobs.log)
+  local name=$1 t=$2
+  shift 2
+  echo "$(date +%T) start $name" >>$R/jobs.log
+  timeout "$t" "$@" >$R/$name.log 2>&1
+  local rc=$?
+  echo "rc=$rc" >>$R/$name.log
+  echo "$(date +%T) end $name rc=$rc" >>$R/jobs.log
+}
+
+gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  job checkpoint27 300 python3 -c "
+import time; from qmtp.tools import make_checkpoint as m
+t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
+  job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
+    --converted_cache=/tmp/qmtp_conv
+  serve 3 8003 full
+  serve 0 8000 short
+  touch $R/gpu0.done
+}
+
+serve() {  # K PORT full|short
+  local k=$1 port=$2 how=$3
+  python3 -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --served_model_name=q27 --dtype=bfloat16 \
+    --impl=pallas --mtp_k=$k --batch_slots=8 --rounds_per_call=8 --max_model_len=512 --max_tokens_limit=256 \
+    --port=$port --warmup_prompt_lengths=64 --log_level=warning >$R/server_k$k.log 2>&1 &
+  local pid=$! t0=$(date +%s)
+  timeout 300 python3 -c "
+import time, httpx
+while True:
+    try:
+        if httpx.get('http://127.0.0.1:$port/health', timeout=1).status_code == 200: break
+    except httpx.HTTPError: pass
+    time.sleep(1)" || { echo "server K=$k did not come up" >>$R/server_k$k.log; kill $pid; return; }
+  echo "server K=$k up after $(( $(date +%s) - t0 )) s (load + compile)" >>$R/jobs.log
+  job load_k${k} 150 python3 scripts/load_test.py --url=http://127.0.0.1:$port --requests=128 --concurrency=8 \
+    --prompt_tokens=33,64 --max_tokens=64 --output_json=$R/load_k$k.json
+  if [ "$how" = full ]; then
+  job load_k${k}_stream 120 python3 scripts/load_test.py --url=http://127.0.0.1:$port --requests=64 --concurrency=8 \
+    --prompt_tokens=33,64 --max_tokens=64 --stream --seed=1 --output_json=$R/load_k${k}_stream.json
+  job load_k${k}_c1 90 python3 scripts/load_test.py --url=http://127.0.0.1:$port --requests=16 --concurrency=1 \
+    --prompt_tokens=64,64 --max_tokens=64 --seed=2 --output_json=$R/load_k${k}_c1.json
+  fi
+  python3 -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics').text)" >$R/metrics_k$k.txt 2>&1
+  kill -TERM $pid; wait $pid; echo "server K=$k exit status $?" >>$R/jobs.log
+}
+
+gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  job train_demo 600 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
+  if [ -f $R/train/export/config.json ]; then
+    for engine in pallas ref; do
+      job demo_bench_$engine 200 python3 -m qmtp.bench --checkpoint=$R/train/export --engine=$engine \
+        --dtype=bfloat16 --ks=1,2,3,4 --profile= --breakdown=false --max_new_tokens=256 --repeats=3 \
+        --prompt_text='def fibonacci(' --out=$R/demo_bench_$engine.json
+    done
+  fi
+  touch $R/gpu1.done
+}
+
+both() {
+  while [ ! -f $R/gpu0.done ] || [ ! -f $R/gpu1.done ]; do sleep 5; done
+  unset CUDA_VISIBLE_DEVICES
+  job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --out=$R/bench27_tp2.json \
+    --converted_cache=/tmp/qmtp_conv
+  job load_tp2_cached 150 python3 -c "
+import time, qmtp; from qmtp.tools.make_checkpoint import resolve_checkpoint
+p = resolve_checkpoint('preset:qwen3_5_27b_controlled:fp8', None)
+for cache in ('/tmp/qmtp_conv', None):
+    t = time.time(); m = qmtp.load(p, dtype='bfloat16', impl='pallas', tp=2, converted_cache=cache)
+    print('tp2 load', 'converted cache' if cache else 'safetensors', round(time.time() - t, 1), 's'); del m"
+  touch $R/all.done
+}
+
+case $cmd in
+  start)
+    rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
+    cd $SRC || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || echo "server wheels missing: the server jobs will fail" >>$R/jobs.log
+    export PYTHONPATH=/tmp/site:$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader >$R/gpus.txt
+    setsid bash -c "$(declare -f job serve gpu0); R=$R; gpu0" </dev/null >$R/gpu0.out 2>&1 &
+    setsid bash -c "$(declare -f job gpu1); R=$R; gpu1" </dev/null >$R/gpu1.out 2>&1 &
+    setsid bash -c "$(declare -f job both); R=$R; both" </dev/null >$R/both.out 2>&1 &
+    ;&
+  wait)
+    t0=$(date +%s)
+    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    cat $R/jobs.log
+    pack
+    ;;
+  *) echo "usage: $0 start|wait [SECONDS]"; exit 2 ;;
+esac
