@@ -127,6 +127,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# One row of a wide weight takes the CUDA-core path (False: the tensor-core path of M > 1). A
+# module switch so that `python -m pallas_kernels.bench --parts=step --step_impls=pallas_m1dot`
+# can time the whole step both ways: in the 64-layer step a 4-row verify pass (12.9 ms) measured
+# faster than a 1-row step (14.2 ms), though the isolated sweeps favoured the CUDA-core path.
+M1_CUDA_CORE = True
+
+
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
     WORKSPACE.md). One row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
@@ -138,14 +145,15 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     bo = 64
     n_o, n_chunks = _cdiv(o, bo), _cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
-    if m == 1 and wide:
+    if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4)
+    dot = m > 1 or not M1_CUDA_CORE
     split = 1
     while n_o * split < 2 * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
         split *= 2
-    if m > 1 and n_chunks >= 16:
+    if dot and n_chunks >= 16:
         split = max(split, 2)
-    return DecodeConfig(block_o=bo, split_k=split, use_dot=m > 1, swap_ab=not (m > 1 and wide))
+    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide))
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:

@@ -51,7 +51,7 @@ import optax
 from qmtp import train_data, train_loss
 from qmtp.fp8 import Fp8Block, dequantize_np
 
-CKPT_DIR, DATA_DIR = "checkpoints", "data"
+CKPT_DIR, DATA_DIR, BEST_DIR = "checkpoints", "data", "best"
 # flags that may differ between a run and its --resume (everything else must match)
 RESUME_FREE = {"out_dir", "resume", "stop_at_step", "export_dir", "export_dtype", "export_max_shard_bytes", "final_eval_windows",
                "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "flagfile"}
@@ -68,8 +68,11 @@ def define_flags(fv: flags.FlagValues) -> None:
     i("stop_at_step", 0, "Stop after this step (checkpoint written, no export); 0 = run to --steps.", lower_bound=0)
     i("seed", 0, "Seed of the initial weights and of the batch order.", lower_bound=0)
     # data
-    s("corpus_dir", "", "Directory of *.py training text; empty = this interpreter's standard library.")
+    s("corpus_dir", "", "Comma-separated directories of *.py training text; the words 'stdlib' and 'site-packages' "
+      "name this interpreter's standard library and installed packages; empty = stdlib.")
     i("corpus_max_bytes", 0, "Read at most this many bytes of text (0 = all), in hash order.", lower_bound=0)
+    i("tokenizer_max_bytes", 0, "Train the BPE tokenizer on at most this many bytes of the training text (0 = all).",
+      lower_bound=0)
     b("corpus_include_tests", True, "Include test/ and tests/ directories of the corpus.")
     f("eval_fraction", 0.02, "Share of the files held out for evaluation (by path hash).", lower_bound=0.0,
       upper_bound=0.5)
@@ -118,6 +121,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     s("export_dir", "", "HF-format output written at the end (default: OUT_DIR/export).")
     e("export_dtype", "bf16", ["bf16", "fp32"], "Storage dtype of the exported tensors (joint runs).")
     s("export_max_shard_bytes", "14MB", "Largest exported safetensors file (bytes, or 14MB / 10MiB).")
+    b("export_best", False, "Export the parameters of the evaluation with the lowest held-out loss (early stopping; "
+      "kept under OUT_DIR/best) instead of the last step's. Evaluations happen every --eval_every steps.")
     i("final_eval_windows", 16, "Held-out windows for the final qmtp.mtp_logits acceptance on the exported "
       "checkpoint (loaded strictly with qmtp.load); 0 = skip.", lower_bound=0)
     # MTP only
@@ -182,9 +187,9 @@ def eval_step(cfg, hp: Hyper, trainable, frozen, tokens, mtp_mask):
 
 # ---- orbax ------------------------------------------------------------------------------------------
 
-def _manager(run_dir: str, keep: int = 2):
+def _manager(run_dir: str, keep: int = 2, sub: str = CKPT_DIR):
     import orbax.checkpoint as ocp
-    return ocp, ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, CKPT_DIR)),
+    return ocp, ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, sub)),
                                       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                                            enable_async_checkpointing=False))
 
@@ -275,7 +280,7 @@ def _setup(fv, log) -> Setup:
     from qmtp import config as qconfig
     data_dir = os.path.join(fv.out_dir, DATA_DIR)
     corpus = dict(corpus_dir=fv.corpus_dir or None, eval_fraction=fv.eval_fraction, max_bytes=fv.corpus_max_bytes,
-                  include_tests=fv.corpus_include_tests, log=log)
+                  include_tests=fv.corpus_include_tests, tokenizer_max_bytes=fv.tokenizer_max_bytes, log=log)
     if fv.train_mtp_only:
         from qmtp import api, checkpoint, mtp
         cfg, params = checkpoint.load(fv.init_checkpoint, dtype=fv.compute_dtype, progress=False)
@@ -423,6 +428,7 @@ def run(fv) -> dict:
         got = restore(out, {"params": trainable, "opt_state": opt_state, "step": jnp.int32(0)})
         trainable, opt_state, step = got["params"], got["opt_state"], int(got["step"])
         _log(f"resumed from step {step}")
+    best = _Best(out, trainable, fv.resume) if fv.export_best else None
     pool = _self_distill_pool(fv, setup, _log) if fv.mtp_data == "self_distill" else None
     batch, evals = _batches(fv, setup, pool)
     metrics_path = os.path.join(out, "metrics.jsonl")
@@ -434,6 +440,8 @@ def run(fv) -> dict:
         rows.append(row)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if best is not None and row["kind"] == "eval":
+            best.offer(row, trainable)
 
     if step == 0:
         record(dict(step=0, kind="eval", **_evaluate(cfg, hp, setup, trainable, evals)))
@@ -469,6 +477,8 @@ def run(fv) -> dict:
     progress.newline()
     mngr.wait_until_finished()
     mngr.close()
+    if best is not None:
+        best.close()
     train_s = time.monotonic() - t_train
     steady = [r["tok_s"] for r in rows if r["kind"] == "train" and r["step"] > first + 1 and r["tok_s"] > 0]
     plot_curves(rows, os.path.join(out, "loss.png"))
@@ -485,8 +495,12 @@ def run(fv) -> dict:
     if step == fv.steps:
         export_dir = fv.export_dir or os.path.join(out, "export")
         from qmtp.tools.make_checkpoint import parse_size
-        path = _export(setup, trainable, export_dir, fv.export_dtype, parse_size(fv.export_max_shard_bytes), fv)
-        summary["export"] = {"dir": path, "bytes": _dir_bytes(path),
+        chosen, exported_step = trainable, step
+        if best is not None and best.step is not None:
+            chosen, exported_step = best.params, best.step
+            _log(f"exporting the parameters of step {best.step} (lowest held-out loss {best.loss:.4f})")
+        path = _export(setup, chosen, export_dir, fv.export_dtype, parse_size(fv.export_max_shard_bytes), fv)
+        summary["export"] = {"dir": path, "bytes": _dir_bytes(path), "step": exported_step,
                              "files": {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))}}
         _log(f"exported {path} ({summary['export']['bytes'] / 1e6:.1f} MB)")
         if fv.final_eval_windows:
@@ -497,6 +511,35 @@ def run(fv) -> dict:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
     return summary
+
+
+class _Best:
+    """Early stopping: the parameters of the evaluation with the lowest held-out loss, as a host
+    copy and as an orbax checkpoint under OUT_DIR/best (so --resume keeps it); best.json holds
+    its step and loss."""
+
+    def __init__(self, run_dir: str, like: dict, resume: bool):
+        self.ocp, self.mngr = _manager(run_dir, 1, BEST_DIR)
+        self.meta_path = os.path.join(run_dir, BEST_DIR, "best.json")
+        self.step, self.loss, self.params = None, float("inf"), None
+        if resume and os.path.isfile(self.meta_path) and self.mngr.latest_step() is not None:
+            with open(self.meta_path) as f:
+                meta = json.load(f)
+            abstract = jax.tree_util.tree_map(self.ocp.utils.to_shape_dtype_struct, {"params": like})
+            got = self.mngr.restore(self.mngr.latest_step(), args=self.ocp.args.StandardRestore(abstract))
+            self.step, self.loss, self.params = meta["step"], meta["loss"], jax.device_get(got["params"])
+
+    def offer(self, row: dict, params) -> None:
+        if not row["loss"] < self.loss:
+            return
+        self.step, self.loss, self.params = row["step"], row["loss"], jax.device_get(params)
+        self.mngr.save(self.step, args=self.ocp.args.StandardSave({"params": params}), force=True)
+        self.mngr.wait_until_finished()
+        with open(self.meta_path, "w") as f:
+            json.dump({"step": self.step, "loss": self.loss}, f)
+
+    def close(self) -> None:
+        self.mngr.close()
 
 
 def _export(setup: Setup, trainable: dict, export_dir: str, dtype: str, max_shard_bytes: int, fv) -> str:

@@ -1,14 +1,18 @@
 """Offline training text and its tokenizer for `qmtp.train`.
 
-Corpus: the `*.py` files of a directory, by default the Python standard library of the running
-interpreter (`sysconfig.get_paths()["stdlib"]`, present on every machine, no download), without
-site-packages / dist-packages / __pycache__. Files are ordered by sha256(relative path), a
-deterministic shuffle; a file is held out for evaluation iff that hash, as a fraction in [0, 1),
-is below `eval_fraction`. Files that are not UTF-8 are skipped. `max_bytes` caps the text read
+Corpus: the `*.py` files of one or more directories (a comma-separated list), by default the Python
+standard library of the running interpreter (`stdlib` = `sysconfig.get_paths()["stdlib"]`,
+present on every machine, no download); `site-packages` names the interpreter's installed packages
+(`purelib`), which on a machine with a large Python stack is many times the standard library. Below
+each directory, site-packages / dist-packages / __pycache__ subdirectories are skipped. A file is
+named `<directory label>/<relative path>`; files are ordered by sha256(name), a deterministic
+shuffle; a file is held out for evaluation iff that hash, as a fraction in [0, 1), is below
+`eval_fraction`. Files that are not UTF-8 are skipped. `max_bytes` caps the text read
 (train gets (1 - eval_fraction) of it, eval the rest): files are taken in hash order, skipping any
 that would overshoot the cap.
 
-Tokenizer: a byte-level BPE trained with `tokenizers` on the training files only, with Qwen's
+Tokenizer: a byte-level BPE trained with `tokenizers` on the training files only (the first
+`tokenizer_max_bytes` of them in hash order), with Qwen's
 pre-tokenizer split and id layout of `qmtp.tools.tiny_tokenizer`:
 
     [0, 256)              the 256 byte symbols (every UTF-8 text round-trips)
@@ -38,8 +42,28 @@ EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 TEST_DIRS = ("test", "tests", "idle_test")
 
 
+DIR_KEYWORDS = {"stdlib": "stdlib", "site-packages": "purelib"}  # --corpus_dir words -> sysconfig paths
+
+
 def default_corpus_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
+
+
+def corpus_roots(spec: str | None) -> list[tuple[str, str]]:
+    """'stdlib,site-packages,/some/dir' -> [(label, directory)]; empty -> the standard library.
+    Labels keep the names of files from different directories apart (and so their hashes)."""
+    out = []
+    for i, item in enumerate(x.strip() for x in (spec or "stdlib").split(",")):
+        if not item:
+            continue
+        path = sysconfig.get_paths()[DIR_KEYWORDS[item]] if item in DIR_KEYWORDS else item
+        label = item if item in DIR_KEYWORDS else f"dir{i}"
+        if not os.path.isdir(path):
+            raise ValueError(f"corpus directory {item!r} ({path}) does not exist")
+        out.append((label, path))
+    if not out:
+        raise ValueError(f"--corpus_dir={spec!r} names no directory")
+    return out
 
 
 def _hash_fraction(relpath: str) -> float:
@@ -73,10 +97,11 @@ class Corpus:
                 "train_bytes": size(self.train_texts), "eval_bytes": size(self.eval_texts)}
 
 
-def _read(root: str, files: list[str], max_bytes: int) -> tuple[list[str], list[str]]:
+def _read(roots: dict[str, str], files: list[str], max_bytes: int) -> tuple[list[str], list[str]]:
     kept, texts, total = [], [], 0
     for rel in files:
-        path = os.path.join(root, rel)
+        label, _, inner = rel.partition("/")
+        path = os.path.join(roots[label], inner)
         if max_bytes and total + os.path.getsize(path) > max_bytes:
             continue  # would overshoot the cap: smaller files later in the order may still fit
         try:
@@ -93,15 +118,16 @@ def _read(root: str, files: list[str], max_bytes: int) -> tuple[list[str], list[
 
 def load_corpus(root: str | None = None, eval_fraction: float = 0.02, max_bytes: int = 0,
                 include_tests: bool = True, suffix: str = ".py") -> Corpus:
-    """Reads the corpus (module doc). max_bytes = 0: everything."""
-    root = root or default_corpus_dir()
-    if not os.path.isdir(root):
-        raise ValueError(f"corpus directory {root!r} does not exist")
-    files = corpus_files(root, suffix, include_tests)
+    """Reads the corpus (module doc) of `root`, a directory or a comma-separated list of them
+    (see `corpus_roots`). max_bytes = 0: everything."""
+    roots = dict(corpus_roots(root))
+    files = sorted((f"{label}/{rel}" for label, path in roots.items()
+                    for rel in corpus_files(path, suffix, include_tests)), key=lambda p: (_hash_fraction(p), p))
     held = [f for f in files if _hash_fraction(f) < eval_fraction]
     train = [f for f in files if _hash_fraction(f) >= eval_fraction]
-    train_files, train_texts = _read(root, train, int(max_bytes * (1 - eval_fraction)))
-    eval_files, eval_texts = _read(root, held, int(max_bytes * eval_fraction))
+    train_files, train_texts = _read(roots, train, int(max_bytes * (1 - eval_fraction)))
+    eval_files, eval_texts = _read(roots, held, int(max_bytes * eval_fraction))
+    root = ",".join(f"{label}={path}" for label, path in roots.items())
     if not train_texts or not eval_texts:
         raise ValueError(f"corpus {root!r}: {len(train_texts)} training and {len(eval_texts)} held-out "
                          f"{suffix} files; need at least one of each (raise --corpus_max_bytes or --eval_fraction)")
@@ -109,6 +135,17 @@ def load_corpus(root: str | None = None, eval_fraction: float = 0.02, max_bytes:
 
 
 # ---- tokenizer -----------------------------------------------------------------------------------
+
+def first_bytes(texts, max_bytes: int) -> list[str]:
+    """The leading texts whose UTF-8 sizes sum to at most max_bytes (0: all; at least one text)."""
+    out, total = [], 0
+    for t in texts:
+        total += len(t.encode())
+        if max_bytes and out and total > max_bytes:
+            break
+        out.append(t)
+    return out
+
 
 def train_tokenizer(texts, vocab_size: int) -> Tokenizer:
     """Byte-level BPE with exactly `vocab_size` ids, the special tokens last (module doc)."""
@@ -161,7 +198,8 @@ class Data:
 
 
 def prepare(data_dir: str, *, vocab_size: int | None, tokenizer: Tokenizer | None = None, corpus_dir: str | None = None,
-            eval_fraction: float = 0.02, max_bytes: int = 0, include_tests: bool = True, log=print) -> Data:
+            eval_fraction: float = 0.02, max_bytes: int = 0, include_tests: bool = True, tokenizer_max_bytes: int = 0,
+            log=print) -> Data:
     """The run's tokenizer and token streams, built once into `data_dir` (tokenizer.json,
     train.npy, eval.npy, meta.json) and read back from there on later calls (--resume).
     `tokenizer` given (a checkpoint's): used as is; otherwise one of `vocab_size` ids is trained."""
@@ -176,8 +214,10 @@ def prepare(data_dir: str, *, vocab_size: int | None, tokenizer: Tokenizer | Non
             "include_tests": include_tests}
     log(f"corpus: {meta['corpus']}")
     if tokenizer is None:
-        tokenizer = train_tokenizer(corpus.train_texts, vocab_size)
-        meta["tokenizer"] = f"byte-level BPE trained here, {tokenizer.get_vocab_size()} ids"
+        sample = first_bytes(corpus.train_texts, tokenizer_max_bytes)
+        tokenizer = train_tokenizer(sample, vocab_size)
+        meta["tokenizer"] = (f"byte-level BPE trained here on {len(sample)} of {len(corpus.train_texts)} training "
+                             f"files, {tokenizer.get_vocab_size()} ids")
     else:
         meta["tokenizer"] = f"given, {tokenizer.get_vocab_size()} ids"
     train, held = encode_stream(tokenizer, corpus.train_texts), encode_stream(tokenizer, corpus.eval_texts)

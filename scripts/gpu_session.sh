@@ -6,10 +6,18 @@
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
 #
 # Both end by packing what exists so far into $OUT (results.tgz: logs and JSON; demo_export.tar.*:
-# the trained demo checkpoint in pieces under the transfer limit). Jobs:
+# the trained demo checkpoint in pieces under the transfer limit). The machine goes back 30 s after
+# a call ends: issue the next `wait` call at once. Never `pkill -f` a pattern that the calling
+# command line itself contains (it kills that command; one session lost its jobs so).
+# The server needs wheels the GPU image lacks, carried in .whl (device tool: carry [".whl"]):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
+#     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
+# (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: write the Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1, then
 #          the server load test on that checkpoint (issue 7): MTP K=3, then plain (shorter)
-#   GPU 1: train the demo model (issue 8), then bench it (plain vs MTP on a text prompt)
+#   GPU 1: train the demo model (issue 8), bench it (plain vs MTP on a text prompt), then the
+#          64-layer decode step with both single-row FP8 paths (issue 4)
 #   both:  once both lines ended, the qmtp.bench table at TP2 and a second (cached) TP2 load
 set -u
 R=/tmp/qmtp_run
@@ -17,10 +25,10 @@ SRC=/tmp/qmtp_src
 cmd=${1:-wait}
 limit=${2:-560}
 
-pack() {
+pack() {  # only logs, JSON, plots and metrics: a file back from $OUT may hold 16 MiB at most
   [ -n "${OUT:-}" ] || return 0
-  (cd $R && tar czf "$OUT/results.tgz" --exclude='train/ckpt' --exclude='train/export' --exclude='train/data' \
-     --exclude='*.safetensors' . 2>/dev/null)
+  (cd $R && tar czf "$OUT/results.tgz" $(ls *.log *.json *.png *.txt *.out 2>/dev/null) \
+     $(ls train/*.json train/*.png train/*.jsonl train/best/best.json 2>/dev/null))
   if [ -f $R/train/export/config.json ]; then
     (cd $R/train && tar cf - export | split -b 15000000 - "$OUT/demo_export.tar.")
   fi
@@ -56,13 +64,18 @@ serve() {  # K PORT full|short
     --impl=pallas --mtp_k=$k --batch_slots=8 --rounds_per_call=8 --max_model_len=512 --max_tokens_limit=256 \
     --port=$port --warmup_prompt_lengths=64 --log_level=warning >$R/server_k$k.log 2>&1 &
   local pid=$! t0=$(date +%s)
+  # wait for /health; give up at once if the server process has died (e.g. a missing package)
   timeout 300 python3 -c "
-import time, httpx
+import os, sys, time, httpx
 while True:
+    try:
+        os.kill($pid, 0)
+    except OSError:
+        sys.exit(1)
     try:
         if httpx.get('http://127.0.0.1:$port/health', timeout=1).status_code == 200: break
     except httpx.HTTPError: pass
-    time.sleep(1)" || { echo "server K=$k did not come up" >>$R/server_k$k.log; kill $pid; return; }
+    time.sleep(1)" || { echo "server K=$k did not come up" >>$R/server_k$k.log; kill $pid 2>/dev/null; return; }
   echo "server K=$k up after $(( $(date +%s) - t0 )) s (load + compile)" >>$R/jobs.log
   job load_k${k} 150 python3 scripts/load_test.py --url=http://127.0.0.1:$port --requests=128 --concurrency=8 \
     --prompt_tokens=33,64 --max_tokens=64 --output_json=$R/load_k$k.json
@@ -80,12 +93,19 @@ gpu1() {
   export CUDA_VISIBLE_DEVICES=1
   job train_demo 600 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
   if [ -f $R/train/export/config.json ]; then
+    # float32: do MTP and plain agree token for token there too (bf16 verify rounds differently)?
+    job demo_bench_pallas_f32 200 python3 -m qmtp.bench --checkpoint=$R/train/export --engine=pallas \
+      --dtype=float32 --ks=1,3 --profile= --breakdown=false --max_new_tokens=256 --repeats=2 \
+      --prompt_text='def fibonacci(' --out=$R/demo_bench_pallas_f32.json
     for engine in pallas ref; do
       job demo_bench_$engine 200 python3 -m qmtp.bench --checkpoint=$R/train/export --engine=$engine \
         --dtype=bfloat16 --ks=1,2,3,4 --profile= --breakdown=false --max_new_tokens=256 --repeats=3 \
         --prompt_text='def fibonacci(' --out=$R/demo_bench_$engine.json
     done
   fi
+  # issue 4: the 64-layer step with the single-row FP8 path both ways (verify at 4 rows beat 1 row)
+  job bench_step 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1dot \
+    --out=$R/bench_step.json
   touch $R/gpu1.done
 }
 
@@ -109,6 +129,7 @@ case $cmd in
     cd $SRC || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || echo "server wheels missing: the server jobs will fail" >>$R/jobs.log
+    PYTHONPATH=/tmp/site python3 -c "import fastapi, uvicorn" 2>>$R/jobs.log || echo "server imports fail" >>$R/jobs.log
     export PYTHONPATH=/tmp/site:$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader >$R/gpus.txt
     setsid bash -c "$(declare -f job serve gpu0); R=$R; gpu0" </dev/null >$R/gpu0.out 2>&1 &

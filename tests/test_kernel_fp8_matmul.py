@@ -178,7 +178,7 @@ CONFIGS = {  # name: (config, rows)
     "decode_fma_bo16": (DecodeConfig(block_o=16, use_dot=False), [1]),
     "decode_fma_bo128": (DecodeConfig(block_o=128, use_dot=False, split_k=2), [1]),
     "decode_dot_one_row": (DecodeConfig(use_dot=True), [1]),
-    "decode_noswap_bo32": (DecodeConfig(block_o=32, swap_ab=False), [2, 16]),
+    "decode_noswap_bo32": (DecodeConfig(block_o=32, swap_ab=False), [1, 2, 16]),
     "decode_split2_bo128": (DecodeConfig(block_o=128, split_k=2), [5]),
     "decode_split3_bo16": (DecodeConfig(block_o=16, split_k=3), [3]),  # uneven chunk runs
     "decode_split8": (DecodeConfig(split_k=8), [4]),  # more splits than chunks: clipped
@@ -350,6 +350,14 @@ def test_decode_config_rejects_many_rows():
     with pytest.raises(ValueError, match=r"DecodeConfig is for M <= 16 rows, got M=17"):
         fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(scale), interpret=True,
                       config=DecodeConfig())
+
+
+def test_single_row_path_switch(monkeypatch):
+    """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1dot)."""
+    assert not fm.decode_config(1, 17408, 5120).use_dot
+    monkeypatch.setattr(fm, "M1_CUDA_CORE", False)
+    assert fm.decode_config(1, 17408, 5120) == fm.decode_config(1, 17408, 5120)
+    assert fm.decode_config(1, 17408, 5120).use_dot and fm.decode_config(1, 17408, 5120).block_o == 64
 
 
 # ------------------------------------------------------------------------------------------------

@@ -86,9 +86,13 @@ def test_few_steps_lower_both_losses_on_a_fixed_batch(run_a):
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(run_a, tmp_path):
     out = str(tmp_path / "b")
-    _train(f"--out_dir={out}", "--stop_at_step=4")
+    _train(f"--out_dir={out}", "--stop_at_step=4", "--export_best")
     assert not os.path.exists(os.path.join(out, "export"))
-    _train(f"--out_dir={out}", "--resume", "--final_eval_windows=0")
+    with open(os.path.join(out, "best", "best.json")) as f:
+        assert json.load(f)["step"] == 0  # the only evaluation before the stop
+    _train(f"--out_dir={out}", "--resume", "--final_eval_windows=0", "--export_best")
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["export"]["step"] == 8  # the loss fell: the last evaluation is the best
     *_, params_a, opt_a, step_a = _restore(run_a)
     *_, params_b, opt_b, step_b = _restore(out)
     assert step_a == step_b == 8
@@ -168,3 +172,35 @@ def test_train_mtp_only_changes_only_the_mtp_tensors(tmp_path):
     train_rows = [r for r in _rows(out) if r["kind"] == "train"]  # batches drawn from the same 4 continuations
     assert train_rows[-1]["mtp"] < train_rows[0]["mtp"] - 0.2
     assert train_rows[-1]["loss"] == train_rows[-1]["mtp"]  # the frozen target's loss is not optimized
+
+
+def test_best_keeps_the_lowest_held_out_loss_across_a_resume(tmp_path):
+    run = str(tmp_path / "run")
+    like = {"w": jnp.zeros((3,), jnp.float32)}
+    best = train._Best(run, like, resume=False)
+    for step, loss in ((0, 5.0), (10, 2.0), (20, 2.5)):
+        best.offer({"step": step, "kind": "eval", "loss": loss}, {"w": jnp.full((3,), float(step))})
+    assert (best.step, best.loss) == (10, 2.0) and np.array_equal(best.params["w"], np.full(3, 10.0))
+    best.close()
+    again = train._Best(run, like, resume=True)
+    assert (again.step, again.loss) == (10, 2.0) and np.array_equal(again.params["w"], np.full(3, 10.0))
+    again.offer({"step": 30, "kind": "eval", "loss": 1.0}, {"w": jnp.full((3,), 30.0)})
+    assert again.step == 30
+    again.close()
+    assert train._Best(run, like, resume=False).step is None  # a fresh run starts without a best
+
+
+def test_corpus_from_several_directories(tmp_path):
+    extra = tmp_path / "extra"
+    (extra / "pkg").mkdir(parents=True)
+    for i in range(40):
+        (extra / "pkg" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    roots = train_data.corpus_roots(f"stdlib,{extra}")
+    assert [label for label, _ in roots] == ["stdlib", "dir1"] and roots[1][1] == str(extra)
+    corpus = train_data.load_corpus(f"stdlib,{extra}", eval_fraction=0.1, max_bytes=400_000)
+    names = corpus.train_files + corpus.eval_files
+    assert any(n.startswith("dir1/pkg/m") for n in names) and any(n.startswith("stdlib/") for n in names)
+    assert not set(corpus.train_files) & set(corpus.eval_files)
+    with pytest.raises(ValueError, match="nowhere"):
+        train_data.corpus_roots(f"stdlib,{tmp_path / 'nowhere'}")
+    assert len(train_data.first_bytes(["ab", "cd", "ef"], 4)) == 2 and len(train_data.first_bytes(["abc"], 1)) == 1

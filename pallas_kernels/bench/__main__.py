@@ -36,7 +36,8 @@ flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill 
 flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
-                  "step: implementations to time (pallas_separate: Pallas with one kernel launch per projection).")
+                  "step: implementations to time (pallas_separate: Pallas with one kernel launch per projection; "
+                  "pallas_m1dot: the FP8 tensor-core configuration for single rows too).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 FLAGS = flags.FLAGS
 

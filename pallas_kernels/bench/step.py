@@ -1,6 +1,7 @@
 """The whole target decode step at the Qwen3.5-27B shapes: impl="pallas" vs impl="ref", batch 1
 and the Pallas path with one kernel launch per projection ("pallas_separate": what
-`qmtp.ops.linear_many`'s shared launch saves).
+`qmtp.ops.linear_many`'s shared launch saves) or with the FP8 tensor-core configuration for the
+single row too ("pallas_m1dot", see fp8_matmul.M1_CUDA_CORE).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
@@ -23,8 +24,8 @@ import time
 import numpy as np
 
 
-# name -> ops.SHARED_PROJECTION_LAUNCH for impl="pallas"
-VARIANTS = {"pallas": True, "pallas_separate": False}
+# name -> (ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE) for impl="pallas"
+VARIANTS = {"pallas": (True, True), "pallas_separate": (False, True), "pallas_m1dot": (True, False)}
 
 
 @functools.partial(__import__("jax").jit, static_argnums=(1, 2, 3))
@@ -72,6 +73,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
 
     from qmtp import config as qc
+    from pallas_kernels import fp8_matmul
     from qmtp import bench_report, decode, ops
     from qmtp.state import init_state
     from qmtp.tools import make_checkpoint
@@ -98,7 +100,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         # variants of impl="pallas" with one of qmtp.ops' measured policies off (VARIANTS);
         # jax.clear_caches() so the loop is traced again under the setting
         impl = "ref" if name == "ref" else "pallas"
-        ops.SHARED_PROJECTION_LAUNCH = VARIANTS.get(name, True)
+        ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE = VARIANTS.get(name, (True, True))
         jax.clear_caches()
         row = {"kernel": "decode_step", "case": case, "impl": name, "preset": preset,
                "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,
@@ -125,4 +127,4 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         except Exception as e:
             row["error"] = repr(e)[:1000]
         emit(row)
-    ops.SHARED_PROJECTION_LAUNCH = True
+    ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE = True, True
