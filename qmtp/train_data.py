@@ -6,8 +6,9 @@ present on every machine, no download); `site-packages` names the interpreter's 
 (`purelib`), which on a machine with a large Python stack is many times the standard library. Below
 each directory, site-packages / dist-packages / __pycache__ subdirectories are skipped. A file is
 named `<directory label>/<relative path>`; files are ordered by sha256(name), a deterministic
-shuffle; a file is held out for evaluation iff that hash, as a fraction in [0, 1), is below
-`eval_fraction`. Files that are not UTF-8 are skipped. `max_bytes` caps the text read
+shuffle. Held out for evaluation: whole top-level packages (and top-level modules), those whose
+sha256(`<label>/<first path component>`), as a fraction in [0, 1), is below `eval_fraction`, so
+that near-copies inside one package (common in installed packages) cannot leak across the split. Files that are not UTF-8 are skipped. `max_bytes` caps the text read
 (train gets (1 - eval_fraction) of it, eval the rest): files are taken in hash order, skipping any
 that would overshoot the cap.
 
@@ -71,6 +72,11 @@ def _hash_fraction(relpath: str) -> float:
     return int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:8], "big") / 2.0**64
 
 
+def _holdout_hash(name: str) -> float:
+    """The split key of a corpus file `label/top/...`: the hash of `label/top` (module doc)."""
+    return _hash_fraction("/".join(name.split("/")[:2]))
+
+
 def corpus_files(root: str, suffix: str = ".py", include_tests: bool = True) -> list[str]:
     """Relative paths of the corpus files under `root`, in hash order (module doc)."""
     out = []
@@ -123,8 +129,8 @@ def load_corpus(root: str | None = None, eval_fraction: float = 0.02, max_bytes:
     roots = dict(corpus_roots(root))
     files = sorted((f"{label}/{rel}" for label, path in roots.items()
                     for rel in corpus_files(path, suffix, include_tests)), key=lambda p: (_hash_fraction(p), p))
-    held = [f for f in files if _hash_fraction(f) < eval_fraction]
-    train = [f for f in files if _hash_fraction(f) >= eval_fraction]
+    held = [f for f in files if _holdout_hash(f) < eval_fraction]
+    train = [f for f in files if _holdout_hash(f) >= eval_fraction]
     train_files, train_texts = _read(roots, train, int(max_bytes * (1 - eval_fraction)))
     eval_files, eval_texts = _read(roots, held, int(max_bytes * eval_fraction))
     root = ",".join(f"{label}={path}" for label, path in roots.items())

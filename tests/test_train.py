@@ -204,3 +204,9 @@ def test_corpus_from_several_directories(tmp_path):
     with pytest.raises(ValueError, match="nowhere"):
         train_data.corpus_roots(f"stdlib,{tmp_path / 'nowhere'}")
     assert len(train_data.first_bytes(["ab", "cd", "ef"], 4)) == 2 and len(train_data.first_bytes(["abc"], 1)) == 1
+
+
+def test_held_out_split_keeps_packages_whole():
+    corpus = train_data.load_corpus(eval_fraction=0.1, max_bytes=2_000_000)
+    top = lambda names: {"/".join(n.split("/")[:2]) for n in names if n.count("/") >= 2}
+    assert corpus.eval_files and not top(corpus.train_files) & top(corpus.eval_files)
