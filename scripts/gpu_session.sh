@@ -60,8 +60,8 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
 
 serve() {  # K PORT full|short
   local k=$1 port=$2 how=$3
-  python3 -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --served_model_name=q27 --dtype=bfloat16 \
-    --impl=pallas --mtp_k=$k --batch_slots=8 --rounds_per_call=8 --max_model_len=512 --max_tokens_limit=256 \
+  python3 -m qmtp.server --checkpoint=${SERVE_CKPT:-preset:qwen3_5_27b_controlled:fp8} --served_model_name=q27 \
+    --dtype=${SERVE_DTYPE:-bfloat16} --impl=${SERVE_IMPL:-pallas} --mtp_k=$k --batch_slots=8 --rounds_per_call=8 --max_model_len=512 --max_tokens_limit=256 \
     --port=$port --warmup_prompt_lengths=64 --log_level=warning >$R/server_k$k.log 2>&1 &
   local pid=$! t0=$(date +%s)
   # wait for /health; give up at once if the server process has died (e.g. a missing package)
@@ -142,5 +142,10 @@ case $cmd in
     cat $R/jobs.log
     pack
     ;;
-  *) echo "usage: $0 start|wait [SECONDS]"; exit 2 ;;
+  serve_check)  # the server job on this machine (CPU: tiny preset), to check the script itself
+    R=/tmp/qmtp_serve_check; rm -rf $R; mkdir -p $R
+    SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
+    cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
+    ;;
+  *) echo "usage: $0 start|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac
