@@ -10,6 +10,8 @@ Model code never imports `pallas_kernels` directly.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,10 @@ SHARED_PROJECTION_LAUNCH = True
 # and verify (T <= K+1). Prefill (long T) uses the reference until a prefill attention kernel exists
 # (measured: a 64-token prefill asked for 384 KiB of shared memory at D = 256).
 PAGED_ATTENTION_MAX_QUERIES = 8
+# FP8 projections of at least this many rows (prefill of long prompts) dequantize the weight once and
+# use XLA's dot (fp8_matmul.fp8_matmul_dequant_dot: ~2.7x the Pallas GEMM's TFLOP/s at M = 1024);
+# fewer rows stream the FP8 weight through the Pallas kernels. 0 disables it (bench comparisons).
+DEQUANT_DOT_MIN_ROWS = 1024
 
 
 def check_impl(impl: str) -> None:
@@ -42,6 +48,9 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
     check_impl(impl)
     out_dtype = out_dtype or x.dtype
     if isinstance(w, Fp8Block):
+        rows = math.prod(x.shape[:-1])
+        if impl == "pallas" and DEQUANT_DOT_MIN_ROWS and rows >= DEQUANT_DOT_MIN_ROWS:
+            return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype)
         if impl == "pallas":
             return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)

@@ -352,6 +352,49 @@ def test_decode_config_rejects_many_rows():
                       config=DecodeConfig())
 
 
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_dequant_dot_is_exact_on_exact_problems(x_dtype):
+    rng = np.random.default_rng(3)
+    x, wq, scale = exact_problem(rng, 40, 300, 257)  # ragged O and I
+    got = fm.fp8_matmul_dequant_dot(jnp.asarray(x, x_dtype), jnp.asarray(wq), jnp.asarray(scale),
+                                    out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), f64_formula(x, wq, scale))
+
+
+def test_dequant_dot_error_is_one_bf16_rounding_per_weight():
+    """Random E4M3 weights times non-power-of-two scales: W rounds once to bf16 (relative 2^-9),
+    so |y - y_f64| <= 2^-9 sum_i |x_i w_i| (+ the f32 accumulation's share)."""
+    rng = np.random.default_rng(4)
+    m, o, i = 20, 256, 384
+    x = rng.standard_normal((m, i)).astype(np.float32).astype(jnp.bfloat16).astype(np.float32)
+    wq = (rng.standard_normal((o, i)) * 4).astype(np.float32).astype(E4M3)
+    scale = rng.uniform(0.01, 0.1, (2, 3)).astype(np.float32)
+    got = np.asarray(fm.fp8_matmul_dequant_dot(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(scale),
+                                               out_dtype=jnp.float32), np.float64)
+    want = f64_formula(x, wq, scale)
+    w64 = np.asarray(fm.dequantize_ref(jnp.asarray(wq), jnp.asarray(scale)), np.float64)
+    bound = 2.0**-9 * np.abs(x.astype(np.float64)) @ np.abs(w64).T * (1 + 1e-3) + 1e-6
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.max(np.abs(got - want)) > 0  # the rounding is real: the check above is not vacuous
+
+
+def test_linear_sends_many_rows_to_dequant_dot(monkeypatch):
+    from qmtp import ops
+    from qmtp.fp8 import Fp8Block
+    rng = np.random.default_rng(5)
+    x, wq, scale = exact_problem(rng, 6, 130, 129)
+    w = Fp8Block(jnp.asarray(wq), jnp.asarray(scale))
+    calls = []
+    real = fm.fp8_matmul_dequant_dot
+    monkeypatch.setattr(fm, "fp8_matmul_dequant_dot", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(ops, "DEQUANT_DOT_MIN_ROWS", 6)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ops.linear(xb, w, "pallas", jnp.float32)), f64_formula(x, wq, scale))
+    ops.linear(xb[:5], w, "pallas")  # 5 rows: the Pallas kernel
+    ops.linear(xb, w, "ref")  # the reference never switches
+    assert calls == [(6, 129)]
+
+
 def test_single_row_path_switch(monkeypatch):
     """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1dot)."""
     assert not fm.decode_config(1, 17408, 5120).use_dot

@@ -10,7 +10,8 @@ from the model's own parameter declarations) and every row count M:
   - prefill rows (>= 1024): TFLOP/s = 2 M O I / time, against XLA's bf16 matmul on the same shape
     (weights pre-dequantized to bf16: the best XLA can do) and XLA's dequantize-then-matmul.
 impl: pallas (default config, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
-einsum), xla_bf16 (bf16 weights, plain einsum). rel_err: max |y - y_ref| / max |y_ref| of the
+einsum), xla_bf16 (bf16 weights, plain einsum), dequant_dot (prefill rows only: a materialized bf16
+dequantize, then XLA's dot, fp8_matmul_dequant_dot). rel_err: max |y - y_ref| / max |y_ref| of the
 first output. A per-step aggregate weights each shape by its count in a decode step.
 """
 
@@ -86,6 +87,17 @@ def loop_program(matmul, reps: int, full_sum: bool):
     return prog
 
 
+def _pinned_dequantize(matmul):
+    """matmul with the scale tied to x (times 1 + 0 * x[0, 0]: the same values), so the dequantize
+    of a loop-invariant weight cannot be hoisted out of the timing loop by XLA."""
+    import jax.numpy as jnp
+
+    def mm(x, w, s):
+        return matmul(x, w, s * (1.0 + 0.0 * x.reshape(-1)[0].astype(jnp.float32)))
+
+    return mm
+
+
 def candidate_configs(m: int) -> list:
     """Tile configs the sweep tries besides the default (compile time: a few seconds each)."""
     from pallas_kernels.fp8_matmul import FMA_MAX_ROWS, DecodeConfig, PrefillConfig
@@ -136,6 +148,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             runs = [("pallas", None)] + ([("pallas", c) for c in candidate_configs(m)] if sweep else [])
             if xla:
                 runs += [("xla", None), ("xla_bf16", None)]
+            if m > fm.DECODE_MAX_ROWS:
+                runs += [("dequant_dot", None)]  # what qmtp.ops uses from DEQUANT_DOT_MIN_ROWS rows
             for impl, config in runs:
                 row = {"kernel": "fp8_matmul", "case": f"{o}x{i} M={m}", "o": o, "i": i, "m": m, "impl": impl,
                        "tensors": sorted(set(keys)), "count_per_step": len(keys), "n_weights": n}
@@ -145,9 +159,9 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         row.update(config=repr(cfg), default=config is None)
                         mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret)
                         prog, args = loop_program(mm, reps, False), (x, ws, ss)
-                    elif impl == "xla":
-                        mm = fm.fp8_matmul_ref
-                        prog, args = loop_program(mm, reps, True), (x, ws, ss)
+                    elif impl in ("xla", "dequant_dot"):
+                        mm = fm.fp8_matmul_ref if impl == "xla" else fm.fp8_matmul_dequant_dot
+                        prog, args = loop_program(_pinned_dequantize(mm), reps, True), (x, ws, ss)
                     else:
                         if bf16 is None:
                             deq = jax.jit(lambda w, s: fm.dequantize_ref(w, s, jnp.bfloat16))
