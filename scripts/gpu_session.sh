@@ -17,7 +17,7 @@
 #   GPU 0: write the Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1, then
 #          the server load test on that checkpoint (issue 7): MTP K=3, then plain (shorter)
 #   GPU 1: train the demo model (issue 8), bench it (plain vs MTP on a text prompt), then the
-#          64-layer decode step with both single-row FP8 paths (issue 4)
+#          64-layer decode step with both single-row FP8 paths and the FP8 matmul rows (issue 4)
 #   both:  once both lines ended, the qmtp.bench table at TP2 and a second (cached) TP2 load
 set -u
 R=/tmp/qmtp_run
@@ -106,6 +106,9 @@ gpu1() {
   # issue 4: the 64-layer step with the single-row FP8 path both ways (verify at 4 rows beat 1 row)
   job bench_step 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1dot \
     --out=$R/bench_step.json
+  # issue 4: FP8 matmul at 1 / 4 rows and the prefill paths (Pallas GEMM, XLA bf16, dequant_dot) at 1024 rows
+  job bench_fp8 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms=1024 \
+    --out=$R/bench_fp8.json
   touch $R/gpu1.done
 }
 
