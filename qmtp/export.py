@@ -256,9 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         fv(argv)
         if not fv.run_dir or not fv.out:
             raise ValueError("--run_dir and --out are required")
-        from qmtp import train
-        path = train.export_run(fv.run_dir, fv.out, step=fv.step, dtype=fv.dtype,
-                                max_shard_bytes=parse_size(fv.max_shard_bytes), overwrite=fv.overwrite)
+        from qmtp import train_checkpoints
+        path = train_checkpoints.export_run(fv.run_dir, fv.out, step=fv.step, dtype=fv.dtype,
+                                            max_shard_bytes=parse_size(fv.max_shard_bytes), overwrite=fv.overwrite)
     except (flags.Error, ValueError, FileExistsError) as e:
         print(f"export: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

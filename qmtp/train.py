@@ -50,8 +50,9 @@ import optax
 
 from qmtp import train_data, train_loss
 from qmtp.fp8 import Fp8Block, dequantize_np
+from qmtp.train_checkpoints import CKPT_DIR, DATA_DIR, Best, manager, restore
+from qmtp.train_report import Progress, plot_curves, read_metrics
 
-CKPT_DIR, DATA_DIR, BEST_DIR = "checkpoints", "data", "best"
 # flags that may differ between a run and its --resume (everything else must match)
 RESUME_FREE = {"out_dir", "resume", "stop_at_step", "export_dir", "export_dtype", "export_max_shard_bytes", "final_eval_windows",
                "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "flagfile"}
@@ -185,59 +186,10 @@ def eval_step(cfg, hp: Hyper, trainable, frozen, tokens, mtp_mask):
                              mtp_only=hp.mtp_only)[1]
 
 
-# ---- orbax ------------------------------------------------------------------------------------------
-
-def _manager(run_dir: str, keep: int = 2, sub: str = CKPT_DIR):
-    import orbax.checkpoint as ocp
-    return ocp, ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, sub)),
-                                      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                                           enable_async_checkpointing=False))
-
-
-def restore(run_dir: str, target: dict, step: int | None = None) -> dict:
-    """{"params", "opt_state", "step"} of the checkpoint `step` (default latest), shaped like `target`."""
-    ocp, mngr = _manager(run_dir)
-    step = mngr.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"{run_dir}: no orbax checkpoint under {CKPT_DIR}/")
-    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
-    out = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-    mngr.close()
-    return out
-
-
 # ---- the run ------------------------------------------------------------------------------------------
 
 def _log(msg: str) -> None:
     print(f"train: {msg}", file=sys.stderr, flush=True)
-
-
-def _fmt_time(s: float) -> str:
-    s = int(max(s, 0))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-class Progress:
-    """One stderr line: step, losses, MTP acceptance, tokens/s, elapsed and ETA (a redrawn line on a tty)."""
-
-    def __init__(self, total: int, start: int):
-        self.total, self.start, self.t0 = total, start, time.monotonic()
-        self.tty = sys.stderr.isatty()
-
-    def show(self, step: int, m: dict, tok_s: float) -> None:
-        elapsed = time.monotonic() - self.t0
-        eta = elapsed / max(step - self.start, 1) * (self.total - step)
-        width = len(str(self.total))
-        line = (f"step {step:>{width}}/{self.total} {100 * step / self.total:5.1f}% | loss {m['loss']:.4f} "
-                f"(main {m['main']:.4f}, mtp {m['mtp']:.4f}) | accept {m['accept']:.3f} | "
-                f"{f'{tok_s:,.0f}' if tok_s else '-'} tok/s | "
-                f"{_fmt_time(elapsed)} elapsed, ETA {_fmt_time(eta)}")
-        print(("\r" + line + "\033[K") if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
-              flush=True)
-
-    def newline(self) -> None:
-        if self.tty:
-            print(file=sys.stderr, flush=True)
 
 
 def _model_config(fv) -> dict:
@@ -338,40 +290,6 @@ def _evaluate(cfg, hp, setup, trainable, evals) -> dict:
     return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
 
 
-def _read_metrics(path: str, upto: int) -> list[dict]:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["step"] <= upto]
-
-
-def plot_curves(rows: list[dict], path: str) -> None:
-    """Target and MTP loss (train and held-out) and held-out MTP acceptance against the step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for kind, style in (("train", "-"), ("eval", "o--")):
-        r = [x for x in rows if x["kind"] == kind]
-        if r:
-            steps = [x["step"] for x in r]
-            ax.plot(steps, [x["main"] for x in r], style, label=f"target (next token), {kind}", color="C0",
-                    alpha=0.8 if kind == "train" else 1.0)
-            ax.plot(steps, [x["mtp"] for x in r], style, label=f"MTP (token after next), {kind}", color="C1",
-                    alpha=0.8 if kind == "train" else 1.0)
-            ax2.plot(steps, [x["accept"] for x in r], style, label=kind, color="C2" if kind == "eval" else "C7")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title="losses")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax2.set(xlabel="step", ylabel="share", title="teacher-forced first-draft acceptance", ylim=(0, 1))
-    ax2.grid(alpha=0.3)
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
 
@@ -423,16 +341,16 @@ def run(fv) -> dict:
          f"{n_params:,} trained parameters ({'MTP head only' if hp.mtp_only else 'target + MTP'})")
 
     trainable, opt_state, step = setup.trainable, hp.optimizer().init(setup.trainable), 0
-    ocp, mngr = _manager(out, fv.keep_checkpoints)
+    ocp, mngr = manager(out, fv.keep_checkpoints)
     if fv.resume and mngr.latest_step() is not None:
         got = restore(out, {"params": trainable, "opt_state": opt_state, "step": jnp.int32(0)})
         trainable, opt_state, step = got["params"], got["opt_state"], int(got["step"])
         _log(f"resumed from step {step}")
-    best = _Best(out, trainable, fv.resume) if fv.export_best else None
+    best = Best(out, trainable, fv.resume) if fv.export_best else None
     pool = _self_distill_pool(fv, setup, _log) if fv.mtp_data == "self_distill" else None
     batch, evals = _batches(fv, setup, pool)
     metrics_path = os.path.join(out, "metrics.jsonl")
-    rows = _read_metrics(metrics_path, step)
+    rows = read_metrics(metrics_path, step)
     with open(metrics_path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
@@ -513,35 +431,6 @@ def run(fv) -> dict:
     return summary
 
 
-class _Best:
-    """Early stopping: the parameters of the evaluation with the lowest held-out loss, as a host
-    copy and as an orbax checkpoint under OUT_DIR/best (so --resume keeps it); best.json holds
-    its step and loss."""
-
-    def __init__(self, run_dir: str, like: dict, resume: bool):
-        self.ocp, self.mngr = _manager(run_dir, 1, BEST_DIR)
-        self.meta_path = os.path.join(run_dir, BEST_DIR, "best.json")
-        self.step, self.loss, self.params = None, float("inf"), None
-        if resume and os.path.isfile(self.meta_path) and self.mngr.latest_step() is not None:
-            with open(self.meta_path) as f:
-                meta = json.load(f)
-            abstract = jax.tree_util.tree_map(self.ocp.utils.to_shape_dtype_struct, {"params": like})
-            got = self.mngr.restore(self.mngr.latest_step(), args=self.ocp.args.StandardRestore(abstract))
-            self.step, self.loss, self.params = meta["step"], meta["loss"], jax.device_get(got["params"])
-
-    def offer(self, row: dict, params) -> None:
-        if not row["loss"] < self.loss:
-            return
-        self.step, self.loss, self.params = row["step"], row["loss"], jax.device_get(params)
-        self.mngr.save(self.step, args=self.ocp.args.StandardSave({"params": params}), force=True)
-        self.mngr.wait_until_finished()
-        with open(self.meta_path, "w") as f:
-            json.dump({"step": self.step, "loss": self.loss}, f)
-
-    def close(self) -> None:
-        self.mngr.close()
-
-
 def _export(setup: Setup, trainable: dict, export_dir: str, dtype: str, max_shard_bytes: int, fv) -> str:
     from qmtp import export
     host = jax.device_get(trainable)
@@ -549,32 +438,6 @@ def _export(setup: Setup, trainable: dict, export_dir: str, dtype: str, max_shar
         return export.write_back_mtp(fv.init_checkpoint, export_dir, setup.cfg, host["mtp"], overwrite=True)
     return export.export_checkpoint(export_dir, setup.config, host, setup.data.tokenizer, dtype, max_shard_bytes,
                                     overwrite=True)
-
-
-def export_run(run_dir: str, out: str, step: int | None = None, dtype: str = "bf16",
-               max_shard_bytes: int = 14 * 10**6, overwrite: bool = False) -> str:
-    """Exports checkpoint `step` (default latest) of a run directory (`python -m qmtp.export`)."""
-    from qmtp import checkpoint, config as qconfig, export
-    with open(os.path.join(run_dir, "run_config.json")) as f:
-        rc = json.load(f)
-    tokenizer = train_data.prepare(os.path.join(run_dir, DATA_DIR), vocab_size=None).tokenizer
-    hp = Hyper(rc["steps"], rc["learning_rate"], rc["warmup_steps"], rc["min_lr_ratio"], rc["weight_decay"],
-               rc["grad_clip"], rc["adam_b1"], rc["adam_b2"], rc["mtp_loss_weight"], rc["compute_dtype"],
-               rc["train_mtp_only"])
-    if rc["train_mtp_only"]:
-        cfg, params = checkpoint.load(rc["init_checkpoint"], dtype=rc["compute_dtype"], progress=False)
-        trainable = {"mtp": _float_tree(params["mtp"])}
-    else:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
-        cfg = qconfig.from_dict(config, source=run_dir)
-        trainable = jax.tree_util.tree_map(jnp.asarray, train_loss.init_params(cfg, 0))
-    got = restore(run_dir, {"params": trainable, "opt_state": hp.optimizer().init(trainable), "step": jnp.int32(0)},
-                  step)
-    host = jax.device_get(got["params"])
-    if rc["train_mtp_only"]:
-        return export.write_back_mtp(rc["init_checkpoint"], out, cfg, host["mtp"], overwrite=overwrite)
-    return export.export_checkpoint(out, config, host, tokenizer, dtype, max_shard_bytes, overwrite=overwrite)
 
 
 # ---- command line -------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qmtp import api, checkpoint, export, train, train_data, train_loss
+from qmtp import api, checkpoint, export, train, train_checkpoints, train_data, train_loss
 from qmtp import config as qconfig
 from qmtp.params import tensor_table
 from qmtp.tools import make_checkpoint
@@ -44,7 +44,8 @@ def _restore(run_dir: str):
     hp = train.Hyper(rc["steps"], rc["learning_rate"], rc["warmup_steps"], rc["min_lr_ratio"], rc["weight_decay"],
                      rc["grad_clip"], rc["adam_b1"], rc["adam_b2"], rc["mtp_loss_weight"], rc["compute_dtype"], False)
     fresh = jax.tree_util.tree_map(jnp.asarray, train_loss.init_params(cfg, 0))
-    got = train.restore(run_dir, {"params": fresh, "opt_state": hp.optimizer().init(fresh), "step": jnp.int32(0)})
+    got = train_checkpoints.restore(run_dir, {"params": fresh, "opt_state": hp.optimizer().init(fresh),
+                                              "step": jnp.int32(0)})
     return cfg, config, got["params"], got["opt_state"], int(got["step"])
 
 
@@ -177,17 +178,17 @@ def test_train_mtp_only_changes_only_the_mtp_tensors(tmp_path):
 def test_best_keeps_the_lowest_held_out_loss_across_a_resume(tmp_path):
     run = str(tmp_path / "run")
     like = {"w": jnp.zeros((3,), jnp.float32)}
-    best = train._Best(run, like, resume=False)
+    best = train_checkpoints.Best(run, like, resume=False)
     for step, loss in ((0, 5.0), (10, 2.0), (20, 2.5)):
         best.offer({"step": step, "kind": "eval", "loss": loss}, {"w": jnp.full((3,), float(step))})
     assert (best.step, best.loss) == (10, 2.0) and np.array_equal(best.params["w"], np.full(3, 10.0))
     best.close()
-    again = train._Best(run, like, resume=True)
+    again = train_checkpoints.Best(run, like, resume=True)
     assert (again.step, again.loss) == (10, 2.0) and np.array_equal(again.params["w"], np.full(3, 10.0))
     again.offer({"step": 30, "kind": "eval", "loss": 1.0}, {"w": jnp.full((3,), 30.0)})
     assert again.step == 30
     again.close()
-    assert train._Best(run, like, resume=False).step is None  # a fresh run starts without a best
+    assert train_checkpoints.Best(run, like, resume=False).step is None  # a fresh run starts without a best
 
 
 def test_corpus_from_several_directories(tmp_path):
