@@ -12,8 +12,10 @@ page pool, and the `decode.Slots` carry. Each iteration (a "scheduling point"):
   3. runs `rounds_per_call` MTP rounds (`speculate.spec_rounds`) or plain steps
      (`decode.greedy_steps`) over all slots; done or empty slots ride along and write nothing;
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
-Compiled programs: one loop, one prefill per prompt bucket (powers of two >= 16, as qmtp.generate),
-one snapshot copy per page-count bucket: slot indices and page rows are traced values.
+Compiled programs: one loop; per prompt bucket (powers of two >= 16, as qmtp.generate) a prefill of
+one prompt and one of `prefill_batch` prompts (requests of one bucket admitted at one scheduling
+point share a pass: the weights are read once for all of them); one snapshot copy per page-count
+bucket: slot indices and page rows are traced values.
 
 Release exactly once: a slot's record lives in `_active` from admission until `_release` pops it;
 the pop is the only place that returns pages (PageAllocator.release raises on a second release) and
@@ -21,8 +23,8 @@ the slot, so a request that finishes, is cancelled, stopped by a string, or abor
 A slot released while still live on the device is marked done there (`slots.retire`) before any
 other device call, so its old pages are never written again.
 
-Tokens equal qmtp.generate's for the same prompt: the same prefill (batch 1, the same bucket) and the
-same loop body (steps and rounds are shared functions); only the batch composition differs, which
+Tokens equal qmtp.generate's for the same prompt: the same prefill (the same bucket) and the same
+loop body (steps and rounds are shared functions); only the batch composition differs, which
 greedy decoding does not see (float32; the bf16 rule is in WORKSPACE.md).
 
 Shutdown: `shutdown(timeout)` stops admission, aborts queued requests (finish "abort"), lets active
@@ -64,6 +66,8 @@ class EngineConfig:
     max_stop_ids: int = 8  # stop token ids per request (device-side, NS)
     snapshot_budget_bytes: int = 0  # exact-prompt snapshots; 0 = off
     stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
+    prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
+    max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
 
     def validate(self) -> None:
         checks = [(self.batch_slots >= 1, f"--batch_slots={self.batch_slots} must be >= 1"),
@@ -73,7 +77,9 @@ class EngineConfig:
                   (self.num_pages >= 0, f"--num_pages={self.num_pages} must be >= 0"),
                   (self.max_queue >= 1, f"--max_queue={self.max_queue} must be >= 1"),
                   (self.max_stop_ids >= 1, f"--max_stop_ids={self.max_stop_ids} must be >= 1"),
-                  (self.snapshot_budget_bytes >= 0, f"--snapshot_budget_bytes={self.snapshot_budget_bytes} < 0")]
+                  (self.snapshot_budget_bytes >= 0, f"--snapshot_budget_bytes={self.snapshot_budget_bytes} < 0"),
+                  (self.prefill_batch >= 1, f"--prefill_batch={self.prefill_batch} must be >= 1"),
+                  (self.max_prefill_tokens >= 1, f"--max_prefill_tokens={self.max_prefill_tokens} must be >= 1")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -234,10 +240,14 @@ class Engine:
             raise RuntimeError("warmup() must run before start()")
         t0 = time.perf_counter()
         for n in prompt_lengths:
-            handle = RequestHandle(self, -1, [0] * n, 1, (), (), listener=lambda e: None)
-            handle.capacity = n + 1 + self.extra
-            self._admit(handle, self._free_slots.pop(), self.allocator.reserve(handle.capacity))
-        self._flush_retired()
+            for rows in sorted({1, self._group_rows(api._bucket(n))}):  # the single and the batched prefill
+                group = []
+                for _ in range(rows):
+                    handle = RequestHandle(self, -1, [0] * n, 1, (), (), listener=lambda e: None)
+                    handle.capacity = n + 1 + self.extra
+                    group.append((handle, self._free_slots.pop(), self.allocator.reserve(handle.capacity)))
+                self._prefill_group(group)
+                self._flush_retired()
         self._run_loop()  # every slot is done: compiles, runs no round
         self.counters.clear()
         return time.perf_counter() - t0
@@ -282,8 +292,7 @@ class Engine:
         self._flush_retired()
         if self._reload is not None and not self._active:
             self._apply_reload()
-        for handle, slot, reservation in self._take_admissions():
-            self._admit(handle, slot, reservation)
+        self._admit_all(self._take_admissions())
         if self._active:
             self._run_loop()
         if self._stopping and not self._active:
@@ -335,43 +344,90 @@ class Engine:
                 admitted.append((handle, self._free_slots.pop(), self.allocator.reserve(handle.capacity)))
         return admitted
 
-    def _admit(self, handle: RequestHandle, slot: int, reservation: int) -> None:
-        """Prefills (or restores) the request into `slot` and emits its first token."""
+    def _group_rows(self, bucket: int) -> int:
+        """Rows of a batched prefill for this prompt bucket (padding rows fill a smaller group)."""
         c = self.config
-        self._active[slot] = _Active(handle, reservation, self._text_stream(handle))
+        return max(1, min(c.prefill_batch, c.batch_slots, c.max_prefill_tokens // bucket))
+
+    def _admit_all(self, admissions: list) -> None:
+        """Admits requests: snapshot hits are copied in one by one; the rest are prefilled in groups
+        of one prompt bucket (FIFO within a bucket), `_group_rows(bucket)` prompts per pass."""
+        groups: dict[int, list] = {}
+        for handle, slot, reservation in admissions:
+            snap = self.snapshots.get(tuple(handle.prompt_ids)) if self.snapshots.enabled and handle.id >= 0 else None
+            if snap is not None:
+                self._restore(handle, slot, reservation, snap)
+            else:
+                groups.setdefault(api._bucket(len(handle.prompt_ids)), []).append((handle, slot, reservation))
+        for bucket, group in groups.items():
+            rows = self._group_rows(bucket)
+            for i in range(0, len(group), rows):
+                self._prefill_group(group[i:i + rows])
+
+    def _rows_for(self, handle: RequestHandle, reservation: int):
+        """(page row [Pmax], stop row [NS]) of an admitted request."""
         pages = self.allocator.pages(reservation)
         page_row = np.zeros(self.pages_per_slot, np.int32)
         page_row[:len(pages)] = pages
-        stop_row = np.full(c.max_stop_ids, decode.NO_STOP, np.int32)
+        stop_row = np.full(self.config.max_stop_ids, decode.NO_STOP, np.int32)
         stop_row[:len(handle.stop_ids)] = handle.stop_ids
+        return page_row, stop_row
+
+    def _restore(self, handle: RequestHandle, slot: int, reservation: int, snap: Snapshot) -> None:
+        """Copies the exact-prompt snapshot of the request into `slot` and emits its first token."""
+        self._active[slot] = _Active(handle, reservation, self._text_stream(handle))
+        page_row, stop_row = self._rows_for(handle, reservation)
         key = tuple(handle.prompt_ids)
-        snap = self.snapshots.get(key) if self.snapshots.enabled and handle.id >= 0 else None
-        remaining = np.int32(handle.max_tokens)
-        if snap is not None:
-            self._state, snap_state, self._slots = self._call(
-                slots_lib.restore_snapshot, (),
-                (self._state, snap.state, self._slots, np.int32(slot), page_row, np.int32(snap.n_pages), snap.first,
-                 snap.d1, snap.mh, remaining, stop_row),
-                ("state", "state") + ("rep",) * 9, ("state", "state", "rep"))
-            self.snapshots.replace_arrays(key, snap_state)
-            first = snap.first
-            handle.snapshot_hit = True
-            self.counters["snapshot_restores"] += 1
-        else:
-            tokens, n_valid = api._prompt_batch([handle.prompt_ids])
-            first, self._state, self._slots = self._call(
-                slots_lib.prefill_into_slot, (self.model.cfg, bool(self.k)),
-                (self.model.params, self._state, self._slots, np.int32(slot), page_row, tokens, n_valid, remaining,
-                 stop_row), ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"), impl=self.model.impl)
-            self.counters["prefills"] += 1
+        self._state, snap_state, self._slots = self._call(
+            slots_lib.restore_snapshot, (),
+            (self._state, snap.state, self._slots, np.int32(slot), page_row, np.int32(snap.n_pages), snap.first,
+             snap.d1, snap.mh, np.int32(handle.max_tokens), stop_row),
+            ("state", "state") + ("rep",) * 9, ("state", "state", "rep"))
+        self.snapshots.replace_arrays(key, snap_state)
+        handle.snapshot_hit = True
+        self.counters["snapshot_restores"] += 1
+        self._started(handle, slot, int(np.asarray(snap.first)[0]))
+
+    def _prefill_group(self, group: list) -> None:
+        """Prefills the requests of one prompt bucket into their slots in one pass and emits their first
+        tokens. One request runs at n = 1; several at n = _group_rows(bucket) (padding rows: slot id B,
+        no valid token), so each bucket has two compiled prefills."""
+        c = self.config
+        prompts = [h.prompt_ids for h, _, _ in group]
+        tokens, n_valid = api._prompt_batch(prompts)  # [n, T], [n]
+        bucket = tokens.shape[1]
+        n = 1 if len(group) == 1 else self._group_rows(bucket)
+        ids = np.full(n, c.batch_slots, np.int32)
+        page_rows = np.zeros((n, self.pages_per_slot), np.int32)
+        stop_rows = np.full((n, c.max_stop_ids), decode.NO_STOP, np.int32)
+        remaining = np.ones(n, np.int32)
+        padded_tokens = np.zeros((n, bucket), np.int32)
+        padded_valid = np.zeros(n, np.int32)
+        padded_tokens[:len(group)], padded_valid[:len(group)] = np.asarray(tokens), np.asarray(n_valid)
+        for j, (handle, slot, reservation) in enumerate(group):
+            self._active[slot] = _Active(handle, reservation, self._text_stream(handle))
+            ids[j], remaining[j] = slot, handle.max_tokens
+            page_rows[j], stop_rows[j] = self._rows_for(handle, reservation)
+        first, self._state, self._slots = self._call(
+            slots_lib.prefill_into_slots, (self.model.cfg, bool(self.k)),
+            (self.model.params, self._state, self._slots, ids, page_rows, padded_tokens, padded_valid, remaining,
+             stop_rows), ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"), impl=self.model.impl)
+        self.counters["prefills"] += 1
+        first = np.asarray(first)
+        for j, (handle, slot, _) in enumerate(group):
+            key = tuple(handle.prompt_ids)
             if self.snapshots.enabled and handle.id >= 0 and key not in self.snapshots:
-                self._save_snapshot(key, slot, len(handle.prompt_ids), tokens.shape[1])
+                self._save_snapshot(key, slot, len(handle.prompt_ids), bucket)
+        for j, (handle, slot, _) in enumerate(group):
+            self._started(handle, slot, int(first[j]))
+
+    def _started(self, handle: RequestHandle, slot: int, token: int) -> None:
+        """Counts an admitted request and emits its first token (which may also finish it)."""
         self.counters["admitted"] += 1
         self.counters["prompt_tokens"] += len(handle.prompt_ids)
-        token = int(np.asarray(first)[0])
         self._deliver(slot, [token])
         if slot in self._active and (token in handle.stop_ids or handle.max_tokens == 1):
-            self._active[slot].live_on_device = False  # done there too (prefill_into_slot's done flag)
+            self._active[slot].live_on_device = False  # done there too (the prefill's done flag)
             self._release(slot, "stop" if token in handle.stop_ids else "length")
 
     def _save_snapshot(self, key: tuple, slot: int, prompt_len: int, bucket: int) -> None:

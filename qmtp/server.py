@@ -54,6 +54,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("mtp_k", 0, "MTP drafts per round (1-4); 0 = plain greedy decoding. Same tokens either way.",
                          lower_bound=0, upper_bound=4)
     flags.DEFINE_integer("batch_slots", 4, "Requests decoded together (batch rows of the device loop).", lower_bound=1)
+    flags.DEFINE_integer("prefill_batch", 4, "Prompts of one length bucket that wait together are prefilled in one "
+                         "pass of at most this many (the weights are read once for all); 1 = one at a time.",
+                         lower_bound=1)
+    flags.DEFINE_integer("max_prefill_tokens", 8192, "Rows x bucket length of one batched prefill at most "
+                         "(bounds its activation memory).", lower_bound=1)
     flags.DEFINE_integer("rounds_per_call", 4, "MTP rounds (or plain steps) per device call between scheduling "
                          "points: lower = new requests join sooner, higher = fewer host round trips.", lower_bound=1)
     flags.DEFINE_integer("max_model_len", 4096, "Prompt + completion token limit (sets each slot's page-table "
@@ -345,7 +350,8 @@ def build(argv) -> tuple:
     engine = Engine(model, EngineConfig(
         batch_slots=FLAGS.batch_slots, mtp_k=FLAGS.mtp_k, rounds_per_call=FLAGS.rounds_per_call,
         max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages, max_queue=FLAGS.max_queue,
-        max_stop_ids=FLAGS.max_stop_ids, snapshot_budget_bytes=FLAGS.snapshot_budget_bytes, stop_token_ids=stop))
+        max_stop_ids=FLAGS.max_stop_ids, snapshot_budget_bytes=FLAGS.snapshot_budget_bytes, stop_token_ids=stop,
+        prefill_batch=FLAGS.prefill_batch, max_prefill_tokens=FLAGS.max_prefill_tokens))
     name = FLAGS.served_model_name or (FLAGS.checkpoint.split(":")[1] if FLAGS.checkpoint.startswith(PRESET_PREFIX)
                                        else os.path.basename(os.path.normpath(path)))
     settings = ServerSettings(name, FLAGS.max_tokens_limit, FLAGS.default_max_tokens, FLAGS.shutdown_timeout_s)

@@ -6,11 +6,12 @@ stop ids, done). Between bounded loop calls (`decode.greedy_steps`, `speculate.s
 host calls these jitted functions; each takes the slot index as a traced int32, so one compiled
 program serves every slot:
 
-    prefill_into_slot  prefill one prompt into slot b: a one-row sub-state (zero conv/ssm, the slot's
-                       new page-table row, length 0) over the shared KV pools runs the same
-                       `prefill` as qmtp.generate; its rows then replace row b of the big state, and
-                       row b of the carry gets (pending = first token, d1, mh, remaining - 1, stop ids,
-                       done = first is a stop id or remaining - 1 = 0)
+    prefill_into_slots prefill n prompts into slots b_1..b_n in one pass: an n-row sub-state (zero
+                       conv/ssm, the slots' new page-table rows, length 0) over the shared KV pools
+                       runs the same `prefill` as qmtp.generate; its rows then replace rows b_j of
+                       the big state, and rows b_j of the carry get (pending = first token, d1, mh,
+                       remaining - 1, stop ids, done = first is a stop id or remaining - 1 = 0);
+                       padding rows (id >= B, no valid token) write nothing
     take_snapshot      the state at the end of slot b's prompt as a one-row DecodeState: conv/ssm
                        rows, and the Pn KV pages (target and MTP) of the prompt, renumbered 0..Pn-1
     restore_snapshot   the reverse into slot b's freshly reserved pages (pages >= n_pages are not
@@ -35,43 +36,53 @@ from qmtp.config import ModelConfig
 from qmtp.state import DecodeState, PagedKV
 
 
+def _carry_rows(slots: decode.Slots, ids, first, d1, mh, remaining, stop_rows) -> decode.Slots:
+    """Rows ids [n] of the carry after their first tokens first [n] were emitted (budgets remaining
+    [n], stop ids stop_rows [n, NS]); an id outside [0, B) is a padding row and writes nothing."""
+    left = remaining - 1
+    done = decode.is_stop_rows(first, stop_rows) | (left <= 0)
+    put = lambda a, v: a.at[ids].set(v.astype(a.dtype), mode="drop")  # noqa: E731
+    return decode.Slots(pending=put(slots.pending, first), d1=put(slots.d1, d1), mh=put(slots.mh, mh),
+                        remaining=put(slots.remaining, left), stop=put(slots.stop, stop_rows),
+                        done=put(slots.done, done))
+
+
 def _carry_row(slots: decode.Slots, slot, first, d1, mh, remaining, stop_row) -> decode.Slots:
     """Slot `slot` of the carry after its first token `first` [1] was emitted (budget `remaining`)."""
-    left = remaining - 1
-    done = decode.is_stop_rows(first, stop_row[None])[0] | (left <= 0)
-    return decode.Slots(pending=slots.pending.at[slot].set(first[0]), d1=slots.d1.at[slot].set(d1[0]),
-                        mh=slots.mh.at[slot].set(mh[0].astype(slots.mh.dtype)),
-                        remaining=slots.remaining.at[slot].set(left), stop=slots.stop.at[slot].set(stop_row),
-                        done=slots.done.at[slot].set(done))
+    return _carry_rows(slots, jnp.reshape(slot, (1,)), first, d1, mh, jnp.reshape(remaining, (1,)), stop_row[None])
 
 
-def _put_rows(state: DecodeState, slot, conv, ssm, page_row, length) -> DecodeState:
-    """state with row `slot` of conv/ssm/page_table/lengths replaced (conv/ssm: Lg x [1, ...])."""
+def _put_rows(state: DecodeState, ids, conv, ssm, page_rows, lengths) -> DecodeState:
+    """state with rows ids [n] of conv/ssm/page_table/lengths replaced (conv/ssm: Lg x [n, ...];
+    page_rows [n, Pmax]; lengths [n]); an id outside [0, B) writes nothing."""
+    put = lambda a, v: a.at[ids].set(v, mode="drop")  # noqa: E731
     return dataclasses.replace(
-        state, conv=tuple(c.at[slot].set(r[0]) for c, r in zip(state.conv, conv)),
-        ssm=tuple(s.at[slot].set(r[0]) for s, r in zip(state.ssm, ssm)),
-        page_table=state.page_table.at[slot].set(page_row), lengths=state.lengths.at[slot].set(length))
+        state, conv=tuple(put(c, r) for c, r in zip(state.conv, conv)),
+        ssm=tuple(put(s, r) for s, r in zip(state.ssm, ssm)),
+        page_table=put(state.page_table, page_rows), lengths=put(state.lengths, lengths))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "use_mtp", "impl"), donate_argnames=("state",))
-def prefill_into_slot(cfg: ModelConfig, use_mtp: bool, params: dict, state: DecodeState, slots: decode.Slots,
-                      slot: jax.Array, page_row: jax.Array, tokens: jax.Array, n_valid: jax.Array,
-                      remaining: jax.Array, stop_row: jax.Array, impl: str = "ref"):
-    """Prefills one prompt (tokens [1, T] right-padded, n_valid [1]) into slot `slot` (int32 []).
+def prefill_into_slots(cfg: ModelConfig, use_mtp: bool, params: dict, state: DecodeState, slots: decode.Slots,
+                       ids: jax.Array, page_rows: jax.Array, tokens: jax.Array, n_valid: jax.Array,
+                       remaining: jax.Array, stop_rows: jax.Array, impl: str = "ref"):
+    """Prefills n prompts (tokens [n, T] right-padded, n_valid [n]) into slots ids [n] in one pass.
 
-    page_row [Pmax] int32: the slot's reserved pages; remaining (int32 []): the request's max_tokens;
-    stop_row [NS] int32. Returns (first token [1], state, slots)."""
-    sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(jnp.zeros_like(c[:1]) for c in state.conv),
-                      ssm=tuple(jnp.zeros_like(s[:1]) for s in state.ssm), page_table=page_row[None],
-                      lengths=jnp.zeros((1,), jnp.int32))
+    page_rows [n, Pmax] int32: each slot's reserved pages; remaining [n]: the requests' max_tokens;
+    stop_rows [n, NS]. A padding row (n_valid 0, id >= B) writes no KV (invalid tokens are dropped)
+    and no state or carry row. Returns (first tokens [n], state, slots)."""
+    n = tokens.shape[0]
+    zeros = lambda a: jnp.repeat(jnp.zeros_like(a[:1]), n, axis=0)  # noqa: E731  (zeros_like: a's TP sharding type)
+    sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(zeros(c) for c in state.conv),
+                      ssm=tuple(zeros(s) for s in state.ssm), page_table=page_rows, lengths=jnp.zeros((n,), jnp.int32))
     if use_mtp:
         first, d1, mh, sub = speculate.prefill(cfg, params, sub, tokens, n_valid, impl=impl)
     else:
         first, _, sub = decode.prefill(cfg, params, sub, tokens, n_valid, impl=impl)
-        d1, mh = jnp.zeros_like(first), jnp.zeros_like(slots.mh[:1])
+        d1, mh = jnp.zeros_like(first), zeros(slots.mh)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
-    state = _put_rows(state, slot, sub.conv, sub.ssm, page_row, sub.lengths[0])
-    return first, state, _carry_row(slots, slot, first, d1, mh, remaining, stop_row)
+    state = _put_rows(state, ids, sub.conv, sub.ssm, page_rows, sub.lengths)
+    return first, state, _carry_rows(slots, ids, first, d1, mh, remaining, stop_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("n_pages",), donate_argnames=("state",))
@@ -104,7 +115,7 @@ def restore_snapshot(state: DecodeState, snap: DecodeState, slots: decode.Slots,
                        tuple(p.at[dest].set(s, mode="drop") for p, s in zip(pool.v, saved.v)))
 
     state = dataclasses.replace(state, kv=put(state.kv, snap.kv), mtp_kv=put(state.mtp_kv, snap.mtp_kv))
-    state = _put_rows(state, slot, snap.conv, snap.ssm, page_row, snap.lengths[0])
+    state = _put_rows(state, jnp.reshape(slot, (1,)), snap.conv, snap.ssm, page_row[None], snap.lengths)
     return state, snap, _carry_row(slots, slot, first, d1, mh, remaining, stop_row)
 
 
