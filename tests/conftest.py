@@ -13,3 +13,46 @@ jax.config.update("jax_num_cpu_devices", 2)  # two fake CPU devices for the tens
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import numpy_ref / tolerance helpers
+
+
+# The tiny-model fixtures of tests/test_engine.py and tests/test_server.py (shapes and helpers:
+# tests/serving_fixtures.py). Module-scoped: each of those files writes and loads its own checkpoint.
+# A test file that defines its own `ckpt` or `model` fixture overrides these.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def single_threaded_cpu_blas():
+    """scipy's OpenBLAS, which jax's CPU triangular solve calls in the chunked GDN prefill, hands work to
+    a second thread and waits ~65 ms for it on this 2-core machine (measured: prefill 65 ms with 2
+    BLAS threads, 2-3 ms with 1). One thread for the module that asks (pytestmark usefixtures); restored
+    afterwards."""
+    import ctypes
+    import glob
+
+    import scipy
+    import scipy.linalg  # noqa: F401 (loads the library)
+    libs = glob.glob(os.path.join(os.path.dirname(scipy.__file__), os.pardir, "scipy.libs", "libscipy_openblas*.so"))
+    if not libs:
+        yield
+        return
+    lib = ctypes.CDLL(libs[0])
+    before = lib.scipy_openblas_get_num_threads()
+    lib.scipy_openblas_set_num_threads(1)
+    yield
+    lib.scipy_openblas_set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The tiny random checkpoint (preset tiny, fp32, seed 0), written once per test module."""
+    from qmtp.tools import make_checkpoint
+    return make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("serving") / "tiny"), "tiny", "fp32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    """`ckpt` loaded in float32 with the serving tests' page size (serving_fixtures.PAGE)."""
+    import qmtp
+    from serving_fixtures import PAGE
+    return qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False)

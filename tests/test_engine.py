@@ -1,14 +1,14 @@
 """The continuous-batching engine (qmtp.engine) without HTTP: tokens equal qmtp.generate (plain and
 MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, snapshots; nothing leaks.
 
-Compile budget: every engine here has the same shapes (3 slots, page size 8, max_model_len 48,
-12 pages, 2 rounds per call), so the prefill (prompt buckets 16 and 32) and the loop compile once
-per K. Prompts are at most 32 tokens; requests make at most 14 tokens.
+Compile budget: every engine here has the shapes of tests/serving_fixtures.py (3 slots, page size 8,
+max_model_len 48, 12 pages, 2 rounds per call), so the prefill (prompt buckets 16 and 32) and the loop
+compile once per K. Prompts are at most 32 tokens; requests make at most 14 tokens. The tiny checkpoint
+(`ckpt`), its `model` and `single_threaded_cpu_blas` are fixtures of tests/conftest.py.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,57 +19,11 @@ import qmtp
 from qmtp.engine import Engine, EngineConfig
 from qmtp.requests import EngineStopped, QueueFull, RequestError
 from qmtp.tools import make_checkpoint
+from serving_fixtures import PAGE, assert_all_free, make_engine
 
-SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
 RNG = np.random.default_rng(7)
 PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (3, 9, 17, 30, 5, 12, 24, 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_cpu_blas():
-    """scipy's OpenBLAS, which jax's CPU triangular solve calls in the chunked GDN prefill, hands work to
-    a second thread and waits ~65 ms for it on this 2-core machine (measured: prefill 65 ms with 2
-    BLAS threads, 2-3 ms with 1). One thread for these tests; restored afterwards."""
-    import ctypes
-    import glob
-
-    import scipy
-    import scipy.linalg  # noqa: F401 (loads the library)
-    libs = glob.glob(os.path.join(os.path.dirname(scipy.__file__), os.pardir, "scipy.libs", "libscipy_openblas*.so"))
-    if not libs:
-        yield
-        return
-    lib = ctypes.CDLL(libs[0])
-    before = lib.scipy_openblas_get_num_threads()
-    lib.scipy_openblas_set_num_threads(1)
-    yield
-    lib.scipy_openblas_set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("engine") / "tiny"), "tiny", "fp32", seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False)
-
-
-def make_engine(model, k, start=True, **kw) -> Engine:
-    cfg = dict(batch_slots=SLOTS, mtp_k=k, rounds_per_call=ROUNDS, max_model_len=MAX_LEN, num_pages=PAGES)
-    cfg.update(kw)
-    engine = Engine(model, EngineConfig(**cfg))
-    return engine.start() if start else engine
-
-
-def assert_all_free(engine: Engine) -> None:
-    """Every page and slot is back, and each admitted request released exactly once."""
-    s = engine.stats()
-    assert s["free_pages"] == s["num_pages"] == engine.allocator.num_pages, s
-    assert s["free_slots"] == SLOTS and s["active"] == 0 and s["queued"] == 0, s
-    assert engine.counters["released"] == engine.counters["admitted"], dict(engine.counters)
-    assert not engine._active and sorted(engine._free_slots) == list(range(SLOTS))
+pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 openai client (completions, chat, streaming), httpx for raw bodies, the CLI and the load script in
 subprocesses. Tokens equal qmtp.generate; errors have OpenAI-style bodies; nothing leaks.
 
-The engines have the shapes of tests/test_engine.py (3 slots, page size 8, max_model_len 48,
-12 pages, 2 rounds per call), so a run of both files compiles each program once.
+The engines have the shapes of tests/serving_fixtures.py, as in tests/test_engine.py (3 slots, page
+size 8, max_model_len 48, 12 pages, 2 rounds per call), so a run of both files compiles each program
+once. The tiny checkpoint's `model` and `single_threaded_cpu_blas` are fixtures of tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -24,50 +25,21 @@ import openai
 import pytest
 
 import qmtp
-from qmtp.engine import Engine, EngineConfig
+from qmtp.engine import Engine
 from qmtp.server import Server, ServerSettings, create_app
-from qmtp.tools import make_checkpoint
+from serving_fixtures import assert_all_free, make_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
 NAME = "tiny-test"
 MAX_TOKENS_LIMIT = 20
 RNG = np.random.default_rng(3)
 TEXTS = ["def fibonacci(", "The quick brown fox", "class Counter:", "x"]
 ID_PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (2, 7, 13, 21, 29)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_cpu_blas():
-    """scipy's OpenBLAS, which jax's CPU triangular solve calls in the chunked GDN prefill, hands work to
-    a second thread and waits ~65 ms for it on this 2-core machine (measured: prefill 65 ms with 2
-    BLAS threads, 2-3 ms with 1). One thread for these tests; restored afterwards."""
-    import ctypes
-    import glob
-
-    import scipy
-    import scipy.linalg  # noqa: F401 (loads the library)
-    libs = glob.glob(os.path.join(os.path.dirname(scipy.__file__), os.pardir, "scipy.libs", "libscipy_openblas*.so"))
-    if not libs:
-        yield
-        return
-    lib = ctypes.CDLL(libs[0])
-    before = lib.scipy_openblas_get_num_threads()
-    lib.scipy_openblas_set_num_threads(1)
-    yield
-    lib.scipy_openblas_set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("server") / "tiny"), "tiny", "fp32", seed=0)
-    return qmtp.load(path, dtype="float32", page_size=PAGE, progress=False)
+pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
 def serve(model, k, snapshot_budget_bytes=0, max_queue=64, start_engine=True, shutdown_timeout_s=30.0):
-    engine = Engine(model, EngineConfig(batch_slots=SLOTS, mtp_k=k, rounds_per_call=ROUNDS, max_model_len=MAX_LEN,
-                                        num_pages=PAGES, max_queue=max_queue,
-                                        snapshot_budget_bytes=snapshot_budget_bytes))
+    engine = make_engine(model, k, start=False, max_queue=max_queue, snapshot_budget_bytes=snapshot_budget_bytes)
     settings = ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4,
                               shutdown_timeout_s=shutdown_timeout_s)
     app = create_app(engine, settings, manage_engine=start_engine)
@@ -91,13 +63,6 @@ def plain_server(model):
 
 def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def assert_all_free(engine: Engine) -> None:
-    s = engine.stats()
-    assert s["free_pages"] == s["num_pages"] and s["free_slots"] == SLOTS, s
-    assert s["active"] == 0 and s["queued"] == 0, s
-    assert engine.counters["released"] == engine.counters["admitted"], dict(engine.counters)
 
 
 def wait_idle(engine: Engine, timeout=30.0) -> None:
@@ -199,7 +164,7 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
     counters = server.engine.counters
     assert counters["finished_stop"] + counters["finished_length"] - before.get("finished_stop", 0) - before.get(
         "finished_length", 0) == 20 * 64
-    assert_all_free(server.engine)
+    assert_all_free(server.engine, internals=False)
     snaps = server.engine.snapshots
     assert snaps.hits > 0 and snaps.peak_bytes <= snaps.budget_bytes
     print(f"1280 requests in {elapsed:.1f} s")
@@ -234,7 +199,7 @@ def test_bad_requests_get_openai_error_bodies(mtp_server, body, status, param, c
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == code and err["message"], err
     assert err["type"] == "invalid_request_error"
-    assert_all_free(server.engine)
+    assert_all_free(server.engine, internals=False)
 
 
 def test_bad_requests_through_the_openai_client(mtp_server):
@@ -276,7 +241,7 @@ def test_client_disconnect_mid_stream_cancels_the_request(model, mtp_server, mon
         assert time.monotonic() < deadline, "the request was not cancelled"
         time.sleep(0.01)
     wait_idle(engine)
-    assert_all_free(engine)
+    assert_all_free(engine, internals=False)
     # a client that gives up on a non-streamed request cancels it too (noticed within DISCONNECT_POLL_S)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=0.3)
@@ -285,7 +250,7 @@ def test_client_disconnect_mid_stream_cancels_the_request(model, mtp_server, mon
         assert time.monotonic() < deadline, "the request was not cancelled"
         time.sleep(0.01)
     wait_idle(engine)
-    assert_all_free(engine)
+    assert_all_free(engine, internals=False)
 
 
 def test_full_queue_gets_429_and_a_stopped_engine_503(model):
@@ -321,7 +286,7 @@ def test_full_queue_gets_429_and_a_stopped_engine_503(model):
         assert httpx.get(url + "/health").status_code == 503
         metrics = httpx.get(url + "/metrics").text
         assert _metric(metrics, 'qmtp_requests_rejected_total{reason="queue_full"}') == 2
-        assert_all_free(engine)
+        assert_all_free(engine, internals=False)
     finally:
         assert server.stop(30)
 
@@ -370,7 +335,7 @@ def test_shutdown_with_active_and_queued_requests(model):
     assert [outcomes[i] for i in (3, 4)] == [(503, "shutting_down")] * 2  # queued: aborted at once
     assert engine.counters["finished_abort"] == 5
     assert not engine.running and engine.stop(1)
-    assert_all_free(engine)
+    assert_all_free(engine, internals=False)
 
 
 def test_snapshot_hits_are_exact_and_reported(model, mtp_server):
