@@ -12,11 +12,12 @@ repeats), TTFT, mean accepted length, per-position acceptance, speedup over plai
 bandwidth roofline (`qmtp.bench_report`), peak device memory. Writes one JSON (config, versions,
 device, figures, raw timings) and one PNG plot (tokens/s vs K, natural and profiled, with the
 roofline and the MTP ceilings). `--engine=ref` runs the pure-XLA path, `--engine=pallas` the
-kernels; on the CPU the tiny presets give a quick smoke run (configs/bench_tiny.flags).
+kernels, `--engine=pallas,ref` both on the same loaded weights with a comparison table; on the CPU the tiny presets give a quick smoke run (configs/bench_tiny.flags).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -30,7 +31,8 @@ flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8",
                     "Checkpoint directory, or preset:NAME[:DTYPE] (a synthetic checkpoint built on first use into "
                     "the cache; the *_controlled presets give 100% natural acceptance so profiles can be imposed).")
 flags.DEFINE_integer("num_layers", None, "Presets only: build a slice with this many decoder layers (default: all).")
-flags.DEFINE_enum("engine", "pallas", ["pallas", "ref"], "Kernel path: 'pallas' (Pallas kernels) or 'ref' (pure XLA).")
+flags.DEFINE_list("engine", ["pallas"], "Kernel paths, comma-separated: 'pallas' (Pallas kernels), 'ref' (pure XLA); "
+                  "several run the same cases on the same loaded weights, and a comparison table follows.")
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices).", lower_bound=1)
 flags.DEFINE_string("converted_cache", None, "Orbax cache of the converted parameters (see qmtp.generate).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype (FP8 weights stay FP8).")
@@ -221,23 +223,27 @@ def _run() -> int:
     unknown = sorted(set(FLAGS.breakdown_ks) - set(FLAGS.ks), key=int)
     if unknown:  # checked before the minutes of loading and compiling
         raise ValueError(f"--breakdown_ks={','.join(unknown)} not in --ks={','.join(FLAGS.ks)}")
+    engines = list(dict.fromkeys(FLAGS.engine))
+    bad = [e for e in engines if e not in ("pallas", "ref")]
+    if bad or not engines:
+        raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
-    progress = Progress(len(batches) * len(lengths) * n_modes * FLAGS.repeats)
+    progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
     print(f"copy bandwidth {copy['tb_per_s']:.3f} TB/s", file=sys.stderr, flush=True)
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
-    model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp, converted_cache=FLAGS.converted_cache)
+    model = qmtp.load(path, dtype=FLAGS.dtype, impl=engines[0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache)
     load_s = time.perf_counter() - t
     resident = memory()
     config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,
-              "engine": FLAGS.engine, "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
+              "engine": ",".join(engines), "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
               "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
               "prompt_lengths": FLAGS.prompt_lengths,
-              "title": f"{os.path.basename(path)} engine={FLAGS.engine} TP{FLAGS.tp}"}
+              "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
               "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
               "memory_after_load": resident, "cases": []}
@@ -246,21 +252,28 @@ def _run() -> int:
     if text_ids is not None:
         batches, lengths = [len(text_ids)], [max(len(p) for p in text_ids)]
         config["prompt_text"] = FLAGS.prompt_text
-    for b in batches:
-        for p in lengths:
-            case = bench_case(model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids)
-            case["memory"] = memory()
-            result["cases"].append(case)
-            ok &= case["all_tokens_match_plain"]
-            with open(FLAGS.out, "w") as f:
-                json.dump(result, f, indent=2, default=str)
-            print(f"\nbatch {b}, prompt {p} tokens (roofline {case['roofline']['plain_tok_s']:.1f} tok/s, "
-                  f"copy {copy['tb_per_s']:.2f} TB/s):")
-            print(br.table(case["modes"]))
-            if case.get("breakdown"):
-                print(br.breakdown_table(case["breakdown"]))
+    for engine in engines:
+        engine_model = dataclasses.replace(model, impl=engine)  # the same weights, the other kernel path
+        for b in batches:
+            for p in lengths:
+                case = bench_case(engine_model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids)
+                case.update(engine=engine, memory=memory())
+                result["cases"].append(case)
+                ok &= case["all_tokens_match_plain"]
+                with open(FLAGS.out, "w") as f:
+                    json.dump(result, f, indent=2, default=str)
+                print(f"\nengine {engine}, batch {b}, prompt {p} tokens (roofline "
+                      f"{case['roofline']['plain_tok_s']:.1f} tok/s, copy {copy['tb_per_s']:.2f} TB/s):")
+                print(br.table(case["modes"]))
+                if case.get("breakdown"):
+                    print(br.breakdown_table(case["breakdown"]))
+    if len(engines) > 1:
+        result["engine_comparison"] = br.engine_comparison(result["cases"], engines)
+        print(f"\ndecode tok/s by engine ({engines[0]} / {engines[1]}):")
+        print(br.engine_comparison_table(result["engine_comparison"], engines))
     for i, case in enumerate(result["cases"]):
-        png = br.plot(dict(case, config=config), _plot_path(FLAGS.out, i, len(result["cases"])))
+        title = f"{os.path.basename(path)} engine={case['engine']} TP{FLAGS.tp}"
+        png = br.plot(dict(case, config=dict(config, title=title)), _plot_path(FLAGS.out, i, len(result["cases"])))
         case["plot"] = png
     result["all_tokens_match_plain"] = ok
     with open(FLAGS.out, "w") as f:

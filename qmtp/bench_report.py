@@ -74,6 +74,30 @@ def table(modes: list[dict]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def engine_comparison(cases: list[dict], engines: list[str]) -> list[dict]:
+    """Per (batch, prompt length, mode): each engine's median decode tok/s and first / second."""
+    by = {(c["engine"], c["batch"], c["prompt_length"], m["name"]): m["decode_tokens_per_s"]["median"]
+          for c in cases for m in c["modes"]}
+    out = []
+    for c in (c for c in cases if c["engine"] == engines[0]):
+        for m in c["modes"]:
+            row = {"batch": c["batch"], "prompt_length": c["prompt_length"], "mode": m["name"],
+                   "tok_s": {e: by.get((e, c["batch"], c["prompt_length"], m["name"])) for e in engines}}
+            a, b = row["tok_s"][engines[0]], row["tok_s"][engines[1]]
+            row["ratio"] = a / b if a and b else None
+            out.append(row)
+    return out
+
+
+def engine_comparison_table(rows: list[dict], engines: list[str]) -> str:
+    head = ["batch", "prompt", "mode", *engines, "ratio"]
+    lines = [head] + [[str(r["batch"]), str(r["prompt_length"]), r["mode"],
+                       *(f"{r['tok_s'][e]:.1f}" if r["tok_s"][e] else "-" for e in engines),
+                       f"{r['ratio']:.2f}x" if r["ratio"] else "-"] for r in rows]
+    widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in lines)
+
+
 def plot(result: dict, path: str) -> str | None:
     """tokens/s vs K for natural and profiled acceptance, with the plain roofline and the MTP
     ceilings drawn; returns the path, or None when matplotlib is missing (the JSON has everything:

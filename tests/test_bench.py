@@ -109,3 +109,19 @@ def test_text_prompts_and_breakdown_ks(tmp_path):
     bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--ks=1", "--breakdown_ks=2",
                     "--repeats=1", "--max_new_tokens=4", tmp_path=tmp_path, cache=tmp_path / "cache")
     assert bad.returncode == 2 and "--breakdown_ks=2 not in --ks=1" in bad.stderr
+
+
+def test_two_engines_share_the_weights_and_are_compared(tmp_path):
+    out = tmp_path / "e.json"
+    r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1",
+                  "--profile=", "--breakdown=false", "--max_new_tokens=4", "--engine=ref,pallas",
+                  tmp_path=tmp_path, cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [c["engine"] for c in res["cases"]] == ["ref", "pallas"] and res["config"]["engine"] == "ref,pallas"
+    assert [row["mode"] for row in res["engine_comparison"]] == ["plain", "mtp K=1 natural"]
+    assert all(row["ratio"] > 0 for row in res["engine_comparison"])
+    assert "decode tok/s by engine (ref / pallas)" in r.stdout
+    bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--engine=xla",
+                    tmp_path=tmp_path, cache=tmp_path / "cache")
+    assert bad.returncode == 2 and "--engine=xla: expected pallas and/or ref" in bad.stderr
