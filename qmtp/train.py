@@ -110,6 +110,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     f("adam_b1", 0.9, "AdamW beta1.")
     f("adam_b2", 0.95, "AdamW beta2.")
     f("mtp_loss_weight", 0.3, "lambda in L = L_main + lambda * L_mtp (DeepSeek-V3: 0.3).", lower_bound=0.0)
+    i("mtp_depth", 1, "MTP chain depths trained (1..4): depth d feeds the MTP its own depth d-1 output, as drafting "
+      "K >= 2 does, and predicts the token d+1 ahead; L_mtp is the mean over depths.", lower_bound=1, upper_bound=4)
     e("compute_dtype", "bfloat16", ["bfloat16", "float32"], "Dtype of the forward (weights are float32 masters).")
     # logging / checkpoints
     i("log_every", 10, "Progress line and metrics row every N steps.", lower_bound=1)
@@ -151,6 +153,7 @@ class Hyper:
     mtp_loss_weight: float
     compute_dtype: str
     mtp_only: bool
+    mtp_depth: int = 1
 
     def schedule(self):
         warmup = min(self.warmup_steps, self.steps - 1)
@@ -174,7 +177,7 @@ def train_step(cfg, hp: Hyper, trainable, frozen, opt_state, tokens, mtp_mask):
     """One AdamW step on tokens [B, T]; returns (trainable', opt_state', metrics)."""
     def loss_fn(tr):
         return train_loss.losses(cfg, _merged(hp, tr, frozen), tokens, mtp_mask, mtp_weight=hp.mtp_loss_weight,
-                                 mtp_only=hp.mtp_only)
+                                 mtp_only=hp.mtp_only, mtp_depth=hp.mtp_depth)
     grads, metrics = jax.grad(loss_fn, has_aux=True)(trainable)
     updates, opt_state = hp.optimizer().update(grads, opt_state, trainable)
     return optax.apply_updates(trainable, updates), opt_state, metrics
@@ -183,7 +186,7 @@ def train_step(cfg, hp: Hyper, trainable, frozen, opt_state, tokens, mtp_mask):
 @functools.partial(jax.jit, static_argnames=("cfg", "hp"))
 def eval_step(cfg, hp: Hyper, trainable, frozen, tokens, mtp_mask):
     return train_loss.losses(cfg, _merged(hp, trainable, frozen), tokens, mtp_mask, mtp_weight=hp.mtp_loss_weight,
-                             mtp_only=hp.mtp_only)[1]
+                             mtp_only=hp.mtp_only, mtp_depth=hp.mtp_depth)[1]
 
 
 # ---- the run ------------------------------------------------------------------------------------------
@@ -310,6 +313,8 @@ def run(fv) -> dict:
     out = fv.out_dir
     if fv.train_mtp_only and not fv.init_checkpoint:
         raise ValueError("--train_mtp_only needs --init_checkpoint")
+    if fv.seq_len < fv.mtp_depth + 2:
+        raise ValueError(f"--seq_len={fv.seq_len}: --mtp_depth={fv.mtp_depth} needs at least {fv.mtp_depth + 2} tokens")
     if not fv.train_mtp_only and fv.mtp_data != "corpus":
         raise ValueError("--mtp_data=self_distill needs --train_mtp_only (the target must be trained first)")
     os.makedirs(out, exist_ok=True)
@@ -335,7 +340,7 @@ def run(fv) -> dict:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(setup.config, f, indent=2, sort_keys=True)
     hp = Hyper(fv.steps, fv.learning_rate, fv.warmup_steps, fv.min_lr_ratio, fv.weight_decay, fv.grad_clip,
-               fv.adam_b1, fv.adam_b2, fv.mtp_loss_weight, fv.compute_dtype, fv.train_mtp_only)
+               fv.adam_b1, fv.adam_b2, fv.mtp_loss_weight, fv.compute_dtype, fv.train_mtp_only, fv.mtp_depth)
     n_params = train_loss.param_count(setup.trainable)
     _log(f"model: {cfg.num_hidden_layers} layers {list(cfg.layer_types)}, E {cfg.hidden_size}, V {cfg.vocab_size}; "
          f"{n_params:,} trained parameters ({'MTP head only' if hp.mtp_only else 'target + MTP'})")

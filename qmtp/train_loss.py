@@ -98,11 +98,30 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
 
 
-def losses(cfg: ModelConfig, params: dict, tokens: jax.Array, mtp_mask: jax.Array | None = None, *,
-           mtp_weight: float = 0.3, mtp_only: bool = False) -> tuple[jax.Array, dict]:
-    """(L, {"loss", "main", "mtp", "accept"}) for tokens [B, T] (T >= 3); params in the compute dtype.
+def mtp_chain(cfg: ModelConfig, params: dict, state, tokens: jax.Array, mh: jax.Array, depth: int) -> list:
+    """The MTP outputs of depths 2..depth over tokens [B, T], from the depth-1 outputs mh [B, T-2, E].
 
-    mtp_mask: [B, T-2] weights of the MTP label positions (label x_{p+2} at index p); None = all 1."""
+    Depth d at index p takes the token x_{p+d} and the depth d-1 output at index p (what drafting
+    feeds the MTP layer after its first draft) and predicts x_{p+d+1}: [B, T-1-d, E]. Each depth is
+    its own causal pass over the sequence (positions from 0, its own MTP KV entries)."""
+    b, t = tokens.shape
+    out, h = [], mh
+    for d in range(2, depth + 1):
+        h, _ = mtp.forward(cfg, params, state, tokens[:, d:-1], h[:, :-1], jnp.zeros((b,), jnp.int32),
+                           jnp.full((b,), t - 1 - d, jnp.int32), impl="ref")
+        out.append(h)
+    return out
+
+
+def losses(cfg: ModelConfig, params: dict, tokens: jax.Array, mtp_mask: jax.Array | None = None, *,
+           mtp_weight: float = 0.3, mtp_only: bool = False, mtp_depth: int = 1) -> tuple[jax.Array, dict]:
+    """(L, {"loss", "main", "mtp", "accept"[, "mtp1" .. "mtpD"]}) for tokens [B, T] (T >= mtp_depth + 2);
+    params in the compute dtype.
+
+    mtp_mask: [B, T-2] weights of the MTP label positions (label x_{p+2} at index p); None = all 1.
+    mtp_depth D > 1 also trains the chain that drafting K >= 2 runs: depth d takes the token
+    x_{p+d} and the MTP's own depth d-1 output at index p, and predicts x_{p+d+1} (teacher-forced
+    tokens; the one MTP layer is shared by all depths, as in Qwen3.5). L_mtp is the mean over depths."""
     b, t = tokens.shape
     dtype = params["embed"].dtype
     state = init_state(cfg, np.arange(b)[:, None], num_pages=b, page_size=t, dtype=dtype)  # one page per row
@@ -118,9 +137,17 @@ def losses(cfg: ModelConfig, params: dict, tokens: jax.Array, mtp_mask: jax.Arra
                         n_valid - 2, impl="ref")  # [B, T-2, E]
     mtp_logits = model.logits_from_hidden(params, mh, "ref")  # [B, T-2, V] f32: predicts x_{p+2}
     w = jnp.ones((b, t - 2), jnp.float32) if mtp_mask is None else mtp_mask.astype(jnp.float32)
-    mtp_loss = jnp.sum(w * _cross_entropy(mtp_logits, tokens[:, 2:])) / jnp.maximum(jnp.sum(w), 1.0)
+    weighted = lambda ce, wd: jnp.sum(wd * ce) / jnp.maximum(jnp.sum(wd), 1.0)  # noqa: E731
+    depth_losses = [weighted(_cross_entropy(mtp_logits, tokens[:, 2:]), w)]
+    for d, h in enumerate(mtp_chain(cfg, params, state, tokens, mh, mtp_depth), start=2):
+        ce = _cross_entropy(model.logits_from_hidden(params, h, "ref"), tokens[:, d + 1:])
+        depth_losses.append(weighted(ce, w[:, d - 1:]))
+    mtp_loss = sum(depth_losses) / len(depth_losses)
 
     hits = jnp.argmax(mtp_logits, -1) == jnp.argmax(logits[:, 1:], -1)  # [B, T-2]: draft == target at p+1
     accept = jnp.sum(w * hits) / jnp.maximum(jnp.sum(w), 1.0)
     total = mtp_loss if mtp_only else main + mtp_weight * mtp_loss
-    return total, {"loss": total, "main": main, "mtp": mtp_loss, "accept": accept}
+    metrics = {"loss": total, "main": main, "mtp": mtp_loss, "accept": accept}
+    if mtp_depth > 1:
+        metrics.update({f"mtp{d + 1}": x for d, x in enumerate(depth_losses)})
+    return total, metrics

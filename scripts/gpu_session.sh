@@ -5,9 +5,9 @@
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
 #
-# Both end by packing what exists so far into $OUT (results.tgz: logs and JSON; demo_export.tar.*:
-# the trained demo checkpoint in pieces under the transfer limit). The machine goes back 30 s after
-# a call ends: issue the next `wait` call at once. Never `pkill -f` a pattern that the calling
+# Both end by packing what exists so far into $OUT: results.tgz (logs and JSON) and the trained demo
+# checkpoints in pieces under the transfer limit (demo_train.tar.*, demo_train_d3.tar.*; join with
+# cat). The machine goes back 30 s after a call ends: issue the next `wait` call at once. Never `pkill -f` a pattern that the calling
 # command line itself contains (it kills that command; one session lost its jobs so).
 # The server needs wheels the GPU image lacks, carried in .whl (device tool: carry [".whl"]):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -16,8 +16,9 @@
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: write the Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1, then
 #          the server load test on that checkpoint (issue 7): MTP K=3, then plain (shorter)
-#   GPU 1: train the demo model (issue 8), bench it (plain vs MTP on a text prompt), then the
-#          64-layer decode step with both single-row FP8 paths and the FP8 matmul rows (issue 4)
+#   GPU 1: train the demo model twice (issue 8: MTP depth 1, and the drafting chain to depth 3),
+#          bench both (plain vs MTP on text prompts), then the 64-layer decode step with both
+#          single-row FP8 paths (issue 4)
 #   both:  once both lines ended, the qmtp.bench table at TP2 and a second (cached) TP2 load
 set -u
 R=/tmp/qmtp_run
@@ -28,10 +29,12 @@ limit=${2:-560}
 pack() {  # only logs, JSON, plots and metrics: a file back from $OUT may hold 16 MiB at most
   [ -n "${OUT:-}" ] || return 0
   (cd $R && tar czf "$OUT/results.tgz" $(ls *.log *.json *.png *.txt *.out 2>/dev/null) \
-     $(ls train/*.json train/*.png train/*.jsonl train/best/best.json 2>/dev/null))
-  if [ -f $R/train/export/config.json ]; then
-    (cd $R/train && tar cf - export | split -b 15000000 - "$OUT/demo_export.tar.")
-  fi
+     $(ls train*/*.json train*/*.png train*/*.jsonl train*/best/best.json 2>/dev/null))
+  for run in train train_d3; do
+    if [ -f $R/$run/export/config.json ]; then
+      (cd $R/$run && tar cf - export | split -b 15000000 - "$OUT/demo_${run}.tar.")
+    fi
+  done
   ls -la "$OUT"
   for f in $R/*.log; do echo "== $f"; tail -n 3 "$f" | cut -c1-250; done
 }
@@ -91,24 +94,23 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  job train_demo 600 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
-  if [ -f $R/train/export/config.json ]; then
-    # float32: do MTP and plain agree token for token there too (bf16 verify rounds differently)?
-    job demo_bench_pallas_f32 200 python3 -m qmtp.bench --checkpoint=$R/train/export --engine=pallas \
-      --dtype=float32 --ks=1,3 --profile= --breakdown=false --max_new_tokens=256 --repeats=2 \
-      --prompt_text='def fibonacci(' --out=$R/demo_bench_pallas_f32.json
-    for engine in pallas ref; do
-      job demo_bench_$engine 200 python3 -m qmtp.bench --checkpoint=$R/train/export --engine=$engine \
-        --dtype=bfloat16 --ks=1,2,3,4 --profile= --breakdown=false --max_new_tokens=256 --repeats=3 \
-        --prompt_text='def fibonacci(' --out=$R/demo_bench_$engine.json
-    done
-  fi
+  # two demo recipes (issue 8): the config as is (MTP depth 1), and the drafting chain trained to depth 3
+  job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
+  job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
+    --mtp_depth=3 --mtp_loss_weight=0.5
+  for run in train train_d3; do
+    [ -f $R/$run/export/config.json ] || continue
+    job demo_bench_$run 150 python3 -m qmtp.bench --checkpoint=$R/$run/export --engine=pallas \
+      --dtype=bfloat16 --ks=1,2,3 --profile= --breakdown=false --max_new_tokens=256 --repeats=3 \
+      --prompt_text='def fibonacci(' --prompt_text='import os' --out=$R/demo_bench_$run.json
+  done
+  # float32: do MTP and plain agree token for token there too (bf16 verify rounds differently)?
+  [ -f $R/train/export/config.json ] && job demo_bench_f32 150 python3 -m qmtp.bench --checkpoint=$R/train/export \
+    --engine=pallas --dtype=float32 --ks=1,3 --profile= --breakdown=false --max_new_tokens=256 --repeats=2 \
+    --prompt_text='def fibonacci(' --out=$R/demo_bench_f32.json
   # issue 4: the 64-layer step with the single-row FP8 path both ways (verify at 4 rows beat 1 row)
   job bench_step 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1dot \
     --out=$R/bench_step.json
-  # issue 4: FP8 matmul at 1 / 4 rows and the prefill paths (Pallas GEMM, XLA bf16, dequant_dot) at 1024 rows
-  job bench_fp8 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms=1024 \
-    --out=$R/bench_fp8.json
   touch $R/gpu1.done
 }
 

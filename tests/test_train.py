@@ -211,3 +211,29 @@ def test_held_out_split_keeps_packages_whole():
     corpus = train_data.load_corpus(eval_fraction=0.1, max_bytes=2_000_000)
     top = lambda names: {"/".join(n.split("/")[:2]) for n in names if n.count("/") >= 2}
     assert corpus.eval_files and not top(corpus.train_files) & top(corpus.eval_files)
+
+
+def test_mtp_depth_two_trains_the_drafting_chain(run_a, tmp_path):
+    from qmtp import model as model_lib, mtp
+    from qmtp.state import init_state
+    cfg, _, params, _, _ = _restore(run_a)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 3, (2, 12)), jnp.int32)
+    _, one = train_loss.losses(cfg, params, tokens, mtp_depth=1)
+    _, two = train_loss.losses(cfg, params, tokens, mtp_depth=2)
+    assert two["main"] == one["main"] and two["mtp1"] == one["mtp"] and "mtp2" not in one
+    assert np.isclose(two["mtp"], (two["mtp1"] + two["mtp2"]) / 2)
+    # index 0 of depth 2 is one drafting step: token x_2, the depth-1 output at index 0, an empty cache
+    state = init_state(cfg, np.arange(2)[:, None], num_pages=2, page_size=12, dtype=jnp.float32)
+    n = jnp.full((2,), 12, jnp.int32)
+    hidden, state = model_lib.forward(cfg, params, state, tokens, n)
+    mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:-1], hidden[:, :-2], jnp.zeros((2,), jnp.int32), n - 2)
+    (h2,) = train_loss.mtp_chain(cfg, params, state, tokens, mh, 2)
+    assert h2.shape == (2, 9, cfg.hidden_size)
+    step, _ = mtp.forward(cfg, params, state, tokens[:, 2:3], mh[:, :1], jnp.zeros((2,), jnp.int32),
+                          jnp.ones((2,), jnp.int32))
+    np.testing.assert_allclose(np.asarray(h2[:, 0]), np.asarray(step[:, 0]), rtol=1e-5, atol=1e-5)
+    # and a run trains it: both depths' losses fall
+    out = str(tmp_path / "d2")
+    _train(f"--out_dir={out}", "--mtp_depth=2", "--final_eval_windows=0")
+    evals = [r for r in _rows(out) if r["kind"] == "eval"]
+    assert evals[-1]["mtp2"] < evals[0]["mtp2"] - 0.2 and evals[-1]["mtp1"] < evals[0]["mtp1"] - 0.2
