@@ -240,7 +240,10 @@ class Engine:
             raise RuntimeError("warmup() must run before start()")
         t0 = time.perf_counter()
         for n in prompt_lengths:
-            for rows in sorted({1, self._group_rows(api._bucket(n))}):  # the single and the batched prefill
+            # the single prefill, and the batched one (two requests are padded to _group_rows rows)
+            batched = 2 if self._group_rows(api._bucket(n)) > 1 else 1
+            fit = self.allocator.free_pages // self.allocator.pages_for(n + 1 + self.extra)
+            for rows in sorted({1, min(batched, fit)}):
                 group = []
                 for _ in range(rows):
                     handle = RequestHandle(self, -1, [0] * n, 1, (), (), listener=lambda e: None)

@@ -111,6 +111,7 @@ def test_text_prompts_and_breakdown_ks(tmp_path):
     assert bad.returncode == 2 and "--breakdown_ks=2 not in --ks=1" in bad.stderr
 
 
+@pytest.mark.slow  # ~20 s (the Pallas engine in interpret mode)
 def test_two_engines_share_the_weights_and_are_compared(tmp_path):
     out = tmp_path / "e.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1",

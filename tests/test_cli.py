@@ -47,6 +47,7 @@ def test_prompt_ids_match_the_text_prompt(cache, tmp_path):
     assert json.loads(a.read_text())["tokens"] == json.loads(b.read_text())["tokens"]
 
 
+@pytest.mark.slow  # ~30 s; TP2 == TP1 tokens run in CI through tests/test_tp_model.py
 def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
     outs = []
     for tp in (1, 2):

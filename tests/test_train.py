@@ -213,7 +213,7 @@ def test_held_out_split_keeps_packages_whole():
     assert corpus.eval_files and not top(corpus.train_files) & top(corpus.eval_files)
 
 
-def test_mtp_depth_two_trains_the_drafting_chain(run_a, tmp_path):
+def test_mtp_depth_two_trains_the_drafting_chain(run_a):
     from qmtp import model as model_lib, mtp
     from qmtp.state import init_state
     cfg, _, params, _, _ = _restore(run_a)
@@ -232,7 +232,10 @@ def test_mtp_depth_two_trains_the_drafting_chain(run_a, tmp_path):
     step, _ = mtp.forward(cfg, params, state, tokens[:, 2:3], mh[:, :1], jnp.zeros((2,), jnp.int32),
                           jnp.ones((2,), jnp.int32))
     np.testing.assert_allclose(np.asarray(h2[:, 0]), np.asarray(step[:, 0]), rtol=1e-5, atol=1e-5)
-    # and a run trains it: both depths' losses fall
+
+
+@pytest.mark.slow  # ~30 s: a second training run
+def test_a_depth_two_run_lowers_both_depths_losses(tmp_path):
     out = str(tmp_path / "d2")
     _train(f"--out_dir={out}", "--mtp_depth=2", "--final_eval_windows=0")
     evals = [r for r in _rows(out) if r["kind"] == "eval"]
