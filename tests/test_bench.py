@@ -27,7 +27,8 @@ def run_bench(*args, tmp_path, cache):
 def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     out = tmp_path / "r.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1,3",
-                  "--max_new_tokens=12", tmp_path=tmp_path, cache=tmp_path / "cache")
+                  "--max_new_tokens=12", "--breakdown_ks=3", "--prompt_text=def fibonacci(",
+                  tmp_path=tmp_path, cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["all_tokens_match_plain"] and res["copy"]["tb_per_s"] > 0 and res["load_s"] > 0
@@ -41,7 +42,8 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     assert case["modes"][4]["imposed_profile"] == [0.85, 0.70, 0.57]
     assert case["modes"][4]["mean_accepted_length"] < 4.0  # the cap took effect
     assert os.path.getsize(case["plot"]) > 1000
-    assert set(case["breakdown"]) == {"1", "3"}
+    assert set(case["breakdown"]) == {"3"}  # --breakdown_ks
+    assert case["batch"] == 1 and res["config"]["prompt_text"] == ["def fibonacci("]
     for pieces in case["breakdown"].values():
         assert {"target_step", "verify", "draft", "commit", "predicted_round", "measured_round"} <= set(pieces)
     assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout and "per piece of a round" in r.stdout
@@ -95,19 +97,9 @@ def test_a_token_mismatch_is_reported():
     assert good["tokens_match_plain"] and not bad["tokens_match_plain"] and bad["first_mismatch"] == [2]
 
 
-def test_text_prompts_and_breakdown_ks(tmp_path):
-    out = tmp_path / "t.json"
-    r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1,3",
-                  "--breakdown_ks=3", "--profile=", "--max_new_tokens=8", "--prompt_text=def fibonacci(",
-                  "--prompt_text=import os", tmp_path=tmp_path, cache=tmp_path / "cache")
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
-    (case,) = res["cases"]
-    assert case["batch"] == 2 and res["config"]["prompt_text"] == ["def fibonacci(", "import os"]
-    assert [m["name"] for m in case["modes"]] == ["plain", "mtp K=1 natural", "mtp K=3 natural"]
-    assert set(case["breakdown"]) == {"3"}
-    bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--ks=1", "--breakdown_ks=2",
-                    "--repeats=1", "--max_new_tokens=4", tmp_path=tmp_path, cache=tmp_path / "cache")
+def test_breakdown_ks_must_be_among_ks(tmp_path):
+    bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={tmp_path / 'x.json'}", "--ks=1",
+                    "--breakdown_ks=2", "--repeats=1", "--max_new_tokens=4", tmp_path=tmp_path, cache=tmp_path / "c")
     assert bad.returncode == 2 and "--breakdown_ks=2 not in --ks=1" in bad.stderr
 
 
@@ -116,10 +108,11 @@ def test_two_engines_share_the_weights_and_are_compared(tmp_path):
     out = tmp_path / "e.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1",
                   "--profile=", "--breakdown=false", "--max_new_tokens=4", "--engine=ref,pallas",
-                  tmp_path=tmp_path, cache=tmp_path / "cache")
+                  "--prompt_text=def fibonacci(", "--prompt_text=import os", tmp_path=tmp_path, cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [c["engine"] for c in res["cases"]] == ["ref", "pallas"] and res["config"]["engine"] == "ref,pallas"
+    assert [c["batch"] for c in res["cases"]] == [2, 2]  # two text prompts: one sequence each
     assert [row["mode"] for row in res["engine_comparison"]] == ["plain", "mtp K=1 natural"]
     assert all(row["ratio"] > 0 for row in res["engine_comparison"])
     assert "decode tok/s by engine (ref / pallas)" in r.stdout
