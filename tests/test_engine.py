@@ -1,5 +1,6 @@
 """The continuous-batching engine (qmtp.engine) without HTTP: tokens equal qmtp.generate (plain and
-MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, snapshots; nothing leaks.
+MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, snapshots, batched prefill of waiting
+prompts; nothing leaks.
 
 Compile budget: every engine here has the shapes of tests/serving_fixtures.py (3 slots, page size 8,
 max_model_len 48, 12 pages, 2 rounds per call), so the prefill (prompt buckets 16 and 32) and the loop
@@ -19,7 +20,7 @@ import qmtp
 from qmtp.engine import Engine, EngineConfig
 from qmtp.requests import EngineStopped, QueueFull, RequestError
 from qmtp.tools import make_checkpoint
-from serving_fixtures import PAGE, assert_all_free, make_engine
+from serving_fixtures import PAGE, SLOTS, assert_all_free, make_engine
 
 RNG = np.random.default_rng(7)
 PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (3, 9, 17, 30, 5, 12, 24, 1)]
@@ -299,3 +300,35 @@ def test_a_failing_device_call_fails_every_request_and_releases_everything(model
         engine.submit(PROMPTS[0], 2)
     assert engine.stop(5)
     assert_all_free(engine)
+
+
+# ---- batched admission: waiting prompts of one bucket share a prefill pass (slots.prefill_into_slots)
+
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 2])  # CI time; K=0 batches above too
+def test_waiting_prompts_share_a_prefill_and_give_the_same_tokens(model, reference, k):
+    engine = make_engine(model, k, start=False)
+    handles = [engine.submit(p, 14) for p in PROMPTS]  # all queued before the first scheduling point
+    engine.start()
+    assert [h.result(300).tokens for h in handles] == reference
+    assert engine.counters["admitted"] == len(PROMPTS)
+    assert engine.counters["prefills"] < len(PROMPTS)  # at least one pass held several prompts
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_one_prompt_per_pass_when_asked_and_first_token_finishes(model, reference):
+    engine = make_engine(model, 0, start=False, prefill_batch=1)
+    handles = [engine.submit(p, 14) for p in PROMPTS[:SLOTS]]
+    engine.start()
+    assert [h.result(300).tokens for h in handles] == reference[:SLOTS]
+    assert engine.counters["prefills"] == SLOTS
+    assert engine.stop(5)
+    batched = make_engine(model, 2, start=False)
+    short = [batched.submit(p, 1) for p in PROMPTS[:SLOTS]]  # each ends with its first token
+    rest = [batched.submit(p, 14) for p in PROMPTS[SLOTS:]]
+    batched.start()
+    assert [h.result(300).tokens for h in short] == [r[:1] for r in reference[:SLOTS]]
+    assert all(h.result(300).finish_reason == "length" for h in short)
+    assert [h.result(300).tokens for h in rest] == reference[SLOTS:]
+    assert batched.stop(5)
+    assert_all_free(batched)

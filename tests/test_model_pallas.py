@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 
 import qmtp
 from tolerance import F32_MODEL, assert_close
@@ -11,6 +12,7 @@ from tolerance import F32_MODEL, assert_close
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
 
 
+@pytest.mark.slow  # ~15 s; the FP8 test below runs the same Pallas model path (logits and MTP tokens) in CI
 def test_pallas_impl_matches_ref_logits_and_mtp_tokens():
     ref = qmtp.load(ORACLE, dtype="float32")
     pallas = dataclasses.replace(ref, impl="pallas")
