@@ -397,27 +397,24 @@ class Engine:
         no valid token), so each bucket has two compiled prefills."""
         c = self.config
         prompts = [h.prompt_ids for h, _, _ in group]
-        tokens, n_valid = api._prompt_batch(prompts)  # [n, T], [n]
+        n = 1 if len(group) == 1 else self._group_rows(api._bucket(max(len(p) for p in prompts)))
+        tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
         bucket = tokens.shape[1]
-        n = 1 if len(group) == 1 else self._group_rows(bucket)
         ids = np.full(n, c.batch_slots, np.int32)
         page_rows = np.zeros((n, self.pages_per_slot), np.int32)
         stop_rows = np.full((n, c.max_stop_ids), decode.NO_STOP, np.int32)
         remaining = np.ones(n, np.int32)
-        padded_tokens = np.zeros((n, bucket), np.int32)
-        padded_valid = np.zeros(n, np.int32)
-        padded_tokens[:len(group)], padded_valid[:len(group)] = np.asarray(tokens), np.asarray(n_valid)
         for j, (handle, slot, reservation) in enumerate(group):
             self._active[slot] = _Active(handle, reservation, self._text_stream(handle))
             ids[j], remaining[j] = slot, handle.max_tokens
             page_rows[j], stop_rows[j] = self._rows_for(handle, reservation)
         first, self._state, self._slots = self._call(
             slots_lib.prefill_into_slots, (self.model.cfg, bool(self.k)),
-            (self.model.params, self._state, self._slots, ids, page_rows, padded_tokens, padded_valid, remaining,
+            (self.model.params, self._state, self._slots, ids, page_rows, tokens, n_valid, remaining,
              stop_rows), ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"), impl=self.model.impl)
         self.counters["prefills"] += 1
         first = np.asarray(first)
-        for j, (handle, slot, _) in enumerate(group):
+        for handle, slot, _ in group:
             key = tuple(handle.prompt_ids)
             if self.snapshots.enabled and handle.id >= 0 and key not in self.snapshots:
                 self._save_snapshot(key, slot, len(handle.prompt_ids), bucket)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import sys
 import time

@@ -399,7 +399,6 @@ def test_single_row_path_switch(monkeypatch):
     """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1dot)."""
     assert not fm.decode_config(1, 17408, 5120).use_dot
     monkeypatch.setattr(fm, "M1_CUDA_CORE", False)
-    assert fm.decode_config(1, 17408, 5120) == fm.decode_config(1, 17408, 5120)
     assert fm.decode_config(1, 17408, 5120).use_dot and fm.decode_config(1, 17408, 5120).block_o == 64
 
 
