@@ -111,6 +111,9 @@ gpu1() {
   # issue 4: the 64-layer step with the single-row FP8 path both ways (verify at 4 rows beat 1 row)
   job bench_step 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1dot \
     --out=$R/bench_step.json
+  # issue 4: FP8 decode rows and the >= 1024-row prefill path (dequantize once + XLA dot) vs the kernel
+  job bench_fp8 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms=1024 \
+    --out=$R/bench_fp8.json
   touch $R/gpu1.done
 }
 
