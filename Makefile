@@ -1,4 +1,4 @@
-# qmtp: `make demo` runs the embedded tiny default, `make test` runs the CPU suite.
+# qmtp: `make demo` runs the shipped demo model (models/qmtp-demo), `make test` runs the CPU suite.
 # Both create .venv with Python 3.12 on first use.
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m qmtp.generate --flagfile=configs/tiny.flags
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m qmtp.generate --flagfile=configs/demo.flags
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -x --timeout=900
