@@ -144,16 +144,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-# One row of a wide weight takes the CUDA-core path (False: the tensor-core path of M > 1). A
-# module switch so that `python -m pallas_kernels.bench --parts=step --step_impls=pallas_m1dot`
-# can time the whole step both ways: in the 64-layer step a 4-row verify pass (12.9 ms) measured
-# faster than a 1-row step (14.2 ms), though the isolated sweeps favoured the CUDA-core path.
-M1_CUDA_CORE = True
+# True: one row of a wide weight takes the CUDA-core (FMA) path; False: every M <= DECODE_MAX_ROWS
+# takes the tensor-core configuration. Measured in the 64-layer 27B step on the H200 (2026-11-30,
+# `python -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1fma`): 12.93 ms with
+# the tensor-core path vs 14.27 ms with the FMA path, though the isolated per-weight sweeps had
+# favoured FMA. The module switch keeps the other path measurable (step variant "pallas_m1fma").
+# With it off, a row's result also no longer depends on whether it is decoded alone or with others
+# in a verify pass of <= 16 rows (one tile configuration, one reduction order).
+M1_CUDA_CORE = False
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
-    WORKSPACE.md). One row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
+    WORKSPACE.md). With M1_CUDA_CORE, one row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
     programs, 2 warps, 4 chunks per iteration (2.0-2.5 TB/s vs 1.5-2.1 for the 64-row default).
     Otherwise 64-row programs, split_k (a power of two <= 8, >= 4 chunks per split) until the grid
     has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more

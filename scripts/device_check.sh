@@ -33,7 +33,7 @@ for s in "${steps[@]}"; do
     fp8) bench fp8 240 ;;
     gdn) bench gdn 150 ;;
     attention) bench attention 150 ;;
-    step) bench step 300 --step_impls=pallas,pallas_m1dot,ref ;;
+    step) bench step 300 --step_impls=pallas,pallas_m1fma,ref ;;
     spec) run_step spec 300 python3 scripts/gpu_spec.py --impl=pallas --cases=q35_27b_controlled_fp8 \
             --out="$OUT/spec.json" ;;
     bench27) run_step bench27 560 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --repeats=2 \

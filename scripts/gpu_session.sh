@@ -109,7 +109,7 @@ gpu1() {
     --engine=pallas --dtype=float32 --ks=1,3 --profile= --breakdown=false --max_new_tokens=256 --repeats=2 \
     --prompt_text='def fibonacci(' --out=$R/demo_bench_f32.json
   # issue 4: the 64-layer step with the single-row FP8 path both ways (verify at 4 rows beat 1 row)
-  job bench_step 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1dot \
+  job bench_step 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1fma \
     --out=$R/bench_step.json
   # issue 4: FP8 decode rows and the >= 1024-row prefill path (dequantize once + XLA dot) vs the kernel
   job bench_fp8 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms=1024 \

@@ -295,9 +295,9 @@ def test_interpret_mode_poisons_out_of_bounds():
 def test_default_config_heuristic():
     assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
     assert isinstance(fm.default_config(17, 17408, 5120), PrefillConfig)
-    assert fm.default_config(1, 17408, 5120) == DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2,
-                                                             num_stages=3, chunks_per_step=4)
-    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=False)
+    # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
+    assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
+    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True)
     assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False)
     # narrow O: 80 row blocks -> split-K 4 -> 320 programs on 132 SMs
     assert fm.default_config(5, 5120, 17408).split_k == 4
@@ -396,10 +396,12 @@ def test_linear_sends_many_rows_to_dequant_dot(monkeypatch):
 
 
 def test_single_row_path_switch(monkeypatch):
-    """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1dot)."""
-    assert not fm.decode_config(1, 17408, 5120).use_dot
-    monkeypatch.setattr(fm, "M1_CUDA_CORE", False)
+    """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1fma)."""
     assert fm.decode_config(1, 17408, 5120).use_dot and fm.decode_config(1, 17408, 5120).block_o == 64
+    monkeypatch.setattr(fm, "M1_CUDA_CORE", True)
+    assert fm.decode_config(1, 17408, 5120) == DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2,
+                                                            num_stages=3, chunks_per_step=4)
+    assert fm.decode_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -416,7 +418,8 @@ E, F = 5120, 17408  # Qwen3.5-27B hidden and ffn sizes
 
 
 LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
-    "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 16, 1), 0),  # FMA path
+    "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 64, 2), 1),  # tensor-core path (the default)
+    "decode_m1_gate_up_fma": (1, F, E, jnp.bfloat16, (F // 16, 1), 0),  # M1_CUDA_CORE on: FMA path
     "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 2), 1),
     "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 4), 1),
     "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
@@ -428,9 +431,13 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
 }
 
 
+FMA_CASES = {"decode_m1_gate_up_fma", "ragged_fma"}  # lowered with fp8_matmul.M1_CUDA_CORE on
+
+
 @pytest.mark.parametrize("name", list(LOWER_CASES))
-def test_kernel_lowers_for_h200(name):
+def test_kernel_lowers_for_h200(name, monkeypatch):
     m, o, i, x_dtype, grid, n_dots = LOWER_CASES[name]
+    monkeypatch.setattr(fm, "M1_CUDA_CORE", name in FMA_CASES)
     sds = jax.ShapeDtypeStruct
     args = (sds((m, i), x_dtype), sds((o, i), jnp.float8_e4m3fn), sds((-(-o // 128), -(-i // 128)), jnp.float32))
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args)

@@ -37,7 +37,7 @@ flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model 
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
                   "step: implementations to time (pallas_separate: Pallas with one kernel launch per projection; "
-                  "pallas_m1dot: the FP8 tensor-core configuration for single rows too).")
+                  "pallas_m1fma: single FP8 rows on the CUDA cores, the former default).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 FLAGS = flags.FLAGS
 
