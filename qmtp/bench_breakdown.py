@@ -4,7 +4,9 @@ A round of MTP K is (K-1) draft steps + one verify pass over K+1 tokens + the GD
 one draft refresh (speculate.spec_loop). Each piece runs `n` times inside a jitted fori_loop over
 the loaded model and a real decode state (positions reset every iteration, so the cache never
 grows); its time is (t(n_long) - t(n_short)) / (n_long - n_short) with one compiled program, so
-dispatch and set-up cancel:
+dispatch and set-up cancel. The fresh state of each call is built and on the device before its
+clock starts: at TP2 building it took long and varied enough to swamp the difference (a draft
+step of -1.4 ms in the first TP2 run).
 
     target_step  model.forward over 1 token + logits + argmax       (a plain decode step)
     verify       model.forward over K+1 tokens with the GDN replay + logits + argmax
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from qmtp import decode, model as model_lib, mtp, tp
 from qmtp.config import ModelConfig
 
-N_SHORT, N_LONG = 2, 10
+N_SHORT, N_LONG, REPEATS = 2, 18, 3
 
 
 def _reset(state, lengths):
@@ -103,13 +105,15 @@ def all_reduce_loop(cfg: ModelConfig, params, state, n):
     return x[:, 0].astype(jnp.int32), state
 
 
-def _time_piece(call, n_short=N_SHORT, n_long=N_LONG) -> float:
-    """Seconds per iteration of a loop `call(n) -> result`, from two trip counts (compiled once)."""
-    jax.block_until_ready(call(n_short))  # compile + warm up
+def _time_piece(call, make_input, n_short=N_SHORT, n_long=N_LONG, repeats=REPEATS) -> float:
+    """Seconds per iteration of a loop `call(input, n) -> result`, from two trip counts (compiled
+    once); `make_input()` builds each call's (donated) input outside the timed region."""
+    jax.block_until_ready(call(make_input(), n_short))  # compile + warm up
     times = {}
-    for n in (n_short, n_long, n_short, n_long):
+    for n in (n_short, n_long) * repeats:
+        x = jax.block_until_ready(make_input())
         t = time.perf_counter()
-        jax.block_until_ready(call(n))
+        jax.block_until_ready(call(x, n))
         times.setdefault(n, []).append(time.perf_counter() - t)
     return (min(times[n_long]) - min(times[n_short])) / (n_long - n_short)
 
@@ -125,10 +129,10 @@ def measure(model, new_state, k: int) -> dict:
     for name, (fn, extra) in pieces.items():
         static = dict(extra, impl=model.impl) if fn is not all_reduce_loop else {}
 
-        def call(n, fn=fn, static=static):
-            args = (model.params, new_state(), jnp.int32(n))
+        def call(state, n, fn=fn, static=static):
+            args = (model.params, state, jnp.int32(n))
             return _call(model, fn, (model.cfg,), args, ("params", "state", "rep"), ("rep", "state"), **static)
 
-        out[name] = _time_piece(call)
+        out[name] = _time_piece(call, new_state)
     out["predicted_round"] = (k - 1) * out["draft"] + out["verify"] + out["commit"] + out["draft"]
     return out

@@ -119,3 +119,23 @@ def test_two_engines_share_the_weights_and_are_compared(tmp_path):
     bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--engine=xla",
                     tmp_path=tmp_path, cache=tmp_path / "cache")
     assert bad.returncode == 2 and "--engine=xla: expected pallas and/or ref" in bad.stderr
+
+
+def test_breakdown_timing_leaves_out_building_the_input(monkeypatch):
+    """A piece's time is its loop's alone: building the fresh (donated) state of each call, slow and
+    variable at TP2, must not enter the difference of the two trip counts. A fake clock: input
+    builds cost 0-50 units at random, the loop costs 1.0 per iteration."""
+    from qmtp import bench_breakdown as bd
+    rng = np.random.default_rng(0)
+    clock = [0.0]
+    monkeypatch.setattr(bd.time, "perf_counter", lambda: clock[0])
+
+    def make_input():
+        clock[0] += float(rng.uniform(0, 50))
+        return np.zeros(1)
+
+    def call(x, n):
+        clock[0] += 1.0 * n
+        return x
+
+    assert bd._time_piece(call, make_input) == pytest.approx(1.0)
