@@ -191,6 +191,11 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     return case
 
 
+def _fp8_m1_cuda_core() -> bool:
+    from pallas_kernels import fp8_matmul
+    return fp8_matmul.M1_CUDA_CORE
+
+
 def main(argv):
     del argv
     from qmtp import bench_report as br
@@ -243,6 +248,8 @@ def _run() -> int:
               "engine": ",".join(engines), "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
               "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
               "prompt_lengths": FLAGS.prompt_lengths,
+              # settings outside the flags that change the figures (collectives, the FP8 single-row path)
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "fp8_m1_cuda_core": _fp8_m1_cuda_core(),
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
               "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
