@@ -27,9 +27,16 @@ SHARED_PROJECTION_LAUNCH = True
 # (measured: a 64-token prefill asked for 384 KiB of shared memory at D = 256).
 PAGED_ATTENTION_MAX_QUERIES = 8
 # FP8 projections of at least this many rows (prefill of long prompts) dequantize the weight once and
-# use XLA's dot (fp8_matmul.fp8_matmul_dequant_dot: ~2.7x the Pallas GEMM's TFLOP/s at M = 1024);
-# fewer rows stream the FP8 weight through the Pallas kernels. 0 disables it (bench comparisons).
+# use XLA's dot (fp8_matmul.fp8_matmul_dequant_dot: 1.9-2.5x the Pallas GEMM's TFLOP/s at M = 1024 on
+# the five 27B shapes, H200 2026-11-30); fewer rows stream the FP8 weight through the Pallas kernels.
+# 0 disables it (bench comparisons).
 DEQUANT_DOT_MIN_ROWS = 1024
+# True: a single FP8 row (plain decode at batch 1) takes XLA's fused dequantize + dot (the reference
+# formula) instead of the Pallas kernel. Off until the whole step measures faster with it
+# (`pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1xla`): per weight, XLA's fusion
+# streamed 1.65-2.15 TB/s at M = 1 on four of the five 27B shapes where the Pallas CUDA-core path
+# gave 1.24-1.95 (mlp_down the exception: 1.26 vs 1.63).
+XLA_SINGLE_ROW = False
 
 
 def check_impl(impl: str) -> None:
@@ -51,7 +58,7 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
         rows = math.prod(x.shape[:-1])
         if impl == "pallas" and DEQUANT_DOT_MIN_ROWS and rows >= DEQUANT_DOT_MIN_ROWS:
             return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype)
-        if impl == "pallas":
+        if impl == "pallas" and not (XLA_SINGLE_ROW and rows == 1):
             return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
@@ -64,7 +71,8 @@ def linear_many(x: jax.Array, ws, impl: str = "ref") -> tuple[jax.Array, ...]:
     weights Fp8Block, the few-row (decode / verify) case runs as one kernel launch over all of them
     (fewer launches per layer; measured in WORKSPACE.md); otherwise one matmul each."""
     check_impl(impl)
-    if impl == "pallas" and SHARED_PROJECTION_LAUNCH and all(isinstance(w, Fp8Block) for w in ws):
+    single_xla = XLA_SINGLE_ROW and math.prod(x.shape[:-1]) == 1
+    if impl == "pallas" and SHARED_PROJECTION_LAUNCH and not single_xla and all(isinstance(w, Fp8Block) for w in ws):
         return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret())
     return tuple(linear(x, w, impl) for w in ws)
 

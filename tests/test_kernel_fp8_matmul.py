@@ -395,6 +395,29 @@ def test_linear_sends_many_rows_to_dequant_dot(monkeypatch):
     assert calls == [(6, 129)]
 
 
+def test_xla_single_row_switch_routes_only_one_row(monkeypatch):
+    """ops.XLA_SINGLE_ROW (bench: --step_impls=pallas_m1xla): one row goes to XLA's formula, in
+    linear and linear_many; two rows stay on the kernel."""
+    from qmtp import ops
+    from qmtp.fp8 import Fp8Block
+    rng = np.random.default_rng(6)
+    x, wq, scale = exact_problem(rng, 2, 130, 129)
+    w = Fp8Block(jnp.asarray(wq), jnp.asarray(scale))
+    calls = []
+    for name in ("fp8_matmul", "fp8_matmul_many", "fp8_matmul_ref"):
+        real = getattr(fm, name)
+        monkeypatch.setattr(fm, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.setattr(ops, "XLA_SINGLE_ROW", True)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ops.linear(xb[:1], w, "pallas", jnp.float32)), f64_formula(x, wq, scale)[:1])
+    ops.linear_many(xb[:1], (w, w), "pallas")
+    assert calls == ["fp8_matmul_ref"] * 3
+    calls.clear()
+    ops.linear(xb, w, "pallas")
+    ops.linear_many(xb, (w, w), "pallas")
+    assert calls and "fp8_matmul_ref" not in calls  # the kernels (fp8_matmul launches through _many)
+
+
 def test_single_row_path_switch(monkeypatch):
     """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1fma)."""
     assert fm.decode_config(1, 17408, 5120).use_dot and fm.decode_config(1, 17408, 5120).block_o == 64

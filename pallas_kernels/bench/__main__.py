@@ -37,7 +37,8 @@ flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model 
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
                   "step: implementations to time (pallas_separate: Pallas with one kernel launch per projection; "
-                  "pallas_m1fma: single FP8 rows on the CUDA cores, the former default).")
+                  "pallas_m1fma: single FP8 rows on the CUDA cores, the former default; pallas_m1xla: single FP8 rows "
+                  "on XLA's fused dequantize + dot).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 FLAGS = flags.FLAGS
 

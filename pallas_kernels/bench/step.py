@@ -1,7 +1,8 @@
 """The whole target decode step at the Qwen3.5-27B shapes: impl="pallas" vs impl="ref", batch 1
 and the Pallas path with one kernel launch per projection ("pallas_separate": what
 `qmtp.ops.linear_many`'s shared launch saves) or with the FP8 tensor-core configuration for the
-single row on the CUDA cores ("pallas_m1fma", the default before 2026-11-30; see fp8_matmul.M1_CUDA_CORE).
+single row on the CUDA cores ("pallas_m1fma", the default before 2026-11-30; see fp8_matmul.M1_CUDA_CORE),
+or with single FP8 rows on XLA's fused dequantize + dot ("pallas_m1xla", see ops.XLA_SINGLE_ROW).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
@@ -24,8 +25,9 @@ import time
 import numpy as np
 
 
-# name -> (ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE) for impl="pallas"
-VARIANTS = {"pallas": (True, False), "pallas_separate": (False, False), "pallas_m1fma": (True, True)}
+# name -> (ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE, ops.XLA_SINGLE_ROW) for impl="pallas"
+VARIANTS = {"pallas": (True, False, False), "pallas_separate": (False, False, False),
+            "pallas_m1fma": (True, True, False), "pallas_m1xla": (True, False, True)}
 
 
 @functools.partial(__import__("jax").jit, static_argnums=(1, 2, 3))
@@ -100,7 +102,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         # variants of impl="pallas" with one of qmtp.ops' measured policies off (VARIANTS);
         # jax.clear_caches() so the loop is traced again under the setting
         impl = "ref" if name == "ref" else "pallas"
-        ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE = VARIANTS.get(name, VARIANTS["pallas"])
+        ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE, ops.XLA_SINGLE_ROW = VARIANTS.get(name, VARIANTS["pallas"])
         jax.clear_caches()
         row = {"kernel": "decode_step", "case": case, "impl": name, "preset": preset,
                "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,
@@ -127,4 +129,4 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         except Exception as e:
             row["error"] = repr(e)[:1000]
         emit(row)
-    ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE = VARIANTS["pallas"]
+    ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE, ops.XLA_SINGLE_ROW = VARIANTS["pallas"]
