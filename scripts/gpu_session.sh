@@ -14,12 +14,13 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: write the Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1, then
-#          the server load test on that checkpoint (issue 7): MTP K=3, then plain (shorter)
-#   GPU 1: train the demo model twice (issue 8: MTP depth 1, and the drafting chain to depth 3),
-#          bench both (plain vs MTP on text prompts), then the 64-layer decode step with both
-#          single-row FP8 paths (issue 4)
-#   both:  once both lines ended, the qmtp.bench table at TP2 and a second (cached) TP2 load
+#   GPU 0: the 64-layer decode step with the three single-row FP8 paths (issue 4), the
+#          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1; with SERVE=1
+#          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
+#   GPU 1: FP8 matmuls at the row counts of batched verify (8-32 rows: the server's batch-8 MTP
+#          rounds), then (TRAIN=1) the two demo recipes and their benches (issue 8)
+#   both:  once both lines ended, TP2 plain + K=3 with and without XLA's one-shot all-reduce kernel
+#          (short runs), then the full TP2 table with the faster setting and the TP2 load times
 set -u
 R=/tmp/qmtp_run
 SRC=/tmp/qmtp_src
@@ -51,13 +52,15 @@ job() {  # name timeout_s command... (one line of the log per job start/end in $
 
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
+  # issue 4: the 64-layer step with each single-row FP8 path (tensor-core default, CUDA-core, XLA)
+  job bench_step 360 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1fma,pallas_m1xla \
+    --out=$R/bench_step.json
   job checkpoint27 300 python3 -c "
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
   job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
     --converted_cache=/tmp/qmtp_conv
-  serve 3 8003 full
-  serve 0 8000 short
+  if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
 
@@ -94,40 +97,40 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # two demo recipes (issue 8): the config as is (MTP depth 1), and the drafting chain trained to depth 3
-  job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
-  job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
-    --mtp_depth=3 --mtp_loss_weight=0.5
-  for run in train train_d3; do
-    [ -f $R/$run/export/config.json ] || continue
-    job demo_bench_$run 150 python3 -m qmtp.bench --checkpoint=$R/$run/export --engine=pallas \
-      --dtype=bfloat16 --ks=1,2,3 --profile= --breakdown=false --max_new_tokens=256 --repeats=3 \
-      --prompt_text='def fibonacci(' --prompt_text='import os' --out=$R/demo_bench_$run.json
-  done
-  # float32: do MTP and plain agree token for token there too (bf16 verify rounds differently)?
-  [ -f $R/train/export/config.json ] && job demo_bench_f32 150 python3 -m qmtp.bench --checkpoint=$R/train/export \
-    --engine=pallas --dtype=float32 --ks=1,3 --profile= --breakdown=false --max_new_tokens=256 --repeats=2 \
-    --prompt_text='def fibonacci(' --out=$R/demo_bench_f32.json
-  # issue 4: the 64-layer step with the single-row FP8 path both ways (verify at 4 rows beat 1 row)
-  job bench_step 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1fma \
-    --out=$R/bench_step.json
-  # issue 4: FP8 decode rows and the >= 1024-row prefill path (dequantize once + XLA dot) vs the kernel
-  job bench_fp8 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms=1024 \
-    --out=$R/bench_fp8.json
+  # the server's MTP rounds at batch 8 verify 8 x (K+1) = 32 rows: which FP8 path do 8-32 rows take, how fast
+  job bench_fp8_rows 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=8,16,32 --fp8_prefill_ms= \
+    --out=$R/bench_fp8_rows.json
+  if [ "${TRAIN:-0}" = 1 ]; then
+    job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
+    job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
+      --mtp_depth=3 --mtp_loss_weight=0.5
+    for run in train train_d3; do
+      [ -f $R/$run/export/config.json ] || continue
+      job demo_bench_$run 150 python3 -m qmtp.bench --flagfile=configs/bench_demo.flags --checkpoint=$R/$run/export \
+        --engine=pallas --dtype=bfloat16 --out=$R/demo_bench_$run.json
+    done
+  fi
   touch $R/gpu1.done
 }
 
 both() {
   while [ ! -f $R/gpu0.done ] || [ ! -f $R/gpu1.done ]; do sleep 5; done
   unset CUDA_VISIBLE_DEVICES
-  job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --out=$R/bench27_tp2.json \
-    --converted_cache=/tmp/qmtp_conv
-  job load_tp2_cached 150 python3 -c "
-import time, qmtp; from qmtp.tools.make_checkpoint import resolve_checkpoint
-p = resolve_checkpoint('preset:qwen3_5_27b_controlled:fp8', None)
-for cache in ('/tmp/qmtp_conv', None):
-    t = time.time(); m = qmtp.load(p, dtype='bfloat16', impl='pallas', tp=2, converted_cache=cache)
-    print('tp2 load', 'converted cache' if cache else 'safetensors', round(time.time() - t, 1), 's'); del m"
+  # issue 5: 131 small all-reduces per step; XLA's own one-shot kernel for small all-reduces vs NCCL
+  local oneshot=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true
+  for mode in nccl oneshot; do
+    XLA_FLAGS="$([ $mode = oneshot ] && echo $oneshot)" job tp2_$mode 420 python3 -m qmtp.bench \
+      --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 --out=$R/tp2_$mode.json --converted_cache=/tmp/qmtp_conv
+  done
+  local best=$(python3 -c "
+import json
+def plain(m):
+    try: return json.load(open('$R/tp2_%s.json' % m))['cases'][0]['modes'][0]['decode_tokens_per_s']['median']
+    except Exception: return 0.0
+print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
+  echo "full TP2 table with XLA_FLAGS='$best'" >>$R/jobs.log
+  XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
+    --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv
   touch $R/all.done
 }
 
