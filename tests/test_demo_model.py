@@ -13,7 +13,7 @@ from qmtp import api, train_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "models", "qmtp-demo")
-WINDOWS, SEQ_LEN = 6, 256
+WINDOWS, SEQ_LEN = 8, 256
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,13 @@ def test_shipped_files_fit_the_repository_limits():
 
 
 def test_heldout_teacher_forced_acceptance_reaches_the_issue_bar(demo):
-    # 2% of 5 MB: about 100 KB of held-out stdlib source
-    corpus = train_data.load_corpus("stdlib", eval_fraction=0.02, max_bytes=5_000_000)
+    # the split's hash holds out whole top-level modules / packages; of Python 3.12's stdlib that is
+    # webbrowser.py (~7.3k tokens): windows spread over all of it
+    corpus = train_data.load_corpus("stdlib", eval_fraction=0.02)
     stream = train_data.encode_stream(demo.tokenizer, corpus.eval_texts)
-    windows = train_data.eval_windows(stream, WINDOWS, SEQ_LEN)
-    assert len(windows) == WINDOWS
-    acceptance = float(np.mean([api.mtp_logits(demo, w.tolist()).agreement for w in windows]))
+    assert stream.size >= 4 * SEQ_LEN
+    starts = np.linspace(0, stream.size - SEQ_LEN, WINDOWS).astype(int)
+    acceptance = float(np.mean([api.mtp_logits(demo, stream[a:a + SEQ_LEN].tolist()).agreement for a in starts]))
     assert acceptance >= 0.6, acceptance
 
 
