@@ -96,7 +96,13 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 # together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
 # ----------------------------------------------------------------------------------------------
 
-DECODE_MAX_ROWS = 16  # M above this runs the prefill GEMM
+DECODE_MAX_ROWS = 16  # M above this runs the prefill GEMM (default_config's dispatch)
+# A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 64] f32 accumulator).
+# Why more than DECODE_MAX_ROWS: a batched verify (8 slots x K+1 = 32 rows) on the GEMM tiles gives
+# narrow weights few programs (mlp_down [5120, 17408] at BN = 128: 40 programs on 132 SMs), where the
+# decode grid splits K as well. Selectable by `config=` and swept by the bench (M = 17..64) until
+# measured; the dispatch threshold moves when the numbers say so.
+DECODE_DOT_MAX_ROWS = 64
 DOT_MIN = 16  # smallest M / N / K of a Triton dot
 FMA_MAX_ROWS = 8  # the CUDA-core path keeps one [block_o, 128] f32 accumulator per row in registers
 SM_COUNT = 132  # H200 streaming multiprocessors (the split-K heuristic's occupancy target)
@@ -333,8 +339,8 @@ def _check_config(config, m: int) -> None:
         c = config
         if not (_is_pow2(c.block_o) and DOT_MIN <= c.block_o <= BLOCK):
             raise ValueError(f"fp8_matmul: DecodeConfig.block_o={c.block_o} must be a power of two in [16, 128]")
-        if m > DECODE_MAX_ROWS:
-            raise ValueError(f"fp8_matmul: DecodeConfig is for M <= {DECODE_MAX_ROWS} rows, got M={m}")
+        if m > DECODE_DOT_MAX_ROWS:
+            raise ValueError(f"fp8_matmul: DecodeConfig is for M <= {DECODE_DOT_MAX_ROWS} rows, got M={m}")
         if not c.use_dot and m > FMA_MAX_ROWS:
             raise ValueError(f"fp8_matmul: DecodeConfig(use_dot=False) is for at most {FMA_MAX_ROWS} rows, got M={m}")
         if c.split_k < 1:

@@ -187,6 +187,8 @@ CONFIGS = {  # name: (config, rows)
     "decode_fma_rows": (DecodeConfig(block_o=16, use_dot=False, chunks_per_step=2, split_k=2), [3, 8]),
     "decode_dot_unroll2_split2": (DecodeConfig(split_k=2, chunks_per_step=2), [5]),
     "decode_dot_unroll4": (DecodeConfig(block_o=16, chunks_per_step=4), [2, 16]),
+    # a batched verify's rows on the decode grid: BM = 32 and 64, ragged M padded inside the tile
+    "decode_dot_verify_rows": (DecodeConfig(split_k=2), [32, 40, 64]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -346,8 +348,8 @@ def test_wrapper_rejects_int32_offset_overflow():
 
 def test_decode_config_rejects_many_rows():
     rng = np.random.default_rng(0)
-    x, wq, scale = exact_problem(rng, 17, 130, 129)
-    with pytest.raises(ValueError, match=r"DecodeConfig is for M <= 16 rows, got M=17"):
+    x, wq, scale = exact_problem(rng, 65, 130, 129)
+    with pytest.raises(ValueError, match=r"DecodeConfig is for M <= 64 rows, got M=65"):
         fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(scale), interpret=True,
                       config=DecodeConfig())
 
@@ -445,6 +447,7 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     "decode_m1_gate_up_fma": (1, F, E, jnp.bfloat16, (F // 16, 1), 0),  # M1_CUDA_CORE on: FMA path
     "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 2), 1),
     "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 4), 1),
+    "decode_m32_down_verify": (32, E, F, jnp.bfloat16, (E // 64, 4), 1),  # DecodeConfig by hand (below)
     "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
     "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
     "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),
@@ -463,9 +466,10 @@ def test_kernel_lowers_for_h200(name, monkeypatch):
     monkeypatch.setattr(fm, "M1_CUDA_CORE", name in FMA_CASES)
     sds = jax.ShapeDtypeStruct
     args = (sds((m, i), x_dtype), sds((o, i), jnp.float8_e4m3fn), sds((-(-o // 128), -(-i // 128)), jnp.float32))
-    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args)
+    # verify rows above DECODE_MAX_ROWS take the decode grid only when asked (config=)
+    config = fm.decode_config(m, o, i) if m > fm.DECODE_MAX_ROWS and "decode" in name else fm.default_config(m, o, i)
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
-    config = fm.default_config(m, o, i)
     assert tuple(attr_int(cfg, f"grid_{a}") for a in "xy") == grid and attr_int(cfg, "grid_z") == 1
     assert attr_int(cfg, "num_warps") == config.num_warps and attr_int(cfg, "num_stages") == config.num_stages
     assert "scf.for" in ir_text, "the chunk loop is not an scf.for (Triton cannot pipeline it)"

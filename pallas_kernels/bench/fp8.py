@@ -100,11 +100,17 @@ def _pinned_dequantize(matmul):
 
 def candidate_configs(m: int) -> list:
     """Tile configs the sweep tries besides the default (compile time: a few seconds each)."""
-    from pallas_kernels.fp8_matmul import FMA_MAX_ROWS, DecodeConfig, PrefillConfig
+    from pallas_kernels.fp8_matmul import DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, DecodeConfig, PrefillConfig
     if m > 16:
-        return [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+        gemm = [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
                 for bm, bn, nw, ns in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4),
-                                       (64, 64, 4, 4), (256, 128, 8, 3)]]
+                                       (64, 64, 4, 4), (256, 128, 8, 3), (32, 64, 4, 4), (32, 128, 4, 4)]]
+        if m > DECODE_DOT_MAX_ROWS:
+            return gemm
+        # a batched verify: the weight-streaming decode grid (split-K) with the tensor-core dot
+        return gemm + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns)
+                       for bo, sk, sw, nw, ns in [(64, 2, True, 4, 4), (64, 4, True, 4, 4), (64, 2, False, 4, 4),
+                                                  (32, 4, True, 4, 4), (64, 4, False, 8, 3), (128, 2, False, 8, 3)]]
     fma = []  # (block_o, split_k, num_warps, num_stages, chunks_per_step)
     if m == 1:
         fma = [(16, 1, 2, 3, 4), (16, 1, 2, 3, 8), (16, 1, 1, 3, 8), (16, 1, 2, 2, 8), (32, 1, 4, 3, 8),
