@@ -155,7 +155,7 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     """All modes for one (batch, prompt length): random prompts, or the given token-id prompts."""
     import numpy as np
 
-    from qmtp import api, bench_report as br
+    from qmtp import api, bench_report as br, ops
     from qmtp.speculate import acceptance_schedule
     if prompts is None:
         prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)
@@ -191,11 +191,6 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     return case
 
 
-def _fp8_m1_cuda_core() -> bool:
-    from pallas_kernels import fp8_matmul
-    return fp8_matmul.M1_CUDA_CORE
-
-
 def main(argv):
     del argv
     from qmtp import bench_report as br
@@ -222,7 +217,7 @@ def _run() -> int:
     import jax
 
     import qmtp
-    from qmtp import api, bench_report as br
+    from qmtp import api, bench_report as br, ops
     from qmtp.bandwidth import copy_bandwidth
     batches, lengths = [int(b) for b in FLAGS.batch], [int(p) for p in FLAGS.prompt_lengths]
     unknown = sorted(set(FLAGS.breakdown_ks) - set(FLAGS.ks), key=int)
@@ -249,7 +244,7 @@ def _run() -> int:
               "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
               "prompt_lengths": FLAGS.prompt_lengths,
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "fp8_m1_cuda_core": _fp8_m1_cuda_core(),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
               "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,

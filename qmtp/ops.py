@@ -39,6 +39,14 @@ DEQUANT_DOT_MIN_ROWS = 1024
 XLA_SINGLE_ROW = False
 
 
+def kernel_settings() -> dict:
+    """The module switches that change which kernel runs where (recorded with benchmark figures)."""
+    return {"shared_projection_launch": SHARED_PROJECTION_LAUNCH, "dequant_dot_min_rows": DEQUANT_DOT_MIN_ROWS,
+            "xla_single_row": XLA_SINGLE_ROW, "fp8_m1_cuda_core": fp8_matmul.M1_CUDA_CORE,
+            "fp8_decode_max_rows": fp8_matmul.DECODE_MAX_ROWS,
+            "paged_attention_max_queries": PAGED_ATTENTION_MAX_QUERIES}
+
+
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: supported {IMPLS}")

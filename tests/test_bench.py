@@ -44,7 +44,7 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     assert os.path.getsize(case["plot"]) > 1000
     assert set(case["breakdown"]) == {"3"}  # --breakdown_ks
     assert case["batch"] == 1 and res["config"]["prompt_text"] == ["def fibonacci("]
-    assert res["config"]["fp8_m1_cuda_core"] is False and "xla_flags" in res["config"]
+    assert res["config"]["kernel_settings"]["fp8_m1_cuda_core"] is False and "xla_flags" in res["config"]
     for pieces in case["breakdown"].values():
         assert {"target_step", "verify", "draft", "commit", "predicted_round", "measured_round"} <= set(pieces)
     assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout and "per piece of a round" in r.stdout
