@@ -12,10 +12,11 @@ page pool, and the `decode.Slots` carry. Each iteration (a "scheduling point"):
   3. runs `rounds_per_call` MTP rounds (`speculate.spec_rounds`) or plain steps
      (`decode.greedy_steps`) over all slots; done or empty slots ride along and write nothing;
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
-Compiled programs: one loop; per prompt bucket (powers of two >= 16, as qmtp.generate) a prefill of
-one prompt and one of `prefill_batch` prompts (requests of one bucket admitted at one scheduling
-point share a pass: the weights are read once for all of them); one snapshot copy per page-count
-bucket: slot indices and page rows are traced values.
+The device side (the state, the slots carry and every device call) is `engine_device.DeviceBatch`;
+this module is the host side. Compiled programs: one loop; per prompt bucket (powers of two >= 16,
+as qmtp.generate) a prefill of one prompt and one of `prefill_batch` prompts (requests of one bucket
+admitted at one scheduling point share a pass: the weights are read once for all of them); one
+snapshot copy per page-count bucket: slot indices and page rows are traced values.
 
 Release exactly once: a slot's record lives in `_active` from admission until `_release` pops it;
 the pop is the only place that returns pages (PageAllocator.release raises on a second release) and
@@ -40,16 +41,13 @@ import threading
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from qmtp import api, decode, slots as slots_lib, speculate
-from qmtp import tp as tp_lib
+from qmtp import api, decode, speculate
+from qmtp.engine_device import DeviceBatch
 from qmtp.paging import PageAllocator
 from qmtp.requests import EngineStopped, Event, QueueFull, RequestHandle, RequestLimits
-from qmtp.snapshots import Snapshot, SnapshotStore, snapshot_bytes
-from qmtp.state import init_state
+from qmtp.snapshots import Snapshot, SnapshotStore
 from qmtp.textstream import TextStream
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
@@ -139,18 +137,9 @@ class Engine:
         self.allocator = PageAllocator(num_pages, self.page_size)
         self.limits = RequestLimits(cfg.vocab_size, self.max_model_len, self.page_size, num_pages, self.extra,
                                     c.max_stop_ids, model.tokenizer is not None)
-        table = np.zeros((c.batch_slots, self.pages_per_slot), np.int32)  # [B, Pmax]
-        dtype = api.DTYPES[model.dtype]
-        if model.mesh is not None:
-            self._state = tp_lib.init_state(cfg, model.mesh, table, num_pages, self.page_size, dtype)
-        else:
-            self._state = init_state(cfg, table, num_pages, self.page_size, dtype)
-        self._slots = decode.Slots.empty(c.batch_slots, cfg.hidden_size, c.max_stop_ids, dtype)
+        self._device = DeviceBatch(model, c.batch_slots, self.pages_per_slot, num_pages, c.max_stop_ids, self.k)
         self._free_slots = list(range(c.batch_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.snapshots.clear()  # snapshots belong to the weights they were computed with
-
-    def _call(self, fn, lead, args, kinds, out_kinds, **static):
-        return api._call(self.model, fn, lead, args, kinds, out_kinds, **static)
 
     # ---- public API ---------------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -380,13 +369,8 @@ class Engine:
         """Copies the exact-prompt snapshot of the request into `slot` and emits its first token."""
         self._active[slot] = _Active(handle, reservation, self._text_stream(handle))
         page_row, stop_row = self._rows_for(handle, reservation)
-        key = tuple(handle.prompt_ids)
-        self._state, snap_state, self._slots = self._call(
-            slots_lib.restore_snapshot, (),
-            (self._state, snap.state, self._slots, np.int32(slot), page_row, np.int32(snap.n_pages), snap.first,
-             snap.d1, snap.mh, np.int32(handle.max_tokens), stop_row),
-            ("state", "state") + ("rep",) * 9, ("state", "state", "rep"))
-        self.snapshots.replace_arrays(key, snap_state)
+        snap_state = self._device.restore(snap, slot, page_row, handle.max_tokens, stop_row)
+        self.snapshots.replace_arrays(tuple(handle.prompt_ids), snap_state)
         handle.snapshot_hit = True
         self.counters["snapshot_restores"] += 1
         self._started(handle, slot, int(np.asarray(snap.first)[0]))
@@ -408,12 +392,8 @@ class Engine:
             self._active[slot] = _Active(handle, reservation, self._text_stream(handle))
             ids[j], remaining[j] = slot, handle.max_tokens
             page_rows[j], stop_rows[j] = self._rows_for(handle, reservation)
-        first, self._state, self._slots = self._call(
-            slots_lib.prefill_into_slots, (self.model.cfg, bool(self.k)),
-            (self.model.params, self._state, self._slots, ids, page_rows, tokens, n_valid, remaining,
-             stop_rows), ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"), impl=self.model.impl)
+        first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows)
         self.counters["prefills"] += 1
-        first = np.asarray(first)
         for handle, slot, _ in group:
             key = tuple(handle.prompt_ids)
             if self.snapshots.enabled and handle.id >= 0 and key not in self.snapshots:
@@ -435,31 +415,18 @@ class Engine:
         if not self.snapshots.fits(self._snapshot_bytes(n_pages)):
             self.snapshots.too_large += 1
             return
-        self._state, snap_state, first, d1, mh = self._call(
-            slots_lib.take_snapshot, (n_pages,), (self._state, self._slots, np.int32(slot)), ("state", "rep", "rep"),
-            ("state", "state", "rep", "rep", "rep"))
+        snap_state, first, d1, mh = self._device.take_snapshot(slot, n_pages)
         self.snapshots.put(key, Snapshot(snap_state, first, d1, mh, self.allocator.pages_for(prompt_len), prompt_len))
 
     def _snapshot_bytes(self, n_pages: int) -> int:
-        return snapshot_bytes(self._state, self._slots, n_pages)
+        return self._device.snapshot_bytes(n_pages)
 
     def _run_loop(self) -> None:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
-        cfg, n = self.model.cfg, self.config.rounds_per_call
-        if self.k:
-            out, count, stats, self._state, self._slots = self._call(
-                speculate.spec_rounds, (cfg, self.k, n), (self.model.params, self._state, self._slots),
-                ("params", "state", "rep"), ("rep", "rep", "rep", "state", "rep"), impl=self.model.impl)
-        else:
-            out, count, self._state, self._slots = self._call(
-                decode.greedy_steps, (cfg, n), (self.model.params, self._state, self._slots),
-                ("params", "state", "rep"), ("rep", "rep", "state", "rep"), impl=self.model.impl)
-            stats = None
-        out, count, done = jax.device_get((out, count, self._slots.done))
+        out, count, done, stats = self._device.run(self.config.rounds_per_call)
         self.counters["loop_calls"] += 1
         if stats is not None:
-            stats = jax.device_get(stats)
             self.counters["mtp_rounds"] += int(stats["rounds"].sum())
             self.counters["mtp_drafted"] += int(stats["drafted"].sum())
             self.counters["mtp_accepted"] += int(stats["accepted"].sum())
@@ -508,7 +475,7 @@ class Engine:
 
     def _flush_retired(self) -> None:
         if self._retire_mask.any():
-            self._slots = slots_lib.retire(self._slots, jnp.asarray(self._retire_mask))
+            self._device.retire(self._retire_mask)
             self._retire_mask[:] = False
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, text: str = "") -> None:
