@@ -61,7 +61,7 @@ def main(argv):
     print(f"  plain decode step (per token): {count(plain.lower(params, state, i32(1), i32(1)).as_text())}")
     print(f"  MTP K=3 round (2 draft steps + verify + commit + draft refresh): {count(spec.lower(*args).as_text())}")
     print(f"  expected per target pass: 2 per layer (mixer out + MLP down) = {2 * layers}, + 1 embedding "
-          "+ 2 for the vocabulary-parallel argmax (max, then lowest id)")
+          "+ 1 all-gather for the vocabulary-parallel argmax ((max, id) pairs)")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,16 @@ def test_ties_across_the_shard_boundary_go_to_the_lowest_id():
     np.testing.assert_array_equal(_argmax_tp(logits, 2), want)
 
 
+def test_vocab_parallel_argmax_is_one_collective():
+    """Each collective of a TP2 decode step costs its latency: the argmax takes one, not two."""
+    import re
+    mesh = tp.make_mesh(2)
+    f = jax.jit(jax.shard_map(tp.vocab_parallel_argmax, mesh=mesh, in_specs=P(None, tp.AXIS), out_specs=P()))
+    hlo = f.lower(jnp.zeros((3, 64), jnp.bfloat16)).compile().as_text()
+    ops = re.findall(r"= \S+ (all-reduce|all-gather|collective-permute|all-to-all)(?:-start)?\(", hlo)
+    assert ops == ["all-gather"], ops
+
+
 def test_mesh_and_split_checks_name_the_limit():
     with pytest.raises(ValueError, match=r"--tp=3: 2 cpu device\(s\) visible"):
         tp.make_mesh(3)
