@@ -4,7 +4,10 @@ Held-out text comes from this machine's own standard library by the training spl
 (train_data: packages whose name hashes below eval_fraction were never trained on), tokenized with
 the checkpoint's tokenizer. An untrained or wrongly exported head scores near 0 here."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -40,10 +43,17 @@ def test_heldout_teacher_forced_acceptance_reaches_the_issue_bar(demo):
     assert acceptance >= 0.6, acceptance
 
 
-def test_mtp_k3_writes_the_plain_greedy_code_faster_per_round(demo):
-    prompt = "def fibonacci("
-    plain = api.generate(demo, [prompt], max_new_tokens=48)
-    spec = api.generate(demo, [prompt], max_new_tokens=48, mtp_k=3)
-    assert spec.tokens == plain.tokens
-    assert "def " in spec.texts[0] or "return" in spec.texts[0]  # Python-like code, not noise
-    assert spec.stats["mean_accepted_length"] > 2.0, spec.stats
+def test_make_demo_flagfile_writes_the_plain_greedy_code_with_mtp(demo, tmp_path):
+    """`make demo`'s command (configs/demo.flags, MTP K=3) in a child process: the plain greedy
+    tokens, Python-like text, acceptance statistics printed."""
+    out = tmp_path / "demo.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "qmtp.generate", "--flagfile=configs/demo.flags", "--max_new_tokens=48",
+                        f"--output_json={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mtp_k"] == 3 and "MTP K=3:" in r.stdout and "per-position acceptance" in r.stdout
+    plain = api.generate(demo, report["prompts"], max_new_tokens=48)
+    assert report["tokens"] == plain.tokens
+    assert all("return" in t or "if " in t for t in report["texts"]), report["texts"]  # code, not noise
+    assert report["stats"]["mean_accepted_length"] > 2.0, report["stats"]
