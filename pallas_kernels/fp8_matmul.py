@@ -116,7 +116,9 @@ class DecodeConfig:
     multiply + row sums; swap_ab: dot(W, x^T) instead of dot(x, W^T); num_warps / num_stages:
     Triton launch parameters (stages pipeline the chunk loop's loads); chunks_per_step: 128-column
     chunks loaded per loop iteration (more bytes in flight per program; a remainder runs one chunk
-    at a time)."""
+    at a time); scale_preload: load the program's whole run of block scales as one vector before
+    the loop and select each chunk's scale in registers, instead of one scalar global load per
+    chunk (a load the pipeliner does not prefetch: its latency may stall every iteration)."""
 
     block_o: int = 64
     split_k: int = 1
@@ -125,6 +127,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 4
     chunks_per_step: int = 1
+    scale_preload: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +161,9 @@ def _next_pow2(n: int) -> int:
 # With it off, a row's result also no longer depends on whether it is decoded alone or with others
 # in a verify pass of <= 16 rows (one tile configuration, one reduction order).
 M1_CUDA_CORE = False
+# True: default decode configs preload their block scales (DecodeConfig.scale_preload). Off until the
+# step measures it (`pallas_kernels.bench --parts=step --step_impls=pallas,pallas_preload`).
+SCALE_PRELOAD = False
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
@@ -172,14 +178,15 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     n_o, n_chunks = _cdiv(o, bo), _cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
     if m == 1 and wide and M1_CUDA_CORE:
-        return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4)
+        return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
+                            scale_preload=SCALE_PRELOAD)
     dot = m > 1 or not M1_CUDA_CORE
     split = 1
     while n_o * split < 2 * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
         split *= 2
     if dot and n_chunks >= 16:
         split = max(split, 2)
-    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide))
+    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
@@ -269,12 +276,20 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     rows_ok = (o0 + jnp.arange(bo)) < o if o % bo else None
     m_ok = jnp.arange(bm) < m if bm != m else None
     o_major = cfg.swap_ab  # dot accumulator [bo, bm] instead of [bm, bo]
+    c_first = pk * chunks_per_split
+    if cfg.scale_preload:  # this program's scales [run] in registers, lanes past the row's end 0
+        run = max(_next_pow2(chunks_per_split), 2)
+        lanes = jnp.arange(run)
+        s_run = plgpu.load(s_ref.at[srow, pl.ds(c_first, run)], mask=c_first + lanes < n_chunks, other=0.0)
 
     def chunk(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         wm = _mask2(rows_ok, cols_ok)
-        s = s_ref[srow, c]
+        if cfg.scale_preload:  # exact: a sum of one selected value and zeros
+            s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
+        else:
+            s = s_ref[srow, c]
         if cfg.use_dot:
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
             wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
@@ -287,7 +302,7 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
                      for r, a in enumerate(acc))
 
     u = cfg.chunks_per_step
-    c0 = pk * chunks_per_split
+    c0 = c_first
     c1 = jnp.minimum(c0 + chunks_per_split, n_chunks)
     if cfg.use_dot:
         acc = jnp.zeros((bo, bm) if o_major else (bm, bo), jnp.float32)
@@ -359,10 +374,10 @@ def _check_config(config, m: int) -> None:
         raise ValueError(f"fp8_matmul: bad config {config}: num_warps and num_stages must be >= 1")
 
 
-def _check_dtypes(x, w, scale, out_dtype) -> None:
+def _check_dtypes(x, w, scale, out_dtype, weight_dtype=jnp.float8_e4m3fn) -> None:
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"fp8_matmul: x has dtype {x.dtype}; bfloat16 or float32 needed")
-    if w.dtype != jnp.float8_e4m3fn:
+    if w.dtype != weight_dtype:
         raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; float8_e4m3fn needed (the checkpoint's E4M3)")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"fp8_matmul: scale has dtype {scale.dtype}; floating point needed")
@@ -380,6 +395,30 @@ def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, 
     return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config)[0]
 
 
+def bf16_matmul(x: jax.Array, w: jax.Array, out_dtype=None, *, interpret: bool = False,
+                config: DecodeConfig | None = None) -> jax.Array:
+    """x [..., I] @ w[O, I].T for a bfloat16 weight on the weight-streaming decode kernel (f32
+    accumulation, x in bf16 pieces as for FP8): at most DECODE_DOT_MAX_ROWS rows. The kernel's
+    scale grid is all ones, so each chunk's product is multiplied by 1.0 (exact) and the arithmetic
+    is the FP8 path's. Twin: `bf16_matmul_ref`. Why: one reduction order for 1..16 rows (a row's
+    logits do not depend on whether it is decoded alone or verified with others) and the lm_head
+    streamed like the FP8 weights."""
+    if w.dtype != jnp.bfloat16:
+        raise ValueError(f"bf16_matmul: w has dtype {w.dtype}; bfloat16 needed")
+    m = math.prod(x.shape[:-1])
+    config = config or decode_config(max(m, 1), w.shape[0], w.shape[-1])
+    ones = jnp.ones((_cdiv(w.shape[0], BLOCK), _cdiv(w.shape[-1], BLOCK)), jnp.float32)
+    return _matmul_many(x, (w,), (ones,), out_dtype, interpret, config, jnp.bfloat16)[0]
+
+
+def bf16_matmul_ref(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """Reference: x @ w.T in f32 (HIGHEST precision), rounded once to out_dtype (default x's)."""
+    out_dtype = out_dtype or x.dtype
+    y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype)
+
+
 def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool = False,
                     config: DecodeConfig | PrefillConfig | None = None) -> tuple[jax.Array, ...]:
     """(fp8_matmul(x, w_j, scale_j) for each j), with the weights sharing one decode launch.
@@ -387,13 +426,17 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
     Few rows (M <= 16): one pallas_call whose row blocks run over all the weights (fewer launches,
     and small projections such as k/v fill the GPU together with the large ones); the config is
     chosen for the summed O. Many rows: one GEMM per weight."""
+    return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn)
+
+
+def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype) -> tuple[jax.Array, ...]:
     ws, scales = tuple(ws), tuple(scales)
     if not ws or len(ws) != len(scales):
         raise ValueError(f"fp8_matmul_many: {len(ws)} weights and {len(scales)} scale grids; one of each per projection")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     for w, scale in zip(ws, scales):
         _check(x, w, scale)
-        _check_dtypes(x, w, scale, out_dtype)
+        _check_dtypes(x, w, scale, out_dtype, weight_dtype)
     lead, i, os = x.shape[:-1], x.shape[-1], tuple(w.shape[0] for w in ws)
     m = math.prod(lead)
     if m == 0 or i == 0 or 0 in os:
@@ -410,6 +453,9 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
     split = _cdiv(n_chunks, cps)  # no empty splits
     _check_int32(m, max(os), i, split)
     bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
+    if config.scale_preload:  # every program's vector load of `run` scales stays inside its row
+        width = (split - 1) * cps + max(_next_pow2(cps), 2)
+        scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps)
     part_dtype = out_dtype if split == 1 else jnp.float32
     args, out = align(x2, *ws, *scales)

@@ -37,12 +37,20 @@ DEQUANT_DOT_MIN_ROWS = 1024
 # streamed 1.65-2.15 TB/s at M = 1 on four of the five 27B shapes where the Pallas CUDA-core path
 # gave 1.24-1.95 (mlp_down the exception: 1.26 vs 1.63).
 XLA_SINGLE_ROW = False
+# True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
+# most fp8_matmul.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
+# (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
+# MTP in bf16 cannot leave plain greedy through a row-count-dependent GEMM. Off until measured
+# (`pallas_kernels.bench --parts=step --step_impls=pallas,pallas_bf16stream`; XLA streamed the
+# bf16 weights at 1.3-1.7 TB/s at M = 1).
+BF16_STREAMING = False
 
 
 def kernel_settings() -> dict:
     """The module switches that change which kernel runs where (recorded with benchmark figures)."""
     return {"shared_projection_launch": SHARED_PROJECTION_LAUNCH, "dequant_dot_min_rows": DEQUANT_DOT_MIN_ROWS,
-            "xla_single_row": XLA_SINGLE_ROW, "fp8_m1_cuda_core": fp8_matmul.M1_CUDA_CORE,
+            "xla_single_row": XLA_SINGLE_ROW, "bf16_streaming": BF16_STREAMING,
+            "fp8_m1_cuda_core": fp8_matmul.M1_CUDA_CORE, "fp8_scale_preload": fp8_matmul.SCALE_PRELOAD,
             "fp8_decode_max_rows": fp8_matmul.DECODE_MAX_ROWS,
             "paged_attention_max_queries": PAGED_ATTENTION_MAX_QUERIES}
 
@@ -69,6 +77,9 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
         if impl == "pallas" and not (XLA_SINGLE_ROW and rows == 1):
             return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
+    rows = math.prod(x.shape[:-1])
+    if impl == "pallas" and BF16_STREAMING and w.dtype == jnp.bfloat16 and 1 <= rows <= fp8_matmul.DECODE_MAX_ROWS:
+        return fp8_matmul.bf16_matmul(x, w, out_dtype=out_dtype, interpret=_interpret())
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
                    precision=_precision(x.dtype))
     return y.astype(out_dtype)

@@ -20,7 +20,7 @@ def bench(*args, tmp_path):
 
 def test_fp8_and_step_quick_run(tmp_path):
     out = tmp_path / "bench.json"
-    r = bench("--parts=fp8,step", "--quick", "--interpret", "--step_impls=pallas_separate,pallas_m1fma", f"--out={out}",
+    r = bench("--parts=fp8,step", "--quick", "--interpret", "--step_impls=pallas_separate,pallas_m1fma,pallas_bf16stream", f"--out={out}",
               tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -28,11 +28,13 @@ def test_fp8_and_step_quick_run(tmp_path):
     rows = res["rows"]
     assert not [r for r in rows if "error" in r], rows
     fp8 = [r for r in rows if r["kernel"] == "fp8_matmul"]
-    assert {r["impl"] for r in fp8} == {"pallas", "xla", "xla_bf16", "dequant_dot"}
+    assert {r["impl"] for r in fp8} == {"pallas", "xla", "xla_bf16", "pallas_bf16", "dequant_dot"}
     assert {r["m"] for r in fp8 if r["impl"] == "dequant_dot"} == {40}  # prefill rows only
+    bf16 = [r for r in fp8 if r["impl"] == "pallas_bf16"]
+    assert bf16 and all(r["weight_tb_s"] == 2 * r["tb_s"] for r in bf16)  # two bytes per bf16 weight
     assert all(r["rel_err"] < 1e-2 for r in fp8), fp8  # bf16 outputs of the same exact products
     step = {r["impl"]: r for r in rows if r["kernel"] == "decode_step"}
-    assert set(step) == {"pallas_separate", "pallas_m1fma"}  # the variants; the plain paths run in many tests
+    assert set(step) == {"pallas_separate", "pallas_m1fma", "pallas_bf16stream"}  # the variants; the plain paths run in many tests
     for row in step.values():
         parts = row["bytes_by_part"]
         assert row["bytes"] == sum(parts.values()) and parts["weights"] > parts["kv"] > 0

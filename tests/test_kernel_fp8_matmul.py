@@ -189,6 +189,10 @@ CONFIGS = {  # name: (config, rows)
     "decode_dot_unroll4": (DecodeConfig(block_o=16, chunks_per_step=4), [2, 16]),
     # a batched verify's rows on the decode grid: BM = 32 and 64, ragged M padded inside the tile
     "decode_dot_verify_rows": (DecodeConfig(split_k=2), [32, 40, 64]),
+    # scales loaded once per program as a vector (3 splits of I = 300 -> runs of 1; 2 chunks at 129)
+    "decode_dot_scale_preload": (DecodeConfig(split_k=3, scale_preload=True), [1, 5]),
+    "decode_dot_scale_preload_unroll": (DecodeConfig(block_o=16, chunks_per_step=2, scale_preload=True), [2]),
+    "decode_fma_scale_preload": (DecodeConfig(block_o=32, use_dot=False, split_k=2, scale_preload=True), [1, 3]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -573,3 +577,74 @@ def test_gpu_kernel_exact_on_integer_problems(name):
             got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config, interpret=False)
             np.testing.assert_array_equal(got, run_ref(x, wq, scale, jnp.bfloat16, jnp.float32),
                                           err_msg=f"{name} m={m} o={o} i={i}")
+
+
+# ------------------------------------------------------------------------------------------------
+# bf16 weights on the streaming decode kernel (fp8_matmul.bf16_matmul, ops.BF16_STREAMING)
+# ------------------------------------------------------------------------------------------------
+
+_bf16_kernel = jax.jit(fm.bf16_matmul, static_argnums=(2,), static_argnames=("interpret", "config"))
+
+
+@pytest.mark.parametrize("m, x_dtype", [(1, jnp.bfloat16), (5, jnp.float32), (16, jnp.bfloat16), (40, jnp.float32)])
+def test_bf16_matmul_exact_on_integer_problems(m, x_dtype):
+    """Integer x and bf16-exact integer weights, ragged O and I: every partial sum is exact in f32,
+    so the kernel must equal the float64 product bit for bit (40 rows: the decode grid's 64-row tile)."""
+    rng = np.random.default_rng(m)
+    for o, i in [(272, 300), (130, 129)]:
+        x = rng.integers(-4, 5, (m, i)).astype(np.float32)
+        w = rng.integers(-64, 65, (o, i)).astype(np.float32)
+        got = np.asarray(_bf16_kernel(jnp.asarray(x, x_dtype), jnp.asarray(w, jnp.bfloat16), jnp.float32,
+                                      interpret=True))
+        np.testing.assert_array_equal(got, x.astype(np.float64) @ w.astype(np.float64).T, err_msg=f"{m} {o}x{i}")
+        ref = np.asarray(fm.bf16_matmul_ref(jnp.asarray(x, x_dtype), jnp.asarray(w, jnp.bfloat16), jnp.float32))
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_bf16_matmul_rejects_other_weights():
+    with pytest.raises(ValueError, match=r"bf16_matmul: w has dtype float32; bfloat16 needed"):
+        fm.bf16_matmul(jnp.zeros((1, 8), jnp.bfloat16), jnp.zeros((8, 8), jnp.float32))
+
+
+def test_bf16_streaming_switch_routes_decode_rows_only(monkeypatch):
+    """ops.BF16_STREAMING: bf16 weights with <= 16 rows go to the kernel under impl="pallas"; more
+    rows, f32 weights and impl="ref" stay on XLA's dot."""
+    from qmtp import ops
+    calls = []
+    real = fm.bf16_matmul
+    monkeypatch.setattr(fm, "bf16_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(ops, "BF16_STREAMING", True)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.integers(-4, 5, (17, 129)), jnp.bfloat16)
+    w = jnp.asarray(rng.integers(-64, 65, (130, 129)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_array_equal(np.asarray(ops.linear(x[:3], w, "pallas", jnp.float32)), want[:3])
+    ops.linear(x, w, "pallas")  # 17 rows
+    ops.linear(x[:3], w.astype(jnp.float32), "pallas")
+    ops.linear(x[:3], w, "ref")
+    assert calls == [(3, 129)]
+
+
+def test_bf16_matmul_lowers_for_h200():
+    """The lm_head shape of the 27B (248320 x 5120 bf16) at one row: one Triton call on the decode grid."""
+    sds = jax.ShapeDtypeStruct
+    o, i = 248320, E
+    lowered = lower_for_h200(lambda x, w: fm.bf16_matmul(x, w, jnp.float32), (sds((1, i), jnp.bfloat16),
+                                                                                sds((o, i), jnp.bfloat16)))
+    [(cfg, ir_text)] = triton_calls(lowered)
+    config = fm.decode_config(1, o, i)
+    assert attr_int(cfg, "grid_x") == o // config.block_o and attr_int(cfg, "grid_y") == config.split_k
+    assert ir_text.count("tt.dot ") == 1 and "f8E4M3FN" not in ir_text
+
+
+@pytest.mark.parametrize("m, o, i", [(1, F, E), (4, E, F)])
+def test_scale_preload_lowers_for_h200(m, o, i):
+    """DecodeConfig(scale_preload=True) (the bench sweeps it) compiles for the H200: one Triton call,
+    the chunk loop still an scf.for."""
+    import dataclasses
+    sds = jax.ShapeDtypeStruct
+    config = dataclasses.replace(fm.decode_config(m, o, i), scale_preload=True)
+    args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
+    [(cfg, ir_text)] = triton_calls(lowered)
+    assert attr_int(cfg, "grid_y") == config.split_k and "scf.for" in ir_text

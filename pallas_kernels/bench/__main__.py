@@ -38,7 +38,8 @@ flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
                   "step: implementations to time (pallas_separate: Pallas with one kernel launch per projection; "
                   "pallas_m1fma: single FP8 rows on the CUDA cores, the former default; pallas_m1xla: single FP8 rows "
-                  "on XLA's fused dequantize + dot).")
+                  "on XLA's fused dequantize + dot; pallas_bf16stream: the bf16 lm_head on the streaming kernel; pallas_preload: "
+                  "block scales preloaded per program).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 FLAGS = flags.FLAGS
 

@@ -7,10 +7,12 @@ from the model's own parameter declarations) and every row count M:
     (n chosen so they hold >= 8x the L2 cache, so no weight is re-read from L2); the outputs feed a
     tiny update of x, so nothing is hoisted. Figure: fp8_tb_s = O*I bytes / time per matmul, as a
     share of the copy bandwidth; the same formula for the XLA rows so they compare by time.
+    weight_tb_s counts the bytes the row's weights really have (2 per weight for the bf16 rows).
   - prefill rows (>= 1024): TFLOP/s = 2 M O I / time, against XLA's bf16 matmul on the same shape
     (weights pre-dequantized to bf16: the best XLA can do) and XLA's dequantize-then-matmul.
-impl: pallas (default config, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
-einsum), xla_bf16 (bf16 weights, plain einsum), dequant_dot (prefill rows only: a materialized bf16
+impl: pallas (default config, the default with scale_preload, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
+einsum), xla_bf16 (bf16 weights, plain einsum), pallas_bf16 (bf16 weights on the streaming decode
+kernel, fp8_matmul.bf16_matmul; decode rows only), dequant_dot (prefill rows only: a materialized bf16
 dequantize, then XLA's dot, fp8_matmul_dequant_dot). rel_err: max |y - y_ref| / max |y_ref| of the
 first output. A per-step aggregate weights each shape by its count in a decode step.
 """
@@ -18,6 +20,7 @@ first output. A per-step aggregate weights each shape by its count in a decode s
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 
@@ -152,8 +155,13 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
             want = np.asarray(ref(x, ws[0], ss[0]), np.float64)
             runs = [("pallas", None)] + ([("pallas", c) for c in candidate_configs(m)] if sweep else [])
+            default = fm.default_config(m, o, i)
+            if isinstance(default, fm.DecodeConfig):  # always: the default with its scales preloaded
+                runs.append(("pallas", dataclasses.replace(default, scale_preload=True)))
             if xla:
                 runs += [("xla", None), ("xla_bf16", None)]
+                if m <= fm.DECODE_DOT_MAX_ROWS:
+                    runs += [("pallas_bf16", None)]
             if m > fm.DECODE_MAX_ROWS:
                 runs += [("dequant_dot", None)]  # what qmtp.ops uses from DEQUANT_DOT_MIN_ROWS rows
             for impl, config in runs:
@@ -172,16 +180,20 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         if bf16 is None:
                             deq = jax.jit(lambda w, s: fm.dequantize_ref(w, s, jnp.bfloat16))
                             bf16 = tuple(deq(w, s) for w, s in zip(ws, ss))
-                        mm = lambda x, w, s: jnp.einsum("mi,oi->mo", x, w,  # noqa: E731
-                                                        preferred_element_type=jnp.float32)
-                        prog, args = loop_program(mm, reps, True), (x, bf16, ss)
+                        if impl == "pallas_bf16":
+                            mm = lambda x, w, s: fm.bf16_matmul(x, w, interpret=interpret)  # noqa: E731
+                        else:
+                            mm = lambda x, w, s: jnp.einsum("mi,oi->mo", x, w,  # noqa: E731
+                                                            preferred_element_type=jnp.float32)
+                        prog, args = loop_program(mm, reps, impl == "xla_bf16"), (x, bf16, ss)
                     got = np.asarray(jax.jit(mm)(x, args[1][0], ss[0]).astype(jnp.float32), np.float64)
                     row["rel_err"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                     med, best = timed(prog, *args, trials=trials)
                     per = med / (reps * n)
+                    weight_bytes = o * i * (2 if impl.endswith("bf16") else 1)
                     row.update(s_per_call=per, best_s_per_call=best / (reps * n), bytes=o * i,
                                tb_s=o * i / per / 1e12, share_of_copy=o * i / per / 1e12 / copy_tb_s,
-                               tflop_s=2 * m * o * i / per / 1e12)
+                               weight_tb_s=weight_bytes / per / 1e12, tflop_s=2 * m * o * i / per / 1e12)
                     if impl == "pallas" and config is None:
                         pallas_default[m][(o, i)] = per
                 except Exception as e:  # record and go on: one failing config must not hide the others

@@ -2,7 +2,9 @@
 and the Pallas path with one kernel launch per projection ("pallas_separate": what
 `qmtp.ops.linear_many`'s shared launch saves) or with the FP8 tensor-core configuration for the
 single row on the CUDA cores ("pallas_m1fma", the default before 2026-11-30; see fp8_matmul.M1_CUDA_CORE),
-or with single FP8 rows on XLA's fused dequantize + dot ("pallas_m1xla", see ops.XLA_SINGLE_ROW).
+or with single FP8 rows on XLA's fused dequantize + dot ("pallas_m1xla", see ops.XLA_SINGLE_ROW), or
+with the bf16 lm_head on the streaming kernel ("pallas_bf16stream", see ops.BF16_STREAMING), or with
+the decode configs' block scales preloaded ("pallas_preload", see fp8_matmul.SCALE_PRELOAD).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
@@ -25,9 +27,20 @@ import time
 import numpy as np
 
 
-# name -> (ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE, ops.XLA_SINGLE_ROW) for impl="pallas"
-VARIANTS = {"pallas": (True, False, False), "pallas_separate": (False, False, False),
-            "pallas_m1fma": (True, True, False), "pallas_m1xla": (True, False, True)}
+# name -> the values of _SWITCHES (qmtp.ops / pallas_kernels.fp8_matmul module switches) for impl="pallas"
+_SWITCHES = ("SHARED_PROJECTION_LAUNCH", "M1_CUDA_CORE", "XLA_SINGLE_ROW", "BF16_STREAMING", "SCALE_PRELOAD")
+_IN_FP8_MATMUL = {"M1_CUDA_CORE", "SCALE_PRELOAD"}
+VARIANTS = {"pallas": (True, False, False, False, False), "pallas_separate": (False, False, False, False, False),
+            "pallas_m1fma": (True, True, False, False, False), "pallas_m1xla": (True, False, True, False, False),
+            "pallas_bf16stream": (True, False, False, True, False),
+            "pallas_preload": (True, False, False, False, True)}
+
+
+def _set_variant(name: str) -> None:
+    from pallas_kernels import fp8_matmul
+    from qmtp import ops
+    for switch, value in zip(_SWITCHES, VARIANTS.get(name, VARIANTS["pallas"])):
+        setattr(fp8_matmul if switch in _IN_FP8_MATMUL else ops, switch, value)
 
 
 @functools.partial(__import__("jax").jit, static_argnums=(1, 2, 3))
@@ -75,8 +88,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
 
     from qmtp import config as qc
-    from pallas_kernels import fp8_matmul
-    from qmtp import bench_report, decode, ops
+    from qmtp import bench_report, decode
     from qmtp.state import init_state
     from qmtp.tools import make_checkpoint
 
@@ -102,7 +114,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         # variants of impl="pallas" with one of qmtp.ops' measured policies off (VARIANTS);
         # jax.clear_caches() so the loop is traced again under the setting
         impl = "ref" if name == "ref" else "pallas"
-        ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE, ops.XLA_SINGLE_ROW = VARIANTS.get(name, VARIANTS["pallas"])
+        _set_variant(name)
         jax.clear_caches()
         row = {"kernel": "decode_step", "case": case, "impl": name, "preset": preset,
                "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,
@@ -129,4 +141,4 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         except Exception as e:
             row["error"] = repr(e)[:1000]
         emit(row)
-    ops.SHARED_PROJECTION_LAUNCH, fp8_matmul.M1_CUDA_CORE, ops.XLA_SINGLE_ROW = VARIANTS["pallas"]
+    _set_variant("pallas")
