@@ -40,9 +40,9 @@ XLA_SINGLE_ROW = False
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_matmul.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
-# MTP in bf16 cannot leave plain greedy through a row-count-dependent GEMM. Off until measured
-# (`pallas_kernels.bench --parts=step --step_impls=pallas,pallas_bf16stream`; XLA streamed the
-# bf16 weights at 1.3-1.7 TB/s at M = 1).
+# MTP in bf16 cannot leave plain greedy through a row-count-dependent GEMM. Off: XLA's bf16 GEMV
+# streams 2.5-3.5 TB/s at M = 1..4 on the H200, faster than this kernel is likely to; the cost of
+# the switch is measured by `pallas_kernels.bench --parts=step --step_impls=pallas,pallas_bf16stream`.
 BF16_STREAMING = False
 
 
