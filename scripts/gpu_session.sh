@@ -55,7 +55,12 @@ gpu0() {
   # issue 4: the 64-layer step with each candidate policy (single-row FP8 path: tensor-core default,
   # CUDA-core, XLA; block scales preloaded; the bf16 lm_head on the streaming kernel)
   job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_m1fma,pallas_m1xla,pallas_preload,pallas_bf16stream --out=$R/bench_step.json
+    --step_impls=pallas,pallas_m1fma,pallas_m1xla,pallas_preload,pallas_bf16stream --out=$R/bench_step.json \
+    --step_trace_dir=/tmp/qmtp_trace
+  # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
+  for d in /tmp/qmtp_trace/*/; do
+    python3 scripts/trace_summary.py "$d" --json --top=25 >$R/trace_$(basename "$d").json 2>>$R/trace.log
+  done
   job checkpoint27 300 python3 -c "
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"

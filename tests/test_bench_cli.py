@@ -45,3 +45,37 @@ def test_fp8_and_step_quick_run(tmp_path):
 def test_unknown_part_is_refused(tmp_path):
     r = bench("--parts=fp8,nope", f"--out={tmp_path / 'x.json'}", tmp_path=tmp_path)
     assert r.returncode == 2 and "unknown part(s) nope" in r.stderr
+
+
+def test_count_launches_skips_what_fusions_and_reductions_call():
+    from pallas_kernels.bench.step import count_launches
+    hlo = """HloModule m
+
+%fused_computation (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %copy.9 = f32[8]{0} copy(%p)
+  ROOT %inner = f32[8]{0} fusion(%copy.9), kind=kLoop, calls=%nested
+}
+
+%nested (q: f32[8]) -> f32[8] {
+  ROOT %q = f32[8]{0} parameter(0)
+}
+
+%add_reduce (a: f32[], b: f32[]) -> f32[] {
+  ROOT %copy.3 = f32[] copy(%a)
+}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %k = f32[8]{0} custom-call(%f), custom_call_target="__gpu$xla.gpu.triton"
+  %r = f32[8]{0} all-reduce(%k), to_apply=%add_reduce
+  ROOT %c = f32[8]{0} copy(%r)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+}
+"""
+    assert count_launches(hlo) == {"fusion": 2, "custom-call": 1, "all-reduce": 1, "copy": 1, "total": 5}

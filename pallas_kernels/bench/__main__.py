@@ -40,6 +40,8 @@ flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
                   "pallas_m1fma: single FP8 rows on the CUDA cores, the former default; pallas_m1xla: single FP8 rows "
                   "on XLA's fused dequantize + dot; pallas_bf16stream: the bf16 lm_head on the streaming kernel; pallas_preload: "
                   "block scales preloaded per program).")
+flags.DEFINE_string("step_trace_dir", None, "step: also trace one timed run per impl with jax.profiler into this "
+                    "directory (perfetto JSON; summarize with scripts/trace_summary.py).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 FLAGS = flags.FLAGS
 
@@ -81,7 +83,7 @@ def main(argv):
         else:
             from pallas_kernels.bench import step
             step.run(tb, rec.emit, num_layers=FLAGS.step_layers, context=FLAGS.step_context,
-                     impls=tuple(FLAGS.step_impls), **opts)
+                     impls=tuple(FLAGS.step_impls), trace_dir=FLAGS.step_trace_dir, **opts)
     print(f"\ncopy bandwidth {tb:.3f} TB/s ({copy['bytes'] / 2**30:.1f} GiB moved per call)")
     print(common.summary_table(rec.results["rows"]))
     if "fp8_step_aggregate" in rec.results:

@@ -20,8 +20,10 @@ the same run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import os
 import time
 
 import numpy as np
@@ -81,9 +83,40 @@ def random_params(cfg, dtype, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _launches(loop, cfg, spec, params, state, first, impl: str) -> dict:
+    """Kernel launches in the compiled loop, by kind (the optimized HLO's fusions, custom calls
+    (Pallas kernels, library GEMMs), collectives, copies): per step, as the loop body is one step.
+    A step of ~13 ms over ~thousands of launches makes each launch's fixed cost matter."""
+    import jax.numpy as jnp
+    text = loop.lower(cfg, spec, params, state, first, jnp.ones((1,), jnp.int32), impl=impl).compile().as_text()
+    return count_launches(text)
+
+
+LAUNCH_KINDS = ("fusion", "custom-call", "all-reduce-start", "all-reduce", "all-gather", "copy",
+                "dynamic-update-slice", "gather", "scatter")
+
+
+def count_launches(hlo_text: str) -> dict:
+    """Top-level ops of an optimized HLO module by kind: ops inside computations that fusions,
+    reductions or other ops call (calls= / to_apply=) run inside those ops and are not counted."""
+    import re
+    blocks = re.split(r"\n(?=%|ENTRY )", hlo_text)
+    called = set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", hlo_text))
+    kinds = collections.Counter()
+    pattern = re.compile(r"= \S+ (" + "|".join(re.escape(k) for k in LAUNCH_KINDS) + r")\(")
+    for block in blocks:
+        name = re.match(r"(?:ENTRY )?%([\w.\-]+)", block)
+        if name and name.group(1) in called:
+            continue
+        kinds.update(pattern.findall(block))
+    return dict(kinds, total=sum(kinds.values()))
+
+
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, num_layers: int | None = None,
-        context: int = 1024, n_short: int = 8, n_long: int = 40, impls=("pallas", "pallas_separate", "ref"), trials: int = 3) -> None:
-    """Emits one row per impl: s_per_step, tokens/s, share of the roofline, compile time."""
+        context: int = 1024, n_short: int = 8, n_long: int = 40, impls=("pallas", "pallas_separate", "ref"), trials: int = 3,
+        trace_dir: str | None = None) -> None:
+    """Emits one row per impl: s_per_step, tokens/s, share of the roofline, compile time, kernel
+    launches per step; with trace_dir, a profiler trace of one timed run per impl."""
     import jax
     import jax.numpy as jnp
 
@@ -131,6 +164,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             t = time.perf_counter()
             once(n_short)  # compile + warm up
             row["compile_s"] = time.perf_counter() - t
+            row["launches_per_step"] = _launches(decode.greedy_loop, cfg, spec, params, init_state(
+                cfg, np.arange(pages, dtype=np.int32)[None], pages, page, jnp.bfloat16), first, impl)
             short = [once(n_short) for _ in range(trials)]
             long = [once(n_long) for _ in range(trials)]
             steps = long[0][1] - short[0][1]
@@ -138,6 +173,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             row.update(s_per_call=per, s_per_step=per, tokens_per_s=1.0 / per, tb_s=total / per / 1e12,
                        share_of_copy=total / per / 1e12 / copy_tb_s, share_of_roofline=roofline_s / per,
                        steps_timed=steps)
+            if trace_dir:  # one n_long run under the profiler (perfetto JSON: scripts/trace_summary.py)
+                with jax.profiler.trace(os.path.join(trace_dir, name), create_perfetto_trace=True):
+                    once(n_long)
+                row["trace_dir"] = os.path.join(trace_dir, name)
         except Exception as e:
             row["error"] = repr(e)[:1000]
         emit(row)

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Where a profiled run's device time goes: a summary of a jax.profiler perfetto trace.
+
+    python scripts/trace_summary.py DIR_OR_FILE [--top=15] [--process=GPU]
+
+DIR_OR_FILE: a `perfetto_trace.json.gz` (or a directory holding one, e.g. what
+`python -m pallas_kernels.bench --parts=step --step_trace_dir=DIR` writes). For every traced process
+whose name contains --process (default "GPU"; "" = all): the number of complete events (kernels),
+their summed time, the wall span from the first start to the last end, the busy share of that span
+(the union of the events' intervals: what is left is idle device time between kernels, i.e. launch
+gaps and host waits), and the events with the most summed time. A decode step that is bound by
+launches shows many short kernels and a low busy share; one bound by HBM, a high busy share with
+the matmuls on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+
+
+def find_trace(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    found = sorted(glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not found:
+        raise SystemExit(f"trace_summary: no perfetto_trace.json.gz under {path}")
+    return found[-1]
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15) -> list[dict]:
+    names = {e["pid"]: e.get("args", {}).get("name", "")
+             for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    by_pid: dict = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and process_filter in names.get(e.get("pid"), ""):
+            by_pid[e["pid"]].append(e)
+    out = []
+    for pid, evs in sorted(by_pid.items()):
+        intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
+        span = max(b for _, b in intervals) - min(a for a, _ in intervals)
+        per_name = collections.defaultdict(lambda: [0, 0.0])
+        for e in evs:
+            per_name[e.get("name", "?")][0] += 1
+            per_name[e.get("name", "?")][1] += float(e["dur"])
+        ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+        busy = busy_time(intervals)
+        out.append({"process": names.get(pid, str(pid)), "events": len(evs),
+                    "summed_us": sum(float(e["dur"]) for e in evs), "span_us": span, "busy_us": busy,
+                    "busy_share": busy / span if span > 0 else 0.0,
+                    "top": [{"name": n, "count": c, "us": t} for n, (c, t) in ranked]})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--process", default="GPU", help="substring of the process names to keep ('' = all)")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = ap.parse_args(argv)
+    trace = find_trace(args.path)
+    summary = summarize(load_events(trace), args.process, args.top)
+    if args.json:
+        print(json.dumps({"trace": trace, "processes": summary}, indent=1))
+        return 0
+    print(f"trace {trace}")
+    if not summary:
+        print(f"no complete events in processes matching {args.process!r}", file=sys.stderr)
+        return 1
+    for p in summary:
+        print(f"\n{p['process']}: {p['events']} events, {p['summed_us'] / 1e3:.2f} ms summed over a "
+              f"{p['span_us'] / 1e3:.2f} ms span, busy {p['busy_share']:.0%}")
+        for t in p["top"]:
+            print(f"  {t['us'] / 1e3:9.3f} ms  {t['count']:6d} x  {t['name'][:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
