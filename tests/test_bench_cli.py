@@ -39,6 +39,7 @@ def test_fp8_and_step_quick_run(tmp_path):
         parts = row["bytes_by_part"]
         assert row["bytes"] == sum(parts.values()) and parts["weights"] > parts["kv"] > 0
         assert row["roofline_s"] > 0 and row["steps_timed"] == 4
+        assert row["launches_per_step"]["fusion"] > 0 and row["launches_per_step"]["total"] > 0
     assert "decode_step" in r.stdout and "copy bandwidth" in r.stdout  # the summary table
 
 
