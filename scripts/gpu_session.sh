@@ -104,7 +104,7 @@ while True:
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
   # the server's MTP rounds at batch 8 verify 8 x (K+1) = 32 rows: which FP8 path do 8-32 rows take, how fast
-  job bench_fp8_rows 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=8,16 --fp8_prefill_ms= --xla=false \
+  job bench_fp8_rows 360 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,8,16 --fp8_prefill_ms= \
     --out=$R/bench_fp8_rows.json
   # 32 rows: the GEMM tiles (today's dispatch) against the split-K decode grid (DECODE_DOT_MAX_ROWS)
   job bench_fp8_verify32 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_prefill_ms= --xla=false \
