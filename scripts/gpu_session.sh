@@ -14,11 +14,13 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the 64-layer decode step with the three single-row FP8 paths (issue 4), the
+#   GPU 0: the 64-layer decode step in five variants (issue 4: single-row FP8 path, preloaded
+#          scales, bf16 lm_head streaming) with launch counts and summarized traces, the
 #          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1; with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: FP8 matmuls at the row counts of batched verify (8-32 rows: the server's batch-8 MTP
-#          rounds), then (TRAIN=1) the two demo recipes and their benches (issue 8)
+#   GPU 1: FP8 matmuls at 1, 8 and 16 rows (with the XLA, preloaded-scale and bf16-streaming rows)
+#          and a sweep at 32 rows (the server's batch-8 K=3 verify), then (TRAIN=1) the two demo
+#          recipes and their benches (issue 8)
 #   both:  once both lines ended, TP2 plain + K=3 with and without XLA's one-shot all-reduce kernel
 #          (short runs); FULL_TP2=1 adds the full TP2 table with the faster setting
 set -u
