@@ -20,6 +20,8 @@ flags.DEFINE_string("checkpoint", None,
                     "'preset:NAME[:DTYPE]' for a synthetic checkpoint built on first use into the cache "
                     "($QMTP_CACHE or ~/.cache/qmtp), e.g. preset:tiny or preset:tiny:fp8.")
 flags.DEFINE_multi_string("prompt", [], "A text prompt (repeat the flag for a batch). Needs tokenizer.json.")
+flags.DEFINE_multi_string("prompt_file", [], "A file whose whole text (UTF-8, newlines kept) is one prompt: "
+                          "multi-line code or documents (repeatable; joins the --prompt batch).")
 flags.DEFINE_multi_string("prompt_ids", [], "A prompt as comma-separated token ids, e.g. '1,2,3' "
                           "(repeatable; combined with --prompt into one batch).")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt (the EOS token counts).", lower_bound=1)
@@ -58,6 +60,17 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt_ids={text!r}: expected comma-separated integers") from None
 
 
+def read_prompt_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt_file={path}: {e}") from None
+    if not text:
+        raise ValueError(f"--prompt_file={path}: the file is empty")
+    return text
+
+
 def run(argv) -> dict:
     import qmtp
     from qmtp.tools import make_checkpoint
@@ -65,9 +78,10 @@ def run(argv) -> dict:
         raise ValueError(f"unexpected positional arguments {argv[1:]} (use --prompt)")
     if not FLAGS.checkpoint:
         raise ValueError("--checkpoint is required (a checkpoint directory or preset:tiny)")
-    prompts = list(FLAGS.prompt) + [parse_ids(p) for p in FLAGS.prompt_ids]
+    prompts = (list(FLAGS.prompt) + [read_prompt_file(p) for p in FLAGS.prompt_file]
+               + [parse_ids(p) for p in FLAGS.prompt_ids])
     if not prompts:
-        raise ValueError("give at least one --prompt or --prompt_ids")
+        raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
     stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
     cap = None
     if FLAGS.accept_profile:

@@ -37,14 +37,19 @@ def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
 
 
-def test_prompt_ids_match_the_text_prompt(cache, tmp_path):
+def test_prompt_ids_and_prompt_file_match_the_text_prompt(cache, tmp_path):
     from qmtp.tools import make_checkpoint, tiny_tokenizer
-    ids = tiny_tokenizer.build_tokenizer().encode("def fibonacci(", add_special_tokens=False).ids
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    text = "def fibonacci(n):\n    return"  # two lines: the file keeps the newline
+    ids = tiny_tokenizer.build_tokenizer().encode(text, add_special_tokens=False).ids
+    (tmp_path / "p.txt").write_text(text)
+    outs = [tmp_path / f"{n}.json" for n in "abc"]
     common = ("--checkpoint=preset:tiny", "--max_new_tokens=4", "--dtype=float32", "--stop_token_ids=")
-    assert run(*common, "--prompt=def fibonacci(", f"--output_json={a}", cache=cache).returncode == 0
-    assert run(*common, "--prompt_ids=" + ",".join(map(str, ids)), f"--output_json={b}", cache=cache).returncode == 0
-    assert json.loads(a.read_text())["tokens"] == json.loads(b.read_text())["tokens"]
+    for source, out in zip((f"--prompt={text}", "--prompt_ids=" + ",".join(map(str, ids)),
+                            f"--prompt_file={tmp_path / 'p.txt'}"), outs):
+        r = run(*common, source, f"--output_json={out}", cache=cache)
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b, c = (json.loads(o.read_text()) for o in outs)
+    assert a["tokens"] == b["tokens"] == c["tokens"] and c["prompt_lengths"] == [len(ids)]
 
 
 @pytest.mark.slow  # ~30 s; TP2 == TP1 tokens run in CI through tests/test_tp_model.py
@@ -75,7 +80,9 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
     (("--checkpoint=preset:tiny", "--prompt_ids=1,x,3"), "error: --prompt_ids='1,x,3': expected comma-separated"),
     (("--checkpoint=preset:tiny", "--prompt_ids=1,99999"), r"error: prompt 0: token ids \[99999\] outside"),
     (("--checkpoint=preset:nope", "--prompt=hi"), "error: .*nope"),
-    (("--checkpoint=preset:tiny",), "error: give at least one --prompt or --prompt_ids"),
+    (("--checkpoint=preset:tiny",), "error: give at least one --prompt, --prompt_file or --prompt_ids"),
+    (("--checkpoint=preset:tiny", "--prompt_file=/nonexistent/p.txt"),
+     r"error: --prompt_file=/nonexistent/p.txt: .*No such file"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--temperature=0.8"),
      "error: temperature=0.8: only greedy decoding .* is supported"),
 ])
@@ -99,7 +106,7 @@ def test_flag_errors_are_rejected(cache, args, message):
 def test_help_explains_every_flag(cache):
     r = run("--help", cache=cache)
     assert r.returncode == 0
-    for flag in ("checkpoint", "prompt", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
+    for flag in ("checkpoint", "prompt", "prompt_file", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
                  "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "tp",
                  "converted_cache"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
