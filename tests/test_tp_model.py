@@ -191,3 +191,13 @@ def test_pallas_kernels_under_tp2(fp8_dir):
     pair = (qmtp.load(fp8_dir, dtype="float32", progress=False, impl="pallas"),
             qmtp.load(fp8_dir, dtype="float32", progress=False, impl="pallas", tp=2))
     _same_tokens(pair, [[1, 2, 3]], 2, max_new=4)
+
+
+def test_round_breakdown_runs_under_tp2(controlled_pair):
+    """qmtp.bench's breakdown at TP2: every piece, the collectives piece included (2L + 1 all-reduces
+    and the argmax's all-gather), runs inside the shard_map with check_vma on (impl="ref")."""
+    from qmtp import api, bench_breakdown
+    _, tp2 = controlled_pair
+    pieces = bench_breakdown.measure(tp2, lambda: api._new_state(tp2, [48]), 1)
+    assert set(pieces) == {"target_step", "verify", "draft", "commit", "all_reduce", "predicted_round"}
+    assert all(np.isfinite(v) for v in pieces.values()), pieces
