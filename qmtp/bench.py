@@ -155,7 +155,7 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     """All modes for one (batch, prompt length): random prompts, or the given token-id prompts."""
     import numpy as np
 
-    from qmtp import api, bench_report as br, ops
+    from qmtp import api, bench_report as br
     from qmtp.speculate import acceptance_schedule
     if prompts is None:
         prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)

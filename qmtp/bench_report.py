@@ -59,6 +59,12 @@ def spread(values: list[float]) -> dict:
             "values": values}
 
 
+def aligned(rows: list[list[str]]) -> str:
+    """Rows of strings as left-aligned columns (the first row is the header)."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
 def table(modes: list[dict]) -> str:
     """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share."""
     head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "acc.len", "per-position", "roofline"]
@@ -70,8 +76,7 @@ def table(modes: list[dict]) -> str:
                      f"{m['mean_accepted_length']:.2f}" if m["k"] else "-",
                      "/".join(f"{p:.2f}" for p in m.get("position_acceptance", [])) or "-",
                      f"{m['share_of_roofline']:.0%}" if m.get("share_of_roofline") is not None else "-"])
-    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    return aligned(rows)
 
 
 def engine_comparison(cases: list[dict], engines: list[str]) -> list[dict]:
@@ -94,8 +99,7 @@ def engine_comparison_table(rows: list[dict], engines: list[str]) -> str:
     lines = [head] + [[str(r["batch"]), str(r["prompt_length"]), r["mode"],
                        *(f"{r['tok_s'][e]:.1f}" if r["tok_s"][e] else "-" for e in engines),
                        f"{r['ratio']:.2f}x" if r["ratio"] else "-"] for r in rows]
-    widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in lines)
+    return aligned(lines)
 
 
 def plot(result: dict, path: str) -> str | None:
@@ -141,6 +145,4 @@ def breakdown_table(breakdown: dict) -> str:
     present = [n for n in names if any(n in v for v in breakdown.values())]
     rows = [["K"] + present] + [[k] + [f"{v[n] * 1e3:.3f}" if n in v else "-" for n in present]
                                 for k, v in breakdown.items()]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(val.ljust(w) for val, w in zip(r, widths)).rstrip() for r in rows]
-    return "milliseconds per piece of a round:\n" + "\n".join(lines)
+    return "milliseconds per piece of a round:\n" + aligned(rows)
