@@ -78,20 +78,18 @@ def vocab_parallel_argmax(logits: jax.Array, axis_name: str = AXIS) -> jax.Array
     logits [..., V/n] is this shard's slice (shard i holds ids [i V/n, (i+1) V/n)). Returns the global
     id [...] int32, ties broken to the lowest id exactly as jnp.argmax on the full vocabulary does.
 
-    One collective: each shard's (max, id) pair travels in one all-gather (ids below 2^24 are exact
-    in f32), and every shard picks the winner itself; a decode step is latency-bound on its ~130
-    small collectives at TP2, so the pmax + pmin pair this replaces cost one extra."""
+    One collective: each shard's (max, id) pair travels in one all-gather (the id's int32 bits
+    carried in an f32 lane, so any vocabulary size is exact), and every shard picks the winner
+    itself; a decode step is latency-bound on its ~130 small collectives at TP2, so the pmax + pmin
+    pair this replaces cost one extra."""
     width = logits.shape[-1]
     local_max = jnp.max(logits, axis=-1).astype(jnp.float32)  # exact: bf16 / f32 logits
     local_id = jnp.argmax(logits, axis=-1).astype(jnp.int32) + jax.lax.axis_index(axis_name) * width
-    if width * jax.lax.axis_size(axis_name) >= 2**24:  # ids not exact in f32: two collectives
-        best = jax.lax.pmax(local_max, axis_name)
-        return jax.lax.pmin(jnp.where(local_max == best, local_id, jnp.iinfo(jnp.int32).max), axis_name)
-    pair = jnp.stack([local_max, local_id.astype(jnp.float32)], axis=-1)  # [..., 2]
+    pair = jnp.stack([local_max, jax.lax.bitcast_convert_type(local_id, jnp.float32)], axis=-1)  # [..., 2]
     pairs = jax.lax.all_gather(pair, axis_name, axis=0, to="invarying")  # [n, ..., 2]
     best = jnp.max(pairs[..., 0], axis=0)
-    ids = jnp.where(pairs[..., 0] == best, pairs[..., 1], jnp.inf)  # lower shards hold lower ids
-    return jnp.min(ids, axis=0).astype(jnp.int32)
+    ids = jax.lax.bitcast_convert_type(pairs[..., 1], jnp.int32)
+    return jnp.min(jnp.where(pairs[..., 0] == best, ids, jnp.iinfo(jnp.int32).max), axis=0)
 
 
 # ---- collectives the model calls (identity when no "tp" axis is bound) ---------------------------
