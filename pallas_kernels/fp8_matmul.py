@@ -378,7 +378,7 @@ def _check_dtypes(x, w, scale, out_dtype, weight_dtype=jnp.float8_e4m3fn) -> Non
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"fp8_matmul: x has dtype {x.dtype}; bfloat16 or float32 needed")
     if w.dtype != weight_dtype:
-        raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; float8_e4m3fn needed (the checkpoint's E4M3)")
+        raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; {jnp.dtype(weight_dtype).name} needed")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"fp8_matmul: scale has dtype {scale.dtype}; floating point needed")
     if out_dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
@@ -453,7 +453,9 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     split = _cdiv(n_chunks, cps)  # no empty splits
     _check_int32(m, max(os), i, split)
     bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
-    if config.scale_preload:  # every program's vector load of `run` scales stays inside its row
+    if config.scale_preload and interpret:
+        # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
+        # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
         width = (split - 1) * cps + max(_next_pow2(cps), 2)
         scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps)

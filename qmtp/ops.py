@@ -70,14 +70,13 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
     Accumulates in f32 (preferred_element_type) and rounds once at the end."""
     check_impl(impl)
     out_dtype = out_dtype or x.dtype
+    rows = math.prod(x.shape[:-1])
     if isinstance(w, Fp8Block):
-        rows = math.prod(x.shape[:-1])
         if impl == "pallas" and DEQUANT_DOT_MIN_ROWS and rows >= DEQUANT_DOT_MIN_ROWS:
             return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype)
         if impl == "pallas" and not (XLA_SINGLE_ROW and rows == 1):
             return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
-    rows = math.prod(x.shape[:-1])
     if impl == "pallas" and BF16_STREAMING and w.dtype == jnp.bfloat16 and 1 <= rows <= fp8_matmul.DECODE_MAX_ROWS:
         return fp8_matmul.bf16_matmul(x, w, out_dtype=out_dtype, interpret=_interpret())
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
