@@ -26,6 +26,8 @@ import time
 
 from absl import flags
 
+from qmtp import cli_help
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8",
                     "Checkpoint directory, or preset:NAME[:DTYPE] (a synthetic checkpoint built on first use into "
@@ -53,6 +55,7 @@ flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative roun
                   "draft, commit, all-reduce) for each K of --breakdown_ks, next to the measured round time.")
 flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
                   "its own verify and commit programs, which takes minutes at 64 layers.")
+cli_help.define_kernels_flag()
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
 flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
@@ -227,6 +230,7 @@ def _run() -> int:
     bad = [e for e in engines if e not in ("pallas", "ref")]
     if bad or not engines:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
+    cli_help.apply_kernels_flag()
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
@@ -292,7 +296,6 @@ def _run() -> int:
 
 
 def cli() -> None:
-    from qmtp import cli_help
     cli_help.run(lambda argv: sys.exit(main(argv)), __doc__)
 
 

@@ -16,5 +16,27 @@ def run(main, doc: str) -> None:
         flags.FLAGS(sys.argv[:1])
         print(doc)
         print(flags.FLAGS.main_module_help())
+        if flags.FLAGS.get_key_flags_for_module(__name__):  # flags shared by the entry points (--kernels)
+            print(flags.FLAGS.module_help(__name__))
         sys.exit(0)
     app.run(main)
+
+
+def define_kernels_flag() -> None:
+    """--kernels (qmtp.ops.set_kernel_settings from the command line), for generate, bench, server."""
+    from qmtp import ops
+    if "kernels" in flags.FLAGS:  # generate and server may share one process (tests)
+        return
+    names = ", ".join(f"{k} (default {v})" for k, v in ops.kernel_settings().items())
+    flags.DEFINE_list("kernels", [], "impl=pallas: kernel switches as name=value, comma-separated, e.g. "
+                      f"fp8_scale_preload=true. The defaults are the fastest measured; for experiments. Names: {names}.")
+
+
+def apply_kernels_flag() -> dict:
+    """Applies --kernels (ValueError naming the flag on a bad item); returns the settings now in force."""
+    from qmtp import ops
+    try:
+        ops.set_kernel_settings(ops.parse_kernel_settings(flags.FLAGS.kernels))
+    except ValueError as e:
+        raise ValueError(f"--kernels: {e}") from None
+    return ops.kernel_settings()

@@ -13,6 +13,8 @@ import sys
 
 from absl import flags
 
+from qmtp import cli_help
+
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None,
@@ -49,6 +51,7 @@ flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this man
 flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the converted (and sharded) "
                     "parameters: the first load writes it, later loads of the same checkpoint files, dtype and --tp "
                     "restore from it instead of reading the safetensors.")
+cli_help.define_kernels_flag()
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
@@ -93,6 +96,7 @@ def run(argv) -> dict:
             raise ValueError(f"--accept_profile={','.join(FLAGS.accept_profile)}: expected numbers") from None
         from qmtp.speculate import acceptance_schedule
         cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
+    cli_help.apply_kernels_flag()
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
@@ -135,7 +139,6 @@ def main(argv):
 
 
 def cli() -> None:
-    from qmtp import cli_help
     cli_help.run(main, __doc__)
 
 

@@ -55,6 +55,63 @@ def kernel_settings() -> dict:
             "paged_attention_max_queries": PAGED_ATTENTION_MAX_QUERIES}
 
 
+# kernel_settings() name -> (module, attribute) of the switch
+_SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUNCH"),
+                     "dequant_dot_min_rows": ("ops", "DEQUANT_DOT_MIN_ROWS"),
+                     "xla_single_row": ("ops", "XLA_SINGLE_ROW"), "bf16_streaming": ("ops", "BF16_STREAMING"),
+                     "fp8_m1_cuda_core": ("fp8_matmul", "M1_CUDA_CORE"),
+                     "fp8_scale_preload": ("fp8_matmul", "SCALE_PRELOAD"),
+                     "fp8_decode_max_rows": ("fp8_matmul", "DECODE_MAX_ROWS"),
+                     "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES")}
+
+
+def set_kernel_settings(settings: dict) -> dict:
+    """Sets module switches by their kernel_settings() names; values may be bools / ints or their
+    text ("true", "0", "64"). Returns the previous settings (pass them back to restore). Takes
+    effect for functions traced afterwards: jitted functions already compiled keep their kernels
+    (call jax.clear_caches() between settings in one process)."""
+    import sys
+    previous = kernel_settings()
+    for name, value in settings.items():
+        if name not in _SETTING_SWITCHES:
+            raise ValueError(f"unknown kernel setting {name!r}; known: {', '.join(sorted(_SETTING_SWITCHES))}")
+        module, attr = _SETTING_SWITCHES[name]
+        target = fp8_matmul if module == "fp8_matmul" else sys.modules[__name__]
+        setattr(target, attr, _parse_setting(name, value, type(previous[name])))
+    if not 1 <= fp8_matmul.DECODE_MAX_ROWS <= fp8_matmul.DECODE_DOT_MAX_ROWS:
+        bad = fp8_matmul.DECODE_MAX_ROWS
+        set_kernel_settings({"fp8_decode_max_rows": previous["fp8_decode_max_rows"]})
+        raise ValueError(f"kernel setting fp8_decode_max_rows={bad}: must be in [1, {fp8_matmul.DECODE_DOT_MAX_ROWS}]")
+    return previous
+
+
+def parse_kernel_settings(items) -> dict:
+    """["name=value", ...] (a command-line list) -> {name: value}; a malformed item is refused."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"kernel setting {item!r}: expected name=value (names: {', '.join(sorted(_SETTING_SWITCHES))})")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _parse_setting(name: str, value, kind: type):
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"kernel setting {name}={value!r}: expected true or false")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kernel setting {name}={value!r}: expected an integer") from None
+
+
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: supported {IMPLS}")

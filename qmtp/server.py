@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qmtp import metrics
+from qmtp import cli_help, metrics
 from qmtp import openai_protocol as oai
 from qmtp.chat_template import ChatTemplate, ChatTemplateError
 from qmtp.requests import EngineStopped, QueueFull, RequestError
@@ -87,6 +87,7 @@ def define_flags() -> None:
     flags.DEFINE_list("warmup_prompt_lengths", ["1"], "With --warmup: compile the prefill for these prompt lengths' "
                       "buckets (powers of two >= 16), e.g. 16,64,256; other buckets compile on first use.")
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
+    cli_help.define_kernels_flag()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +349,7 @@ def build(argv) -> tuple:
         stop = None if FLAGS.stop_token_ids is None else tuple(int(t) for t in FLAGS.stop_token_ids if t)
     except ValueError:
         raise ValueError(f"--stop_token_ids={','.join(FLAGS.stop_token_ids)}: expected integers") from None
+    cli_help.apply_kernels_flag()
     path = resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size, impl=FLAGS.impl, tp=FLAGS.tp,
                       progress=False)
@@ -387,7 +389,6 @@ def main(argv):
 
 
 def cli() -> None:
-    from qmtp import cli_help
     define_flags()
     cli_help.run(main, __doc__)
 

@@ -16,10 +16,11 @@
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: the 64-layer decode step in five variants (issue 4: single-row FP8 path, preloaded
 #          scales, bf16 lm_head streaming) with launch counts and summarized traces, the
-#          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1; with SERVE=1
+#          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
+#          fastest variant's --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: FP8 matmuls at 1, 8 and 16 rows (with the XLA, preloaded-scale and bf16-streaming rows)
-#          and a sweep at 32 rows (the server's batch-8 K=3 verify), then (TRAIN=1) the two demo
+#   GPU 1: FP8 matmuls at 1, 8 and 16 rows (with the XLA, preloaded-scale and bf16-streaming rows),
+#          a tile sweep at 1 row and a sweep at 32 rows (the server's batch-8 K=3 verify), then (TRAIN=1) the two demo
 #          recipes and their benches (issue 8)
 #   both:  once both lines ended, TP2 plain + K=3 with and without XLA's one-shot all-reduce kernel
 #          (short runs); FULL_TP2=1 adds the full TP2 table with the faster setting
@@ -63,11 +64,14 @@ gpu0() {
   for d in /tmp/qmtp_trace/*/; do
     python3 scripts/trace_summary.py "$d" --json --top=25 >$R/trace_$(basename "$d").json 2>>$R/trace.log
   done
+  # the fastest variant's settings (empty: the defaults won) drive this session's end-to-end tables
+  python3 scripts/best_step_variant.py $R/bench_step.json >$R/kernels_flag.txt 2>>$R/trace.log
+  echo "end-to-end kernels flag: '$(cat $R/kernels_flag.txt)'" >>$R/jobs.log
   job checkpoint27 300 python3 -c "
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
   job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
-    --converted_cache=/tmp/qmtp_conv
+    --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt)
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
@@ -109,6 +113,9 @@ gpu1() {
   job bench_fp8_rows 360 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,8,16 --fp8_prefill_ms= \
     --out=$R/bench_fp8_rows.json
   # 32 rows: the GEMM tiles (today's dispatch) against the split-K decode grid (DECODE_DOT_MAX_ROWS)
+  # one row: the candidate tile configs, with and without preloaded scales (the step's plain decode)
+  job bench_fp8_m1_sweep 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= --xla=false \
+    --fp8_sweep --out=$R/bench_fp8_m1_sweep.json
   job bench_fp8_verify32 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_prefill_ms= --xla=false \
     --fp8_sweep --out=$R/bench_fp8_verify32.json
   if [ "${TRAIN:-0}" = 1 ]; then
@@ -131,7 +138,8 @@ both() {
   local oneshot=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true
   for mode in nccl oneshot; do
     XLA_FLAGS="$([ $mode = oneshot ] && echo $oneshot)" job tp2_$mode 420 python3 -m qmtp.bench \
-      --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 --out=$R/tp2_$mode.json --converted_cache=/tmp/qmtp_conv
+      --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 --out=$R/tp2_$mode.json --converted_cache=/tmp/qmtp_conv \
+      $(cat $R/kernels_flag.txt)
   done
   local best=$(python3 -c "
 import json
@@ -142,7 +150,7 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
   if [ "${FULL_TP2:-0}" = 1 ]; then
     echo "full TP2 table with XLA_FLAGS='$best'" >>$R/jobs.log
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
-      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv
+      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt)
   fi
   touch $R/all.done
 }

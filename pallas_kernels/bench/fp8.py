@@ -122,12 +122,18 @@ def candidate_configs(m: int) -> list:
     elif m <= FMA_MAX_ROWS:
         fma = [(16, 1, 2, 3, 4), (16, 1, 2, 3, 2), (16, 1, 4, 3, 4), (32, 1, 4, 3, 2), (16, 2, 2, 3, 4),
                (16, 1, 1, 3, 4), (32, 1, 4, 3, 4), (16, 1, 2, 2, 8)]
-    dot = [(64, 2, True, 4, 4, 1), (64, 4, True, 4, 4, 1), (128, 2, True, 8, 4, 1), (64, 2, False, 4, 4, 1),
-           (32, 2, True, 4, 4, 1), (64, 2, True, 4, 5, 1), (16, 2, True, 2, 4, 1)]
+    # (block_o, split_k, swap_ab, num_warps, num_stages, chunks_per_step, scale_preload)
+    dot = [(64, 2, True, 4, 4, 1, False), (64, 4, True, 4, 4, 1, False), (128, 2, True, 8, 4, 1, False),
+           (64, 2, False, 4, 4, 1, False), (32, 2, True, 4, 4, 1, False), (64, 2, True, 4, 5, 1, False),
+           (16, 2, True, 2, 4, 1, False),
+           # more bytes in flight per program once the scale load is off the loop's critical path
+           (64, 2, True, 4, 4, 2, True), (64, 2, False, 4, 4, 2, True), (64, 2, True, 4, 3, 4, True),
+           (64, 4, False, 4, 3, 4, True), (128, 2, False, 8, 3, 2, True), (64, 1, False, 4, 4, 4, True)]
     return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
              for bo, sk, nw, ns, u in fma]
-            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u)
-               for bo, sk, sw, nw, ns, u in dot])
+            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
+                            scale_preload=pre)
+               for bo, sk, sw, nw, ns, u, pre in dot])
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False,

@@ -29,20 +29,19 @@ import time
 import numpy as np
 
 
-# name -> the values of _SWITCHES (qmtp.ops / pallas_kernels.fp8_matmul module switches) for impl="pallas"
-_SWITCHES = ("SHARED_PROJECTION_LAUNCH", "M1_CUDA_CORE", "XLA_SINGLE_ROW", "BF16_STREAMING", "SCALE_PRELOAD")
-_IN_FP8_MATMUL = {"M1_CUDA_CORE", "SCALE_PRELOAD"}
-VARIANTS = {"pallas": (True, False, False, False, False), "pallas_separate": (False, False, False, False, False),
-            "pallas_m1fma": (True, True, False, False, False), "pallas_m1xla": (True, False, True, False, False),
-            "pallas_bf16stream": (True, False, False, True, False),
-            "pallas_preload": (True, False, False, False, True)}
+# name -> qmtp.ops.set_kernel_settings overrides of the defaults, for impl="pallas" (one measured
+# policy changed each); `qmtp.bench --kernels` takes the same names, so a winning variant can be run
+# end to end before it becomes a default
+VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False},
+            "pallas_m1fma": {"fp8_m1_cuda_core": True}, "pallas_m1xla": {"xla_single_row": True},
+            "pallas_bf16stream": {"bf16_streaming": True}, "pallas_preload": {"fp8_scale_preload": True}}
 
 
-def _set_variant(name: str) -> None:
-    from pallas_kernels import fp8_matmul
+def variant_settings(name: str, defaults: dict | None = None) -> dict:
+    """The kernel settings a step variant runs with: `defaults` (the process's current settings if
+    None) with the variant's overrides."""
     from qmtp import ops
-    for switch, value in zip(_SWITCHES, VARIANTS.get(name, VARIANTS["pallas"])):
-        setattr(fp8_matmul if switch in _IN_FP8_MATMUL else ops, switch, value)
+    return {**(ops.kernel_settings() if defaults is None else defaults), **VARIANTS.get(name, {})}
 
 
 @functools.partial(__import__("jax").jit, static_argnums=(1, 2, 3))
@@ -116,7 +115,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
 
     from qmtp import config as qc
-    from qmtp import bench_report, decode
+    from qmtp import bench_report, decode, ops
     from qmtp.state import init_state
     from qmtp.tools import make_checkpoint
 
@@ -137,14 +136,16 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     case = f"{cfg.num_hidden_layers} layers B=1 ctx={context}"
     spec = decode.LoopSpec(n_long, ())
     first = jnp.zeros((1,), jnp.int32)
+    defaults = ops.kernel_settings()
 
     for name in impls:
-        # variants of impl="pallas" with one of qmtp.ops' measured policies off (VARIANTS);
+        # variants of impl="pallas" with one of the measured policies changed (VARIANTS);
         # jax.clear_caches() so the loop is traced again under the setting
         impl = "ref" if name == "ref" else "pallas"
-        _set_variant(name)
+        ops.set_kernel_settings(variant_settings(name, defaults))
         jax.clear_caches()
         row = {"kernel": "decode_step", "case": case, "impl": name, "preset": preset,
+               "kernel_settings": ops.kernel_settings(),
                "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,
                "roofline_s": roofline_s, "param_generation_s": gen_s}
         try:
@@ -181,4 +182,4 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         except Exception as e:
             row["error"] = repr(e)[:1000]
         emit(row)
-    _set_variant("pallas")
+    ops.set_kernel_settings(defaults)

@@ -1,0 +1,90 @@
+"""qmtp.ops.set_kernel_settings (the --kernels flag): names map to the module switches the kernels
+read, text values parse, bad names and values are refused with the setting named, and the previous
+settings come back for restoring."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp8_matmul
+from pallas_kernels.bench import step
+from qmtp import ops
+from qmtp.fp8 import Fp8Block
+
+
+@pytest.fixture(autouse=True)
+def restore():
+    before = ops.kernel_settings()
+    yield
+    ops.set_kernel_settings(before)
+
+
+def test_settings_reach_the_module_switches_and_restore():
+    previous = ops.set_kernel_settings(ops.parse_kernel_settings(
+        ["fp8_scale_preload=true", "xla_single_row=1", "fp8_decode_max_rows= 32", "dequant_dot_min_rows=0"]))
+    assert fp8_matmul.SCALE_PRELOAD is True and ops.XLA_SINGLE_ROW is True
+    assert fp8_matmul.DECODE_MAX_ROWS == 32 and ops.DEQUANT_DOT_MIN_ROWS == 0
+    assert fp8_matmul.default_config(1, 256, 512).scale_preload  # what the kernels see
+    assert ops.kernel_settings()["fp8_decode_max_rows"] == 32
+    ops.set_kernel_settings(previous)
+    assert ops.kernel_settings() == previous
+
+
+def test_xla_single_row_setting_changes_the_path():
+    # one row through ops.linear: with xla_single_row the reference formula runs (bitwise equal to it)
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(128, 256)) * 16, jnp.float32).astype(jnp.float8_e4m3fn)
+    s = jnp.asarray(rng.uniform(1e-3, 2e-3, size=(1, 2)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(1, 256)), jnp.float32)
+    ops.set_kernel_settings({"xla_single_row": "true"})
+    got = ops.linear(x, Fp8Block(w, s), impl="pallas")
+    want = fp8_matmul.fp8_matmul_ref(x, w, s)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("items, match", [
+    (["nope=1"], "unknown kernel setting 'nope'"),
+    (["fp8_scale_preload=maybe"], "fp8_scale_preload='maybe': expected true or false"),
+    (["fp8_decode_max_rows=many"], "expected an integer"),
+    (["fp8_decode_max_rows=65"], r"fp8_decode_max_rows=65: must be in \[1, 64\]"),
+])
+def test_bad_settings_are_refused_by_name(items, match):
+    before = ops.kernel_settings()
+    with pytest.raises(ValueError, match=match):
+        ops.set_kernel_settings(ops.parse_kernel_settings(items))
+    assert ops.kernel_settings()["fp8_decode_max_rows"] == before["fp8_decode_max_rows"]
+
+
+@pytest.mark.parametrize("item", ["fp8_scale_preload", "=1", "fp8_scale_preload="])
+def test_malformed_items_are_refused(item):
+    with pytest.raises(ValueError, match="expected name=value"):
+        ops.parse_kernel_settings([item])
+
+
+def test_step_bench_variants_are_settings():
+    defaults = ops.kernel_settings()
+    for name, overrides in step.VARIANTS.items():
+        settings = step.variant_settings(name, defaults)
+        assert set(settings) == set(defaults) and all(settings[k] == v for k, v in overrides.items()), name
+        ops.set_kernel_settings(settings)  # every variant's names are known
+    assert step.variant_settings("pallas", defaults) == defaults
+
+
+def test_best_step_variant_flag():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "best_step_variant.py")
+    spec = importlib.util.spec_from_file_location("best_step_variant", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"kernel": "decode_step", "impl": "pallas", "s_per_step": 0.013},
+            {"kernel": "decode_step", "impl": "pallas_preload", "s_per_step": 0.012},
+            {"kernel": "decode_step", "impl": "pallas_m1xla", "error": "boom"},
+            {"kernel": "decode_step", "impl": "ref", "s_per_step": 0.001}]  # not a pallas variant
+    flag = mod.best_flag({"rows": rows})
+    assert flag == "--kernels=fp8_scale_preload=True"
+    ops.set_kernel_settings(ops.parse_kernel_settings(flag.split("=", 1)[1].split(",")))  # it parses back
+    assert mod.best_flag({"rows": rows[:1] + rows[2:]}) == ""  # the defaults won
+    assert mod.best_flag({}) == ""
