@@ -6,7 +6,7 @@ Layout: w [O, I] float8_e4m3fn as the checkpoint stores it, scale [ceil(O/128), 
 
 `fp8_matmul_ref` is the pure-jnp reference (dequantize to f32, einsum at HIGHEST precision);
 `fp8_matmul` is its Pallas twin (same signature plus `interpret` and `config`): a weight-streaming
-kernel for M <= 16 rows (decode, verify) and a tiled GEMM for more rows (prefill); see the
+kernel for M <= DECODE_MAX_ROWS rows (decode, verify) and a tiled GEMM for more rows (prefill); see the
 section "Pallas kernels" below for the tiling.
 """
 
@@ -96,12 +96,14 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 # together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
 # ----------------------------------------------------------------------------------------------
 
-DECODE_MAX_ROWS = 16  # M above this runs the prefill GEMM (default_config's dispatch)
+# M above this runs the prefill GEMM (default_config's dispatch). 32, not 16: a batched verify (8 slots
+# x K+1 = 32 rows) on the GEMM tiles gives narrow weights few programs (mlp_down [5120, 17408] at
+# BN = 128: 40 programs on 132 SMs), where the decode grid splits K as well. Measured at M = 32 on the
+# H200 (2026-11-30, `pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_sweep`): the decode grid
+# (64-row programs, split-K 4) streamed 1.25-1.78 TB/s per weight on the five 27B shapes against
+# 0.50-1.14 for the GEMM default, 1.5-2.9x. 33-64 rows are not measured yet.
+DECODE_MAX_ROWS = 32
 # A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 64] f32 accumulator).
-# Why more than DECODE_MAX_ROWS: a batched verify (8 slots x K+1 = 32 rows) on the GEMM tiles gives
-# narrow weights few programs (mlp_down [5120, 17408] at BN = 128: 40 programs on 132 SMs), where the
-# decode grid splits K as well. Selectable by `config=` and swept by the bench (M = 17..64) until
-# measured; the dispatch threshold moves when the numbers say so.
 DECODE_DOT_MAX_ROWS = 64
 DOT_MIN = 16  # smallest M / N / K of a Triton dot
 FMA_MAX_ROWS = 8  # the CUDA-core path keeps one [block_o, 128] f32 accumulator per row in registers
@@ -159,11 +161,13 @@ def _next_pow2(n: int) -> int:
 # the tensor-core path vs 14.27 ms with the FMA path, though the isolated per-weight sweeps had
 # favoured FMA. The module switch keeps the other path measurable (step variant "pallas_m1fma").
 # With it off, a row's result also no longer depends on whether it is decoded alone or with others
-# in a verify pass of <= 16 rows (one tile configuration, one reduction order).
+# in a verify pass of <= 16 rows (one tile configuration, one reduction order; 17-32 rows use split-K 4).
 M1_CUDA_CORE = False
-# True: default decode configs preload their block scales (DecodeConfig.scale_preload). Off until the
-# step measures it (`pallas_kernels.bench --parts=step --step_impls=pallas,pallas_preload`).
-SCALE_PRELOAD = False
+# True: default decode configs of up to 16 rows preload their block scales (DecodeConfig.scale_preload).
+# Measured in the 64-layer 27B step on the H200 (2026-11-30, `pallas_kernels.bench --parts=step`):
+# 12.70 ms with preloaded scales vs 12.90 ms without (step variant "pallas_nopreload" keeps the old
+# path measurable); per weight at 1-16 rows it was within +-7% either way.
+SCALE_PRELOAD = True
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
@@ -173,10 +177,14 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     Otherwise 64-row programs, split_k (a power of two <= 8, >= 4 chunks per split) until the grid
     has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more
     rows use the tensor-core dot with at least 2 splits, and the wide shapes put x on the dot's M
-    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120])."""
+    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). 17-64 rows (batched verify):
+    split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
+    loaded per chunk, as measured)."""
     bo = 64
     n_o, n_chunks = _cdiv(o, bo), _cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
+    if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
+        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True)
     if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)
@@ -390,8 +398,8 @@ def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, 
     """Pallas twin of `fp8_matmul_ref(x, w, scale, out_dtype)`: x [..., I] bf16/f32, w [O, I] E4M3,
     scale [ceil(O/128), ceil(I/128)] -> [..., O] in out_dtype (default x.dtype), f32 accumulation.
 
-    Leading dims of x are flattened to M rows; M <= 16 runs the weight-streaming decode kernel,
-    more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work."""
+    Leading dims of x are flattened to M rows; M <= DECODE_MAX_ROWS runs the weight-streaming decode
+    kernel, more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work."""
     return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config)[0]
 
 
@@ -423,7 +431,7 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
                     config: DecodeConfig | PrefillConfig | None = None) -> tuple[jax.Array, ...]:
     """(fp8_matmul(x, w_j, scale_j) for each j), with the weights sharing one decode launch.
 
-    Few rows (M <= 16): one pallas_call whose row blocks run over all the weights (fewer launches,
+    Few rows (M <= DECODE_MAX_ROWS): one pallas_call whose row blocks run over all the weights (fewer launches,
     and small projections such as k/v fill the GPU together with the large ones); the config is
     chosen for the summed O. Many rows: one GEMM per weight."""
     return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn)

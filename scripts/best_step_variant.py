@@ -3,7 +3,7 @@
 ("pallas") won or no variant ran: lets one GPU session run its end-to-end tables with the winner
 before it becomes a default.
 
-  python scripts/best_step_variant.py bench_step.json   ->   --kernels=fp8_scale_preload=True
+  python scripts/best_step_variant.py bench_step.json   ->   --kernels=fp8_scale_preload=False
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def run_ref(x, wq, scale, x_dtype, out_dtype):
 
 
 SHAPES = [(272, 160), (64, 300), (384, 256), (130, 129)]  # (O, I): ragged rows, columns, both
-ROWS = [1, 3, 5, 16, 40]  # 1..16: decode kernel, 40: prefill GEMM
+ROWS = [1, 3, 16, 24, 40]  # 1..32: decode kernel (24: the batched-verify config), 40: prefill GEMM
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,11 +300,17 @@ def test_interpret_mode_poisons_out_of_bounds():
 
 def test_default_config_heuristic():
     assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
-    assert isinstance(fm.default_config(17, 17408, 5120), PrefillConfig)
+    # a batched verify of 17-32 rows: the decode grid, split-K 4, W on the dot's M side (the M = 32 sweep)
+    for m in (17, 32):
+        assert fm.default_config(m, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True)
+    assert fm.default_config(32, 130, 129).split_k == 1  # two chunks: nothing to split
+    assert isinstance(fm.default_config(33, 17408, 5120), PrefillConfig)
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
-    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True)
-    assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False)
+    pre = fm.SCALE_PRELOAD  # preloaded block scales at <= 16 rows (measured in the step)
+    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True, scale_preload=pre)
+    assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
+                                                             scale_preload=pre)
     # narrow O: 80 row blocks -> split-K 4 -> 320 programs on 132 SMs
     assert fm.default_config(5, 5120, 17408).split_k == 4
     assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
@@ -428,9 +434,10 @@ def test_single_row_path_switch(monkeypatch):
     """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1fma)."""
     assert fm.decode_config(1, 17408, 5120).use_dot and fm.decode_config(1, 17408, 5120).block_o == 64
     monkeypatch.setattr(fm, "M1_CUDA_CORE", True)
+    pre = fm.SCALE_PRELOAD
     assert fm.decode_config(1, 17408, 5120) == DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2,
-                                                            num_stages=3, chunks_per_step=4)
-    assert fm.decode_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=False)
+                                                            num_stages=3, chunks_per_step=4, scale_preload=pre)
+    assert fm.decode_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=False, scale_preload=pre)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,7 +458,8 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     "decode_m1_gate_up_fma": (1, F, E, jnp.bfloat16, (F // 16, 1), 0),  # M1_CUDA_CORE on: FMA path
     "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 2), 1),
     "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 4), 1),
-    "decode_m32_down_verify": (32, E, F, jnp.bfloat16, (E // 64, 4), 1),  # DecodeConfig by hand (below)
+    "decode_m32_down_verify": (32, E, F, jnp.bfloat16, (E // 64, 4), 1),  # a batched verify (8 x K+1)
+    "decode_m64_gate_up": (64, F, E, jnp.bfloat16, (F // 64, 4), 1),  # DecodeConfig by hand (below)
     "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
     "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
     "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),
@@ -607,19 +615,19 @@ def test_bf16_matmul_rejects_other_weights():
 
 
 def test_bf16_streaming_switch_routes_decode_rows_only(monkeypatch):
-    """ops.BF16_STREAMING: bf16 weights with <= 16 rows go to the kernel under impl="pallas"; more
-    rows, f32 weights and impl="ref" stay on XLA's dot."""
+    """ops.BF16_STREAMING: bf16 weights with <= DECODE_MAX_ROWS rows go to the kernel under
+    impl="pallas"; more rows, f32 weights and impl="ref" stay on XLA's dot."""
     from qmtp import ops
     calls = []
     real = fm.bf16_matmul
     monkeypatch.setattr(fm, "bf16_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(ops, "BF16_STREAMING", True)
     rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.integers(-4, 5, (17, 129)), jnp.bfloat16)
+    x = jnp.asarray(rng.integers(-4, 5, (fm.DECODE_MAX_ROWS + 1, 129)), jnp.bfloat16)
     w = jnp.asarray(rng.integers(-64, 65, (130, 129)), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     np.testing.assert_array_equal(np.asarray(ops.linear(x[:3], w, "pallas", jnp.float32)), want[:3])
-    ops.linear(x, w, "pallas")  # 17 rows
+    ops.linear(x, w, "pallas")  # DECODE_MAX_ROWS + 1 rows
     ops.linear(x[:3], w.astype(jnp.float32), "pallas")
     ops.linear(x[:3], w, "ref")
     assert calls == [(3, 129)]

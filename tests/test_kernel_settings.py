@@ -23,11 +23,12 @@ def restore():
 
 def test_settings_reach_the_module_switches_and_restore():
     previous = ops.set_kernel_settings(ops.parse_kernel_settings(
-        ["fp8_scale_preload=true", "xla_single_row=1", "fp8_decode_max_rows= 32", "dequant_dot_min_rows=0"]))
-    assert fp8_matmul.SCALE_PRELOAD is True and ops.XLA_SINGLE_ROW is True
-    assert fp8_matmul.DECODE_MAX_ROWS == 32 and ops.DEQUANT_DOT_MIN_ROWS == 0
-    assert fp8_matmul.default_config(1, 256, 512).scale_preload  # what the kernels see
-    assert ops.kernel_settings()["fp8_decode_max_rows"] == 32
+        ["fp8_scale_preload=false", "xla_single_row=1", "fp8_decode_max_rows= 8", "dequant_dot_min_rows=0"]))
+    assert fp8_matmul.SCALE_PRELOAD is False and ops.XLA_SINGLE_ROW is True
+    assert fp8_matmul.DECODE_MAX_ROWS == 8 and ops.DEQUANT_DOT_MIN_ROWS == 0
+    assert not fp8_matmul.default_config(1, 256, 512).scale_preload  # what the kernels see
+    assert isinstance(fp8_matmul.default_config(9, 256, 512), fp8_matmul.PrefillConfig)
+    assert ops.kernel_settings()["fp8_decode_max_rows"] == 8
     ops.set_kernel_settings(previous)
     assert ops.kernel_settings() == previous
 
@@ -80,11 +81,11 @@ def test_best_step_variant_flag():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rows = [{"kernel": "decode_step", "impl": "pallas", "s_per_step": 0.013},
-            {"kernel": "decode_step", "impl": "pallas_preload", "s_per_step": 0.012},
+            {"kernel": "decode_step", "impl": "pallas_nopreload", "s_per_step": 0.012},
             {"kernel": "decode_step", "impl": "pallas_m1xla", "error": "boom"},
             {"kernel": "decode_step", "impl": "ref", "s_per_step": 0.001}]  # not a pallas variant
     flag = mod.best_flag({"rows": rows})
-    assert flag == "--kernels=fp8_scale_preload=True"
+    assert flag == "--kernels=fp8_scale_preload=False"
     ops.set_kernel_settings(ops.parse_kernel_settings(flag.split("=", 1)[1].split(",")))  # it parses back
     assert mod.best_flag({"rows": rows[:1] + rows[2:]}) == ""  # the defaults won
     assert mod.best_flag({}) == ""

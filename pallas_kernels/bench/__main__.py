@@ -5,7 +5,7 @@ part the Pallas kernel's time, achieved bandwidth (or TFLOP/s for prefill GEMMs)
 copy bandwidth next to the XLA path on the same shapes, and a summary table at the end. Every row
 is also written to --out as it is measured (a run cut by a time limit keeps what it measured).
 
-Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at 1-16 rows, prefill rows against
+Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at 1-16 rows (--fp8_ms), prefill rows against
 XLA's bf16 matmul), gdn (decode/verify recurrence at batch 1-16, chunked prefill), attention (paged
 attention for 1..K+1 queries at 1K-32K context), step (the whole 64-layer target decode step,
 impl=pallas vs impl=ref, batch 1, against the roofline). `--quick --interpret` runs a CPU smoke

@@ -4,7 +4,8 @@ and the Pallas path with one kernel launch per projection ("pallas_separate": wh
 single row on the CUDA cores ("pallas_m1fma", the default before 2026-11-30; see fp8_matmul.M1_CUDA_CORE),
 or with single FP8 rows on XLA's fused dequantize + dot ("pallas_m1xla", see ops.XLA_SINGLE_ROW), or
 with the bf16 lm_head on the streaming kernel ("pallas_bf16stream", see ops.BF16_STREAMING), or with
-the decode configs' block scales preloaded ("pallas_preload", see fp8_matmul.SCALE_PRELOAD).
+the decode configs' block scales loaded per chunk ("pallas_nopreload", the default before 2026-11-30;
+see fp8_matmul.SCALE_PRELOAD).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
@@ -34,7 +35,7 @@ import numpy as np
 # end to end before it becomes a default
 VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False},
             "pallas_m1fma": {"fp8_m1_cuda_core": True}, "pallas_m1xla": {"xla_single_row": True},
-            "pallas_bf16stream": {"bf16_streaming": True}, "pallas_preload": {"fp8_scale_preload": True}}
+            "pallas_bf16stream": {"bf16_streaming": True}, "pallas_nopreload": {"fp8_scale_preload": False}}
 
 
 def variant_settings(name: str, defaults: dict | None = None) -> dict:
