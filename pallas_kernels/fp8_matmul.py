@@ -120,7 +120,10 @@ class DecodeConfig:
     chunks loaded per loop iteration (more bytes in flight per program; a remainder runs one chunk
     at a time); scale_preload: load the program's whole run of block scales as one vector before
     the loop and select each chunk's scale in registers, instead of one scalar global load per
-    chunk (a load the pipeliner does not prefetch: its latency may stall every iteration)."""
+    chunk (a load the pipeliner does not prefetch: its latency may stall every iteration); x_f16
+    (tensor-core dot, bf16 x, FP8 weights): x enters as two float16 pieces, x = 2^16 hi + lo
+    (`_f16_pieces`), so each weight chunk converts E4M3 -> f16 (one instruction per two weights)
+    instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight)."""
 
     block_o: int = 64
     split_k: int = 1
@@ -130,6 +133,7 @@ class DecodeConfig:
     num_stages: int = 4
     chunks_per_step: int = 1
     scale_preload: bool = False
+    x_f16: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +172,13 @@ M1_CUDA_CORE = False
 # 12.70 ms with preloaded scales vs 12.90 ms without (step variant "pallas_nopreload" keeps the old
 # path measurable); per weight at 1-16 rows it was within +-7% either way.
 SCALE_PRELOAD = True
+# True: default tensor-core decode configs take bf16 x as two f16 pieces (DecodeConfig.x_f16). Off
+# until measured (step variant "pallas_xf16", bench rows with x_f16=True). Why it may pay: the same
+# decode kernel streams bf16 weights at 2.5-3.5 TB/s but FP8 weights at only 1.3-2.1 (H200,
+# 2026-11-30, per weight at M = 1-16), so it converts rather than streams; per 64 x 128 chunk its
+# loop has 312 PTX instructions per thread, 96 of them conversions, against 135 for bf16 weights
+# (Triton 3.9 offline compile for sm_90, scripts/triton_loop_stats.py).
+X_F16 = False
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
@@ -184,7 +195,8 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     n_o, n_chunks = _cdiv(o, bo), _cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
-        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True)
+        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
+                            x_f16=X_F16)
     if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)
@@ -194,7 +206,8 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
         split *= 2
     if dot and n_chunks >= 16:
         split = max(split, 2)
-    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD)
+    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD,
+                        x_f16=X_F16 and dot)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
@@ -221,6 +234,23 @@ def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
         pieces.append(p)
         x = x - p.astype(jnp.float32)
     return pieces
+
+
+# x = X_F16_HI * hi + lo with hi, lo float16 (DecodeConfig.x_f16). Exact for every bf16 x with
+# 2^-17 <= |x| < 2^32 (and 0): hi = f16(x / 2^16) keeps all 8 significant bits once |x| >= 4 and x
+# rounded to a multiple of 2^-8 below, lo = x - 2^16 hi (exact in f32) is then a multiple of x's ulp
+# (>= 2^-24) under 2^-8, which f16 holds; below 2^-17 lo rounds to the 2^-24 grid (absolute error
+# <= 2^-25), and |x| >= 2^32 overflows hi to inf (the output is then not finite). Each piece times
+# an E4M3 weight is exact in f32.
+X_F16_HI = 2.0 ** 16
+
+
+def _f16_pieces(x2: jax.Array) -> jax.Array:
+    """[M, I] bf16 -> [2, M, I] float16 (hi, lo) with x = X_F16_HI * hi + lo (see X_F16_HI)."""
+    xf = x2.astype(jnp.float32)
+    hi = (xf * (1.0 / X_F16_HI)).astype(jnp.float16)
+    lo = (xf - hi.astype(jnp.float32) * X_F16_HI).astype(jnp.float16)
+    return jnp.stack([hi, lo])
 
 
 def _dot_sum(a_pieces, b, *, swap: bool) -> jax.Array:
@@ -256,14 +286,15 @@ def _load_w(ref, mask, dtype):
     return jnp.where(mask, plgpu.load(ref, mask=mask).astype(dtype), 0.0)
 
 
-def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split):
-    # refs: x [M, I]; n weights [O_j, I] fp8; n scale grids [GO_j, GI] f32; n outputs [split_k, M, O_j].
+def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f16: bool):
+    # refs: x [M, I] (x_f16: M counts the rows of [hi; lo], float16); n weights [O_j, I] fp8; n scale grids [GO_j, GI] f32; n outputs [split_k, M, O_j].
     # The row-block axis of the grid runs over the weights one after another; each program serves
     # the weight its block falls in (one launch for several projections of the same x).
     n = len(os)
     x_ref, w_refs, s_refs, o_refs = refs[0], refs[1:1 + n], refs[1 + n:1 + 2 * n], refs[1 + 2 * n:]
     po, pk = pl.program_id(0), pl.program_id(1)
-    body = functools.partial(_decode_program, m=m, i=i, bm=bm, cfg=cfg, chunks_per_split=chunks_per_split)
+    body = functools.partial(_decode_program, m=m, i=i, bm=bm, cfg=cfg, chunks_per_split=chunks_per_split,
+                             x_f16=x_f16)
     if n == 1:
         body(x_ref, w_refs[0], s_refs[0], o_refs[0], po, pk, o=os[0])
         return
@@ -275,7 +306,8 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split):
         start += blocks
 
 
-def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split):
+def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split,
+                    x_f16: bool):
     # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w
     bo = cfg.block_o
     o0 = pl.multiple_of(po * bo, bo)
@@ -298,10 +330,10 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
         else:
             s = s_ref[srow, c]
-        if cfg.use_dot:
+        if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
-            wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
-            return acc + _dot_sum(_bf16_pieces(xc), wc, swap=o_major) * s
+            wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float16 if x_f16 else jnp.bfloat16)
+            return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
         # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
         # until after the loop); the weight chunk is loaded once for all rows
         wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float32)
@@ -370,6 +402,8 @@ def _check_config(config, m: int) -> None:
             raise ValueError(f"fp8_matmul: DecodeConfig.split_k={c.split_k} must be >= 1")
         if c.chunks_per_step < 1:
             raise ValueError(f"fp8_matmul: DecodeConfig.chunks_per_step={c.chunks_per_step} must be >= 1")
+        if c.x_f16 and not c.use_dot:
+            raise ValueError("fp8_matmul: DecodeConfig(x_f16=True) needs use_dot=True (the pieces feed a tensor-core dot)")
     elif isinstance(config, PrefillConfig):
         c = config
         if not (_is_pow2(c.block_m) and c.block_m >= DOT_MIN):
@@ -459,24 +493,38 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     n_chunks = _cdiv(i, BLOCK)
     cps = _cdiv(n_chunks, min(config.split_k, n_chunks))
     split = _cdiv(n_chunks, cps)  # no empty splits
-    _check_int32(m, max(os), i, split)
+    _check_int32(2 * m if config.x_f16 else m, max(os), i, split)
     bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
     if config.scale_preload and interpret:
         # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
         # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
         width = (split - 1) * cps + max(_next_pow2(cps), 2)
         scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
-    kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps)
-    part_dtype = out_dtype if split == 1 else jnp.float32
+    # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16 pieces).
+    # The kernel then multiplies 2M rows [hi; lo] (one dot per chunk) into f32 partials that XLA
+    # combines as 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
+    x_f16 = config.x_f16 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
+    m_k = 2 * m if x_f16 else m  # rows the kernel multiplies
+    if x_f16:
+        x2 = _f16_pieces(x2).reshape(m_k, i)
+        bm = max(DOT_MIN, _next_pow2(m_k))
+        if m_k > DECODE_DOT_MAX_ROWS:
+            raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
+                             f"(two f16 pieces per row), got M={m}")
+    kernel = functools.partial(_decode_kernel, m=m_k, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps, x_f16=x_f16)
+    part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
     args, out = align(x2, *ws, *scales)
     ys = pl.pallas_call(
         kernel,
-        out_shape=tuple(out((split, m, o), part_dtype) for o in os),
+        out_shape=tuple(out((split, m_k, o), part_dtype) for o in os),
         grid=(sum(_cdiv(o, config.block_o) for o in os), split),
         compiler_params=params,
         interpret=interpret,
         name="fp8_matmul_decode",
     )(*args)
+    if x_f16:  # [split, 2M, O] -> sum_s 2^16 hi_s + lo_s
+        return tuple(jnp.sum(y[:, :m] * X_F16_HI + y[:, m:], axis=0).astype(out_dtype).reshape(*lead, o)
+                     for y, o in zip(ys, os))
     return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)
                  for y, o in zip(ys, os))
 

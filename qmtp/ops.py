@@ -51,6 +51,7 @@ def kernel_settings() -> dict:
     return {"shared_projection_launch": SHARED_PROJECTION_LAUNCH, "dequant_dot_min_rows": DEQUANT_DOT_MIN_ROWS,
             "xla_single_row": XLA_SINGLE_ROW, "bf16_streaming": BF16_STREAMING,
             "fp8_m1_cuda_core": fp8_matmul.M1_CUDA_CORE, "fp8_scale_preload": fp8_matmul.SCALE_PRELOAD,
+            "fp8_x_f16": fp8_matmul.X_F16,
             "fp8_decode_max_rows": fp8_matmul.DECODE_MAX_ROWS,
             "paged_attention_max_queries": PAGED_ATTENTION_MAX_QUERIES}
 
@@ -61,6 +62,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "xla_single_row": ("ops", "XLA_SINGLE_ROW"), "bf16_streaming": ("ops", "BF16_STREAMING"),
                      "fp8_m1_cuda_core": ("fp8_matmul", "M1_CUDA_CORE"),
                      "fp8_scale_preload": ("fp8_matmul", "SCALE_PRELOAD"),
+                     "fp8_x_f16": ("fp8_matmul", "X_F16"),
                      "fp8_decode_max_rows": ("fp8_matmul", "DECODE_MAX_ROWS"),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES")}
 

@@ -14,16 +14,16 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the 64-layer decode step in five variants (issue 4: single-row FP8 path, preloaded
-#          scales, bf16 lm_head streaming) with launch counts and summarized traces, the
+#   GPU 0: the 64-layer decode step in three variants (issue 4: bf16 x as f16 pieces against the
+#          FP8 weights, scales loaded per chunk) with launch counts and summarized traces, the
 #          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
 #          fastest variant's --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: FP8 matmuls at 1, 8 and 16 rows (with the XLA, preloaded-scale and bf16-streaming rows),
-#          a tile sweep at 1 row and a sweep at 32 rows (the server's batch-8 K=3 verify), then (TRAIN=1) the two demo
-#          recipes and their benches (issue 8)
-#   both:  once both lines ended, TP2 plain + K=3 with and without XLA's one-shot all-reduce kernel
-#          (short runs); FULL_TP2=1 adds the full TP2 table with the faster setting
+#   GPU 1: Nsight Compute on the FP8 decode kernel (scripts/ncu_fp8.sh), FP8 matmuls at 1, 4, 16
+#          and 32 rows (with the XLA, x_f16, scale-loading and bf16-streaming rows), then (TRAIN=1)
+#          the two demo recipes and their benches (issue 8)
+#   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
+#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default)
 set -u
 R=/tmp/qmtp_run
 SRC=/tmp/qmtp_src
@@ -32,7 +32,7 @@ limit=${2:-560}
 
 pack() {  # only logs, JSON, plots and metrics: a file back from $OUT may hold 16 MiB at most
   [ -n "${OUT:-}" ] || return 0
-  (cd $R && tar czf "$OUT/results.tgz" $(ls *.log *.json *.png *.txt *.out 2>/dev/null) \
+  (cd $R && tar czf "$OUT/results.tgz" $(ls *.log *.json *.png *.txt *.csv *.out 2>/dev/null) \
      $(ls train*/*.json train*/*.png train*/*.jsonl train*/best/best.json 2>/dev/null))
   for run in train train_d3; do
     if [ -f $R/$run/export/config.json ]; then
@@ -55,10 +55,10 @@ job() {  # name timeout_s command... (one line of the log per job start/end in $
 
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  # issue 4: the 64-layer step with each candidate policy (single-row FP8 path: tensor-core default,
-  # CUDA-core, XLA; block scales preloaded; the bf16 lm_head on the streaming kernel)
+  # issue 4: the 64-layer step with each candidate policy (bf16 x as f16 pieces against the FP8
+  # weights; block scales loaded per chunk, the default before session 5)
   job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_m1fma,pallas_m1xla,pallas_preload,pallas_bf16stream --out=$R/bench_step.json \
+    --step_impls=pallas,pallas_xf16,pallas_nopreload --out=$R/bench_step.json \
     --step_trace_dir=/tmp/qmtp_trace
   # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
   for d in /tmp/qmtp_trace/*/; do
@@ -109,15 +109,11 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # the server's MTP rounds at batch 8 verify 8 x (K+1) = 32 rows: which FP8 path do 8-32 rows take, how fast
-  job bench_fp8_rows 360 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,8,16 --fp8_prefill_ms= \
+  # where the FP8 decode kernel stalls (Nsight Compute; the x_f16 launch next to the default and bf16)
+  NCU_OUT=$R job ncu_fp8 200 bash scripts/ncu_fp8.sh
+  # per weight at 1, 4, 16 and 32 rows: the defaults and, next to them, x_f16 and the other scale loading
+  job bench_fp8_rows 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16,32 --fp8_prefill_ms= \
     --out=$R/bench_fp8_rows.json
-  # 32 rows: the GEMM tiles (today's dispatch) against the split-K decode grid (DECODE_DOT_MAX_ROWS)
-  # one row: the candidate tile configs, with and without preloaded scales (the step's plain decode)
-  job bench_fp8_m1_sweep 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= --xla=false \
-    --fp8_sweep --out=$R/bench_fp8_m1_sweep.json
-  job bench_fp8_verify32 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_prefill_ms= --xla=false \
-    --fp8_sweep --out=$R/bench_fp8_verify32.json
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
@@ -136,7 +132,8 @@ both() {
   unset CUDA_VISIBLE_DEVICES
   # issue 5: 131 small all-reduces per step; XLA's own one-shot kernel for small all-reduces vs NCCL
   local oneshot=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true
-  for mode in nccl oneshot; do
+  # session 5: the one-shot kernel changed nothing (95.4 vs 95.5 tok/s plain); compared only when asked
+  for mode in $([ "${SHORT_TP2:-0}" = 1 ] && echo nccl oneshot); do
     XLA_FLAGS="$([ $mode = oneshot ] && echo $oneshot)" job tp2_$mode 420 python3 -m qmtp.bench \
       --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 --out=$R/tp2_$mode.json --converted_cache=/tmp/qmtp_conv \
       $(cat $R/kernels_flag.txt)
@@ -147,7 +144,7 @@ def plain(m):
     try: return json.load(open('$R/tp2_%s.json' % m))['cases'][0]['modes'][0]['decode_tokens_per_s']['median']
     except Exception: return 0.0
 print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
-  if [ "${FULL_TP2:-0}" = 1 ]; then
+  if [ "${FULL_TP2:-1}" = 1 ]; then
     echo "full TP2 table with XLA_FLAGS='$best'" >>$R/jobs.log
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
       --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt)

@@ -5,9 +5,13 @@ twice (the first call compiles). Under ncu (scripts/ncu_fp8.sh) the second round
   launch 4: fp8  [17408, 5120]  (gate / up, default config: 64-row programs, split-K 2)
   launch 5: fp8  [5120, 17408]  (mlp_down, split-K 4)
   launch 6: bf16 [17408, 5120]  (fp8_matmul.bf16_matmul: the same kernel, 2 bytes per weight)
+  launch 7: fp8  [17408, 5120]  with DecodeConfig(x_f16=True) (E4M3 -> f16 instead of bf16)
+(each round launches 4 kernels named fp8_matmul_decode; the x_f16 call's piece and sum ops are XLA's)
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +35,13 @@ def main() -> None:
     up = jax.jit(lambda x, w, s: fm.fp8_matmul(x, w, s))
     down = jax.jit(lambda x, w, s: fm.fp8_matmul(x, w, s))
     b16 = jax.jit(lambda x, w: fm.bf16_matmul(x, w))
+    f16_config = dataclasses.replace(fm.default_config(1, 17408, 5120), x_f16=True)
+    up_f16 = jax.jit(lambda x, w, s: fm.fp8_matmul(x, w, s, config=f16_config))
     for _ in range(2):
         jax.block_until_ready(up(x_up, w_up, s_up))
         jax.block_until_ready(down(x_down, w_down, s_down))
         jax.block_until_ready(b16(x_up, w_bf16))
+        jax.block_until_ready(up_f16(x_up, w_up, s_up))
     print("configs:", fm.default_config(1, 17408, 5120), fm.default_config(1, 5120, 17408), flush=True)
 
 

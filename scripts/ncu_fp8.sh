@@ -5,10 +5,11 @@
 #                                         $OUT/ncu_source_up.csv (SASS of the gate/up launch with stall samples)
 # ncu runs with --clock-control none (leave the card's clocks alone).
 set -u
+OUT=${NCU_OUT:-$OUT}  # gpu_session.sh passes its results folder
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 export PYTHONPATH=. JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_command_buffer=
-common=(--clock-control none -k regex:fp8_matmul_decode --launch-skip 3)
-timeout ${NCU_T1:-90} "$NCU" "${common[@]}" --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+common=(--clock-control none -k regex:fp8_matmul_decode --launch-skip 4)
+timeout ${NCU_T1:-90} "$NCU" "${common[@]}" --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
   --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
   python3 scripts/ncu_fp8.py >"$OUT/ncu_sections.txt" 2>&1
 echo "sections rc=$?"

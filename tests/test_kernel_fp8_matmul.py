@@ -193,6 +193,9 @@ CONFIGS = {  # name: (config, rows)
     "decode_dot_scale_preload": (DecodeConfig(split_k=3, scale_preload=True), [1, 5]),
     "decode_dot_scale_preload_unroll": (DecodeConfig(block_o=16, chunks_per_step=2, scale_preload=True), [2]),
     "decode_fma_scale_preload": (DecodeConfig(block_o=32, use_dot=False, split_k=2, scale_preload=True), [1, 3]),
+    # bf16 x as two f16 pieces (f32 x, alternated in, ignores the flag): W on either side of the dot
+    "decode_dot_x_f16": (DecodeConfig(split_k=2, x_f16=True, scale_preload=True), [1, 5]),
+    "decode_dot_x_f16_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True), [2, 24]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -216,8 +219,45 @@ def test_kernel_exact_on_integer_problems(name):
         np.testing.assert_array_equal(got, want, err_msg=f"{name} m={m} o={o} i={i}")
 
 
+@pytest.mark.parametrize("x_scale", [2.0 ** -12, 2.0 ** 10])
+def test_x_f16_pieces_exact_at_small_and_large_x(x_scale):
+    """DecodeConfig(x_f16=True) with bf16 x whose values need the lo piece (multiples of 2^-12: x / 2^16
+    falls off the f16 grid) or only the hi piece (up to 2^12): bit-exact against the float64 formula,
+    and the pieces reconstruct x exactly."""
+    rng = np.random.default_rng(int(np.log2(x_scale)) + 40)
+    config = DecodeConfig(split_k=2, x_f16=True)
+    for m, (o, i) in [(1, (272, 300)), (3, (130, 129))]:
+        x, wq, scale = exact_problem(rng, m, o, i)
+        x = x * x_scale  # exact: integers times a power of two, |x| <= 4 x_scale
+        pieces = np.asarray(fm._f16_pieces(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32), np.float64)
+        np.testing.assert_array_equal(pieces[0] * fm.X_F16_HI + pieces[1], x)
+        if x_scale < 1:
+            assert np.any(pieces[1] != 0), "the lo piece was not exercised"
+        got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config)
+        np.testing.assert_array_equal(got, np.asarray(f64_formula(x, wq, scale), np.float32), err_msg=f"m={m}")
+
+
+def test_x_f16_pieces_limits():
+    """The documented limits of the f16 pieces: below 2^-17 lo rounds to the 2^-24 grid (error <= 2^-25);
+    at 2^32 hi overflows (the reconstruction, like the dot, is not finite)."""
+    x = jnp.asarray([2.0 ** -17, 3 * 2.0 ** -20, 1.5 * 2.0 ** -24, -(2.0 ** 31) * 1.5, 2.0 ** 32], jnp.bfloat16)
+    hi, lo = (np.asarray(p.astype(jnp.float32), np.float64) for p in fm._f16_pieces(x[None])[:, 0])
+    back = hi * fm.X_F16_HI + lo
+    want = np.asarray(x.astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(back[[0, 1, 3]], want[[0, 1, 3]])
+    assert abs(back[2] - want[2]) <= 2.0 ** -25 and not np.isfinite(back[4])  # inf - inf
+
+
+def test_x_f16_needs_the_dot():
+    rng = np.random.default_rng(0)
+    x, wq, scale = exact_problem(rng, 1, 130, 129)
+    with pytest.raises(ValueError, match=r"x_f16=True\) needs use_dot=True"):
+        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(use_dot=False, x_f16=True))
+
+
 MANY_CONFIGS = {  # name: (config, rows)
     "default": (None, [1, 4, 16]),
+    "x_f16": (DecodeConfig(split_k=2, x_f16=True), [1, 4]),
     "fma_split2_bo16": (DecodeConfig(block_o=16, use_dot=False, split_k=2), [1, 3]),
     "dot_bo32_unroll2": (DecodeConfig(block_o=32, chunks_per_step=2), [5]),
     "prefill": (PrefillConfig(block_m=16, block_n=32), [3, 40]),
@@ -656,3 +696,18 @@ def test_scale_preload_lowers_for_h200(m, o, i):
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
     assert attr_int(cfg, "grid_y") == config.split_k and "scf.for" in ir_text
+
+
+@pytest.mark.parametrize("m, o, i", [(1, F, E), (4, E, F)])
+def test_x_f16_lowers_for_h200(m, o, i):
+    """DecodeConfig(x_f16=True) compiles for the H200: one Triton call with one f16 dot per chunk
+    over the rows [hi; lo] and the weight converted E4M3 -> f16, not bf16."""
+    import dataclasses
+    sds = jax.ShapeDtypeStruct
+    config = dataclasses.replace(fm.decode_config(m, o, i), x_f16=True)
+    args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
+    [(cfg, ir_text)] = triton_calls(lowered)
+    assert ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text  # one dot over the [hi; lo] rows
+    converts = [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln]
+    assert converts and all("f8E4M3FN" in ln and "xf16" in ln and "xbf16" not in ln for ln in converts), converts

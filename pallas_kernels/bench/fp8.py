@@ -10,7 +10,7 @@ from the model's own parameter declarations) and every row count M:
     weight_tb_s counts the bytes the row's weights really have (2 per weight for the bf16 rows).
   - prefill rows (>= 1024): TFLOP/s = 2 M O I / time, against XLA's bf16 matmul on the same shape
     (weights pre-dequantized to bf16: the best XLA can do) and XLA's dequantize-then-matmul.
-impl: pallas (default config, the default with scale_preload, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
+impl: pallas (default config, the default with scale_preload and x_f16 flipped, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
 einsum), xla_bf16 (bf16 weights, plain einsum), pallas_bf16 (bf16 weights on the streaming decode
 kernel, fp8_matmul.bf16_matmul; decode rows only), dequant_dot (prefill rows only: a materialized bf16
 dequantize, then XLA's dot, fp8_matmul_dequant_dot). rel_err: max |y - y_ref| / max |y_ref| of the
@@ -162,8 +162,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             want = np.asarray(ref(x, ws[0], ss[0]), np.float64)
             runs = [("pallas", None)] + ([("pallas", c) for c in candidate_configs(m)] if sweep else [])
             default = fm.default_config(m, o, i)
-            if isinstance(default, fm.DecodeConfig):  # always: the default with its scales preloaded
-                runs.append(("pallas", dataclasses.replace(default, scale_preload=True)))
+            if isinstance(default, fm.DecodeConfig):  # always: the default with the other scale loading
+                runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
+                if default.use_dot:  # and with x as f16 pieces (fp8_matmul.X_F16)
+                    runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
             if xla:
                 runs += [("xla", None), ("xla_bf16", None)]
                 if m <= fm.DECODE_DOT_MAX_ROWS:

@@ -1,0 +1,113 @@
+"""PTX instructions per chunk-loop iteration of the FP8 decode kernel, without a GPU.
+
+Pallas lowers the kernel to Triton IR on this machine (tests/h200_lowering.py); a separate Python with
+the `triton` package (not a project dependency: `python3.12 -m venv /tmp/vtri && /tmp/vtri/bin/pip install
+triton`) compiles that IR for sm_90 and this script counts the instructions of the innermost loop, by
+opcode. The compiler is pip's Triton, not the one inside XLA's CUDA plugin, so the counts are a guide
+to what a change does to the loop, not the exact code the H200 runs.
+
+  python scripts/triton_loop_stats.py --triton_python=/tmp/vtri/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> (M, O, I, weight dtype, DecodeConfig overrides of the default config)
+CASES = {
+    "up_m1": (1, 17408, 5120, "fp8", {}),
+    "up_m1_x_f16": (1, 17408, 5120, "fp8", {"x_f16": True}),
+    "up_m1_bf16_weights": (1, 17408, 5120, "bf16", {}),
+    "down_m1": (1, 5120, 17408, "fp8", {}),
+    "down_m1_x_f16": (1, 5120, 17408, "fp8", {"x_f16": True}),
+    "up_m4_x_f16": (4, 17408, 5120, "fp8", {"x_f16": True}),
+}
+
+_COMPILE = r'''
+import json, re, sys, collections, triton
+from triton.backends.compiler import GPUTarget
+path, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+lines = k.asm["ptx"].splitlines()
+labels = {l.strip().split(":")[0]: i for i, l in enumerate(lines) if re.match(r"^\$L__BB\d+_\d+:", l.strip())}
+span = None
+for j, l in enumerate(lines):  # the longest backward branch: the chunk loop
+    m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", l)
+    if m and m.group(1) in labels and labels[m.group(1)] < j and (span is None or j - labels[m.group(1)] > span[1] - span[0]):
+        span = (labels[m.group(1)], j)
+ops = collections.Counter()
+for l in lines[span[0]:span[1] + 1]:
+    l = l.strip()
+    if not l or l.startswith(("//", ".", "{", "}", "$")):
+        continue
+    op = l.split()[1] if l.startswith("@") else l.split()[0]
+    ops[".".join(op.rstrip(";").split(".")[:2])] += 1
+print(json.dumps({"triton": triton.__version__, "shared_bytes": k.metadata.shared, "loop_instructions": sum(ops.values()),
+                  "loop_ops": dict(ops.most_common())}))
+'''
+
+
+def dump_ttir(name: str, out_dir: str) -> tuple[str, object]:
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from h200_lowering import lower_for_h200, triton_calls
+
+    from pallas_kernels import fp8_matmul as fm
+
+    m, o, i, wdt, overrides = CASES[name]
+    config = dataclasses.replace(fm.decode_config(m, o, i), **overrides)
+    sds = jax.ShapeDtypeStruct
+    if wdt == "bf16":
+        fn, args = (lambda x, w: fm.bf16_matmul(x, w, config=config)), (sds((m, i), jnp.bfloat16), sds((o, i), jnp.bfloat16))
+    else:
+        fn = lambda x, w, s: fm.fp8_matmul(x, w, s, config=config)  # noqa: E731
+        args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
+    [(_, text)] = triton_calls(lower_for_h200(fn, args))
+    path = os.path.join(out_dir, f"{name}.ttir")
+    with open(path, "w") as f:
+        f.write(text)
+    return path, config
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--triton_python", required=True, help="a Python that can import triton")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    ap.add_argument("--out", default=None, help="JSON file with every case's counts")
+    args = ap.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.cases.split(","):
+            if name not in CASES:
+                print(f"triton_loop_stats: unknown case {name!r}; known: {', '.join(CASES)}", file=sys.stderr)
+                return 2
+            path, config = dump_ttir(name, tmp)
+            p = subprocess.run([args.triton_python, "-c", _COMPILE, path, str(config.num_warps), str(config.num_stages)],
+                               capture_output=True, text=True)
+            if p.returncode:
+                print(f"{name}: triton compile failed:\n{p.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            row = json.loads(p.stdout.strip().splitlines()[-1])
+            results[name] = {"config": repr(config), **row}
+            top = ", ".join(f"{k} {v}" for k, v in list(row["loop_ops"].items())[:8])
+            print(f"{name:22s} {row['loop_instructions']:4d} instructions per loop iteration ({top})", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
