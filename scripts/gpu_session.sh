@@ -114,6 +114,9 @@ gpu1() {
   # per weight at 1, 4, 16 and 32 rows: the defaults and, next to them, x_f16 and the other scale loading
   job bench_fp8_rows 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16,32 --fp8_prefill_ms= \
     --out=$R/bench_fp8_rows.json
+  # x_f16 tiles at 1 and 4 rows: with cheaper conversions the best tile may change
+  job bench_fp8_f16_sweep 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms= --xla=false \
+    --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_f16_sweep.json
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \

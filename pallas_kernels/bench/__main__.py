@@ -29,6 +29,8 @@ flags.DEFINE_string("out", "bench.json", "JSON file with every row, the copy ban
 flags.DEFINE_bool("quick", False, "Minimal cases and sizes (with --interpret: a CPU smoke test of the harness).")
 flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in interpret mode (CPU; figures are meaningless).")
 flags.DEFINE_bool("fp8_sweep", False, "fp8: also time candidate tile configs (a few seconds of compile each).")
+flags.DEFINE_string("fp8_sweep_match", "", "fp8: with --fp8_sweep, only the candidate configs whose repr contains "
+                    "this text (e.g. 'x_f16=True').")
 flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmul, and bf16 weights).")
 flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
 flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; others allowed).")
@@ -67,7 +69,7 @@ def main(argv):
         print(f"== {part}", file=sys.stderr, flush=True)
         if part == "fp8":
             from pallas_kernels.bench import fp8
-            agg = fp8.run(tb, rec.emit, sweep=FLAGS.fp8_sweep, xla=FLAGS.xla,
+            agg = fp8.run(tb, rec.emit, sweep=FLAGS.fp8_sweep, sweep_match=FLAGS.fp8_sweep_match, xla=FLAGS.xla,
                           decode_ms=[int(m) for m in FLAGS.fp8_ms],
                           prefill_ms=[int(m) for m in FLAGS.fp8_prefill_ms if m],
                           only_shapes=[tuple(int(v) for v in s.split("x")) for s in FLAGS.fp8_shapes], **opts)

@@ -129,15 +129,22 @@ def candidate_configs(m: int) -> list:
            # more bytes in flight per program once the scale load is off the loop's critical path
            (64, 2, True, 4, 4, 2, True), (64, 2, False, 4, 4, 2, True), (64, 2, True, 4, 3, 4, True),
            (64, 4, False, 4, 3, 4, True), (128, 2, False, 8, 3, 2, True), (64, 1, False, 4, 4, 4, True)]
+    # bf16 x as f16 pieces (DecodeConfig.x_f16): with conversions cheaper, the tiles may want more bytes in flight
+    f16 = [(64, 2, False, 4, 4, 1, True), (64, 2, True, 4, 4, 1, True), (64, 4, True, 4, 4, 1, True),
+           (64, 1, False, 4, 4, 1, True), (128, 2, False, 8, 4, 1, True), (128, 2, True, 8, 3, 1, True),
+           (64, 2, False, 4, 6, 1, True), (32, 2, True, 4, 4, 1, True), (64, 2, False, 4, 4, 2, True)]
     return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
              for bo, sk, nw, ns, u in fma]
             + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
                             scale_preload=pre)
-               for bo, sk, sw, nw, ns, u, pre in dot])
+               for bo, sk, sw, nw, ns, u, pre in dot]
+            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
+                            scale_preload=pre, x_f16=True)
+               for bo, sk, sw, nw, ns, u, pre in f16])
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False,
-        xla: bool = True, decode_ms=DECODE_MS, prefill_ms=PREFILL_MS, only_shapes=(), reps: int = 8,
+        sweep_match: str = "", xla: bool = True, decode_ms=DECODE_MS, prefill_ms=PREFILL_MS, only_shapes=(), reps: int = 8,
         trials: int = 5) -> dict:
     """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M."""
     import jax
@@ -160,7 +167,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         for m in (*decode_ms, *prefill_ms):
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
             want = np.asarray(ref(x, ws[0], ss[0]), np.float64)
-            runs = [("pallas", None)] + ([("pallas", c) for c in candidate_configs(m)] if sweep else [])
+            candidates = [c for c in candidate_configs(m) if sweep_match in repr(c)] if sweep else []
+            runs = [("pallas", None)] + [("pallas", c) for c in candidates]
             default = fm.default_config(m, o, i)
             if isinstance(default, fm.DecodeConfig):  # always: the default with the other scale loading
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
