@@ -276,6 +276,9 @@ def _run() -> int:
                           "mean little here; they are a GPU measure)")
                 if case.get("breakdown"):
                     print(br.breakdown_table(case["breakdown"]))
+                case["targets"] = br.targets(case)
+                if case["targets"] and jax.default_backend() != "cpu":  # GPU targets (PERFORMANCE.md)
+                    print(br.targets_text(case["targets"]))
     if len(engines) > 1:
         result["engine_comparison"] = br.engine_comparison(result["cases"], engines)
         print(f"\ndecode tok/s by engine ({engines[0]} / {engines[1]}):")

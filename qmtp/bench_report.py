@@ -22,8 +22,15 @@ import numpy as np
 
 
 def nbytes(tree) -> int:
+    """Bytes one device holds of `tree`: a sharded array counts its shard (under TP each GPU streams
+    only its shard per step, so the roofline is per GPU), anything else its whole shape."""
     import jax
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+    total = 0
+    for a in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(a, "sharding", None)
+        shape = sharding.shard_shape(a.shape) if hasattr(sharding, "shard_shape") else a.shape
+        total += int(np.prod(shape)) * np.dtype(a.dtype).itemsize
+    return total
 
 
 def step_bytes(params: dict, state, context: int) -> dict:
@@ -146,3 +153,46 @@ def breakdown_table(breakdown: dict) -> str:
     rows = [["K"] + present] + [[k] + [f"{v[n] * 1e3:.3f}" if n in v else "-" for n in present]
                                 for k, v in breakdown.items()]
     return "milliseconds per piece of a round:\n" + aligned(rows)
+
+
+# PERFORMANCE.md's targets a single run can check (TP2 >= 1.6x TP1 needs two runs: compare their JSONs)
+PLAIN_ROOFLINE_TARGET = 0.75
+K3_PROFILED_SPEEDUP_TARGET = 2.5
+
+
+def targets(case: dict) -> list[dict]:
+    """The targets one case can check, each {target, value, goal, met, note}; a missed target's note
+    names the pieces of the step or round that take the time (from the breakdown, when measured)."""
+    modes = {m["name"]: m for m in case["modes"]}
+    pieces = next(iter((case.get("breakdown") or {}).values()), {})
+    out = []
+    plain = modes.get("plain")
+    if plain and plain.get("share_of_roofline") is not None:
+        value = plain["share_of_roofline"]
+        row = {"target": "plain decode >= 75% of the bandwidth roofline", "value": value,
+               "goal": PLAIN_ROOFLINE_TARGET, "met": value >= PLAIN_ROOFLINE_TARGET, "note": ""}
+        if not row["met"] and "measured_plain_step" in pieces:
+            step, roof = pieces["measured_plain_step"], case["batch"] / case["roofline"]["plain_tok_s"]
+            row["note"] = f"a step takes {step * 1e3:.2f} ms against {roof * 1e3:.2f} ms at the roofline"
+            if "all_reduce" in pieces:
+                row["note"] += f"; its all-reduces {pieces['all_reduce'] * 1e3:.2f} ms"
+        out.append(row)
+    k3 = modes.get("mtp K=3 profiled")
+    if k3:
+        value = k3["speedup"]
+        row = {"target": "MTP K=3 with the default profile >= 2.5x plain", "value": value,
+               "goal": K3_PROFILED_SPEEDUP_TARGET, "met": value >= K3_PROFILED_SPEEDUP_TARGET, "note": ""}
+        three = (case.get("breakdown") or {}).get("3", {})
+        if not row["met"] and {"measured_round", "measured_plain_step", "verify"} <= three.keys():
+            rnd, step = three["measured_round"], three["measured_plain_step"]
+            row["note"] = (f"a round takes {rnd * 1e3:.2f} ms = {rnd / step:.2f} plain steps for "
+                           f"{k3['mean_accepted_length']:.2f} tokens: verify {three['verify'] * 1e3:.2f} ms, "
+                           f"the rest (drafts, MTP refresh, commit) {(rnd - three['verify']) * 1e3:.2f} ms")
+        out.append(row)
+    return out
+
+
+def targets_text(rows: list[dict]) -> str:
+    return "\n".join(f"target {'met' if r['met'] else 'missed'}: {r['target']} (measured "
+                     f"{r['value']:.2f}, goal {r['goal']:.2f})" + (f": {r['note']}" if r["note"] else "")
+                     for r in rows)

@@ -143,3 +143,31 @@ def test_breakdown_timing_leaves_out_building_the_input(monkeypatch):
         return x
 
     assert bd._time_piece(call, make_input) == pytest.approx(1.0)
+
+
+def test_bytes_count_each_device_shard():
+    """Under TP the roofline is per GPU: a sharded array counts its shard, a replicated one in full."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    split = jax.device_put(jnp.zeros((4, 8), jnp.float32), NamedSharding(mesh, P("tp", None)))
+    whole = jax.device_put(jnp.zeros((4, 8), jnp.float32), NamedSharding(mesh, P()))
+    assert br.nbytes({"a": split}) == 4 * 8 * 4 // 2
+    assert br.nbytes({"a": whole, "b": np.zeros((3,), np.float16)}) == 4 * 8 * 4 + 6
+
+
+def test_targets_name_the_pieces_of_a_miss():
+    modes = [{"name": "plain", "share_of_roofline": 0.61},
+             {"name": "mtp K=3 profiled", "speedup": 2.34, "mean_accepted_length": 2.98}]
+    breakdown = {"3": {"measured_round": 0.0161, "measured_plain_step": 0.0127, "verify": 0.0135,
+                       "all_reduce": 0.002}}
+    case = {"modes": modes, "breakdown": breakdown, "batch": 1, "roofline": {"plain_tok_s": 130.0}}
+    plain, k3 = br.targets(case)
+    assert not plain["met"] and "12.70 ms against 7.69 ms" in plain["note"] and "all-reduces 2.00 ms" in plain["note"]
+    assert not k3["met"] and "1.27 plain steps for 2.98 tokens" in k3["note"] and "the rest" in k3["note"]
+    text = br.targets_text([plain, k3])
+    assert text.count("target missed") == 2
+    modes[0]["share_of_roofline"], modes[1]["speedup"] = 0.8, 2.6
+    assert all(r["met"] and not r["note"] for r in br.targets(case))
