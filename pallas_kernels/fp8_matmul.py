@@ -6,13 +6,13 @@ Layout: w [O, I] float8_e4m3fn as the checkpoint stores it, scale [ceil(O/128), 
 
 `fp8_matmul_ref` is the pure-jnp reference (dequantize to f32, einsum at HIGHEST precision);
 `fp8_matmul` is its Pallas twin (same signature plus `interpret` and `config`): a weight-streaming
-kernel for M <= DECODE_MAX_ROWS rows (decode, verify) and a tiled GEMM for more rows (prefill); see the
-section "Pallas kernels" below for the tiling.
+kernel for M <= fp8_config.DECODE_MAX_ROWS rows (decode, verify) and a tiled GEMM for more rows
+(prefill); see the section "Pallas kernels" below for the tiling. The tile configurations and
+the heuristics that pick them are in fp8_config.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -21,9 +21,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp8_config
 from pallas_kernels._vma import align
-
-BLOCK = 128
+# the configs and their heuristics (the module switches stay in fp8_config: read them there)
+from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
+                                       DecodeConfig, PrefillConfig, cdiv, decode_config, default_config,
+                                       next_pow2, prefill_config)
 
 
 def _check(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
@@ -82,7 +85,7 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 # handled with masked loads whose masked lanes become 0 and masked stores, emitted only where a
 # shape is ragged, so the real (128-multiple) shapes run unmasked, fully vectorized loads.
 #
-# Decode (M <= DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k). A program owns BO output rows of W
+# Decode (M <= fp8_config.DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k). A program owns BO output rows of W
 # (BO divides 128, so one scale row), streams its [BO, I / split_k] FP8 slab in [BO, 128] chunks
 # (one scalar scale per chunk), and accumulates [BO, BM] in f32 with either a tensor-core dot
 # (rows padded to BM = 16, the dot minimum; `swap_ab` puts W on the dot's M side) or, for up to
@@ -95,133 +98,6 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 # Prefill: grid (cdiv(M, BM), cdiv(O, BN)), M-blocks fastest so the programs sharing one W tile run
 # together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
 # ----------------------------------------------------------------------------------------------
-
-# M above this runs the prefill GEMM (default_config's dispatch). 32, not 16: a batched verify (8 slots
-# x K+1 = 32 rows) on the GEMM tiles gives narrow weights few programs (mlp_down [5120, 17408] at
-# BN = 128: 40 programs on 132 SMs), where the decode grid splits K as well. Measured at M = 32 on the
-# H200 (2026-11-30, `pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_sweep`): the decode grid
-# (64-row programs, split-K 4) streamed 1.25-1.78 TB/s per weight on the five 27B shapes against
-# 0.50-1.14 for the GEMM default, 1.5-2.9x. 33-64 rows are not measured yet.
-DECODE_MAX_ROWS = 32
-# A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 64] f32 accumulator).
-DECODE_DOT_MAX_ROWS = 64
-DOT_MIN = 16  # smallest M / N / K of a Triton dot
-FMA_MAX_ROWS = 8  # the CUDA-core path keeps one [block_o, 128] f32 accumulator per row in registers
-SM_COUNT = 132  # H200 streaming multiprocessors (the split-K heuristic's occupancy target)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """Few-row (decode / verify) tile config. block_o: W rows per program (a power of two in
-    [16, 128]); split_k: programs along I, each summing a contiguous run of 128-column chunks (f32
-    partials reduced by XLA); use_dot: tensor-core dot (rows padded to 16) or, for M <= 8, f32
-    multiply + row sums; swap_ab: dot(W, x^T) instead of dot(x, W^T); num_warps / num_stages:
-    Triton launch parameters (stages pipeline the chunk loop's loads); chunks_per_step: 128-column
-    chunks loaded per loop iteration (more bytes in flight per program; a remainder runs one chunk
-    at a time); scale_preload: load the program's whole run of block scales as one vector before
-    the loop and select each chunk's scale in registers, instead of one scalar global load per
-    chunk (a load the pipeliner does not prefetch: its latency may stall every iteration); x_f16
-    (tensor-core dot, bf16 x, FP8 weights): x enters as two float16 pieces, x = 2^16 hi + lo
-    (`_f16_pieces`), so each weight chunk converts E4M3 -> f16 (one instruction per two weights)
-    instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight)."""
-
-    block_o: int = 64
-    split_k: int = 1
-    use_dot: bool = True
-    swap_ab: bool = True
-    num_warps: int = 4
-    num_stages: int = 4
-    chunks_per_step: int = 1
-    scale_preload: bool = False
-    x_f16: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillConfig:
-    """Many-row GEMM tile config: block_m x block_n output tiles (powers of two, block_m >= 16,
-    16 <= block_n <= 128 so a tile has one scale row), K chunk = 128 (one scale column)."""
-
-    block_m: int = 64
-    block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-# True: one row of a wide weight takes the CUDA-core (FMA) path; False: every M <= DECODE_MAX_ROWS
-# takes the tensor-core configuration. Measured in the 64-layer 27B step on the H200 (2026-11-30,
-# `python -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1fma`): 12.93 ms with
-# the tensor-core path vs 14.27 ms with the FMA path, though the isolated per-weight sweeps had
-# favoured FMA. The module switch keeps the other path measurable (step variant "pallas_m1fma").
-# With it off, a row's result also no longer depends on whether it is decoded alone or with others
-# in a verify pass of <= 16 rows (one tile configuration, one reduction order; 17-32 rows use split-K 4).
-M1_CUDA_CORE = False
-# True: default decode configs of up to 16 rows preload their block scales (DecodeConfig.scale_preload).
-# Measured in the 64-layer 27B step on the H200 (2026-11-30, `pallas_kernels.bench --parts=step`):
-# 12.70 ms with preloaded scales vs 12.90 ms without (step variant "pallas_nopreload" keeps the old
-# path measurable); per weight at 1-16 rows it was within +-7% either way.
-SCALE_PRELOAD = True
-# True: default tensor-core decode configs take bf16 x as two f16 pieces (DecodeConfig.x_f16). Off
-# until measured (step variant "pallas_xf16", bench rows with x_f16=True). Why it may pay: the same
-# decode kernel streams bf16 weights at 2.5-3.5 TB/s but FP8 weights at only 1.3-2.1 (H200,
-# 2026-11-30, per weight at M = 1-16), so it converts rather than streams; per 64 x 128 chunk its
-# loop has 312 PTX instructions per thread, 96 of them conversions, against 135 for bf16 weights
-# (Triton 3.9 offline compile for sm_90, scripts/triton_loop_stats.py).
-X_F16 = False
-
-
-def decode_config(m: int, o: int, i: int) -> DecodeConfig:
-    """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
-    WORKSPACE.md). With M1_CUDA_CORE, one row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
-    programs, 2 warps, 4 chunks per iteration (2.0-2.5 TB/s vs 1.5-2.1 for the 64-row default).
-    Otherwise 64-row programs, split_k (a power of two <= 8, >= 4 chunks per split) until the grid
-    has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more
-    rows use the tensor-core dot with at least 2 splits, and the wide shapes put x on the dot's M
-    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). 17-64 rows (batched verify):
-    split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
-    loaded per chunk, as measured)."""
-    bo = 64
-    n_o, n_chunks = _cdiv(o, bo), _cdiv(i, BLOCK)
-    wide = n_o >= SM_COUNT
-    if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
-        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
-                            x_f16=X_F16)
-    if m == 1 and wide and M1_CUDA_CORE:
-        return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
-                            scale_preload=SCALE_PRELOAD)
-    dot = m > 1 or not M1_CUDA_CORE
-    split = 1
-    while n_o * split < 2 * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
-        split *= 2
-    if dot and n_chunks >= 16:
-        split = max(split, 2)
-    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD,
-                        x_f16=X_F16 and dot)
-
-
-def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
-    """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above."""
-    del o, i
-    if m <= 256:
-        return PrefillConfig(block_m=64 if m > 32 else 32, block_n=128, num_warps=4, num_stages=3)
-    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-
-
-def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
-    """The dispatch on M: few rows stream W (bandwidth-bound), many rows run the GEMM."""
-    return decode_config(m, o, i) if m <= DECODE_MAX_ROWS else prefill_config(m, o, i)
-
 
 def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
     """bf16 x -> [x]; f32 x -> [hi, mid, lo] bf16 with hi + mid + lo == x (each residual is exact)."""
@@ -300,7 +176,7 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f
         return
     start = 0
     for w_ref, s_ref, o_ref, o in zip(w_refs, s_refs, o_refs, os):
-        blocks = _cdiv(o, cfg.block_o)
+        blocks = cdiv(o, cfg.block_o)
         pl.when((po >= start) & (po < start + blocks))(
             functools.partial(body, x_ref, w_ref, s_ref, o_ref, po - start, pk, o=o))
         start += blocks
@@ -312,13 +188,13 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     bo = cfg.block_o
     o0 = pl.multiple_of(po * bo, bo)
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
-    n_chunks = _cdiv(i, BLOCK)
+    n_chunks = cdiv(i, BLOCK)
     rows_ok = (o0 + jnp.arange(bo)) < o if o % bo else None
     m_ok = jnp.arange(bm) < m if bm != m else None
     o_major = cfg.swap_ab  # dot accumulator [bo, bm] instead of [bm, bo]
     c_first = pk * chunks_per_split
     if cfg.scale_preload:  # this program's scales [run] in registers, lanes past the row's end 0
-        run = max(_next_pow2(chunks_per_split), 2)
+        run = max(next_pow2(chunks_per_split), 2)
         lanes = jnp.arange(run)
         s_run = plgpu.load(s_ref.at[srow, pl.ds(c_first, run)], mask=c_first + lanes < n_chunks, other=0.0)
 
@@ -385,35 +261,8 @@ def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
         wc = _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
         return acc + _dot_sum(_bf16_pieces(xc), wc, swap=False) * s_ref[srow, c]
 
-    acc = jax.lax.fori_loop(0, _cdiv(i, BLOCK), body, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), body, jnp.zeros((bm, bn), jnp.float32))
     plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))
-
-
-def _check_config(config, m: int) -> None:
-    if isinstance(config, DecodeConfig):
-        c = config
-        if not (_is_pow2(c.block_o) and DOT_MIN <= c.block_o <= BLOCK):
-            raise ValueError(f"fp8_matmul: DecodeConfig.block_o={c.block_o} must be a power of two in [16, 128]")
-        if m > DECODE_DOT_MAX_ROWS:
-            raise ValueError(f"fp8_matmul: DecodeConfig is for M <= {DECODE_DOT_MAX_ROWS} rows, got M={m}")
-        if not c.use_dot and m > FMA_MAX_ROWS:
-            raise ValueError(f"fp8_matmul: DecodeConfig(use_dot=False) is for at most {FMA_MAX_ROWS} rows, got M={m}")
-        if c.split_k < 1:
-            raise ValueError(f"fp8_matmul: DecodeConfig.split_k={c.split_k} must be >= 1")
-        if c.chunks_per_step < 1:
-            raise ValueError(f"fp8_matmul: DecodeConfig.chunks_per_step={c.chunks_per_step} must be >= 1")
-        if c.x_f16 and not c.use_dot:
-            raise ValueError("fp8_matmul: DecodeConfig(x_f16=True) needs use_dot=True (the pieces feed a tensor-core dot)")
-    elif isinstance(config, PrefillConfig):
-        c = config
-        if not (_is_pow2(c.block_m) and c.block_m >= DOT_MIN):
-            raise ValueError(f"fp8_matmul: PrefillConfig.block_m={c.block_m} must be a power of two >= 16")
-        if not (_is_pow2(c.block_n) and DOT_MIN <= c.block_n <= BLOCK):
-            raise ValueError(f"fp8_matmul: PrefillConfig.block_n={c.block_n} must be a power of two in [16, 128]")
-    else:
-        raise ValueError(f"fp8_matmul: config must be a DecodeConfig or PrefillConfig, got {type(config).__name__}")
-    if config.num_warps < 1 or config.num_stages < 1:
-        raise ValueError(f"fp8_matmul: bad config {config}: num_warps and num_stages must be >= 1")
 
 
 def _check_dtypes(x, w, scale, out_dtype, weight_dtype=jnp.float8_e4m3fn) -> None:
@@ -432,7 +281,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, 
     """Pallas twin of `fp8_matmul_ref(x, w, scale, out_dtype)`: x [..., I] bf16/f32, w [O, I] E4M3,
     scale [ceil(O/128), ceil(I/128)] -> [..., O] in out_dtype (default x.dtype), f32 accumulation.
 
-    Leading dims of x are flattened to M rows; M <= DECODE_MAX_ROWS runs the weight-streaming decode
+    Leading dims of x are flattened to M rows; M <= fp8_config.DECODE_MAX_ROWS runs the weight-streaming decode
     kernel, more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work."""
     return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config)[0]
 
@@ -449,7 +298,7 @@ def bf16_matmul(x: jax.Array, w: jax.Array, out_dtype=None, *, interpret: bool =
         raise ValueError(f"bf16_matmul: w has dtype {w.dtype}; bfloat16 needed")
     m = math.prod(x.shape[:-1])
     config = config or decode_config(max(m, 1), w.shape[0], w.shape[-1])
-    ones = jnp.ones((_cdiv(w.shape[0], BLOCK), _cdiv(w.shape[-1], BLOCK)), jnp.float32)
+    ones = jnp.ones((cdiv(w.shape[0], BLOCK), cdiv(w.shape[-1], BLOCK)), jnp.float32)
     return _matmul_many(x, (w,), (ones,), out_dtype, interpret, config, jnp.bfloat16)[0]
 
 
@@ -465,7 +314,7 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
                     config: DecodeConfig | PrefillConfig | None = None) -> tuple[jax.Array, ...]:
     """(fp8_matmul(x, w_j, scale_j) for each j), with the weights sharing one decode launch.
 
-    Few rows (M <= DECODE_MAX_ROWS): one pallas_call whose row blocks run over all the weights (fewer launches,
+    Few rows (M <= fp8_config.DECODE_MAX_ROWS): one pallas_call whose row blocks run over all the weights (fewer launches,
     and small projections such as k/v fill the GPU together with the large ones); the config is
     chosen for the summed O. Many rows: one GEMM per weight."""
     return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn)
@@ -484,21 +333,21 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     if m == 0 or i == 0 or 0 in os:
         return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
     config = config or default_config(m, sum(os), i)
-    _check_config(config, m)
+    fp8_config.check_config(config, m)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
     if isinstance(config, PrefillConfig):
         return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, w.shape[0])
                      for w, s in zip(ws, scales))
-    n_chunks = _cdiv(i, BLOCK)
-    cps = _cdiv(n_chunks, min(config.split_k, n_chunks))
-    split = _cdiv(n_chunks, cps)  # no empty splits
+    n_chunks = cdiv(i, BLOCK)
+    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
+    split = cdiv(n_chunks, cps)  # no empty splits
     _check_int32(2 * m if config.x_f16 else m, max(os), i, split)
-    bm = m if not config.use_dot else max(DOT_MIN, _next_pow2(m))
+    bm = m if not config.use_dot else max(DOT_MIN, next_pow2(m))
     if config.scale_preload and interpret:
         # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
         # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
-        width = (split - 1) * cps + max(_next_pow2(cps), 2)
+        width = (split - 1) * cps + max(next_pow2(cps), 2)
         scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16 pieces).
     # The kernel then multiplies 2M rows [hi; lo] (one dot per chunk) into f32 partials that XLA
@@ -507,7 +356,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     m_k = 2 * m if x_f16 else m  # rows the kernel multiplies
     if x_f16:
         x2 = _f16_pieces(x2).reshape(m_k, i)
-        bm = max(DOT_MIN, _next_pow2(m_k))
+        bm = max(DOT_MIN, next_pow2(m_k))
         if m_k > DECODE_DOT_MAX_ROWS:
             raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
                              f"(two f16 pieces per row), got M={m}")
@@ -517,7 +366,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     ys = pl.pallas_call(
         kernel,
         out_shape=tuple(out((split, m_k, o), part_dtype) for o in os),
-        grid=(sum(_cdiv(o, config.block_o) for o in os), split),
+        grid=(sum(cdiv(o, config.block_o) for o in os), split),
         compiler_params=params,
         interpret=interpret,
         name="fp8_matmul_decode",
@@ -543,7 +392,7 @@ def _prefill_call(x2, w, scale, out_dtype, config: PrefillConfig, params, interp
     return pl.pallas_call(
         kernel,
         out_shape=out((m, o), out_dtype),
-        grid=(_cdiv(m, config.block_m), _cdiv(o, config.block_n)),
+        grid=(cdiv(m, config.block_m), cdiv(o, config.block_n)),
         compiler_params=params,
         interpret=interpret,
         name="fp8_matmul_prefill",

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_matmul, gdn, paged_attention
+from pallas_kernels import fp8_config, fp8_matmul, gdn, paged_attention
 from qmtp.fp8 import Fp8Block
 
 IMPLS = ("ref", "pallas")
@@ -38,7 +38,7 @@ DEQUANT_DOT_MIN_ROWS = 1024
 # gave 1.24-1.95 (mlp_down the exception: 1.26 vs 1.63).
 XLA_SINGLE_ROW = False
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
-# most fp8_matmul.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
+# most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
 # MTP in bf16 cannot leave plain greedy through a row-count-dependent GEMM. Off: XLA's bf16 GEMV
 # streams 2.5-3.5 TB/s at M = 1..4 on the H200, faster than this kernel is likely to; the cost of
@@ -50,9 +50,9 @@ def kernel_settings() -> dict:
     """The module switches that change which kernel runs where (recorded with benchmark figures)."""
     return {"shared_projection_launch": SHARED_PROJECTION_LAUNCH, "dequant_dot_min_rows": DEQUANT_DOT_MIN_ROWS,
             "xla_single_row": XLA_SINGLE_ROW, "bf16_streaming": BF16_STREAMING,
-            "fp8_m1_cuda_core": fp8_matmul.M1_CUDA_CORE, "fp8_scale_preload": fp8_matmul.SCALE_PRELOAD,
-            "fp8_x_f16": fp8_matmul.X_F16,
-            "fp8_decode_max_rows": fp8_matmul.DECODE_MAX_ROWS,
+            "fp8_m1_cuda_core": fp8_config.M1_CUDA_CORE, "fp8_scale_preload": fp8_config.SCALE_PRELOAD,
+            "fp8_x_f16": fp8_config.X_F16,
+            "fp8_decode_max_rows": fp8_config.DECODE_MAX_ROWS,
             "paged_attention_max_queries": PAGED_ATTENTION_MAX_QUERIES}
 
 
@@ -60,10 +60,10 @@ def kernel_settings() -> dict:
 _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUNCH"),
                      "dequant_dot_min_rows": ("ops", "DEQUANT_DOT_MIN_ROWS"),
                      "xla_single_row": ("ops", "XLA_SINGLE_ROW"), "bf16_streaming": ("ops", "BF16_STREAMING"),
-                     "fp8_m1_cuda_core": ("fp8_matmul", "M1_CUDA_CORE"),
-                     "fp8_scale_preload": ("fp8_matmul", "SCALE_PRELOAD"),
-                     "fp8_x_f16": ("fp8_matmul", "X_F16"),
-                     "fp8_decode_max_rows": ("fp8_matmul", "DECODE_MAX_ROWS"),
+                     "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE"),
+                     "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD"),
+                     "fp8_x_f16": ("fp8_config", "X_F16"),
+                     "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS"),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES")}
 
 
@@ -78,12 +78,12 @@ def set_kernel_settings(settings: dict) -> dict:
         if name not in _SETTING_SWITCHES:
             raise ValueError(f"unknown kernel setting {name!r}; known: {', '.join(sorted(_SETTING_SWITCHES))}")
         module, attr = _SETTING_SWITCHES[name]
-        target = fp8_matmul if module == "fp8_matmul" else sys.modules[__name__]
+        target = fp8_config if module == "fp8_config" else sys.modules[__name__]
         setattr(target, attr, _parse_setting(name, value, type(previous[name])))
-    if not 1 <= fp8_matmul.DECODE_MAX_ROWS <= fp8_matmul.DECODE_DOT_MAX_ROWS:
-        bad = fp8_matmul.DECODE_MAX_ROWS
+    if not 1 <= fp8_config.DECODE_MAX_ROWS <= fp8_config.DECODE_DOT_MAX_ROWS:
+        bad = fp8_config.DECODE_MAX_ROWS
         set_kernel_settings({"fp8_decode_max_rows": previous["fp8_decode_max_rows"]})
-        raise ValueError(f"kernel setting fp8_decode_max_rows={bad}: must be in [1, {fp8_matmul.DECODE_DOT_MAX_ROWS}]")
+        raise ValueError(f"kernel setting fp8_decode_max_rows={bad}: must be in [1, {fp8_config.DECODE_DOT_MAX_ROWS}]")
     return previous
 
 
@@ -136,7 +136,7 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
         if impl == "pallas" and not (XLA_SINGLE_ROW and rows == 1):
             return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
-    if impl == "pallas" and BF16_STREAMING and w.dtype == jnp.bfloat16 and 1 <= rows <= fp8_matmul.DECODE_MAX_ROWS:
+    if impl == "pallas" and BF16_STREAMING and w.dtype == jnp.bfloat16 and 1 <= rows <= fp8_config.DECODE_MAX_ROWS:
         return fp8_matmul.bf16_matmul(x, w, out_dtype=out_dtype, interpret=_interpret())
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
                    precision=_precision(x.dtype))

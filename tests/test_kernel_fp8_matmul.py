@@ -27,8 +27,9 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp8_config as fc
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels.fp8_matmul import DecodeConfig, PrefillConfig
+from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
 from qmtp.fp8 import quantize_np
 from tolerance import assert_close
 from h200_lowering import H200, lower_for_h200, triton_calls, attr_int
@@ -347,7 +348,7 @@ def test_default_config_heuristic():
     assert isinstance(fm.default_config(33, 17408, 5120), PrefillConfig)
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
-    pre = fm.SCALE_PRELOAD  # preloaded block scales at <= 16 rows (measured in the step)
+    pre = fc.SCALE_PRELOAD  # preloaded block scales at <= 16 rows (measured in the step)
     assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True, scale_preload=pre)
     assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
                                                              scale_preload=pre)
@@ -473,8 +474,8 @@ def test_xla_single_row_switch_routes_only_one_row(monkeypatch):
 def test_single_row_path_switch(monkeypatch):
     """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1fma)."""
     assert fm.decode_config(1, 17408, 5120).use_dot and fm.decode_config(1, 17408, 5120).block_o == 64
-    monkeypatch.setattr(fm, "M1_CUDA_CORE", True)
-    pre = fm.SCALE_PRELOAD
+    monkeypatch.setattr(fc, "M1_CUDA_CORE", True)
+    pre = fc.SCALE_PRELOAD
     assert fm.decode_config(1, 17408, 5120) == DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2,
                                                             num_stages=3, chunks_per_step=4, scale_preload=pre)
     assert fm.decode_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=False, scale_preload=pre)
@@ -515,11 +516,11 @@ FMA_CASES = {"decode_m1_gate_up_fma", "ragged_fma"}  # lowered with fp8_matmul.M
 @pytest.mark.parametrize("name", list(LOWER_CASES))
 def test_kernel_lowers_for_h200(name, monkeypatch):
     m, o, i, x_dtype, grid, n_dots = LOWER_CASES[name]
-    monkeypatch.setattr(fm, "M1_CUDA_CORE", name in FMA_CASES)
+    monkeypatch.setattr(fc, "M1_CUDA_CORE", name in FMA_CASES)
     sds = jax.ShapeDtypeStruct
     args = (sds((m, i), x_dtype), sds((o, i), jnp.float8_e4m3fn), sds((-(-o // 128), -(-i // 128)), jnp.float32))
     # verify rows above DECODE_MAX_ROWS take the decode grid only when asked (config=)
-    config = fm.decode_config(m, o, i) if m > fm.DECODE_MAX_ROWS and "decode" in name else fm.default_config(m, o, i)
+    config = fm.decode_config(m, o, i) if m > fc.DECODE_MAX_ROWS and "decode" in name else fm.default_config(m, o, i)
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
     assert tuple(attr_int(cfg, f"grid_{a}") for a in "xy") == grid and attr_int(cfg, "grid_z") == 1
@@ -663,7 +664,7 @@ def test_bf16_streaming_switch_routes_decode_rows_only(monkeypatch):
     monkeypatch.setattr(fm, "bf16_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(ops, "BF16_STREAMING", True)
     rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.integers(-4, 5, (fm.DECODE_MAX_ROWS + 1, 129)), jnp.bfloat16)
+    x = jnp.asarray(rng.integers(-4, 5, (fc.DECODE_MAX_ROWS + 1, 129)), jnp.bfloat16)
     w = jnp.asarray(rng.integers(-64, 65, (130, 129)), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     np.testing.assert_array_equal(np.asarray(ops.linear(x[:3], w, "pallas", jnp.float32)), want[:3])

@@ -103,7 +103,7 @@ def _pinned_dequantize(matmul):
 
 def candidate_configs(m: int) -> list:
     """Tile configs the sweep tries besides the default (compile time: a few seconds each)."""
-    from pallas_kernels.fp8_matmul import DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, DecodeConfig, PrefillConfig
+    from pallas_kernels.fp8_config import DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, DecodeConfig, PrefillConfig
     if m > 16:
         gemm = [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
                 for bm, bn, nw, ns in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4),
@@ -151,7 +151,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import fp8_matmul as fm
+    from pallas_kernels import fp8_config, fp8_matmul as fm
 
     shapes = {(272, 300): ["ragged"], (130, 129): ["ragged"]} if quick else step_shapes()
     if only_shapes:
@@ -172,13 +172,13 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             default = fm.default_config(m, o, i)
             if isinstance(default, fm.DecodeConfig):  # always: the default with the other scale loading
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
-                if default.use_dot:  # and with x as f16 pieces (fp8_matmul.X_F16)
+                if default.use_dot:  # and with x as f16 pieces (fp8_config.X_F16)
                     runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
             if xla:
                 runs += [("xla", None), ("xla_bf16", None)]
                 if m <= fm.DECODE_DOT_MAX_ROWS:
                     runs += [("pallas_bf16", None)]
-            if m > fm.DECODE_MAX_ROWS:
+            if m > fp8_config.DECODE_MAX_ROWS:
                 runs += [("dequant_dot", None)]  # what qmtp.ops uses from DEQUANT_DOT_MIN_ROWS rows
             for impl, config in runs:
                 row = {"kernel": "fp8_matmul", "case": f"{o}x{i} M={m}", "o": o, "i": i, "m": m, "impl": impl,

@@ -1,12 +1,12 @@
 """The whole target decode step at the Qwen3.5-27B shapes: impl="pallas" vs impl="ref", batch 1
 and the Pallas path with one kernel launch per projection ("pallas_separate": what
 `qmtp.ops.linear_many`'s shared launch saves) or with the FP8 tensor-core configuration for the
-single row on the CUDA cores ("pallas_m1fma", the default before 2026-11-30; see fp8_matmul.M1_CUDA_CORE),
+single row on the CUDA cores ("pallas_m1fma", the default before 2026-11-30; see fp8_config.M1_CUDA_CORE),
 or with single FP8 rows on XLA's fused dequantize + dot ("pallas_m1xla", see ops.XLA_SINGLE_ROW), or
 with the bf16 lm_head on the streaming kernel ("pallas_bf16stream", see ops.BF16_STREAMING), or with
 the decode configs' block scales loaded per chunk ("pallas_nopreload", the default before 2026-11-30;
-see fp8_matmul.SCALE_PRELOAD), or with bf16 activations entering the FP8 dots as two f16 pieces
-("pallas_xf16", see fp8_matmul.X_F16).
+see fp8_config.SCALE_PRELOAD), or with bf16 activations entering the FP8 dots as two f16 pieces
+("pallas_xf16", see fp8_config.X_F16).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`

@@ -1,0 +1,166 @@
+"""Tile configurations of the FP8 block matmul kernels (pallas_kernels/fp8_matmul.py) and the
+heuristics that choose them per (M, O, I), with the module switches the measurements set.
+
+The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, DECODE_MAX_ROWS) live here and only here: set
+them through `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BLOCK = 128  # the scale block: 128 x 128 weights share one scale
+
+# M above this runs the prefill GEMM (default_config's dispatch). 32, not 16: a batched verify (8 slots
+# x K+1 = 32 rows) on the GEMM tiles gives narrow weights few programs (mlp_down [5120, 17408] at
+# BN = 128: 40 programs on 132 SMs), where the decode grid splits K as well. Measured at M = 32 on the
+# H200 (2026-11-30, `pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_sweep`): the decode grid
+# (64-row programs, split-K 4) streamed 1.25-1.78 TB/s per weight on the five 27B shapes against
+# 0.50-1.14 for the GEMM default, 1.5-2.9x. 33-64 rows are not measured yet.
+DECODE_MAX_ROWS = 32
+# A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 64] f32 accumulator).
+DECODE_DOT_MAX_ROWS = 64
+DOT_MIN = 16  # smallest M / N / K of a Triton dot
+FMA_MAX_ROWS = 8  # the CUDA-core path keeps one [block_o, 128] f32 accumulator per row in registers
+SM_COUNT = 132  # H200 streaming multiprocessors (the split-K heuristic's occupancy target)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Few-row (decode / verify) tile config. block_o: W rows per program (a power of two in
+    [16, 128]); split_k: programs along I, each summing a contiguous run of 128-column chunks (f32
+    partials reduced by XLA); use_dot: tensor-core dot (rows padded to 16) or, for M <= 8, f32
+    multiply + row sums; swap_ab: dot(W, x^T) instead of dot(x, W^T); num_warps / num_stages:
+    Triton launch parameters (stages pipeline the chunk loop's loads); chunks_per_step: 128-column
+    chunks loaded per loop iteration (more bytes in flight per program; a remainder runs one chunk
+    at a time); scale_preload: load the program's whole run of block scales as one vector before
+    the loop and select each chunk's scale in registers, instead of one scalar global load per
+    chunk (a load the pipeliner does not prefetch: its latency may stall every iteration); x_f16
+    (tensor-core dot, bf16 x, FP8 weights): x enters as two float16 pieces, x = 2^16 hi + lo
+    (`fp8_matmul._f16_pieces`), so each weight chunk converts E4M3 -> f16 (one instruction per two weights)
+    instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight)."""
+
+    block_o: int = 64
+    split_k: int = 1
+    use_dot: bool = True
+    swap_ab: bool = True
+    num_warps: int = 4
+    num_stages: int = 4
+    chunks_per_step: int = 1
+    scale_preload: bool = False
+    x_f16: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Many-row GEMM tile config: block_m x block_n output tiles (powers of two, block_m >= 16,
+    16 <= block_n <= 128 so a tile has one scale row), K chunk = 128 (one scale column)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# True: one row of a wide weight takes the CUDA-core (FMA) path; False: every M <= DECODE_MAX_ROWS
+# takes the tensor-core configuration. Measured in the 64-layer 27B step on the H200 (2026-11-30,
+# `python -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_m1fma`): 12.93 ms with
+# the tensor-core path vs 14.27 ms with the FMA path, though the isolated per-weight sweeps had
+# favoured FMA. The module switch keeps the other path measurable (step variant "pallas_m1fma").
+# With it off, a row's result also no longer depends on whether it is decoded alone or with others
+# in a verify pass of <= 16 rows (one tile configuration, one reduction order; 17-32 rows use split-K 4).
+M1_CUDA_CORE = False
+# True: default decode configs of up to 16 rows preload their block scales (DecodeConfig.scale_preload).
+# Measured in the 64-layer 27B step on the H200 (2026-11-30, `pallas_kernels.bench --parts=step`):
+# 12.70 ms with preloaded scales vs 12.90 ms without (step variant "pallas_nopreload" keeps the old
+# path measurable); per weight at 1-16 rows it was within +-7% either way.
+SCALE_PRELOAD = True
+# True: default tensor-core decode configs take bf16 x as two f16 pieces (DecodeConfig.x_f16). Off
+# until measured (step variant "pallas_xf16", bench rows with x_f16=True). Why it may pay: the same
+# decode kernel streams bf16 weights at 2.5-3.5 TB/s but FP8 weights at only 1.3-2.1 (H200,
+# 2026-11-30, per weight at M = 1-16), so it converts rather than streams; per 64 x 128 chunk its
+# loop has 312 PTX instructions per thread, 96 of them conversions, against 135 for bf16 weights
+# (Triton 3.9 offline compile for sm_90, scripts/triton_loop_stats.py).
+X_F16 = False
+
+
+def decode_config(m: int, o: int, i: int) -> DecodeConfig:
+    """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
+    WORKSPACE.md). With M1_CUDA_CORE, one row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
+    programs, 2 warps, 4 chunks per iteration (2.0-2.5 TB/s vs 1.5-2.1 for the 64-row default).
+    Otherwise 64-row programs, split_k (a power of two <= 8, >= 4 chunks per split) until the grid
+    has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more
+    rows use the tensor-core dot with at least 2 splits, and the wide shapes put x on the dot's M
+    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). 17-64 rows (batched verify):
+    split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
+    loaded per chunk, as measured)."""
+    bo = 64
+    n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
+    wide = n_o >= SM_COUNT
+    if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
+        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
+                            x_f16=X_F16)
+    if m == 1 and wide and M1_CUDA_CORE:
+        return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
+                            scale_preload=SCALE_PRELOAD)
+    dot = m > 1 or not M1_CUDA_CORE
+    split = 1
+    while n_o * split < 2 * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
+        split *= 2
+    if dot and n_chunks >= 16:
+        split = max(split, 2)
+    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD,
+                        x_f16=X_F16 and dot)
+
+
+def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
+    """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above."""
+    del o, i
+    if m <= 256:
+        return PrefillConfig(block_m=64 if m > 32 else 32, block_n=128, num_warps=4, num_stages=3)
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+
+
+def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
+    """The dispatch on M: few rows stream W (bandwidth-bound), many rows run the GEMM."""
+    return decode_config(m, o, i) if m <= DECODE_MAX_ROWS else prefill_config(m, o, i)
+
+
+def check_config(config, m: int) -> None:
+    """A config fit for M rows, or ValueError naming the field and its limit."""
+    if isinstance(config, DecodeConfig):
+        c = config
+        if not (is_pow2(c.block_o) and DOT_MIN <= c.block_o <= BLOCK):
+            raise ValueError(f"fp8_matmul: DecodeConfig.block_o={c.block_o} must be a power of two in [16, 128]")
+        if m > DECODE_DOT_MAX_ROWS:
+            raise ValueError(f"fp8_matmul: DecodeConfig is for M <= {DECODE_DOT_MAX_ROWS} rows, got M={m}")
+        if not c.use_dot and m > FMA_MAX_ROWS:
+            raise ValueError(f"fp8_matmul: DecodeConfig(use_dot=False) is for at most {FMA_MAX_ROWS} rows, got M={m}")
+        if c.split_k < 1:
+            raise ValueError(f"fp8_matmul: DecodeConfig.split_k={c.split_k} must be >= 1")
+        if c.chunks_per_step < 1:
+            raise ValueError(f"fp8_matmul: DecodeConfig.chunks_per_step={c.chunks_per_step} must be >= 1")
+        if c.x_f16 and not c.use_dot:
+            raise ValueError("fp8_matmul: DecodeConfig(x_f16=True) needs use_dot=True (the pieces feed a tensor-core dot)")
+    elif isinstance(config, PrefillConfig):
+        c = config
+        if not (is_pow2(c.block_m) and c.block_m >= DOT_MIN):
+            raise ValueError(f"fp8_matmul: PrefillConfig.block_m={c.block_m} must be a power of two >= 16")
+        if not (is_pow2(c.block_n) and DOT_MIN <= c.block_n <= BLOCK):
+            raise ValueError(f"fp8_matmul: PrefillConfig.block_n={c.block_n} must be a power of two in [16, 128]")
+    else:
+        raise ValueError(f"fp8_matmul: config must be a DecodeConfig or PrefillConfig, got {type(config).__name__}")
+    if config.num_warps < 1 or config.num_stages < 1:
+        raise ValueError(f"fp8_matmul: bad config {config}: num_warps and num_stages must be >= 1")
