@@ -56,6 +56,7 @@ flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative roun
 flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
                   "its own verify and commit programs, which takes minutes at 64 layers.")
 cli_help.define_kernels_flag()
+cli_help.define_draft_head_flag()
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
 flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
@@ -240,13 +241,14 @@ def _run() -> int:
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
-    model = qmtp.load(path, dtype=FLAGS.dtype, impl=engines[0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache)
+    model = qmtp.load(path, dtype=FLAGS.dtype, impl=engines[0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache,
+                      draft_head=FLAGS.draft_head)
     load_s = time.perf_counter() - t
     resident = memory()
     config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,
               "engine": ",".join(engines), "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
               "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
-              "prompt_lengths": FLAGS.prompt_lengths,
+              "prompt_lengths": FLAGS.prompt_lengths, "draft_head": FLAGS.draft_head,
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}

@@ -32,6 +32,16 @@ def define_kernels_flag() -> None:
                       f"fp8_scale_preload=true. The defaults are the fastest measured; for experiments. Names: {names}.")
 
 
+def define_draft_head_flag() -> None:
+    """--draft_head (qmtp.load's draft_head), for generate, bench, server."""
+    if "draft_head" in flags.FLAGS:
+        return
+    flags.DEFINE_enum("draft_head", "bf16", ["bf16", "fp8"], "MTP drafts: 'bf16' uses the shared lm_head; 'fp8' "
+                      "an FP8 128x128-block copy of it made at load (half the bytes per draft step, 1.27 GB more "
+                      "memory at 27B). The verify pass keeps the exact lm_head: the tokens do not change, only "
+                      "how many drafts are accepted may.")
+
+
 def apply_kernels_flag() -> dict:
     """Applies --kernels (ValueError naming the flag on a bad item); returns the settings now in force."""
     from qmtp import ops

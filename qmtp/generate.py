@@ -52,6 +52,7 @@ flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the
                     "parameters: the first load writes it, later loads of the same checkpoint files, dtype and --tp "
                     "restore from it instead of reading the safetensors.")
 cli_help.define_kernels_flag()
+cli_help.define_draft_head_flag()
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
@@ -100,7 +101,7 @@ def run(argv) -> dict:
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
-                      converted_cache=FLAGS.converted_cache)
+                      converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
                            mtp_k=FLAGS.mtp_k, accept_cap=cap, temperature=FLAGS.temperature,
                            warmup=FLAGS.warmup)
@@ -119,7 +120,7 @@ def run(argv) -> dict:
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
-              "tp": FLAGS.tp,
+              "draft_head": FLAGS.draft_head, "tp": FLAGS.tp,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s}
     if FLAGS.output_json:

@@ -20,8 +20,9 @@
 #          fastest variant's --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
 #   GPU 1: Nsight Compute on the FP8 decode kernel (scripts/ncu_fp8.sh), FP8 matmuls at 1, 4, 16
-#          and 32 rows (with the XLA, x_f16, scale-loading and bf16-streaming rows), then (TRAIN=1)
-#          the two demo recipes and their benches (issue 8)
+#          and 32 rows (with the XLA, x_f16, scale-loading and bf16-streaming rows), an x_f16 tile
+#          sweep, plain + K=3 at TP1 with the FP8 draft head, then (TRAIN=1) the two demo recipes
+#          and their benches (issue 8)
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default)
 set -u
@@ -70,6 +71,7 @@ gpu0() {
   job checkpoint27 300 python3 -c "
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
+  touch $R/checkpoint27.done
   job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
     --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt)
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
@@ -117,6 +119,10 @@ gpu1() {
   # x_f16 tiles at 1 and 4 rows: with cheaper conversions the best tile may change
   job bench_fp8_f16_sweep 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms= --xla=false \
     --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_f16_sweep.json
+  # issue 6: K=3 with the FP8 draft head (half the lm_head bytes of each draft step), next to GPU 0's table
+  while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
+  job tp1_draft_fp8 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --draft_head=fp8 --out=$R/tp1_draft_fp8.json $(cat $R/kernels_flag.txt)
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \

@@ -28,7 +28,7 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     out = tmp_path / "r.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1,3",
                   "--max_new_tokens=12", "--breakdown_ks=3", "--prompt_text=def fibonacci(",
-                  "--kernels=fp8_scale_preload=false,fp8_decode_max_rows=8", tmp_path=tmp_path, cache=tmp_path / "cache")
+                  "--kernels=fp8_scale_preload=false,fp8_decode_max_rows=8", "--draft_head=fp8", tmp_path=tmp_path, cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["all_tokens_match_plain"] and res["copy"]["tb_per_s"] > 0 and res["load_s"] > 0
@@ -47,6 +47,7 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     settings = res["config"]["kernel_settings"]
     assert settings["fp8_m1_cuda_core"] is False and "xla_flags" in res["config"]
     assert settings["fp8_scale_preload"] is False and settings["fp8_decode_max_rows"] == 8  # --kernels
+    assert res["config"]["draft_head"] == "fp8"  # drafts through the FP8 copy: acceptance unchanged here
     for pieces in case["breakdown"].values():
         assert {"target_step", "verify", "draft", "commit", "predicted_round", "measured_round"} <= set(pieces)
     assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout and "per piece of a round" in r.stdout

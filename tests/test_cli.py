@@ -108,5 +108,5 @@ def test_help_explains_every_flag(cache):
     assert r.returncode == 0
     for flag in ("checkpoint", "prompt", "prompt_file", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
                  "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "tp",
-                 "converted_cache"):
+                 "converted_cache", "kernels", "draft_head"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
