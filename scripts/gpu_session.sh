@@ -122,7 +122,7 @@ gpu1() {
   # issue 6: K=3 with the FP8 draft head (half the lm_head bytes of each draft step), next to GPU 0's table
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
   job tp1_draft_fp8 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --draft_head=fp8 --out=$R/tp1_draft_fp8.json $(cat $R/kernels_flag.txt)
+    --draft_head=fp8 --breakdown=false --out=$R/tp1_draft_fp8.json $(cat $R/kernels_flag.txt)
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
