@@ -52,15 +52,20 @@ def acceptance_schedule(profile, k: int, rounds: int, batch: int, seed: int = 0)
     """A seeded cap schedule [rounds, batch] reproducing a cumulative per-position acceptance profile.
 
     profile[i] = P(accepted length >= i + 1), non-increasing in [0, 1] (e.g. 0.85, 0.70, 0.57); positions
-    past the profile get 0. Each (round, sequence) draws u ~ U(0, 1) and caps the accepted drafts at
-    #{i : u < profile[i]}, so P(cap >= i + 1) = profile[i]. Capping never changes greedy tokens."""
+    past the profile get 0. Round j of sequence b gets u = frac(o_b + j * g), g = (sqrt(5) - 1) / 2
+    (a golden-ratio sequence from a seeded offset o_b), and caps the accepted drafts at
+    #{i : u < profile[i]}. Over many rounds P(cap >= i + 1) = profile[i], as with independent
+    uniform draws, but also over every prefix of the rounds to within a few percent: a run uses only
+    its first rounds, and independent draws left a 43-round run at 0.47 where the profile says 0.57.
+    Capping never changes greedy tokens."""
     import numpy as np
     p = np.zeros(k)
     given = np.asarray(profile, np.float64)[:k]
     p[:len(given)] = given
     if (p < 0).any() or (p > 1).any() or (np.diff(p) > 0).any():
         raise ValueError(f"acceptance profile {list(profile)}: expected non-increasing values in [0, 1]")
-    u = np.random.default_rng(seed).random((rounds, batch))
+    offset = np.random.default_rng(seed).random(batch)  # [batch]
+    u = np.mod(offset[None, :] + np.arange(rounds)[:, None] * ((5 ** 0.5 - 1) / 2), 1.0)  # [rounds, batch]
     return (u[..., None] < p).sum(-1).astype(np.int32)
 
 
