@@ -97,7 +97,7 @@ def run(argv) -> dict:
             raise ValueError(f"--accept_profile={','.join(FLAGS.accept_profile)}: expected numbers") from None
         from qmtp.speculate import acceptance_schedule
         cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
-    cli_help.apply_kernels_flag()
+    kernels = cli_help.apply_kernels_flag()
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
@@ -120,7 +120,7 @@ def run(argv) -> dict:
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
-              "draft_head": FLAGS.draft_head, "tp": FLAGS.tp,
+              "draft_head": FLAGS.draft_head, "tp": FLAGS.tp, "kernel_settings": kernels,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s}
     if FLAGS.output_json:

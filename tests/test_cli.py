@@ -78,6 +78,7 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
     (("--checkpoint=preset:tiny", "--prompt=hello world", "--num_pages=1", "--page_size=4"),
      "error: .* tokens need .* pages of 4, but the KV cache has only 1 pages .*raise --num_pages"),
     (("--checkpoint=preset:tiny", "--prompt_ids=1,x,3"), "error: --prompt_ids='1,x,3': expected comma-separated"),
+    (("--checkpoint=preset:tiny", "--prompt_ids=1", "--kernels=nope=1"), "error: --kernels: unknown kernel setting 'nope'"),
     (("--checkpoint=preset:tiny", "--prompt_ids=1,99999"), r"error: prompt 0: token ids \[99999\] outside"),
     (("--checkpoint=preset:nope", "--prompt=hi"), "error: .*nope"),
     (("--checkpoint=preset:tiny",), "error: give at least one --prompt, --prompt_file or --prompt_ids"),
