@@ -39,17 +39,3 @@ def test_quick_interpret_run(module, kernels):
     assert {r["impl"] for r in rows} == {"pallas", "xla"}
     assert any("rel_err" in r for r in rows if r["impl"] == "pallas")
 
-
-def test_fp8_quick_interpret_run_with_a_matched_sweep():
-    """The FP8 bench's quick set in interpret mode: the defaults, their flipped scale-loading and
-    x_f16 rows, and the one sweep candidate that --fp8_sweep_match selects, all close to the reference."""
-    from pallas_kernels.bench import fp8
-    match = "block_o=128, split_k=2, use_dot=True, swap_ab=True, num_warps=8, num_stages=3"
-    rows = []
-    fp8.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True, sweep=True, sweep_match=match, xla=False)
-    decode = [r for r in rows if r["m"] <= 16]
-    assert decode and all("error" not in r and r["rel_err"] < 2.0 ** -7 for r in rows), rows
-    configs = {r["config"] for r in decode if not r["default"]}
-    assert any(match in c and "x_f16=True" in c for c in configs), configs  # the matched candidate
-    assert any("x_f16=True" in c and "block_o=64" in c for c in configs), configs  # the default, flipped
-    assert not any("use_dot=False" in c for c in configs)  # the filter kept the rest of the sweep out
