@@ -93,7 +93,9 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 # once at the end (no padding, no layout change of the loaded chunk: the faster path where the
 # CUDA cores keep up with HBM).
 # With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
-# (deterministic, no atomics).
+# (deterministic, no atomics). With DecodeConfig.x_f16 a bf16 x enters as 2M float16 rows [hi; lo]
+# (x = 2^16 hi + lo, see X_F16_HI), the weight chunk converts to f16 instead of bf16, and the
+# f32 partials are combined as 2^16 hi + lo by XLA before the one rounding.
 #
 # Prefill: grid (cdiv(M, BM), cdiv(O, BN)), M-blocks fastest so the programs sharing one W tile run
 # together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
