@@ -19,10 +19,10 @@
 #          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
 #          fastest variant's --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: Nsight Compute on the FP8 decode kernel (scripts/ncu_fp8.sh), FP8 matmuls at 1, 4, 16
-#          and 32 rows (with the XLA, x_f16, scale-loading and bf16-streaming rows), an x_f16 tile
-#          sweep, plain + K=3 at TP1 with the FP8 draft head, then (TRAIN=1) the two demo recipes
-#          and their benches (issue 8)
+#   GPU 1: Nsight Compute on the FP8 decode kernel (scripts/ncu_fp8.sh), FP8 matmuls at 1, 4 and
+#          32 rows (with the XLA, x_f16, scale-loading and bf16-streaming rows), an x_f16 tile sweep
+#          at 1 row, plain + K=3 at TP1 with the FP8 draft head, then (TRAIN=1) the two demo recipes
+#          and their benches (issue 8). About 11 minutes per line, then ~10 for the TP2 table.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default)
 set -u
@@ -113,11 +113,11 @@ gpu1() {
   export CUDA_VISIBLE_DEVICES=1
   # where the FP8 decode kernel stalls (Nsight Compute; the x_f16 launch next to the default and bf16)
   NCU_OUT=$R job ncu_fp8 200 bash scripts/ncu_fp8.sh
-  # per weight at 1, 4, 16 and 32 rows: the defaults and, next to them, x_f16 and the other scale loading
-  job bench_fp8_rows 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16,32 --fp8_prefill_ms= \
+  # per weight at 1, 4 and 32 rows: the defaults and, next to them, x_f16 and the other scale loading
+  job bench_fp8_rows 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,32 --fp8_prefill_ms= \
     --out=$R/bench_fp8_rows.json
-  # x_f16 tiles at 1 and 4 rows: with cheaper conversions the best tile may change
-  job bench_fp8_f16_sweep 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms= --xla=false \
+  # x_f16 tiles at 1 row: with cheaper conversions the best tile may change
+  job bench_fp8_f16_sweep 200 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= --xla=false \
     --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_f16_sweep.json
   # issue 6: K=3 with the FP8 draft head (half the lm_head bytes of each draft step), next to GPU 0's table
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
