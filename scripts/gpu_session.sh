@@ -24,7 +24,8 @@
 #          at 1 row, plain + K=3 at TP1 with the FP8 draft head, then (TRAIN=1) the two demo recipes
 #          and their benches (issue 8). About 11 minutes per line, then ~10 for the TP2 table.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
-#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default)
+#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default); plain + K=1
+#          at TP2 with NCCL_PROTO=LL
 set -u
 R=/tmp/qmtp_run
 SRC=/tmp/qmtp_src
@@ -158,6 +159,11 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
       --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt)
   fi
+  # issue 5: NCCL's low-latency protocol end to end (the probe: 10.2 vs 12.7 us per all-reduce); last,
+  # so that running out of lease loses nothing else
+  NCCL_PROTO=LL job tp2_nccl_ll 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=1 \
+    --profile= --breakdown=false --repeats=2 --out=$R/tp2_nccl_ll.json --converted_cache=/tmp/qmtp_conv \
+    $(cat $R/kernels_flag.txt)
   touch $R/all.done
 }
 
