@@ -112,6 +112,8 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
+  # x_f16 against the reference on the device first (bit-exact integer problems, random x at the 27B shapes)
+  job gpu_tests_x_f16 240 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py -k "x_f16 or real_shapes" -p no:cacheprovider
   # where the FP8 decode kernel stalls (Nsight Compute; the x_f16 launch next to the default and bf16)
   NCU_OUT=$R job ncu_fp8 200 bash scripts/ncu_fp8.sh
   # per weight at 1, 4 and 32 rows: the defaults and, next to them, x_f16 and the other scale loading

@@ -15,6 +15,7 @@ layouts, shared memory, registers) run only when XLA compiles on a GPU, i.e. in 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -588,6 +589,10 @@ def test_gpu_kernel_matches_ref_real_shapes(o, i):
             got = run_kernel(x, wq, scale, jnp.bfloat16, out_dtype, interpret=False)
             want = run_ref(x, wq, scale, jnp.bfloat16, out_dtype)
             assert_close(got, want, out_tol(i, out_dtype), f"gpu m={m} o={o} i={i} out={jnp.dtype(out_dtype).name}")
+            if m <= 16:  # the same rows as f16 pieces (DecodeConfig.x_f16)
+                cfg = dataclasses.replace(fc.decode_config(m, o, i), x_f16=True)
+                got = run_kernel(x, wq, scale, jnp.bfloat16, out_dtype, cfg, interpret=False)
+                assert_close(got, want, out_tol(i, out_dtype), f"gpu x_f16 m={m} o={o} i={i}")
 
 
 @pytest.mark.gpu
@@ -607,6 +612,8 @@ GPU_CONFIGS = {  # name: (config, rows)
     "decode_bo128_split2": (DecodeConfig(block_o=128, split_k=2), [5]),
     "decode_bo32_split4_w8": (DecodeConfig(block_o=32, split_k=4, num_warps=8), [16]),
     "decode_fma_bo32": (DecodeConfig(use_dot=False, block_o=32), [1]),
+    "decode_x_f16": (DecodeConfig(split_k=2, x_f16=True), [1, 4, 16]),
+    "decode_x_f16_noswap_verify": (DecodeConfig(split_k=4, swap_ab=False, x_f16=True), [32]),
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
 }
@@ -690,7 +697,6 @@ def test_bf16_matmul_lowers_for_h200():
 def test_scale_preload_lowers_for_h200(m, o, i):
     """DecodeConfig(scale_preload=True) (the bench sweeps it) compiles for the H200: one Triton call,
     the chunk loop still an scf.for."""
-    import dataclasses
     sds = jax.ShapeDtypeStruct
     config = dataclasses.replace(fm.decode_config(m, o, i), scale_preload=True)
     args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
@@ -703,7 +709,6 @@ def test_scale_preload_lowers_for_h200(m, o, i):
 def test_x_f16_lowers_for_h200(m, o, i):
     """DecodeConfig(x_f16=True) compiles for the H200: one Triton call with one f16 dot per chunk
     over the rows [hi; lo] and the weight converted E4M3 -> f16, not bf16."""
-    import dataclasses
     sds = jax.ShapeDtypeStruct
     config = dataclasses.replace(fm.decode_config(m, o, i), x_f16=True)
     args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
