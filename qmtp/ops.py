@@ -46,44 +46,44 @@ XLA_SINGLE_ROW = False
 BF16_STREAMING = False
 
 
+# kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
+# integer range a value must fall in (None: a bool)
+_SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUNCH", None),
+                     "dequant_dot_min_rows": ("ops", "DEQUANT_DOT_MIN_ROWS", (0, None)),
+                     "xla_single_row": ("ops", "XLA_SINGLE_ROW", None),
+                     "bf16_streaming": ("ops", "BF16_STREAMING", None),
+                     "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
+                     "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
+                     "fp8_x_f16": ("fp8_config", "X_F16", None),
+                     "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS)),
+                     "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None))}
+
+
+def _switch_module(module: str):
+    import sys
+    return fp8_config if module == "fp8_config" else sys.modules[__name__]
+
+
 def kernel_settings() -> dict:
     """The module switches that change which kernel runs where (recorded with benchmark figures)."""
-    return {"shared_projection_launch": SHARED_PROJECTION_LAUNCH, "dequant_dot_min_rows": DEQUANT_DOT_MIN_ROWS,
-            "xla_single_row": XLA_SINGLE_ROW, "bf16_streaming": BF16_STREAMING,
-            "fp8_m1_cuda_core": fp8_config.M1_CUDA_CORE, "fp8_scale_preload": fp8_config.SCALE_PRELOAD,
-            "fp8_x_f16": fp8_config.X_F16,
-            "fp8_decode_max_rows": fp8_config.DECODE_MAX_ROWS,
-            "paged_attention_max_queries": PAGED_ATTENTION_MAX_QUERIES}
-
-
-# kernel_settings() name -> (module, attribute) of the switch
-_SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUNCH"),
-                     "dequant_dot_min_rows": ("ops", "DEQUANT_DOT_MIN_ROWS"),
-                     "xla_single_row": ("ops", "XLA_SINGLE_ROW"), "bf16_streaming": ("ops", "BF16_STREAMING"),
-                     "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE"),
-                     "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD"),
-                     "fp8_x_f16": ("fp8_config", "X_F16"),
-                     "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS"),
-                     "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES")}
+    return {name: getattr(_switch_module(module), attr) for name, (module, attr, _) in _SETTING_SWITCHES.items()}
 
 
 def set_kernel_settings(settings: dict) -> dict:
     """Sets module switches by their kernel_settings() names; values may be bools / ints or their
-    text ("true", "0", "64"). Returns the previous settings (pass them back to restore). Takes
-    effect for functions traced afterwards: jitted functions already compiled keep their kernels
-    (call jax.clear_caches() between settings in one process)."""
-    import sys
+    text ("true", "0", "64"). Every value is checked before any is set (a bad one changes nothing).
+    Returns the previous settings (pass them back to restore). Takes effect for functions traced
+    afterwards: jitted functions already compiled keep their kernels (call jax.clear_caches()
+    between settings in one process)."""
     previous = kernel_settings()
+    parsed = {}
     for name, value in settings.items():
         if name not in _SETTING_SWITCHES:
             raise ValueError(f"unknown kernel setting {name!r}; known: {', '.join(sorted(_SETTING_SWITCHES))}")
-        module, attr = _SETTING_SWITCHES[name]
-        target = fp8_config if module == "fp8_config" else sys.modules[__name__]
-        setattr(target, attr, _parse_setting(name, value, type(previous[name])))
-    if not 1 <= fp8_config.DECODE_MAX_ROWS <= fp8_config.DECODE_DOT_MAX_ROWS:
-        bad = fp8_config.DECODE_MAX_ROWS
-        set_kernel_settings({"fp8_decode_max_rows": previous["fp8_decode_max_rows"]})
-        raise ValueError(f"kernel setting fp8_decode_max_rows={bad}: must be in [1, {fp8_config.DECODE_DOT_MAX_ROWS}]")
+        parsed[name] = _parse_setting(name, value, _SETTING_SWITCHES[name][2])
+    for name, value in parsed.items():
+        module, attr, _ = _SETTING_SWITCHES[name]
+        setattr(_switch_module(module), attr, value)
     return previous
 
 
@@ -98,8 +98,9 @@ def parse_kernel_settings(items) -> dict:
     return out
 
 
-def _parse_setting(name: str, value, kind: type):
-    if kind is bool:
+def _parse_setting(name: str, value, bounds):
+    """A bool (bounds None) or an integer within bounds (lo, hi; None: unbounded) from its text."""
+    if bounds is None:
         if isinstance(value, bool):
             return value
         text = str(value).lower()
@@ -109,9 +110,13 @@ def _parse_setting(name: str, value, kind: type):
             return False
         raise ValueError(f"kernel setting {name}={value!r}: expected true or false")
     try:
-        return int(value)
+        number = int(value)
     except (TypeError, ValueError):
         raise ValueError(f"kernel setting {name}={value!r}: expected an integer") from None
+    lo, hi = bounds
+    if number < lo or (hi is not None and number > hi):
+        raise ValueError(f"kernel setting {name}={number}: must be in [{lo}, {hi if hi is not None else 'inf'}]")
+    return number
 
 
 def check_impl(impl: str) -> None:

@@ -58,6 +58,13 @@ def test_bad_settings_are_refused_by_name(items, match):
     assert ops.kernel_settings()["fp8_decode_max_rows"] == before["fp8_decode_max_rows"]
 
 
+def test_a_bad_setting_changes_nothing():
+    before = ops.kernel_settings()
+    with pytest.raises(ValueError, match="unknown kernel setting 'nope'"):
+        ops.set_kernel_settings({"fp8_x_f16": not before["fp8_x_f16"], "nope": 1})
+    assert ops.kernel_settings() == before
+
+
 @pytest.mark.parametrize("item", ["fp8_scale_preload", "=1", "fp8_scale_preload="])
 def test_malformed_items_are_refused(item):
     with pytest.raises(ValueError, match="expected name=value"):
