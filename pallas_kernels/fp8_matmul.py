@@ -341,27 +341,26 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     if isinstance(config, PrefillConfig):
         return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, w.shape[0])
                      for w, s in zip(ws, scales))
-    n_chunks = cdiv(i, BLOCK)
-    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
-    split = cdiv(n_chunks, cps)  # no empty splits
-    _check_int32(2 * m if config.x_f16 else m, max(os), i, split)
-    bm = m if not config.use_dot else max(DOT_MIN, next_pow2(m))
-    if config.scale_preload and interpret:
-        # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
-        # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
-        width = (split - 1) * cps + max(next_pow2(cps), 2)
-        scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16 pieces).
     # The kernel then multiplies 2M rows [hi; lo] (one dot per chunk) into f32 partials that XLA
     # combines as 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
     x_f16 = config.x_f16 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
     m_k = 2 * m if x_f16 else m  # rows the kernel multiplies
+    if m_k > DECODE_DOT_MAX_ROWS:
+        raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
+                         f"(two f16 pieces per row), got M={m}")
     if x_f16:
         x2 = _f16_pieces(x2).reshape(m_k, i)
-        bm = max(DOT_MIN, next_pow2(m_k))
-        if m_k > DECODE_DOT_MAX_ROWS:
-            raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
-                             f"(two f16 pieces per row), got M={m}")
+    n_chunks = cdiv(i, BLOCK)
+    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
+    split = cdiv(n_chunks, cps)  # no empty splits
+    _check_int32(m_k, max(os), i, split)
+    bm = m_k if not config.use_dot else max(DOT_MIN, next_pow2(m_k))
+    if config.scale_preload and interpret:
+        # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
+        # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
+        width = (split - 1) * cps + max(next_pow2(cps), 2)
+        scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     kernel = functools.partial(_decode_kernel, m=m_k, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps, x_f16=x_f16)
     part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
     args, out = align(x2, *ws, *scales)
