@@ -100,11 +100,12 @@ def main() -> int:
     if args.child:  # one setting, in this process
         print(json.dumps({"setting": args.child, **measure(args.size, args.count, reps, args.trials)}), flush=True)
         return 0
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:  # before any setting runs
+        ap.error(f"--settings: unknown {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
     results = []
-    for name in args.settings.split(","):
-        if name not in SETTINGS:
-            print(f"allreduce_probe: unknown setting {name!r}; known: {', '.join(SETTINGS)}", file=sys.stderr)
-            return 2
+    for name in names:
         flags, env = SETTINGS[name]
         child_env = dict(os.environ, **env)
         child_env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)

@@ -87,12 +87,13 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     ap.add_argument("--out", default=None, help="JSON file with every case's counts")
     args = ap.parse_args()
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:  # before any case compiles
+        ap.error(f"--cases: unknown {', '.join(unknown)}; known: {', '.join(CASES)}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.cases.split(","):
-            if name not in CASES:
-                print(f"triton_loop_stats: unknown case {name!r}; known: {', '.join(CASES)}", file=sys.stderr)
-                return 2
+        for name in names:
             path, config = dump_ttir(name, tmp)
             p = subprocess.run([args.triton_python, "-c", _COMPILE, path, str(config.num_warps), str(config.num_stages)],
                                capture_output=True, text=True)
