@@ -52,6 +52,8 @@ def test_fp8_and_step_quick_run(tmp_path):
 def test_unknown_part_is_refused(tmp_path):
     r = bench("--parts=fp8,nope", f"--out={tmp_path / 'x.json'}", tmp_path=tmp_path)
     assert r.returncode == 2 and "unknown part(s) nope" in r.stderr
+    r = bench("--parts=step", "--step_impls=pallas,pallas_preload", f"--out={tmp_path / 'x.json'}", tmp_path=tmp_path)
+    assert r.returncode == 2 and "--step_impls: unknown pallas_preload" in r.stderr
 
 
 def test_count_launches_skips_what_fusions_and_reductions_call():

@@ -22,6 +22,8 @@ import sys
 
 from absl import app, flags
 
+from pallas_kernels.bench.step import VARIANTS
+
 PARTS = ("fp8", "gdn", "attention", "step")
 
 flags.DEFINE_list("parts", list(PARTS), f"Which parts to run, in order: any of {', '.join(PARTS)}.")
@@ -38,10 +40,10 @@ flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill 
 flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
-                  "step: implementations to time (pallas_separate: Pallas with one kernel launch per projection; "
-                  "pallas_m1fma: single FP8 rows on the CUDA cores, the former default; pallas_m1xla: single FP8 rows "
-                  "on XLA's fused dequantize + dot; pallas_bf16stream: the bf16 lm_head on the streaming kernel; pallas_preload: "
-                  "block scales preloaded per program).")
+                  "step: implementations to time: ref (pure XLA), pallas, or a variant of pallas with one kernel "
+                  "setting changed (pallas_kernels/bench/step.py, VARIANTS): "
+                  + "; ".join(f"{k}: {', '.join(f'{n}={v}' for n, v in o.items())}" for k, o in VARIANTS.items() if o)
+                  + ".")
 flags.DEFINE_string("step_trace_dir", None, "step: also trace one timed run per impl with jax.profiler into this "
                     "directory (perfetto JSON; summarize with scripts/trace_summary.py).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
@@ -58,6 +60,11 @@ def main(argv):
     unknown = [p for p in FLAGS.parts if p not in PARTS]
     if unknown:
         print(f"error: --parts: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    unknown = [i for i in FLAGS.step_impls if i not in (*VARIANTS, "ref")]
+    if unknown:  # an unknown variant would time the default pallas path under its name
+        print(f"error: --step_impls: unknown {', '.join(unknown)}; choose from {', '.join((*VARIANTS, 'ref'))}",
+              file=sys.stderr)
         return 2
     rec = common.Recorder(FLAGS.out, {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
                                       "flags": {f: getattr(FLAGS, f) for f in ("parts", "quick", "interpret")}})

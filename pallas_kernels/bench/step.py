@@ -40,11 +40,9 @@ VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False}
             "pallas_xf16": {"fp8_x_f16": True}}
 
 
-def variant_settings(name: str, defaults: dict | None = None) -> dict:
-    """The kernel settings a step variant runs with: `defaults` (the process's current settings if
-    None) with the variant's overrides."""
-    from qmtp import ops
-    return {**(ops.kernel_settings() if defaults is None else defaults), **VARIANTS.get(name, {})}
+def variant_settings(name: str, defaults: dict) -> dict:
+    """The kernel settings a step variant runs with: `defaults` with the variant's overrides."""
+    return {**defaults, **VARIANTS.get(name, {})}
 
 
 @functools.partial(__import__("jax").jit, static_argnums=(1, 2, 3))
