@@ -87,13 +87,15 @@ M1_CUDA_CORE = False
 # 12.70 ms with preloaded scales vs 12.90 ms without (step variant "pallas_nopreload" keeps the old
 # path measurable); per weight at 1-16 rows it was within +-7% either way.
 SCALE_PRELOAD = True
-# True: default tensor-core decode configs take bf16 x as two f16 pieces (DecodeConfig.x_f16). Off
-# until measured (step variant "pallas_xf16", bench rows with x_f16=True). Why it may pay: the same
-# decode kernel streams bf16 weights at 2.5-3.5 TB/s but FP8 weights at only 1.3-2.1 (H200,
-# 2026-11-30, per weight at M = 1-16), so it converts rather than streams; per 64 x 128 chunk its
-# loop has 312 PTX instructions per thread, 96 of them conversions, against 135 for bf16 weights
-# (Triton 3.9 offline compile for sm_90, scripts/triton_loop_stats.py).
-X_F16 = False
+# True: default tensor-core decode configs take bf16 x as two f16 pieces (DecodeConfig.x_f16), so
+# each FP8 weight converts E4M3 -> f16 once (one instruction per two weights) instead of
+# E4M3 -> f16 -> bf16. The kernel was conversion-bound: it streamed bf16 weights at 2.5-3.5 TB/s but
+# FP8 weights at only 1.3-2.1 (H200, per weight at M = 1-16); its loop had 312 PTX instructions per
+# 64 x 128 chunk, 96 of them conversions, against 184 with x_f16 (Triton 3.9 offline compile for
+# sm_90, scripts/triton_loop_stats.py). Measured in the 64-layer 27B step on the H200 (2026-11-30,
+# `pallas_kernels.bench --parts=step`): 10.37 ms with x_f16 vs 12.75 ms without (step variant
+# "pallas_noxf16" keeps the old path measurable); the FP8 kernels' share fell from 10.7 to 8.0 ms.
+X_F16 = True
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
@@ -110,8 +112,7 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
-        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
-                            x_f16=X_F16)
+        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True)
     if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)
@@ -121,8 +122,10 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
         split *= 2
     if dot and n_chunks >= 16:
         split = max(split, 2)
+    # x_f16 only while the 2M piece rows fit the dot's 16-row minimum, which M rows pad to anyway: at
+    # M = 32 (64 piece rows) it ran 1.2-1.4x slower on every 27B shape (H200, 2026-11-30)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD,
-                        x_f16=X_F16 and dot)
+                        x_f16=X_F16 and dot and 2 * m <= DOT_MIN)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:

@@ -115,19 +115,24 @@ def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
 
 
 # x = X_F16_HI * hi + lo with hi, lo float16 (DecodeConfig.x_f16). Exact for every bf16 x with
-# 2^-17 <= |x| < 2^32 (and 0): hi = f16(x / 2^16) keeps all 8 significant bits once |x| >= 4 and x
-# rounded to a multiple of 2^-8 below, lo = x - 2^16 hi (exact in f32) is then a multiple of x's ulp
-# (>= 2^-24) under 2^-8, which f16 holds; below 2^-17 lo rounds to the 2^-24 grid (absolute error
-# <= 2^-25), and |x| >= 2^32 overflows hi to inf (the output is then not finite). Each piece times
-# an E4M3 weight is exact in f32.
+# 2^-17 <= |x| < 2^32 (and 0): 2^16 hi is x rounded to a multiple of 2^-8 (the grid of f16's
+# smallest subnormal, 2^-24, scaled by 2^16), which changes nothing once |x| >= 4 (8 significant
+# bits); lo = x - 2^16 hi is then a multiple of x's ulp (>= 2^-24) under 2^-8, which f16 holds;
+# below 2^-17 lo rounds to the 2^-24 grid (absolute error <= 2^-25), and |x| >= 2^32 overflows hi
+# to inf (the output is then not finite). Each piece times an E4M3 weight is exact in f32.
+# The rounding is explicit f32 arithmetic, never a narrowing convert read back: XLA on the GPU
+# may drop such a round trip (xla_allow_excess_precision, on by default), which made lo 0 and cost
+# x's low bits (relative error ~1e-3 at the 27B shapes on the H200, session 6).
 X_F16_HI = 2.0 ** 16
+_X_F16_GRID = 2.0 ** -8  # X_F16_HI times f16's smallest subnormal
 
 
 def _f16_pieces(x2: jax.Array) -> jax.Array:
     """[M, I] bf16 -> [2, M, I] float16 (hi, lo) with x = X_F16_HI * hi + lo (see X_F16_HI)."""
     xf = x2.astype(jnp.float32)
-    hi = (xf * (1.0 / X_F16_HI)).astype(jnp.float16)
-    lo = (xf - hi.astype(jnp.float32) * X_F16_HI).astype(jnp.float16)
+    hi_scaled = jnp.round(xf * (1.0 / _X_F16_GRID)) * _X_F16_GRID  # exact f32 ops: scalings by powers of 2
+    hi = (hi_scaled * (1.0 / X_F16_HI)).astype(jnp.float16)  # representable: no rounding happens
+    lo = (xf - hi_scaled).astype(jnp.float16)
     return jnp.stack([hi, lo])
 
 

@@ -4,6 +4,8 @@
 #
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
+#   scripts/gpu_session.sh start_confirm [SECONDS]  a ~9-minute lease: the x_f16 GPU tests, then
+#                                           TP1 and TP2 plain + K=3 with the defaults (confirm())
 #
 # Both end by packing what exists so far into $OUT: results.tgz (logs and JSON) and the trained demo
 # checkpoints in pieces under the transfer limit (demo_train.tar.*, demo_train_d3.tar.*; join with
@@ -60,7 +62,7 @@ gpu0() {
   # issue 4: the 64-layer step with each candidate policy (bf16 x as f16 pieces against the FP8
   # weights; block scales loaded per chunk, the default before session 5)
   job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_xf16,pallas_nopreload --out=$R/bench_step.json \
+    --step_impls=pallas,pallas_noxf16,pallas_nopreload --out=$R/bench_step.json \
     --step_trace_dir=/tmp/qmtp_trace
   # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
   for d in /tmp/qmtp_trace/*/; do
@@ -169,7 +171,31 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
   touch $R/all.done
 }
 
+confirm() {  # a short lease: the x_f16 GPU tests, then TP1 and TP2 plain + K=3 with the defaults
+  (export CUDA_VISIBLE_DEVICES=1
+   job gpu_tests_x_f16 240 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py -k "x_f16 or real_shapes" \
+     -p no:cacheprovider) &
+  job checkpoint27 300 python3 -c "
+from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+  wait
+  CUDA_VISIBLE_DEVICES=0 job tp1_short 270 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
+    --repeats=2 --breakdown=false --out=$R/tp1_short.json
+  job tp2_short 260 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 \
+    --breakdown=false --out=$R/tp2_short.json
+  touch $R/all.done
+}
+
 case $cmd in
+  start_confirm)  # QUICK: see confirm()
+    rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
+    cd $SRC || exit 1
+    export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
+    setsid bash -c "$(declare -f job confirm); R=$R; confirm" </dev/null >$R/confirm.out 2>&1 &
+    t0=$(date +%s)
+    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    cat $R/jobs.log
+    pack
+    ;;
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1

@@ -21,7 +21,7 @@ def bench(*args, tmp_path):
 def test_fp8_and_step_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     match = "block_o=128, split_k=2, use_dot=True, swap_ab=True, num_warps=8, num_stages=3"
-    r = bench("--parts=fp8,step", "--quick", "--interpret", "--step_impls=pallas_m1fma,pallas_xf16", f"--out={out}",
+    r = bench("--parts=fp8,step", "--quick", "--interpret", "--step_impls=pallas_m1fma,pallas_noxf16", f"--out={out}",
               "--fp8_sweep", f"--fp8_sweep_match={match}", tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -36,11 +36,11 @@ def test_fp8_and_step_quick_run(tmp_path):
     assert all(r["rel_err"] < 1e-2 for r in fp8), fp8  # bf16 outputs of the same exact products
     configs = {r["config"] for r in fp8 if r["impl"] == "pallas" and not r["default"] and r["m"] <= 16}
     assert any(match in c and "x_f16=True" in c for c in configs), configs  # the one candidate --fp8_sweep_match kept
-    assert any("x_f16=True" in c and "block_o=64" in c for c in configs), configs  # the default with x_f16 flipped
+    assert any("x_f16=False" in c and "block_o=64" in c for c in configs), configs  # the default with x_f16 flipped
     assert not any("use_dot=False" in c for c in configs)  # the rest of the sweep left out
     step = {r["impl"]: r for r in rows if r["kernel"] == "decode_step"}
-    assert set(step) == {"pallas_m1fma", "pallas_xf16"}  # two variants (each compiles a step); the plain paths run in many tests
-    assert step["pallas_xf16"]["kernel_settings"]["fp8_x_f16"] is True
+    assert set(step) == {"pallas_m1fma", "pallas_noxf16"}  # two variants (each compiles a step); the plain paths run in many tests
+    assert step["pallas_noxf16"]["kernel_settings"]["fp8_x_f16"] is False
     for row in step.values():
         parts = row["bytes_by_part"]
         assert row["bytes"] == sum(parts.values()) and parts["weights"] > parts["kv"] > 0

@@ -22,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import jax.extend.core
 import ml_dtypes
 import numpy as np
 import pytest
@@ -239,6 +240,20 @@ def test_x_f16_pieces_exact_at_small_and_large_x(x_scale):
         np.testing.assert_array_equal(got, np.asarray(f64_formula(x, wq, scale), np.float32), err_msg=f"m={m}")
 
 
+def test_x_f16_pieces_never_read_back_a_narrowing_convert():
+    """XLA on the GPU may skip the rounding of an f32 -> f16 -> f32 round trip (excess precision, on
+    by default); lo computed from such a read-back came out 0 on the H200 and the 27B-shape products
+    lost ~1e-3. The CPU compiler keeps the rounding, so the exactness tests here cannot see it: the
+    split must be built from f32 arithmetic whose f16 results are only ever outputs."""
+    jaxpr = jax.make_jaxpr(fm._f16_pieces)(jnp.zeros((2, 256), jnp.bfloat16)).jaxpr
+    f16_vars = {v for eqn in jaxpr.eqns if eqn.primitive.name == "convert_element_type"
+                for v in eqn.outvars if v.aval.dtype == jnp.float16}
+    readers = [eqn.primitive.name for eqn in jaxpr.eqns if eqn.primitive.name != "concatenate"
+               and eqn.primitive.name != "stack" and any(v in f16_vars for v in eqn.invars
+                                                          if isinstance(v, jax.extend.core.Var))]
+    assert len(f16_vars) == 2 and not readers, f"the f16 pieces are read back by {readers}"
+
+
 def test_x_f16_pieces_limits():
     """The documented limits of the f16 pieces: below 2^-17 lo rounds to the 2^-24 grid (error <= 2^-25);
     at 2^32 hi overflows (the reconstruction, like the dot, is not finite)."""
@@ -349,10 +364,13 @@ def test_default_config_heuristic():
     assert isinstance(fm.default_config(33, 17408, 5120), PrefillConfig)
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
-    pre = fc.SCALE_PRELOAD  # preloaded block scales at <= 16 rows (measured in the step)
-    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True, scale_preload=pre)
+    pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 / 8 rows (measured in the step)
+    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True, scale_preload=pre,
+                                                             x_f16=f16)
     assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
-                                                             scale_preload=pre)
+                                                             scale_preload=pre, x_f16=f16)
+    # 9-16 rows: the f16 pieces would double the dot's rows past its 16-row minimum (slower at M = 32)
+    assert fm.default_config(8, 5120, 6144).x_f16 == f16 and not fm.default_config(9, 5120, 6144).x_f16
     # narrow O: 80 row blocks -> split-K 4 -> 320 programs on 132 SMs
     assert fm.default_config(5, 5120, 17408).split_k == 4
     assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
