@@ -38,7 +38,11 @@ class DecodeConfig:
     chunk (a load the pipeliner does not prefetch: its latency may stall every iteration); x_f16
     (tensor-core dot, bf16 x, FP8 weights): x enters as two float16 pieces, x = 2^16 hi + lo
     (`fp8_matmul._f16_pieces`), so each weight chunk converts E4M3 -> f16 (one instruction per two weights)
-    instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight)."""
+    instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight);
+    split_in_kernel (with x_f16): x enters as bf16 and each program makes the two pieces per chunk
+    in registers, multiplies them in two dots that share the converted weight chunk and combines
+    them before the store, so no XLA op makes the pieces or combines the partials (measured against
+    the pieces made by XLA as step variant "pallas_xf16k")."""
 
     block_o: int = 64
     split_k: int = 1
@@ -49,6 +53,7 @@ class DecodeConfig:
     chunks_per_step: int = 1
     scale_preload: bool = False
     x_f16: bool = False
+    split_in_kernel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,11 @@ SCALE_PRELOAD = True
 # `pallas_kernels.bench --parts=step`): 10.37 ms with x_f16 vs 12.75 ms without (step variant
 # "pallas_noxf16" keeps the old path measurable); the FP8 kernels' share fell from 10.7 to 8.0 ms.
 X_F16 = True
+# True: with x_f16 the pieces are made inside the kernel (DecodeConfig.split_in_kernel). Off until
+# measured: it removes one XLA op per FP8 matmul (the trace of the x_f16 step has ~210 launches a step
+# that make the pieces, ~0.33 ms) and simplifies the combine, at the cost of a second tensor-core
+# dot per chunk.
+X_F16_IN_KERNEL = False
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
@@ -125,7 +135,7 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     # x_f16 only while the 2M piece rows fit the dot's 16-row minimum, which M rows pad to anyway: at
     # M = 32 (64 piece rows) it ran 1.2-1.4x slower on every 27B shape (H200, 2026-11-30)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD,
-                        x_f16=X_F16 and dot and 2 * m <= DOT_MIN)
+                        x_f16=X_F16 and dot and 2 * m <= DOT_MIN, split_in_kernel=X_F16_IN_KERNEL)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
@@ -157,6 +167,8 @@ def check_config(config, m: int) -> None:
             raise ValueError(f"fp8_matmul: DecodeConfig.chunks_per_step={c.chunks_per_step} must be >= 1")
         if c.x_f16 and not c.use_dot:
             raise ValueError("fp8_matmul: DecodeConfig(x_f16=True) needs use_dot=True (the pieces feed a tensor-core dot)")
+        if c.split_in_kernel and not c.x_f16:
+            raise ValueError("fp8_matmul: DecodeConfig(split_in_kernel=True) needs x_f16=True (it makes the f16 pieces)")
     elif isinstance(config, PrefillConfig):
         c = config
         if not (is_pow2(c.block_m) and c.block_m >= DOT_MIN):

@@ -55,6 +55,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
+                     "fp8_x_f16_in_kernel": ("fp8_config", "X_F16_IN_KERNEL", None),
                      "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None))}
 
