@@ -144,15 +144,26 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
     mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), impl)  # [B, T, C] with C = q | k | v
     z = z.reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(ops.linear(x, p["in_proj_b"], impl).astype(F32))  # [B, T, Hv]
-    a = ops.linear(x, p["in_proj_a"], impl).astype(F32)
-    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])  # log-decay <= 0
-    beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
+    b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
+    a_raw = ops.linear(x, p["in_proj_a"], impl)
+    gated_kernel = not chunked and ops.gdn_gates_in_kernel(impl)  # gates and padding inside the kernel
 
     y, new_conv, window = causal_conv(mixed, conv_state, p["conv"], n_valid)  # y f32 [B, T, C]
     q = l2_normalize(y[..., :key_dim].reshape(b, t, key_heads, dk)) * dk ** -0.5
     k = l2_normalize(y[..., key_dim:2 * key_dim].reshape(b, t, key_heads, dk))
     v = y[..., 2 * key_dim:].reshape(b, t, hv, dv)
+    if gated_kernel:
+        o, ssm = ops.gdn_recurrence_gated(q, k, v, a_raw, b_raw, p["A_log"], p["dt_bias"], ssm_state, n_valid,
+                                          impl=impl)
+        o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
+        result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
+        if return_replay:  # commit_gdn runs the same kernel with n_valid = the accepted length
+            return result + ({"window": window, "q": q, "k": k, "v": v, "a": a_raw, "b": b_raw,
+                              "A_log": p["A_log"], "dt_bias": p["dt_bias"]},)
+        return result
+    beta = jax.nn.sigmoid(b_raw.astype(F32))
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a_raw.astype(F32) + p["dt_bias"])  # log-decay <= 0
+    beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
     # padding must not touch the state even if its inputs are not finite: zero k and v as well
     k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
     if chunked:

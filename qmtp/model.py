@@ -107,14 +107,19 @@ def commit_gdn(replay: tuple, ssm0: tuple, n_keep: jax.Array, *, impl: str = "re
     token n_keep - 1. Returns (conv, ssm) tuples over the Lg layers."""
     convs, ssms = [], []
     for rep, s0 in zip(replay, ssm0):
-        t = rep["g"].shape[1]
+        t = rep["q"].shape[1]
         width = rep["window"].shape[1] - t + 1
+        convs.append(layers.conv_window_state(rep["window"], n_keep, width))
+        if "a" in rep:  # the forward ran the gated kernel (ops.GDN_GATES_IN_KERNEL): the same kernel, n_keep tokens
+            _, ssm = ops.gdn_recurrence_gated(rep["q"], rep["k"], rep["v"], rep["a"], rep["b"], rep["A_log"],
+                                              rep["dt_bias"], s0, n_keep, impl=impl)
+            ssms.append(ssm.astype(s0.dtype))
+            continue
         keep = (jnp.arange(t)[None] < n_keep[:, None])[..., None]  # [B, T, 1]
         # g = beta = k = v = 0 on dropped tokens: exp(0) S + k (beta u)^T = S exactly, even for NaN inputs
         g, beta = (jnp.where(keep, rep[n], 0.0) for n in ("g", "beta"))
         k, v = (jnp.where(keep[..., None], rep[n], 0.0) for n in ("k", "v"))
         _, ssm = ops.gdn_recurrence(rep["q"], k, v, g, beta, s0, impl=impl)
-        convs.append(layers.conv_window_state(rep["window"], n_keep, width))
         ssms.append(ssm.astype(s0.dtype))
     return tuple(convs), tuple(ssms)
 

@@ -37,6 +37,13 @@ DEQUANT_DOT_MIN_ROWS = 1024
 # streamed 1.65-2.15 TB/s at M = 1 on four of the five 27B shapes where the Pallas CUDA-core path
 # gave 1.24-1.95 (mlp_down the exception: 1.26 vs 1.63).
 XLA_SINGLE_ROW = False
+# True: with impl="pallas", decode and verify compute the GDN gates (beta = sigmoid(b), g = -exp(A_log)
+# softplus(a + dt_bias)) and select the padding tokens away inside the recurrence kernel
+# (gdn.gdn_recurrence_gated), and the speculative commit runs the same kernel with n_valid = the
+# accepted length: the XLA ops that made the gates and masked g, beta, k and v for every GDN layer go
+# (the trace of the 27B step has ~1.5 ms in ~1000 small XLA ops; the commit of a K=3 round took 1.43
+# ms for 48 layers). Off until measured: step variant "pallas_gdngated", the bench breakdown's commit.
+GDN_GATES_IN_KERNEL = False
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
@@ -51,6 +58,7 @@ BF16_STREAMING = False
 _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUNCH", None),
                      "dequant_dot_min_rows": ("ops", "DEQUANT_DOT_MIN_ROWS", (0, None)),
                      "xla_single_row": ("ops", "XLA_SINGLE_ROW", None),
+                     "gdn_gates_in_kernel": ("ops", "GDN_GATES_IN_KERNEL", None),
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
@@ -171,6 +179,20 @@ def gdn_recurrence(q, k, v, g, beta, state, impl: str = "ref"):
     if impl == "pallas":
         return gdn.gdn_recurrence(q, k, v, g, beta, state, interpret=_interpret())
     return gdn.gdn_recurrence_ref(q, k, v, g, beta, state)
+
+
+def gdn_gates_in_kernel(impl: str) -> bool:
+    """Whether decode / verify hand the raw gate projections to the recurrence kernel (GDN_GATES_IN_KERNEL)."""
+    return impl == "pallas" and GDN_GATES_IN_KERNEL
+
+
+def gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref"):
+    """gdn_recurrence with the gates computed from the raw projections a, b [B, T, Hv] and tokens
+    t >= n_valid [B] left out (they cannot reach the state); see pallas_kernels/gdn.py."""
+    check_impl(impl)
+    if impl == "pallas":
+        return gdn.gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, interpret=_interpret())
+    return gdn.gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid)
 
 
 def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 import numpy_ref as ref
 import qmtp
 from pallas_kernels import gdn
-from qmtp import decode, model as model_lib, speculate
+from qmtp import decode, model as model_lib, ops, speculate
 from qmtp.api import _new_state, _prompt_batch
 from qmtp.tools import make_checkpoint
 from tolerance import F32_MODEL, F32_RECURRENCE, assert_close
@@ -68,14 +68,14 @@ def test_controlled_checkpoint_accepts_everything_and_equals_plain(controlled, k
 BUFFER = 13  # one output width for every forced-acceptance case: one compiled loop
 
 
-def _run_spec(model, prompts, k, max_new, cap):
+def _run_spec(model, prompts, k, max_new, cap, impl="ref"):
     state = _new_state(model, [len(p) + BUFFER + k + 1 for p in prompts])
     tokens, n_valid = _prompt_batch(prompts)
-    first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid)
+    first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid, impl=impl)
     spec = speculate.SpecConfig(k, BUFFER, ())
     cap = jnp.full((1, len(prompts)), cap, jnp.int32)
     out, count, stats, state = speculate.spec_loop(model.cfg, spec, model.params, state, first, d1, mh,
-                                                   jnp.full((len(prompts),), max_new, jnp.int32), cap)
+                                                   jnp.full((len(prompts),), max_new, jnp.int32), cap, impl=impl)
     return np.asarray(out), stats, state
 
 
@@ -109,6 +109,25 @@ def test_forced_acceptance_length_gives_plain_tokens_and_state(controlled, a):
     for b, p in enumerate(prompts):
         n = len(p) + max_new - 1
         assert_close(_kv(state, b, n), _kv(plain_state, b, n), F32_MODEL, f"kv seq {b}")
+
+
+def test_gdn_gates_in_kernel_commit_gives_the_plain_state(controlled):
+    """ops.GDN_GATES_IN_KERNEL with impl="pallas": verify and commit run the gated recurrence kernel
+    (gates and padding inside it; the commit with n_valid = the accepted length). One of three drafts
+    accepted per round: the GDN and conv state equal plain decoding's with the reference."""
+    k, rounds, a = 3, 2, 1
+    max_new = 1 + rounds * (a + 1)
+    prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
+    before = ops.set_kernel_settings({"gdn_gates_in_kernel": True})
+    try:
+        out, stats, state = _run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
+    finally:
+        ops.set_kernel_settings(before)
+    want, plain_state = _run_plain(controlled, prompts, max_new)
+    np.testing.assert_array_equal(out, want)
+    assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
+    assert_close(np.stack(state.ssm), np.stack(plain_state.ssm), F32_MODEL, "ssm, gates in the kernel")
+    assert_close(np.stack(state.conv), np.stack(plain_state.conv), F32_MODEL, "conv, gates in the kernel")
 
 
 def test_commit_equals_recurrence_over_committed_tokens_and_ignores_poisoned_rejects():
