@@ -16,14 +16,13 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the 64-layer decode step in three variants (issue 4: bf16 x as f16 pieces against the
-#          FP8 weights, scales loaded per chunk) with launch counts and summarized traces, the
+#   GPU 0: the 64-layer decode step in three variants (issue 4: the f16 pieces made inside the FP8
+#          kernel, the GDN gates inside the recurrence kernel) with launch counts and summarized traces, the
 #          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
 #          fastest variant's --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: Nsight Compute on the FP8 decode kernel (scripts/ncu_fp8.sh), FP8 matmuls at 1, 4 and
-#          32 rows (with the XLA, x_f16, scale-loading and bf16-streaming rows), an x_f16 tile sweep
-#          at 1 row, plain + K=3 at TP1 with the FP8 draft head, then (TRAIN=1) the two demo recipes
+#   GPU 1: the gpu kernel tests of what the variants switch on, an x_f16 tile sweep at 1 row,
+#          plain + K=3 at TP1 with the GDN gates in the kernel (and its breakdown), then (TRAIN=1) the two demo recipes
 #          and their benches (issue 8). About 11 minutes per line, then ~10 for the TP2 table.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default); plain + K=1
@@ -59,10 +58,10 @@ job() {  # name timeout_s command... (one line of the log per job start/end in $
 
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  # issue 4: the 64-layer step with each candidate policy (bf16 x as f16 pieces against the FP8
-  # weights; block scales loaded per chunk, the default before session 5)
+  # issue 4: the 64-layer step with each candidate policy (the f16 pieces made inside the FP8 kernel;
+  # the GDN gates and padding inside the recurrence kernel)
   job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_noxf16,pallas_nopreload --out=$R/bench_step.json \
+    --step_impls=pallas,pallas_xf16k,pallas_gdngated --out=$R/bench_step.json \
     --step_trace_dir=/tmp/qmtp_trace
   # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
   for d in /tmp/qmtp_trace/*/; do
@@ -114,20 +113,20 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # x_f16 against the reference on the device first (bit-exact integer problems, random x at the 27B shapes)
-  job gpu_tests_x_f16 240 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py -k "x_f16 or real_shapes" -p no:cacheprovider
-  # where the FP8 decode kernel stalls (Nsight Compute; the x_f16 launch next to the default and bf16)
-  NCU_OUT=$R job ncu_fp8 200 bash scripts/ncu_fp8.sh
-  # per weight at 1, 4 and 32 rows: the defaults and, next to them, x_f16 and the other scale loading
-  job bench_fp8_rows 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,32 --fp8_prefill_ms= \
-    --out=$R/bench_fp8_rows.json
-  # x_f16 tiles at 1 row: with cheaper conversions the best tile may change
-  job bench_fp8_f16_sweep 200 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= --xla=false \
+  # the kernels the step variants switch on, against the reference on the device first: x_f16 (pieces
+  # made by XLA and inside the kernel; bit-exact integer problems, random x at the 27B shapes) and the
+  # gated GDN recurrence at the 27B shapes
+  job gpu_tests 300 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py tests/test_kernel_gdn.py \
+    -k "x_f16 or real_shapes or gated or masked" -p no:cacheprovider
+  # x_f16 tiles at 1 row (4 rows pad to the same 16-row dot), the narrow shapes (mlp_down, o_proj / out_proj: 80 row blocks) in
+  # particular: session 6's sweep favoured W off the dot's M side there
+  job bench_fp8_f16_sweep 260 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= --xla=false \
     --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_f16_sweep.json
-  # issue 6: K=3 with the FP8 draft head (half the lm_head bytes of each draft step), next to GPU 0's table
+  # issue 6: K=3 with the gates in the GDN kernel (the commit: 1.43 ms of a 13.98 ms round in session 6)
+  # and the breakdown, next to GPU 0's table
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
-  job tp1_draft_fp8 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --draft_head=fp8 --breakdown=false --out=$R/tp1_draft_fp8.json $(cat $R/kernels_flag.txt)
+  job tp1_gdngated 420 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --kernels=gdn_gates_in_kernel=True --out=$R/tp1_gdngated.json
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
