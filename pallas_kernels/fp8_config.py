@@ -106,6 +106,13 @@ X_F16 = True
 # that make the pieces, ~0.33 ms) and simplifies the combine, at the cost of a second tensor-core
 # dot per chunk.
 X_F16_IN_KERNEL = False
+# Programs per SM the few-row split-K heuristic aims for (split_k doubles, up to 8 and while each split
+# keeps >= 4 chunks, until the grid has this many programs per SM). 2: the narrow weights (mlp_down,
+# o_proj / out_proj: 80 row blocks) get split-K 4, 320 programs of 4 warps on 132 SMs. Nsight Compute
+# on them (H200, 2026-11-30): 15% achieved occupancy, 7.1 cycles per issued instruction, 1.8 TB/s:
+# latency-bound with few warps in flight; the wide weights (8 programs per SM) stream ~3.4 TB/s with
+# x_f16. 4 doubles the narrow grids (step variant "pallas_pps4"); off until the step measures it.
+DECODE_PROGRAMS_PER_SM = 2
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
@@ -128,7 +135,7 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
                             scale_preload=SCALE_PRELOAD)
     dot = m > 1 or not M1_CUDA_CORE
     split = 1
-    while n_o * split < 2 * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
+    while n_o * split < DECODE_PROGRAMS_PER_SM * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
         split *= 2
     if dot and n_chunks >= 16:
         split = max(split, 2)

@@ -16,8 +16,8 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the 64-layer decode step in three variants (issue 4: the f16 pieces made inside the FP8
-#          kernel, the GDN gates inside the recurrence kernel) with launch counts and summarized traces, the
+#   GPU 0: the 64-layer decode step in four variants (issue 4: the f16 pieces made inside the FP8
+#          kernel, the GDN gates inside the recurrence kernel, 4 programs per SM) with launch counts and summarized traces, the
 #          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
 #          fastest variant's --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
@@ -61,7 +61,7 @@ gpu0() {
   # issue 4: the 64-layer step with each candidate policy (the f16 pieces made inside the FP8 kernel;
   # the GDN gates and padding inside the recurrence kernel)
   job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_xf16k,pallas_gdngated --out=$R/bench_step.json \
+    --step_impls=pallas,pallas_xf16k,pallas_gdngated,pallas_pps4 --out=$R/bench_step.json \
     --step_trace_dir=/tmp/qmtp_trace
   # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
   for d in /tmp/qmtp_trace/*/; do

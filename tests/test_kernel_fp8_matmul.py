@@ -382,6 +382,13 @@ def test_default_config_heuristic():
     assert fm.default_config(5, 5120, 17408).split_k == 4
     assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
     assert fm.default_config(5, 130, 129).split_k == 1  # two chunks: nothing to split
+    before = fc.DECODE_PROGRAMS_PER_SM  # the occupancy target: 4 programs per SM doubles the narrow grids
+    try:
+        fc.DECODE_PROGRAMS_PER_SM = 4
+        assert fm.default_config(1, 5120, 17408).split_k == 8 and fm.default_config(1, 5120, 6144).split_k == 8
+        assert fm.default_config(1, 5120, 3072).split_k == 4  # 24 chunks: each split keeps >= 4
+    finally:
+        fc.DECODE_PROGRAMS_PER_SM = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
 
 
