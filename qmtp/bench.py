@@ -222,6 +222,7 @@ def _run() -> int:
 
     import qmtp
     from qmtp import api, bench_report as br, ops
+    from qmtp import bandwidth
     from qmtp.bandwidth import copy_bandwidth
     batches, lengths = [int(b) for b in FLAGS.batch], [int(p) for p in FLAGS.prompt_lengths]
     unknown = sorted(set(FLAGS.breakdown_ks) - set(FLAGS.ks), key=int)
@@ -237,7 +238,7 @@ def _run() -> int:
     n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
     progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
-    print(f"copy bandwidth {copy['tb_per_s']:.3f} TB/s", file=sys.stderr, flush=True)
+    print(bandwidth.describe(copy), file=sys.stderr, flush=True)
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()

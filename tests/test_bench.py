@@ -172,3 +172,21 @@ def test_targets_name_the_pieces_of_a_miss():
     assert text.count("target missed") == 2
     modes[0]["share_of_roofline"], modes[1]["speedup"] = 0.8, 2.6
     assert all(r["met"] and not r["note"] for r in br.targets(case))
+
+
+def test_in_program_copy_keeps_every_pass_and_reports_both_clocks():
+    """The in-program copy (qmtp.bandwidth.one_program_passes) really makes `passes` separate passes:
+    the values count them and the compiled program keeps a loop whose body adds (not one x + n)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qmtp import bandwidth
+
+    x = jnp.arange(1024, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(bandwidth.one_program_passes(x, 5)), np.asarray(x) + 5)
+    hlo = jax.jit(bandwidth.one_program_passes, static_argnums=1).lower(x, 5).compile().as_text()
+    # the first pass, then a loop of 4 whose body adds: not folded into one x + 5
+    assert " while(" in hlo and hlo.count("f32[1024]{0} add(") >= 2 and '"known_trip_count":{"n":"4"}' in hlo
+    copy = bandwidth.copy_bandwidth(gib=1 / 1024, trials=2)
+    assert copy["tb_per_s"] >= copy["tb_per_s_median"] > 0  # the ceiling is the fastest trial
+    assert copy["in_program"]["passes"] == bandwidth.IN_PROGRAM_PASSES and copy["in_program"]["tb_per_s_best"] > 0

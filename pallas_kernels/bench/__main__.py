@@ -55,6 +55,7 @@ def main(argv):
     import jax
 
     from pallas_kernels.bench import common
+    from qmtp import bandwidth
     from qmtp.bandwidth import copy_bandwidth
 
     unknown = [p for p in FLAGS.parts if p not in PARTS]
@@ -93,7 +94,7 @@ def main(argv):
             from pallas_kernels.bench import step
             step.run(tb, rec.emit, num_layers=FLAGS.step_layers, context=FLAGS.step_context,
                      impls=tuple(FLAGS.step_impls), trace_dir=FLAGS.step_trace_dir, **opts)
-    print(f"\ncopy bandwidth {tb:.3f} TB/s ({copy['bytes'] / 2**30:.1f} GiB moved per call)")
+    print(f"\n{bandwidth.describe(copy)}, {copy['bytes'] / 2**30:.1f} GiB moved per pass")
     print(common.summary_table(rec.results["rows"]))
     if "fp8_step_aggregate" in rec.results:
         print("fp8 matmuls of one 27B decode step (default configs):",
