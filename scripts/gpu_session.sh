@@ -19,7 +19,7 @@
 #   GPU 0: the 64-layer decode step in four variants (issue 4: the f16 pieces made inside the FP8
 #          kernel, the GDN gates inside the recurrence kernel, 4 programs per SM) with launch counts and summarized traces, the
 #          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
-#          fastest variant's --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
+#          winning variants' combined --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
 #   GPU 1: the gpu kernel tests of what the variants switch on, an x_f16 tile sweep at 1 row,
 #          plain + K=3 at TP1 with the GDN gates in the kernel (and its breakdown), then (TRAIN=1) the two demo recipes
@@ -67,7 +67,7 @@ gpu0() {
   for d in /tmp/qmtp_trace/*/; do
     python3 scripts/trace_summary.py "$d" --json --top=25 >$R/trace_$(basename "$d").json 2>>$R/trace.log
   done
-  # the fastest variant's settings (empty: the defaults won) drive this session's end-to-end tables
+  # the settings of every variant that beat the defaults by > 1% (empty: none did) drive this session's end-to-end tables
   python3 scripts/best_step_variant.py $R/bench_step.json >$R/kernels_flag.txt 2>>$R/trace.log
   echo "end-to-end kernels flag: '$(cat $R/kernels_flag.txt)'" >>$R/jobs.log
   job checkpoint27 300 python3 -c "
