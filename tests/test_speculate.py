@@ -240,14 +240,15 @@ def test_acceptance_schedule_reproduces_the_profile():
 def test_every_prefix_of_the_schedule_is_close_to_the_profile(seed):
     """A run uses only the first rounds of the schedule (about max_new_tokens / accepted length of
     them): every prefix of 20 or more rounds must already show the profile, per sequence, within
-    0.085, and of 40 or more within 0.05 (independent draws miss by 0.08 at one standard deviation
-    over 40 rounds)."""
+    0.055, and of 40 or more within 0.035 (independent draws miss by 0.08 at one standard deviation
+    over 40 rounds; a golden-ratio sequence from a random offset left session 6's 42-round run 0.04
+    under the profile at the first position, which the offset choice now avoids)."""
     profile = [0.85, 0.70, 0.57]
     caps = speculate.acceptance_schedule(profile, k=3, rounds=128, batch=3, seed=seed)
     for b in range(3):
         for n in range(20, 129):
             share = [(caps[:n, b] >= i).mean() for i in (1, 2, 3)]
-            assert np.allclose(share, profile, atol=0.085 if n < 40 else 0.05), (b, n, share)
+            assert np.allclose(share, profile, atol=0.055 if n < 40 else 0.035), (b, n, share)
 
 
 def test_profiled_acceptance_on_the_controlled_checkpoint_keeps_the_tokens(controlled):
