@@ -368,13 +368,12 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     if isinstance(config, PrefillConfig):
         return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, w.shape[0])
                      for w, s in zip(ws, scales))
-    # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16 pieces).
-    # The kernel then multiplies 2M rows [hi; lo] (one dot per chunk) into f32 partials that XLA
-    # combines as 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
+    # f16 pieces only where they can help: bf16 x against FP8 weights. "f16_rows": XLA makes them and
+    # the kernel multiplies 2M rows [hi; lo] into f32 partials that XLA combines as 2^16 hi + lo, summed
+    # over the splits, before the one rounding; "f16_split": each program makes them per chunk from
+    # the bf16 rows (DecodeConfig.split_in_kernel) and combines them itself; "bf16_pieces": bf16 x as
+    # is, f32 x as its three exact bf16 pieces (_bf16_pieces).
     x_f16 = config.x_f16 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
-    # "f16_rows": XLA makes the pieces, the kernel multiplies 2M rows; "f16_split": each program
-    # makes them per chunk from the bf16 rows (DecodeConfig.split_in_kernel) and combines them itself
-    # ("bf16_pieces": bf16 x as is, f32 x as three bf16 pieces, see _bf16_pieces)
     x_mode = ("f16_split" if config.split_in_kernel else "f16_rows") if x_f16 else "bf16_pieces"
     m_k = 2 * m if x_mode == "f16_rows" else m  # rows the kernel multiplies
     if m_k > DECODE_DOT_MAX_ROWS:

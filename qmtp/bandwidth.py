@@ -31,21 +31,29 @@ def copy_bandwidth(gib: float = 4.0, trials: int = 10) -> dict:
     tb_per_s_median (for the record)."""
     n = int(gib * (1 << 28))  # f32 elements
     x = jnp.zeros((n,), jnp.float32)
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
+    nbytes = 2 * n * 4
+    med, best = _median_and_fastest(jax.jit(lambda a: a + 1), x, trials, passes=1)
+    # the same copy timed with one dispatch per IN_PROGRAM_PASSES passes (recorded next to the
+    # host-timed ceiling until a lease shows which one is steadier)
+    loop_med, loop_best = _median_and_fastest(jax.jit(one_program_passes, static_argnums=1), x, trials,
+                                              passes=IN_PROGRAM_PASSES)
+    return {"bytes": nbytes, "median_s": med, "best_s": best, "tb_per_s": nbytes / best / 1e12,
+            "tb_per_s_median": nbytes / med / 1e12, "in_program": {
+                "passes": IN_PROGRAM_PASSES, "median_s_per_pass": loop_med, "best_s_per_pass": loop_best,
+                "tb_per_s_median": nbytes / loop_med / 1e12, "tb_per_s_best": nbytes / loop_best / 1e12}}
+
+
+def _median_and_fastest(f, x: jax.Array, trials: int, passes: int) -> tuple[float, float]:
+    """Seconds per pass of f(x) (or f(x, passes) when passes > 1), median and fastest of `trials`
+    timed calls after one warm-up call."""
+    call = (lambda: f(x)) if passes == 1 else (lambda: f(x, passes))
+    call().block_until_ready()
     times = []
     for _ in range(trials):
         t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    nbytes = 2 * n * 4
-    med, best = statistics.median(times), min(times)
-    loop = _in_program(x, trials)
-    del x
-    return {"bytes": nbytes, "median_s": med, "best_s": best, "tb_per_s": nbytes / best / 1e12,
-            "tb_per_s_median": nbytes / med / 1e12, "in_program": {
-                "passes": IN_PROGRAM_PASSES, "median_s_per_pass": loop["median"], "best_s_per_pass": loop["best"],
-                "tb_per_s_median": nbytes / loop["median"] / 1e12, "tb_per_s_best": nbytes / loop["best"] / 1e12}}
+        call().block_until_ready()
+        times.append((time.perf_counter() - t0) / passes)
+    return statistics.median(times), min(times)
 
 
 # x + 1 passes per timed call of the in-program measurement: one dispatch (~85 us on the H200) per
@@ -61,16 +69,3 @@ def one_program_passes(x: jax.Array, passes: int) -> jax.Array:
     first = jax.lax.optimization_barrier(x + 1)
     return jax.lax.fori_loop(1, passes, lambda _, a: jax.lax.optimization_barrier(a + 1), first)
 
-
-def _in_program(x: jax.Array, trials: int) -> dict:
-    """Seconds per pass of `one_program_passes`, median and fastest over the trials: the same
-    copy timed with one dispatch per IN_PROGRAM_PASSES passes (recorded next to the host-timed
-    ceiling until a lease shows which one is steadier)."""
-    f = jax.jit(one_program_passes, static_argnums=1)
-    f(x, IN_PROGRAM_PASSES).block_until_ready()
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        f(x, IN_PROGRAM_PASSES).block_until_ready()
-        times.append((time.perf_counter() - t0) / IN_PROGRAM_PASSES)
-    return {"median": statistics.median(times), "best": min(times)}

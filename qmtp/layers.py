@@ -135,7 +135,9 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
 
     Returns (out [B, T, E], conv_state', ssm_state'[, replay]). `replay` holds what rebuilds the
     state after any prefix of the T tokens without running the layer again (speculative commit):
-    window [B, W-1+T, C] and the recurrence inputs q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]."""
+    window [B, W-1+T, C] and the recurrence inputs q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] with g, beta
+    [B, T, Hv] or, when the gates run inside the kernel (ops.GDN_GATES_IN_KERNEL), the raw a, b [B, T, Hv]
+    with A_log and dt_bias [Hv]."""
     b, t, _ = x.shape
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]
@@ -146,33 +148,26 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     z = z.reshape(b, t, hv, dv)
     b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
     a_raw = ops.linear(x, p["in_proj_a"], impl)
-    gated_kernel = not chunked and ops.gdn_gates_in_kernel(impl)  # gates and padding inside the kernel
 
     y, new_conv, window = causal_conv(mixed, conv_state, p["conv"], n_valid)  # y f32 [B, T, C]
     q = l2_normalize(y[..., :key_dim].reshape(b, t, key_heads, dk)) * dk ** -0.5
     k = l2_normalize(y[..., key_dim:2 * key_dim].reshape(b, t, key_heads, dk))
     v = y[..., 2 * key_dim:].reshape(b, t, hv, dv)
-    if gated_kernel:
+    if not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel
         o, ssm = ops.gdn_recurrence_gated(q, k, v, a_raw, b_raw, p["A_log"], p["dt_bias"], ssm_state, n_valid,
                                           impl=impl)
-        o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
-        result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
-        if return_replay:  # commit_gdn runs the same kernel with n_valid = the accepted length
-            return result + ({"window": window, "q": q, "k": k, "v": v, "a": a_raw, "b": b_raw,
-                              "A_log": p["A_log"], "dt_bias": p["dt_bias"]},)
-        return result
-    beta = jax.nn.sigmoid(b_raw.astype(F32))
-    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a_raw.astype(F32) + p["dt_bias"])  # log-decay <= 0
-    beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
-    # padding must not touch the state even if its inputs are not finite: zero k and v as well
-    k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
-    if chunked:
-        o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state, impl=impl)
+        # commit_gdn runs the same kernel with n_valid = the accepted length
+        gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
     else:
-        o, ssm = ops.gdn_recurrence(q, k, v, g, beta, ssm_state, impl=impl)
+        g, beta = ops.gdn_gates(a_raw, b_raw, p["A_log"], p["dt_bias"])  # g: log-decay <= 0
+        beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
+        # padding must not touch the state even if its inputs are not finite: zero k and v as well
+        k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
+        recurrence = ops.gdn_chunked if chunked else ops.gdn_recurrence
+        o, ssm = recurrence(q, k, v, g, beta, ssm_state, impl=impl)
+        gates = {"g": g, "beta": beta}
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
-    out = row_parallel(o, p["out_proj"], impl)
-    result = (out, new_conv, ssm.astype(ssm_state.dtype))
+    result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
     if return_replay:
-        return result + ({"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta},)
+        return result + ({"window": window, "q": q, "k": k, "v": v, **gates},)
     return result

@@ -187,6 +187,12 @@ def gdn_gates_in_kernel(impl: str) -> bool:
     return impl == "pallas" and GDN_GATES_IN_KERNEL
 
 
+def gdn_gates(a, b, a_log, dt_bias):
+    """(g, beta) [B, T, Hv] f32 from the raw projections a, b and A_log, dt_bias [Hv] (MODEL_SPEC §3.6
+    step 4); XLA under both impls (inside the recurrence kernel with GDN_GATES_IN_KERNEL)."""
+    return gdn.gdn_gates_ref(a, b, a_log, dt_bias)
+
+
 def gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref"):
     """gdn_recurrence with the gates computed from the raw projections a, b [B, T, Hv] and tokens
     t >= n_valid [B] left out (they cannot reach the state); see pallas_kernels/gdn.py."""
