@@ -27,6 +27,8 @@
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default); plain + K=1
 #          at TP2 with NCCL_PROTO=LL
+#   TABLE_ARGS (environment) is appended to both tables' flags: TABLE_ARGS="--ks=3 --repeats=2" makes
+#          them plain + K=3 only, for a lease that measures variants and keeps time for a second one
 set -u
 R=/tmp/qmtp_run
 SRC=/tmp/qmtp_src
@@ -75,7 +77,7 @@ import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
   touch $R/checkpoint27.done
   job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
-    --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt)
+    --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt) ${TABLE_ARGS:-}
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
@@ -160,7 +162,7 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
   if [ "${FULL_TP2:-1}" = 1 ]; then
     echo "full TP2 table with XLA_FLAGS='$best'" >>$R/jobs.log
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
-      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt)
+      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt) ${TABLE_ARGS:-}
   fi
   # issue 5: NCCL's low-latency protocol end to end (the probe: 10.2 vs 12.7 us per all-reduce); last,
   # so that running out of lease loses nothing else
