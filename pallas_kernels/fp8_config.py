@@ -1,7 +1,7 @@
 """Tile configurations of the FP8 block matmul kernels (pallas_kernels/fp8_matmul.py) and the
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
-The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, DECODE_MAX_ROWS) live here and only here: set
+The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, NARROW_X_ON_M, DECODE_MAX_ROWS) live here and only here: set
 them through `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -113,6 +113,16 @@ X_F16_IN_KERNEL = False
 # latency-bound with few warps in flight; the wide weights (8 programs per SM) stream ~3.4 TB/s with
 # x_f16. 4 doubles the narrow grids (step variant "pallas_pps4"); off until the step measures it.
 DECODE_PROGRAMS_PER_SM = 2
+# True: with x_f16, a narrow weight (fewer 64-row blocks than SMs: mlp_down, o_proj / out_proj,
+# in_proj_z, k/v) puts x's piece rows on the dot's M side (swap_ab=False, as the wide weights do) and
+# splits K until the grid has NARROW_PROGRAMS_PER_SM programs per SM (split-K 8 on the 27B shapes).
+# False: W on the M side and DECODE_PROGRAMS_PER_SM (split-K 4), the policy chosen before x_f16.
+# Measured per weight at M = 1 on the H200 (2026-11-30, `pallas_kernels.bench --parts=fp8 --fp8_ms=1
+# --fp8_sweep --fp8_sweep_match=x_f16=True`): mlp_down [5120, 17408] 42.5 -> 29.2 us (2.1 -> 3.1
+# TB/s), o_proj / out_proj [5120, 6144] 17.5 -> 13.4 us, in_proj_z [6144, 5120] 17.5 -> 14.2 us;
+# split-K 4 with x on M was 1-8% slower than 8 on each. The wide weights' best stayed split-K 2.
+NARROW_X_ON_M = True
+NARROW_PROGRAMS_PER_SM = 4
 
 
 def decode_config(m: int, o: int, i: int) -> DecodeConfig:
@@ -122,7 +132,8 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     Otherwise 64-row programs, split_k (a power of two <= 8, >= 4 chunks per split) until the grid
     has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more
     rows use the tensor-core dot with at least 2 splits, and the wide shapes put x on the dot's M
-    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). 17-64 rows (batched verify):
+    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). With x_f16 (M <= 8) and
+    NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM. 17-64 rows (batched verify):
     split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
     loaded per chunk, as measured)."""
     bo = 64
@@ -134,15 +145,18 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)
     dot = m > 1 or not M1_CUDA_CORE
+    # x_f16 only while the 2M piece rows fit the dot's 16-row minimum, which M rows pad to anyway: at
+    # M = 32 (64 piece rows) it ran 1.2-1.4x slower on every 27B shape (H200, 2026-11-30)
+    x_f16 = X_F16 and dot and 2 * m <= DOT_MIN
+    x_on_m = dot and (wide or (x_f16 and NARROW_X_ON_M))
+    per_sm = NARROW_PROGRAMS_PER_SM if x_f16 and NARROW_X_ON_M and not wide else DECODE_PROGRAMS_PER_SM
     split = 1
-    while n_o * split < DECODE_PROGRAMS_PER_SM * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
+    while n_o * split < per_sm * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
         split *= 2
     if dot and n_chunks >= 16:
         split = max(split, 2)
-    # x_f16 only while the 2M piece rows fit the dot's 16-row minimum, which M rows pad to anyway: at
-    # M = 32 (64 piece rows) it ran 1.2-1.4x slower on every 27B shape (H200, 2026-11-30)
-    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not (dot and wide), scale_preload=SCALE_PRELOAD,
-                        x_f16=X_F16 and dot and 2 * m <= DOT_MIN, split_in_kernel=X_F16_IN_KERNEL)
+    return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not x_on_m, scale_preload=SCALE_PRELOAD,
+                        x_f16=x_f16, split_in_kernel=X_F16_IN_KERNEL)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:

@@ -4,8 +4,9 @@
 #
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
-#   scripts/gpu_session.sh start_confirm [SECONDS]  a ~9-minute lease: the x_f16 GPU tests, then
-#                                           TP1 and TP2 plain + K=3 with the defaults (confirm())
+#   scripts/gpu_session.sh start_confirm [SECONDS]  a ~8-minute lease: the 64-layer step against the
+#                                           narrow weights' old policy, then TP1 and TP2 plain + K=3
+#                                           with the defaults (confirm())
 #
 # Both end by packing what exists so far into $OUT: results.tgz (logs and JSON) and the trained demo
 # checkpoints in pieces under the transfer limit (demo_train.tar.*, demo_train_d3.tar.*; join with
@@ -167,20 +168,20 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
   # issue 5: NCCL's low-latency protocol end to end (the probe: 10.2 vs 12.7 us per all-reduce); last,
   # so that running out of lease loses nothing else
   NCCL_PROTO=LL job tp2_nccl_ll 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=1 \
-    --profile= --breakdown=false --repeats=2 --out=$R/tp2_nccl_ll.json --converted_cache=/tmp/qmtp_conv \
+    --profile= --breakdown=false --breakdown_ks= --repeats=2 --out=$R/tp2_nccl_ll.json --converted_cache=/tmp/qmtp_conv \
     $(cat $R/kernels_flag.txt)
   touch $R/all.done
 }
 
-confirm() {  # a short lease: the x_f16 GPU tests, then TP1 and TP2 plain + K=3 with the defaults
+confirm() {  # a short lease: the step against the narrow weights' old policy, then TP1 and TP2 plain + K=3
   (export CUDA_VISIBLE_DEVICES=1
-   job gpu_tests_x_f16 240 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py -k "x_f16 or real_shapes" \
-     -p no:cacheprovider) &
+   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_narrow_wm \
+     --out=$R/bench_step.json) &
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
-  wait
   CUDA_VISIBLE_DEVICES=0 job tp1_short 270 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
     --repeats=2 --breakdown=false --out=$R/tp1_short.json
+  wait
   job tp2_short 260 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 \
     --breakdown=false --out=$R/tp2_short.json
   touch $R/all.done
@@ -193,7 +194,11 @@ case $cmd in
     export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
     setsid bash -c "$(declare -f job confirm); R=$R; confirm" </dev/null >$R/confirm.out 2>&1 &
     t0=$(date +%s)
-    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+      sleep 5
+      # re-pack after each job's end, so that a call cut short by the device budget still returns it
+      if [ -n "${OUT:-}" ] && [ $R/jobs.log -nt "$OUT/results.tgz" ]; then pack >/dev/null 2>&1; fi
+    done
     cat $R/jobs.log
     pack
     ;;

@@ -372,23 +372,32 @@ def test_default_config_heuristic():
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
     pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 / 8 rows (measured in the step)
-    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True, scale_preload=pre,
-                                                             x_f16=f16)
+    # narrow mlp_down with the f16 pieces: x on the dot's M side, split-K 8 (4 programs per SM)
+    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, use_dot=True, swap_ab=False,
+                                                             scale_preload=pre, x_f16=True)
     assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
                                                              scale_preload=pre, x_f16=f16)
     # 9-16 rows: the f16 pieces would double the dot's rows past its 16-row minimum (slower at M = 32)
     assert fm.default_config(8, 5120, 6144).x_f16 == f16 and not fm.default_config(9, 5120, 6144).x_f16
-    # narrow O: 80 row blocks -> split-K 4 -> 320 programs on 132 SMs
-    assert fm.default_config(5, 5120, 17408).split_k == 4
+    # narrow O with the f16 pieces (<= 8 rows): 80 row blocks -> split-K 8 -> 640 programs on 132 SMs
+    for m in (1, 5, 8):
+        assert [fm.default_config(m, o, i).split_k for o, i in ((5120, 17408), (5120, 6144), (6144, 5120))] == [8] * 3
+        assert not fm.default_config(m, 5120, 6144).swap_ab
+    assert fm.default_config(1, 5120, 3072).split_k == 4  # 24 chunks (o_proj at TP2): each split keeps >= 4
+    assert fm.default_config(9, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, scale_preload=pre)
     assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
     assert fm.default_config(5, 130, 129).split_k == 1  # two chunks: nothing to split
-    before = fc.DECODE_PROGRAMS_PER_SM  # the occupancy target: 4 programs per SM doubles the narrow grids
+    # the wide weights keep split-K 2 (their sweep's best)
+    assert [fm.default_config(1, o, 5120).split_k for o in (17408, 12288, 10240)] == [2, 2, 2]
+    before = fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM  # the policy before: W on M, split-K 4 (2 per SM)
     try:
-        fc.DECODE_PROGRAMS_PER_SM = 4
+        fc.NARROW_X_ON_M = False
+        assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True,
+                                                                 scale_preload=pre, x_f16=f16)
+        fc.DECODE_PROGRAMS_PER_SM = 4  # the occupancy target: 4 programs per SM doubles the narrow grids
         assert fm.default_config(1, 5120, 17408).split_k == 8 and fm.default_config(1, 5120, 6144).split_k == 8
-        assert fm.default_config(1, 5120, 3072).split_k == 4  # 24 chunks: each split keeps >= 4
     finally:
-        fc.DECODE_PROGRAMS_PER_SM = before
+        fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
 
 
