@@ -43,8 +43,11 @@ def step_bytes(params: dict, state, context: int) -> dict:
               + (0 if "lm_head" in params else nbytes(lm_head)),
               "gdn_state": 2 * nbytes(state.ssm), "conv_state": 2 * nbytes(state.conv),
               "kv": kv_pos * context * state.batch}
-    draft = {"mtp_weights": nbytes(params.get("mtp", {})), "lm_head": nbytes(lm_head),
-             "kv": mtp_kv_pos * context * state.batch}
+    mtp_params = params.get("mtp", {})
+    # a draft reads the FP8 draft head when the model has one (qmtp.load's draft_head), else lm_head
+    draft_head = mtp_params.get("draft_head", lm_head)
+    draft = {"mtp_weights": nbytes({k: v for k, v in mtp_params.items() if k != "draft_head"}),
+             "lm_head": nbytes(draft_head), "kv": mtp_kv_pos * context * state.batch}
     return {"batch": state.batch, "target": target, "draft": draft, "target_total": sum(target.values()),
             "draft_total": sum(draft.values())}
 

@@ -36,10 +36,10 @@ def define_draft_head_flag() -> None:
     """--draft_head (qmtp.load's draft_head), for generate, bench, server."""
     if "draft_head" in flags.FLAGS:
         return
-    flags.DEFINE_enum("draft_head", "bf16", ["bf16", "fp8"], "MTP drafts: 'bf16' uses the shared lm_head; 'fp8' "
-                      "an FP8 128x128-block copy of it made at load (half the bytes per draft step, 1.27 GB more "
-                      "memory at 27B). The verify pass keeps the exact lm_head: the tokens do not change, only "
-                      "how many drafts are accepted may.")
+    flags.DEFINE_enum("draft_head", "auto", ["auto", "bf16", "fp8"], "MTP drafts: 'bf16' uses the shared lm_head; "
+                      "'fp8' an FP8 128x128-block copy of it made at load (half the bytes per draft step, 1.27 GB "
+                      "more memory at 27B); 'auto': 'fp8' for FP8 checkpoints, else 'bf16'. The verify pass keeps "
+                      "the exact lm_head: the tokens do not change, only how many drafts are accepted may.")
 
 
 def apply_kernels_flag() -> dict:

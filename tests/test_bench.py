@@ -89,6 +89,13 @@ def test_step_bytes_counts_weights_state_and_kv():
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
     assert b["target"]["kv"] == cfg.num_full_layers * 2 * hkv * d * 2 * 100 * 2  # layers, K+V, bf16, ctx, batch
     assert b["draft"]["lm_head"] == v * e * 2 and b["batch"] == 2
+    # with the FP8 draft head a draft reads it instead: 1 byte per weight + one f32 scale per 128 x 128
+    import jax
+    from qmtp import fp8
+    head = jax.eval_shape(fp8.quantize, jax.ShapeDtypeStruct((v, e), jnp.bfloat16))
+    b8 = br.step_bytes(dict(params, mtp=dict(params["mtp"], draft_head=head)), state, context=100)
+    assert b8["draft"]["lm_head"] == v * e + -(-v // 128) * -(-e // 128) * 4
+    assert b8["draft"]["mtp_weights"] == b["draft"]["mtp_weights"] and b8["target"] == b["target"]
 
 
 def test_a_token_mismatch_is_reported():

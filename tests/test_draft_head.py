@@ -76,5 +76,14 @@ def test_fp8_draft_head_under_tp2(controlled):
 
 
 def test_bad_draft_head_is_refused(controlled):
-    with pytest.raises(ValueError, match=r"draft_head='int4': supported \('bf16', 'fp8'\)"):
+    with pytest.raises(ValueError, match=r"draft_head='int4': supported \('auto', 'bf16', 'fp8'\)"):
         qmtp.load(controlled, progress=False, draft_head="int4")
+
+
+def test_auto_draft_head_follows_the_checkpoint_precision(controlled, tmp_path):
+    """draft_head="auto" (the default): the FP8 copy for an FP8 checkpoint, the shared lm_head otherwise."""
+    assert "draft_head" not in qmtp.load(controlled, dtype="float32", progress=False).params["mtp"]
+    fp8_dir = make_checkpoint.write_checkpoint(str(tmp_path / "f"), "tiny_controlled", "fp8", seed=2)
+    model = qmtp.load(fp8_dir, dtype="float32", progress=False)
+    assert isinstance(model.params["mtp"]["draft_head"], fp8.Fp8Block)
+    assert "draft_head" not in qmtp.load(fp8_dir, dtype="float32", progress=False, draft_head="bf16").params["mtp"]
