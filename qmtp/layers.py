@@ -128,6 +128,20 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def conv_qkv(mixed: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax.Array, key_heads: int,
+             dk: int, dv: int):
+    """causal_conv of the raw in_proj_qkv output mixed [B, T, C] and its split into the recurrence
+    inputs: ((q, k [B, T, Hk, Dk] L2-normalised, q scaled by Dk^-0.5; v [B, T, Hv, Dv]) f32, new conv
+    state, window)."""
+    b, t, _ = mixed.shape
+    key_dim = key_heads * dk
+    y, new_conv, window = causal_conv(mixed, conv_state, w, n_valid)  # y f32 [B, T, C]
+    q = l2_normalize(y[..., :key_dim].reshape(b, t, key_heads, dk)) * dk ** -0.5
+    k = l2_normalize(y[..., key_dim:2 * key_dim].reshape(b, t, key_heads, dk))
+    v = y[..., 2 * key_dim:].reshape(b, t, -1, dv)
+    return (q, k, v), new_conv, window
+
+
 def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
                    n_valid: jax.Array, *, eps: float, impl: str,
                    chunked: bool, return_replay: bool = False):
@@ -137,37 +151,41 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     state after any prefix of the T tokens without running the layer again (speculative commit):
     window [B, W-1+T, C] and the recurrence inputs q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] with g, beta
     [B, T, Hv] or, when the gates run inside the kernel (ops.GDN_GATES_IN_KERNEL), the raw a, b [B, T, Hv]
-    with A_log and dt_bias [Hv]."""
+    with A_log and dt_bias [Hv]; when the conv runs inside the kernel as well (ops.GDN_CONV_IN_KERNEL),
+    the kernel's inputs: the raw mixed [B, T, C], the old conv state [B, W-1, C], the conv weight
+    [C, W] and a, b, A_log, dt_bias."""
     b, t, _ = x.shape
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]
-    key_dim = (p["conv"].shape[0] - hv * dv) // 2  # conv channels are q | k | v
-    key_heads = key_dim // dk
+    key_heads = (p["conv"].shape[0] - hv * dv) // (2 * dk)  # conv channels are q | k | v
     valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
     mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), impl)  # [B, T, C] with C = q | k | v
     z = z.reshape(b, t, hv, dv)
     b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
     a_raw = ops.linear(x, p["in_proj_a"], impl)
-
-    y, new_conv, window = causal_conv(mixed, conv_state, p["conv"], n_valid)  # y f32 [B, T, C]
-    q = l2_normalize(y[..., :key_dim].reshape(b, t, key_heads, dk)) * dk ** -0.5
-    k = l2_normalize(y[..., key_dim:2 * key_dim].reshape(b, t, key_heads, dk))
-    v = y[..., 2 * key_dim:].reshape(b, t, hv, dv)
-    if not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel
+    raw_gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
+    if not chunked and ops.gdn_conv_in_kernel(impl):  # conv, norms, gates, padding and recurrence: one kernel
+        o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_raw, b_raw, p["A_log"],
+                                                   p["dt_bias"], ssm_state, n_valid, impl=impl)
+        # commit_gdn runs the same kernel from the old conv / ssm state with n_valid = the accepted length
+        replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], **raw_gates}
+    elif not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel
+        (q, k, v), new_conv, window = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
         o, ssm = ops.gdn_recurrence_gated(q, k, v, a_raw, b_raw, p["A_log"], p["dt_bias"], ssm_state, n_valid,
                                           impl=impl)
         # commit_gdn runs the same kernel with n_valid = the accepted length
-        gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
+        replay = {"window": window, "q": q, "k": k, "v": v, **raw_gates}
     else:
+        (q, k, v), new_conv, window = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
         g, beta = ops.gdn_gates(a_raw, b_raw, p["A_log"], p["dt_bias"])  # g: log-decay <= 0
         beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
         # padding must not touch the state even if its inputs are not finite: zero k and v as well
         k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
         recurrence = ops.gdn_chunked if chunked else ops.gdn_recurrence
         o, ssm = recurrence(q, k, v, g, beta, ssm_state, impl=impl)
-        gates = {"g": g, "beta": beta}
+        replay = {"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta}
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
     result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
     if return_replay:
-        return result + ({"window": window, "q": q, "k": k, "v": v, **gates},)
+        return result + (replay,)
     return result

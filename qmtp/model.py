@@ -104,9 +104,17 @@ def commit_gdn(replay: tuple, ssm0: tuple, n_keep: jax.Array, *, impl: str = "re
     ssm0 (Lg x [B, Hv, Dk, Dv]) is the state before that forward. Tokens t >= n_keep are masked
     (g = beta = 0 leaves the state exactly unchanged) and the per-token recurrence runs again from
     ssm0: the same arithmetic as the forward, so the result is the state the forward had after
-    token n_keep - 1. Returns (conv, ssm) tuples over the Lg layers."""
+    token n_keep - 1. A replay of the conv kernel (ops.GDN_CONV_IN_KERNEL) carries the old conv state:
+    that kernel runs again from both old states and returns both. Returns (conv, ssm) tuples over
+    the Lg layers."""
     convs, ssms = [], []
     for rep, s0 in zip(replay, ssm0):
+        if "mixed" in rep:  # the forward ran the conv kernel (ops.GDN_CONV_IN_KERNEL): again, from the old states
+            _, ssm, conv = ops.gdn_conv_recurrence(rep["mixed"], rep["conv"], rep["conv_w"], rep["a"], rep["b"],
+                                                   rep["A_log"], rep["dt_bias"], s0, n_keep, impl=impl)
+            convs.append(conv)
+            ssms.append(ssm.astype(s0.dtype))
+            continue
         t = rep["q"].shape[1]
         width = rep["window"].shape[1] - t + 1
         convs.append(layers.conv_window_state(rep["window"], n_keep, width))

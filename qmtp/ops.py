@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_config, fp8_matmul, gdn, paged_attention
+from pallas_kernels import fp8_config, fp8_matmul, gdn, gdn_conv, paged_attention
 from qmtp.fp8 import Fp8Block
 
 IMPLS = ("ref", "pallas")
@@ -44,6 +44,15 @@ XLA_SINGLE_ROW = False
 # (the trace of the 27B step has ~1.5 ms in ~1000 small XLA ops; the commit of a K=3 round took 1.43
 # ms for 48 layers). Off until measured: step variant "pallas_gdngated", the bench breakdown's commit.
 GDN_GATES_IN_KERNEL = False
+# True: with impl="pallas", decode and verify run one kernel from the raw in_proj_qkv output to the
+# recurrence output (gdn_conv.gdn_conv_recurrence: the causal conv, SiLU, q/k L2 norms, the gates, the
+# padding select and the recurrence; it returns the new conv state too), and the speculative commit
+# runs the same kernel from the old conv and ssm state with n_valid = the accepted length. It takes
+# the per-layer XLA ops between in_proj and the recurrence (conv window concat, the 4-tap conv, SiLU,
+# the norms, the conv-state gather, slices, the gates and masks) out of the step. Includes what
+# GDN_GATES_IN_KERNEL does (it wins when both are on). Off until measured on the GPU: step variant
+# "pallas_gdnconv", the bench breakdown's commit.
+GDN_CONV_IN_KERNEL = False
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
@@ -59,6 +68,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "dequant_dot_min_rows": ("ops", "DEQUANT_DOT_MIN_ROWS", (0, None)),
                      "xla_single_row": ("ops", "XLA_SINGLE_ROW", None),
                      "gdn_gates_in_kernel": ("ops", "GDN_GATES_IN_KERNEL", None),
+                     "gdn_conv_in_kernel": ("ops", "GDN_CONV_IN_KERNEL", None),
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
@@ -202,6 +212,27 @@ def gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, impl: st
     if impl == "pallas":
         return gdn.gdn_recurrence_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid, interpret=_interpret())
     return gdn.gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid)
+
+
+def gdn_conv_in_kernel(impl: str) -> bool:
+    """Whether decode / verify hand the raw in_proj_qkv output to the fused conv + recurrence kernel
+    (GDN_CONV_IN_KERNEL)."""
+    return impl == "pallas" and GDN_CONV_IN_KERNEL
+
+
+def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref"):
+    """Causal conv + SiLU + q/k L2 norms (q scaled by Dk^-0.5) + gates + the per-token recurrence from
+    the raw in_proj_qkv output mixed [B, T, C] (channels q | k | v) and conv_state [B, W-1, C];
+    tokens t >= n_valid [B] change neither state. Returns (o [B, T, Hv, Dv] f32, ssm state, conv
+    state); see pallas_kernels/gdn_conv.py. The key-head count comes from the shapes:
+    C = 2 Hk Dk + Hv Dv with Hv, Dk, Dv from state [B, Hv, Dk, Dv]."""
+    check_impl(impl)
+    hv, dk, dv = state.shape[1:]
+    kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5}
+    if impl == "pallas":
+        return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
+                                            interpret=_interpret(), **kw)
+    return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, **kw)
 
 
 def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):

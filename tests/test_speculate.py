@@ -3,6 +3,7 @@
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -259,3 +260,26 @@ def test_profiled_acceptance_on_the_controlled_checkpoint_keeps_the_tokens(contr
     assert spec.tokens == plain.tokens
     rounds = spec.stats["rounds"]
     assert spec.stats["accept_hist"] == np.bincount(cap[:rounds, 0], minlength=4).tolist()
+
+
+def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled):
+    """ops.GDN_CONV_IN_KERNEL with impl="pallas": prefill (11 tokens: the kernel's token loop), verify
+    and the commit run the fused conv + recurrence kernel (the commit from the old conv and ssm state
+    with n_valid = the accepted length). One of three drafts accepted per round: the tokens and the
+    GDN and conv state equal plain decoding's with the switch off (the reference path)."""
+    k, rounds, a = 3, 2, 1
+    max_new = 1 + rounds * (a + 1)
+    prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
+    want, plain_state = _run_plain(controlled, prompts, max_new)  # first: the gated test compiled these shapes
+    jax.clear_caches()  # a loop compiled earlier with these shapes keeps the kernels it was traced with
+    before = ops.set_kernel_settings({"gdn_conv_in_kernel": True})
+    try:
+        out, stats, state = _run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
+    finally:
+        ops.set_kernel_settings(before)
+        jax.clear_caches()
+    np.testing.assert_array_equal(out, want)
+    assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
+    np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(plain_state.lengths))
+    assert_close(np.stack(state.ssm), np.stack(plain_state.ssm), F32_MODEL, "ssm, conv in the kernel")
+    assert_close(np.stack(state.conv), np.stack(plain_state.conv), F32_MODEL, "conv, conv in the kernel")

@@ -1,0 +1,318 @@
+"""pallas_kernels/gdn_conv.py: the conv + recurrence reference against a float64 loop written here and
+against the unfused layer pieces, the Pallas kernel (interpret mode on the CPU) against the reference
+(the new conv state bit for bit), the speculative commit from its replay, its lowering for the H200
+(from the CPU, in CI), and the kernel on the GPU (`gpu` marker).
+
+Shapes are awkward on purpose: Hv = 3 Hk (r = 3, as the 27B's 48 / 16), several Dv tiles per head,
+n_valid < T (including n_valid < W-1, where the new conv state reaches back into the old one, and
+n_valid = 0), and NaN in every input of the padding tokens.
+
+Tolerances. Per token, each conv output sums W products (W roundings) and each L2 norm sums Dk
+squares (Dk roundings) before the recurrence's Dk-term dot products (tests/test_kernel_gdn.py: the
+update is a contraction, so per-token errors add up over T tokens without growing). One f32
+implementation against float64 stays within T (2 Dk + W) u (u = 2^-24); two f32 implementations
+against each other within twice that. An indexing or formula slip gives an O(1) relative error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from h200_lowering import attr_int, lower_for_h200, triton_calls
+from pallas_kernels import gdn, gdn_conv
+from qmtp import layers, model as model_lib
+from tolerance import assert_close
+
+F32_UNIT_ROUNDOFF = 2.0 ** -24
+WIDTH = 4
+NARROW = gdn.RecurrenceConfig(block_v=8)  # Dv = 32: four tiles per value head
+
+
+def conv_tol(t: int, dk: int, implementations: int = 1) -> float:
+    return implementations * max(t, 1) * (2 * dk + WIDTH) * F32_UNIT_ROUNDOFF
+
+
+def make_inputs(b, t, hk, hv, dk, dv, n_valid, seed=0, dtype=np.float32):
+    """Raw in_proj-like inputs (mixed, conv_state, conv_w, a, b, A_log, dt_bias, state, n_valid) with
+    NaN in mixed, a and b of the padding tokens t >= n_valid. A dense non-zero state and conv state."""
+    rng = np.random.default_rng(seed)
+    c = 2 * hk * dk + hv * dv
+    mixed = rng.standard_normal((b, t, c))
+    conv_state = rng.standard_normal((b, WIDTH - 1, c))
+    conv_w = rng.standard_normal((c, WIDTH)) * 0.5
+    a = rng.standard_normal((b, t, hv)) * 3.0
+    if t:
+        a[0, 0, 0] = 30.0  # past the softplus threshold (identity above 20)
+    beta_logit = rng.standard_normal((b, t, hv))
+    a_log, dt_bias = rng.standard_normal(hv) * 0.5, rng.standard_normal(hv)
+    s0 = rng.standard_normal((b, hv, dk, dv)) * 0.5
+    n_valid = np.asarray(n_valid, np.int32)
+    pad = ~(np.arange(t)[None] < n_valid[:, None])  # [B, T]
+    for x in (mixed, a, beta_logit):
+        x[pad] = np.nan
+    f = lambda x, dt=np.float32: np.asarray(x, dt)
+    return (f(mixed, dtype), f(conv_state, dtype), f(conv_w, dtype), f(a, dtype), f(beta_logit, dtype), f(a_log),
+            f(dt_bias), f(s0), n_valid)
+
+
+def np_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, s0, n_valid, hk):
+    """MODEL_SPEC §3.6 steps 2-7 in float64, one sequence and one token at a time, only over the
+    n_valid tokens. Returns (o [B, T, Hv, Dv] with NaN at padding, final state, conv state)."""
+    f64 = lambda x: np.asarray(np.asarray(x, np.float32), np.float64)
+    mixed, conv_state, conv_w, a, b, a_log, dt_bias, s = map(f64, (mixed, conv_state, conv_w, a, b, a_log, dt_bias,
+                                                                   s0))
+    bsz, t_n, _ = mixed.shape
+    hv, dk, dv = s.shape[1:]
+    r = hv // hk
+    o = np.full((bsz, t_n, hv, dv), np.nan)
+    conv_out = np.zeros(conv_state.shape)
+    l2 = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    for bi in range(bsz):
+        inputs = list(conv_state[bi])  # every input so far, oldest first
+        for t in range(n_valid[bi]):
+            inputs.append(mixed[bi, t])
+            acc = sum(conv_w[:, i] * inputs[len(inputs) - WIDTH + i] for i in range(WIDTH))
+            y = acc / (1.0 + np.exp(-acc))  # silu
+            q = l2(y[:hk * dk].reshape(hk, dk)) * dk ** -0.5
+            k = l2(y[hk * dk:2 * hk * dk].reshape(hk, dk))
+            v = y[2 * hk * dk:].reshape(hv, dv)
+            x = a[bi, t] + dt_bias
+            g = -np.exp(a_log) * np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+            beta = 1.0 / (1.0 + np.exp(-b[bi, t]))
+            for h in range(hv):
+                kt, qt = k[h // r], q[h // r]
+                s[bi, h] = np.exp(g[h]) * s[bi, h]
+                u = v[h] - s[bi, h].T @ kt
+                s[bi, h] = s[bi, h] + np.outer(kt, beta[h] * u)
+                o[bi, t, h] = s[bi, h].T @ qt
+        conv_out[bi] = np.stack(inputs[len(inputs) - (WIDTH - 1):])
+    return o, s, conv_out
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+# jitted once per module: tests of one shape share the compile (interpret mode compiles the kernel
+# body with XLA, ~1-2 s a shape)
+_REF = jax.jit(gdn_conv.gdn_conv_recurrence_ref, static_argnames=("key_heads", "scale"))
+_KERNEL = jax.jit(gdn_conv.gdn_conv_recurrence, static_argnames=("key_heads", "scale", "interpret", "config"))
+
+
+def run_ref(*args, hk):
+    dk = args[7].shape[2]
+    return tuple(np.asarray(x) for x in _REF(*map(jnp.asarray, args), key_heads=hk, scale=dk ** -0.5))
+
+
+def run_kernel(*args, hk, interpret=True, config=NARROW):
+    dk = args[7].shape[2]
+    return tuple(np.asarray(x) for x in _KERNEL(*map(jnp.asarray, args), key_heads=hk, scale=dk ** -0.5,
+                                                interpret=interpret, config=config))
+
+
+def valid_mask(t, n_valid):
+    return np.arange(t)[None] < np.asarray(n_valid)[:, None]
+
+
+# 27B-like head ratio at small dims; n_valid: all, < W-1 (the conv state reaches into the old one), none
+CASES = [(1, 1, [1]), (3, 4, [4, 1, 0]), (3, 5, [5, 3, 1])]
+HK, HV, DK, DV = 2, 6, 16, 32
+
+
+# ------------------------------------------------------------------------------------------------
+# the reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b,t,n_valid", CASES)
+def test_ref_matches_float64(b, t, n_valid):
+    args = make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=b * 10 + t)
+    o, s, conv = run_ref(*args, hk=HK)
+    want_o, want_s, want_conv = np_conv_recurrence(*args, hk=HK)
+    keep = valid_mask(t, n_valid)
+    tol = conv_tol(t, DK)
+    assert_close(o[keep], want_o[keep], tol, "ref o (valid tokens)")
+    assert_close(s, want_s, tol, "ref state")
+    np.testing.assert_array_equal(conv, want_conv.astype(np.float32), "ref conv state (a copy of inputs)")
+    for i in np.flatnonzero(np.asarray(n_valid) == 0):  # no valid token: both states untouched, bit for bit
+        np.testing.assert_array_equal(bits(s[i]), bits(args[7][i]))
+        np.testing.assert_array_equal(bits(conv[i]), bits(args[1][i]))
+
+
+def test_ref_is_the_unfused_layer_pieces():
+    """The twin equals what qmtp.layers.gated_deltanet composes without the switch: causal_conv ->
+    split -> l2_normalize (q scaled) -> gdn_recurrence_gated_ref, bit for bit (both op by op: under
+    jit XLA's fusions may round differently)."""
+    b, t, n_valid = CASES[2]
+    args = make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=4)
+    mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = map(jnp.asarray, args)
+    o, s, conv = map(np.asarray, gdn_conv.gdn_conv_recurrence_ref(*map(jnp.asarray, args), key_heads=HK,
+                                                                  scale=DK ** -0.5))
+    (q, k, v), want_conv, _ = layers.conv_qkv(mixed, conv_state, conv_w, n, HK, DK, DV)
+    want_o, want_s = gdn.gdn_recurrence_gated_ref(q, k, v, a, beta_logit, a_log, dt_bias, s0, n)
+    keep = valid_mask(t, n_valid)
+    np.testing.assert_array_equal(bits(o[keep]), bits(np.asarray(want_o)[keep]))
+    np.testing.assert_array_equal(bits(s), bits(want_s))
+    np.testing.assert_array_equal(bits(conv), bits(want_conv))
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernel (interpret mode) against the reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b,t,n_valid", CASES[:2])  # T = 5: the bf16 test below (one compile less)
+def test_kernel_matches_ref_and_ignores_poisoned_padding(b, t, n_valid):
+    args = make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=b * 10 + t)
+    o, s, conv = run_kernel(*args, hk=HK)
+    want_o, want_s, want_conv = run_ref(*args, hk=HK)
+    keep = valid_mask(t, n_valid)
+    assert o.dtype == s.dtype == np.float32 and conv.dtype == args[1].dtype
+    tol = conv_tol(t, DK, implementations=2)
+    assert_close(o[keep], want_o[keep], tol, "kernel o (valid tokens)")
+    assert_close(s, want_s, tol, "kernel state")
+    np.testing.assert_array_equal(bits(conv), bits(want_conv), "kernel conv state bits")
+    for i in np.flatnonzero(np.asarray(n_valid) == 0):
+        np.testing.assert_array_equal(bits(s[i]), bits(args[7][i]), "no valid token: state bits")
+
+
+def test_kernel_bf16_inputs_and_an_f32_conv_state():
+    """bf16 raw projections (as the model runs them) and an f32 conv state, B = 3, T = 5: the conv
+    state joins the window rounded to bf16 (as qmtp.layers.causal_conv does), so the new conv state,
+    which reaches back into the old one at n_valid = 1 and is the old one at n_valid = 0, matches
+    the ref bit for bit."""
+    b, t, n_valid = 3, 5, [5, 1, 0]
+    mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = make_inputs(b, t, HK, HV, DK, DV, n_valid,
+                                                                                  seed=5)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    args = (bf(mixed), conv_state, bf(conv_w), bf(a), bf(beta_logit), a_log, dt_bias, s0, n)
+    o, s, conv = run_kernel(*args, hk=HK)
+    want_o, want_s, want_conv = run_ref(*args, hk=HK)
+    assert conv.dtype == np.float32
+    keep = valid_mask(t, n_valid)
+    assert_close(o[keep], want_o[keep], conv_tol(t, DK, 2), "kernel o (bf16)")
+    assert_close(s, want_s, conv_tol(t, DK, 2), "kernel state (bf16)")
+    np.testing.assert_array_equal(bits(conv), bits(want_conv), "kernel conv state bits (bf16)")
+    np.testing.assert_array_equal(bits(s[2]), bits(s0[2]), "no valid token: state bits")
+
+
+def test_long_input_uses_the_token_loop_one_key_head_per_value_head_default_tile():
+    """T > MAX_UNROLLED_TOKENS (the fori_loop path), r = 1 (Hk = Hv: every program writes its own q/k
+    conv state) and the default tile (one Dv tile per head)."""
+    t, n_valid = gdn.MAX_UNROLLED_TOKENS + 2, [gdn.MAX_UNROLLED_TOKENS + 2, 2]
+    args = make_inputs(2, t, 2, 2, 16, 16, n_valid, seed=9)
+    o, s, conv = run_kernel(*args, hk=2, config=None)
+    want_o, want_s, want_conv = run_ref(*args, hk=2)
+    keep = valid_mask(t, n_valid)
+    assert_close(o[keep], want_o[keep], conv_tol(t, 16, 2), "kernel o (looped)")
+    assert_close(s, want_s, conv_tol(t, 16, 2), "kernel state (looped)")
+    np.testing.assert_array_equal(bits(conv), bits(want_conv), "kernel conv state bits (looped)")
+
+
+def test_zero_tokens_returns_both_states():
+    args = make_inputs(2, 0, HK, HV, DK, DV, [0, 0])
+    o, s, conv = run_kernel(*args, hk=HK)
+    assert o.shape == (2, 0, HV, DV)
+    np.testing.assert_array_equal(bits(s), bits(args[7]))
+    np.testing.assert_array_equal(bits(conv), bits(args[1]))
+
+
+def test_wrapper_rejects_bad_inputs():
+    args = list(make_inputs(2, 2, HK, HV, DK, DV, [2, 1]))
+    call = lambda *a, hk=HK: gdn_conv.gdn_conv_recurrence(*a, key_heads=hk, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="C = 2 Hk Dk"):
+        call(*args, hk=3)
+    with pytest.raises(ValueError, match="conv_state"):
+        call(args[0], args[1][:, :2], *args[2:])
+    with pytest.raises(ValueError, match="conv_w"):
+        call(*args[:2], args[2][:-1], *args[3:])
+    with pytest.raises(ValueError, match="n_valid"):
+        call(*args[:8], args[8].astype(np.float32))
+    with pytest.raises(ValueError, match="power of two"):
+        odd = make_inputs(1, 1, 1, 1, 12, 16, [1])
+        call(*odd, hk=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# the speculative commit from the conv kernel's replay
+# ------------------------------------------------------------------------------------------------
+
+
+def test_commit_runs_the_kernel_again_from_the_old_states_and_ignores_rejected_tokens():
+    """model.commit_gdn with a replay of the conv kernel (raw mixed, the OLD conv state, the conv
+    weight and the raw gates): the conv and ssm state after n_keep tokens, rejected tokens (NaN
+    here) ignored, against the float64 loop over the kept tokens. (The reference twin behind it;
+    the kernel behind it runs in tests/test_speculate.py's conv-in-kernel test.)"""
+    b, t, n_keep = 3, 4, [1, 3, 4]
+    args = make_inputs(b, t, HK, HV, DK, DV, n_keep, seed=12)
+    names = ("mixed", "conv", "conv_w", "a", "b", "A_log", "dt_bias")
+    rep = dict(zip(names, map(jnp.asarray, args[:7])))
+    commit = jax.jit(lambda rep, s0, n: model_lib.commit_gdn((rep,), (s0,), n, impl="ref"))
+    (conv,), (ssm,) = commit(rep, jnp.asarray(args[7]), jnp.asarray(args[8]))
+    _, want_s, want_conv = np_conv_recurrence(*args, hk=HK)
+    assert_close(ssm, want_s, conv_tol(t, DK), "committed ssm")
+    np.testing.assert_array_equal(np.asarray(conv), want_conv.astype(np.float32), "committed conv state")
+
+
+# ------------------------------------------------------------------------------------------------
+# lowering for the H200, from the CPU (CI)
+# ------------------------------------------------------------------------------------------------
+
+HK27, HV27, DK27, DV27 = 16, 48, 128, 128  # Qwen3.5-27B GDN shapes
+C27 = 2 * HK27 * DK27 + HV27 * DV27  # 10240
+
+
+def real_shapes(b, t):
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    return (s((b, t, C27), bf), s((b, WIDTH - 1, C27), bf), s((C27, WIDTH), bf), s((b, t, HV27), bf),
+            s((b, t, HV27), bf), s((HV27,), jnp.float32), s((HV27,), jnp.float32),
+            s((b, HV27, DK27, DV27), jnp.float32), s((b,), jnp.int32))
+
+
+def lower_real(b, t):
+    fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a, key_heads=HK27, scale=DK27 ** -0.5)
+    return lower_for_h200(fn, real_shapes(b, t), donate_argnums=7)
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (8, 4)])
+def test_kernel_lowers_for_h200(b, t):
+    lowered = lower_real(b, t)
+    assert "tf.aliasing_output = 1" in lowered.as_text(), "the state input must alias the state output"
+    [(cfg, triton_ir)] = triton_calls(lowered)
+    grid = tuple(attr_int(cfg, f"grid_{a}") for a in "xyz")
+    assert grid == (b, HV27, DV27 // gdn.RECURRENCE_CONFIG.block_v), grid
+    assert "tt.func public @gdn_conv_recurrence" in triton_ir
+    assert "scf.if" in triton_ir, "one program per key head writes the q/k conv state"
+    assert "scf.for" not in triton_ir, "T <= MAX_UNROLLED_TOKENS is unrolled"
+
+
+def test_looped_kernel_lowers_for_h200():
+    [(_, triton_ir)] = triton_calls(lower_real(1, gdn.MAX_UNROLLED_TOKENS + 4))
+    assert "scf.for" in triton_ir
+
+
+# ------------------------------------------------------------------------------------------------
+# on the GPU (deselected on the CPU): python -m pytest -q -m gpu tests/test_kernel_gdn_conv.py
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t", [(1, 1), (8, 4)])
+def test_gpu_kernel_matches_ref_real_shapes(b, t):
+    n_valid = np.maximum(t - np.arange(b) % (t + 1), 0).astype(np.int32)  # t, t-1, .., 0, t, ...
+    mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = make_inputs(
+        b, t, HK27, HV27, DK27, DV27, n_valid, seed=b * t)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    args = (bf(mixed), bf(conv_state), bf(conv_w), bf(a), bf(beta_logit), a_log, dt_bias, s0, n)
+    o, s, conv = run_kernel(*args, hk=HK27, interpret=False, config=None)
+    want_o, want_s, want_conv = run_ref(*args, hk=HK27)
+    keep = valid_mask(t, n_valid)
+    assert_close(o[keep], want_o[keep], conv_tol(t, DK27, 2), "gpu kernel o")
+    assert_close(s, want_s, conv_tol(t, DK27, 2), "gpu kernel state")
+    np.testing.assert_array_equal(bits(conv), bits(want_conv), "gpu kernel conv state bits")
+    for i in np.flatnonzero(n_valid == 0):
+        np.testing.assert_array_equal(bits(s[i]), bits(s0[i]), "no valid token: state bits")
