@@ -78,11 +78,15 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_decode_programs_per_sm": ("fp8_config", "DECODE_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_x_on_m": ("fp8_config", "NARROW_X_ON_M", None),
                      "fp8_narrow_programs_per_sm": ("fp8_config", "NARROW_PROGRAMS_PER_SM", (1, 64)),
-                     "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None))}
+                     "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
+                     "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
 
 
 def _switch_module(module: str):
+    import importlib
     import sys
+    if module == "speculate":  # imported here: qmtp.speculate imports this module
+        return importlib.import_module("qmtp.speculate")
     return fp8_config if module == "fp8_config" else sys.modules[__name__]
 
 

@@ -17,17 +17,17 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the 64-layer decode step in four variants (issue 4: the f16 pieces made inside the FP8
-#          kernel, the GDN gates inside the recurrence kernel, 4 programs per SM) with launch counts and summarized traces, the
+#   GPU 0: the 64-layer decode step in three variants (issue 4: the defaults, the GDN conv + SiLU +
+#          L2 norms + gates inside the recurrence kernel, the gates only) with launch counts and summarized traces, the
 #          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
 #          winning variants' combined --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
 #          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: the gpu kernel tests of what the variants switch on, an x_f16 tile sweep at 1 row,
-#          plain + K=3 at TP1 with the GDN gates in the kernel (and its breakdown), then (TRAIN=1) the two demo recipes
+#   GPU 1: the gpu kernel tests of what the variants switch on, then plain + K=3 at TP1 with the bf16
+#          draft head and with the commit rebuilt every round (session 7's two defaults taken back one
+#          at a time), then (TRAIN=1) the two demo recipes
 #          and their benches (issue 8). About 11 minutes per line, then ~10 for the TP2 table.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
-#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default); plain + K=1
-#          at TP2 with NCCL_PROTO=LL
+#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default)
 #   TABLE_ARGS (environment) is appended to both tables' flags: TABLE_ARGS="--ks=3 --repeats=2" makes
 #          them plain + K=3 only, for a lease that measures variants and keeps time for a second one
 set -u
@@ -64,7 +64,7 @@ gpu0() {
   # issue 4: the 64-layer step with each candidate policy (the f16 pieces made inside the FP8 kernel;
   # the GDN gates and padding inside the recurrence kernel)
   job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_xf16k,pallas_gdngated,pallas_pps4 --out=$R/bench_step.json \
+    --step_impls=pallas,pallas_gdnconv,pallas_gdngated --out=$R/bench_step.json \
     --step_trace_dir=/tmp/qmtp_trace
   # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
   for d in /tmp/qmtp_trace/*/; do
@@ -116,20 +116,17 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # the kernels the step variants switch on, against the reference on the device first: x_f16 (pieces
-  # made by XLA and inside the kernel; bit-exact integer problems, random x at the 27B shapes) and the
-  # gated GDN recurrence at the 27B shapes
+  # the kernel the new step variant switches on (conv, SiLU, L2 norms and gates inside the GDN
+  # recurrence) and the narrow FP8 tiles, against the reference on the device first
   job gpu_tests 300 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py tests/test_kernel_gdn.py \
-    -k "x_f16 or real_shapes or gated or masked" -p no:cacheprovider
-  # x_f16 tiles at 1 row (4 rows pad to the same 16-row dot), the narrow shapes (mlp_down, o_proj / out_proj: 80 row blocks) in
-  # particular: session 6's sweep favoured W off the dot's M side there
-  job bench_fp8_f16_sweep 260 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= --xla=false \
-    --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_f16_sweep.json
-  # issue 6: K=3 with the gates in the GDN kernel (the commit: 1.43 ms of a 13.98 ms round in session 6)
-  # and the breakdown, next to GPU 0's table
+    tests/test_kernel_gdn_conv.py -k "x_f16 or real_shapes or gated or masked or conv" -p no:cacheprovider
+  # issue 6: K=3 with what session 7 turned on taken back one at a time, next to GPU 0's table: the
+  # bf16 draft head (the FP8 one is the default for FP8 checkpoints) and the commit rebuilt every round
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
-  job tp1_gdngated 420 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --kernels=gdn_gates_in_kernel=True --out=$R/tp1_gdngated.json
+  job tp1_bf16head 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --draft_head=bf16 --out=$R/tp1_bf16head.json
+  job tp1_noskip 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --kernels=spec_skip_full_commit=False --out=$R/tp1_noskip.json
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
@@ -165,11 +162,7 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
       --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt) ${TABLE_ARGS:-}
   fi
-  # issue 5: NCCL's low-latency protocol end to end (the probe: 10.2 vs 12.7 us per all-reduce); last,
-  # so that running out of lease loses nothing else
-  NCCL_PROTO=LL job tp2_nccl_ll 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=1 \
-    --profile= --breakdown=false --breakdown_ks= --repeats=2 --out=$R/tp2_nccl_ll.json --converted_cache=/tmp/qmtp_conv \
-    $(cat $R/kernels_flag.txt)
+  # (NCCL_PROTO=LL end to end was measured in session 7: 112.9 vs 111.8 tok/s, no gain; not re-run)
   touch $R/all.done
 }
 

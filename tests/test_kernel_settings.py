@@ -101,3 +101,14 @@ def test_best_step_variant_flag():
             {"kernel": "decode_step", "impl": "pallas_pps4", "s_per_step": 0.01295}]
     assert mod.best_flag({"rows": rows + more}) == "--kernels=gdn_gates_in_kernel=True,fp8_scale_preload=False"
     assert mod.best_flag({"rows": rows[1:]}) == "--kernels=fp8_scale_preload=False"  # no default row: the fastest
+
+
+def test_spec_skip_full_commit_is_a_setting():
+    """--kernels=spec_skip_full_commit=false reaches qmtp.speculate (the A/B of the commit skip)."""
+    from qmtp import speculate
+    previous = ops.set_kernel_settings(ops.parse_kernel_settings(["spec_skip_full_commit=false"]))
+    try:
+        assert speculate.SKIP_FULL_COMMIT is False and previous["spec_skip_full_commit"] is True
+    finally:
+        ops.set_kernel_settings(previous)
+    assert speculate.SKIP_FULL_COMMIT is True
