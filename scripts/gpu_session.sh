@@ -123,10 +123,12 @@ gpu1() {
   # issue 6: K=3 with what session 7 turned on taken back one at a time, next to GPU 0's table: the
   # bf16 draft head (the FP8 one is the default for FP8 checkpoints) and the commit rebuilt every round
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
+  # (with GPU 0's winners, which exist once the checkpoint does; one --kernels flag: the last one wins)
   job tp1_bf16head 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --draft_head=bf16 --out=$R/tp1_bf16head.json
+    --breakdown=false --draft_head=bf16 --out=$R/tp1_bf16head.json $(cat $R/kernels_flag.txt)
   job tp1_noskip 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --kernels=spec_skip_full_commit=False --out=$R/tp1_noskip.json
+    --breakdown=false --out=$R/tp1_noskip.json \
+    --kernels=spec_skip_full_commit=False$(sed 's/^--kernels=/,/' $R/kernels_flag.txt)
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
