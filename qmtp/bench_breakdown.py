@@ -10,13 +10,16 @@ step of -1.4 ms in the first TP2 run).
 
     target_step  model.forward over 1 token + logits + argmax       (a plain decode step)
     verify       model.forward over K+1 tokens with the GDN replay + logits + argmax
-    draft        mtp.forward over 1 token + logits + argmax        (one draft step)
-    commit       model.commit_gdn: the GDN/conv state after the accepted prefix
+    draft        mtp.forward over 1 token + draft logits + argmax  (one draft step; through the FP8
+                 draft head when the model has one, as the spec loop's drafts are)
+    commit       model.commit_gdn: the GDN/conv state after the accepted prefix (a round that kept
+                 every verified token skips it: speculate.SKIP_FULL_COMMIT)
     all_reduce   (TP > 1) the collectives of one target pass alone: 2 per layer + 1 (embedding)
                  all-reduces of [B, E] f32 and the argmax's all-gather of [B, 2] f32
 
 predicted round = (K-1) draft + verify + commit + draft; the harness compares it with the measured
-round (decode time / rounds): the difference is the loop's own bookkeeping.
+round (decode time / rounds): the difference is the loop's own bookkeeping, less the commits that
+full-acceptance rounds skip.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def draft_loop(cfg: ModelConfig, params, state, n, impl: str):
         state, tok, h = carry
         hs, state = mtp.forward(cfg, params, state, tok[:, None], h[:, None], state.lengths, jnp.ones((b,), jnp.int32),
                                 impl=impl)
-        return state, decode.greedy(model_lib.logits_from_hidden(params, hs[:, 0], impl)), hs[:, 0]
+        return state, decode.greedy(model_lib.draft_logits(params, hs[:, 0], impl)), hs[:, 0]
 
     carry = (state, jnp.zeros((b,), jnp.int32), jnp.zeros((b, e), state.kv.k[0].dtype))
     state, tok, _ = jax.lax.fori_loop(0, n, body, carry)

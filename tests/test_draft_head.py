@@ -87,3 +87,21 @@ def test_auto_draft_head_follows_the_checkpoint_precision(controlled, tmp_path):
     model = qmtp.load(fp8_dir, dtype="float32", progress=False)
     assert isinstance(model.params["mtp"]["draft_head"], fp8.Fp8Block)
     assert "draft_head" not in qmtp.load(fp8_dir, dtype="float32", progress=False, draft_head="bf16").params["mtp"]
+
+
+def test_the_breakdown_times_the_draft_head(controlled):
+    """bench_breakdown's draft piece drafts through the draft head, as the spec loop does: with a
+    zeroed head every draft is id 0 (all logits 0), with the model's own head they are not."""
+    from qmtp import bench_breakdown
+    from qmtp.api import _new_state
+    model = qmtp.load(controlled, dtype="float32", progress=False, draft_head="fp8")
+    head = model.params["mtp"]["draft_head"]
+    zero = dict(model.params, mtp=dict(model.params["mtp"], draft_head=fp8.Fp8Block(jnp.zeros_like(head.weight),
+                                                                                      head.scale)))
+
+    def drafts(params):
+        tok, _ = bench_breakdown.draft_loop(model.cfg, params, _new_state(model, [16, 16]), jnp.int32(3), impl="ref")
+        return np.asarray(tok)
+
+    assert np.all(drafts(zero) == 0)
+    assert np.any(drafts(model.params) != 0)
