@@ -17,15 +17,16 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the 64-layer decode step in three variants (issue 4: the defaults, the GDN conv + SiLU +
-#          L2 norms + gates inside the recurrence kernel, the gates only) with launch counts and summarized traces, the
-#          Qwen3.5-27B-shaped controlled FP8 checkpoint, the qmtp.bench table at TP1 with the
-#          winning variants' combined --kernels (scripts/best_step_variant.py; the TP2 runs use it too); with SERVE=1
-#          also the server load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: the gpu kernel tests of what the variants switch on, then plain + K=3 at TP1 with the bf16
-#          draft head and with the commit rebuilt every round (session 7's two defaults taken back one
-#          at a time), then (TRAIN=1) the two demo recipes
-#          and their benches (issue 8). About 11 minutes per line, then ~10 for the TP2 table.
+#   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then the full qmtp.bench table at TP1
+#          with the defaults; with SERVE=1 also the server load test on that checkpoint (issue 7),
+#          MTP K=3 then plain
+#   GPU 1: the 64-layer decode step in three variants (issue 4: the defaults, the GDN conv + SiLU +
+#          L2 norms + gates inside the recurrence kernel, the gates only) with launch counts and
+#          summarized traces, the gpu kernel tests of what the variants switch on, then plain + K=3 at
+#          TP1 with the bf16 draft head and with the commit rebuilt every round (session 7's two
+#          defaults taken back one at a time) and with the step's winners (scripts/best_step_variant.py),
+#          then (TRAIN=1) the two demo recipes and their benches (issue 8). About 11-14 minutes per
+#          line, then ~12 for the TP2 part.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default)
 #   TABLE_ARGS (environment) is appended to both tables' flags: TABLE_ARGS="--ks=3 --repeats=2" makes
@@ -61,24 +62,14 @@ job() {  # name timeout_s command... (one line of the log per job start/end in $
 
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  # issue 4: the 64-layer step with each candidate policy (the f16 pieces made inside the FP8 kernel;
-  # the GDN gates and padding inside the recurrence kernel)
-  job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_gdnconv,pallas_gdngated --out=$R/bench_step.json \
-    --step_trace_dir=/tmp/qmtp_trace
-  # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
-  for d in /tmp/qmtp_trace/*/; do
-    python3 scripts/trace_summary.py "$d" --json --top=25 >$R/trace_$(basename "$d").json 2>>$R/trace.log
-  done
-  # the settings of every variant that beat the defaults by > 1% (empty: none did) drive this session's end-to-end tables
-  python3 scripts/best_step_variant.py $R/bench_step.json >$R/kernels_flag.txt 2>>$R/trace.log
-  echo "end-to-end kernels flag: '$(cat $R/kernels_flag.txt)'" >>$R/jobs.log
   job checkpoint27 300 python3 -c "
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
   touch $R/checkpoint27.done
+  # issues 4-6: the full TP1 table with the defaults (GPU 1 measures the step variants and runs K=3
+  # with the winners)
   job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
-    --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt) ${TABLE_ARGS:-}
+    --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
@@ -116,19 +107,33 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # the kernel the new step variant switches on (conv, SiLU, L2 norms and gates inside the GDN
-  # recurrence) and the narrow FP8 tiles, against the reference on the device first
+  # issue 4: the 64-layer step with each candidate policy (the GDN conv, SiLU, L2 norms, gates and
+  # padding inside the recurrence kernel; the gates only)
+  job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
+    --step_impls=pallas,pallas_gdnconv,pallas_gdngated --out=$R/bench_step.json \
+    --step_trace_dir=/tmp/qmtp_trace
+  # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
+  for d in /tmp/qmtp_trace/*/; do
+    python3 scripts/trace_summary.py "$d" --json --top=25 >$R/trace_$(basename "$d").json 2>>$R/trace.log
+  done
+  # the settings of every variant that beat the defaults by > 1% (empty: none did)
+  python3 scripts/best_step_variant.py $R/bench_step.json >$R/kernels_flag.txt 2>>$R/trace.log
+  echo "winning kernels flag: '$(cat $R/kernels_flag.txt)'" >>$R/jobs.log
+  # the kernels the variants switch on and the narrow FP8 tiles, against the reference on the device
   job gpu_tests 300 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py tests/test_kernel_gdn.py \
     tests/test_kernel_gdn_conv.py -k "x_f16 or real_shapes or gated or masked or conv" -p no:cacheprovider
   # issue 6: K=3 with what session 7 turned on taken back one at a time, next to GPU 0's table: the
-  # bf16 draft head (the FP8 one is the default for FP8 checkpoints) and the commit rebuilt every round
+  # bf16 draft head (the FP8 one is the default for FP8 checkpoints) and the commit rebuilt every
+  # round; then K=3 with the step's winners, if any
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
-  # (with GPU 0's winners, which exist once the checkpoint does; one --kernels flag: the last one wins)
   job tp1_bf16head 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --draft_head=bf16 --out=$R/tp1_bf16head.json $(cat $R/kernels_flag.txt)
+    --breakdown=false --draft_head=bf16 --out=$R/tp1_bf16head.json
   job tp1_noskip 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --out=$R/tp1_noskip.json \
-    --kernels=spec_skip_full_commit=False$(sed 's/^--kernels=/,/' $R/kernels_flag.txt)
+    --breakdown=false --kernels=spec_skip_full_commit=False --out=$R/tp1_noskip.json
+  if [ -s $R/kernels_flag.txt ]; then
+    job tp1_winners 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+      --out=$R/tp1_winners.json $(cat $R/kernels_flag.txt)
+  fi
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
@@ -167,7 +172,7 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
   if [ "${FULL_TP2:-1}" = 1 ]; then
     echo "full TP2 table with XLA_FLAGS='$best'" >>$R/jobs.log
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
-      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv $(cat $R/kernels_flag.txt) ${TABLE_ARGS:-}
+      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
   fi
   # (NCCL_PROTO=LL end to end was measured in session 7: 112.9 vs 111.8 tok/s, no gain; not re-run)
   local probe_best=$(python3 -c "
@@ -180,8 +185,7 @@ print(min(fast, key=lambda r: r['us_per_all_reduce'])['xla_flags'] if fast else 
   if [ -n "$probe_best" ]; then
     echo "TP2 plain + K=3 with XLA_FLAGS='$probe_best'" >>$R/jobs.log
     XLA_FLAGS="$probe_best" job tp2_probe_best 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
-      --ks=3 --repeats=2 --breakdown=false --out=$R/tp2_probe_best.json --converted_cache=/tmp/qmtp_conv \
-      $(cat $R/kernels_flag.txt)
+      --ks=3 --repeats=2 --breakdown=false --out=$R/tp2_probe_best.json --converted_cache=/tmp/qmtp_conv
   fi
   touch $R/all.done
 }
