@@ -233,7 +233,10 @@ case $cmd in
     ;&
   wait)
     t0=$(date +%s)
-    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+      sleep 5
+      if [ -n "${OUT:-}" ] && [ $R/jobs.log -nt "$OUT/results.tgz" ]; then pack >/dev/null 2>&1; fi
+    done
     cat $R/jobs.log
     pack
     ;;
