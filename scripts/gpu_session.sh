@@ -18,7 +18,7 @@
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then the full qmtp.bench table at TP1
-#          with the defaults; with SERVE=1 also the server load test on that checkpoint (issue 7),
+#          with the defaults, then an x_f16 tile sweep on the TP2 per-GPU shapes; with SERVE=1 also the server load test on that checkpoint (issue 7),
 #          MTP K=3 then plain
 #   GPU 1: the 64-layer decode step in three variants (issue 4: the defaults, the GDN conv + SiLU +
 #          L2 norms + gates inside the recurrence kernel, the gates only) with launch counts and
@@ -70,6 +70,12 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
   # with the winners)
   job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
     --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
+  # issue 5: x_f16 tiles at 1 row on the TP2 per-GPU shapes (never swept; the TP2 step runs at ~49%
+  # of its per-GPU roofline without the all-reduces): o_proj / out_proj, down, gate/up, in_proj_qkv,
+  # in_proj_z, q + gate, k / v
+  job bench_fp8_tp2_shapes 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= \
+    --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_tp2_shapes.json \
+    --fp8_shapes=5120x3072,5120x8704,8704x5120,5120x5120,3072x5120,6144x5120,512x5120
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
