@@ -70,12 +70,13 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
   # with the winners)
   job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
     --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
-  # issue 5: x_f16 tiles at 1 row on the TP2 per-GPU shapes (never swept; the TP2 step runs at ~49%
-  # of its per-GPU roofline without the all-reduces): o_proj / out_proj, down, gate/up, in_proj_qkv,
-  # in_proj_z, q + gate, k / v
+  # issue 5: x_f16 tiles at 1 row on the TP2 per-GPU launches (never swept; the TP2 step runs at ~49%
+  # of its per-GPU roofline without the all-reduces). Shared launches are chosen by their summed O:
+  # GDN in_proj_qkv + z [8192, 5120] and attention q + k + v [7168, 5120] are narrow at TP2 (< 132
+  # row blocks), gate + up [17408, 5120] is wide; o_proj / out_proj [5120, 3072], down [5120, 8704]
   job bench_fp8_tp2_shapes 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= \
     --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_tp2_shapes.json \
-    --fp8_shapes=5120x3072,5120x8704,8704x5120,5120x5120,3072x5120,6144x5120,512x5120
+    --fp8_shapes=8192x5120,7168x5120,17408x5120,5120x3072,5120x8704
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
