@@ -113,14 +113,16 @@ X_F16_IN_KERNEL = False
 # latency-bound with few warps in flight; the wide weights (8 programs per SM) stream ~3.4 TB/s with
 # x_f16. 4 doubles the narrow grids (step variant "pallas_pps4"); off until the step measures it.
 DECODE_PROGRAMS_PER_SM = 2
-# True: with x_f16, a narrow weight (fewer 64-row blocks than SMs: mlp_down, o_proj / out_proj,
-# in_proj_z, k/v) puts x's piece rows on the dot's M side (swap_ab=False, as the wide weights do) and
+# True: with x_f16, a narrow FP8 launch (fewer 64-row blocks than SMs in its summed O: mlp_down and
+# o_proj / out_proj in the 27B step; at TP2 also in_proj_qkv + z and q + k + v, which share launches)
+# puts x's piece rows on the dot's M side (swap_ab=False, as the wide weights do) and
 # splits K until the grid has NARROW_PROGRAMS_PER_SM programs per SM (split-K 8 on the 27B shapes).
 # False: W on the M side and DECODE_PROGRAMS_PER_SM (split-K 4), the policy chosen before x_f16.
 # Measured per weight at M = 1 on the H200 (2026-11-30, `pallas_kernels.bench --parts=fp8 --fp8_ms=1
 # --fp8_sweep --fp8_sweep_match=x_f16=True`): mlp_down [5120, 17408] 42.5 -> 29.2 us (2.1 -> 3.1
 # TB/s), o_proj / out_proj [5120, 6144] 17.5 -> 13.4 us, in_proj_z [6144, 5120] 17.5 -> 14.2 us;
 # split-K 4 with x on M was 1-8% slower than 8 on each. The wide weights' best stayed split-K 2.
+# In the 64-layer step, same run: 9.52 ms against 10.65 ms with False (step variant "pallas_narrow_wm").
 NARROW_X_ON_M = True
 NARROW_PROGRAMS_PER_SM = 4
 
