@@ -18,7 +18,8 @@
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then the full qmtp.bench table at TP1
-#          with the defaults, then an x_f16 tile sweep on the TP2 per-GPU shapes; with SERVE=1 also the server load test on that checkpoint (issue 7),
+#          with the defaults, then an x_f16 tile sweep on the TP2 per-GPU shapes and the lm_head
+#          shape at 1 and 4 rows (XLA's bf16 dot, the bf16 streaming kernel, FP8); with SERVE=1 also the server load test on that checkpoint (issue 7),
 #          MTP K=3 then plain
 #   GPU 1: the 64-layer decode step in three variants (issue 4: the defaults, the GDN conv + SiLU +
 #          L2 norms + gates inside the recurrence kernel, the gates only) with launch counts and
@@ -77,6 +78,11 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
   job bench_fp8_tp2_shapes 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= \
     --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_tp2_shapes.json \
     --fp8_shapes=8192x5120,7168x5120,17408x5120,5120x3072,5120x8704
+  # issue 6: the lm_head shape at 1 and 4 rows (a plain step and a K=3 verify): XLA's bf16 dot (the
+  # target's head), the bf16 streaming kernel (ops.BF16_STREAMING) and the FP8 kernel (the FP8 draft
+  # head); verify took 0.86 ms more than a plain step in session 7 with the FP8 launches unchanged
+  job bench_lm_head 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms= \
+    --fp8_shapes=248320x5120 --out=$R/bench_lm_head.json
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }

@@ -164,7 +164,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     ref = jax.jit(lambda x, w, s: fm.fp8_matmul_ref(x, w, s))
     pallas_default: dict = collections.defaultdict(dict)  # m -> {(o, i): s_per_call}
     for si, ((o, i), keys) in enumerate(shapes.items()):
-        n = 2 if quick else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
+        # weights rotated per call so that none is read from L2; one far past L2 (the lm_head) needs few
+        n = 2 if quick else 4 if o * i >= 8 * L2_BYTES else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
         ws, ss = make_weights(o, i, n, seed=si)
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
