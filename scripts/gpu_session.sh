@@ -24,8 +24,7 @@
 #   GPU 1: the 64-layer decode step in three variants (issue 4: the defaults, the GDN conv + SiLU +
 #          L2 norms + gates inside the recurrence kernel, the gates only) with launch counts and
 #          summarized traces, the gpu kernel tests of what the variants switch on, then plain + K=3 at
-#          TP1 with the bf16 draft head and with the commit rebuilt every round (session 7's two
-#          defaults taken back one at a time) and with the step's winners (scripts/best_step_variant.py),
+#          TP1 with the bf16 draft head and with the step's winners (scripts/best_step_variant.py),
 #          then (TRAIN=1) the two demo recipes and their benches (issue 8). About 11-14 minutes per
 #          line, then ~12 for the TP2 part.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
@@ -135,14 +134,13 @@ gpu1() {
   # the kernels the variants switch on and the narrow FP8 tiles, against the reference on the device
   job gpu_tests 300 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py tests/test_kernel_gdn.py \
     tests/test_kernel_gdn_conv.py -k "x_f16 or real_shapes or gated or masked or conv" -p no:cacheprovider
-  # issue 6: K=3 with what session 7 turned on taken back one at a time, next to GPU 0's table: the
-  # bf16 draft head (the FP8 one is the default for FP8 checkpoints) and the commit rebuilt every
-  # round; then K=3 with the step's winners, if any
+  # issue 6: K=3 with the bf16 draft head (the FP8 one is the default for FP8 checkpoints), next to
+  # GPU 0's table; against session 7's confirm run (bf16 head, every commit rebuilt, the same
+  # kernels) it also gives the commit skip's gain (--kernels=spec_skip_full_commit=false, if a
+  # lease has room); then K=3 with the step's winners, if any
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
   job tp1_bf16head 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
     --breakdown=false --draft_head=bf16 --out=$R/tp1_bf16head.json
-  job tp1_noskip 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --kernels=spec_skip_full_commit=False --out=$R/tp1_noskip.json
   if [ -s $R/kernels_flag.txt ]; then
     job tp1_winners 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
       --out=$R/tp1_winners.json $(cat $R/kernels_flag.txt)
