@@ -12,7 +12,7 @@ import pytest
 import qmtp
 from qmtp import model as model_lib, speculate
 from qmtp.tools import make_checkpoint
-from test_speculate import _run_plain, _run_spec
+from spec_loops import run_plain, run_spec
 from tolerance import F32_MODEL, assert_close
 
 RNG = np.random.default_rng(23)
@@ -51,8 +51,8 @@ def _case(k: int, a: int):
 def test_full_acceptance_takes_the_verify_state(controlled, poisoned_commit):
     k = 3
     prompts, max_new = _case(k, k)
-    out, stats, state = _run_spec(controlled, prompts, k, max_new, cap=k)
-    want, plain_state = _run_plain(controlled, prompts, max_new)
+    out, stats, state = run_spec(controlled, prompts, k, max_new, cap=k)
+    want, plain_state = run_plain(controlled, prompts, max_new)
     np.testing.assert_array_equal(out, want)
     assert np.asarray(stats["accepted"]).tolist() == [2 * k] * len(prompts)
     assert_close(np.stack(state.ssm), np.stack(plain_state.ssm), F32_MODEL, "ssm, commit skipped")
@@ -61,7 +61,7 @@ def test_full_acceptance_takes_the_verify_state(controlled, poisoned_commit):
 
 def test_partial_acceptance_still_rebuilds(controlled, poisoned_commit):
     prompts, max_new = _case(3, 1)
-    _, _, state = _run_spec(controlled, prompts, 3, max_new, cap=1)
+    _, _, state = run_spec(controlled, prompts, 3, max_new, cap=1)
     assert np.isnan(np.stack(state.ssm)).all() and np.isnan(np.stack(state.conv)).all()
 
 
@@ -69,5 +69,5 @@ def test_switch_off_always_rebuilds(controlled, poisoned_commit, monkeypatch):
     monkeypatch.setattr(speculate, "SKIP_FULL_COMMIT", False)
     jax.clear_caches()  # the switch is read when the loop is traced
     prompts, max_new = _case(3, 3)
-    _, _, state = _run_spec(controlled, prompts, 3, max_new, cap=3)
+    _, _, state = run_spec(controlled, prompts, 3, max_new, cap=3)
     assert np.isnan(np.stack(state.ssm)).all()

@@ -12,9 +12,10 @@ from safetensors.numpy import load_file
 import numpy_ref as ref
 import qmtp
 from pallas_kernels import gdn
-from qmtp import decode, model as model_lib, ops, speculate
-from qmtp.api import _new_state, _prompt_batch
+from qmtp import model as model_lib, ops, speculate
+from qmtp.api import _new_state
 from qmtp.tools import make_checkpoint
+from spec_loops import run_plain, run_spec
 from tolerance import F32_MODEL, F32_RECURRENCE, assert_close
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
@@ -66,29 +67,6 @@ def test_controlled_checkpoint_accepts_everything_and_equals_plain(controlled, k
     assert spec.stats["accept_hist"][k] == spec.stats["rounds"]
 
 
-BUFFER = 13  # one output width for every forced-acceptance case: one compiled loop
-
-
-def _run_spec(model, prompts, k, max_new, cap, impl="ref"):
-    state = _new_state(model, [len(p) + BUFFER + k + 1 for p in prompts])
-    tokens, n_valid = _prompt_batch(prompts)
-    first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid, impl=impl)
-    spec = speculate.SpecConfig(k, BUFFER, ())
-    cap = jnp.full((1, len(prompts)), cap, jnp.int32)
-    out, count, stats, state = speculate.spec_loop(model.cfg, spec, model.params, state, first, d1, mh,
-                                                   jnp.full((len(prompts),), max_new, jnp.int32), cap, impl=impl)
-    return np.asarray(out), stats, state
-
-
-def _run_plain(model, prompts, max_new):
-    state = _new_state(model, [len(p) + BUFFER + 4 for p in prompts])
-    tokens, n_valid = _prompt_batch(prompts)
-    first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid)
-    out, _, _, state = decode.greedy_loop(model.cfg, decode.LoopSpec(BUFFER, ()), model.params, state, first,
-                                          jnp.full((len(prompts),), max_new, jnp.int32))
-    return np.asarray(out), state
-
-
 def _kv(state, b, n):
     s, table = state.kv.page_size, np.asarray(state.page_table)[b]
     k = np.stack([np.asarray(layer) for layer in state.kv.k])
@@ -100,8 +78,8 @@ def test_forced_acceptance_length_gives_plain_tokens_and_state(controlled, a):
     k, rounds = 3, 3
     max_new = 1 + rounds * (a + 1)  # no clipping: every round emits exactly a + 1 tokens
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 21)]]
-    out, stats, state = _run_spec(controlled, prompts, k, max_new, cap=a)
-    want, plain_state = _run_plain(controlled, prompts, max_new)
+    out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a)
+    want, plain_state = run_plain(controlled, prompts, max_new)
     np.testing.assert_array_equal(out, want)
     assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
     np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(plain_state.lengths))
@@ -121,10 +99,10 @@ def test_gdn_gates_in_kernel_commit_gives_the_plain_state(controlled):
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
     before = ops.set_kernel_settings({"gdn_gates_in_kernel": True})
     try:
-        out, stats, state = _run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
+        out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
     finally:
         ops.set_kernel_settings(before)
-    want, plain_state = _run_plain(controlled, prompts, max_new)
+    want, plain_state = run_plain(controlled, prompts, max_new)
     np.testing.assert_array_equal(out, want)
     assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
     assert_close(np.stack(state.ssm), np.stack(plain_state.ssm), F32_MODEL, "ssm, gates in the kernel")
@@ -270,11 +248,11 @@ def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled):
     k, rounds, a = 3, 2, 1
     max_new = 1 + rounds * (a + 1)
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
-    want, plain_state = _run_plain(controlled, prompts, max_new)  # first: the gated test compiled these shapes
+    want, plain_state = run_plain(controlled, prompts, max_new)  # first: the gated test compiled these shapes
     jax.clear_caches()  # a loop compiled earlier with these shapes keeps the kernels it was traced with
     before = ops.set_kernel_settings({"gdn_conv_in_kernel": True})
     try:
-        out, stats, state = _run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
+        out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
     finally:
         ops.set_kernel_settings(before)
         jax.clear_caches()

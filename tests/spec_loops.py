@@ -1,0 +1,30 @@
+"""Speculative and plain greedy loops run directly (speculate.spec_loop / decode.greedy_loop) with a
+forced acceptance cap, returning outputs and final decode states: shared by the speculate tests."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from qmtp import decode, speculate
+from qmtp.api import _new_state, _prompt_batch
+
+BUFFER = 13  # one output width for every forced-acceptance case: one compiled loop
+
+
+def run_spec(model, prompts, k, max_new, cap, impl="ref"):
+    state = _new_state(model, [len(p) + BUFFER + k + 1 for p in prompts])
+    tokens, n_valid = _prompt_batch(prompts)
+    first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid, impl=impl)
+    spec = speculate.SpecConfig(k, BUFFER, ())
+    cap = jnp.full((1, len(prompts)), cap, jnp.int32)
+    out, count, stats, state = speculate.spec_loop(model.cfg, spec, model.params, state, first, d1, mh,
+                                                   jnp.full((len(prompts),), max_new, jnp.int32), cap, impl=impl)
+    return np.asarray(out), stats, state
+
+
+def run_plain(model, prompts, max_new):
+    state = _new_state(model, [len(p) + BUFFER + 4 for p in prompts])
+    tokens, n_valid = _prompt_batch(prompts)
+    first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid)
+    out, _, _, state = decode.greedy_loop(model.cfg, decode.LoopSpec(BUFFER, ()), model.params, state, first,
+                                          jnp.full((len(prompts),), max_new, jnp.int32))
+    return np.asarray(out), state
