@@ -38,11 +38,9 @@ class DecodeConfig:
     chunk (a load the pipeliner does not prefetch: its latency may stall every iteration); x_f16
     (tensor-core dot, bf16 x, FP8 weights): x enters as two float16 pieces, x = 2^16 hi + lo
     (`fp8_matmul._f16_pieces`), so each weight chunk converts E4M3 -> f16 (one instruction per two weights)
-    instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight);
-    split_in_kernel (with x_f16): x enters as bf16 and each program makes the two pieces per chunk
-    in registers, multiplies them in two dots that share the converted weight chunk and combines
-    them before the store, so no XLA op makes the pieces or combines the partials (measured against
-    the pieces made by XLA as step variant "pallas_xf16k")."""
+    instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight). Making the
+    pieces inside the kernel instead (two dots per chunk on one converted weight chunk) was measured
+    and removed: the 64-layer 27B step took 27.1 ms against 10.31 (H200, 2026-11-30)."""
 
     block_o: int = 64
     split_k: int = 1
@@ -53,7 +51,6 @@ class DecodeConfig:
     chunks_per_step: int = 1
     scale_preload: bool = False
     x_f16: bool = False
-    split_in_kernel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +98,6 @@ SCALE_PRELOAD = True
 # `pallas_kernels.bench --parts=step`): 10.37 ms with x_f16 vs 12.75 ms without (step variant
 # "pallas_noxf16" keeps the old path measurable); the FP8 kernels' share fell from 10.7 to 8.0 ms.
 X_F16 = True
-# True: with x_f16 the pieces are made inside the kernel (DecodeConfig.split_in_kernel). Off until
-# measured: it removes one XLA op per FP8 matmul (the trace of the x_f16 step has ~210 launches a step
-# that make the pieces, ~0.33 ms) and simplifies the combine, at the cost of a second tensor-core
-# dot per chunk.
-X_F16_IN_KERNEL = False
 # Programs per SM the few-row split-K heuristic aims for (split_k doubles, up to 8 and while each split
 # keeps >= 4 chunks, until the grid has this many programs per SM). 2: the narrow weights (mlp_down,
 # o_proj / out_proj: 80 row blocks) get split-K 4, 320 programs of 4 warps on 132 SMs. Nsight Compute
@@ -158,7 +150,7 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     if dot and n_chunks >= 16:
         split = max(split, 2)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not x_on_m, scale_preload=SCALE_PRELOAD,
-                        x_f16=x_f16, split_in_kernel=X_F16_IN_KERNEL)
+                        x_f16=x_f16)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
@@ -190,8 +182,6 @@ def check_config(config, m: int) -> None:
             raise ValueError(f"fp8_matmul: DecodeConfig.chunks_per_step={c.chunks_per_step} must be >= 1")
         if c.x_f16 and not c.use_dot:
             raise ValueError("fp8_matmul: DecodeConfig(x_f16=True) needs use_dot=True (the pieces feed a tensor-core dot)")
-        if c.split_in_kernel and not c.x_f16:
-            raise ValueError("fp8_matmul: DecodeConfig(split_in_kernel=True) needs x_f16=True (it makes the f16 pieces)")
     elif isinstance(config, PrefillConfig):
         c = config
         if not (is_pow2(c.block_m) and c.block_m >= DOT_MIN):

@@ -95,9 +95,7 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 # With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
 # (deterministic, no atomics). With DecodeConfig.x_f16 a bf16 x enters as 2M float16 rows [hi; lo]
 # (x = 2^16 hi + lo, see X_F16_HI), the weight chunk converts to f16 instead of bf16, and the
-# f32 partials are combined as 2^16 hi + lo by XLA before the one rounding. With split_in_kernel as
-# well, x enters as bf16, each program makes the pieces of its chunk in registers, runs one dot per
-# piece on the same converted weight chunk, and combines them before the store.
+# f32 partials are combined as 2^16 hi + lo by XLA before the one rounding.
 #
 # Prefill: grid (cdiv(M, BM), cdiv(O, BN)), M-blocks fastest so the programs sharing one W tile run
 # together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
@@ -138,17 +136,6 @@ def _f16_pieces(x2: jax.Array) -> jax.Array:
     return jnp.stack([hi, lo])
 
 
-def _f16_pieces_here(xc: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inside the kernel: a [R, 128] bf16 tile -> (hi, lo) float16 with x = X_F16_HI * hi + lo, by
-    the conversions themselves (f32 -> f16 rounds, subnormals included). Triton keeps every
-    rounding it is asked for, unlike XLA on the GPU (see X_F16_HI); the GPU test at the 27B shapes
-    checks it on the device."""
-    xf = xc.astype(jnp.float32)
-    hi = (xf * (1.0 / X_F16_HI)).astype(jnp.float16)
-    lo = (xf - hi.astype(jnp.float32) * X_F16_HI).astype(jnp.float16)
-    return hi, lo
-
-
 def _dot_sum(a_pieces, b, *, swap: bool) -> jax.Array:
     """sum_p a_p @ b^T ([R, 128] x [C, 128] -> [R, C] f32), or b @ a_p^T when swap."""
     out = None
@@ -182,8 +169,8 @@ def _load_w(ref, mask, dtype):
     return jnp.where(mask, plgpu.load(ref, mask=mask).astype(dtype), 0.0)
 
 
-def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_mode: str):
-    # refs: x [M, I] (x_mode "f16_rows": M counts the rows of [hi; lo], float16); n weights [O_j, I] fp8;
+def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f16: bool):
+    # refs: x [M, I] (x_f16: M counts the rows of [hi; lo], float16); n weights [O_j, I] fp8;
     # n scale grids [GO_j, GI] f32; n outputs [split_k, M, O_j].
     # The row-block axis of the grid runs over the weights one after another; each program serves
     # the weight its block falls in (one launch for several projections of the same x).
@@ -191,7 +178,7 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_m
     x_ref, w_refs, s_refs, o_refs = refs[0], refs[1:1 + n], refs[1 + n:1 + 2 * n], refs[1 + 2 * n:]
     po, pk = pl.program_id(0), pl.program_id(1)
     body = functools.partial(_decode_program, m=m, i=i, bm=bm, cfg=cfg, chunks_per_split=chunks_per_split,
-                             x_mode=x_mode)
+                             x_f16=x_f16)
     if n == 1:
         body(x_ref, w_refs[0], s_refs[0], o_refs[0], po, pk, o=os[0])
         return
@@ -204,7 +191,7 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_m
 
 
 def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split,
-                    x_mode: str):
+                    x_f16: bool):
     # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w
     bo = cfg.block_o
     o0 = pl.multiple_of(po * bo, bo)
@@ -227,14 +214,11 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
         else:
             s = s_ref[srow, c]
-        if cfg.use_dot:  # x_mode "f16_rows": the rows are f16 pieces (hi rows, then lo rows)
+        if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
             wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm,
-                         jnp.bfloat16 if x_mode == "bf16_pieces" else jnp.float16)
-            if x_mode == "f16_split":  # the pieces made here; one weight conversion feeds both dots
-                hi, lo = _f16_pieces_here(xc)
-                return (acc[0] + _dot_sum([hi], wc, swap=o_major) * s, acc[1] + _dot_sum([lo], wc, swap=o_major) * s)
-            return acc + _dot_sum([xc] if x_mode == "f16_rows" else _bf16_pieces(xc), wc, swap=o_major) * s
+                         jnp.float16 if x_f16 else jnp.bfloat16)
+            return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
         # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
         # until after the loop); the weight chunk is loaded once for all rows
         wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float32)
@@ -247,8 +231,6 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     c1 = jnp.minimum(c0 + chunks_per_split, n_chunks)
     if cfg.use_dot:
         acc = jnp.zeros((bo, bm) if o_major else (bm, bo), jnp.float32)
-        if x_mode == "f16_split":  # (hi, lo) accumulators
-            acc = (acc, acc)
     else:
         acc = tuple(jnp.zeros((bo, BLOCK), jnp.float32) for _ in range(m))
     if u > 1:  # u chunks per iteration, then the remainder one at a time
@@ -265,8 +247,6 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             plgpu.store(o_ref.at[pk, pl.ds(r, 1), pl.ds(o0, bo)], jnp.sum(a, axis=1)[None, :].astype(o_ref.dtype),
                         mask=_mask2(None, rows_ok))
         return
-    if x_mode == "f16_split":
-        acc = acc[0] * X_F16_HI + acc[1]
     if o_major:
         acc = acc.T
     plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
@@ -368,18 +348,15 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     if isinstance(config, PrefillConfig):
         return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, w.shape[0])
                      for w, s in zip(ws, scales))
-    # f16 pieces only where they can help: bf16 x against FP8 weights. "f16_rows": XLA makes them and
-    # the kernel multiplies 2M rows [hi; lo] into f32 partials that XLA combines as 2^16 hi + lo, summed
-    # over the splits, before the one rounding; "f16_split": each program makes them per chunk from
-    # the bf16 rows (DecodeConfig.split_in_kernel) and combines them itself; "bf16_pieces": bf16 x as
-    # is, f32 x as its three exact bf16 pieces (_bf16_pieces).
+    # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16
+    # pieces, _bf16_pieces). The kernel then multiplies 2M rows [hi; lo] into f32 partials that XLA
+    # combines as 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
     x_f16 = config.x_f16 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
-    x_mode = ("f16_split" if config.split_in_kernel else "f16_rows") if x_f16 else "bf16_pieces"
-    m_k = 2 * m if x_mode == "f16_rows" else m  # rows the kernel multiplies
+    m_k = 2 * m if x_f16 else m  # rows the kernel multiplies
     if m_k > DECODE_DOT_MAX_ROWS:
         raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
                          f"(two f16 pieces per row), got M={m}")
-    if x_mode == "f16_rows":
+    if x_f16:
         x2 = _f16_pieces(x2).reshape(m_k, i)
     n_chunks = cdiv(i, BLOCK)
     cps = cdiv(n_chunks, min(config.split_k, n_chunks))
@@ -392,8 +369,8 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         width = (split - 1) * cps + max(next_pow2(cps), 2)
         scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     kernel = functools.partial(_decode_kernel, m=m_k, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps,
-                               x_mode=x_mode)
-    part_dtype = out_dtype if split == 1 and x_mode != "f16_rows" else jnp.float32
+                               x_f16=x_f16)
+    part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
     args, out = align(x2, *ws, *scales)
     ys = pl.pallas_call(
         kernel,
@@ -403,7 +380,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         interpret=interpret,
         name="fp8_matmul_decode",
     )(*args)
-    if x_mode == "f16_rows":  # [split, 2M, O] -> sum_s 2^16 hi_s + lo_s
+    if x_f16:  # [split, 2M, O] -> sum_s 2^16 hi_s + lo_s
         return tuple(jnp.sum(y[:, :m] * X_F16_HI + y[:, m:], axis=0).astype(out_dtype).reshape(*lead, o)
                      for y, o in zip(ys, os))
     return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)

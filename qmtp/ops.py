@@ -73,7 +73,6 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
-                     "fp8_x_f16_in_kernel": ("fp8_config", "X_F16_IN_KERNEL", None),
                      "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "fp8_decode_programs_per_sm": ("fp8_config", "DECODE_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_x_on_m": ("fp8_config", "NARROW_X_ON_M", None),

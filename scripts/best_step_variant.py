@@ -1,12 +1,12 @@
 """Prints the --kernels flag that combines every impl="pallas" variant of a step-bench result
 (`python -m pallas_kernels.bench --parts=step --step_impls=...`) that beat the defaults ("pallas")
 by more than MARGIN, or nothing when none did: lets one GPU session run its end-to-end tables with
-the winners before they become defaults. The variants each change one policy (pieces in the FP8
-kernel, gates in the GDN kernel, the split-K target), so their gains are expected to add; the
+the winners before they become defaults. The variants each change one policy (the GDN conv or
+gates in the recurrence kernel, the split-K target), so their gains are expected to add; the
 end-to-end table that runs with the combined flag measures whether they do. Without a "pallas" row,
 the fastest variant alone.
 
-  python scripts/best_step_variant.py bench_step.json   ->   --kernels=fp8_x_f16_in_kernel=True,gdn_gates_in_kernel=True
+  python scripts/best_step_variant.py bench_step.json   ->   --kernels=gdn_conv_in_kernel=True,fp8_decode_programs_per_sm=4
 """
 
 from __future__ import annotations

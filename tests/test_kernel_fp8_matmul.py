@@ -199,10 +199,6 @@ CONFIGS = {  # name: (config, rows)
     # bf16 x as two f16 pieces (f32 x, alternated in, ignores the flag): W on either side of the dot
     "decode_dot_x_f16": (DecodeConfig(split_k=2, x_f16=True, scale_preload=True), [1, 5]),
     "decode_dot_x_f16_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True), [2, 24]),
-    # the same pieces made inside the kernel: two dots per chunk, combined before the store
-    "decode_dot_x_f16_split": (DecodeConfig(split_k=2, x_f16=True, split_in_kernel=True, scale_preload=True), [1, 5]),
-    "decode_dot_x_f16_split_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True, split_in_kernel=True),
-                                      [2, 40]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -226,14 +222,13 @@ def test_kernel_exact_on_integer_problems(name):
         np.testing.assert_array_equal(got, want, err_msg=f"{name} m={m} o={o} i={i}")
 
 
-@pytest.mark.parametrize("in_kernel", [False, True])
 @pytest.mark.parametrize("x_scale", [2.0 ** -12, 2.0 ** 10])
-def test_x_f16_pieces_exact_at_small_and_large_x(x_scale, in_kernel):
+def test_x_f16_pieces_exact_at_small_and_large_x(x_scale):
     """DecodeConfig(x_f16=True) with bf16 x whose values need the lo piece (multiples of 2^-12: x / 2^16
     falls off the f16 grid) or only the hi piece (up to 2^12): bit-exact against the float64 formula,
     and the pieces reconstruct x exactly."""
     rng = np.random.default_rng(int(np.log2(x_scale)) + 40)
-    config = DecodeConfig(split_k=2, x_f16=True, split_in_kernel=in_kernel)
+    config = DecodeConfig(split_k=2, x_f16=True)
     for m, (o, i) in [(1, (272, 300)), (3, (130, 129))]:
         x, wq, scale = exact_problem(rng, m, o, i)
         x = x * x_scale  # exact: integers times a power of two, |x| <= 4 x_scale
@@ -275,8 +270,6 @@ def test_x_f16_needs_the_dot():
     x, wq, scale = exact_problem(rng, 1, 130, 129)
     with pytest.raises(ValueError, match=r"x_f16=True\) needs use_dot=True"):
         run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(use_dot=False, x_f16=True))
-    with pytest.raises(ValueError, match=r"split_in_kernel=True\) needs x_f16=True"):
-        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(split_in_kernel=True))
 
 
 MANY_CONFIGS = {  # name: (config, rows)
@@ -630,10 +623,10 @@ def test_gpu_kernel_matches_ref_real_shapes(o, i):
             got = run_kernel(x, wq, scale, jnp.bfloat16, out_dtype, interpret=False)
             want = run_ref(x, wq, scale, jnp.bfloat16, out_dtype)
             assert_close(got, want, out_tol(i, out_dtype), f"gpu m={m} o={o} i={i} out={jnp.dtype(out_dtype).name}")
-            for in_kernel in (False, True) if m <= 16 else ():  # the same rows as f16 pieces (x_f16)
-                cfg = dataclasses.replace(fc.decode_config(m, o, i), x_f16=True, split_in_kernel=in_kernel)
+            if m <= 16:  # the same rows as f16 pieces (x_f16)
+                cfg = dataclasses.replace(fc.decode_config(m, o, i), x_f16=True)
                 got = run_kernel(x, wq, scale, jnp.bfloat16, out_dtype, cfg, interpret=False)
-                assert_close(got, want, out_tol(i, out_dtype), f"gpu x_f16 in_kernel={in_kernel} m={m} o={o} i={i}")
+                assert_close(got, want, out_tol(i, out_dtype), f"gpu x_f16 m={m} o={o} i={i}")
 
 
 @pytest.mark.gpu
@@ -655,7 +648,6 @@ GPU_CONFIGS = {  # name: (config, rows)
     "decode_fma_bo32": (DecodeConfig(use_dot=False, block_o=32), [1]),
     "decode_x_f16": (DecodeConfig(split_k=2, x_f16=True), [1, 4, 16]),
     "decode_x_f16_noswap_verify": (DecodeConfig(split_k=4, swap_ab=False, x_f16=True), [32]),
-    "decode_x_f16_split": (DecodeConfig(split_k=2, x_f16=True, split_in_kernel=True), [1, 4, 16]),
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
 }
@@ -747,16 +739,15 @@ def test_scale_preload_lowers_for_h200(m, o, i):
     assert attr_int(cfg, "grid_y") == config.split_k and "scf.for" in ir_text
 
 
-@pytest.mark.parametrize("m, o, i, in_kernel", [(1, F, E, False), (4, E, F, False), (1, F, E, True), (4, E, F, True)])
-def test_x_f16_lowers_for_h200(m, o, i, in_kernel):
+@pytest.mark.parametrize("m, o, i", [(1, F, E), (4, E, F)])
+def test_x_f16_lowers_for_h200(m, o, i):
     """DecodeConfig(x_f16=True) compiles for the H200: one Triton call with one f16 dot per chunk
-    over the rows [hi; lo] (pieces made in the kernel: two dots) and the weight converted E4M3 -> f16,
-    not bf16."""
+    over the rows [hi; lo] and the weight converted E4M3 -> f16, not bf16."""
     sds = jax.ShapeDtypeStruct
-    config = dataclasses.replace(fm.decode_config(m, o, i), x_f16=True, split_in_kernel=in_kernel)
+    config = dataclasses.replace(fm.decode_config(m, o, i), x_f16=True)
     args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
-    assert ir_text.count("tt.dot ") == (2 if in_kernel else 1) and "scf.for" in ir_text
+    assert ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text
     converts = [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln]
     assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts

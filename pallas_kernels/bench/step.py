@@ -7,8 +7,7 @@ with the bf16 lm_head on the streaming kernel ("pallas_bf16stream", see ops.BF16
 the decode configs' block scales loaded per chunk ("pallas_nopreload", the default before 2026-11-30;
 see fp8_config.SCALE_PRELOAD), or with bf16 activations entering the FP8 dots as bf16, each weight
 converted E4M3 -> f16 -> bf16 ("pallas_noxf16", the default before 2026-11-30; see fp8_config.X_F16),
-or with those f16 pieces made inside the kernel ("pallas_xf16k", see fp8_config.X_F16_IN_KERNEL), or
-with the GDN gates and padding mask inside the recurrence kernel ("pallas_gdngated", see
+or with the GDN gates and padding mask inside the recurrence kernel ("pallas_gdngated", see
 ops.GDN_GATES_IN_KERNEL), or with the causal conv, SiLU, q/k norms and gates of every GDN layer in
 one kernel with the recurrence ("pallas_gdnconv", see ops.GDN_CONV_IN_KERNEL), or with the split-K
 heuristic aiming at 4 programs per SM instead of 2 ("pallas_pps4", see fp8_config.DECODE_PROGRAMS_PER_SM),
@@ -45,7 +44,7 @@ VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False}
             "pallas_m1fma": {"fp8_m1_cuda_core": True}, "pallas_m1xla": {"xla_single_row": True},
             "pallas_bf16stream": {"bf16_streaming": True}, "pallas_nopreload": {"fp8_scale_preload": False},
             "pallas_noxf16": {"fp8_x_f16": False},
-            "pallas_xf16k": {"fp8_x_f16_in_kernel": True}, "pallas_gdngated": {"gdn_gates_in_kernel": True},
+            "pallas_gdngated": {"gdn_gates_in_kernel": True},
             "pallas_gdnconv": {"gdn_conv_in_kernel": True},
             "pallas_pps4": {"fp8_decode_programs_per_sm": 4},
             "pallas_narrow_wm": {"fp8_narrow_x_on_m": False}}
