@@ -46,6 +46,11 @@ class Model:
     def tp(self) -> int:
         return 1 if self.mesh is None else self.mesh.size
 
+    @property
+    def draft_head(self) -> str:
+        """What MTP drafts read for their logits: "fp8" (the copy load(draft_head=...) made) or "bf16"."""
+        return "fp8" if "draft_head" in self.params.get("mtp", {}) else "bf16"
+
 
 @dataclasses.dataclass
 class GenerationResult:

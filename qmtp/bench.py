@@ -250,7 +250,7 @@ def _run() -> int:
               "engine": ",".join(engines), "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
               "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
               "prompt_lengths": FLAGS.prompt_lengths,
-              "draft_head": "fp8" if "draft_head" in model.params.get("mtp", {}) else "bf16",
+              "draft_head": model.draft_head,
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}

@@ -120,7 +120,7 @@ def run(argv) -> dict:
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
-              "draft_head": "fp8" if "draft_head" in model.params.get("mtp", {}) else "bf16", "tp": FLAGS.tp, "kernel_settings": kernels,
+              "draft_head": model.draft_head, "tp": FLAGS.tp, "kernel_settings": kernels,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s}
     if FLAGS.output_json:

@@ -82,10 +82,11 @@ def test_bad_draft_head_is_refused(controlled):
 
 def test_auto_draft_head_follows_the_checkpoint_precision(controlled, tmp_path):
     """draft_head="auto" (the default): the FP8 copy for an FP8 checkpoint, the shared lm_head otherwise."""
-    assert "draft_head" not in qmtp.load(controlled, dtype="float32", progress=False).params["mtp"]
+    plain = qmtp.load(controlled, dtype="float32", progress=False)
+    assert "draft_head" not in plain.params["mtp"] and plain.draft_head == "bf16"
     fp8_dir = make_checkpoint.write_checkpoint(str(tmp_path / "f"), "tiny_controlled", "fp8", seed=2)
     model = qmtp.load(fp8_dir, dtype="float32", progress=False)
-    assert isinstance(model.params["mtp"]["draft_head"], fp8.Fp8Block)
+    assert isinstance(model.params["mtp"]["draft_head"], fp8.Fp8Block) and model.draft_head == "fp8"
     assert "draft_head" not in qmtp.load(fp8_dir, dtype="float32", progress=False, draft_head="bf16").params["mtp"]
 
 
