@@ -178,9 +178,7 @@ def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_ve
     rebuild = lambda: model.commit_gdn(replay, ssm0, n_keep, impl=impl)  # noqa: E731
     if not SKIP_FULL_COMMIT:
         return rebuild()
-    # the same dtypes as the rebuilt state (conv_window_state returns the window's compute dtype)
-    take = lambda: jax.tree.map(lambda v, r: v.astype(r.dtype), verified, jax.eval_shape(rebuild))  # noqa: E731
-    return jax.lax.cond(jnp.all(n_keep == n_verified), take, rebuild)
+    return jax.lax.cond(jnp.all(n_keep == n_verified), lambda: verified, rebuild)
 
 
 def _zero_stats(b: int, k: int) -> dict:
