@@ -292,14 +292,19 @@ def gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid):
     return gdn_recurrence_ref(q, k, v, g, beta, state)
 
 
-def _check_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid) -> None:
-    bsz, t, hv = v.shape[:3]
+def check_gate_inputs(who: str, a, b, a_log, dt_bias, n_valid, bsz: int, t: int, hv: int) -> None:
+    """The raw gate projections a, b [B, T, Hv], A_log, dt_bias [Hv] and n_valid [B] (integer) of the
+    kernels that compute the gates themselves; errors start with `who`."""
     if a.shape != (bsz, t, hv) or b.shape != (bsz, t, hv):
-        raise ValueError(f"gdn gated: a {a.shape}, b {b.shape} must be [B, T, Hv] = {(bsz, t, hv)}")
+        raise ValueError(f"{who}: a {a.shape}, b {b.shape} must be [B, T, Hv] = {(bsz, t, hv)}")
     if a_log.shape != (hv,) or dt_bias.shape != (hv,):
-        raise ValueError(f"gdn gated: A_log {a_log.shape}, dt_bias {dt_bias.shape} must be [Hv] = {(hv,)}")
+        raise ValueError(f"{who}: A_log {a_log.shape}, dt_bias {dt_bias.shape} must be [Hv] = {(hv,)}")
     if n_valid.shape != (bsz,) or not jnp.issubdtype(n_valid.dtype, jnp.integer):
-        raise ValueError(f"gdn gated: n_valid {n_valid.shape} {n_valid.dtype} must be integer [B] = {(bsz,)}")
+        raise ValueError(f"{who}: n_valid {n_valid.shape} {n_valid.dtype} must be integer [B] = {(bsz,)}")
+
+
+def _check_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid) -> None:
+    check_gate_inputs("gdn gated", a, b, a_log, dt_bias, n_valid, *v.shape[:3])
     _check(q, k, v, a, b, state)
 
 

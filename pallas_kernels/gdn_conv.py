@@ -58,12 +58,7 @@ def _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_
     width = conv_w.shape[1]
     if conv_state.shape != (bsz, width - 1, c):
         raise ValueError(f"gdn conv: conv_state {conv_state.shape} must be [B, W-1, C] = {(bsz, width - 1, c)}")
-    if a.shape != (bsz, t, hv) or b.shape != (bsz, t, hv):
-        raise ValueError(f"gdn conv: a {a.shape}, b {b.shape} must be [B, T, Hv] = {(bsz, t, hv)}")
-    if a_log.shape != (hv,) or dt_bias.shape != (hv,):
-        raise ValueError(f"gdn conv: A_log {a_log.shape}, dt_bias {dt_bias.shape} must be [Hv] = {(hv,)}")
-    if n_valid.shape != (bsz,) or not jnp.issubdtype(n_valid.dtype, jnp.integer):
-        raise ValueError(f"gdn conv: n_valid {n_valid.shape} {n_valid.dtype} must be integer [B] = {(bsz,)}")
+    gdn.check_gate_inputs("gdn conv", a, b, a_log, dt_bias, n_valid, bsz, t, hv)
     for name, x in (("mixed", mixed), ("conv_state", conv_state), ("conv_w", conv_w), ("a", a), ("b", b),
                     ("A_log", a_log), ("dt_bias", dt_bias), ("state", state)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
