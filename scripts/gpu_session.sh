@@ -50,6 +50,17 @@ pack() {  # only logs, JSON, plots and metrics: a file back from $OUT may hold 1
   for f in $R/*.log; do echo "== $f"; tail -n 3 "$f" | cut -c1-250; done
 }
 
+wait_and_pack() {  # until every job ended or $limit seconds passed; then the log and pack
+  local t0=$(date +%s)
+  while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+    sleep 5
+    # re-pack after each job's end, so that a call cut short by the device budget still returns it
+    if [ -n "${OUT:-}" ] && [ $R/jobs.log -nt "$OUT/results.tgz" ]; then pack >/dev/null 2>&1; fi
+  done
+  cat $R/jobs.log
+  pack
+}
+
 job() {  # name timeout_s command... (one line of the log per job start/end in $R/jobs.log)
   local name=$1 t=$2
   shift 2
@@ -221,14 +232,7 @@ case $cmd in
     cd $SRC || exit 1
     export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
     setsid bash -c "$(declare -f job confirm); R=$R; confirm" </dev/null >$R/confirm.out 2>&1 &
-    t0=$(date +%s)
-    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
-      sleep 5
-      # re-pack after each job's end, so that a call cut short by the device budget still returns it
-      if [ -n "${OUT:-}" ] && [ $R/jobs.log -nt "$OUT/results.tgz" ]; then pack >/dev/null 2>&1; fi
-    done
-    cat $R/jobs.log
-    pack
+    wait_and_pack
     ;;
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -243,13 +247,7 @@ case $cmd in
     setsid bash -c "$(declare -f job both); R=$R; both" </dev/null >$R/both.out 2>&1 &
     ;&
   wait)
-    t0=$(date +%s)
-    while [ ! -f $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
-      sleep 5
-      if [ -n "${OUT:-}" ] && [ $R/jobs.log -nt "$OUT/results.tgz" ]; then pack >/dev/null 2>&1; fi
-    done
-    cat $R/jobs.log
-    pack
+    wait_and_pack
     ;;
   serve_check)  # the server job on this machine (CPU: tiny preset), to check the script itself
     R=/tmp/qmtp_serve_check; rm -rf $R; mkdir -p $R
