@@ -49,10 +49,11 @@ GDN_GATES_IN_KERNEL = False
 # padding select and the recurrence; it returns the new conv state too), and the speculative commit
 # runs the same kernel from the old conv and ssm state with n_valid = the accepted length. It takes
 # the per-layer XLA ops between in_proj and the recurrence (conv window concat, the 4-tap conv, SiLU,
-# the norms, the conv-state gather, slices, the gates and masks) out of the step. Includes what
-# GDN_GATES_IN_KERNEL does (it wins when both are on). Off until measured on the GPU: step variant
-# "pallas_gdnconv", the bench breakdown's commit.
-GDN_CONV_IN_KERNEL = False
+# the norms, the conv-state gather, slices, the gates and masks) out of the step: 1348 -> 1014
+# launches and 9.56 -> 9.18 ms for the 64-layer 27B step in one run (H200, session 8; variant
+# "pallas_gdnxla" is the old path), plain decode 104.7 -> 107.6 tok/s end to end. Includes what
+# GDN_GATES_IN_KERNEL does (it wins when both are on).
+GDN_CONV_IN_KERNEL = True
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy

@@ -6,7 +6,7 @@ gates in the recurrence kernel, the split-K target), so their gains are expected
 end-to-end table that runs with the combined flag measures whether they do. Without a "pallas" row,
 the fastest variant alone.
 
-  python scripts/best_step_variant.py bench_step.json   ->   --kernels=gdn_conv_in_kernel=True,fp8_decode_programs_per_sm=4
+  python scripts/best_step_variant.py bench_step.json   ->   --kernels=fp8_scale_preload=False,fp8_decode_programs_per_sm=4
 """
 
 from __future__ import annotations

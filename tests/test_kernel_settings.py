@@ -99,7 +99,8 @@ def test_best_step_variant_flag():
     # every variant that beat the defaults by more than 1% joins the flag; one within noise does not
     more = [{"kernel": "decode_step", "impl": "pallas_gdngated", "s_per_step": 0.0125},
             {"kernel": "decode_step", "impl": "pallas_pps4", "s_per_step": 0.01295}]
-    assert mod.best_flag({"rows": rows + more}) == "--kernels=gdn_gates_in_kernel=True,fp8_scale_preload=False"
+    assert mod.best_flag({"rows": rows + more}) == ("--kernels=gdn_gates_in_kernel=True,gdn_conv_in_kernel=False,"
+                                                    "fp8_scale_preload=False")
     assert mod.best_flag({"rows": rows[1:]}) == "--kernels=fp8_scale_preload=False"  # no default row: the fastest
 
 

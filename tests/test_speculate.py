@@ -97,11 +97,14 @@ def test_gdn_gates_in_kernel_commit_gives_the_plain_state(controlled):
     k, rounds, a = 3, 2, 1
     max_new = 1 + rounds * (a + 1)
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
-    before = ops.set_kernel_settings({"gdn_gates_in_kernel": True})
+    jax.clear_caches()  # a loop compiled earlier with these shapes keeps the kernels it was traced with
+    # the conv kernel (the default) includes the gates: off, to run the gated kernel alone
+    before = ops.set_kernel_settings({"gdn_gates_in_kernel": True, "gdn_conv_in_kernel": False})
     try:
         out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
     finally:
         ops.set_kernel_settings(before)
+        jax.clear_caches()
     want, plain_state = run_plain(controlled, prompts, max_new)
     np.testing.assert_array_equal(out, want)
     assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2

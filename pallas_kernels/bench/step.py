@@ -7,9 +7,10 @@ with the bf16 lm_head on the streaming kernel ("pallas_bf16stream", see ops.BF16
 the decode configs' block scales loaded per chunk ("pallas_nopreload", the default before 2026-11-30;
 see fp8_config.SCALE_PRELOAD), or with bf16 activations entering the FP8 dots as bf16, each weight
 converted E4M3 -> f16 -> bf16 ("pallas_noxf16", the default before 2026-11-30; see fp8_config.X_F16),
-or with the GDN gates and padding mask inside the recurrence kernel ("pallas_gdngated", see
-ops.GDN_GATES_IN_KERNEL), or with the causal conv, SiLU, q/k norms and gates of every GDN layer in
-one kernel with the recurrence ("pallas_gdnconv", see ops.GDN_CONV_IN_KERNEL), or with the split-K
+or with only the GDN gates and padding mask inside the recurrence kernel ("pallas_gdngated", see
+ops.GDN_GATES_IN_KERNEL), or with the causal conv, SiLU, q/k norms and gates of every GDN layer as
+XLA ops before the recurrence kernel ("pallas_gdnxla", the default before session 8; see
+ops.GDN_CONV_IN_KERNEL), or with the split-K
 heuristic aiming at 4 programs per SM instead of 2 ("pallas_pps4", see fp8_config.DECODE_PROGRAMS_PER_SM),
 or with the narrow weights' W on the dot's M side at split-K 4 ("pallas_narrow_wm", the default before
 2026-11-30; see fp8_config.NARROW_X_ON_M).
@@ -44,8 +45,8 @@ VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False}
             "pallas_m1fma": {"fp8_m1_cuda_core": True}, "pallas_m1xla": {"xla_single_row": True},
             "pallas_bf16stream": {"bf16_streaming": True}, "pallas_nopreload": {"fp8_scale_preload": False},
             "pallas_noxf16": {"fp8_x_f16": False},
-            "pallas_gdngated": {"gdn_gates_in_kernel": True},
-            "pallas_gdnconv": {"gdn_conv_in_kernel": True},
+            "pallas_gdngated": {"gdn_gates_in_kernel": True, "gdn_conv_in_kernel": False},
+            "pallas_gdnxla": {"gdn_conv_in_kernel": False},
             "pallas_pps4": {"fp8_decode_programs_per_sm": 4},
             "pallas_narrow_wm": {"fp8_narrow_x_on_m": False}}
 
