@@ -57,6 +57,9 @@ flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: eve
                   "its own verify and commit programs, which takes minutes at 64 layers.")
 cli_help.define_kernels_flag()
 cli_help.define_draft_head_flag()
+flags.DEFINE_string("trace_dir", None, "Also run each mode once more, after its timed repeats, under the JAX "
+                    "profiler: one perfetto trace per mode in a subdirectory named after it (plain, K3_natural, "
+                    "K3_profiled, ...; summarize with scripts/trace_summary.py). Not part of the figures.")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
 flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
@@ -110,7 +113,19 @@ def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, labe
                             accept_cap=cap)
         runs.append(res)
         progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s")
-    return {"compile_s": compile_s, "runs": runs}
+    out = {"compile_s": compile_s, "runs": runs}
+    if FLAGS.trace_dir:  # an untimed run under the profiler (where a round's device time goes)
+        import jax
+        out["trace_dir"] = os.path.join(FLAGS.trace_dir, f"{model.impl}_{trace_name(label)}")
+        with jax.profiler.trace(out["trace_dir"], create_perfetto_trace=True):
+            qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
+                          accept_cap=cap)
+    return out
+
+
+def trace_name(label: str) -> str:
+    """'B=1 P=64 K=3 profiled' -> 'B1_P64_K3_profiled': a mode's trace directory (after the engine)."""
+    return "_".join("".join(c for c in word if c.isalnum()) for word in label.split())
 
 
 def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, bytes_, copy_bps: float) -> dict:
@@ -121,6 +136,8 @@ def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, byte
            "decode_tokens_per_s": br.spread([r.stats["decode_tokens_per_s"] for r in runs]),
            "ttft_s": br.spread([r.stats["ttft_s"] for r in runs]),
            "raw": [{k_: v for k_, v in r.stats.items()} for r in runs]}
+    if mode.get("trace_dir"):
+        out["trace_dir"] = mode["trace_dir"]
     tokens = runs[-1].tokens
     out["tokens_match_plain"] = plain_tokens is None or tokens == plain_tokens
     if not out["tokens_match_plain"]:

@@ -4,9 +4,9 @@
 #
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
-#   scripts/gpu_session.sh start_confirm [SECONDS]  a ~8-minute lease: the 64-layer step against the
-#                                           narrow weights' old policy, then TP1 and TP2 plain + K=3
-#                                           with the defaults (confirm())
+#   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
+#                                           variant the last change replaced (CONFIRM_VARIANT), TP1 plain +
+#                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
 #
 # Both end by packing what exists so far into $OUT: results.tgz (logs and JSON) and the trained demo
 # checkpoints in pieces under the transfer limit (demo_train.tar.*, demo_train_d3.tar.*; join with
@@ -21,8 +21,8 @@
 #          with the defaults, then an x_f16 tile sweep on the TP2 per-GPU shapes and the lm_head
 #          shape at 1 and 4 rows (XLA's bf16 dot, the bf16 streaming kernel, FP8); with SERVE=1 also the server load test on that checkpoint (issue 7),
 #          MTP K=3 then plain
-#   GPU 1: the 64-layer decode step in three variants (issue 4: the defaults, the GDN conv + SiLU +
-#          L2 norms + gates inside the recurrence kernel, the gates only) with launch counts and
+#   GPU 1: the 64-layer decode step in three variants (issue 4: the defaults (the GDN conv + SiLU +
+#          L2 norms + gates inside the recurrence kernel), those as XLA ops, the gates only) with launch counts and
 #          summarized traces, the gpu kernel tests of what the variants switch on, then plain + K=3 at
 #          TP1 with the bf16 draft head and with the step's winners (scripts/best_step_variant.py),
 #          then (TRAIN=1) the two demo recipes and their benches (issue 8). About 11-14 minutes per
@@ -133,7 +133,7 @@ gpu1() {
   # issue 4: the 64-layer step with each candidate policy (the GDN conv, SiLU, L2 norms, gates and
   # padding inside the recurrence kernel; the gates only)
   job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_gdnconv,pallas_gdngated --out=$R/bench_step.json \
+    --step_impls=pallas,pallas_gdnxla,pallas_gdngated --out=$R/bench_step.json \
     --step_trace_dir=/tmp/qmtp_trace
   # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
   for d in /tmp/qmtp_trace/*/; do
@@ -212,16 +212,20 @@ print(min(fast, key=lambda r: r['us_per_all_reduce'])['xla_flags'] if fast else 
   touch $R/all.done
 }
 
-confirm() {  # a short lease: the step against the narrow weights' old policy, then TP1 and TP2 plain + K=3
+confirm() {  # a short lease: the step against the variant the last change replaced, TP1 plain + K=3
+  # with a profiler trace of each mode (summarized here: the traces stay on the machine), TP2 plain + K=3
   (export CUDA_VISIBLE_DEVICES=1
-   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_narrow_wm \
+   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,${CONFIRM_VARIANT:-pallas_gdnxla} \
      --out=$R/bench_step.json) &
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
-  CUDA_VISIBLE_DEVICES=0 job tp1_short 270 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
-    --repeats=2 --breakdown=false --out=$R/tp1_short.json
+  CUDA_VISIBLE_DEVICES=0 job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
+    --repeats=2 --breakdown=false --out=$R/tp1_short.json --trace_dir=/tmp/qmtp_e2e_trace
+  for d in /tmp/qmtp_e2e_trace/*/; do
+    python3 scripts/trace_summary.py "$d" --json --top=40 >$R/e2e_trace_$(basename "$d").json 2>>$R/trace.log
+  done
   wait
-  job tp2_short 260 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 \
+  job tp2_short 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 \
     --breakdown=false --out=$R/tp2_short.json
   touch $R/all.done
 }

@@ -51,6 +51,32 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+GAP_BUCKETS_US = (5, 20, 100, 1000)  # idle gaps counted as < 5 us, 5-20, 20-100, 100-1000, >= 1000
+
+
+def idle_gaps(events: list[dict], top: int = 10) -> dict:
+    """The device's idle gaps between kernels: where no event runs, from the end of the union of the
+    events so far to the next start. A sync of the host (a while loop's or a cond's predicate read,
+    as XLA on the GPU does) shows as a gap before the kernels that follow it; launch-bound stretches
+    as many short gaps. Returns per-bucket counts and microseconds, and the largest gaps with the
+    kernels on either side."""
+    evs = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?")) for e in events))
+    gaps, end, last = [], float("-inf"), None
+    for a, b, name in evs:
+        if last is not None and a > end:
+            gaps.append((a - end, last, name))
+        if b > end:
+            end, last = b, name
+    edges = (0,) + GAP_BUCKETS_US + (float("inf"),)
+    buckets = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = [g for g, _, _ in gaps if lo <= g < hi]
+        buckets.append({"from_us": lo, "to_us": hi, "count": len(inside), "us": sum(inside)})
+    largest = sorted(gaps, key=lambda g: -g[0])[:top]
+    return {"count": len(gaps), "us": sum(g for g, _, _ in gaps), "buckets": buckets,
+            "largest": [{"us": g, "after": p, "before": n} for g, p, n in largest]}
+
+
 def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15) -> list[dict]:
     names = {e["pid"]: e.get("args", {}).get("name", "")
              for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -71,7 +97,8 @@ def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15) ->
         out.append({"process": names.get(pid, str(pid)), "events": len(evs),
                     "summed_us": sum(float(e["dur"]) for e in evs), "span_us": span, "busy_us": busy,
                     "busy_share": busy / span if span > 0 else 0.0,
-                    "top": [{"name": n, "count": c, "us": t} for n, (c, t) in ranked]})
+                    "top": [{"name": n, "count": c, "us": t} for n, (c, t) in ranked],
+                    "idle_gaps": idle_gaps(evs)})
     return out
 
 
@@ -96,6 +123,11 @@ def main(argv=None) -> int:
               f"{p['span_us'] / 1e3:.2f} ms span, busy {p['busy_share']:.0%}")
         for t in p["top"]:
             print(f"  {t['us'] / 1e3:9.3f} ms  {t['count']:6d} x  {t['name'][:100]}")
+        gaps = p["idle_gaps"]
+        print(f"  idle gaps: {gaps['count']}, {gaps['us'] / 1e3:.2f} ms: " + ", ".join(
+            f"[{b['from_us']:g}, {b['to_us']:g}) us {b['count']} x {b['us'] / 1e3:.2f} ms" for b in gaps["buckets"]))
+        for g in gaps["largest"][:5]:
+            print(f"    {g['us']:9.1f} us after {g['after'][:50]} before {g['before'][:50]}")
     return 0
 
 

@@ -28,7 +28,8 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     out = tmp_path / "r.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1,3",
                   "--max_new_tokens=12", "--breakdown_ks=3", "--prompt_text=def fibonacci(",
-                  "--kernels=fp8_scale_preload=false,fp8_decode_max_rows=8", "--draft_head=fp8", tmp_path=tmp_path, cache=tmp_path / "cache")
+                  "--kernels=fp8_scale_preload=false,fp8_decode_max_rows=8", "--draft_head=fp8",
+                  f"--trace_dir={tmp_path / 'traces'}", tmp_path=tmp_path, cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["all_tokens_match_plain"] and res["copy"]["tb_per_s"] > 0 and res["load_s"] > 0
@@ -52,6 +53,14 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
         assert {"target_step", "verify", "draft", "commit", "predicted_round", "measured_round"} <= set(pieces)
     assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout and "per piece of a round" in r.stdout
     assert "[1/5" in r.stderr  # progress
+    # --trace_dir: one profiler trace per mode, named after it, readable by scripts/trace_summary.py
+    trace_dir = case["modes"][4]["trace_dir"]
+    assert os.path.dirname(trace_dir) == str(tmp_path / "traces")
+    assert os.path.basename(trace_dir) == f"ref_B1_P{case['prompt_length']}_K3_profiled"
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import trace_summary
+    for m in case["modes"]:
+        assert trace_summary.load_events(trace_summary.find_trace(m["trace_dir"]))
 
 
 def test_help_and_plot_from(tmp_path):

@@ -30,6 +30,18 @@ def test_busy_share_and_ranking():
     assert len(trace_summary.summarize(EVENTS, "")) == 2
 
 
+def test_idle_gaps_lie_between_the_union_of_the_kernels():
+    (gpu,) = trace_summary.summarize(EVENTS, "GPU")
+    gaps = gpu["idle_gaps"]
+    # one gap: the overlapping copy ends the busy stretch at 12, the next matmul starts at 20
+    assert gaps["count"] == 1 and gaps["us"] == 8 and gaps["largest"] == [{"us": 8, "after": "copy", "before": "matmul"}]
+    assert [b["count"] for b in gaps["buckets"]] == [0, 1, 0, 0, 0] and gaps["buckets"][1]["us"] == 8
+    events = EVENTS + [{"ph": "X", "pid": 1, "tid": 1, "name": "after a sync", "ts": 1124, "dur": 1}]
+    (gpu,) = trace_summary.summarize(events, "GPU")
+    assert [b["count"] for b in gpu["idle_gaps"]["buckets"]] == [0, 1, 0, 0, 1]  # 1100 us: >= 1 ms
+    assert gpu["idle_gaps"]["largest"][0] == {"us": 1100, "after": "matmul", "before": "after a sync"}
+
+
 def test_cli_finds_the_trace_in_a_directory(tmp_path):
     d = tmp_path / "plugins" / "profile" / "run"
     d.mkdir(parents=True)
