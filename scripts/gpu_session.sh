@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
-#                                           variant the last change replaced (CONFIRM_VARIANT), TP1 plain +
+#                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
 #
 # Both end by packing what exists so far into $OUT: results.tgz (logs and JSON) and the trained demo
@@ -215,7 +215,7 @@ print(min(fast, key=lambda r: r['us_per_all_reduce'])['xla_flags'] if fast else 
 confirm() {  # a short lease: the step against the variant the last change replaced, TP1 plain + K=3
   # with a profiler trace of each mode (summarized here: the traces stay on the machine), TP2 plain + K=3
   (export CUDA_VISIBLE_DEVICES=1
-   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,${CONFIRM_VARIANT:-pallas_gdnxla} \
+   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gdnxla \
      --out=$R/bench_step.json) &
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
