@@ -165,11 +165,14 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
 
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
-                        scale: float, interpret: bool = False, config: gdn.RecurrenceConfig | None = None):
+                        scale: float, interpret: bool = False, config: gdn.RecurrenceConfig | None = None,
+                        in_place: bool = True):
     """Pallas twin of `gdn_conv_recurrence_ref` -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32,
     conv state [B, W-1, C]). Dk must be a power of two; the Dv tile BV as in `gdn.gdn_recurrence`.
-    The state output aliases the (f32) state input (in place when donated); the conv state is a
-    new buffer (see the kernel). T <= gdn.MAX_UNROLLED_TOKENS is unrolled, longer T loops."""
+    With in_place, the state output aliases the (f32) state input (in place when donated; when the
+    caller still needs the input, XLA copies it first); otherwise the state is written to a new
+    buffer. The conv state is a new buffer (see the kernel). T <= gdn.MAX_UNROLLED_TOKENS is
+    unrolled, longer T loops."""
     config = config or gdn.RECURRENCE_CONFIG
     _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads)
     bsz, t, c = mixed.shape
@@ -202,7 +205,7 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
         in_specs=[row_spec(t), row_spec(width - 1), w_spec, gate_spec, gate_spec, head_spec, head_spec,
                   batch_spec, s_spec],
         out_specs=[tv_spec, s_spec, row_spec(width - 1)],
-        input_output_aliases={8: 1},
+        input_output_aliases={8: 1} if in_place else {},
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gdn_conv_recurrence",

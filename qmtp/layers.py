@@ -166,7 +166,8 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     raw_gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
     if not chunked and ops.gdn_conv_in_kernel(impl):  # conv, norms, gates, padding and recurrence: one kernel
         o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_raw, b_raw, p["A_log"],
-                                                   p["dt_bias"], ssm_state, n_valid, impl=impl)
+                                                   p["dt_bias"], ssm_state, n_valid, impl=impl,
+                                                   state_kept=return_replay)
         # commit_gdn runs the same kernel from the old conv / ssm state with n_valid = the accepted length
         replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], **raw_gates}
     elif not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel

@@ -54,6 +54,13 @@ GDN_GATES_IN_KERNEL = False
 # "pallas_gdnxla" is the old path), plain decode 104.7 -> 107.6 tok/s end to end. Includes what
 # GDN_GATES_IN_KERNEL does (it wins when both are on).
 GDN_CONV_IN_KERNEL = True
+# True: a forward that keeps its GDN input state alive for a replay (the verify pass: the commit may
+# rebuild from it) has the conv kernel write the new state to a fresh buffer. With the state input
+# aliased to the output (the default, in place for plain decode), XLA must first copy each GDN
+# layer's 3.1 MB state: the trace of session 8's K=3 runs shows 2 `memcpy128` per GDN layer per
+# round (2.7 us each, 0.27-0.31 ms of a ~12.1 ms round) and 1 more per rebuilt commit. Off until a
+# K=3 run measures it (--kernels=gdn_replay_fresh_state=true).
+GDN_REPLAY_FRESH_STATE = False
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
@@ -70,6 +77,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "xla_single_row": ("ops", "XLA_SINGLE_ROW", None),
                      "gdn_gates_in_kernel": ("ops", "GDN_GATES_IN_KERNEL", None),
                      "gdn_conv_in_kernel": ("ops", "GDN_CONV_IN_KERNEL", None),
+                     "gdn_replay_fresh_state": ("ops", "GDN_REPLAY_FRESH_STATE", None),
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
@@ -224,18 +232,21 @@ def gdn_conv_in_kernel(impl: str) -> bool:
     return impl == "pallas" and GDN_CONV_IN_KERNEL
 
 
-def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref"):
+def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref",
+                        state_kept: bool = False):
     """Causal conv + SiLU + q/k L2 norms (q scaled by Dk^-0.5) + gates + the per-token recurrence from
     the raw in_proj_qkv output mixed [B, T, C] (channels q | k | v) and conv_state [B, W-1, C];
     tokens t >= n_valid [B] change neither state. Returns (o [B, T, Hv, Dv] f32, ssm state, conv
     state); see pallas_kernels/gdn_conv.py. The key-head count comes from the shapes:
-    C = 2 Hk Dk + Hv Dv with Hv, Dk, Dv from state [B, Hv, Dk, Dv]."""
+    C = 2 Hk Dk + Hv Dv with Hv, Dk, Dv from state [B, Hv, Dk, Dv]. state_kept: the caller uses the
+    input state afterwards (a replay), so the kernel writes a fresh one if GDN_REPLAY_FRESH_STATE."""
     check_impl(impl)
     hv, dk, dv = state.shape[1:]
     kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5}
     if impl == "pallas":
         return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
-                                            interpret=_interpret(), **kw)
+                                            interpret=_interpret(),
+                                            in_place=not (state_kept and GDN_REPLAY_FRESH_STATE), **kw)
     return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, **kw)
 
 

@@ -290,6 +290,22 @@ def test_kernel_lowers_for_h200(b, t):
     assert "scf.for" not in triton_ir, "T <= MAX_UNROLLED_TOKENS is unrolled"
 
 
+def test_fresh_state_kernel_writes_a_new_buffer_with_the_same_bits():
+    """in_place=False (ops.GDN_REPLAY_FRESH_STATE, for a verify pass whose input state the commit
+    still reads): no input aliases an output in the lowering, and the outputs are the in-place
+    kernel's bit for bit (interpret mode)."""
+    def aliases(in_place):
+        fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a, key_heads=HK27, scale=DK27 ** -0.5, in_place=in_place)
+        return "output_operand_aliases" in lower_for_h200(fn, real_shapes(1, 4)).as_text()  # the custom call's
+    assert aliases(True) and not aliases(False)
+    args = tuple(map(jnp.asarray, make_inputs(3, 4, HK, HV, DK, DV, [4, 1, 0], seed=7)))
+    kw = {"key_heads": HK, "scale": DK ** -0.5, "interpret": True, "config": NARROW}
+    fresh = gdn_conv.gdn_conv_recurrence(*args, in_place=False, **kw)
+    aliased = gdn_conv.gdn_conv_recurrence(*args, **kw)
+    for name, x, y in zip(("o", "state", "conv state"), fresh, aliased):
+        np.testing.assert_array_equal(bits(np.asarray(x)), bits(np.asarray(y)), name)
+
+
 def test_looped_kernel_lowers_for_h200():
     [(_, triton_ir)] = triton_calls(lower_real(1, gdn.MAX_UNROLLED_TOKENS + 4))
     assert "scf.for" in triton_ir

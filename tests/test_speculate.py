@@ -243,22 +243,31 @@ def test_profiled_acceptance_on_the_controlled_checkpoint_keeps_the_tokens(contr
     assert spec.stats["accept_hist"] == np.bincount(cap[:rounds, 0], minlength=4).tolist()
 
 
-def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled):
+@pytest.mark.parametrize("fresh_state", [False, True])
+def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled, monkeypatch, fresh_state):
     """ops.GDN_CONV_IN_KERNEL with impl="pallas": prefill (11 tokens: the kernel's token loop), verify
     and the commit run the fused conv + recurrence kernel (the commit from the old conv and ssm state
     with n_valid = the accepted length). One of three drafts accepted per round: the tokens and the
-    GDN and conv state equal plain decoding's with the switch off (the reference path)."""
+    GDN and conv state equal plain decoding's with the switch off (the reference path). With
+    ops.GDN_REPLAY_FRESH_STATE, the verify pass (and only it) writes fresh state buffers."""
     k, rounds, a = 3, 2, 1
     max_new = 1 + rounds * (a + 1)
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
     want, plain_state = run_plain(controlled, prompts, max_new)  # first: the gated test compiled these shapes
     jax.clear_caches()  # a loop compiled earlier with these shapes keeps the kernels it was traced with
-    before = ops.set_kernel_settings({"gdn_conv_in_kernel": True})
+    from pallas_kernels import gdn_conv
+    traced = []  # (tokens, in_place) of every kernel call traced
+    kernel = gdn_conv.gdn_conv_recurrence
+    monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence",
+                        lambda mixed, *a, **kw: traced.append((mixed.shape[1], kw["in_place"])) or kernel(mixed, *a, **kw))
+    before = ops.set_kernel_settings({"gdn_conv_in_kernel": True, "gdn_replay_fresh_state": fresh_state})
     try:
         out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
     finally:
         ops.set_kernel_settings(before)
         jax.clear_caches()
+    fresh = {tokens for tokens, in_place in traced if not in_place}
+    assert fresh == ({k + 1} if fresh_state else set()), traced  # verify's K+1 tokens, not prefill or commit
     np.testing.assert_array_equal(out, want)
     assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
     np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(plain_state.lengths))
