@@ -17,38 +17,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from pallas_kernels.bench import trace_events  # noqa: E402
+
 
 def find_trace(path: str) -> str:
-    if os.path.isfile(path):
-        return path
-    found = sorted(glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True))
-    if not found:
-        raise SystemExit(f"trace_summary: no perfetto_trace.json.gz under {path}")
-    return found[-1]
+    try:
+        return trace_events.find_trace(path)
+    except FileNotFoundError as e:
+        raise SystemExit(f"trace_summary: {e}") from None
 
 
-def load_events(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def busy_time(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+load_events, busy_time = trace_events.load_events, trace_events.busy_time
 
 
 GAP_BUCKETS_US = (5, 20, 100, 1000)  # idle gaps counted as < 5 us, 5-20, 20-100, 100-1000, >= 1000
@@ -80,10 +64,7 @@ def idle_gaps(events: list[dict], top: int = 10) -> dict:
 def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15) -> list[dict]:
     names = {e["pid"]: e.get("args", {}).get("name", "")
              for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    by_pid: dict = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and process_filter in names.get(e.get("pid"), ""):
-            by_pid[e["pid"]].append(e)
+    by_pid = trace_events.process_events(events, process_filter)
     out = []
     for pid, evs in sorted(by_pid.items()):
         intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]

@@ -37,6 +37,9 @@ flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmu
 flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
 flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; others allowed).")
 flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
+flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
+                  "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "
+                  "between launches (kernel_* and busy_* keys), next to the wall-clock figure.")
 flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
@@ -80,7 +83,8 @@ def main(argv):
             agg = fp8.run(tb, rec.emit, sweep=FLAGS.fp8_sweep, sweep_match=FLAGS.fp8_sweep_match, xla=FLAGS.xla,
                           decode_ms=[int(m) for m in FLAGS.fp8_ms],
                           prefill_ms=[int(m) for m in FLAGS.fp8_prefill_ms if m],
-                          only_shapes=[tuple(int(v) for v in s.split("x")) for s in FLAGS.fp8_shapes], **opts)
+                          only_shapes=[tuple(int(v) for v in s.split("x")) for s in FLAGS.fp8_shapes],
+                          device_time=FLAGS.fp8_device_time, **opts)
             rec.set("fp8_step_aggregate", {str(k): v for k, v in agg.items()})
             if FLAGS.fp8_sweep:
                 rec.set("fp8_best_configs", fp8.best_configs(rec.results["rows"]))

@@ -55,14 +55,17 @@ def _fmt(v) -> str:
 
 
 def summary_table(rows: list[dict]) -> str:
-    """One line per row: kernel, case, impl, time, achieved rate and share of the copy bandwidth."""
-    cols = ["kernel", "case", "impl", "us", "tb_s", "share_of_copy", "tflop_s", "note"]
+    """One line per row: kernel, case, impl, time, achieved rate and share of the copy bandwidth,
+    and, where measured, the kernel's device time and its share (kernel_us, kernel_share)."""
+    cols = ["kernel", "case", "impl", "us", "tb_s", "share_of_copy", "tflop_s", "kernel_us", "kernel_share", "note"]
     lines = []
     for r in rows:
         note = r.get("error", "")[:60] or (r.get("config", "") if not r.get("default", True) else "")
         lines.append([r.get("kernel", ""), r.get("case", ""), r.get("impl", ""),
                       r["s_per_call"] * 1e6 if "s_per_call" in r else "", r.get("tb_s", ""),
-                      r.get("share_of_copy", ""), r.get("tflop_s", ""), note])
+                      r.get("share_of_copy", ""), r.get("tflop_s", ""),
+                      r["kernel_s_per_call"] * 1e6 if "kernel_s_per_call" in r else "",
+                      r.get("kernel_share_of_copy", ""), note])
     table = [cols] + [[_fmt(v) for v in line] for line in lines]
     widths = [max(len(row[c]) for row in table) for c in range(len(cols))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table)

@@ -148,8 +148,14 @@ def candidate_configs(m: int) -> list:
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False,
         sweep_match: str = "", xla: bool = True, decode_ms=DECODE_MS, prefill_ms=PREFILL_MS, only_shapes=(), reps: int = 8,
-        trials: int = 5) -> dict:
-    """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M."""
+        trials: int = 5, device_time: bool = True) -> dict:
+    """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M (from the
+    wall clock, and from the kernels' device time where measured: "kernel_" keys).
+
+    device_time: the default Pallas configs also run once under the profiler (GPU only), which adds
+    kernel_s_per_call (the Pallas kernel's own launches: its device time), busy_s_per_call (every
+    kernel of a call, the split-K sum and the x pieces included, without the idle gaps between
+    launches) and their shares of copy, next to the wall-clock s_per_call (trace_events)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -163,6 +169,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         decode_ms, prefill_ms, reps, trials = (1, 5), (40,), 1, 1
     ref = jax.jit(lambda x, w, s: fm.fp8_matmul_ref(x, w, s))
     pallas_default: dict = collections.defaultdict(dict)  # m -> {(o, i): s_per_call}
+    pallas_kernel: dict = collections.defaultdict(dict)  # m -> {(o, i): kernel_s_per_call}
     for si, ((o, i), keys) in enumerate(shapes.items()):
         # weights rotated per call so that none is read from L2; one far past L2 (the lm_head) needs few
         n = 2 if quick else 4 if o * i >= 8 * L2_BYTES else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
@@ -216,6 +223,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                                weight_tb_s=weight_bytes / per / 1e12, tflop_s=2 * m * o * i / per / 1e12)
                     if impl == "pallas" and config is None:
                         pallas_default[m][(o, i)] = per
+                        if device_time and jax.default_backend() != "cpu":
+                            row.update(_device_figures(prog, args, reps * n, o * i, copy_tb_s))
+                            if "kernel_s_per_call" in row:
+                                pallas_kernel[m][(o, i)] = row["kernel_s_per_call"]
                 except Exception as e:  # record and go on: one failing config must not hide the others
                     row["error"] = repr(e)[:1000]
                 emit(row)
@@ -224,11 +235,33 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     aggregate = {}
     for m, times in pallas_default.items():
         if len(times) == len(shapes):
-            total_bytes = sum(o * i * len(shapes[(o, i)]) for o, i in times)
-            total_s = sum(t * len(shapes[shape]) for shape, t in times.items())
-            aggregate[m] = {"s_per_step": total_s, "tb_s": total_bytes / total_s / 1e12,
-                            "share_of_copy": total_bytes / total_s / 1e12 / copy_tb_s}
+            aggregate[m] = _aggregate(times, shapes, copy_tb_s, "")
+            if len(pallas_kernel[m]) == len(shapes):
+                aggregate[m].update(_aggregate(pallas_kernel[m], shapes, copy_tb_s, "kernel_"))
     return aggregate
+
+
+def _aggregate(times: dict, shapes: dict, copy_tb_s: float, key: str) -> dict:
+    """All FP8 matmuls of one step: each shape's time per call times its count per step."""
+    total_bytes = sum(o * i * len(shapes[(o, i)]) for o, i in times)
+    total_s = sum(t * len(shapes[shape]) for shape, t in times.items())
+    return {f"{key}s_per_step": total_s, f"{key}tb_s": total_bytes / total_s / 1e12,
+            f"{key}share_of_copy": total_bytes / total_s / 1e12 / copy_tb_s}
+
+
+def _device_figures(prog, args, calls: int, nbytes: int, copy_tb_s: float) -> dict:
+    """Per call, from one profiled run of the timing loop: the Pallas kernel's device time and the
+    busy time of every kernel (trace_events.device_time), with their bandwidth and share of copy."""
+    from pallas_kernels.bench import trace_events
+    got = trace_events.device_time(prog, *args, prefix="fp8_matmul")
+    if not got or not got["kernel_launches"]:
+        return {}
+    out = {"kernel_launches_per_call": got["kernel_launches"] / calls}
+    for name in ("kernel", "busy"):
+        per = got[f"{name}_s"] / calls
+        out.update({f"{name}_s_per_call": per, f"{name}_tb_s": nbytes / per / 1e12,
+                    f"{name}_share_of_copy": nbytes / per / 1e12 / copy_tb_s})
+    return out
 
 
 def best_configs(rows: list[dict]) -> dict:

@@ -1,0 +1,63 @@
+"""pallas_kernels/bench/trace_events.py and the FP8 bench's device-time figures: a kernel's device time
+is the summed duration of its own launches in the GPU processes of a profiler trace, busy time the
+union of every GPU event (no idle gaps); per call, they divide by the calls the traced loop made.
+The figures come from crafted traces here: a CPU run has no GPU events, and says so with None."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.bench import common, fp8, trace_events
+
+GPU, HOST = 1, 2
+META = [{"ph": "M", "name": "process_name", "pid": GPU, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": HOST, "args": {"name": "/host:CPU"}}]
+
+
+def x(pid, name, ts, dur):
+    return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": ts, "dur": dur}
+
+
+# two calls: each an 8 us kernel, a 2 us split-K sum right after it, then a 5 us idle gap
+TWO_CALLS = META + [x(GPU, "fp8_matmul_decode", 0, 8), x(GPU, "loop_reduce_fusion", 8, 2),
+                    x(GPU, "fp8_matmul_decode", 15, 8), x(GPU, "loop_reduce_fusion", 23, 2),
+                    x(HOST, "fp8_matmul_decode launch", 0, 40)]  # host events never count
+
+
+def test_kernel_time_counts_the_prefix_and_busy_time_skips_the_gaps():
+    got = trace_events.kernel_time(TWO_CALLS, "fp8_matmul")
+    assert got == pytest.approx({"kernel_s": 16e-6, "kernel_launches": 2, "busy_s": 20e-6})
+    assert trace_events.kernel_time(TWO_CALLS, "gdn") == pytest.approx({"kernel_s": 0.0, "kernel_launches": 0,
+                                                                          "busy_s": 20e-6})
+    assert trace_events.kernel_time(META + [x(HOST, "fp8_matmul_decode", 0, 5)], "fp8") is None  # no GPU events
+
+
+def test_device_time_of_a_cpu_run_is_none():
+    f = jax.jit(lambda a: a * 2)
+    jax.block_until_ready(f(jnp.ones(4)))
+    assert trace_events.device_time(f, jnp.ones(4), prefix="fp8_matmul") is None
+
+
+def test_device_figures_per_call_and_the_step_aggregate(monkeypatch):
+    monkeypatch.setattr(trace_events, "device_time", lambda prog, *a, prefix: trace_events.kernel_time(TWO_CALLS,
+                                                                                                     prefix))
+    # 2 calls of a 40 kB weight: 8 us of kernel (5 TB/s) and 10 us busy (4 TB/s) per call, copy at 4 TB/s
+    got = fp8._device_figures(None, (), calls=2, nbytes=40_000_000, copy_tb_s=4.0)
+    assert got == pytest.approx({"kernel_launches_per_call": 1.0, "kernel_s_per_call": 8e-6, "kernel_tb_s": 5.0,
+                                 "kernel_share_of_copy": 1.25, "busy_s_per_call": 10e-6, "busy_tb_s": 4.0,
+                                 "busy_share_of_copy": 1.0})
+    monkeypatch.setattr(trace_events, "device_time", lambda prog, *a, prefix: None)
+    assert fp8._device_figures(None, (), calls=2, nbytes=1, copy_tb_s=4.0) == {}  # a CPU run: no keys
+    # two shapes, one used twice per step: 3 x 10 us over 3 x 40 MB = 4 TB/s
+    shapes = {(4000, 10000): ["a", "b"], (10000, 4000): ["c"]}
+    agg = fp8._aggregate({(4000, 10000): 10e-6, (10000, 4000): 10e-6}, shapes, 4.0, "kernel_")
+    assert agg == pytest.approx({"kernel_s_per_step": 30e-6, "kernel_tb_s": 4.0, "kernel_share_of_copy": 1.0})
+
+
+def test_summary_table_shows_the_device_time_where_measured():
+    rows = [{"kernel": "fp8_matmul", "case": "c", "impl": "pallas", "s_per_call": 13e-6, "tb_s": 2.4,
+             "share_of_copy": 0.6, "tflop_s": 1.0, "kernel_s_per_call": 10e-6, "kernel_share_of_copy": 0.8},
+            {"kernel": "fp8_matmul", "case": "c", "impl": "xla", "s_per_call": 20e-6}]
+    header, with_kernel, without = common.summary_table(rows).splitlines()
+    assert header.split()[7:9] == ["kernel_us", "kernel_share"]
+    assert with_kernel.split()[7:9] == ["10", "0.8"] and len(without.split()) == 4
