@@ -17,18 +17,15 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then the full qmtp.bench table at TP1
-#          with the defaults, then an x_f16 tile sweep on the TP2 per-GPU shapes and the lm_head
-#          shape at 1 and 4 rows (XLA's bf16 dot, the bf16 streaming kernel, FP8); with SERVE=1 also the server load test on that checkpoint (issue 7),
+#   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then TP1 plain + K=3 with the defaults
+#          and with ops.GDN_REPLAY_FRESH_STATE, each mode traced and summarized (the GDN state
+#          copies per round), then every FP8 shape at 1/4/16 rows with the kernels' device time;
+#          with SERVE=1 also the server load test on that checkpoint (issue 7),
 #          MTP K=3 then plain
-#   GPU 1: the 64-layer decode step in three variants (issue 4: the defaults (the GDN conv + SiLU +
-#          L2 norms + gates inside the recurrence kernel), those as XLA ops, the gates only) with launch counts and
-#          summarized traces, the gpu kernel tests of what the variants switch on, then plain + K=3 at
-#          TP1 with the bf16 draft head and with the step's winners (scripts/best_step_variant.py),
-#          then (TRAIN=1) the two demo recipes and their benches (issue 8). About 11-14 minutes per
-#          line, then ~12 for the TP2 part.
+#   GPU 1: the full TP1 table (K = 1..4) with the defaults, then (TRAIN=1) the two demo recipes and
+#          their benches (issue 8). About 12 minutes per line.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
-#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default)
+#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default), ~10 minutes
 #   TABLE_ARGS (environment) is appended to both tables' flags: TABLE_ARGS="--ks=3 --repeats=2" makes
 #          them plain + K=3 only, for a lease that measures variants and keeps time for a second one
 set -u
@@ -77,22 +74,22 @@ gpu0() {
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
   touch $R/checkpoint27.done
-  # issues 4-6: the full TP1 table with the defaults (GPU 1 measures the step variants and runs K=3
-  # with the winners)
-  job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
-    --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
-  # issue 5: x_f16 tiles at 1 row on the TP2 per-GPU launches (never swept; the TP2 step runs at ~49%
-  # of its per-GPU roofline without the all-reduces). Shared launches are chosen by their summed O:
-  # GDN in_proj_qkv + z [8192, 5120] and attention q + k + v [7168, 5120] are narrow at TP2 (< 132
-  # row blocks), gate + up [17408, 5120] is wide; o_proj / out_proj [5120, 3072], down [5120, 8704]
-  job bench_fp8_tp2_shapes 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1 --fp8_prefill_ms= \
-    --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/bench_fp8_tp2_shapes.json \
-    --fp8_shapes=8192x5120,7168x5120,17408x5120,5120x3072,5120x8704
-  # issue 6: the lm_head shape at 1 and 4 rows (a plain step and a K=3 verify): XLA's bf16 dot (the
-  # target's head), the bf16 streaming kernel (ops.BF16_STREAMING) and the FP8 kernel (the FP8 draft
-  # head); verify took 0.86 ms more than a plain step in session 7 with the FP8 launches unchanged
-  job bench_lm_head 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4 --fp8_prefill_ms= \
-    --fp8_shapes=248320x5120 --out=$R/bench_lm_head.json
+  # issue 6: K=3 with the defaults and with the verify pass writing fresh GDN state buffers
+  # (ops.GDN_REPLAY_FRESH_STATE), each mode traced: the K=3 traces count the GDN state copies
+  # (`memcpy128`, 2 per GDN layer per round in session 8) that the switch should remove
+  for v in default fresh; do
+    job tp1_k3_$v 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+      --breakdown=false --out=$R/tp1_k3_$v.json --trace_dir=/tmp/qmtp_e2e_$v \
+      $([ $v = fresh ] && echo --kernels=gdn_replay_fresh_state=true)
+    for d in /tmp/qmtp_e2e_$v/*/; do
+      python3 scripts/trace_summary.py "$d" --json --top=40 >$R/e2e_trace_${v}_$(basename "$d").json 2>>$R/trace.log
+    done
+  done
+  # issue 4: every FP8 shape of the step at 1, 4 and 16 rows with the kernels' device time from a
+  # profiler trace next to the wall clock (kernel_* / busy_* keys: the per-weight share without the
+  # idle gaps between back-to-back launches)
+  job bench_fp8_device 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16 --fp8_prefill_ms= \
+    --xla=false --out=$R/bench_fp8_device.json
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
@@ -130,32 +127,11 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # issue 4: the 64-layer step with each candidate policy (the GDN conv, SiLU, L2 norms, gates and
-  # padding inside the recurrence kernel; the gates only)
-  job bench_step 420 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_gdnxla,pallas_gdngated --out=$R/bench_step.json \
-    --step_trace_dir=/tmp/qmtp_trace
-  # kernels, busy share and idle gaps of each variant's traced run (the traces stay on the machine)
-  for d in /tmp/qmtp_trace/*/; do
-    python3 scripts/trace_summary.py "$d" --json --top=25 >$R/trace_$(basename "$d").json 2>>$R/trace.log
-  done
-  # the settings of every variant that beat the defaults by > 1% (empty: none did)
-  python3 scripts/best_step_variant.py $R/bench_step.json >$R/kernels_flag.txt 2>>$R/trace.log
-  echo "winning kernels flag: '$(cat $R/kernels_flag.txt)'" >>$R/jobs.log
-  # the kernels the variants switch on and the narrow FP8 tiles, against the reference on the device
-  job gpu_tests 300 python3 -m pytest -q -m gpu tests/test_kernel_fp8_matmul.py tests/test_kernel_gdn.py \
-    tests/test_kernel_gdn_conv.py -k "x_f16 or real_shapes or gated or masked or conv" -p no:cacheprovider
-  # issue 6: K=3 with the bf16 draft head (the FP8 one is the default for FP8 checkpoints), next to
-  # GPU 0's table; against session 7's confirm run (bf16 head, every commit rebuilt, the same
-  # kernels) it also gives the commit skip's gain (--kernels=spec_skip_full_commit=false, if a
-  # lease has room); then K=3 with the step's winners, if any
+  # issues 4-6: the full TP1 table (K = 1..4, natural and profiled, breakdown) with the defaults:
+  # the README's K = 1, 2, 4 rows are still session 6's
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
-  job tp1_bf16head 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --draft_head=bf16 --out=$R/tp1_bf16head.json
-  if [ -s $R/kernels_flag.txt ]; then
-    job tp1_winners 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-      --out=$R/tp1_winners.json $(cat $R/kernels_flag.txt)
-  fi
+  job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
+    --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
@@ -172,18 +148,12 @@ gpu1() {
 both() {
   while [ ! -f $R/gpu0.done ] || [ ! -f $R/gpu1.done ]; do sleep 5; done
   unset CUDA_VISIBLE_DEVICES
-  # issue 5: the all-reduce chain under NCCL, NCCL's symmetric kernels and XLA's NVSHMEM collectives
-  # (the last two never measured here); a setting > 10% faster per all-reduce than the default gets
-  # a short TP2 run after the full table
-  job allreduce_probe 240 python3 scripts/allreduce_probe.py --settings=default,nccl_symmetric,nvshmem \
-    --out=$R/allreduce.json
   # 131 small all-reduces per step; XLA's own one-shot kernel for small all-reduces vs NCCL
   local oneshot=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true
   # session 5: the one-shot kernel changed nothing (95.4 vs 95.5 tok/s plain); compared only when asked
   for mode in $([ "${SHORT_TP2:-0}" = 1 ] && echo nccl oneshot); do
     XLA_FLAGS="$([ $mode = oneshot ] && echo $oneshot)" job tp2_$mode 420 python3 -m qmtp.bench \
-      --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 --out=$R/tp2_$mode.json --converted_cache=/tmp/qmtp_conv \
-      $(cat $R/kernels_flag.txt)
+      --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 --out=$R/tp2_$mode.json --converted_cache=/tmp/qmtp_conv
   done
   local best=$(python3 -c "
 import json
@@ -197,18 +167,8 @@ print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
       --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
   fi
   # (NCCL_PROTO=LL end to end was measured in session 7: 112.9 vs 111.8 tok/s, no gain; not re-run)
-  local probe_best=$(python3 -c "
-import json
-try: rows = {r['setting']: r for r in json.load(open('$R/allreduce.json')) if 'error' not in r}
-except Exception: rows = {}
-base = rows.get('default', {}).get('us_per_all_reduce')
-fast = [r for r in rows.values() if base and r['us_per_all_reduce'] < 0.9 * base]
-print(min(fast, key=lambda r: r['us_per_all_reduce'])['xla_flags'] if fast else '')")
-  if [ -n "$probe_best" ]; then
-    echo "TP2 plain + K=3 with XLA_FLAGS='$probe_best'" >>$R/jobs.log
-    XLA_FLAGS="$probe_best" job tp2_probe_best 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
-      --ks=3 --repeats=2 --breakdown=false --out=$R/tp2_probe_best.json --converted_cache=/tmp/qmtp_conv
-  fi
+  # (session 8's all-reduce probe: NCCL symmetric buffers 10% faster per all-reduce, no gain end to
+  # end; NVSHMEM not in this jaxlib: scripts/allreduce_probe.py, not re-run)
   touch $R/all.done
 }
 
