@@ -22,12 +22,14 @@
 #          copies per round), then every FP8 shape at 1/4/16 rows with the kernels' device time;
 #          with SERVE=1 also the server load test on that checkpoint (issue 7),
 #          MTP K=3 then plain
-#   GPU 1: the full TP1 table (K = 1..4) with the defaults, then (TRAIN=1) the two demo recipes and
-#          their benches (issue 8). About 12 minutes per line.
+#   GPU 1: the 64-layer step under six XLA settings (fusion rewriters, command buffers around the
+#          loops; scripts/best_xla_flags.py), then TP1 plain + K=3 with the winners if any, then
+#          (TRAIN=1) the two demo recipes and their benches (issue 8). About 12 minutes per line.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
-#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default), ~10 minutes
-#   TABLE_ARGS (environment) is appended to both tables' flags: TABLE_ARGS="--ks=3 --repeats=2" makes
-#          them plain + K=3 only, for a lease that measures variants and keeps time for a second one
+#          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default; with GPU 1's
+#          winning XLA settings), ~10 minutes (~5 with TABLE_ARGS="--ks=3 --repeats=2")
+#   TABLE_ARGS (environment) is appended to the TP2 table's flags: TABLE_ARGS="--ks=3 --repeats=2" makes
+#          it plain + K=3 only, for a lease that keeps time for a second one
 set -u
 R=/tmp/qmtp_run
 SRC=/tmp/qmtp_src
@@ -127,11 +129,27 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # issues 4-6: the full TP1 table (K = 1..4, natural and profiled, breakdown) with the defaults:
-  # the README's K = 1, 2, 4 rows are still session 6's
+  # issues 4-6: the 64-layer step under XLA settings that might merge the ~830 small fusions per step
+  # (RMSNorm's reduce and its consumer, the split-K sums, the f16 pieces) or launch the decode loop as
+  # CUDA graphs with its while and cond inside (command buffers): one process per setting (XLA reads
+  # its flags once); scripts/best_xla_flags.py joins those > 1% faster than the run without flags
+  local s
+  for s in "default:" \
+      "blocklevel:--xla_gpu_experimental_enable_fusion_block_level_rewriter=true" \
+      "heroless:--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true" \
+      "tritonmof:--xla_gpu_unsupported_enable_triton_multi_output_fusion=true" \
+      "sameshapemof:--xla_gpu_experimental_enable_same_shape_multi_output_fusion=true" \
+      "graphloops:--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; do
+    XLA_FLAGS="${s#*:}" job step_xla_${s%%:*} 200 python3 -m pallas_kernels.bench --parts=step \
+      --step_impls=pallas --out=$R/step_xla_${s%%:*}.json
+  done
+  python3 scripts/best_xla_flags.py $R/step_xla_*.json >$R/xla_flags_best.txt 2>>$R/trace.log
+  echo "winning XLA flags: '$(cat $R/xla_flags_best.txt)'" >>$R/jobs.log
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
-  job bench27_tp1 660 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --out=$R/bench27_tp1.json \
-    --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
+  if [ -s $R/xla_flags_best.txt ]; then  # end to end with them: plain and K=3 (the step bench is plain only)
+    XLA_FLAGS="$(cat $R/xla_flags_best.txt)" job tp1_xla_best 360 python3 -m qmtp.bench \
+      --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 --breakdown=false --out=$R/tp1_xla_best.json
+  fi
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
     job train_demo_d3 480 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train_d3 \
@@ -161,6 +179,7 @@ def plain(m):
     try: return json.load(open('$R/tp2_%s.json' % m))['cases'][0]['modes'][0]['decode_tokens_per_s']['median']
     except Exception: return 0.0
 print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
+  best="$best $(cat $R/xla_flags_best.txt 2>/dev/null)"  # and GPU 1's winning XLA settings, if any
   if [ "${FULL_TP2:-1}" = 1 ]; then
     echo "full TP2 table with XLA_FLAGS='$best'" >>$R/jobs.log
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \

@@ -113,3 +113,30 @@ def test_spec_skip_full_commit_is_a_setting():
     finally:
         ops.set_kernel_settings(previous)
     assert speculate.SKIP_FULL_COMMIT is True
+
+
+def test_best_xla_flags_joins_the_settings_that_beat_the_run_without_flags(tmp_path):
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "best_xla_flags.py")
+    spec = importlib.util.spec_from_file_location("best_xla_flags", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    step = lambda flags, s: {"xla_flags": flags, "rows": [  # noqa: E731
+        {"kernel": "decode_step", "impl": "ref", "s_per_step": 0.001},  # not the Pallas step
+        {"kernel": "decode_step", "impl": "pallas", "s_per_step": s}]}
+    results = [step("", 0.0100), step("--a=true", 0.0095), step("--b=true", 0.0098), step("--c=1", 0.00995),
+               {"xla_flags": "--d=true", "rows": [{"kernel": "decode_step", "impl": "pallas", "error": "boom"}]}]
+    assert mod.best_flags(results) == "--a=true --b=true"  # fastest first; --c within 1%, --d failed
+    assert mod.best_flags(results[1:]) == ""  # no run without flags: no baseline
+    assert mod.best_flags([step("", 0.01), step("--a=true", 0.0101)]) == ""
+    files = []
+    for i, r in enumerate(results[:2]):
+        files.append(tmp_path / f"s{i}.json")
+        files[-1].write_text(json.dumps(r))
+    out = subprocess.run([sys.executable, path, *map(str, files), str(tmp_path / "missing.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "--a=true" and "missing.json" in out.stderr

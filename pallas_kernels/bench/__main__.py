@@ -18,6 +18,7 @@ test of the harness (no figures mean anything there).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -71,7 +72,8 @@ def main(argv):
               file=sys.stderr)
         return 2
     rec = common.Recorder(FLAGS.out, {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
-                                      "flags": {f: getattr(FLAGS, f) for f in ("parts", "quick", "interpret")}})
+                                      "flags": {f: getattr(FLAGS, f) for f in ("parts", "quick", "interpret")},
+                                      "xla_flags": os.environ.get("XLA_FLAGS", "")})
     copy = copy_bandwidth(0.0625 if FLAGS.quick else FLAGS.copy_gib, 3 if FLAGS.quick else 10)
     rec.set("copy", copy)
     tb = copy["tb_per_s"]
