@@ -38,7 +38,7 @@ limit=${2:-560}
 
 pack() {  # only logs, JSON, plots and metrics: a file back from $OUT may hold 16 MiB at most
   [ -n "${OUT:-}" ] || return 0
-  (cd $R && tar czf "$OUT/results.tgz" $(ls *.log *.json *.png *.txt *.csv *.out 2>/dev/null) \
+  (cd $R && tar czf "$OUT/results.tgz" $(ls *.log *.json *.png *.txt *.csv *.out hlo/*.gz 2>/dev/null) \
      $(ls train*/*.json train*/*.png train*/*.jsonl train*/best/best.json 2>/dev/null))
   for run in train train_d3; do
     if [ -f $R/$run/export/config.json ]; then
@@ -141,7 +141,8 @@ gpu1() {
       "sameshapemof:--xla_gpu_experimental_enable_same_shape_multi_output_fusion=true" \
       "graphloops:--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; do
     XLA_FLAGS="${s#*:}" job step_xla_${s%%:*} 200 python3 -m pallas_kernels.bench --parts=step \
-      --step_impls=pallas --out=$R/step_xla_${s%%:*}.json
+      --step_impls=pallas --out=$R/step_xla_${s%%:*}.json \
+      $([ ${s%%:*} = default ] && echo --step_hlo_dir=$R/hlo)  # what each of the ~1000 launches holds
   done
   python3 scripts/best_xla_flags.py $R/step_xla_*.json >$R/xla_flags_best.txt 2>>$R/trace.log
   echo "winning XLA flags: '$(cat $R/xla_flags_best.txt)'" >>$R/jobs.log

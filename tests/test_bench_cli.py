@@ -4,10 +4,13 @@ and a bad --parts value is refused. The timings mean nothing on the CPU."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
 import sys
+
+from pallas_kernels.bench import step as step_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +25,7 @@ def test_fp8_and_step_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     match = "block_o=128, split_k=2, use_dot=True, swap_ab=True, num_warps=8, num_stages=3"
     r = bench("--parts=fp8,step", "--quick", "--interpret", "--step_impls=pallas_m1fma,pallas_noxf16", f"--out={out}",
-              "--fp8_sweep", f"--fp8_sweep_match={match}", tmp_path=tmp_path)
+              "--fp8_sweep", f"--fp8_sweep_match={match}", f"--step_hlo_dir={tmp_path / 'hlo'}", tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["copy"]["tb_per_s"] > 0
@@ -47,6 +50,8 @@ def test_fp8_and_step_quick_run(tmp_path):
         assert row["bytes"] == sum(parts.values()) and parts["weights"] > parts["kv"] > 0
         assert row["roofline_s"] > 0 and row["steps_timed"] == 4
         assert row["launches_per_step"]["fusion"] > 0 and row["launches_per_step"]["total"] > 0
+        with gzip.open(row["hlo"], "rt") as f:  # --step_hlo_dir: the compiled loop, as counted
+            assert step_bench.count_launches(f.read()) == row["launches_per_step"]
     assert "decode_step" in r.stdout and "copy bandwidth" in r.stdout  # the summary table
 
 

@@ -48,6 +48,8 @@ flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
                   "setting changed (pallas_kernels/bench/step.py, VARIANTS): "
                   + "; ".join(f"{k}: {', '.join(f'{n}={v}' for n, v in o.items())}" for k, o in VARIANTS.items() if o)
                   + ".")
+flags.DEFINE_string("step_hlo_dir", None, "step: also write each impl's compiled decode loop, optimized HLO as "
+                    "gzip text, into this directory (<impl>.hlo.txt.gz: what every fusion of the step holds).")
 flags.DEFINE_string("step_trace_dir", None, "step: also trace one timed run per impl with jax.profiler into this "
                     "directory (perfetto JSON; summarize with scripts/trace_summary.py).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
@@ -99,7 +101,8 @@ def main(argv):
         else:
             from pallas_kernels.bench import step
             step.run(tb, rec.emit, num_layers=FLAGS.step_layers, context=FLAGS.step_context,
-                     impls=tuple(FLAGS.step_impls), trace_dir=FLAGS.step_trace_dir, **opts)
+                     impls=tuple(FLAGS.step_impls), trace_dir=FLAGS.step_trace_dir,
+                     hlo_dir=FLAGS.step_hlo_dir, **opts)
     print(f"\n{bandwidth.describe(copy)}, {copy['bytes'] / 2**30:.1f} GiB moved per pass")
     print(common.summary_table(rec.results["rows"]))
     if "fp8_step_aggregate" in rec.results:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gzip
 import os
 import time
 
@@ -120,9 +121,10 @@ def count_launches(hlo_text: str) -> dict:
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, num_layers: int | None = None,
         context: int = 1024, n_short: int = 8, n_long: int = 40, impls=("pallas", "pallas_separate", "ref"), trials: int = 3,
-        trace_dir: str | None = None) -> None:
+        trace_dir: str | None = None, hlo_dir: str | None = None) -> None:
     """Emits one row per impl: s_per_step, tokens/s, share of the roofline, compile time, kernel
-    launches per step; with trace_dir, a profiler trace of one timed run per impl."""
+    launches per step; with trace_dir, a profiler trace of one timed run per impl; with hlo_dir, the
+    compiled loop's optimized HLO per impl (gzip text: what each fusion of the step holds)."""
     import jax
     import jax.numpy as jnp
 
@@ -170,6 +172,11 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             compiled = decode.greedy_loop.lower(cfg, spec, params, fresh_state(), first, jnp.ones((1,), jnp.int32),
                                                 impl=impl).compile()
             row["launches_per_step"] = count_launches(compiled.as_text())
+            if hlo_dir:
+                os.makedirs(hlo_dir, exist_ok=True)
+                row["hlo"] = os.path.join(hlo_dir, f"{name}.hlo.txt.gz")
+                with gzip.open(row["hlo"], "wt") as f:
+                    f.write(compiled.as_text())
 
             def once(n):
                 state = fresh_state()
