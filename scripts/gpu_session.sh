@@ -92,6 +92,7 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
   # idle gaps between back-to-back launches)
   job bench_fp8_device 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16 --fp8_prefill_ms= \
     --xla=false --out=$R/bench_fp8_device.json
+  job gpu_tests 200 python3 -m pytest -q -m gpu tests/test_bench_device_time.py -p no:cacheprovider
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }

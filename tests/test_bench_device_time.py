@@ -61,3 +61,23 @@ def test_summary_table_shows_the_device_time_where_measured():
     header, with_kernel, without = common.summary_table(rows).splitlines()
     assert header.split()[7:9] == ["kernel_us", "kernel_share"]
     assert with_kernel.split()[7:9] == ["10", "0.8"] and len(without.split()) == 4
+
+
+@pytest.mark.gpu
+def test_device_time_of_an_fp8_matmul_on_the_gpu():
+    """On the H200: one jitted FP8 GEMV at the o_proj shape, traced: one Pallas launch, its device
+    time within the busy time, both shorter than the wall-clock call."""
+    import time
+
+    from pallas_kernels import fp8_matmul as fm
+    w = (jax.random.normal(jax.random.key(0), (5120, 6144)) * 64).clip(-448, 448).astype(jnp.float8_e4m3fn)
+    s = jnp.full((40, 48), 1e-4, jnp.float32)
+    x = jnp.ones((1, 6144), jnp.bfloat16)
+    f = jax.jit(lambda x, w, s: fm.fp8_matmul(x, w, s))
+    jax.block_until_ready(f(x, w, s))
+    t = time.perf_counter()
+    jax.block_until_ready(f(x, w, s))
+    wall = time.perf_counter() - t
+    got = trace_events.device_time(f, x, w, s, prefix="fp8_matmul")
+    assert got is not None and got["kernel_launches"] == 1
+    assert 0 < got["kernel_s"] <= got["busy_s"] < wall
