@@ -20,6 +20,12 @@ step of -1.4 ms in the first TP2 run).
 predicted round = (K-1) draft + verify + commit + draft; the harness compares it with the measured
 round (decode time / rounds): the difference is the loop's own bookkeeping, less the commits that
 full-acceptance rounds skip.
+
+On a GPU each piece also gets `device_<piece>`: the device's busy time per iteration (the union of
+its kernels in a profiler trace of one N_LONG call, the busiest device under TP; no idle gaps),
+and `device_predicted_round` from those. A piece of few small launches (the commit: 48 GDN kernels)
+can be bound by the host's loop rather than the device, so its wall-clock figure overstates what
+it costs inside a round, where the device stays busy (session 8: 1.05 ms by the wall clock).
 """
 
 from __future__ import annotations
@@ -139,5 +145,24 @@ def measure(model, new_state, k: int) -> dict:
             return _call(model, fn, (model.cfg,), args, ("params", "state", "rep"), ("rep", "state"), **static)
 
         out[name] = _time_piece(call, new_state)
-    out["predicted_round"] = (k - 1) * out["draft"] + out["verify"] + out["commit"] + out["draft"]
+        device = _device_piece(call, new_state)
+        if device is not None:
+            out[f"device_{name}"] = device
+    out["predicted_round"] = _predicted_round(out, k, "")
+    if "device_verify" in out:
+        out["device_predicted_round"] = _predicted_round(out, k, "device_")
     return out
+
+
+def _predicted_round(pieces: dict, k: int, key: str) -> float:
+    return (k - 1) * pieces[f"{key}draft"] + pieces[f"{key}verify"] + pieces[f"{key}commit"] + pieces[f"{key}draft"]
+
+
+def _device_piece(call, make_input, n=N_LONG) -> float | None:
+    """Device busy seconds per iteration of `call(input, n)` (compiled already), from one profiled
+    call (pallas_kernels.bench.trace_events); None without GPU events (a CPU run)."""
+    from pallas_kernels.bench import trace_events
+    if jax.default_backend() == "cpu":  # no device events to read; spare the profiler's start-up
+        return None
+    got = trace_events.device_time(call, jax.block_until_ready(make_input()), n, prefix="")
+    return None if got is None else got["busy_s_per_device"] / n

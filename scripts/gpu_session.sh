@@ -18,7 +18,8 @@
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then TP1 plain + K=3 with the defaults
-#          and with ops.GDN_REPLAY_FRESH_STATE, each mode traced and summarized (the GDN state
+#          (with the round breakdown, wall clock and device time per piece) and with
+#          ops.GDN_REPLAY_FRESH_STATE, each mode traced and summarized (the GDN state
 #          copies per round), then every FP8 shape at 1/4/16 rows with the kernels' device time;
 #          with SERVE=1 also the server load test on that checkpoint (issue 7),
 #          MTP K=3 then plain
@@ -80,9 +81,9 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
   # (ops.GDN_REPLAY_FRESH_STATE), each mode traced: the K=3 traces count the GDN state copies
   # (`memcpy128`, 2 per GDN layer per round in session 8) that the switch should remove
   for v in default fresh; do
-    job tp1_k3_$v 360 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-      --breakdown=false --out=$R/tp1_k3_$v.json --trace_dir=/tmp/qmtp_e2e_$v \
-      $([ $v = fresh ] && echo --kernels=gdn_replay_fresh_state=true)
+    job tp1_k3_$v 480 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+      --breakdown=$([ $v = default ] && echo true || echo false) --out=$R/tp1_k3_$v.json \
+      --trace_dir=/tmp/qmtp_e2e_$v $([ $v = fresh ] && echo --kernels=gdn_replay_fresh_state=true)
     for d in /tmp/qmtp_e2e_$v/*/; do
       python3 scripts/trace_summary.py "$d" --json --top=40 >$R/e2e_trace_${v}_$(basename "$d").json 2>>$R/trace.log
     done

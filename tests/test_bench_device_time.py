@@ -26,9 +26,16 @@ TWO_CALLS = META + [x(GPU, "fp8_matmul_decode", 0, 8), x(GPU, "loop_reduce_fusio
 
 def test_kernel_time_counts_the_prefix_and_busy_time_skips_the_gaps():
     got = trace_events.kernel_time(TWO_CALLS, "fp8_matmul")
-    assert got == pytest.approx({"kernel_s": 16e-6, "kernel_launches": 2, "busy_s": 20e-6})
+    assert got == pytest.approx({"kernel_s": 16e-6, "kernel_launches": 2, "busy_s": 20e-6, "devices": 1,
+                                 "busy_s_per_device": 20e-6})
     assert trace_events.kernel_time(TWO_CALLS, "gdn") == pytest.approx({"kernel_s": 0.0, "kernel_launches": 0,
-                                                                          "busy_s": 20e-6})
+                                                                          "busy_s": 20e-6, "devices": 1,
+                                                                          "busy_s_per_device": 20e-6})
+    # a second GPU (TP2) busy 6 us: sums over both, the busiest device apart
+    gpu1 = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:1"}}, x(3, "k", 0, 6)]
+    got = trace_events.kernel_time(TWO_CALLS + gpu1, "fp8_matmul")
+    assert got["devices"] == 2 and got["busy_s"] == pytest.approx(26e-6)
+    assert got["busy_s_per_device"] == pytest.approx(20e-6)
     assert trace_events.kernel_time(META + [x(HOST, "fp8_matmul_decode", 0, 5)], "fp8") is None  # no GPU events
 
 
@@ -81,3 +88,29 @@ def test_device_time_of_an_fp8_matmul_on_the_gpu():
     got = trace_events.device_time(f, x, w, s, prefix="fp8_matmul")
     assert got is not None and got["kernel_launches"] == 1
     assert 0 < got["kernel_s"] <= got["busy_s"] < wall
+
+
+def test_breakdown_device_piece_per_iteration(monkeypatch):
+    """bench_breakdown's device figure: the busiest device's busy time of one profiled call over its
+    iterations; a predicted round from the device pieces as from the wall-clock ones."""
+    from qmtp import bench_breakdown as bd
+    monkeypatch.setattr(bd.jax, "default_backend", lambda: "gpu")  # the profiled path, with a fake trace
+    calls = []
+    monkeypatch.setattr(trace_events, "device_time", lambda fn, *a, prefix: calls.append(a) or {
+        "busy_s_per_device": 18e-3})
+    assert bd._device_piece(lambda x, n: x, lambda: jnp.zeros(2), n=18) == pytest.approx(1e-3)
+    assert calls[0][1] == 18  # (input, n): one call of n iterations
+    monkeypatch.setattr(trace_events, "device_time", lambda fn, *a, prefix: None)
+    assert bd._device_piece(lambda x, n: x, lambda: jnp.zeros(2)) is None  # a CPU run: no figure
+    pieces = {"device_draft": 0.5, "device_verify": 10.0, "device_commit": 0.2, "draft": 0.6, "verify": 10.5,
+              "commit": 1.0}
+    assert bd._predicted_round(pieces, 3, "device_") == pytest.approx(3 * 0.5 + 10.0 + 0.2)
+    assert bd._predicted_round(pieces, 3, "") == pytest.approx(3 * 0.6 + 10.5 + 1.0)
+
+
+def test_breakdown_table_adds_the_device_columns_when_measured():
+    from qmtp import bench_report as br
+    wall = {"3": {"verify": 0.0105, "draft": 0.0006, "commit": 0.001, "predicted_round": 0.013}}
+    assert "device_" not in br.breakdown_table(wall)  # a CPU run
+    header = br.breakdown_table({"3": dict(wall["3"], device_verify=0.0099, device_commit=0.0002)}).splitlines()[1]
+    assert header.split()[-2:] == ["device_verify", "device_commit"]

@@ -61,18 +61,20 @@ def process_events(events: list[dict], process_filter: str = "GPU") -> dict[int,
 
 
 def kernel_time(events: list[dict], prefix: str, process_filter: str = "GPU") -> dict | None:
-    """{kernel_s, kernel_launches, busy_s} over the GPU processes' events (trace times are in us),
+    """{kernel_s, kernel_launches, busy_s, devices, busy_s_per_device} over the GPU processes' events
+    (trace times are in us; the sums run over every device, busy_s_per_device is the busiest one's),
     or None when the trace has no GPU events (a CPU run)."""
     per_pid = process_events(events, process_filter)
     if not per_pid:
         return None
-    kernel_us, launches, busy_us = 0.0, 0, 0.0
+    kernel_us, launches, busy = 0.0, 0, []
     for evs in per_pid.values():
         mine = [e for e in evs if str(e.get("name", "")).startswith(prefix)]
         kernel_us += sum(float(e["dur"]) for e in mine)
         launches += len(mine)
-        busy_us += busy_time([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs])
-    return {"kernel_s": kernel_us * 1e-6, "kernel_launches": launches, "busy_s": busy_us * 1e-6}
+        busy.append(busy_time([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]))
+    return {"kernel_s": kernel_us * 1e-6, "kernel_launches": launches, "busy_s": sum(busy) * 1e-6,
+            "devices": len(busy), "busy_s_per_device": max(busy) * 1e-6}
 
 
 def device_time(fn, *args, prefix: str) -> dict | None:
