@@ -149,7 +149,7 @@ gpu1() {
   python3 scripts/best_xla_flags.py $R/step_xla_*.json >$R/xla_flags_best.txt 2>>$R/trace.log
   echo "winning XLA flags: '$(cat $R/xla_flags_best.txt)'" >>$R/jobs.log
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
-  if [ -s $R/xla_flags_best.txt ]; then  # end to end with them: plain and K=3 (the step bench is plain only)
+  if [ -n "$(cat $R/xla_flags_best.txt)" ]; then  # end to end with them: plain and K=3 (the step bench is plain only)
     XLA_FLAGS="$(cat $R/xla_flags_best.txt)" job tp1_xla_best 360 python3 -m qmtp.bench \
       --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 --breakdown=false --out=$R/tp1_xla_best.json
   fi
