@@ -1,10 +1,11 @@
 """Speculative and plain greedy loops run directly (speculate.spec_loop / decode.greedy_loop) with a
 forced acceptance cap, returning outputs and final decode states: shared by the speculate tests."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmtp import decode, speculate
+from qmtp import decode, ops, speculate
 from qmtp.api import _new_state, _prompt_batch
 
 BUFFER = 13  # one output width for every forced-acceptance case: one compiled loop
@@ -28,3 +29,16 @@ def run_plain(model, prompts, max_new):
     out, _, _, state = decode.greedy_loop(model.cfg, decode.LoopSpec(BUFFER, ()), model.params, state, first,
                                           jnp.full((len(prompts),), max_new, jnp.int32))
     return np.asarray(out), state
+
+
+def run_spec_with(settings: dict, model, prompts, k, max_new, cap):
+    """run_spec with impl="pallas" under the kernel settings given (ops.set_kernel_settings), put back
+    after. The jit caches are cleared on both sides: a loop compiled earlier with these shapes keeps
+    the kernels it was traced with."""
+    jax.clear_caches()
+    before = ops.set_kernel_settings(settings)
+    try:
+        return run_spec(model, prompts, k, max_new, cap=cap, impl="pallas")
+    finally:
+        ops.set_kernel_settings(before)
+        jax.clear_caches()

@@ -3,7 +3,6 @@
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,10 +11,10 @@ from safetensors.numpy import load_file
 import numpy_ref as ref
 import qmtp
 from pallas_kernels import gdn
-from qmtp import model as model_lib, ops, speculate
+from qmtp import model as model_lib, speculate
 from qmtp.api import _new_state
 from qmtp.tools import make_checkpoint
-from spec_loops import run_plain, run_spec
+from spec_loops import run_plain, run_spec, run_spec_with
 from tolerance import F32_MODEL, F32_RECURRENCE, assert_close
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
@@ -97,14 +96,9 @@ def test_gdn_gates_in_kernel_commit_gives_the_plain_state(controlled):
     k, rounds, a = 3, 2, 1
     max_new = 1 + rounds * (a + 1)
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
-    jax.clear_caches()  # a loop compiled earlier with these shapes keeps the kernels it was traced with
     # the conv kernel (the default) includes the gates: off, to run the gated kernel alone
-    before = ops.set_kernel_settings({"gdn_gates_in_kernel": True, "gdn_conv_in_kernel": False})
-    try:
-        out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
-    finally:
-        ops.set_kernel_settings(before)
-        jax.clear_caches()
+    out, stats, state = run_spec_with({"gdn_gates_in_kernel": True, "gdn_conv_in_kernel": False}, controlled,
+                                      prompts, k, max_new, cap=a)
     want, plain_state = run_plain(controlled, prompts, max_new)
     np.testing.assert_array_equal(out, want)
     assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
@@ -253,19 +247,14 @@ def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled, monkeypatch
     k, rounds, a = 3, 2, 1
     max_new = 1 + rounds * (a + 1)
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
-    want, plain_state = run_plain(controlled, prompts, max_new)  # first: the gated test compiled these shapes
-    jax.clear_caches()  # a loop compiled earlier with these shapes keeps the kernels it was traced with
+    want, plain_state = run_plain(controlled, prompts, max_new)
     from pallas_kernels import gdn_conv
     traced = []  # (tokens, in_place) of every kernel call traced
     kernel = gdn_conv.gdn_conv_recurrence
     monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence",
                         lambda mixed, *a, **kw: traced.append((mixed.shape[1], kw["in_place"])) or kernel(mixed, *a, **kw))
-    before = ops.set_kernel_settings({"gdn_conv_in_kernel": True, "gdn_replay_fresh_state": fresh_state})
-    try:
-        out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a, impl="pallas")
-    finally:
-        ops.set_kernel_settings(before)
-        jax.clear_caches()
+    out, stats, state = run_spec_with({"gdn_conv_in_kernel": True, "gdn_replay_fresh_state": fresh_state},
+                                      controlled, prompts, k, max_new, cap=a)
     fresh = {tokens for tokens, in_place in traced if not in_place}
     assert fresh == ({k + 1} if fresh_state else set()), traced  # verify's K+1 tokens, not prefill or commit
     np.testing.assert_array_equal(out, want)
