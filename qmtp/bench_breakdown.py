@@ -162,7 +162,5 @@ def _device_piece(call, make_input, n=N_LONG) -> float | None:
     """Device busy seconds per iteration of `call(input, n)` (compiled already), from one profiled
     call (pallas_kernels.bench.trace_events); None without GPU events (a CPU run)."""
     from pallas_kernels.bench import trace_events
-    if jax.default_backend() == "cpu":  # no device events to read; spare the profiler's start-up
-        return None
     got = trace_events.device_time(call, jax.block_until_ready(make_input()), n, prefix="")
     return None if got is None else got["busy_s_per_device"] / n

@@ -26,7 +26,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
-from pallas_kernels.bench.step import LAUNCH_KINDS  # noqa: E402
+from pallas_kernels.bench.step import LAUNCH_KINDS, called_computations  # noqa: E402
 
 PROJECT_DIRS = ("qmtp/", "pallas_kernels/")
 QUIET_OPS = {"parameter", "constant", "bitcast", "broadcast", "get-tuple-element", "tuple", "reshape"}
@@ -104,7 +104,7 @@ def inventory(text: str) -> list[dict]:
     fusion), sources (project frames of its ops), computation (where it sits)."""
     frames = source_frames(text)
     comps = computations(text)
-    called = set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", text))
+    called = called_computations(text)
     launches = []
     for comp, lines in comps.items():
         if comp in called:

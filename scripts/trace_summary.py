@@ -32,8 +32,6 @@ def find_trace(path: str) -> str:
         raise SystemExit(f"trace_summary: {e}") from None
 
 
-load_events, busy_time = trace_events.load_events, trace_events.busy_time
-
 
 GAP_BUCKETS_US = (5, 20, 100, 1000)  # idle gaps counted as < 5 us, 5-20, 20-100, 100-1000, >= 1000
 
@@ -74,7 +72,7 @@ def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15) ->
             per_name[e.get("name", "?")][0] += 1
             per_name[e.get("name", "?")][1] += float(e["dur"])
         ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
-        busy = busy_time(intervals)
+        busy = trace_events.busy_time(intervals)
         out.append({"process": names.get(pid, str(pid)), "events": len(evs),
                     "summed_us": sum(float(e["dur"]) for e in evs), "span_us": span, "busy_us": busy,
                     "busy_share": busy / span if span > 0 else 0.0,
@@ -91,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(argv)
     trace = find_trace(args.path)
-    summary = summarize(load_events(trace), args.process, args.top)
+    summary = summarize(trace_events.load_events(trace), args.process, args.top)
     if args.json:
         print(json.dumps({"trace": trace, "processes": summary}, indent=1))
         return 0

@@ -94,7 +94,6 @@ def test_breakdown_device_piece_per_iteration(monkeypatch):
     """bench_breakdown's device figure: the busiest device's busy time of one profiled call over its
     iterations; a predicted round from the device pieces as from the wall-clock ones."""
     from qmtp import bench_breakdown as bd
-    monkeypatch.setattr(bd.jax, "default_backend", lambda: "gpu")  # the profiled path, with a fake trace
     calls = []
     monkeypatch.setattr(trace_events, "device_time", lambda fn, *a, prefix: calls.append(a) or {
         "busy_s_per_device": 18e-3})

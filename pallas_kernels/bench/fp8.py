@@ -152,7 +152,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M (from the
     wall clock, and from the kernels' device time where measured: "kernel_" keys).
 
-    device_time: the default Pallas configs also run once under the profiler (GPU only), which adds
+    device_time: the default Pallas configs also run once under the profiler (GPU only: nothing on
+    the CPU), which adds
     kernel_s_per_call (the Pallas kernel's own launches: its device time), busy_s_per_call (every
     kernel of a call, the split-K sum and the x pieces included, without the idle gaps between
     launches) and their shares of copy, next to the wall-clock s_per_call (trace_events)."""
@@ -223,7 +224,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                                weight_tb_s=weight_bytes / per / 1e12, tflop_s=2 * m * o * i / per / 1e12)
                     if impl == "pallas" and config is None:
                         pallas_default[m][(o, i)] = per
-                        if device_time and jax.default_backend() != "cpu":
+                        if device_time:
                             row.update(_device_figures(prog, args, reps * n, o * i, copy_tb_s))
                             if "kernel_s_per_call" in row:
                                 pallas_kernel[m][(o, i)] = row["kernel_s_per_call"]

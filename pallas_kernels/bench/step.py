@@ -99,6 +99,13 @@ LAUNCH_KINDS = ("fusion", "custom-call", "all-reduce-start", "all-reduce", "all-
                 "dynamic-update-slice", "gather", "scatter")
 
 
+def called_computations(hlo_text: str) -> set[str]:
+    """Names of the computations other ops call (fused computations, reducers): their ops run inside
+    those ops, not as launches of their own."""
+    import re
+    return set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", hlo_text))
+
+
 def count_launches(hlo_text: str) -> dict:
     """Top-level ops of an optimized HLO module by kind (fusions, custom calls: Pallas kernels and
     library GEMMs, collectives, copies): about the kernel launches of one step when the module is
@@ -108,7 +115,7 @@ def count_launches(hlo_text: str) -> dict:
     cost matter."""
     import re
     blocks = re.split(r"\n(?=%|ENTRY )", hlo_text)
-    called = set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", hlo_text))
+    called = called_computations(hlo_text)
     kinds = collections.Counter()
     pattern = re.compile(r"= \S+ (" + "|".join(re.escape(k) for k in LAUNCH_KINDS) + r")\(")
     for block in blocks:
@@ -171,12 +178,13 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             # one compile: its optimized HLO gives the launch count, the executable runs every timing
             compiled = decode.greedy_loop.lower(cfg, spec, params, fresh_state(), first, jnp.ones((1,), jnp.int32),
                                                 impl=impl).compile()
-            row["launches_per_step"] = count_launches(compiled.as_text())
+            hlo = compiled.as_text()
+            row["launches_per_step"] = count_launches(hlo)
             if hlo_dir:
                 os.makedirs(hlo_dir, exist_ok=True)
                 row["hlo"] = os.path.join(hlo_dir, f"{name}.hlo.txt.gz")
                 with gzip.open(row["hlo"], "wt") as f:
-                    f.write(compiled.as_text())
+                    f.write(hlo)
 
             def once(n):
                 state = fresh_state()

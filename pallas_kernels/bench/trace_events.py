@@ -79,8 +79,11 @@ def kernel_time(events: list[dict], prefix: str, process_filter: str = "GPU") ->
 
 def device_time(fn, *args, prefix: str) -> dict | None:
     """kernel_time of one call of `fn(*args)` (compiled before: call it once first) run under the
-    profiler; None on a backend without GPU events."""
+    profiler; None on the CPU (no device events: the profiler is not started) or on a backend whose
+    trace has no GPU events."""
     import jax
+    if jax.default_backend() == "cpu":
+        return None
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(fn(*args))
