@@ -158,7 +158,6 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]
     key_heads = (p["conv"].shape[0] - hv * dv) // (2 * dk)  # conv channels are q | k | v
-    valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
     mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), impl)  # [B, T, C] with C = q | k | v
     z = z.reshape(b, t, hv, dv)
     b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
@@ -170,21 +169,22 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
                                                    state_kept=return_replay)
         # commit_gdn runs the same kernel from the old conv / ssm state with n_valid = the accepted length
         replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], **raw_gates}
-    elif not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel
-        (q, k, v), new_conv, window = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
-        o, ssm = ops.gdn_recurrence_gated(q, k, v, a_raw, b_raw, p["A_log"], p["dt_bias"], ssm_state, n_valid,
-                                          impl=impl)
-        # commit_gdn runs the same kernel with n_valid = the accepted length
-        replay = {"window": window, "q": q, "k": k, "v": v, **raw_gates}
     else:
         (q, k, v), new_conv, window = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
-        g, beta = ops.gdn_gates(a_raw, b_raw, p["A_log"], p["dt_bias"])  # g: log-decay <= 0
-        beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
-        # padding must not touch the state even if its inputs are not finite: zero k and v as well
-        k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
-        recurrence = ops.gdn_chunked if chunked else ops.gdn_recurrence
-        o, ssm = recurrence(q, k, v, g, beta, ssm_state, impl=impl)
-        replay = {"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta}
+        if not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel
+            o, ssm = ops.gdn_recurrence_gated(q, k, v, a_raw, b_raw, p["A_log"], p["dt_bias"], ssm_state, n_valid,
+                                              impl=impl)
+            # commit_gdn runs the same kernel with n_valid = the accepted length
+            replay = {"window": window, "q": q, "k": k, "v": v, **raw_gates}
+        else:
+            valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
+            g, beta = ops.gdn_gates(a_raw, b_raw, p["A_log"], p["dt_bias"])  # g: log-decay <= 0
+            beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
+            # padding must not touch the state even if its inputs are not finite: zero k and v as well
+            k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
+            recurrence = ops.gdn_chunked if chunked else ops.gdn_recurrence
+            o, ssm = recurrence(q, k, v, g, beta, ssm_state, impl=impl)
+            replay = {"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta}
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
     result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
     if return_replay:
