@@ -56,11 +56,13 @@ GDN_GATES_IN_KERNEL = False
 GDN_CONV_IN_KERNEL = True
 # True: a forward that keeps its GDN input state alive for a replay (the verify pass: the commit may
 # rebuild from it) has the conv kernel write the new state to a fresh buffer. With the state input
-# aliased to the output (the default, in place for plain decode), XLA must first copy each GDN
-# layer's 3.1 MB state: the trace of session 8's K=3 runs shows 2 `memcpy128` per GDN layer per
-# round (2.7 us each, 0.27-0.31 ms of a ~12.1 ms round) and 1 more per rebuilt commit. Off until a
-# K=3 run measures it (--kernels=gdn_replay_fresh_state=true).
-GDN_REPLAY_FRESH_STATE = False
+# aliased to the output (in place, as plain decode keeps it), XLA must first copy each GDN layer's
+# 3.1 MB state. Measured on the H200 in one lease (session 9, `qmtp.bench
+# --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 --trace_dir=...`, with and without
+# --kernels=gdn_replay_fresh_state=false): the K=3 traces' `memcpy128` fell from 116.6 to 68.6 per
+# round (one is left per GDN kernel call) and device busy time per round
+# from 13.03 to 12.92 ms; K=3 natural 332.5 -> 338.7 tok/s, profiled 249.9 -> 251.6, plain unchanged.
+GDN_REPLAY_FRESH_STATE = True
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
@@ -82,6 +84,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
+                     "fp8_x_f16_max_rows": ("fp8_config", "X_F16_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS // 2)),
                      "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "fp8_decode_programs_per_sm": ("fp8_config", "DECODE_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_x_on_m": ("fp8_config", "NARROW_X_ON_M", None),
