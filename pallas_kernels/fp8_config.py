@@ -1,7 +1,7 @@
 """Tile configurations of the FP8 block matmul kernels (pallas_kernels/fp8_matmul.py) and the
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
-The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, NARROW_X_ON_M, DECODE_MAX_ROWS) live here and only here: set
+The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, NARROW_X_ON_M, DECODE_MAX_ROWS) live here and only here: set
 them through `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -98,6 +98,14 @@ SCALE_PRELOAD = True
 # `pallas_kernels.bench --parts=step`): 10.37 ms with x_f16 vs 12.75 ms without (step variant
 # "pallas_noxf16" keeps the old path measurable); the FP8 kernels' share fell from 10.7 to 8.0 ms.
 X_F16 = True
+# The most rows that take x_f16 by default (their 2M piece rows pad the dot to 2M, not 16). 16: at
+# 9-16 rows the pieces fill a 32-row dot and each weight still converts once to f16, not to bf16;
+# measured per weight at M = 16 on the H200 (2026-11-30, session 9, `pallas_kernels.bench
+# --parts=fp8 --fp8_ms=1,4,16`, the default with x_f16 flipped): faster on all seven 27B shapes,
+# 5120x6144 24.7 -> 20.7 us, 5120x17408 54.7 -> 45.2, 17408x5120 44.2 -> 39.5, 12288x5120
+# 28.2 -> 25.3, 10240x5120 28.7 -> 26.1, 6144x5120 20.9 -> 19.5. At M = 32 (64 piece rows) it ran
+# 1.2-1.4x slower on every shape (session 6): 17-32 rows stay on bf16 x.
+X_F16_MAX_ROWS = 16
 # Programs per SM the few-row split-K heuristic aims for (split_k doubles, up to 8 and while each split
 # keeps >= 4 chunks, until the grid has this many programs per SM). 2: the narrow weights (mlp_down,
 # o_proj / out_proj: 80 row blocks) get split-K 4, 320 programs of 4 warps on 132 SMs. Nsight Compute
@@ -126,8 +134,8 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     Otherwise 64-row programs, split_k (a power of two <= 8, >= 4 chunks per split) until the grid
     has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more
     rows use the tensor-core dot with at least 2 splits, and the wide shapes put x on the dot's M
-    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). With x_f16 (M <= 8) and
-    NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM. 17-64 rows (batched verify):
+    side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). x_f16 up to X_F16_MAX_ROWS rows; with
+    it at M <= 8 and NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM. 17-64 rows (batched verify):
     split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
     loaded per chunk, as measured)."""
     bo = 64
@@ -139,11 +147,12 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)
     dot = m > 1 or not M1_CUDA_CORE
-    # x_f16 only while the 2M piece rows fit the dot's 16-row minimum, which M rows pad to anyway: at
-    # M = 32 (64 piece rows) it ran 1.2-1.4x slower on every 27B shape (H200, 2026-11-30)
-    x_f16 = X_F16 and dot and 2 * m <= DOT_MIN
-    x_on_m = dot and (wide or (x_f16 and NARROW_X_ON_M))
-    per_sm = NARROW_PROGRAMS_PER_SM if x_f16 and NARROW_X_ON_M and not wide else DECODE_PROGRAMS_PER_SM
+    x_f16 = X_F16 and dot and m <= X_F16_MAX_ROWS
+    # the narrow x-on-M policy was measured where the piece rows fit the dot's 16-row minimum (M <= 8);
+    # at 9-16 rows the narrow weights keep W on the dot's M side (the M = 16 measurement's tiles)
+    narrow_x_on_m = x_f16 and NARROW_X_ON_M and 2 * m <= DOT_MIN
+    x_on_m = dot and (wide or narrow_x_on_m)
+    per_sm = NARROW_PROGRAMS_PER_SM if narrow_x_on_m and not wide else DECODE_PROGRAMS_PER_SM
     split = 1
     while n_o * split < per_sm * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
         split *= 2

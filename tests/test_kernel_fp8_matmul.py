@@ -197,7 +197,7 @@ CONFIGS = {  # name: (config, rows)
     "decode_dot_scale_preload_unroll": (DecodeConfig(block_o=16, chunks_per_step=2, scale_preload=True), [2]),
     "decode_fma_scale_preload": (DecodeConfig(block_o=32, use_dot=False, split_k=2, scale_preload=True), [1, 3]),
     # bf16 x as two f16 pieces (f32 x, alternated in, ignores the flag): W on either side of the dot
-    "decode_dot_x_f16": (DecodeConfig(split_k=2, x_f16=True, scale_preload=True), [1, 5]),
+    "decode_dot_x_f16": (DecodeConfig(split_k=2, x_f16=True, scale_preload=True), [1, 5, 12]),  # 12: BM = 32
     "decode_dot_x_f16_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True), [2, 24]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
@@ -364,20 +364,25 @@ def test_default_config_heuristic():
     assert isinstance(fm.default_config(33, 17408, 5120), PrefillConfig)
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
-    pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 / 8 rows (measured in the step)
+    pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 rows (measured per weight)
     # narrow mlp_down with the f16 pieces: x on the dot's M side, split-K 8 (4 programs per SM)
     assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, use_dot=True, swap_ab=False,
                                                              scale_preload=pre, x_f16=True)
     assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
                                                              scale_preload=pre, x_f16=f16)
-    # 9-16 rows: the f16 pieces would double the dot's rows past its 16-row minimum (slower at M = 32)
-    assert fm.default_config(8, 5120, 6144).x_f16 == f16 and not fm.default_config(9, 5120, 6144).x_f16
+    # f16 pieces up to 16 rows (32 piece rows: faster per weight at M = 16), not at 17-32 (slower at M = 32)
+    assert fm.default_config(16, 5120, 6144).x_f16 == f16 and not fm.default_config(17, 5120, 6144).x_f16
     # narrow O with the f16 pieces (<= 8 rows): 80 row blocks -> split-K 8 -> 640 programs on 132 SMs
     for m in (1, 5, 8):
         assert [fm.default_config(m, o, i).split_k for o, i in ((5120, 17408), (5120, 6144), (6144, 5120))] == [8] * 3
         assert not fm.default_config(m, 5120, 6144).swap_ab
     assert fm.default_config(1, 5120, 3072).split_k == 4  # 24 chunks (o_proj at TP2): each split keeps >= 4
-    assert fm.default_config(9, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, scale_preload=pre)
+    # 9-16 rows of a narrow weight: f16 pieces, but W stays on the dot's M side (split-K 4, 2 programs per SM)
+    for m in (9, 16):
+        assert fm.default_config(m, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, scale_preload=pre,
+                                                                 x_f16=f16)
+    assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False, scale_preload=pre,
+                                                              x_f16=f16)
     assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
     assert fm.default_config(5, 130, 129).split_k == 1  # two chunks: nothing to split
     # the wide weights keep split-K 2 (their sweep's best)
@@ -739,7 +744,7 @@ def test_scale_preload_lowers_for_h200(m, o, i):
     assert attr_int(cfg, "grid_y") == config.split_k and "scf.for" in ir_text
 
 
-@pytest.mark.parametrize("m, o, i", [(1, F, E), (4, E, F)])
+@pytest.mark.parametrize("m, o, i", [(1, F, E), (4, E, F), (16, E, F)])
 def test_x_f16_lowers_for_h200(m, o, i):
     """DecodeConfig(x_f16=True) compiles for the H200: one Triton call with one f16 dot per chunk
     over the rows [hi; lo] and the weight converted E4M3 -> f16, not bf16."""
