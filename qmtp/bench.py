@@ -155,13 +155,17 @@ def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, byte
     return out
 
 
-def breakdown(model, batch: int, length: int, ks: list[int], modes: list[dict], progress: Progress) -> dict:
+def breakdown(model, batch: int, length: int, ks: list[int], modes: list[dict], progress: Progress,
+              kernels: dict) -> dict:
     """Per K: each piece of a round timed alone (qmtp.bench_breakdown) and the measured round time
-    of the natural-acceptance mode (decode time / rounds)."""
+    of the natural-acceptance mode (decode time / rounds). On a GPU, kernels[K] receives each
+    piece's launches per iteration by kind."""
     from qmtp import api, bench_breakdown as bd
     out = {}
     for k in ks:
-        pieces = bd.measure(model, lambda: api._new_state(model, [length + FLAGS.max_new_tokens + 8] * batch), k)
+        kernels[str(k)] = {}
+        pieces = bd.measure(model, lambda: api._new_state(model, [length + FLAGS.max_new_tokens + 8] * batch), k,
+                            kernels[str(k)])
         mode = next(m for m in modes if m["k"] == k and m["acceptance"] == "natural")
         raw = mode["raw"][-1]
         pieces["measured_round"] = raw["decode_s"] / max(raw["steps"], 1)
@@ -207,7 +211,10 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     case["roofline"] = {"plain_tok_s": br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)}
     if FLAGS.breakdown:
         bks = [int(k) for k in FLAGS.breakdown_ks] or ks
-        case["breakdown"] = breakdown(model, batch, length, bks, case["modes"], progress)
+        kernels = {}
+        case["breakdown"] = breakdown(model, batch, length, bks, case["modes"], progress, kernels)
+        if any(kernels.values()):
+            case["breakdown_kernels"] = kernels
     case["all_tokens_match_plain"] = bool(np.all([m["tokens_match_plain"] for m in case["modes"]]))
     return case
 
@@ -297,6 +304,8 @@ def _run() -> int:
                           "mean little here; they are a GPU measure)")
                 if case.get("breakdown"):
                     print(br.breakdown_table(case["breakdown"]))
+                for k, pieces in (case.get("breakdown_kernels") or {}).items():
+                    print(f"K={k}: " + br.kernel_diff_table(pieces))
                 case["targets"] = br.targets(case)
                 if case["targets"] and jax.default_backend() != "cpu":  # GPU targets (PERFORMANCE.md)
                     print(br.targets_text(case["targets"]))

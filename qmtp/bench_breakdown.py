@@ -23,7 +23,8 @@ full-acceptance rounds skip.
 
 On a GPU each piece also gets `device_<piece>`: the device's busy time per iteration (the union of
 its kernels in a profiler trace of one N_LONG call, the busiest device under TP; no idle gaps),
-and `device_predicted_round` from those. A piece of few small launches (the commit: 48 GDN kernels)
+and `device_predicted_round` from those; measure() also hands back each piece's launches by kind
+(bench_report.kernel_diff_table: what the verify pass adds to a target step, launch kind by kind). A piece of few small launches (the commit: 48 GDN kernels)
 can be bound by the host's loop rather than the device, so its wall-clock figure overstates what
 it costs inside a round, where the device stays busy (session 8: 1.05 ms by the wall clock).
 """
@@ -129,9 +130,12 @@ def _time_piece(call, make_input, n_short=N_SHORT, n_long=N_LONG, repeats=REPEAT
     return (min(times[n_long]) - min(times[n_short])) / (n_long - n_short)
 
 
-def measure(model, new_state, k: int) -> dict:
-    """Seconds per piece for MTP K on `model`; new_state() gives a fresh decode state (donated)."""
+def measure(model, new_state, k: int, kernels: dict | None = None) -> dict:
+    """Seconds per piece for MTP K on `model`; new_state() gives a fresh decode state (donated).
+    On a GPU, `kernels` (when given) receives each piece's launches per iteration by kind
+    ({piece: {launch kind: {"us", "count"}}}, see _device_piece)."""
     from qmtp.api import _call
+    kernels = {} if kernels is None else kernels
     pieces = {"target_step": (target_loop, {"t": 1}), "verify": (target_loop, {"t": k + 1}),
               "draft": (draft_loop, {}), "commit": (commit_loop, {"k": k})}
     if model.tp > 1:
@@ -147,7 +151,7 @@ def measure(model, new_state, k: int) -> dict:
         out[name] = _time_piece(call, new_state)
         device = _device_piece(call, new_state)
         if device is not None:
-            out[f"device_{name}"] = device
+            out[f"device_{name}"], kernels[name] = device
     out["predicted_round"] = _predicted_round(out, k, "")
     if "device_verify" in out:
         out["device_predicted_round"] = _predicted_round(out, k, "device_")
@@ -158,9 +162,14 @@ def _predicted_round(pieces: dict, k: int, key: str) -> float:
     return (k - 1) * pieces[f"{key}draft"] + pieces[f"{key}verify"] + pieces[f"{key}commit"] + pieces[f"{key}draft"]
 
 
-def _device_piece(call, make_input, n=N_LONG) -> float | None:
-    """Device busy seconds per iteration of `call(input, n)` (compiled already), from one profiled
-    call (pallas_kernels.bench.trace_events); None without GPU events (a CPU run)."""
+def _device_piece(call, make_input, n=N_LONG) -> tuple[float, dict] | None:
+    """(device busy seconds per iteration of `call(input, n)` (compiled already), its launches per
+    iteration by kind {kind: {"us", "count"}}) from one profiled call (pallas_kernels.bench.trace_events:
+    the busiest device; kinds are launch names without their numbering, so two pieces' programs
+    compare kind by kind); None without GPU events (a CPU run)."""
     from pallas_kernels.bench import trace_events
     got = trace_events.device_time(call, jax.block_until_ready(make_input()), n, prefix="")
-    return None if got is None else got["busy_s_per_device"] / n
+    if got is None:
+        return None
+    kinds = {kind: {"us": row["us"] / n, "count": row["count"] / n} for kind, row in (got.get("kernels") or {}).items()}
+    return got["busy_s_per_device"] / n, kinds

@@ -159,6 +159,23 @@ def breakdown_table(breakdown: dict) -> str:
     return "milliseconds per piece of a round:\n" + aligned(rows)
 
 
+def kernel_diff_table(pieces: dict, base: str = "target_step", other: str = "verify", top: int = 20) -> str:
+    """Microseconds per iteration by launch kind in two pieces of the breakdown ({piece: {kind: {"us",
+    "count"}}}, bench_breakdown.measure on a GPU) and their difference, the largest differences
+    first: what a verify pass over K+1 tokens adds to a one-token target step, kind by kind."""
+    a, b = pieces.get(base, {}), pieces.get(other, {})
+    kinds = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, {}).get("us", 0.0) - a.get(n, {}).get("us", 0.0)))
+    zero = {"us": 0.0, "count": 0.0}
+    rows = [["launch kind", f"{base} us", "n", f"{other} us", "n", "difference us"]]
+    for n in kinds[:top]:
+        x, y = a.get(n, zero), b.get(n, zero)
+        rows.append([n[:48], f"{x['us']:.1f}", f"{x['count']:g}", f"{y['us']:.1f}", f"{y['count']:g}",
+                     f"{y['us'] - x['us']:+.1f}"])
+    total = sum(v["us"] for v in b.values()) - sum(v["us"] for v in a.values())
+    return (f"device time per iteration by launch kind, {other} against {base} "
+            f"(summed kernel time {total:+.1f} us):\n" + aligned(rows))
+
+
 # PERFORMANCE.md's targets a single run can check (TP2 >= 1.6x TP1 needs two runs: compare their JSONs)
 PLAIN_ROOFLINE_TARGET = 0.75
 K3_PROFILED_SPEEDUP_TARGET = 2.5

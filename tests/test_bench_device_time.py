@@ -39,6 +39,21 @@ def test_kernel_time_counts_the_prefix_and_busy_time_skips_the_gaps():
     assert trace_events.kernel_time(META + [x(HOST, "fp8_matmul_decode", 0, 5)], "fp8") is None  # no GPU events
 
 
+def test_kernel_table_groups_launches_by_kind_on_the_busiest_device():
+    """Launch names lose their numbering (two programs number the same kind differently); the table
+    is the busiest GPU's, the largest kind first; no GPU events: None."""
+    assert [trace_events.launch_kind(n) for n in ("fp8_matmul_decode__7", "loop_add_fusion_127", "memcpy128",
+                                                   "input_concatenate_fusion_260", "gdn_conv_recurrence", "_1")] == [
+        "fp8_matmul_decode", "loop_add_fusion", "memcpy128", "input_concatenate_fusion", "gdn_conv_recurrence", "_1"]
+    events = TWO_CALLS + [x(GPU, "fusion_12", 30, 1), x(GPU, "fusion_7", 31, 1)]
+    gpu1 = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:1"}}, x(3, "other_9", 0, 6)]
+    table = trace_events.kernel_table(events + gpu1)
+    assert table == {"fp8_matmul_decode": {"us": 16.0, "count": 2}, "loop_reduce_fusion": {"us": 4.0, "count": 2},
+                     "fusion": {"us": 2.0, "count": 2}}
+    assert list(table) == ["fp8_matmul_decode", "loop_reduce_fusion", "fusion"]
+    assert trace_events.kernel_table(META + [x(HOST, "k", 0, 5)]) is None
+
+
 def test_device_time_of_a_cpu_run_is_none():
     f = jax.jit(lambda a: a * 2)
     jax.block_until_ready(f(jnp.ones(4)))
@@ -96,8 +111,9 @@ def test_breakdown_device_piece_per_iteration(monkeypatch):
     from qmtp import bench_breakdown as bd
     calls = []
     monkeypatch.setattr(trace_events, "device_time", lambda fn, *a, prefix: calls.append(a) or {
-        "busy_s_per_device": 18e-3})
-    assert bd._device_piece(lambda x, n: x, lambda: jnp.zeros(2), n=18) == pytest.approx(1e-3)
+        "busy_s_per_device": 18e-3, "kernels": {"gdn": {"us": 36.0, "count": 18}}})
+    busy, kinds = bd._device_piece(lambda x, n: x, lambda: jnp.zeros(2), n=18)
+    assert busy == pytest.approx(1e-3) and kinds == {"gdn": {"us": 2.0, "count": 1.0}}  # per iteration
     assert calls[0][1] == 18  # (input, n): one call of n iterations
     monkeypatch.setattr(trace_events, "device_time", lambda fn, *a, prefix: None)
     assert bd._device_piece(lambda x, n: x, lambda: jnp.zeros(2)) is None  # a CPU run: no figure
@@ -113,3 +129,15 @@ def test_breakdown_table_adds_the_device_columns_when_measured():
     assert "device_" not in br.breakdown_table(wall)  # a CPU run
     header = br.breakdown_table({"3": dict(wall["3"], device_verify=0.0099, device_commit=0.0002)}).splitlines()[1]
     assert header.split()[-2:] == ["device_verify", "device_commit"]
+
+
+def test_kernel_diff_table_orders_the_kinds_by_what_verify_adds():
+    from qmtp import bench_report as br
+    pieces = {"target_step": {"fp8_matmul_decode": {"us": 7500.0, "count": 401}, "memcpy128": {"us": 0.0, "count": 0},
+                              "fusion": {"us": 900.0, "count": 500}},
+              "verify": {"fp8_matmul_decode": {"us": 7670.0, "count": 401}, "memcpy128": {"us": 130.0, "count": 48},
+                         "fusion": {"us": 880.0, "count": 500}}}
+    lines = br.kernel_diff_table(pieces).splitlines()
+    assert "+280.0 us" in lines[0]  # summed: 170 + 130 - 20
+    assert [ln.split()[0] for ln in lines[2:]] == ["fp8_matmul_decode", "memcpy128", "fusion"]
+    assert lines[3].split()[-1] == "+130.0" and lines[4].split()[-1] == "-20.0"

@@ -18,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 
 
@@ -77,14 +78,42 @@ def kernel_time(events: list[dict], prefix: str, process_filter: str = "GPU") ->
             "devices": len(busy), "busy_s_per_device": max(busy) * 1e-6}
 
 
+# the numbering XLA and Pallas append to a launch's name (fusion_6282, fp8_matmul_decode__7,
+# input_concatenate_fusion_260): two compiled programs number the same kind of launch differently
+_NUMBERING = re.compile(r"(?:_+\d+)+$")
+
+
+def launch_kind(name: str) -> str:
+    """A launch's name without its numbering: 'fp8_matmul_decode__7' -> 'fp8_matmul_decode',
+    'loop_add_fusion_127' -> 'loop_add_fusion', 'memcpy128' stays (no separator)."""
+    return _NUMBERING.sub("", name) or name
+
+
+def kernel_table(events: list[dict], process_filter: str = "GPU") -> dict[str, dict] | None:
+    """launch_kind -> {"us": summed duration, "count": launches} over the busiest GPU process (the
+    one with the most summed event time), the largest first; None without GPU events."""
+    per_pid = process_events(events, process_filter)
+    if not per_pid:
+        return None
+    evs = max(per_pid.values(), key=lambda es: sum(float(e["dur"]) for e in es))
+    table: dict[str, dict] = {}
+    for e in evs:
+        row = table.setdefault(launch_kind(str(e.get("name", ""))), {"us": 0.0, "count": 0})
+        row["us"] += float(e["dur"])
+        row["count"] += 1
+    return dict(sorted(table.items(), key=lambda kv: -kv[1]["us"]))
+
+
 def device_time(fn, *args, prefix: str) -> dict | None:
     """kernel_time of one call of `fn(*args)` (compiled before: call it once first) run under the
-    profiler; None on the CPU (no device events: the profiler is not started) or on a backend whose
-    trace has no GPU events."""
+    profiler, with its kernel_table under "kernels"; None on the CPU (no device events: the profiler
+    is not started) or on a backend whose trace has no GPU events."""
     import jax
     if jax.default_backend() == "cpu":
         return None
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(fn(*args))
-        return kernel_time(load_events(find_trace(d)), prefix)
+        events = load_events(find_trace(d))
+    got = kernel_time(events, prefix)
+    return None if got is None else dict(got, kernels=kernel_table(events))
