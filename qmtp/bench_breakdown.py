@@ -130,16 +130,22 @@ def _time_piece(call, make_input, n_short=N_SHORT, n_long=N_LONG, repeats=REPEAT
     return (min(times[n_long]) - min(times[n_short])) / (n_long - n_short)
 
 
-def measure(model, new_state, k: int, kernels: dict | None = None) -> dict:
+def measure(model, new_state, k: int, kernels: dict | None = None, only: tuple | None = None) -> dict:
     """Seconds per piece for MTP K on `model`; new_state() gives a fresh decode state (donated).
     On a GPU, `kernels` (when given) receives each piece's launches per iteration by kind
-    ({piece: {launch kind: {"us", "count"}}}, see _device_piece)."""
+    ({piece: {launch kind: {"us", "count"}}}, see _device_piece). `only`: the pieces to time (all by
+    default; the predicted round needs draft, verify and commit)."""
     from qmtp.api import _call
     kernels = {} if kernels is None else kernels
     pieces = {"target_step": (target_loop, {"t": 1}), "verify": (target_loop, {"t": k + 1}),
               "draft": (draft_loop, {}), "commit": (commit_loop, {"k": k})}
     if model.tp > 1:
         pieces["all_reduce"] = (all_reduce_loop, {})
+    if only is not None:
+        unknown = sorted(set(only) - set(pieces))
+        if unknown:
+            raise ValueError(f"unknown breakdown piece(s) {', '.join(unknown)}; known: {', '.join(pieces)}")
+        pieces = {n: v for n, v in pieces.items() if n in only}
     out = {}
     for name, (fn, extra) in pieces.items():
         static = dict(extra, impl=model.impl) if fn is not all_reduce_loop else {}
@@ -152,8 +158,9 @@ def measure(model, new_state, k: int, kernels: dict | None = None) -> dict:
         device = _device_piece(call, new_state)
         if device is not None:
             out[f"device_{name}"], kernels[name] = device
-    out["predicted_round"] = _predicted_round(out, k, "")
-    if "device_verify" in out:
+    if {"draft", "verify", "commit"} <= set(out):
+        out["predicted_round"] = _predicted_round(out, k, "")
+    if {"device_draft", "device_verify", "device_commit"} <= set(out):
         out["device_predicted_round"] = _predicted_round(out, k, "device_")
     return out
 

@@ -4,6 +4,8 @@
 #
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
+#   scripts/gpu_session.sh start_pieces [SECONDS]  a ~6-minute lease: the verify pass against a target
+#                                           step launch kind by kind (scripts/round_pieces.py), FP8 at 16 rows
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -212,7 +214,27 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
+pieces() {  # a ~6-minute lease: where the verify pass spends what a target step does not (launch kinds),
+  # and the FP8 kernels at 16 rows against the default with x_f16 flipped
+  (export CUDA_VISIBLE_DEVICES=1
+   job bench_fp8_m16 150 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=16 --fp8_prefill_ms= --xla=false \
+     --out=$R/bench_fp8_m16.json) &
+  export CUDA_VISIBLE_DEVICES=0
+  job checkpoint27 300 python3 -c "
+from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+  job round_pieces 300 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,draft --out=$R/round_pieces.json
+  wait
+  touch $R/all.done
+}
+
 case $cmd in
+  start_pieces)  # QUICK: see pieces()
+    rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
+    cd $SRC || exit 1
+    export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
+    setsid bash -c "$(declare -f job pieces); R=$R; pieces" </dev/null >$R/pieces.out 2>&1 &
+    wait_and_pack
+    ;;
   start_confirm)  # QUICK: see confirm()
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
@@ -240,5 +262,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac
