@@ -24,6 +24,9 @@ import sys
 from absl import app, flags
 
 from pallas_kernels.bench.step import VARIANTS
+from qmtp import xla_defaults  # the step runs qmtp's model: its XLA settings, before any computation
+
+xla_defaults.apply()
 
 PARTS = ("fp8", "gdn", "attention", "step")
 
