@@ -63,6 +63,12 @@ GDN_CONV_IN_KERNEL = True
 # round (one is left per GDN kernel call) and device busy time per round
 # from 13.03 to 12.92 ms; K=3 natural 332.5 -> 338.7 tok/s, profiled 249.9 -> 251.6, plain unchanged.
 GDN_REPLAY_FRESH_STATE = True
+# The conv kernel's tile (gdn.RecurrenceConfig): Dv columns of the state per program and warps per
+# program. 32 x 4 is the recurrence kernel's measured default (gdn_decode sweep, session 3); the conv
+# kernel's own sweep is `pallas_kernels.bench --parts=gdn` (kernel gdn_conv_decode). In the K=3
+# verify of session 9 the kernel took 8.4 us per layer at T=4 against 4.5 at T=1 (192 programs).
+GDN_CONV_BLOCK_V = 32
+GDN_CONV_NUM_WARPS = 4
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
@@ -80,6 +86,8 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_gates_in_kernel": ("ops", "GDN_GATES_IN_KERNEL", None),
                      "gdn_conv_in_kernel": ("ops", "GDN_CONV_IN_KERNEL", None),
                      "gdn_replay_fresh_state": ("ops", "GDN_REPLAY_FRESH_STATE", None),
+                     "gdn_conv_block_v": ("ops", "GDN_CONV_BLOCK_V", (1, 128)),
+                     "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
@@ -247,8 +255,9 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     hv, dk, dv = state.shape[1:]
     kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5}
     if impl == "pallas":
+        config = gdn.RecurrenceConfig(block_v=GDN_CONV_BLOCK_V, num_warps=GDN_CONV_NUM_WARPS)
         return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
-                                            interpret=_interpret(),
+                                            interpret=_interpret(), config=config,
                                             in_place=not (state_kept and GDN_REPLAY_FRESH_STATE), **kw)
     return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, **kw)
 

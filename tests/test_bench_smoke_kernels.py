@@ -19,7 +19,7 @@ def rel_err_bound(row: dict) -> float:
     return 2.0 ** -7 if row.get("dtype") == "bfloat16" else 1e-3
 
 
-@pytest.mark.parametrize("module, kernels", [(gdn, {"gdn_decode", "gdn_prefill"}),
+@pytest.mark.parametrize("module, kernels", [(gdn, {"gdn_decode", "gdn_conv_decode", "gdn_prefill"}),
                                              (attention, {"paged_attention"})])
 def test_quick_interpret_run(module, kernels):
     rows = []

@@ -332,3 +332,20 @@ def test_gpu_kernel_matches_ref_real_shapes(b, t):
     np.testing.assert_array_equal(bits(conv), bits(want_conv), "gpu kernel conv state bits")
     for i in np.flatnonzero(n_valid == 0):
         np.testing.assert_array_equal(bits(s[i]), bits(s0[i]), "no valid token: state bits")
+
+
+@pytest.mark.parametrize("block_v, warps", [(32, 4), (8, 2)])
+def test_engine_tile_setting_reaches_the_kernel(block_v, warps, monkeypatch):
+    """ops.gdn_conv_recurrence launches the conv kernel with the engine's tile settings
+    (gdn_conv_block_v / gdn_conv_num_warps, swept by the step bench's pallas_gdnbv* variants)."""
+    from qmtp import ops
+    seen = []
+    real = gdn_conv.gdn_conv_recurrence
+    monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
+    previous = ops.set_kernel_settings({"gdn_conv_block_v": block_v, "gdn_conv_num_warps": warps})
+    try:
+        args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
+        o, _, _ = ops.gdn_conv_recurrence(*args, impl="pallas")
+    finally:
+        ops.set_kernel_settings(previous)
+    assert seen == [gdn.RecurrenceConfig(block_v=block_v, num_warps=warps)] and o.shape == (1, 2, 2, 32)

@@ -8,6 +8,12 @@ state per sequence: far more than the 50 MB L2, and no host dispatch per call). 
 wall time / (layers * iters). bytes = 2 * B * Hv * Dk * Dv * 4: the f32 state read and written once
 per call (q, k, v, o are < 1% of it). rel_err = max |x - x_ref| / max |x_ref| over o and the state.
 
+Decode / verify from the raw in_proj output (kernel "gdn_conv_decode", the engine's default path,
+qmtp.ops.GDN_CONV_IN_KERNEL): the Pallas `gdn_conv.gdn_conv_recurrence` (conv, norms, gates and the
+recurrence in one kernel) over the same batches and tokens and `conv_configs` tile configs ("BVxWARPS";
+the first is the engine's, qmtp.ops.GDN_CONV_BLOCK_V x GDN_CONV_NUM_WARPS), against
+`gdn_conv_recurrence_ref` (impl "xla"). bytes as gdn_decode's (the state; the raw inputs are ~1%).
+
 Chunked prefill (kernel "gdn_prefill", B = 1, T in {512, 4096}): `gdn_chunked_ref` (impl "xla"; the
 only prefill path, no kernel yet) with `prefill_layers` layers in one jitted program, and the Pallas
 recurrence kernel at the same T (impl "pallas", its token loop; rel_err vs the chunked form).
@@ -39,6 +45,10 @@ CHUNK = 64  # gdn_chunked_ref's default chunk
 # Tile configs, block_v x num_warps; the first is the frozen default (gdn_kernel.RECURRENCE_CONFIG).
 CONFIGS = ("32x4", "16x4", "64x4", "32x2", "32x8", "128x8")
 DEFAULT_CONFIG = f"{gdn_kernel.RECURRENCE_CONFIG.block_v}x{gdn_kernel.RECURRENCE_CONFIG.num_warps}"
+# The conv kernel's sweep (the first: the engine's setting). Narrower tiles give more programs (Hv *
+# Dv / BV: 192 at BV = 32, ~1.5 per SM of the H200) for a per-token chain that is latency-bound;
+# each program convolves its key head's q and k channels again.
+CONV_CONFIGS = ("32x4", "16x4", "8x4", "16x2", "8x2", "64x4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +56,7 @@ class Sizes:
     batches: tuple = (1, 8, 16)
     tokens: tuple = (1, 4, 5)  # decode, K+1 verify for K = 3, the default K = 4
     configs: tuple = CONFIGS
+    conv_configs: tuple = CONV_CONFIGS
     layers: int = GDN_LAYERS  # distinct states per loop iteration (one decode step's worth)
     iters: int = 20
     repeats: int = 7
@@ -60,8 +71,8 @@ def sizes(quick: bool, interpret: bool) -> Sizes:
     interpret (CPU smoke test of the code paths): few layers and calls, small layer matmuls."""
     s = Sizes()
     if quick:
-        s = dataclasses.replace(s, batches=(1,), tokens=(1, 5), configs=CONFIGS[:1], repeats=3,
-                                prefill_tokens=(512,))
+        s = dataclasses.replace(s, batches=(1,), tokens=(1, 5), configs=CONFIGS[:1], conv_configs=CONV_CONFIGS[:2],
+                                repeats=3, prefill_tokens=(512,))
     if interpret:
         s = dataclasses.replace(s, layers=2, iters=1, repeats=2, prefill_layers=1, hidden=256, ffn=512,
                                 prefill_tokens=tuple(min(t, CHUNK) for t in s.prefill_tokens[:1]))
@@ -121,9 +132,10 @@ def _kernel_fn(config: str, interpret: bool):
 
 # ---- decode / verify ------------------------------------------------------------------------------
 
-def _decode_time(fn, b: int, t: int, sz: Sizes) -> dict:
-    """fn(q, k, v, g, beta, state) -> (o, state'), sz.layers states updated per fori_loop iteration."""
-    inputs = gdn_inputs(jax.random.key(b * 10 + t), b, t)[:5]
+def _decode_time(fn, b: int, t: int, sz: Sizes, inputs=None) -> dict:
+    """fn(*inputs, state) -> (o, state') (inputs: q, k, v, g, beta by default), sz.layers states
+    updated per fori_loop iteration."""
+    inputs = gdn_inputs(jax.random.key(b * 10 + t), b, t)[:5] if inputs is None else inputs
     states = tuple(0.5 * jax.random.normal(jax.random.key(1000 + i), (b, HV, DK, DV)) for i in range(sz.layers))
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -165,6 +177,59 @@ def bench_decode(copy_tb_s: float, emit, sz: Sizes, configs, with_ref: bool, int
                         extra = {"rel_err_o": rel_err(o, want[0]), "rel_err_state": rel_err(s, want[1])}
                         extra["rel_err"] = max(extra["rel_err_o"], extra["rel_err_state"])
                     m = _decode_time(fn, b, t, sz)
+                    row = {**base, **_rates(nbytes, m.pop("s_per_call"), copy_tb_s), **extra, **m}
+                except Exception as e:
+                    row = _error_row(base, nbytes, e)
+                emit(row)
+
+
+def conv_inputs(key, b: int, t: int):
+    """The conv kernel's inputs at the 27B shapes: mixed [B, T, C] bf16 (C = 2 Hk Dk + Hv Dv), conv
+    state [B, W-1, C], conv weight [C, W], raw gate projections a, b [B, T, Hv], A_log, dt_bias [Hv]
+    and n_valid [B] = T (every token valid)."""
+    c, width = 2 * HK * DK + HV * DV, 4
+    ks = jax.random.split(key, 7)
+    mixed = jax.random.normal(ks[0], (b, t, c), jnp.bfloat16)
+    conv = jax.random.normal(ks[1], (b, width - 1, c), jnp.bfloat16)
+    conv_w = (0.5 * jax.random.normal(ks[2], (c, width))).astype(jnp.bfloat16)
+    a, bb = (jax.random.normal(k, (b, t, HV), jnp.bfloat16) for k in ks[3:5])
+    a_log = jnp.log(jax.random.uniform(ks[5], (HV,), minval=1.0, maxval=16.0))
+    dt_bias = 0.1 * jax.random.normal(ks[6], (HV,))
+    return mixed, conv, conv_w, a, bb, a_log, dt_bias, jnp.full((b,), t, jnp.int32)
+
+
+def _conv_fn(config: str | None, interpret: bool):
+    """(conv_inputs..., state) -> (o, state): the conv kernel with a "BVxWARPS" tile config, or the ref
+    (None). The state goes last, as _decode_time passes it; the kernel takes it before n_valid."""
+    from pallas_kernels import gdn_conv
+    kw = {"key_heads": HK, "scale": DK ** -0.5}
+    if config is None:
+        return lambda *args: gdn_conv.gdn_conv_recurrence_ref(*args[:-2], args[-1], args[-2], **kw)[:2]
+    bv, warps = map(int, config.split("x"))
+    cfg = gdn_kernel.RecurrenceConfig(block_v=bv, num_warps=warps)
+    return lambda *args: gdn_conv.gdn_conv_recurrence(*args[:-2], args[-1], args[-2], config=cfg,
+                                                      interpret=interpret, **kw)[:2]
+
+
+def bench_conv_decode(copy_tb_s: float, emit, sz: Sizes, configs, interpret: bool) -> None:
+    for b in sz.batches:
+        for t in sz.tokens:
+            nbytes = 2 * b * HV * DK * DV * 4
+            inputs = conv_inputs(jax.random.key(b * 10 + t), b, t)
+            state = 0.5 * jax.random.normal(jax.random.key(7), (b, HV, DK, DV))
+            want = jax.jit(_conv_fn(None, interpret))(*inputs, state)
+            for impl, config in [("xla", None)] + [("pallas", c) for c in configs]:
+                base = {"kernel": "gdn_conv_decode", "case": f"B={b} T={t}", "impl": impl, "B": b, "T": t}
+                if config is not None:
+                    base["config"] = config
+                try:
+                    fn = _conv_fn(config, interpret)
+                    extra = {}
+                    if config is not None:
+                        o, s_new = jax.jit(fn)(*inputs, state)
+                        extra = {"rel_err_o": rel_err(o, want[0]), "rel_err_state": rel_err(s_new, want[1])}
+                        extra["rel_err"] = max(extra["rel_err_o"], extra["rel_err_state"])
+                    m = _decode_time(fn, b, t, sz, inputs)
                     row = {**base, **_rates(nbytes, m.pop("s_per_call"), copy_tb_s), **extra, **m}
                 except Exception as e:
                     row = _error_row(base, nbytes, e)
@@ -273,5 +338,6 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False)
     # the ref and the default config everywhere, then prefill, then the rest of the config sweep:
     # whatever a time limit cuts off, the main figures are already emitted
     bench_decode(copy_tb_s, emit, sz, sz.configs[:1], with_ref=True, interpret=interpret)
+    bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs, interpret=interpret)
     bench_prefill(copy_tb_s, emit, sz, interpret)
     bench_decode(copy_tb_s, emit, sz, sz.configs[1:], with_ref=False, interpret=interpret)
