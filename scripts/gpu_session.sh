@@ -19,15 +19,13 @@
 #     --platform manylinux2014_x86_64 -d .whl fastapi uvicorn starlette pydantic pydantic_core \
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
-#   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then TP1 plain + K=3 with the defaults
-#          (with the round breakdown, wall clock and device time per piece) and with
-#          ops.GDN_REPLAY_FRESH_STATE, each mode traced and summarized (the GDN state
-#          copies per round), then every FP8 shape at 1/4/16 rows with the kernels' device time;
-#          with SERVE=1 also the server load test on that checkpoint (issue 7),
-#          MTP K=3 then plain
-#   GPU 1: the 64-layer step under six XLA settings (fusion rewriters, command buffers around the
-#          loops; scripts/best_xla_flags.py), then TP1 plain + K=3 with the winners if any, then
-#          (TRAIN=1) the two demo recipes and their benches (issue 8). About 12 minutes per line.
+#   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then the verify pass against a target step
+#          launch kind by kind with XLA's DotMerger off (qmtp's default) and on (scripts/round_pieces.py),
+#          then TP1 plain + K=3 with the defaults and the round breakdown; with SERVE=1 also the server
+#          load test on that checkpoint (issue 7), MTP K=3 then plain
+#   GPU 1: the GDN bench with the conv kernel's tile sweep, the 64-layer step with conv tiles BV = 16
+#          and 8, then TP1 plain + K=3 with the best tile if it beat the default by 1%, then (TRAIN=1)
+#          the two demo recipes and their benches (issue 8). About 12 minutes per line.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default; with GPU 1's
 #          winning XLA settings), ~10 minutes (~5 with TABLE_ARGS="--ks=3 --repeats=2")
@@ -79,23 +77,16 @@ gpu0() {
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
   touch $R/checkpoint27.done
-  # issue 6: K=3 with the defaults and with the verify pass writing fresh GDN state buffers
-  # (ops.GDN_REPLAY_FRESH_STATE), each mode traced: the K=3 traces count the GDN state copies
-  # (`memcpy128`, 2 per GDN layer per round in session 8) that the switch should remove
-  for v in default fresh; do
-    job tp1_k3_$v 480 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-      --breakdown=$([ $v = default ] && echo true || echo false) --out=$R/tp1_k3_$v.json \
-      --trace_dir=/tmp/qmtp_e2e_$v $([ $v = fresh ] && echo --kernels=gdn_replay_fresh_state=true)
-    for d in /tmp/qmtp_e2e_$v/*/; do
-      python3 scripts/trace_summary.py "$d" --json --top=40 >$R/e2e_trace_${v}_$(basename "$d").json 2>>$R/trace.log
-    done
-  done
-  # issue 4: every FP8 shape of the step at 1, 4 and 16 rows with the kernels' device time from a
-  # profiler trace next to the wall clock (kernel_* / busy_* keys: the per-weight share without the
-  # idle gaps between back-to-back launches)
-  job bench_fp8_device 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16 --fp8_prefill_ms= \
-    --xla=false --out=$R/bench_fp8_device.json
-  job gpu_tests 200 python3 -m pytest -q -m gpu tests/test_bench_device_time.py -p no:cacheprovider
+  # issue 6: the verify pass against a target step, launch kind by kind, with XLA's DotMerger off (the
+  # qmtp default, qmtp/xla_defaults.py) and on (XLA's default threshold): the merged in_proj_a/b
+  # weights' concatenation, gemm and slices per GDN layer should be gone with it off
+  job pieces_nomerge 300 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify --out=$R/pieces_nomerge.json
+  XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=32 job pieces_merge 300 python3 scripts/round_pieces.py --k=3 \
+    --pieces=target_step,verify --out=$R/pieces_merge.json
+  # end to end with the defaults (DotMerger off, fresh GDN state, x_f16 up to 16 rows), with the
+  # round breakdown and its launch kinds
+  job tp1_k3_default 480 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --out=$R/tp1_k3_default.json
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
@@ -133,27 +124,23 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # issues 4-6: the 64-layer step under XLA settings that might merge the ~830 small fusions per step
-  # (RMSNorm's reduce and its consumer, the split-K sums, the f16 pieces) or launch the decode loop as
-  # CUDA graphs with its while and cond inside (command buffers): one process per setting (XLA reads
-  # its flags once); scripts/best_xla_flags.py joins those > 1% faster than the run without flags
-  local s
-  for s in "default:" \
-      "blocklevel:--xla_gpu_experimental_enable_fusion_block_level_rewriter=true" \
-      "heroless:--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true" \
-      "tritonmof:--xla_gpu_unsupported_enable_triton_multi_output_fusion=true" \
-      "sameshapemof:--xla_gpu_experimental_enable_same_shape_multi_output_fusion=true" \
-      "graphloops:--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; do
-    XLA_FLAGS="${s#*:}" job step_xla_${s%%:*} 200 python3 -m pallas_kernels.bench --parts=step \
-      --step_impls=pallas --out=$R/step_xla_${s%%:*}.json \
-      $([ ${s%%:*} = default ] && echo --step_hlo_dir=$R/hlo)  # what each of the ~1000 launches holds
-  done
-  python3 scripts/best_xla_flags.py $R/step_xla_*.json >$R/xla_flags_best.txt 2>>$R/trace.log
-  echo "winning XLA flags: '$(cat $R/xla_flags_best.txt)'" >>$R/jobs.log
+  # issues 4/6: the GDN conv kernel's tile (gdn_conv_block_v): the kernel alone at 1-16 sequences and
+  # 1/4/5 tokens over six tiles (kernel gdn_conv_decode), then the 64-layer step with BV = 16 and 8
+  job bench_gdn 420 python3 -m pallas_kernels.bench --parts=gdn --out=$R/bench_gdn.json
+  job step_gdnbv 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gdnbv16,pallas_gdnbv8 \
+    --out=$R/step_gdnbv.json
+  : >$R/xla_flags_best.txt  # no XLA-settings sweep this lease (session 9's: no end-to-end winner)
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
-  if [ -n "$(cat $R/xla_flags_best.txt)" ]; then  # end to end with them: plain and K=3 (the step bench is plain only)
-    XLA_FLAGS="$(cat $R/xla_flags_best.txt)" job tp1_xla_best 360 python3 -m qmtp.bench \
-      --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 --breakdown=false --out=$R/tp1_xla_best.json
+  # end to end with the best conv tile of the step, if one beat the default
+  local bv=$(python3 -c "
+import json
+r = {x['impl']: x['s_per_call'] for x in json.load(open('$R/step_gdnbv.json'))['rows'] if x.get('kernel') == 'decode_step'}
+best = min(r, key=r.get) if r else 'pallas'
+print({'pallas_gdnbv16': 16, 'pallas_gdnbv8': 8}.get(best, '') if best != 'pallas' and r[best] < 0.99 * r['pallas'] else '')" 2>>$R/trace.log)
+  echo "best GDN conv tile: '$bv'" >>$R/jobs.log
+  if [ -n "$bv" ]; then
+    job tp1_k3_gdnbv 480 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+      --breakdown=false --kernels=gdn_conv_block_v=$bv --out=$R/tp1_k3_gdnbv.json
   fi
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train
