@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import fp8_config
+from pallas_kernels import fp8_act_quant, fp8_config
 from pallas_kernels._vma import align
 # the configs and their heuristics (the module switches stay in fp8_config: read them there)
 from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
@@ -169,16 +169,30 @@ def _load_w(ref, mask, dtype):
     return jnp.where(mask, plgpu.load(ref, mask=mask).astype(dtype), 0.0)
 
 
-def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f16: bool):
-    # refs: x [M, I] (x_f16: M counts the rows of [hi; lo], float16); n weights [O_j, I] fp8;
-    # n scale grids [GO_j, GI] f32; n outputs [split_k, M, O_j].
+def _load_w_fp8(ref, rows_ok, cols_ok):
+    """FP8 weight tile for an FP8 dot, not converted. Rows past O may hold anything (their outputs
+    are never stored); columns past I must be 0 (x's padding is 0, and 0 * NaN is not): those
+    tiles come as uint8 bits (the wrapper's bitcast), loaded with 0 as the fill and bitcast back."""
+    if cols_ok is None:
+        return plgpu.load(ref) if rows_ok is None else plgpu.load(ref, mask=rows_ok[:, None])
+    bits = plgpu.load(ref, mask=_mask2(rows_ok, cols_ok), other=0)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+
+
+def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f16: bool, x_fp8: bool):
+    # refs: x [M, I] (x_f16: M counts the rows of [hi; lo], float16; x_fp8: [BM, I_pad] E4M3, rows
+    # past M and columns past I zero); x_fp8 only: the activation scales [GI, BM] f32 (padding 0);
+    # n weights [O_j, I] fp8 (x_fp8 with ragged I: their uint8 bits); n scale grids [GO_j, GI] f32;
+    # n outputs [split_k, M, O_j].
     # The row-block axis of the grid runs over the weights one after another; each program serves
     # the weight its block falls in (one launch for several projections of the same x).
     n = len(os)
-    x_ref, w_refs, s_refs, o_refs = refs[0], refs[1:1 + n], refs[1 + n:1 + 2 * n], refs[1 + 2 * n:]
+    x_ref, refs = refs[0], refs[1:]
+    sx_ref, refs = (refs[0], refs[1:]) if x_fp8 else (None, refs)
+    w_refs, s_refs, o_refs = refs[:n], refs[n:2 * n], refs[2 * n:]
     po, pk = pl.program_id(0), pl.program_id(1)
     body = functools.partial(_decode_program, m=m, i=i, bm=bm, cfg=cfg, chunks_per_split=chunks_per_split,
-                             x_f16=x_f16)
+                             x_f16=x_f16, sx_ref=sx_ref)
     if n == 1:
         body(x_ref, w_refs[0], s_refs[0], o_refs[0], po, pk, o=os[0])
         return
@@ -191,8 +205,9 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f
 
 
 def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split,
-                    x_f16: bool):
-    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w
+                    x_f16: bool, sx_ref=None):
+    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w;
+    # sx_ref [GI, BM] (x_fp8: x_ref holds E4M3 activations, sx_ref their scales)
     bo = cfg.block_o
     o0 = pl.multiple_of(po * bo, bo)
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
@@ -214,6 +229,13 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
         else:
             s = s_ref[srow, c]
+        if sx_ref is not None:  # E4M3 x E4M3 on the tensor cores; x is zero-padded (no x mask)
+            xc = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)])
+            wc = _load_w_fp8(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], rows_ok, cols_ok)
+            sx = plgpu.load(sx_ref.at[c, pl.ds(0, bm)])  # [BM] this chunk's activation scales
+            if o_major:
+                return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
+            return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
         if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
             wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm,
@@ -286,13 +308,16 @@ def _check_dtypes(x, w, scale, out_dtype, weight_dtype=jnp.float8_e4m3fn) -> Non
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, interpret: bool = False,
-               config: DecodeConfig | PrefillConfig | None = None) -> jax.Array:
+               config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> jax.Array:
     """Pallas twin of `fp8_matmul_ref(x, w, scale, out_dtype)`: x [..., I] bf16/f32, w [O, I] E4M3,
     scale [ceil(O/128), ceil(I/128)] -> [..., O] in out_dtype (default x.dtype), f32 accumulation.
 
     Leading dims of x are flattened to M rows; M <= fp8_config.DECODE_MAX_ROWS runs the weight-streaming decode
-    kernel, more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work."""
-    return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config)[0]
+    kernel, more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work.
+    act_quant (decode kernel only): x is quantized to E4M3 per row and 128 features
+    (fp8_act_quant.quantize_activations) and both operands enter the FP8 tensor cores; twin
+    `fp8_act_quant.fp8_matmul_act_ref`."""
+    return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config, act_quant=act_quant)[0]
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array, out_dtype=None, *, interpret: bool = False,
@@ -320,16 +345,17 @@ def bf16_matmul_ref(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool = False,
-                    config: DecodeConfig | PrefillConfig | None = None) -> tuple[jax.Array, ...]:
+                    config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> tuple[jax.Array, ...]:
     """(fp8_matmul(x, w_j, scale_j) for each j), with the weights sharing one decode launch.
 
     Few rows (M <= fp8_config.DECODE_MAX_ROWS): one pallas_call whose row blocks run over all the weights (fewer launches,
     and small projections such as k/v fill the GPU together with the large ones); the config is
-    chosen for the summed O. Many rows: one GEMM per weight."""
-    return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn)
+    chosen for the summed O. Many rows: one GEMM per weight. act_quant: as in `fp8_matmul`."""
+    return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn, act_quant)
 
 
-def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype) -> tuple[jax.Array, ...]:
+def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype,
+                 act_quant: bool = False) -> tuple[jax.Array, ...]:
     ws, scales = tuple(ws), tuple(scales)
     if not ws or len(ws) != len(scales):
         raise ValueError(f"fp8_matmul_many: {len(ws)} weights and {len(scales)} scale grids; one of each per projection")
@@ -346,8 +372,13 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
     if isinstance(config, PrefillConfig):
+        if act_quant:
+            raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {fp8_config.DECODE_MAX_ROWS} "
+                             f"rows with a DecodeConfig), got M={m} with {config}")
         return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, w.shape[0])
                      for w, s in zip(ws, scales))
+    if act_quant:
+        return _act_quant_call(x2, ws, scales, lead, out_dtype, config, params, interpret, weight_dtype)
     # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16
     # pieces, _bf16_pieces). The kernel then multiplies 2M rows [hi; lo] into f32 partials that XLA
     # combines as 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
@@ -364,12 +395,9 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     _check_int32(m_k, max(os), i, split)
     bm = m_k if not config.use_dot else max(DOT_MIN, next_pow2(m_k))
     if config.scale_preload and interpret:
-        # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
-        # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
-        width = (split - 1) * cps + max(next_pow2(cps), 2)
-        scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
+        scales = _pad_preloaded_scales(scales, split, cps)
     kernel = functools.partial(_decode_kernel, m=m_k, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps,
-                               x_f16=x_f16)
+                               x_f16=x_f16, x_fp8=False)
     part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
     args, out = align(x2, *ws, *scales)
     ys = pl.pallas_call(
@@ -385,6 +413,47 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
                      for y, o in zip(ys, os))
     return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)
                  for y, o in zip(ys, os))
+
+
+def _pad_preloaded_scales(scales, split: int, cps: int):
+    """On the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
+    interpreter clamps a slice that runs past the row, so there the rows are padded to fit."""
+    width = (split - 1) * cps + max(next_pow2(cps), 2)
+    return tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
+
+
+def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, params, interpret: bool, weight_dtype):
+    """The decode kernel on E4M3 activations (fp8_act_quant.quantize_activations): x quantized by XLA,
+    zero-padded to BM rows and whole 128-column chunks, its scales transposed to [GI, BM] (one
+    contiguous row per chunk); the f32 partials [split, BM, O] summed by XLA."""
+    if weight_dtype != jnp.float8_e4m3fn or not config.use_dot:
+        raise ValueError("fp8_matmul: act_quant needs E4M3 weights and DecodeConfig(use_dot=True), got "
+                         f"{jnp.dtype(weight_dtype).name} weights and {config}")
+    (m, i), os = x2.shape, tuple(w.shape[0] for w in ws)
+    bm = max(DOT_MIN, next_pow2(m))
+    x_q, s_x = fp8_act_quant.quantize_activations(x2)
+    n_chunks = cdiv(i, BLOCK)
+    x_q = jnp.pad(x_q, ((0, bm - m), (0, n_chunks * BLOCK - i)))  # E4M3 zeros
+    s_x = jnp.pad(s_x, ((0, bm - m), (0, 0))).T  # [GI, BM]
+    if i % BLOCK:  # ragged I: the weights' bits, so the kernel can fill the columns past I with 0
+        ws = tuple(jax.lax.bitcast_convert_type(w, jnp.uint8) for w in ws)
+    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
+    split = cdiv(n_chunks, cps)
+    _check_int32(bm, max(os), n_chunks * BLOCK, split)
+    if config.scale_preload and interpret:
+        scales = _pad_preloaded_scales(scales, split, cps)
+    kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps,
+                               x_f16=False, x_fp8=True)
+    args, out = align(x_q, s_x, *ws, *scales)
+    ys = pl.pallas_call(
+        kernel,
+        out_shape=tuple(out((split, bm, o), jnp.float32) for o in os),
+        grid=(sum(cdiv(o, config.block_o) for o in os), split),
+        compiler_params=params,
+        interpret=interpret,
+        name="fp8_matmul_decode_a8",
+    )(*args)
+    return tuple(jnp.sum(y[:, :m], axis=0).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
 
 
 def _check_int32(m: int, o: int, i: int, split: int) -> None:

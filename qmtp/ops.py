@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_config, fp8_matmul, gdn, gdn_conv, paged_attention
+from pallas_kernels import fp8_act_quant, fp8_config, fp8_matmul, gdn, gdn_conv, paged_attention
 from qmtp.fp8 import Fp8Block
 
 IMPLS = ("ref", "pallas")
@@ -76,6 +76,15 @@ GDN_CONV_NUM_WARPS = 4
 # streams 2.5-3.5 TB/s at M = 1..4 on the H200, faster than this kernel is likely to; the cost of
 # the switch is measured by `pallas_kernels.bench --parts=step --step_impls=pallas,pallas_bf16stream`.
 BF16_STREAMING = False
+# True: FP8 projections of at most fp8_config.DECODE_MAX_ROWS rows (decode, verify, drafts, prefills
+# of that few tokens) quantize their activations to E4M3 per row and 128 features (MODEL_SPEC §5.3,
+# the checkpoints' `activation_scheme: "dynamic"`, as vLLM and SGLang run them) and multiply on the FP8 tensor cores
+# (fp8_matmul(..., act_quant=True)); impl="ref" uses the same formula (fp8_act_quant.fp8_matmul_act_ref).
+# The weights then reach the tensor cores unconverted (the exact path converts each weight to f16:
+# its kernel was issue-bound, FP8 kernels at ~3.45 TB/s in the step against 4.5 for the bf16
+# lm_head GEMV). It changes the numbers (a relative 2^-4 per activation at most) and so, rarely, a
+# greedy token; longer prefills keep exact activations. Off until the step and a real checkpoint measure it.
+FP8_ACT_QUANT = False
 
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
@@ -89,6 +98,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_conv_block_v": ("ops", "GDN_CONV_BLOCK_V", (1, 128)),
                      "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
+                     "fp8_act_quant": ("ops", "FP8_ACT_QUANT", None),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
@@ -181,6 +191,11 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
     out_dtype = out_dtype or x.dtype
     rows = math.prod(x.shape[:-1])
     if isinstance(w, Fp8Block):
+        if _act_quant(rows):
+            if impl == "pallas":
+                return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret(),
+                                             act_quant=True)
+            return fp8_act_quant.fp8_matmul_act_ref(x, w.weight, w.scale, out_dtype=out_dtype)
         if impl == "pallas" and DEQUANT_DOT_MIN_ROWS and rows >= DEQUANT_DOT_MIN_ROWS:
             return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype)
         if impl == "pallas" and not (XLA_SINGLE_ROW and rows == 1):
@@ -198,10 +213,17 @@ def linear_many(x: jax.Array, ws, impl: str = "ref") -> tuple[jax.Array, ...]:
     weights Fp8Block, the few-row (decode / verify) case runs as one kernel launch over all of them
     (fewer launches per layer; measured in WORKSPACE.md); otherwise one matmul each."""
     check_impl(impl)
-    single_xla = XLA_SINGLE_ROW and math.prod(x.shape[:-1]) == 1
+    rows = math.prod(x.shape[:-1])
+    single_xla = XLA_SINGLE_ROW and rows == 1 and not _act_quant(rows)
     if impl == "pallas" and SHARED_PROJECTION_LAUNCH and not single_xla and all(isinstance(w, Fp8Block) for w in ws):
-        return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret())
+        return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret(),
+                                          act_quant=_act_quant(rows))
     return tuple(linear(x, w, impl) for w in ws)
+
+
+def _act_quant(rows: int) -> bool:
+    """Whether FP8 projections of `rows` rows run on E4M3 activations (FP8_ACT_QUANT)."""
+    return FP8_ACT_QUANT and 1 <= rows <= fp8_config.DECODE_MAX_ROWS
 
 
 def _precision(dtype):

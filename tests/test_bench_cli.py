@@ -29,11 +29,15 @@ def test_fp8_and_step_quick_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["copy"]["tb_per_s"] > 0
-    assert res["xla_flags"] == os.environ.get("XLA_FLAGS", "")  # what scripts/best_xla_flags.py compares
+    from qmtp import xla_defaults  # the bench imports qmtp, which adds its XLA settings
+    assert res["xla_flags"] == xla_defaults.with_defaults(os.environ.get("XLA_FLAGS", ""))  # best_xla_flags.py compares it
     rows = res["rows"]
     assert not [r for r in rows if "error" in r], rows
     fp8 = [r for r in rows if r["kernel"] == "fp8_matmul"]
-    assert {r["impl"] for r in fp8} == {"pallas", "xla", "xla_bf16", "pallas_bf16", "dequant_dot"}
+    assert {r["impl"] for r in fp8} == {"pallas", "pallas_a8", "xla", "xla_bf16", "pallas_bf16", "dequant_dot"}
+    a8 = [r for r in fp8 if r["impl"] == "pallas_a8"]  # E4M3 activations: exact against their own reference
+    assert {r["m"] for r in a8} == {1, 5} and all(r["rel_err_a8"] < 1e-5 and r["rel_err"] < 0.1 for r in a8), a8
+    fp8 = [r for r in fp8 if r["impl"] != "pallas_a8"]
     assert {r["m"] for r in fp8 if r["impl"] == "dequant_dot"} == {40}  # prefill rows only
     bf16 = [r for r in fp8 if r["impl"] == "pallas_bf16"]
     assert bf16 and all(r["weight_tb_s"] == 2 * r["tb_s"] for r in bf16)  # two bytes per bf16 weight

@@ -13,7 +13,9 @@ from the model's own parameter declarations) and every row count M:
 impl: pallas (default config, the default with scale_preload and x_f16 flipped, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
 einsum), xla_bf16 (bf16 weights, plain einsum), pallas_bf16 (bf16 weights on the streaming decode
 kernel, fp8_matmul.bf16_matmul; decode rows only), dequant_dot (prefill rows only: a materialized bf16
-dequantize, then XLA's dot, fp8_matmul_dequant_dot). rel_err: max |y - y_ref| / max |y_ref| of the
+dequantize, then XLA's dot, fp8_matmul_dequant_dot), pallas_a8 (decode rows: the default tiles on E4M3
+activations, `act_quant=True`: no weight conversion; rel_err_a8 against fp8_act_quant's reference,
+rel_err against exact x as for every row). rel_err: max |y - y_ref| / max |y_ref| of the
 first output. A per-step aggregate weights each shape by its count in a decode step.
 """
 
@@ -161,7 +163,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import fp8_config, fp8_matmul as fm
+    from pallas_kernels import fp8_act_quant, fp8_config, fp8_matmul as fm
 
     shapes = {(272, 300): ["ragged"], (130, 129): ["ragged"]} if quick else step_shapes()
     if only_shapes:
@@ -169,6 +171,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     if quick:
         decode_ms, prefill_ms, reps, trials = (1, 5), (40,), 1, 1
     ref = jax.jit(lambda x, w, s: fm.fp8_matmul_ref(x, w, s))
+    ref_a8 = jax.jit(lambda x, w, s: fp8_act_quant.fp8_matmul_act_ref(x, w, s))
     pallas_default: dict = collections.defaultdict(dict)  # m -> {(o, i): s_per_call}
     pallas_kernel: dict = collections.defaultdict(dict)  # m -> {(o, i): kernel_s_per_call}
     for si, ((o, i), keys) in enumerate(shapes.items()):
@@ -186,6 +189,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
                 if default.use_dot:  # and with x as f16 pieces (fp8_config.X_F16)
                     runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
+                if default.use_dot:  # and on E4M3 activations (fp8_act_quant: an approximation of x)
+                    runs.append(("pallas_a8", dataclasses.replace(default, x_f16=False)))
             if xla:
                 runs += [("xla", None), ("xla_bf16", None)]
                 if m <= fm.DECODE_DOT_MAX_ROWS:
@@ -200,6 +205,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         cfg = config or fm.default_config(m, o, i)
                         row.update(config=repr(cfg), default=config is None)
                         mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret)
+                        prog, args = loop_program(mm, reps, False), (x, ws, ss)
+                    elif impl == "pallas_a8":
+                        row.update(config=repr(config), default=False)
+                        mm = functools.partial(fm.fp8_matmul, config=config, interpret=interpret, act_quant=True)
                         prog, args = loop_program(mm, reps, False), (x, ws, ss)
                     elif impl in ("xla", "dequant_dot"):
                         mm = fm.fp8_matmul_ref if impl == "xla" else fm.fp8_matmul_dequant_dot
@@ -216,16 +225,20 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         prog, args = loop_program(mm, reps, impl == "xla_bf16"), (x, bf16, ss)
                     got = np.asarray(jax.jit(mm)(x, args[1][0], ss[0]).astype(jnp.float32), np.float64)
                     row["rel_err"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+                    if impl == "pallas_a8":  # against its own reference (rel_err above: against exact x)
+                        want_a8 = np.asarray(ref_a8(x, ws[0], ss[0]), np.float64)
+                        row["rel_err_a8"] = float(np.max(np.abs(got - want_a8)) / max(np.max(np.abs(want_a8)), 1e-30))
                     med, best = timed(prog, *args, trials=trials)
                     per = med / (reps * n)
                     weight_bytes = o * i * (2 if impl.endswith("bf16") else 1)
                     row.update(s_per_call=per, best_s_per_call=best / (reps * n), bytes=o * i,
                                tb_s=o * i / per / 1e12, share_of_copy=o * i / per / 1e12 / copy_tb_s,
                                weight_tb_s=weight_bytes / per / 1e12, tflop_s=2 * m * o * i / per / 1e12)
+                    if device_time and (impl == "pallas_a8" or (impl == "pallas" and config is None)):
+                        row.update(_device_figures(prog, args, reps * n, o * i, copy_tb_s))
                     if impl == "pallas" and config is None:
                         pallas_default[m][(o, i)] = per
                         if device_time:
-                            row.update(_device_figures(prog, args, reps * n, o * i, copy_tb_s))
                             if "kernel_s_per_call" in row:
                                 pallas_kernel[m][(o, i)] = row["kernel_s_per_call"]
                 except Exception as e:  # record and go on: one failing config must not hide the others

@@ -1,0 +1,52 @@
+"""Dynamic FP8 activation quantization (MODEL_SPEC §5.3: DeepSeek-V3's "1x128" scheme, the
+`activation_scheme: "dynamic"` of the FP8 checkpoints' quantization_config) and the reference of
+the FP8 x FP8 matmul it feeds (`fp8_matmul(..., act_quant=True)`: both operands straight into the
+FP8 tensor cores, no weight conversion).
+
+Per token row t and group g of 128 input features (the last group may be short):
+
+    s_x[t, g] = max(max_i |x[t, g*128 + i]|, 1e-10) / 448
+    x_q[t, i] = e4m3(clamp(x[t, i] / s_x[t, i // 128], -448, 448))          (round to nearest even)
+    y[t, o]   = sum_g s_x[t, g] * s_w[o // 128, g] * sum_{i in g} x_q[t, i] * w_q[o, i]
+
+Each product x_q * w_q is exact in f32 (4 significant bits times 4); the group sums round in f32.
+Against the exact-activation path (`fp8_matmul_ref`) the error is x's quantization: a relative
+2^-4 per element at most (E4M3's 3 mantissa bits), smaller for elements near their group's max.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+GROUP = 128  # activation features per scale (= the weight scale block)
+E4M3_MAX = 448.0
+SCALE_FLOOR = 1e-10  # an all-zero group keeps a finite scale (its x_q are 0)
+
+
+def quantize_activations(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x2 [M, I] -> (x_q [M, I] float8_e4m3fn, s_x [M, ceil(I / 128)] f32), per MODEL_SPEC §5.3."""
+    m, i = x2.shape
+    groups = -(-i // GROUP)
+    xf = jnp.pad(x2.astype(jnp.float32), ((0, 0), (0, groups * GROUP - i))).reshape(m, groups, GROUP)
+    s_x = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), SCALE_FLOOR) / E4M3_MAX  # [M, G]
+    x_q = jnp.clip(xf / s_x[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return x_q.reshape(m, groups * GROUP)[:, :i], s_x
+
+
+def fp8_matmul_act_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
+    """y = x @ W.T with x quantized per row and 128-group (quantize_activations) and W an E4M3 weight
+    [O, I] with its block scales [ceil(O/128), ceil(I/128)]: per group an exact f32 product sum,
+    scaled by s_x * s_w and summed in f32; rounded once to out_dtype (default x's dtype)."""
+    out_dtype = out_dtype or x.dtype
+    lead, i = x.shape[:-1], x.shape[-1]
+    o = w.shape[0]
+    x_q, s_x = quantize_activations(x.reshape(-1, i))
+    groups = s_x.shape[1]
+    pad = groups * GROUP - i
+    xg = jnp.pad(x_q.astype(jnp.float32), ((0, 0), (0, pad))).reshape(-1, groups, GROUP)
+    wg = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, pad))).reshape(o, groups, GROUP)
+    per_group = jnp.einsum("mgk,ogk->mog", xg, wg, precision=jax.lax.Precision.HIGHEST)  # [M, O, G]
+    s_w = jnp.repeat(scale.astype(jnp.float32), GROUP, axis=0)[:o]  # [O, G]
+    y = jnp.sum(per_group * s_x[:, None, :] * s_w[None], axis=-1)
+    return y.astype(out_dtype).reshape(*lead, o)
