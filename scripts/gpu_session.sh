@@ -21,11 +21,13 @@
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then the verify pass against a target step
 #          launch kind by kind with XLA's DotMerger off (qmtp's default) and on (scripts/round_pieces.py),
-#          then TP1 plain + K=3 with the defaults and the round breakdown; with SERVE=1 also the server
-#          load test on that checkpoint (issue 7), MTP K=3 then plain
-#   GPU 1: the GDN bench with the conv kernel's tile sweep, the 64-layer step with conv tiles BV = 16
-#          and 8, then TP1 plain + K=3 with the best tile if it beat the default by 1%, then (TRAIN=1)
-#          the two demo recipes and their benches (issue 8). About 12 minutes per line.
+#          TP1 plain + K=3 with the defaults and the round breakdown, then with E4M3 activations if the
+#          step measured them faster; with SERVE=1 also the server load test on that checkpoint
+#          (issue 7), MTP K=3 then plain
+#   GPU 1: the 64-layer step with E4M3 activations and with the GDN conv tiles BV = 16 and 8, every FP8
+#          shape at 1/4/16 rows with and without E4M3 activations, the conv kernel's tile sweep, then
+#          TP1 plain + K=3 with the best conv tile if it beat the default by 1%, then (TRAIN=1) the two
+#          demo recipes and their benches (issue 8). About 12 minutes per line.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default; with GPU 1's
 #          winning XLA settings), ~10 minutes (~5 with TABLE_ARGS="--ks=3 --repeats=2")
@@ -87,6 +89,13 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
   # round breakdown and its launch kinds
   job tp1_k3_default 480 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
     --out=$R/tp1_k3_default.json
+  # E4M3 activations (ops.FP8_ACT_QUANT, off by default): plain + K=3 end to end, if the step bench
+  # on GPU 1 measured it faster (its tokens differ from the exact path's; MTP must still equal plain)
+  while [ ! -f $R/step_variants.done ]; do sleep 5; done
+  if grep -q pallas_a8 $R/step_faster.txt 2>/dev/null; then
+    job tp1_k3_a8 420 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+      --breakdown=false --kernels=fp8_act_quant=true --out=$R/tp1_k3_a8.json
+  fi
   if [ "${SERVE:-0}" = 1 ]; then serve 3 8003 full; serve 0 8000 short; fi
   touch $R/gpu0.done
 }
@@ -124,17 +133,30 @@ while True:
 
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
-  # issues 4/6: the GDN conv kernel's tile (gdn_conv_block_v): the kernel alone at 1-16 sequences and
-  # 1/4/5 tokens over six tiles (kernel gdn_conv_decode), then the 64-layer step with BV = 16 and 8
-  job bench_gdn 420 python3 -m pallas_kernels.bench --parts=gdn --out=$R/bench_gdn.json
-  job step_gdnbv 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gdnbv16,pallas_gdnbv8 \
-    --out=$R/step_gdnbv.json
+  # issue 4: the 64-layer step with E4M3 activations (pallas_a8) and the GDN conv kernel's tile at
+  # BV = 16 and 8; step_faster.txt lists the variants > 1% faster than the defaults
+  job step_variants 300 python3 -m pallas_kernels.bench --parts=step \
+    --step_impls=pallas,pallas_a8,pallas_gdnbv16,pallas_gdnbv8 --out=$R/step_variants.json
+  python3 -c "
+import json
+r = {x['impl']: x['s_per_call'] for x in json.load(open('$R/step_variants.json'))['rows'] if x.get('kernel') == 'decode_step'}
+print(' '.join(k for k, v in r.items() if k != 'pallas' and 'pallas' in r and v < 0.99 * r['pallas']))" \
+    >$R/step_faster.txt 2>>$R/trace.log
+  echo "step variants > 1% faster: '$(cat $R/step_faster.txt)'" >>$R/jobs.log
+  touch $R/step_variants.done
+  # every FP8 shape at 1/4/16 rows: the default, the default on E4M3 activations (pallas_a8), device time
+  job bench_fp8_a8 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16 --fp8_prefill_ms= --xla=false \
+    --out=$R/bench_fp8_a8.json
+  # the conv kernel alone over six tiles at B = 1 and 8, T = 1, 4, 5 (kernel gdn_conv_decode)
+  job bench_gdn_conv 300 python3 -m pallas_kernels.bench --parts=gdn --gdn_cases=conv --gdn_batches=1,8 \
+    --out=$R/bench_gdn_conv.json
   : >$R/xla_flags_best.txt  # no XLA-settings sweep this lease (session 9's: no end-to-end winner)
   while [ ! -f $R/checkpoint27.done ]; do sleep 5; done
   # end to end with the best conv tile of the step, if one beat the default
   local bv=$(python3 -c "
 import json
-r = {x['impl']: x['s_per_call'] for x in json.load(open('$R/step_gdnbv.json'))['rows'] if x.get('kernel') == 'decode_step'}
+r = {x['impl']: x['s_per_call'] for x in json.load(open('$R/step_variants.json'))['rows'] if x.get('kernel') == 'decode_step'}
+r = {k: v for k, v in r.items() if k in ('pallas', 'pallas_gdnbv16', 'pallas_gdnbv8')}
 best = min(r, key=r.get) if r else 'pallas'
 print({'pallas_gdnbv16': 16, 'pallas_gdnbv8': 8}.get(best, '') if best != 'pallas' and r[best] < 0.99 * r['pallas'] else '')" 2>>$R/trace.log)
   echo "best GDN conv tile: '$bv'" >>$R/jobs.log

@@ -39,3 +39,11 @@ def test_quick_interpret_run(module, kernels):
     assert {r["impl"] for r in rows} == {"pallas", "xla"}
     assert any("rel_err" in r for r in rows if r["impl"] == "pallas")
 
+
+
+def test_gdn_cases_and_batches_choose_what_runs():
+    rows = []
+    gdn.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True, cases=("conv",), batches=(2,))
+    assert {r["kernel"] for r in rows} == {"gdn_conv_decode"} and {r["B"] for r in rows} == {2}
+    with pytest.raises(ValueError, match="unknown case"):
+        gdn.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True, cases=("conv", "verify"))

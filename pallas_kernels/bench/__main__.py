@@ -44,6 +44,9 @@ flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill 
 flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
                   "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "
                   "between launches (kernel_* and busy_* keys), next to the wall-clock figure.")
+flags.DEFINE_list("gdn_cases", ["decode", "conv", "prefill"], "gdn: which cases: decode (the recurrence kernel's "
+                  "tile sweep), conv (the conv + recurrence kernel's, the engine's path), prefill (chunked form).")
+flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the decode and conv cases (default 1, 8, 16).")
 flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
@@ -97,7 +100,8 @@ def main(argv):
                 rec.set("fp8_best_configs", fp8.best_configs(rec.results["rows"]))
         elif part == "gdn":
             from pallas_kernels.bench import gdn
-            gdn.run(tb, rec.emit, **opts)
+            gdn.run(tb, rec.emit, cases=tuple(FLAGS.gdn_cases), batches=tuple(int(b) for b in FLAGS.gdn_batches),
+                    **opts)
         elif part == "attention":
             from pallas_kernels.bench import attention
             attention.run(tb, rec.emit, **opts)

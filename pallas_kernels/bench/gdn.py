@@ -332,12 +332,25 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool) -> None:
         emit(row)
 
 
-def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False) -> None:
-    """Times the kernel and its XLA/jnp reference at the Qwen3.5-27B shapes; calls emit(row) per measured case."""
+CASES = ("decode", "conv", "prefill")
+
+
+def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, cases=CASES, batches=()) -> None:
+    """Times the kernels and their XLA/jnp references at the Qwen3.5-27B shapes; calls emit(row) per
+    measured case. cases: a subset of CASES; batches: the decode and conv cases' B (default Sizes')."""
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise ValueError(f"gdn bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     sz = sizes(quick, interpret)
+    if batches:
+        sz = dataclasses.replace(sz, batches=tuple(batches))
     # the ref and the default config everywhere, then prefill, then the rest of the config sweep:
     # whatever a time limit cuts off, the main figures are already emitted
-    bench_decode(copy_tb_s, emit, sz, sz.configs[:1], with_ref=True, interpret=interpret)
-    bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs, interpret=interpret)
-    bench_prefill(copy_tb_s, emit, sz, interpret)
-    bench_decode(copy_tb_s, emit, sz, sz.configs[1:], with_ref=False, interpret=interpret)
+    if "decode" in cases:
+        bench_decode(copy_tb_s, emit, sz, sz.configs[:1], with_ref=True, interpret=interpret)
+    if "conv" in cases:
+        bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs, interpret=interpret)
+    if "prefill" in cases:
+        bench_prefill(copy_tb_s, emit, sz, interpret)
+    if "decode" in cases:
+        bench_decode(copy_tb_s, emit, sz, sz.configs[1:], with_ref=False, interpret=interpret)
