@@ -13,6 +13,7 @@ the heuristics that pick them are in fp8_config.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -21,12 +22,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import fp8_act_quant, fp8_config
+from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config
 from pallas_kernels._vma import align
 # the configs and their heuristics (the module switches stay in fp8_config: read them there)
 from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
                                        DecodeConfig, PrefillConfig, cdiv, decode_config, default_config,
                                        next_pow2, prefill_config)
+
+_fp8_dot.install()  # E4M3 x E4M3 dots (act_quant) may use Hopper's FP8 wgmma: see _fp8_dot
 
 
 def _check(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
@@ -367,6 +370,11 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     m = math.prod(lead)
     if m == 0 or i == 0 or 0 in os:
         return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
+    if config is None and act_quant and m <= fp8_config.DECODE_MAX_ROWS:
+        # W on the dot's M side: Triton's FP8 wgmma needs 64 rows per warpgroup there (x's <= 32
+        # rows on that side fall back to converting both operands to f16 for mma.sync:
+        # scripts/triton_loop_stats.py, 245 instructions per chunk against 123)
+        config = dataclasses.replace(default_config(m, sum(os), i), swap_ab=True, x_f16=False)
     config = config or default_config(m, sum(os), i)
     fp8_config.check_config(config, m)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)

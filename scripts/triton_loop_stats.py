@@ -31,6 +31,11 @@ CASES = {
     "down_m1": (1, 5120, 17408, "fp8", {}),
     "down_m1_x_f16": (1, 5120, 17408, "fp8", {"x_f16": True}),
     "up_m4_x_f16": (4, 17408, 5120, "fp8", {"x_f16": True}),
+    # E4M3 activations (fp8_matmul(..., act_quant=True)): both dot operands FP8, no weight conversion
+    "up_m1_a8": (1, 17408, 5120, "fp8_a8", {}),
+    "down_m1_a8": (1, 5120, 17408, "fp8_a8", {}),
+    "up_m4_a8": (4, 17408, 5120, "fp8_a8", {}),
+    "up_m1_a8_xm": (1, 17408, 5120, "fp8_a8", {"swap_ab": False}),  # x on the dot's M side: no wgmma
 }
 
 _COMPILE = r'''
@@ -67,12 +72,12 @@ def dump_ttir(name: str, out_dir: str) -> tuple[str, object]:
     from pallas_kernels import fp8_matmul as fm
 
     m, o, i, wdt, overrides = CASES[name]
-    config = dataclasses.replace(fm.decode_config(m, o, i), **overrides)
+    config = dataclasses.replace(fm.decode_config(m, o, i), **{**({"swap_ab": True} if wdt == "fp8_a8" else {}), **overrides})
     sds = jax.ShapeDtypeStruct
     if wdt == "bf16":
         fn, args = (lambda x, w: fm.bf16_matmul(x, w, config=config)), (sds((m, i), jnp.bfloat16), sds((o, i), jnp.bfloat16))
     else:
-        fn = lambda x, w, s: fm.fp8_matmul(x, w, s, config=config)  # noqa: E731
+        fn = lambda x, w, s: fm.fp8_matmul(x, w, s, config=config, act_quant=wdt == "fp8_a8")  # noqa: E731
         args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
     [(_, text)] = triton_calls(lower_for_h200(fn, args))
     path = os.path.join(out_dir, f"{name}.ttir")

@@ -134,6 +134,10 @@ def test_lowers_for_h200_with_e4m3_on_both_sides_of_the_dot(i, bitcast):
     [(_, ir_text)] = triton_calls(lowered)
     dots = [ln for ln in ir_text.splitlines() if "tt.dot " in ln]
     assert len(dots) == 1 and dots[0].count("f8E4M3FN>") == 2, dots
+    # W on the dot's M side (64 rows) and K = 128 products per imprecise sum: what Triton needs to
+    # use Hopper's FP8 wgmma instead of converting both operands for mma.sync (pallas_kernels/_fp8_dot.py)
+    assert "tensor<64x128xf8E4M3FN> * tensor<128x16xf8E4M3FN>" in dots[0], dots
+    assert "maxNumImpreciseAcc = 128" in dots[0], dots
     assert not [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln]  # no conversion
     assert ("tt.bitcast" in ir_text) == bitcast
 
@@ -188,3 +192,18 @@ def test_greedy_mtp_equals_plain_on_fp8_activations(controlled_fp8):
     assert mtp.tokens == plain.tokens
     assert mtp.stats["rounds"] < 2 * 8  # drafts were accepted (the controlled head predicts the target)
     assert not np.array_equal(np.asarray(a8), np.asarray(exact))
+
+
+def test_only_fp8_dots_get_the_imprecise_accumulation():
+    """The exact path's f16 dot is built as before (no maxNumImpreciseAcc), and installing twice
+    wraps the lowering once."""
+    from pallas_kernels import _fp8_dot
+    from jax._src.pallas.triton import lowering
+    assert _fp8_dot.install() and _fp8_dot.install()
+    assert isinstance(lowering.tt_dialect, _fp8_dot._Fp8DotDialect)
+    assert not isinstance(lowering.tt_dialect._dialect, _fp8_dot._Fp8DotDialect)
+    sds = jax.ShapeDtypeStruct
+    args = (sds((1, 5120), jnp.bfloat16), sds((6144, 5120), jnp.float8_e4m3fn), sds((48, 40), jnp.float32))
+    [(_, ir_text)] = triton_calls(lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args))
+    dots = [ln for ln in ir_text.splitlines() if "tt.dot " in ln]
+    assert len(dots) == 1 and "xf16>" in dots[0] and "maxNumImpreciseAcc" not in dots[0], dots
