@@ -144,9 +144,10 @@ print(' '.join(k for k, v in r.items() if k != 'pallas' and 'pallas' in r and v 
     >$R/step_faster.txt 2>>$R/trace.log
   echo "step variants > 1% faster: '$(cat $R/step_faster.txt)'" >>$R/jobs.log
   touch $R/step_variants.done
-  # every FP8 shape at 1/4/16 rows: the default, the default on E4M3 activations (pallas_a8), device time
-  job bench_fp8_a8 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16 --fp8_prefill_ms= --xla=false \
-    --out=$R/bench_fp8_a8.json
+  # every FP8 shape at 1/4/16 rows: the default, the default on E4M3 activations (pallas_a8), device
+  # time; when the step measured E4M3 activations faster, also their tile sweep (--fp8_a8_sweep)
+  job bench_fp8_a8 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,4,16 --fp8_prefill_ms= --xla=false \
+    $(grep -q pallas_a8 $R/step_faster.txt && echo --fp8_a8_sweep) --out=$R/bench_fp8_a8.json
   # the conv kernel alone over six tiles at B = 1 and 8, T = 1, 4, 5 (kernel gdn_conv_decode)
   job bench_gdn_conv 300 python3 -m pallas_kernels.bench --parts=gdn --gdn_cases=conv --gdn_batches=1,8 \
     --out=$R/bench_gdn_conv.json

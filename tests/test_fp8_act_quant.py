@@ -207,3 +207,22 @@ def test_only_fp8_dots_get_the_imprecise_accumulation():
     [(_, ir_text)] = triton_calls(lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args))
     dots = [ln for ln in ir_text.splitlines() if "tt.dot " in ln]
     assert len(dots) == 1 and "xf16>" in dots[0] and "maxNumImpreciseAcc" not in dots[0], dots
+
+
+def test_a8_sweep_candidates_are_valid_and_exact():
+    """The bench's E4M3-activation sweep (`--fp8_a8_sweep`): every candidate passes check_config with
+    W on the dot's M side; the widest and the most split ones match the reference."""
+    from pallas_kernels.bench import fp8 as fp8_bench
+    from pallas_kernels import fp8_config
+    candidates = fp8_bench.a8_candidate_configs()
+    assert len(candidates) == len(set(candidates)) == 12
+    for c in candidates:
+        fp8_config.check_config(c, 16)
+        assert c.swap_ab and c.block_o in (64, 128)
+    rng = np.random.default_rng(6)
+    x, wq, scale = problem(rng, 4, 272, 1100)
+    want = aq.fp8_matmul_act_ref(jnp.asarray(x), jnp.asarray(wq), jnp.asarray(scale), jnp.float32)
+    for c in (candidates[-1], candidates[4]):  # block_o 128 x 8 warps x split 8; 128 x 4 x split 1
+        got = fm.fp8_matmul(jnp.asarray(x), jnp.asarray(wq), jnp.asarray(scale), jnp.float32, interpret=True,
+                            config=c, act_quant=True)
+        assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-5, c

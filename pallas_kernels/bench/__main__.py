@@ -37,6 +37,8 @@ flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in interpret mode 
 flags.DEFINE_bool("fp8_sweep", False, "fp8: also time candidate tile configs (a few seconds of compile each).")
 flags.DEFINE_string("fp8_sweep_match", "", "fp8: with --fp8_sweep, only the candidate configs whose repr contains "
                     "this text (e.g. 'x_f16=True').")
+flags.DEFINE_bool("fp8_a8_sweep", False, "fp8: also time the E4M3-activation rows (impl pallas_a8) over "
+                  "a8_candidate_configs (W on the dot's M side, block_o 64/128, 4/8 warps, split-K 1-8).")
 flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmul, and bf16 weights).")
 flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
 flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; others allowed).")
@@ -94,7 +96,7 @@ def main(argv):
                           decode_ms=[int(m) for m in FLAGS.fp8_ms],
                           prefill_ms=[int(m) for m in FLAGS.fp8_prefill_ms if m],
                           only_shapes=[tuple(int(v) for v in s.split("x")) for s in FLAGS.fp8_shapes],
-                          device_time=FLAGS.fp8_device_time, **opts)
+                          device_time=FLAGS.fp8_device_time, a8_sweep=FLAGS.fp8_a8_sweep, **opts)
             rec.set("fp8_step_aggregate", {str(k): v for k, v in agg.items()})
             if FLAGS.fp8_sweep:
                 rec.set("fp8_best_configs", fp8.best_configs(rec.results["rows"]))

@@ -148,12 +148,22 @@ def candidate_configs(m: int) -> list:
                for bo, sk, sw, nw, ns, u, pre in f16])
 
 
+def a8_candidate_configs() -> list:
+    """Tiles the E4M3-activation sweep tries (`a8_sweep`): W on the dot's M side (Triton's FP8 wgmma
+    takes 64 rows per warpgroup there), block_o 64 with one warpgroup or 128 with one or two,
+    split-K 1-8; without the weight conversion the kernel may want fewer, longer programs."""
+    from pallas_kernels.fp8_config import DecodeConfig
+    return [DecodeConfig(block_o=bo, split_k=sk, swap_ab=True, num_warps=nw, num_stages=4, scale_preload=True)
+            for bo, nw in ((64, 4), (128, 4), (128, 8)) for sk in (1, 2, 4, 8)]
+
+
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False,
         sweep_match: str = "", xla: bool = True, decode_ms=DECODE_MS, prefill_ms=PREFILL_MS, only_shapes=(), reps: int = 8,
-        trials: int = 5, device_time: bool = True) -> dict:
+        trials: int = 5, device_time: bool = True, a8_sweep: bool = False) -> dict:
     """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M (from the
     wall clock, and from the kernels' device time where measured: "kernel_" keys).
 
+    a8_sweep: the E4M3-activation rows also try a8_candidate_configs() (decode rows).
     device_time: the default Pallas configs also run once under the profiler (GPU only: nothing on
     the CPU), which adds
     kernel_s_per_call (the Pallas kernel's own launches: its device time), busy_s_per_call (every
@@ -185,12 +195,17 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             candidates = [c for c in candidate_configs(m) if sweep_match in repr(c)] if sweep else []
             runs = [("pallas", None)] + [("pallas", c) for c in candidates]
             default = fm.default_config(m, o, i)
+            a8_default = None
             if isinstance(default, fm.DecodeConfig):  # always: the default with the other scale loading
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
                 if default.use_dot:  # and with x as f16 pieces (fp8_config.X_F16)
                     runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
-                if default.use_dot:  # and on E4M3 activations (fp8_act_quant: an approximation of x)
-                    runs.append(("pallas_a8", dataclasses.replace(default, x_f16=False)))
+                if default.use_dot:  # and on E4M3 activations (fp8_act_quant: an approximation of x), with
+                    # W on the dot's M side as fp8_matmul's act_quant default puts it
+                    a8_default = dataclasses.replace(default, x_f16=False, swap_ab=True)
+                    runs.append(("pallas_a8", a8_default))
+                    if a8_sweep:
+                        runs += [("pallas_a8", c) for c in a8_candidate_configs() if c != a8_default]
             if xla:
                 runs += [("xla", None), ("xla_bf16", None)]
                 if m <= fm.DECODE_DOT_MAX_ROWS:
@@ -207,7 +222,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret)
                         prog, args = loop_program(mm, reps, False), (x, ws, ss)
                     elif impl == "pallas_a8":
-                        row.update(config=repr(config), default=False)
+                        row.update(config=repr(config), default=config == a8_default)
                         mm = functools.partial(fm.fp8_matmul, config=config, interpret=interpret, act_quant=True)
                         prog, args = loop_program(mm, reps, False), (x, ws, ss)
                     elif impl in ("xla", "dequant_dot"):
@@ -234,7 +249,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                     row.update(s_per_call=per, best_s_per_call=best / (reps * n), bytes=o * i,
                                tb_s=o * i / per / 1e12, share_of_copy=o * i / per / 1e12 / copy_tb_s,
                                weight_tb_s=weight_bytes / per / 1e12, tflop_s=2 * m * o * i / per / 1e12)
-                    if device_time and (impl == "pallas_a8" or (impl == "pallas" and config is None)):
+                    if device_time and ((impl == "pallas_a8" and row["default"]) or (impl == "pallas" and config is None)):
                         row.update(_device_figures(prog, args, reps * n, o * i, copy_tb_s))
                     if impl == "pallas" and config is None:
                         pallas_default[m][(o, i)] = per
