@@ -136,7 +136,7 @@ gpu1() {
   # issue 4: the 64-layer step with E4M3 activations (pallas_a8) and the GDN conv kernel's tile at
   # BV = 16 and 8; step_faster.txt lists the variants > 1% faster than the defaults
   job step_variants 300 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_a8,pallas_gdnbv16,pallas_gdnbv8 --out=$R/step_variants.json
+    --step_impls=pallas,pallas_a8,pallas_gdnbv16,pallas_gdnbv8,pallas_gdnbv8w1 --out=$R/step_variants.json
   python3 -c "
 import json
 r = {x['impl']: x['s_per_call'] for x in json.load(open('$R/step_variants.json'))['rows'] if x.get('kernel') == 'decode_step'}
@@ -157,13 +157,15 @@ print(' '.join(k for k, v in r.items() if k != 'pallas' and 'pallas' in r and v 
   local bv=$(python3 -c "
 import json
 r = {x['impl']: x['s_per_call'] for x in json.load(open('$R/step_variants.json'))['rows'] if x.get('kernel') == 'decode_step'}
-r = {k: v for k, v in r.items() if k in ('pallas', 'pallas_gdnbv16', 'pallas_gdnbv8')}
+tiles = {'pallas_gdnbv16': 'gdn_conv_block_v=16', 'pallas_gdnbv8': 'gdn_conv_block_v=8',
+         'pallas_gdnbv8w1': 'gdn_conv_block_v=8,gdn_conv_num_warps=1'}
+r = {k: v for k, v in r.items() if k == 'pallas' or k in tiles}
 best = min(r, key=r.get) if r else 'pallas'
-print({'pallas_gdnbv16': 16, 'pallas_gdnbv8': 8}.get(best, '') if best != 'pallas' and r[best] < 0.99 * r['pallas'] else '')" 2>>$R/trace.log)
+print(tiles[best] if best != 'pallas' and r[best] < 0.99 * r['pallas'] else '')" 2>>$R/trace.log)
   echo "best GDN conv tile: '$bv'" >>$R/jobs.log
   if [ -n "$bv" ]; then
     job tp1_k3_gdnbv 480 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-      --breakdown=false --kernels=gdn_conv_block_v=$bv --out=$R/tp1_k3_gdnbv.json
+      --breakdown=false --kernels=$bv --out=$R/tp1_k3_gdnbv.json
   fi
   if [ "${TRAIN:-0}" = 1 ]; then
     job train_demo 420 python3 -m qmtp.train --flagfile=configs/train_demo.flags --out_dir=$R/train

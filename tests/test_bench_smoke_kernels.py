@@ -41,9 +41,15 @@ def test_quick_interpret_run(module, kernels):
 
 
 
-def test_gdn_cases_and_batches_choose_what_runs():
-    rows = []
-    gdn.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True, cases=("conv",), batches=(2,))
-    assert {r["kernel"] for r in rows} == {"gdn_conv_decode"} and {r["B"] for r in rows} == {2}
+def test_gdn_cases_and_batches_choose_what_runs(monkeypatch):
+    calls = []  # (case, batches) of each bench function run() calls (their rows: the quick run above)
+    for name in ("bench_decode", "bench_conv_decode", "bench_prefill"):
+        monkeypatch.setattr(gdn, name, lambda tb, emit, sz, *a, _n=name, **kw: calls.append((_n, sz.batches)))
+    gdn.run(copy_tb_s=1.0, emit=None, quick=False, interpret=True, cases=("conv",), batches=(2,))
+    assert calls == [("bench_conv_decode", (2,))]
+    calls.clear()
+    gdn.run(copy_tb_s=1.0, emit=None, quick=False, interpret=True)
+    assert [c for c, _ in calls] == ["bench_decode", "bench_conv_decode", "bench_prefill", "bench_decode"]
+    assert calls[0][1] == gdn.Sizes().batches
     with pytest.raises(ValueError, match="unknown case"):
-        gdn.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True, cases=("conv", "verify"))
+        gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, cases=("conv", "verify"))

@@ -47,8 +47,9 @@ CONFIGS = ("32x4", "16x4", "64x4", "32x2", "32x8", "128x8")
 DEFAULT_CONFIG = f"{gdn_kernel.RECURRENCE_CONFIG.block_v}x{gdn_kernel.RECURRENCE_CONFIG.num_warps}"
 # The conv kernel's sweep (the first: the engine's setting). Narrower tiles give more programs (Hv *
 # Dv / BV: 192 at BV = 32, ~1.5 per SM of the H200) for a per-token chain that is latency-bound;
-# each program convolves its key head's q and k channels again.
-CONV_CONFIGS = ("32x4", "16x4", "8x4", "16x2", "8x2", "64x4")
+# each program convolves its key head's q and k channels again. Fewer warps keep the per-token
+# reductions (the L2 norms, S^T k, S^T q) inside a warp (shuffles, no block-wide barrier).
+CONV_CONFIGS = ("32x4", "16x4", "8x4", "16x2", "8x2", "16x1", "8x1", "64x4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ def sizes(quick: bool, interpret: bool) -> Sizes:
     interpret (CPU smoke test of the code paths): few layers and calls, small layer matmuls."""
     s = Sizes()
     if quick:
-        s = dataclasses.replace(s, batches=(1,), tokens=(1, 5), configs=CONFIGS[:1], conv_configs=CONV_CONFIGS[:2],
+        s = dataclasses.replace(s, batches=(1,), tokens=(1, 5), configs=CONFIGS[:1], conv_configs=CONV_CONFIGS[:1],
                                 repeats=3, prefill_tokens=(512,))
     if interpret:
         s = dataclasses.replace(s, layers=2, iters=1, repeats=2, prefill_layers=1, hidden=256, ffn=512,
