@@ -30,7 +30,8 @@
 #          demo recipes and their benches (issue 8). About 12 minutes per line.
 #   both:  once both lines ended, with SHORT_TP2=1 TP2 plain + K=3 with and without XLA's one-shot
 #          all-reduce kernel (short runs); the full TP2 table (FULL_TP2=1, the default; with GPU 1's
-#          winning XLA settings), ~10 minutes (~5 with TABLE_ARGS="--ks=3 --repeats=2")
+#          winning XLA settings, and E4M3 activations if TP1 measured them faster end to end),
+#          ~10 minutes (~5 with TABLE_ARGS="--ks=3 --repeats=2")
 #   TABLE_ARGS (environment) is appended to the TP2 table's flags: TABLE_ARGS="--ks=3 --repeats=2" makes
 #          it plain + K=3 only, for a lease that keeps time for a second one
 set -u
@@ -197,10 +198,22 @@ def plain(m):
     except Exception: return 0.0
 print('$oneshot' if plain('oneshot') > plain('nccl') else '')")
   best="$best $(cat $R/xla_flags_best.txt 2>/dev/null)"  # and GPU 1's winning XLA settings, if any
+  # and E4M3 activations if TP1 measured them faster end to end (plain and K=3 profiled both > 1%)
+  local kernels=$(python3 -c "
+import json
+def rates(name):
+    try:
+        return {m['name']: m['decode_tokens_per_s']['median'] for m in json.load(open('$R/%s.json' % name))['cases'][0]['modes']}
+    except Exception:
+        return {}
+a8, base = rates('tp1_k3_a8'), rates('tp1_k3_default')
+keys = ('plain', 'mtp K=3 profiled')
+print('--kernels=fp8_act_quant=true' if a8 and base and all(a8.get(k, 0) > 1.01 * base.get(k, 1e9) for k in keys) else '')" \
+    2>>$R/trace.log)
   if [ "${FULL_TP2:-1}" = 1 ]; then
-    echo "full TP2 table with XLA_FLAGS='$best'" >>$R/jobs.log
+    echo "full TP2 table with XLA_FLAGS='$best' $kernels" >>$R/jobs.log
     XLA_FLAGS="$best" job bench27_tp2 600 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags \
-      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-}
+      --out=$R/bench27_tp2.json --converted_cache=/tmp/qmtp_conv ${TABLE_ARGS:-} $kernels
   fi
   # (NCCL_PROTO=LL end to end was measured in session 7: 112.9 vs 111.8 tok/s, no gain; not re-run)
   # (session 8's all-reduce probe: NCCL symmetric buffers 10% faster per all-reduce, no gain end to
