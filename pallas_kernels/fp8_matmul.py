@@ -8,7 +8,9 @@ Layout: w [O, I] float8_e4m3fn as the checkpoint stores it, scale [ceil(O/128), 
 `fp8_matmul` is its Pallas twin (same signature plus `interpret` and `config`): a weight-streaming
 kernel for M <= fp8_config.DECODE_MAX_ROWS rows (decode, verify) and a tiled GEMM for more rows
 (prefill); see the section "Pallas kernels" below for the tiling. The tile configurations and
-the heuristics that pick them are in fp8_config.py.
+the heuristics that pick them are in fp8_config.py. With `act_quant=True` the decode kernel runs on
+E4M3 activations instead (MODEL_SPEC §5.3, pallas_kernels/fp8_act_quant.py: an approximation of x,
+not this formula): y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] . w[o, g]).
 """
 
 from __future__ import annotations
@@ -98,7 +100,10 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 # With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
 # (deterministic, no atomics). With DecodeConfig.x_f16 a bf16 x enters as 2M float16 rows [hi; lo]
 # (x = 2^16 hi + lo, see X_F16_HI), the weight chunk converts to f16 instead of bf16, and the
-# f32 partials are combined as 2^16 hi + lo by XLA before the one rounding.
+# f32 partials are combined as 2^16 hi + lo by XLA before the one rounding. With act_quant the
+# x rows are E4M3 (quantized by XLA, zero-padded to BM rows and whole chunks) and each chunk's dot
+# takes both operands unconverted, W on the dot's M side (Hopper's FP8 wgmma: pallas_kernels/_fp8_dot.py),
+# its product scaled by the chunk's weight scale times each row's activation scale.
 #
 # Prefill: grid (cdiv(M, BM), cdiv(O, BN)), M-blocks fastest so the programs sharing one W tile run
 # together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
