@@ -29,7 +29,9 @@ def define_kernels_flag() -> None:
         return
     names = ", ".join(f"{k} (default {v})" for k, v in ops.kernel_settings().items())
     flags.DEFINE_list("kernels", [], "impl=pallas: kernel switches as name=value, comma-separated, e.g. "
-                      f"fp8_scale_preload=true. The defaults are the fastest measured; for experiments. Names: {names}.")
+                      "fp8_scale_preload=true. The defaults are the fastest measured; for experiments. "
+                      "fp8_act_quant=true (E4M3 activations, MODEL_SPEC 5.3) changes the numbers under both "
+                      f"impls. Names: {names}.")
 
 
 def define_draft_head_flag() -> None:
