@@ -137,7 +137,8 @@ gpu1() {
   # issue 4: the 64-layer step with E4M3 activations (pallas_a8) and the GDN conv kernel's tile at
   # BV = 16 and 8; step_faster.txt lists the variants > 1% faster than the defaults
   job step_variants 300 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_a8,pallas_gdnbv16,pallas_gdnbv8,pallas_gdnbv8w1 --out=$R/step_variants.json
+    --step_impls=pallas,pallas_a8,pallas_gdnbv16,pallas_gdnbv8,pallas_gdnbv8w1 --out=$R/step_variants.json \
+    --step_hlo_dir=$R/hlo  # each variant's compiled step: what the activation quantization fuses into
   python3 -c "
 import json
 r = {x['impl']: x['s_per_call'] for x in json.load(open('$R/step_variants.json'))['rows'] if x.get('kernel') == 'decode_step'}
