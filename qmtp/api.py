@@ -72,7 +72,7 @@ class MtpLogits:
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
          impl: str = "ref", progress: bool = True, tp: int = 1, converted_cache: str | None = None,
-         draft_head: str = "auto") -> Model:
+         draft_head: str = "auto", draft_vocab=None) -> Model:
     """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory.
 
     tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
@@ -90,7 +90,12 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     shapes a draft reads 3.02 GB with the bf16 head against 27.25 GB for a target step, so three
     drafts cost a third of a step and cap K=3 at ~2.3x plain at the default acceptance profile; the
     FP8 head reads 1.75 GB. Its cost in acceptance, on the demo model's held-out text
-    (`scripts/draft_head_acceptance.py`): first-draft acceptance 0.6887 -> 0.6868."""
+    (`scripts/draft_head_acceptance.py`): first-draft acceptance 0.6887 -> 0.6868.
+
+    draft_vocab: None (drafts choose among the whole vocabulary), a file of token ids or a sequence
+    of them (qmtp/draft_vocab.py): drafts choose among those ids only, through the draft head's rows
+    for them (FP8 or bf16 as draft_head says), so a draft step reads len(ids) / vocab_size of the
+    head. Tokens are unchanged (the verify pass keeps the full lm_head); acceptance may drop."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
@@ -107,7 +112,9 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
                                                 checkpoint.load)
     if draft_head == "auto":
         draft_head = "fp8" if cfg.quantization is not None else "bf16"
-    if draft_head == "fp8" and "mtp" in params:
+    if draft_vocab is not None and "mtp" in params:
+        params = dict(params, mtp=dict(params["mtp"], **_vocab_head(params, cfg, draft_vocab, draft_head, mesh)))
+    elif draft_head == "fp8" and "mtp" in params:
         params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(model_lib.lm_head(params), mesh)))
     return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl,
                  mesh)
@@ -120,6 +127,21 @@ def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:
     if mesh is None:
         return jax.jit(fp8_lib.quantize)(w)
     return tp_lib.map_vocab_shards(fp8_lib.quantize, mesh)(w)
+
+
+def _vocab_head(params: dict, cfg, draft_vocab, draft_head: str, mesh) -> dict:
+    """{"draft_head": lm_head's rows of the draft vocabulary [Vs', E] (FP8 when draft_head is "fp8"),
+    "draft_vocab": their ids [Vs'] int32}; Vs' pads Vs to a multiple of the TP size (draft_vocab.padded)
+    so the vocabulary-parallel head splits evenly; the ids are replicated."""
+    from qmtp import draft_vocab as vocab_lib
+    ids = (vocab_lib.read(draft_vocab, cfg.vocab_size) if isinstance(draft_vocab, (str, os.PathLike))
+           else vocab_lib.validate(draft_vocab, cfg.vocab_size))
+    ids = vocab_lib.padded(ids, 1 if mesh is None else mesh.size)
+    rows = tp_lib.vocab_rows(mesh)
+    head = jax.jit(lambda w, i: jnp.take(w, i, axis=0), out_shardings=rows)(model_lib.lm_head(params), jnp.asarray(ids))
+    if draft_head == "fp8":
+        head = _fp8_copy(head, mesh)
+    return {"draft_head": head, "draft_vocab": jax.device_put(jnp.asarray(ids), tp_lib.replicated(mesh))}
 
 
 def _load_tokenizer(checkpoint_dir: str):
@@ -311,7 +333,12 @@ def _teacher_forced(cfg, params, state, tokens, impl):
     # MTP at positions 0..T-2 from (x_{p+1}, h_p)
     mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:], hidden[:, :-1], jnp.zeros((1,), jnp.int32), n - 1,
                         impl=impl)
-    return target, tp_lib.gather_vocab(model_lib.draft_logits(params, mh[0], impl))
+    draft = tp_lib.gather_vocab(model_lib.draft_logits(params, mh[0], impl))  # [T-1, V] or [T-1, Vs']
+    vocab = params["mtp"].get("draft_vocab")
+    if vocab is not None:  # a draft vocabulary: its ids get their logits, every other id -inf
+        full = jnp.full((draft.shape[0], target.shape[-1]), -jnp.inf, draft.dtype)
+        draft = full.at[:, vocab].max(draft)  # a padding repeat of an id keeps the larger of its two
+    return target, draft
 
 
 def mtp_logits(model: Model, token_ids) -> MtpLogits:

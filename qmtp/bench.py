@@ -57,6 +57,7 @@ flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: eve
                   "its own verify and commit programs, which takes minutes at 64 layers.")
 cli_help.define_kernels_flag()
 cli_help.define_draft_head_flag()
+cli_help.define_draft_vocab_flag()
 flags.DEFINE_string("trace_dir", None, "Also run each mode once more, after its timed repeats, under the JAX "
                     "profiler: one perfetto trace per mode in a subdirectory named after it (plain, K3_natural, "
                     "K3_profiled, ...; summarize with scripts/trace_summary.py). Not part of the figures.")
@@ -267,14 +268,16 @@ def _run() -> int:
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
     model = qmtp.load(path, dtype=FLAGS.dtype, impl=engines[0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache,
-                      draft_head=FLAGS.draft_head)
+                      draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab)
     load_s = time.perf_counter() - t
     resident = memory()
     config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,
               "engine": ",".join(engines), "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
               "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
               "prompt_lengths": FLAGS.prompt_lengths,
-              "draft_head": model.draft_head,
+              "draft_head": model.draft_head, "draft_vocab": FLAGS.draft_vocab,
+              "draft_vocab_size": (int(model.params["mtp"]["draft_vocab"].shape[0])
+                                   if "draft_vocab" in model.params.get("mtp", {}) else None),
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}

@@ -77,7 +77,7 @@ def draft_loop(cfg: ModelConfig, params, state, n, impl: str):
         state, tok, h = carry
         hs, state = mtp.forward(cfg, params, state, tok[:, None], h[:, None], state.lengths, jnp.ones((b,), jnp.int32),
                                 impl=impl)
-        return state, decode.greedy(model_lib.draft_logits(params, hs[:, 0], impl)), hs[:, 0]
+        return state, model_lib.draft_token(params, hs[:, 0], impl), hs[:, 0]
 
     carry = (state, jnp.zeros((b,), jnp.int32), jnp.zeros((b, e), state.kv.k[0].dtype))
     state, tok, _ = jax.lax.fori_loop(0, n, body, carry)

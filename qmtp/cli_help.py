@@ -44,6 +44,16 @@ def define_draft_head_flag() -> None:
                       "the exact lm_head: the tokens do not change, only how many drafts are accepted may.")
 
 
+def define_draft_vocab_flag() -> None:
+    """--draft_vocab (qmtp.load's draft_vocab), for generate, bench, server."""
+    if "draft_vocab" in flags.FLAGS:
+        return
+    flags.DEFINE_string("draft_vocab", None, "MTP drafts choose among these token ids only (a file: a JSON list or "
+                        "whitespace-separated ids; scripts/hot_vocab.py builds one from text): the draft head reads "
+                        "just their rows. Tokens are unchanged; acceptance may drop "
+                        "(scripts/draft_head_acceptance.py --draft_vocab measures it).")
+
+
 def apply_kernels_flag() -> dict:
     """Applies --kernels (ValueError naming the flag on a bad item); returns the settings now in force."""
     from qmtp import ops

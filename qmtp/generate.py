@@ -53,6 +53,7 @@ flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the
                     "restore from it instead of reading the safetensors.")
 cli_help.define_kernels_flag()
 cli_help.define_draft_head_flag()
+cli_help.define_draft_vocab_flag()
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
@@ -101,7 +102,8 @@ def run(argv) -> dict:
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
-                      converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head)
+                      converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head,
+                      draft_vocab=FLAGS.draft_vocab)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
                            mtp_k=FLAGS.mtp_k, accept_cap=cap, temperature=FLAGS.temperature,
                            warmup=FLAGS.warmup)

@@ -35,12 +35,22 @@ def logits_from_hidden(params: dict, hidden: jax.Array, impl: str) -> jax.Array:
 
 def draft_logits(params: dict, hidden: jax.Array, impl: str) -> jax.Array:
     """Logits of an MTP draft: through params["mtp"]["draft_head"] when the model was loaded with an
-    FP8 draft head (half the bytes of the bf16 lm_head per draft step), else the shared lm_head.
-    Drafts are only proposals: the verify pass always uses the exact lm_head, so tokens never change."""
+    FP8 draft head (half the bytes of the bf16 lm_head per draft step) or a draft vocabulary (then
+    [..., Vs] over its ids: draft_token maps them), else the shared lm_head. Drafts are only
+    proposals: the verify pass always uses the exact lm_head, so tokens never change."""
     head = params.get("mtp", {}).get("draft_head")
     if head is None:
         return logits_from_hidden(params, hidden, impl)
     return ops.linear(hidden, head, impl, out_dtype=jnp.float32)
+
+
+def draft_token(params: dict, hidden: jax.Array, impl: str) -> jax.Array:
+    """Greedy draft token ids [...] int32 from MTP hidden [..., E]: the argmax of draft_logits
+    (across the vocabulary shards under TP), mapped through params["mtp"]["draft_vocab"] when the
+    draft head holds only those rows (qmtp/draft_vocab.py)."""
+    index = tp.greedy_argmax(draft_logits(params, hidden, impl))
+    vocab = params.get("mtp", {}).get("draft_vocab")
+    return index if vocab is None else jnp.take(vocab, index)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, impl: str) -> tuple:

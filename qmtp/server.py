@@ -88,6 +88,7 @@ def define_flags() -> None:
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
     cli_help.define_kernels_flag()
     cli_help.define_draft_head_flag()
+cli_help.define_draft_vocab_flag()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +353,8 @@ def build(argv) -> tuple:
     cli_help.apply_kernels_flag()
     path = resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size, impl=FLAGS.impl, tp=FLAGS.tp,
-                      progress=False, draft_head=FLAGS.draft_head)
+                      progress=False, draft_head=FLAGS.draft_head,
+                      draft_vocab=FLAGS.draft_vocab)
     engine = Engine(model, EngineConfig(
         batch_slots=FLAGS.batch_slots, mtp_k=FLAGS.mtp_k, rounds_per_call=FLAGS.rounds_per_call,
         max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages, max_queue=FLAGS.max_queue,

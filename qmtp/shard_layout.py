@@ -6,7 +6,9 @@ dim, in that order, and the TP-global array is the shards' pieces concatenated a
 contiguous split of the global array gives each device exactly its piece):
 
     embed, lm_head          [V, E]     dim 0, contiguous (vocabulary-parallel)
-    mtp.draft_head          [V, E]     dim 0, contiguous (the optional FP8 copy of lm_head for drafts)
+    mtp.draft_head          [V, E]     dim 0, contiguous (the optional FP8 copy of lm_head for drafts,
+                                       or its rows of a draft vocabulary: [Vs, E])
+    mtp.draft_vocab         [Vs]       replicated (the token ids of those rows, qmtp/draft_vocab.py)
     q_proj                  [2HqD, E]  dim 0, contiguous: rows are per head [query | gate], whole heads
     k_proj, v_proj          [HkvD, E]  dim 0 by KV head; with fewer KV heads than shards, shard s takes
                                        KV head s * Hkv // n (KV heads replicated n / Hkv times)
@@ -37,7 +39,7 @@ _CONTIGUOUS_1 = {"o_proj", "mlp_down", "out_proj"}
 _KV_HEADS = {"k_proj", "v_proj"}
 _QKV = {"in_proj_qkv", "conv"}
 _REPLICATED = {"final_norm", "input_norm", "post_norm", "q_norm", "k_norm", "gdn_norm", "fc",
-               "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"}
+               "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "draft_vocab"}
 
 
 def split_dim(key: str) -> int | None:

@@ -111,7 +111,7 @@ def prefill(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     shifted = mtp.shift_left(tokens, n_valid, first)
     mh, state = mtp.forward(cfg, params, state, shifted, hidden, start, n_valid, impl=impl)
     mh_last = model.last_valid(mh, n_valid)
-    return first, decode.greedy(model.draft_logits(params, mh_last, impl)), mh_last, state
+    return first, model.draft_token(params, mh_last, impl), mh_last, state
 
 
 def accepted_length(drafts: jax.Array, target: jax.Array) -> jax.Array:
@@ -149,7 +149,7 @@ def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: 
         hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live,
                                 impl=impl)
         h = hs[:, 0]
-        drafts.append(decode.greedy(model.draft_logits(params, h, impl)))
+        drafts.append(model.draft_token(params, h, impl))
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
     # 2. verify [t_L, d_1 .. d_K]
     ssm0 = state.ssm
@@ -165,7 +165,7 @@ def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: 
     state = dataclasses.replace(state, conv=conv, ssm=ssm, lengths=base + n_keep)
     mh_all, state = mtp.forward(cfg, params, state, target, hidden, base, n_keep, impl=impl)
     mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
-    d1 = decode.greedy(model.draft_logits(params, mh, impl))
+    d1 = model.draft_token(params, mh, impl)
     pending = jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
     return target, a, state, pending, d1, mh
 

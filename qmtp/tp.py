@@ -213,6 +213,16 @@ def assemble(pieces: list, dim: int, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
+def vocab_rows(mesh: Mesh | None):
+    """The sharding of a [V, ...] array split by vocabulary rows (None on one device)."""
+    return None if mesh is None else NamedSharding(mesh, P(AXIS, None))
+
+
+def replicated(mesh: Mesh | None):
+    """The sharding of an array every device holds whole (None on one device)."""
+    return None if mesh is None else NamedSharding(mesh, P())
+
+
 def map_vocab_shards(fn, mesh: Mesh):
     """jit(fn) applied to each device's rows of arrays split by vocabulary ([V/n, ...] pieces in,
     pieces out): e.g. quantizing each shard of the lm_head in its own 128-blocks."""

@@ -1,6 +1,7 @@
 """Teacher-forced first-draft acceptance of a checkpoint's MTP head with the bf16 lm_head and with
 the FP8 draft head (`qmtp.load(..., draft_head="fp8")`), on the same held-out windows: what the FP8
-copy costs in acceptance, to weigh against the bytes it saves per draft.
+copy costs in acceptance, to weigh against the bytes it saves per draft; with --draft_vocab also
+the FP8 head restricted to a draft vocabulary (`qmtp.load(..., draft_vocab=FILE)`).
 
 For each window of SEQ_LEN tokens, `qmtp.api.mtp_logits` gives the draft's argmax at every position
 from the target's hidden state and the true next token; acceptance = share of positions where it
@@ -27,6 +28,8 @@ flags.DEFINE_string("text_file", None, "Held-out text to score (default: the dem
 flags.DEFINE_integer("windows", 16, "Windows spread evenly over the text.", lower_bound=1)
 flags.DEFINE_integer("seq_len", 256, "Tokens per window.", lower_bound=3)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+flags.DEFINE_string("draft_vocab", None, "Also score the FP8 head restricted to this draft vocabulary (a file of "
+                    "token ids, qmtp/draft_vocab.py; scripts/hot_vocab.py builds one).")
 flags.DEFINE_string("output_json", None, "Also write the figures here.")
 FLAGS = flags.FLAGS
 
@@ -45,6 +48,9 @@ def main(argv) -> int:
     from qmtp import api
     models = {head: api.load(FLAGS.checkpoint, dtype=FLAGS.dtype, progress=False, draft_head=head)
               for head in ("bf16", "fp8")}
+    if FLAGS.draft_vocab:
+        models["fp8_vocab"] = api.load(FLAGS.checkpoint, dtype=FLAGS.dtype, progress=False, draft_head="fp8",
+                                       draft_vocab=FLAGS.draft_vocab)
     stream = _held_out_tokens(models["bf16"].tokenizer)
     if stream.size < FLAGS.seq_len:
         print(f"{FLAGS.text_file or 'held-out text'}: {stream.size} tokens, fewer than --seq_len={FLAGS.seq_len}",
@@ -65,6 +71,8 @@ def main(argv) -> int:
     print(f"{result['positions']} positions: first-draft acceptance bf16 head {result['acceptance']['bf16']:.4f}, "
           f"FP8 head {result['acceptance']['fp8']:.4f}; the heads' draft argmax differs at "
           f"{100 * result['draft_argmax_differs']:.2f}% of positions")
+    if "fp8_vocab" in result["acceptance"]:
+        print(f"FP8 head over the draft vocabulary {FLAGS.draft_vocab}: {result['acceptance']['fp8_vocab']:.4f}")
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(result, f, indent=1)

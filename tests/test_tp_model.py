@@ -222,3 +222,15 @@ def test_fp8_activations_under_tp2(fp8_dir):
         ops.set_kernel_settings(before)
         jax.clear_caches()
     assert not np.array_equal(np.asarray(a8), np.asarray(exact))
+
+
+@pytest.mark.slow  # ~20 s: two FP8 loads and MTP runs at TP1 and TP2
+def test_draft_vocabulary_under_tp2(fp8_dir):
+    """A draft vocabulary of an odd number of ids (padded to split evenly across the two vocabulary
+    shards) with the FP8 draft head: TP2 drafts and tokens equal TP1's."""
+    ids = np.arange(1, 2 * 97, 2)  # 97 ids
+    pair = (qmtp.load(fp8_dir, dtype="float32", progress=False, draft_head="fp8", draft_vocab=ids),
+            qmtp.load(fp8_dir, dtype="float32", progress=False, draft_head="fp8", draft_vocab=ids, tp=2))
+    assert pair[1].params["mtp"]["draft_head"].weight.shape[0] == 98  # padded to a multiple of 2
+    one, two = _same_tokens(pair, [[1, 2, 3], [4, 5]], 3, max_new=6)
+    assert [one.stats[k] for k in ("rounds", "drafted", "accepted")] == [two.stats[k] for k in ("rounds", "drafted", "accepted")]
