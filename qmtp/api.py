@@ -48,8 +48,9 @@ class Model:
 
     @property
     def draft_head(self) -> str:
-        """What MTP drafts read for their logits: "fp8" (the copy load(draft_head=...) made) or "bf16"."""
-        return "fp8" if "draft_head" in self.params.get("mtp", {}) else "bf16"
+        """What MTP drafts read for their logits: "fp8" (the copy load(draft_head=...) made) or "bf16"
+        (the shared lm_head, or its rows of a draft vocabulary)."""
+        return "fp8" if isinstance(self.params.get("mtp", {}).get("draft_head"), fp8_lib.Fp8Block) else "bf16"
 
 
 @dataclasses.dataclass

@@ -49,7 +49,7 @@ def test_every_id_drafts_as_the_full_head(ckpt, plain):
     model, want = plain
     ids = np.arange(model.cfg.vocab_size)[::-1]  # every id, in another order
     sub = qmtp.load(ckpt, dtype="float32", progress=False, draft_vocab=ids)
-    assert sub.params["mtp"]["draft_head"].shape[0] == model.cfg.vocab_size
+    assert sub.params["mtp"]["draft_head"].shape[0] == model.cfg.vocab_size and sub.draft_head == "bf16"
     full = qmtp.generate(model, PROMPTS, max_new_tokens=10, stop_token_ids=[], mtp_k=3)
     got = qmtp.generate(sub, PROMPTS, max_new_tokens=10, stop_token_ids=[], mtp_k=3)
     assert got.tokens == full.tokens == want.tokens
