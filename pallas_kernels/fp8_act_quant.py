@@ -26,12 +26,19 @@ SCALE_FLOOR = 1e-10  # an all-zero group keeps a finite scale (its x_q are 0)
 
 def quantize_activations(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x2 [M, I] -> (x_q [M, I] float8_e4m3fn, s_x [M, ceil(I / 128)] f32), per MODEL_SPEC §5.3."""
+    x_q, s_x = quantize_groups(x2)
+    return x_q[:, :x2.shape[1]], s_x
+
+
+def quantize_groups(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """quantize_activations with x_q left in whole groups: [M, G * 128], zeros past I (the decode
+    kernel's layout: every 128-column chunk loads unmasked)."""
     m, i = x2.shape
     groups = -(-i // GROUP)
     xf = jnp.pad(x2.astype(jnp.float32), ((0, 0), (0, groups * GROUP - i))).reshape(m, groups, GROUP)
     s_x = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), SCALE_FLOOR) / E4M3_MAX  # [M, G]
     x_q = jnp.clip(xf / s_x[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return x_q.reshape(m, groups * GROUP)[:, :i], s_x
+    return x_q.reshape(m, groups * GROUP), s_x
 
 
 def fp8_matmul_act_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
@@ -41,11 +48,10 @@ def fp8_matmul_act_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=N
     out_dtype = out_dtype or x.dtype
     lead, i = x.shape[:-1], x.shape[-1]
     o = w.shape[0]
-    x_q, s_x = quantize_activations(x.reshape(-1, i))
+    x_q, s_x = quantize_groups(x.reshape(-1, i))
     groups = s_x.shape[1]
-    pad = groups * GROUP - i
-    xg = jnp.pad(x_q.astype(jnp.float32), ((0, 0), (0, pad))).reshape(-1, groups, GROUP)
-    wg = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, pad))).reshape(o, groups, GROUP)
+    xg = x_q.astype(jnp.float32).reshape(-1, groups, GROUP)
+    wg = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, groups * GROUP - i))).reshape(o, groups, GROUP)
     per_group = jnp.einsum("mgk,ogk->mog", xg, wg, precision=jax.lax.Precision.HIGHEST)  # [M, O, G]
     s_w = jnp.repeat(scale.astype(jnp.float32), GROUP, axis=0)[:o]  # [O, G]
     y = jnp.sum(per_group * s_x[:, None, :] * s_w[None], axis=-1)

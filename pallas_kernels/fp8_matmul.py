@@ -402,25 +402,11 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
                          f"(two f16 pieces per row), got M={m}")
     if x_f16:
         x2 = _f16_pieces(x2).reshape(m_k, i)
-    n_chunks = cdiv(i, BLOCK)
-    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
-    split = cdiv(n_chunks, cps)  # no empty splits
-    _check_int32(m_k, max(os), i, split)
     bm = m_k if not config.use_dot else max(DOT_MIN, next_pow2(m_k))
-    if config.scale_preload and interpret:
-        scales = _pad_preloaded_scales(scales, split, cps)
-    kernel = functools.partial(_decode_kernel, m=m_k, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps,
-                               x_f16=x_f16, x_fp8=False)
+    _, split = _chunk_split(i, config)
     part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
-    args, out = align(x2, *ws, *scales)
-    ys = pl.pallas_call(
-        kernel,
-        out_shape=tuple(out((split, m_k, o), part_dtype) for o in os),
-        grid=(sum(cdiv(o, config.block_o) for o in os), split),
-        compiler_params=params,
-        interpret=interpret,
-        name="fp8_matmul_decode",
-    )(*args)
+    ys = _decode_call((x2,), ws, scales, m=m_k, i=i, bm=bm, out_rows=m_k, part_dtype=part_dtype, config=config,
+                      params=params, interpret=interpret, x_f16=x_f16, name="fp8_matmul_decode")
     if x_f16:  # [split, 2M, O] -> sum_s 2^16 hi_s + lo_s
         return tuple(jnp.sum(y[:, :m] * X_F16_HI + y[:, m:], axis=0).astype(out_dtype).reshape(*lead, o)
                      for y, o in zip(ys, os))
@@ -428,11 +414,38 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
                  for y, o in zip(ys, os))
 
 
-def _pad_preloaded_scales(scales, split: int, cps: int):
-    """On the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
-    interpreter clamps a slice that runs past the row, so there the rows are padded to fit."""
-    width = (split - 1) * cps + max(next_pow2(cps), 2)
-    return tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
+def _chunk_split(i: int, config: DecodeConfig) -> tuple[int, int]:
+    """(128-column chunks per split, splits): split_k, fewer where a split would be left empty."""
+    n_chunks = cdiv(i, BLOCK)
+    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
+    return cps, cdiv(n_chunks, cps)
+
+
+def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, out_rows: int, part_dtype,
+                 config: DecodeConfig, params, interpret: bool, x_f16: bool, name: str) -> tuple[jax.Array, ...]:
+    """The decode kernel's launch over all weights: x_args are x [M, I] alone, or (x_q, s_x) with E4M3
+    activations (x_fp8); returns the partials [split, out_rows, O_j] per weight."""
+    cps, split = _chunk_split(i, config)
+    os = tuple(w.shape[0] for w in ws)
+    x_fp8 = len(x_args) == 2
+    # the kernel indexes x's rows up to BM and, with E4M3 x, whole 128-column chunks
+    _check_int32(bm if x_fp8 else m, max(os), cdiv(i, BLOCK) * BLOCK if x_fp8 else i, split)
+    if config.scale_preload and interpret:
+        # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
+        # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
+        width = (split - 1) * cps + max(next_pow2(cps), 2)
+        scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
+    kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps,
+                               x_f16=x_f16, x_fp8=x_fp8)
+    args, out = align(*x_args, *ws, *scales)
+    return pl.pallas_call(
+        kernel,
+        out_shape=tuple(out((split, out_rows, o), part_dtype) for o in os),
+        grid=(sum(cdiv(o, config.block_o) for o in os), split),
+        compiler_params=params,
+        interpret=interpret,
+        name=name,
+    )(*args)
 
 
 def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, params, interpret: bool, weight_dtype):
@@ -444,28 +457,13 @@ def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, param
                          f"{jnp.dtype(weight_dtype).name} weights and {config}")
     (m, i), os = x2.shape, tuple(w.shape[0] for w in ws)
     bm = max(DOT_MIN, next_pow2(m))
-    x_q, s_x = fp8_act_quant.quantize_activations(x2)
-    n_chunks = cdiv(i, BLOCK)
-    x_q = jnp.pad(x_q, ((0, bm - m), (0, n_chunks * BLOCK - i)))  # E4M3 zeros
+    x_q, s_x = fp8_act_quant.quantize_groups(x2)  # [M, GI * 128] (zero past I), [M, GI]
+    x_q = jnp.pad(x_q, ((0, bm - m), (0, 0)))  # E4M3 zeros
     s_x = jnp.pad(s_x, ((0, bm - m), (0, 0))).T  # [GI, BM]
     if i % BLOCK:  # ragged I: the weights' bits, so the kernel can fill the columns past I with 0
         ws = tuple(jax.lax.bitcast_convert_type(w, jnp.uint8) for w in ws)
-    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
-    split = cdiv(n_chunks, cps)
-    _check_int32(bm, max(os), n_chunks * BLOCK, split)
-    if config.scale_preload and interpret:
-        scales = _pad_preloaded_scales(scales, split, cps)
-    kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps,
-                               x_f16=False, x_fp8=True)
-    args, out = align(x_q, s_x, *ws, *scales)
-    ys = pl.pallas_call(
-        kernel,
-        out_shape=tuple(out((split, bm, o), jnp.float32) for o in os),
-        grid=(sum(cdiv(o, config.block_o) for o in os), split),
-        compiler_params=params,
-        interpret=interpret,
-        name="fp8_matmul_decode_a8",
-    )(*args)
+    ys = _decode_call((x_q, s_x), ws, scales, m=m, i=i, bm=bm, out_rows=bm, part_dtype=jnp.float32, config=config,
+                      params=params, interpret=interpret, x_f16=False, name="fp8_matmul_decode_a8")
     return tuple(jnp.sum(y[:, :m], axis=0).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
 
 
