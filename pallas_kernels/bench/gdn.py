@@ -157,31 +157,36 @@ def _decode_time(fn, b: int, t: int, sz: Sizes, inputs=None) -> dict:
             "finite": bool(jnp.isfinite(carry[1])), "layers": sz.layers, "iters": sz.iters}
 
 
+def _decode_row(base: dict, nbytes: int, fn, args, want, b: int, t: int, sz: Sizes, copy_tb_s: float,
+                inputs=None) -> dict:
+    """One decode/verify row: fn's rel_err against want() (the reference's (o, state); None for a
+    reference row) on args, then its time (_decode_time); a failure becomes an error row."""
+    try:
+        extra = {}
+        if want is not None:
+            ref_o, ref_s = want()
+            o, s = jax.jit(fn)(*args)
+            extra = {"rel_err_o": rel_err(o, ref_o), "rel_err_state": rel_err(s, ref_s)}
+            extra["rel_err"] = max(extra["rel_err_o"], extra["rel_err_state"])
+        m = _decode_time(fn, b, t, sz, inputs)
+        return {**base, **_rates(nbytes, m.pop("s_per_call"), copy_tb_s), **extra, **m}
+    except Exception as e:
+        return _error_row(base, nbytes, e)
+
+
 def bench_decode(copy_tb_s: float, emit, sz: Sizes, configs, with_ref: bool, interpret: bool) -> None:
     for b in sz.batches:
         for t in sz.tokens:
             nbytes = 2 * b * HV * DK * DV * 4
             args = gdn_inputs(jax.random.key(7), b, t)
-            want = None
+            want = functools.cache(lambda args=args: jax.jit(gdn_kernel.gdn_recurrence_ref)(*args))
             impls = [("xla", None, gdn_kernel.gdn_recurrence_ref)] if with_ref else []
             impls += [("pallas", c, _kernel_fn(c, interpret)) for c in configs]
             for impl, config, fn in impls:
                 base = {"kernel": "gdn_decode", "case": f"B={b} T={t}", "impl": impl, "B": b, "T": t}
                 if config is not None and config != DEFAULT_CONFIG:
                     base["config"] = config
-                try:
-                    extra = {}
-                    if config is not None:
-                        if want is None:
-                            want = jax.jit(gdn_kernel.gdn_recurrence_ref)(*args)
-                        o, s = jax.jit(fn)(*args)
-                        extra = {"rel_err_o": rel_err(o, want[0]), "rel_err_state": rel_err(s, want[1])}
-                        extra["rel_err"] = max(extra["rel_err_o"], extra["rel_err_state"])
-                    m = _decode_time(fn, b, t, sz)
-                    row = {**base, **_rates(nbytes, m.pop("s_per_call"), copy_tb_s), **extra, **m}
-                except Exception as e:
-                    row = _error_row(base, nbytes, e)
-                emit(row)
+                emit(_decode_row(base, nbytes, fn, args, want if config is not None else None, b, t, sz, copy_tb_s))
 
 
 def conv_inputs(key, b: int, t: int):
@@ -217,24 +222,14 @@ def bench_conv_decode(copy_tb_s: float, emit, sz: Sizes, configs, interpret: boo
         for t in sz.tokens:
             nbytes = 2 * b * HV * DK * DV * 4
             inputs = conv_inputs(jax.random.key(b * 10 + t), b, t)
-            state = 0.5 * jax.random.normal(jax.random.key(7), (b, HV, DK, DV))
-            want = jax.jit(_conv_fn(None, interpret))(*inputs, state)
+            args = (*inputs, 0.5 * jax.random.normal(jax.random.key(7), (b, HV, DK, DV)))
+            want = functools.cache(lambda args=args: jax.jit(_conv_fn(None, interpret))(*args))
             for impl, config in [("xla", None)] + [("pallas", c) for c in configs]:
                 base = {"kernel": "gdn_conv_decode", "case": f"B={b} T={t}", "impl": impl, "B": b, "T": t}
                 if config is not None:
                     base["config"] = config
-                try:
-                    fn = _conv_fn(config, interpret)
-                    extra = {}
-                    if config is not None:
-                        o, s_new = jax.jit(fn)(*inputs, state)
-                        extra = {"rel_err_o": rel_err(o, want[0]), "rel_err_state": rel_err(s_new, want[1])}
-                        extra["rel_err"] = max(extra["rel_err_o"], extra["rel_err_state"])
-                    m = _decode_time(fn, b, t, sz, inputs)
-                    row = {**base, **_rates(nbytes, m.pop("s_per_call"), copy_tb_s), **extra, **m}
-                except Exception as e:
-                    row = _error_row(base, nbytes, e)
-                emit(row)
+                emit(_decode_row(base, nbytes, _conv_fn(config, interpret), args,
+                                 want if config is not None else None, b, t, sz, copy_tb_s, inputs))
 
 
 # ---- chunked prefill ------------------------------------------------------------------------------
