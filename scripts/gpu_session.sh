@@ -259,21 +259,18 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
+quick() {  # a short lease running one job function (pieces or confirm) in the background, then waiting
+  local fn=$1
+  rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
+  cd $SRC || exit 1
+  export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
+  setsid bash -c "$(declare -f job $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
+  wait_and_pack
+}
+
 case $cmd in
-  start_pieces)  # QUICK: see pieces()
-    rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
-    cd $SRC || exit 1
-    export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
-    setsid bash -c "$(declare -f job pieces); R=$R; pieces" </dev/null >$R/pieces.out 2>&1 &
-    wait_and_pack
-    ;;
-  start_confirm)  # QUICK: see confirm()
-    rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
-    cd $SRC || exit 1
-    export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
-    setsid bash -c "$(declare -f job confirm); R=$R; confirm" </dev/null >$R/confirm.out 2>&1 &
-    wait_and_pack
-    ;;
+  start_pieces) quick pieces ;;  # see pieces()
+  start_confirm) quick confirm ;;  # see confirm()
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
