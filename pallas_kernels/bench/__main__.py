@@ -24,9 +24,7 @@ import sys
 from absl import app, flags
 
 from pallas_kernels.bench.step import VARIANTS
-from qmtp import xla_defaults  # the step runs qmtp's model: its XLA settings, before any computation
-
-xla_defaults.apply()
+import qmtp  # noqa: F401  (the step runs qmtp's model: importing qmtp adds its XLA settings, qmtp/xla_defaults.py)
 
 PARTS = ("fp8", "gdn", "attention", "step")
 
