@@ -15,7 +15,9 @@ for tokens t < n_valid; tokens t >= n_valid are padding: they change neither S n
 window[n_valid + i], i < W-1: the last W-1 inputs up to the last valid token, reaching back into the
 old conv state when n_valid < W-1 (qmtp.layers.conv_window_state).
 
-Shapes: mixed [B, T, C]; conv_state [B, W-1, C]; conv_w [C, W]; a, b [B, T, Hv]; A_log, dt_bias [Hv];
+Shapes: mixed [B, T, C]; conv_state [B, W-1, C]; conv_w [C, W]; a, b [B, T, Hv] (or, instead, the keyword
+ba [B, T, 2 Hv] = [b | a]: the output of one projection through both weights, qmtp.api's in_proj_ba,
+read in place, so no slice of it runs between the projection and the kernel); A_log, dt_bias [Hv];
 state [B, Hv, Dk, Dv] f32; n_valid [B] int in [0, T]. Returns (o [B, T, Hv, Dv] f32, state [B, Hv, Dk,
 Dv] f32, conv state [B, W-1, C] in conv_state's dtype). The conv state is rounded to mixed's dtype
 before the conv, as qmtp.layers.causal_conv does.
@@ -69,10 +71,22 @@ def _l2(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
+def _gates(a, b, ba, hv: int):
+    """(a, b) from either form: a and b [B, T, Hv], or ba [B, T, 2 Hv] = [b | a] (split here)."""
+    if (ba is None) == (a is None or b is None):
+        raise ValueError("gdn conv: pass the gate projections either as a and b or as ba, not both or neither")
+    if ba is None:
+        return a, b
+    if ba.ndim != 3 or ba.shape[-1] != 2 * hv:
+        raise ValueError(f"gdn conv: ba {ba.shape} must be [B, T, 2 Hv] = [..., {2 * hv}] ([b | a])")
+    return ba[..., hv:], ba[..., :hv]
+
+
 def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *,
-                            key_heads: int, scale: float):
+                            key_heads: int, scale: float, ba=None):
     """The unfused pieces composed (the same jnp as qmtp.layers.causal_conv / l2_normalize):
     -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C])."""
+    a, b = _gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0)
     _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads)
     bsz, t, _ = mixed.shape
     hv, dk, dv = state.shape[1:]
@@ -166,15 +180,18 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
                         scale: float, interpret: bool = False, config: gdn.RecurrenceConfig | None = None,
-                        in_place: bool = True):
+                        in_place: bool = True, ba=None):
     """Pallas twin of `gdn_conv_recurrence_ref` -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32,
     conv state [B, W-1, C]). Dk must be a power of two; the Dv tile BV as in `gdn.gdn_recurrence`.
     With in_place, the state output aliases the (f32) state input (in place when donated; when the
     caller still needs the input, XLA copies it first); otherwise the state is written to a new
     buffer. The conv state is a new buffer (see the kernel). T <= gdn.MAX_UNROLLED_TOKENS is
-    unrolled, longer T loops."""
+    unrolled, longer T loops. With ba (instead of a and b), the kernel reads b and a from its two
+    halves: ba goes in twice, with block index maps h and Hv + h."""
     config = config or gdn.RECURRENCE_CONFIG
-    _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads)
+    # the shapes are checked on ba's halves (slices nothing uses: traced, then dropped from the program)
+    _check(mixed, conv_state, conv_w, *_gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0), a_log, dt_bias,
+           state, n_valid, key_heads)
     bsz, t, c = mixed.shape
     hv, dk, dv = state.shape[1:]
     width = conv_w.shape[1]
@@ -190,19 +207,23 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     sq = pl.squeezed
     row_spec = lambda rows: pl.BlockSpec((sq, rows, c), lambda ib, ih, iv: (ib, 0, 0))  # [rows, C] of sequence b
     tv_spec = pl.BlockSpec((sq, t, sq, bv), lambda ib, ih, iv: (ib, 0, ih, iv))
-    gate_spec = pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, ih))
+    a_offset = 0 if ba is None else hv  # the block index of a's head h: h, or Hv + h inside ba = [b | a]
+    a_spec = pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, a_offset + ih))
+    b_spec = pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, ih))
     head_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ih,))
     batch_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ib,))
     s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
     w_spec = pl.BlockSpec((c, width), lambda ib, ih, iv: (0, 0))
     kernel = functools.partial(_conv_kernel, n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv,
                                scale=float(scale))
+    if ba is not None:
+        a = b = ba
     args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state)
     return pl.pallas_call(
         kernel,
         out_shape=(out((bsz, t, hv, dv), F32), out((bsz, hv, dk, dv), F32), out(conv_state.shape, conv_state.dtype)),
         grid=(bsz, hv, dv // bv),
-        in_specs=[row_spec(t), row_spec(width - 1), w_spec, gate_spec, gate_spec, head_spec, head_spec,
+        in_specs=[row_spec(t), row_spec(width - 1), w_spec, a_spec, b_spec, head_spec, head_spec,
                   batch_spec, s_spec],
         out_specs=[tv_spec, s_spec, row_spec(width - 1)],
         input_output_aliases={8: 1} if in_place else {},

@@ -117,8 +117,28 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
         params = dict(params, mtp=dict(params["mtp"], **_vocab_head(params, cfg, draft_vocab, draft_head, mesh)))
     elif draft_head == "fp8" and "mtp" in params:
         params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(model_lib.lm_head(params), mesh)))
+    if ops.FUSE_GATE_PROJECTIONS:
+        params = fuse_gate_projections(params, mesh)
     return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl,
                  mesh)
+
+
+def fuse_gate_projections(params: dict, mesh=None) -> dict:
+    """The tree with each GDN layer's in_proj_b and in_proj_a [Hv, E] replaced by in_proj_ba [2 Hv, E]
+    = [b | a] (ops.FUSE_GATE_PROJECTIONS): one dot for both gate projections, rows unchanged, so each
+    output is the same dot product as before. Under TP each device joins its own rows, so shard s
+    holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
+    (the loader keeps them bf16), are left as they are."""
+    layers = params.get("gdn", ())
+    if not layers or not all("in_proj_b" in p and "in_proj_a" in p for p in layers):
+        return params
+    if any(isinstance(p[n], fp8_lib.Fp8Block) for p in layers for n in ("in_proj_b", "in_proj_a")):
+        return params
+    join = lambda b, a: jnp.concatenate([b, a], axis=0)  # noqa: E731
+    join = jax.jit(join) if mesh is None else tp_lib.map_vocab_shards(join, mesh)
+    fused = tuple({**{k: v for k, v in p.items() if k not in ("in_proj_b", "in_proj_a")},
+                   "in_proj_ba": join(p["in_proj_b"], p["in_proj_a"])} for p in layers)
+    return dict(params, gdn=fused if isinstance(layers, tuple) else list(fused))
 
 
 def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:

@@ -153,22 +153,30 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
     [B, T, Hv] or, when the gates run inside the kernel (ops.GDN_GATES_IN_KERNEL), the raw a, b [B, T, Hv]
     with A_log and dt_bias [Hv]; when the conv runs inside the kernel as well (ops.GDN_CONV_IN_KERNEL),
     the kernel's inputs: the raw mixed [B, T, C], the old conv state [B, W-1, C], the conv weight
-    [C, W] and a, b, A_log, dt_bias."""
+    [C, W] and a, b (or ba [B, T, 2 Hv] = [b | a] from in_proj_ba), A_log, dt_bias."""
     b, t, _ = x.shape
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]
     key_heads = (p["conv"].shape[0] - hv * dv) // (2 * dk)  # conv channels are q | k | v
     mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), impl)  # [B, T, C] with C = q | k | v
     z = z.reshape(b, t, hv, dv)
-    b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
-    a_raw = ops.linear(x, p["in_proj_a"], impl)
+    ba = None
+    if "in_proj_ba" in p:  # both gate projections in one (qmtp.api.fuse_gate_projections): one launch, not two
+        ba = ops.linear(x, p["in_proj_ba"], impl)  # [B, T, 2 Hv] = [b | a]
+        b_raw, a_raw = ba[..., :hv], ba[..., hv:]
+    else:
+        b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
+        a_raw = ops.linear(x, p["in_proj_a"], impl)
     raw_gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
     if not chunked and ops.gdn_conv_in_kernel(impl):  # conv, norms, gates, padding and recurrence: one kernel
-        o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_raw, b_raw, p["A_log"],
-                                                   p["dt_bias"], ssm_state, n_valid, impl=impl,
-                                                   state_kept=return_replay)
+        # the kernel reads ba's halves in place (slicing it would be two launches per layer on the GPU)
+        gates = {"a": None, "b": None, "ba": ba} if ba is not None else {"a": a_raw, "b": b_raw}
+        o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_log=p["A_log"],
+                                                   dt_bias=p["dt_bias"], state=ssm_state, n_valid=n_valid,
+                                                   impl=impl, state_kept=return_replay, **gates)
         # commit_gdn runs the same kernel from the old conv / ssm state with n_valid = the accepted length
-        replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], **raw_gates}
+        replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], "A_log": p["A_log"],
+                  "dt_bias": p["dt_bias"], **gates}
     else:
         (q, k, v), new_conv, window = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
         if not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel

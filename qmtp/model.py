@@ -120,8 +120,10 @@ def commit_gdn(replay: tuple, ssm0: tuple, n_keep: jax.Array, *, impl: str = "re
     convs, ssms = [], []
     for rep, s0 in zip(replay, ssm0):
         if "mixed" in rep:  # the forward ran the conv kernel (ops.GDN_CONV_IN_KERNEL): again, from the old states
-            _, ssm, conv = ops.gdn_conv_recurrence(rep["mixed"], rep["conv"], rep["conv_w"], rep["a"], rep["b"],
-                                                   rep["A_log"], rep["dt_bias"], s0, n_keep, impl=impl)
+            # a and b, or ba = [b | a] (qmtp.api.fuse_gate_projections) with a = b = None
+            _, ssm, conv = ops.gdn_conv_recurrence(rep["mixed"], rep["conv"], rep["conv_w"], rep.get("a"),
+                                                   rep.get("b"), rep["A_log"], rep["dt_bias"], s0, n_keep,
+                                                   impl=impl, ba=rep.get("ba"))
             convs.append(conv)
             ssms.append(ssm.astype(s0.dtype))
             continue

@@ -85,6 +85,13 @@ BF16_STREAMING = False
 # lm_head GEMV). It changes the numbers (a relative 2^-4 per activation at most) and so, rarely, a
 # greedy token; longer prefills keep exact activations. Off until the step and a real checkpoint measure it.
 FP8_ACT_QUANT = False
+# True: qmtp.load joins each GDN layer's in_proj_b and in_proj_a [Hv, E] into one in_proj_ba [2 Hv, E]
+# = [b | a] (api.fuse_gate_projections; per TP shard [b_s | a_s]), so the two gate projections are one
+# dot and the conv kernel reads b and a from its output in place. In the 27B verify pass (4 rows) XLA
+# ran them as 96 small GEMMs (~2.9 us each; session 10, scripts/round_pieces.py launch kinds); its own
+# DotMerger joined them but concatenated the weights on every call (qmtp/xla_defaults.py). Read at
+# load time: a model loaded before a change keeps its tree.
+FUSE_GATE_PROJECTIONS = True
 
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
@@ -99,6 +106,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
                      "fp8_act_quant": ("ops", "FP8_ACT_QUANT", None),
+                     "fuse_gate_projections": ("ops", "FUSE_GATE_PROJECTIONS", None),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
@@ -266,13 +274,14 @@ def gdn_conv_in_kernel(impl: str) -> bool:
 
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref",
-                        state_kept: bool = False):
+                        state_kept: bool = False, ba=None):
     """Causal conv + SiLU + q/k L2 norms (q scaled by Dk^-0.5) + gates + the per-token recurrence from
     the raw in_proj_qkv output mixed [B, T, C] (channels q | k | v) and conv_state [B, W-1, C];
     tokens t >= n_valid [B] change neither state. Returns (o [B, T, Hv, Dv] f32, ssm state, conv
     state); see pallas_kernels/gdn_conv.py. The key-head count comes from the shapes:
     C = 2 Hk Dk + Hv Dv with Hv, Dk, Dv from state [B, Hv, Dk, Dv]. state_kept: the caller uses the
-    input state afterwards (a replay), so the kernel writes a fresh one if GDN_REPLAY_FRESH_STATE."""
+    input state afterwards (a replay), so the kernel writes a fresh one if GDN_REPLAY_FRESH_STATE.
+    ba [B, T, 2 Hv] = [b | a] (with a = b = None): both gate projections as one array."""
     check_impl(impl)
     hv, dk, dv = state.shape[1:]
     kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5}
@@ -280,8 +289,9 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
         config = gdn.RecurrenceConfig(block_v=GDN_CONV_BLOCK_V, num_warps=GDN_CONV_NUM_WARPS)
         return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
                                             interpret=_interpret(), config=config,
-                                            in_place=not (state_kept and GDN_REPLAY_FRESH_STATE), **kw)
-    return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, **kw)
+                                            in_place=not (state_kept and GDN_REPLAY_FRESH_STATE), ba=ba, **kw)
+    return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba=ba,
+                                            **kw)
 
 
 def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):

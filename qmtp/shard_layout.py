@@ -20,6 +20,8 @@ contiguous split of the global array gives each device exactly its piece):
                                        heads; the TP layout permutes them (conv channels identically)
     in_proj_z               [HvDv, E]  dim 0, contiguous
     in_proj_b, in_proj_a, A_log, dt_bias   [Hv, ...] dim 0, contiguous
+    in_proj_ba              [2Hv, E]   dim 0, per shard [b_s | a_s]: in_proj_b and in_proj_a joined at load
+                                       (qmtp.api.fuse_gate_projections), each shard's halves side by side
     out_proj                [E, HvDv]  dim 1, contiguous (row-parallel)
     norms, mtp.fc           replicated
 
@@ -38,13 +40,14 @@ _CONTIGUOUS_0 = {"embed", "lm_head", "draft_head", "q_proj", "mlp_gate", "mlp_up
 _CONTIGUOUS_1 = {"o_proj", "mlp_down", "out_proj"}
 _KV_HEADS = {"k_proj", "v_proj"}
 _QKV = {"in_proj_qkv", "conv"}
+_BA = {"in_proj_ba"}
 _REPLICATED = {"final_norm", "input_norm", "post_norm", "q_norm", "k_norm", "gdn_norm", "fc",
                "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "draft_vocab"}
 
 
 def split_dim(key: str) -> int | None:
     """The dim a parameter (by its key in the tree) is split along, or None when replicated."""
-    if key in _CONTIGUOUS_0 or key in _KV_HEADS or key in _QKV:
+    if key in _CONTIGUOUS_0 or key in _KV_HEADS or key in _QKV or key in _BA:
         return 0
     if key in _CONTIGUOUS_1:
         return 1
@@ -72,6 +75,11 @@ def shard_indices(cfg: ModelConfig, key: str, length: int, n: int, s: int) -> li
         kd, vd = cfg.key_dim, cfg.value_dim
         q = _contiguous(kd, n, s)
         return q + [kd + i for i in q] + [2 * kd + i for i in _contiguous(vd, n, s)]
+    if key in _BA:
+        if length % 2:
+            raise ValueError(f"in_proj_ba has {length} rows: expected 2 Hv ([b | a])")
+        heads = _contiguous(length // 2, n, s)
+        return heads + [length // 2 + i for i in heads]
     return _contiguous(length, n, s)
 
 

@@ -35,7 +35,8 @@ def test_fp8_weights_stay_fp8_with_ragged_scale_grids(fp8_dir):
     assert isinstance(w, Fp8Block) and w.weight.dtype.name == "float8_e4m3fn"
     assert w.weight.shape == (64, 160) and w.scale.shape == (1, 2) and w.scale.dtype == np.float32
     assert isinstance(model.params["mtp"]["layers"][0]["mlp_down"], Fp8Block)
-    assert not isinstance(model.params["gdn"][0]["in_proj_b"], Fp8Block)  # in_proj_b/a stay BF16
+    # in_proj_b/a stay BF16 (joined at load into in_proj_ba: ops.FUSE_GATE_PROJECTIONS)
+    assert not isinstance(model.params["gdn"][0]["in_proj_ba"], Fp8Block)
 
 
 def test_fp8_logits_equal_the_dequantized_twin(fp8_dir, tmp_path):
@@ -98,8 +99,14 @@ def test_abstract_params_describe_the_loaded_tree(fp8_dir):
     import jax.numpy as jnp
     from qmtp.params import abstract_params
     # the checkpoint's tree: without the FP8 draft head that qmtp.load adds for FP8 checkpoints
-    # (draft_head="auto"), a copy of lm_head made after loading, not a checkpoint tensor
-    model = qmtp.load(fp8_dir, dtype="bfloat16", draft_head="bf16")
+    # (draft_head="auto"), a copy of lm_head made after loading, not a checkpoint tensor, and with
+    # in_proj_b / in_proj_a as the checkpoint names them (not joined: ops.FUSE_GATE_PROJECTIONS)
+    from qmtp import ops
+    previous = ops.set_kernel_settings({"fuse_gate_projections": False})
+    try:
+        model = qmtp.load(fp8_dir, dtype="bfloat16", draft_head="bf16")
+    finally:
+        ops.set_kernel_settings(previous)
     abstract = abstract_params(model.cfg, jnp.bfloat16, fp8_linear=True)
     got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), model.params)
     want = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), abstract)

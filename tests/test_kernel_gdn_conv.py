@@ -237,6 +237,44 @@ def test_wrapper_rejects_bad_inputs():
         call(*odd, hk=1)
 
 
+def test_joined_gate_projections_read_in_place_give_the_same_bits():
+    """ba = [b | a] (qmtp.api.fuse_gate_projections' one projection): the kernel reads b at head h and a
+    at Hv + h of it, so its outputs are the a, b form's bit for bit, and so are the reference's; a
+    swapped join ([a | b]) must not pass."""
+    b, t, n_valid = 3, 4, [4, 2, 0]
+    args = make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=21)
+    a, beta_logit = args[3], args[4]
+    ba = np.concatenate([beta_logit, a], axis=-1)  # [B, T, 2 Hv]
+    kw = dict(key_heads=HK, scale=DK ** -0.5)
+    split = [np.asarray(x) for x in gdn_conv.gdn_conv_recurrence(*map(jnp.asarray, args), interpret=True,
+                                                                 config=NARROW, **kw)]
+    fused_args = [jnp.asarray(x) for x in args]
+    fused_args[3] = fused_args[4] = None
+    joined = [np.asarray(x) for x in gdn_conv.gdn_conv_recurrence(*fused_args, interpret=True, config=NARROW,
+                                                                  ba=jnp.asarray(ba), **kw)]
+    for got, want, name in zip(joined, split, ("o", "state", "conv state")):
+        np.testing.assert_array_equal(bits(got), bits(want), f"kernel {name} with ba")
+    ref_split = gdn_conv.gdn_conv_recurrence_ref(*map(jnp.asarray, args), **kw)
+    ref_joined = gdn_conv.gdn_conv_recurrence_ref(*fused_args, ba=jnp.asarray(ba), **kw)
+    for got, want in zip(ref_joined, ref_split):
+        np.testing.assert_array_equal(bits(got), bits(want), "reference with ba")
+    swapped = gdn_conv.gdn_conv_recurrence(*fused_args, interpret=True, config=NARROW,
+                                           ba=jnp.asarray(np.concatenate([a, beta_logit], axis=-1)), **kw)
+    assert not np.array_equal(np.asarray(swapped[1]), split[1]), "the halves must be read as [b | a]"
+
+
+def test_gate_projections_in_exactly_one_form():
+    args = [jnp.asarray(x) for x in make_inputs(1, 2, HK, HV, DK, DV, [2])]
+    ba = jnp.concatenate([args[4], args[3]], axis=-1)
+    call = lambda *a, **kw: gdn_conv.gdn_conv_recurrence(*a, key_heads=HK, scale=1.0, interpret=True, **kw)
+    with pytest.raises(ValueError, match="either as a and b or as ba"):
+        call(*args, ba=ba)
+    with pytest.raises(ValueError, match="either as a and b or as ba"):
+        call(*args[:3], None, None, *args[5:])
+    with pytest.raises(ValueError, match=r"ba \(1, 2, 6\) must be \[B, T, 2 Hv\]"):
+        call(*args[:3], None, None, *args[5:], ba=ba[..., :HV])
+
+
 # ------------------------------------------------------------------------------------------------
 # the speculative commit from the conv kernel's replay
 # ------------------------------------------------------------------------------------------------
