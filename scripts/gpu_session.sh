@@ -4,8 +4,9 @@
 #
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
-#   scripts/gpu_session.sh start_pieces [SECONDS]  a ~6-minute lease: the verify pass against a target
-#                                           step launch kind by kind (scripts/round_pieces.py), FP8 at 16 rows
+#   scripts/gpu_session.sh start_pieces [SECONDS]  a ~7-minute lease: the step with and without the last
+#                                           change, the verify pass against a target step launch kind by kind
+#                                           (scripts/round_pieces.py) with both HLOs, TP1 plain + K=3 (pieces())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -246,15 +247,23 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
-pieces() {  # a ~6-minute lease: where the verify pass spends what a target step does not (launch kinds),
-  # and the FP8 kernels at 16 rows against the default with x_f16 flipped
+pieces() {  # a ~7-minute lease: the step with and without the last change (pallas_gates_apart), the verify
+  # pass against a target step launch kind by kind with both programs' optimized HLO (which XLA fusions
+  # the verify pass adds), and TP1 plain + K=3 end to end
   (export CUDA_VISIBLE_DEVICES=1
-   job bench_fp8_m16 150 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=16 --fp8_prefill_ms= --xla=false \
-     --out=$R/bench_fp8_m16.json) &
+   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gates_apart \
+     --out=$R/bench_step.json --step_hlo_dir=$R/hlo) &
   export CUDA_VISIBLE_DEVICES=0
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
-  job round_pieces 300 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,draft --out=$R/round_pieces.json
+  XLA_FLAGS="--xla_dump_to=$R/xla_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=target_loop" \
+    job round_pieces 240 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify --out=$R/round_pieces.json
+  mkdir -p $R/hlo
+  for f in $R/xla_dump/*target_loop*after_optimizations.txt; do
+    [ -f "$f" ] && gzip -c "$f" >$R/hlo/pieces_$(basename "$f").gz
+  done
+  job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
+    --repeats=2 --breakdown=false --out=$R/tp1_short.json
   wait
   touch $R/all.done
 }
