@@ -21,7 +21,7 @@
 #     annotated-types typing-inspection annotated-doc sniffio opentelemetry-api
 # (the versions of .venv; anyio, h11, click, typing_extensions and idna are in the image). Jobs:
 #   GPU 0: the Qwen3.5-27B-shaped controlled FP8 checkpoint, then the verify pass against a target step
-#          launch kind by kind with XLA's DotMerger off (qmtp's default) and on (scripts/round_pieces.py),
+#          launch kind by kind (scripts/round_pieces.py),
 #          TP1 plain + K=3 with the defaults and the round breakdown, then with E4M3 activations if the
 #          step measured them faster; with SERVE=1 also the server load test on that checkpoint
 #          (issue 7), MTP K=3 then plain
@@ -81,20 +81,10 @@ gpu0() {
 import time; from qmtp.tools import make_checkpoint as m
 t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 'written in', round(time.time() - t, 1), 's')"
   touch $R/checkpoint27.done
-  # issue 6: the verify pass against a target step, launch kind by kind, with XLA's DotMerger off (the
-  # qmtp default, qmtp/xla_defaults.py) and on (XLA's default threshold): the merged in_proj_a/b
-  # weights' concatenation, gemm and slices per GDN layer should be gone with it off
-  job pieces_nomerge 300 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,draft \
-    --out=$R/pieces_nomerge.json
-  XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=32 job pieces_merge 300 python3 scripts/round_pieces.py --k=3 \
-    --pieces=target_step,verify --out=$R/pieces_merge.json
-  # a draft step through a 32768-id draft vocabulary (the speed of the mechanism; acceptance needs a
-  # real model) against the full FP8 draft head above
-  python3 -c "import json; json.dump(list(range(32768)), open('$R/vocab32k.json', 'w'))"
-  job pieces_draft_vocab 240 python3 scripts/round_pieces.py --k=3 --pieces=draft --compare=draft \
-    --draft_vocab=$R/vocab32k.json --out=$R/pieces_draft_vocab.json
-  # end to end with the defaults (DotMerger off, fresh GDN state, x_f16 up to 16 rows), with the
-  # round breakdown and its launch kinds
+  # issue 6: the verify pass against a target step, launch kind by kind (scripts/round_pieces.py)
+  job round_pieces 300 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,draft \
+    --out=$R/round_pieces.json
+  # end to end with the defaults, with the round breakdown and its launch kinds
   job tp1_k3_default 480 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
     --out=$R/tp1_k3_default.json
   # E4M3 activations (ops.FP8_ACT_QUANT, off by default): plain + K=3 end to end, if the step bench

@@ -24,7 +24,6 @@ import sys
 from absl import app, flags
 
 from pallas_kernels.bench.step import VARIANTS
-import qmtp  # noqa: F401  (the step runs qmtp's model: importing qmtp adds its XLA settings, qmtp/xla_defaults.py)
 
 PARTS = ("fp8", "gdn", "attention", "step")
 
