@@ -94,6 +94,13 @@ FP8_ACT_QUANT = False
 # (9.14 vs 9.12 ms, step variant "pallas_gates_apart"). Read at load time: a model loaded before a
 # change keeps its tree.
 FUSE_GATE_PROJECTIONS = True
+# > 0: with impl="pallas", a bf16 weight of at most this many output rows (the joined gate projection
+# in_proj_ba, 2 Hv = 96 at 27B) times 2..fp8_config.DECODE_MAX_ROWS token rows runs as a multiply and an
+# f32 sum over the input dim, which XLA emits as one reduce fusion, as it does for one row, instead of
+# a GEMM: in the 27B verify pass (4 rows) the 48 gate GEMMs took ~3 us each where one row's reduce
+# fusions take ~1.5 (session 10 launch kinds). 0 = off, until the verify pass measures it
+# (`scripts/round_pieces.py --kernels=bf16_reduce_max_out=256`).
+BF16_REDUCE_MAX_OUT = 0
 
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
@@ -109,6 +116,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
                      "fp8_act_quant": ("ops", "FP8_ACT_QUANT", None),
                      "fuse_gate_projections": ("ops", "FUSE_GATE_PROJECTIONS", None),
+                     "bf16_reduce_max_out": ("ops", "BF16_REDUCE_MAX_OUT", (0, None)),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
@@ -213,6 +221,11 @@ def linear(x: jax.Array, w, impl: str = "ref", out_dtype=None) -> jax.Array:
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
     if impl == "pallas" and BF16_STREAMING and w.dtype == jnp.bfloat16 and 1 <= rows <= fp8_config.DECODE_MAX_ROWS:
         return fp8_matmul.bf16_matmul(x, w, out_dtype=out_dtype, interpret=_interpret())
+    if (impl == "pallas" and w.dtype == jnp.bfloat16 and w.shape[0] <= BF16_REDUCE_MAX_OUT
+            and 2 <= rows <= fp8_config.DECODE_MAX_ROWS):
+        # y[..., o] = sum_i x[..., i] w[o, i] in f32: a reduce fusion, not a GEMM (BF16_REDUCE_MAX_OUT)
+        y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1)  # [..., O]
+        return y.astype(out_dtype)
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
                    precision=_precision(x.dtype))
     return y.astype(out_dtype)

@@ -4,9 +4,9 @@
 #
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
-#   scripts/gpu_session.sh start_pieces [SECONDS]  a ~7-minute lease: the step with and without the last
-#                                           change, the verify pass against a target step launch kind by kind
-#                                           (scripts/round_pieces.py) with both HLOs, TP1 plain + K=3 (pieces())
+#   scripts/gpu_session.sh start_pieces [SECONDS]  a ~6-minute lease: the verify pass against a target
+#                                           step launch kind by kind (scripts/round_pieces.py) with both HLOs,
+#                                           with bf16_reduce_max_out, TP1 plain + K=3, the step (pieces())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -237,9 +237,9 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
-pieces() {  # a ~7-minute lease: the step with and without the last change (pallas_gates_apart), the verify
-  # pass against a target step launch kind by kind with both programs' optimized HLO (which XLA fusions
-  # the verify pass adds), and TP1 plain + K=3 end to end
+pieces() {  # a ~6-minute lease: the verify pass against a target step launch kind by kind (with both
+  # programs' optimized HLO), the verify pass with the gate projection as a reduce (bf16_reduce_max_out,
+  # off by default), TP1 plain + K=3 end to end; GPU 1: the step (edit the variants for each change)
   (export CUDA_VISIBLE_DEVICES=1
    job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gates_apart \
      --out=$R/bench_step.json --step_hlo_dir=$R/hlo) &
@@ -252,6 +252,8 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   for f in $R/xla_dump/*target_loop*after_optimizations.txt; do
     [ -f "$f" ] && gzip -c "$f" >$R/hlo/pieces_$(basename "$f").gz
   done
+  job round_pieces_reduce 240 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify \
+    --kernels=bf16_reduce_max_out=256 --out=$R/round_pieces_reduce.json
   job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
     --repeats=2 --breakdown=false --out=$R/tp1_short.json
   wait

@@ -75,3 +75,31 @@ def test_joined_gates_through_the_pallas_conv_kernel(ckpt):
     for k in (0, 3):
         assert (qmtp.generate(joined, PROMPTS, max_new_tokens=6, mtp_k=k).tokens
                 == qmtp.generate(split, PROMPTS, max_new_tokens=6, mtp_k=k).tokens)
+
+
+def test_small_bf16_weights_as_a_reduce_when_asked():
+    """ops.BF16_REDUCE_MAX_OUT: a bf16 weight of <= that many output rows at 2..16 token rows runs as
+    multiply + f32 sum (no dot in the program); one row, larger weights, and the setting at 0 keep the
+    dot. Same values within one bf16 rounding of the output."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((96, 320)) / 16, jnp.bfloat16)
+    x4 = jnp.asarray(rng.standard_normal((1, 4, 320)), jnp.bfloat16)
+
+    def program(x, weight, max_out):
+        previous = ops.set_kernel_settings({"bf16_reduce_max_out": max_out})
+        try:
+            fn = jax.jit(lambda a, b: ops.linear(a, b, "pallas"))
+            return fn.lower(x, weight).as_text(), np.asarray(fn(x, weight), np.float32)
+        finally:
+            ops.set_kernel_settings(previous)
+
+    text, got = program(x4, w, 256)
+    assert "dot_general" not in text and "reduce" in text
+    want = np.asarray(x4, np.float32) @ np.asarray(w, np.float32).T
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-2)
+    assert "dot_general" in program(x4, w, 0)[0]  # off
+    assert "dot_general" in program(x4, w, 64)[0]  # 96 output rows > 64
+    assert "dot_general" in program(x4[:, :1], w, 256)[0]  # one row: XLA's own choice
