@@ -55,6 +55,7 @@ def test_each_tp_shard_holds_its_own_b_then_a(ckpt, apart):
             np.testing.assert_array_equal(np.asarray(shard.data), whole[idx])
 
 
+@pytest.mark.slow  # ~14 s; the kernel test's bit-for-bit check of the ba form runs in the default suite
 def test_joined_model_computes_what_the_split_one_does(model, apart):
     """Target logits (the reference path: each output row is the same dot product) and greedy tokens,
     plain and MTP K=2."""
