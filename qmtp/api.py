@@ -135,7 +135,7 @@ def fuse_gate_projections(params: dict, mesh=None) -> dict:
     if any(isinstance(p[n], fp8_lib.Fp8Block) for p in layers for n in ("in_proj_b", "in_proj_a")):
         return params
     join = lambda b, a: jnp.concatenate([b, a], axis=0)  # noqa: E731
-    join = jax.jit(join) if mesh is None else tp_lib.map_vocab_shards(join, mesh)
+    join = jax.jit(join) if mesh is None else tp_lib.map_row_shards(join, mesh)
     fused = tuple({**{k: v for k, v in p.items() if k not in ("in_proj_b", "in_proj_a")},
                    "in_proj_ba": join(p["in_proj_b"], p["in_proj_a"])} for p in layers)
     return dict(params, gdn=fused if isinstance(layers, tuple) else list(fused))
@@ -147,7 +147,7 @@ def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:
     split need not fall on a 128-row boundary of the full head."""
     if mesh is None:
         return jax.jit(fp8_lib.quantize)(w)
-    return tp_lib.map_vocab_shards(fp8_lib.quantize, mesh)(w)
+    return tp_lib.map_row_shards(fp8_lib.quantize, mesh)(w)
 
 
 def _vocab_head(params: dict, cfg, draft_vocab, draft_head: str, mesh) -> dict:

@@ -223,9 +223,10 @@ def replicated(mesh: Mesh | None):
     return None if mesh is None else NamedSharding(mesh, P())
 
 
-def map_vocab_shards(fn, mesh: Mesh):
-    """jit(fn) applied to each device's rows of arrays split by vocabulary ([V/n, ...] pieces in,
-    pieces out): e.g. quantizing each shard of the lm_head in its own 128-blocks."""
+def map_row_shards(fn, mesh: Mesh):
+    """jit(fn) applied to each device's rows of [R, ...] arrays split along dim 0 ([R/n, ...] pieces in,
+    pieces out): e.g. quantizing each vocabulary shard of the lm_head in its own 128-blocks, or joining
+    each device's rows of two weights (api.fuse_gate_projections)."""
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS, None), out_specs=P(AXIS, None)))
 
 
