@@ -151,11 +151,16 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
 class RecurrenceConfig:
     """Tile config of `gdn_recurrence`. block_v: Dv columns per program (a power of two; shrunk to
     the largest power of two dividing Dv when needed); num_warps / num_stages: Triton launch params
-    (there is no K loop to pipeline, so one stage)."""
+    (there is no K loop to pipeline, so one stage). form (read by gdn_conv.gdn_conv_recurrence only):
+    "sequential" runs the tokens one after another; "chunk" runs 2..8 tokens at once in the WY form
+    (gdn_conv_chunk); "auto" picks chunk for 2 <= T <= 8 and sequential otherwise. chunk_precision:
+    the chunk body's dots, "ieee" (f32) or "tf32x3"."""
 
     block_v: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    form: str = "sequential"
+    chunk_precision: str = "ieee"
 
 
 RECURRENCE_CONFIG = RecurrenceConfig()

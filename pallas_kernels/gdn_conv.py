@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import gdn
+from pallas_kernels import gdn, gdn_conv_chunk
 from pallas_kernels._vma import align
 
 F32 = jnp.float32
@@ -178,6 +178,19 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         store(1)
 
 
+FORMS = ("sequential", "chunk", "auto")
+
+
+def _use_chunk(form: str, t: int) -> bool:
+    """Whether T tokens run in the chunk body (gdn_conv_chunk) under config.form."""
+    if form not in FORMS:
+        raise ValueError(f"gdn_conv_recurrence: form {form!r} is not one of {FORMS}")
+    if form == "chunk" and not 1 <= t <= gdn_conv_chunk.MAX_CHUNK_TOKENS:
+        raise ValueError(f"gdn_conv_recurrence: form 'chunk' takes 1..{gdn_conv_chunk.MAX_CHUNK_TOKENS} "
+                         f"tokens, got T = {t}")
+    return form == "chunk" or (form == "auto" and 2 <= t <= gdn_conv_chunk.MAX_CHUNK_TOKENS)
+
+
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
                         scale: float, interpret: bool = False, config: gdn.RecurrenceConfig | None = None,
                         in_place: bool = True, ba=None):
@@ -214,8 +227,12 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     batch_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ib,))
     s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
     w_spec = pl.BlockSpec((c, width), lambda ib, ih, iv: (0, 0))
-    kernel = functools.partial(_conv_kernel, n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv,
-                               scale=float(scale))
+    kw = dict(n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv, scale=float(scale))
+    if _use_chunk(config.form, t):
+        kernel = functools.partial(gdn_conv_chunk.chunk_kernel, l2_eps=L2_EPS, **kw,
+                                   precision=gdn_conv_chunk.precision_of(config.chunk_precision, interpret))
+    else:
+        kernel = functools.partial(_conv_kernel, **kw)
     if ba is not None:
         a = b = ba
     args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state)

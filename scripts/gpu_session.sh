@@ -6,7 +6,7 @@
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
 #   scripts/gpu_session.sh start_pieces [SECONDS]  a ~6-minute lease: the verify pass against a target
 #                                           step launch kind by kind (scripts/round_pieces.py) with both HLOs,
-#                                           with bf16_reduce_max_out, TP1 plain + K=3, the step (pieces())
+#                                           under ROUND_VARIANTS, the conv kernel's forms, TP1 plain + K=3 (pieces())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -237,25 +237,27 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
-pieces() {  # a ~6-minute lease: the verify pass against a target step launch kind by kind (with both
-  # programs' optimized HLO), the verify pass with the gate projection as a reduce (bf16_reduce_max_out,
-  # off by default), TP1 plain + K=3 end to end; GPU 1: the step (edit the variants for each change)
+pieces() {  # a ~8-minute lease. GPU 1: the conv kernel's GPU tests (both forms) and its sequential vs
+  # chunk sweep at B = 1, 8 and T = 1, 4. GPU 0: the verify pass and the commit's rebuild against a target
+  # step, launch kind by kind, with the defaults and under each of ROUND_VARIANTS in the same process
+  # (scripts/round_pieces.py --variants), then TP1 plain + K=3 end to end with the variant whose
+  # verify + commit device time was least (scripts/best_round_variant.py; none: the defaults)
   (export CUDA_VISIBLE_DEVICES=1
-   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gates_apart \
-     --out=$R/bench_step.json --step_hlo_dir=$R/hlo) &
+   job gpu_tests_gdn 200 python3 -m pytest -q -m gpu tests/test_kernel_gdn_conv.py -p no:cacheprovider
+   job bench_gdn_conv 300 python3 -m pallas_kernels.bench --parts=gdn --gdn_cases=conv --gdn_batches=1,8 \
+     --gdn_tokens=1,4 --gdn_conv_configs=32x4,32x4:chunk,32x4:chunk:tf32x3,64x4:chunk,16x4:chunk \
+     --out=$R/bench_gdn_conv.json) &
   export CUDA_VISIBLE_DEVICES=0
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
-  XLA_FLAGS="--xla_dump_to=$R/xla_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=target_loop" \
-    job round_pieces 240 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify --out=$R/round_pieces.json
-  mkdir -p $R/hlo
-  for f in $R/xla_dump/*target_loop*after_optimizations.txt; do
-    [ -f "$f" ] && gzip -c "$f" >$R/hlo/pieces_$(basename "$f").gz
-  done
-  job round_pieces_reduce 240 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify \
-    --kernels=bf16_reduce_max_out=256 --out=$R/round_pieces_reduce.json
+  local variants=${ROUND_VARIANTS:-"gdn_conv_chunk=true;gdn_conv_chunk=true,gdn_conv_chunk_tf32x3=true;bf16_reduce_max_out=256"}
+  job round_pieces 330 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,commit \
+    --variants="$variants" --out=$R/round_pieces.json
+  local best
+  best=$(python3 scripts/best_round_variant.py $R/round_pieces.json 2>>$R/jobs.log)
+  echo "$(date +%T) best round variant: ${best:-defaults}" >>$R/jobs.log
   job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
-    --repeats=2 --breakdown=false --out=$R/tp1_short.json
+    --repeats=2 --breakdown=false ${best:+--kernels=$best} --out=$R/tp1_short.json
   wait
   touch $R/all.done
 }

@@ -7,7 +7,11 @@ device lease that asks only where the verify pass spends what a target step does
         --k=3 --pieces=target_step,verify --out=pieces.json
 
 Prints milliseconds per piece (wall clock and, on a GPU, device busy time) and the launch-kind
-table of --compare against --base; writes both to --out as JSON.
+table of --compare against --base; writes both to --out as JSON. --variants measures the same pieces
+again under other kernel settings, in the same process and on the same loaded model (one load for
+several settings; each variant's programs are traced afresh):
+
+    python scripts/round_pieces.py --pieces=verify,commit --variants="gdn_conv_chunk=true;bf16_reduce_max_out=256"
 """
 
 from __future__ import annotations
@@ -35,29 +39,57 @@ flags.DEFINE_string("dtype", "bfloat16", "Activation dtype.")
 flags.DEFINE_string("engine", "pallas", "Kernel path: pallas or ref.")
 flags.DEFINE_integer("batch", 1, "Sequences per step.")
 flags.DEFINE_integer("capacity", 256, "Positions reserved per sequence.")
+flags.DEFINE_string("variants", "", "Semicolon-separated kernel settings (each as --kernels takes them, "
+                    "name=value,...) to measure the pieces under as well, after the --kernels run; each variant "
+                    "starts from --kernels' settings.")
 flags.DEFINE_string("out", "", "JSON output path (empty: print only).")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
+    import jax
+
     import qmtp
-    from qmtp import api, bench_breakdown as bd, bench_report as br
+    from qmtp import api, bench_breakdown as bd, bench_report as br, ops
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     settings = cli_help.apply_kernels_flag()
     model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint, None), dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp,
                       draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab)
-    kernels: dict = {}
-    pieces = bd.measure(model, lambda: api._new_state(model, [FLAGS.capacity] * FLAGS.batch), FLAGS.k, kernels,
-                        only=tuple(FLAGS.pieces))
-    print(br.breakdown_table({str(FLAGS.k): pieces}))
-    if kernels:
-        print(br.kernel_diff_table(kernels, FLAGS.base, FLAGS.compare, top=40))
+    variants = [v.strip() for v in FLAGS.variants.split(";") if v.strip()]
+    for v in variants:  # a typo fails before the first measurement
+        try:
+            ops.set_kernel_settings(ops.set_kernel_settings(ops.parse_kernel_settings(v.split(","))))
+        except ValueError as e:
+            raise ValueError(f"--variants {v!r}: {e}") from None
+
+    def measure() -> dict:
+        kernels: dict = {}
+        jax.clear_caches()  # the settings are read while tracing: every variant traces anew
+        pieces = bd.measure(model, lambda: api._new_state(model, [FLAGS.capacity] * FLAGS.batch), FLAGS.k, kernels,
+                            only=tuple(FLAGS.pieces))
+        print(br.breakdown_table({str(FLAGS.k): pieces}))
+        if kernels and {FLAGS.base, FLAGS.compare} <= set(kernels):
+            print(br.kernel_diff_table(kernels, FLAGS.base, FLAGS.compare, top=40))
+        return {"pieces": pieces, "kernels": kernels, "kernel_settings": ops.kernel_settings()}
+
+    result = {"k": FLAGS.k, "checkpoint": FLAGS.checkpoint, **measure(), "variants": {}}
+    for v in variants:
+        print(f"== variant {v}")
+        ops.set_kernel_settings(settings)
+        ops.set_kernel_settings(ops.parse_kernel_settings(v.split(",")))
+        result["variants"][v] = measure()
+        if FLAGS.out:  # after each variant: a lease cut short keeps what it measured
+            _write(FLAGS.out, result)
+    ops.set_kernel_settings(settings)
     if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump({"k": FLAGS.k, "checkpoint": FLAGS.checkpoint, "pieces": pieces, "kernels": kernels,
-                       "kernel_settings": settings}, f, indent=1)
+        _write(FLAGS.out, result)
     return 0
+
+
+def _write(path: str, result: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pallas_kernels.bench import step as step_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +23,7 @@ def bench(*args, tmp_path):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # ~34 s; the kernels' H200 lowering tests and test_bench_smoke_kernels stay in the default suite
 def test_fp8_and_step_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     match = "block_o=128, split_k=2, use_dot=True, swap_ab=True, num_warps=8, num_stages=3"

@@ -104,6 +104,32 @@ def test_best_step_variant_flag():
     assert mod.best_flag({"rows": rows[1:]}) == "--kernels=fp8_scale_preload=False"  # no default row: the fastest
 
 
+def test_best_round_variant_settings():
+    """scripts/best_round_variant.py: the round_pieces variants whose verify + commit (device time when
+    there) beat the defaults' by more than 1%, the faster of two that set a common name."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "best_round_variant.py")
+    spec = importlib.util.spec_from_file_location("best_round_variant", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    piece = lambda verify, commit: {"verify": 1.0, "commit": 1.0, "device_verify": verify, "device_commit": commit}
+    result = {"pieces": piece(10.0, 1.0), "variants": {
+        "gdn_conv_chunk=true": {"pieces": piece(9.6, 0.8)},
+        "gdn_conv_chunk=true,gdn_conv_chunk_tf32x3=true": {"pieces": piece(9.7, 0.8)},  # slower, same name
+        "bf16_reduce_max_out=256": {"pieces": piece(9.8, 1.0)},
+        "fp8_scale_preload=false": {"pieces": piece(9.95, 1.0)}}}  # within 1%
+    settings = mod.best_settings(result)
+    assert settings == "gdn_conv_chunk=true,bf16_reduce_max_out=256"
+    previous = ops.set_kernel_settings(ops.parse_kernel_settings(settings.split(",")))  # it parses back
+    ops.set_kernel_settings(previous)
+    result["variants"]["gdn_conv_chunk=true"]["pieces"] = piece(9.8, 0.8)  # now the tf32x3 one is faster
+    assert mod.best_settings(result) == "gdn_conv_chunk=true,gdn_conv_chunk_tf32x3=true,bf16_reduce_max_out=256"
+    assert mod.best_settings({"pieces": {"verify": 1.0, "commit": 0.1},
+                              "variants": {"bf16_reduce_max_out=256": {"pieces": {"verify": 2.0, "commit": 0.1}}}}) == ""
+    assert mod.best_settings({}) == ""
+
+
 def test_spec_skip_full_commit_is_a_setting():
     """--kernels=spec_skip_full_commit=false reaches qmtp.speculate (the A/B of the commit skip)."""
     from qmtp import speculate

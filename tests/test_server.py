@@ -120,6 +120,7 @@ def _metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
+@pytest.mark.slow  # ~24 s; concurrent clients stay in the default suite through test_load_script_reports_throughput_and_latency
 def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server):
     server, url = mtp_server
     pool = [(p, p) for p in ID_PROMPTS] + [(t, encode(model, t)) for t in TEXTS]

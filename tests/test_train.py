@@ -213,6 +213,7 @@ def test_held_out_split_keeps_packages_whole():
     assert corpus.eval_files and not top(corpus.train_files) & top(corpus.eval_files)
 
 
+@pytest.mark.slow  # ~29 s; depth one (the recipes' default) is trained by the default suite
 def test_mtp_depth_two_trains_the_drafting_chain(run_a):
     from qmtp import model as model_lib, mtp
     from qmtp.state import init_state

@@ -46,6 +46,10 @@ flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas co
 flags.DEFINE_list("gdn_cases", ["decode", "conv", "prefill"], "gdn: which cases: decode (the recurrence kernel's "
                   "tile sweep), conv (the conv + recurrence kernel's, the engine's path), prefill (chunked form).")
 flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the decode and conv cases (default 1, 8, 16).")
+flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the decode and conv cases (default 1, 4, 5).")
+flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS[:FORM[:PRECISION]] "
+                  "(FORM sequential | chunk | auto, PRECISION of the chunk form's dots ieee | tf32x3; default: "
+                  "a tile sweep of the sequential form).")
 flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
@@ -100,6 +104,7 @@ def main(argv):
         elif part == "gdn":
             from pallas_kernels.bench import gdn
             gdn.run(tb, rec.emit, cases=tuple(FLAGS.gdn_cases), batches=tuple(int(b) for b in FLAGS.gdn_batches),
+                    tokens=tuple(int(t) for t in FLAGS.gdn_tokens), conv_configs=tuple(FLAGS.gdn_conv_configs),
                     **opts)
         elif part == "attention":
             from pallas_kernels.bench import attention

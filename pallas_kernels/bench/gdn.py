@@ -49,6 +49,8 @@ DEFAULT_CONFIG = f"{gdn_kernel.RECURRENCE_CONFIG.block_v}x{gdn_kernel.RECURRENCE
 # Dv / BV: 192 at BV = 32, ~1.5 per SM of the H200) for a per-token chain that is latency-bound;
 # each program convolves its key head's q and k channels again. Fewer warps keep the per-token
 # reductions (the L2 norms, S^T k, S^T q) inside a warp (shuffles, no block-wide barrier).
+# ":chunk" runs 2..8 tokens at once (gdn_conv_chunk, no per-token chain), ":chunk:tf32x3" with its
+# dots on the tensor cores.
 CONV_CONFIGS = ("32x4", "16x4", "8x4", "16x2", "8x2", "16x1", "8x1", "64x4")
 
 
@@ -126,8 +128,7 @@ def gdn_inputs(key, b: int, t: int):
 
 
 def _kernel_fn(config: str, interpret: bool):
-    bv, warps = map(int, config.split("x"))
-    cfg = gdn_kernel.RecurrenceConfig(block_v=bv, num_warps=warps)
+    cfg = parse_conv_config(config)
     return functools.partial(gdn_kernel.gdn_recurrence, config=cfg, interpret=interpret)
 
 
@@ -204,6 +205,17 @@ def conv_inputs(key, b: int, t: int):
     return mixed, conv, conv_w, a, bb, a_log, dt_bias, jnp.full((b,), t, jnp.int32)
 
 
+def parse_conv_config(config: str) -> gdn_kernel.RecurrenceConfig:
+    """"BVxWARPS[:FORM[:PRECISION]]" (e.g. "32x4", "32x4:chunk", "16x4:chunk:tf32x3") -> the kernel's config."""
+    tile, *rest = config.split(":")
+    try:
+        bv, warps = map(int, tile.split("x"))
+    except ValueError:
+        raise ValueError(f"gdn conv config {config!r}: want BVxWARPS[:FORM[:PRECISION]], e.g. 32x4:chunk") from None
+    form = dict(zip(("form", "chunk_precision"), rest))
+    return gdn_kernel.RecurrenceConfig(block_v=bv, num_warps=warps, **form)
+
+
 def _conv_fn(config: str | None, interpret: bool):
     """(conv_inputs..., state) -> (o, state): the conv kernel with a "BVxWARPS" tile config, or the ref
     (None). The state goes last, as _decode_time passes it; the kernel takes it before n_valid."""
@@ -211,8 +223,7 @@ def _conv_fn(config: str | None, interpret: bool):
     kw = {"key_heads": HK, "scale": DK ** -0.5}
     if config is None:
         return lambda *args: gdn_conv.gdn_conv_recurrence_ref(*args[:-2], args[-1], args[-2], **kw)[:2]
-    bv, warps = map(int, config.split("x"))
-    cfg = gdn_kernel.RecurrenceConfig(block_v=bv, num_warps=warps)
+    cfg = parse_conv_config(config)
     return lambda *args: gdn_conv.gdn_conv_recurrence(*args[:-2], args[-1], args[-2], config=cfg,
                                                       interpret=interpret, **kw)[:2]
 
@@ -331,15 +342,23 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool) -> None:
 CASES = ("decode", "conv", "prefill")
 
 
-def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, cases=CASES, batches=()) -> None:
+def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, cases=CASES, batches=(),
+        tokens=(), conv_configs=()) -> None:
     """Times the kernels and their XLA/jnp references at the Qwen3.5-27B shapes; calls emit(row) per
-    measured case. cases: a subset of CASES; batches: the decode and conv cases' B (default Sizes')."""
+    measured case. cases: a subset of CASES; batches, tokens: the decode and conv cases' B and T (default Sizes');
+    conv_configs: the conv case's configs (parse_conv_config; default CONV_CONFIGS)."""
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise ValueError(f"gdn bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     sz = sizes(quick, interpret)
     if batches:
         sz = dataclasses.replace(sz, batches=tuple(batches))
+    if tokens:
+        sz = dataclasses.replace(sz, tokens=tuple(tokens))
+    if conv_configs:
+        for c in conv_configs:
+            parse_conv_config(c)  # a typo fails before anything runs
+        sz = dataclasses.replace(sz, conv_configs=tuple(conv_configs))
     # the ref and the default config everywhere, then prefill, then the rest of the config sweep:
     # whatever a time limit cuts off, the main figures are already emitted
     if "decode" in cases:
