@@ -74,12 +74,18 @@ def main(argv):
         return {"pieces": pieces, "kernels": kernels, "kernel_settings": ops.kernel_settings()}
 
     result = {"k": FLAGS.k, "checkpoint": FLAGS.checkpoint, **measure(), "variants": {}}
+    if FLAGS.out:  # after each measurement: a lease cut short keeps what it measured
+        _write(FLAGS.out, result)
     for v in variants:
         print(f"== variant {v}")
         ops.set_kernel_settings(settings)
         ops.set_kernel_settings(ops.parse_kernel_settings(v.split(",")))
-        result["variants"][v] = measure()
-        if FLAGS.out:  # after each variant: a lease cut short keeps what it measured
+        try:
+            result["variants"][v] = measure()
+        except Exception as e:  # a variant that fails to compile or run is reported, the others still run
+            print(f"variant {v} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            result["variants"][v] = {"error": f"{type(e).__name__}: {e}"}
+        if FLAGS.out:
             _write(FLAGS.out, result)
     ops.set_kernel_settings(settings)
     if FLAGS.out:
