@@ -152,15 +152,14 @@ class RecurrenceConfig:
     """Tile config of `gdn_recurrence`. block_v: Dv columns per program (a power of two; shrunk to
     the largest power of two dividing Dv when needed); num_warps / num_stages: Triton launch params
     (there is no K loop to pipeline, so one stage). form (read by gdn_conv.gdn_conv_recurrence only):
-    "sequential" runs the tokens one after another; "chunk" runs 2..8 tokens at once in the WY form
-    (gdn_conv_chunk); "auto" picks chunk for 2 <= T <= 8 and sequential otherwise. chunk_precision:
-    the chunk body's dots, "ieee" (f32) or "tf32x3"."""
+    "sequential" runs each token's loads, conv, norms and state update in turn; "hoisted" (T <= 8)
+    loads and convolves every token before the state chain, which then takes one reduction step per
+    token."""
 
     block_v: int = 32
     num_warps: int = 4
     num_stages: int = 1
     form: str = "sequential"
-    chunk_precision: str = "ieee"
 
 
 RECURRENCE_CONFIG = RecurrenceConfig()

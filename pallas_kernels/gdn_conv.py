@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import gdn, gdn_conv_chunk
+from pallas_kernels import gdn
 from pallas_kernels._vma import align
 
 F32 = jnp.float32
@@ -119,7 +119,8 @@ def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, sta
 
 
 def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref,
-                 o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float):
+                 o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float,
+                 hoisted: bool = False):
     # mixed_ref [T, C]; conv_ref, conv_out_ref [W-1, C]; w_ref [C, W]; a_ref, b_ref [T]; alog_ref,
     # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV]; o_ref [T, BV]
     dk, bv = s_ref.shape
@@ -134,31 +135,61 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
     dt_bias = dtb_ref[()].astype(F32)
     n_valid = n_ref[()]
 
-    def token(t, carry):
-        s, prev, kept = carry  # prev, kept: per group, W-1 rows [n] f32
+    def load(t):
+        """Token t's raw rows (one [n] per group) and gate logits."""
+        return tuple(mixed_ref[t, pl.ds(off, n)].astype(F32) for off, n in groups), a_ref[t], b_ref[t]
+
+    def inputs(t, raw, prev, kept):
+        """Token t's conv, norms and gates (no state): ((q_t, k_t, v_t, g_t, beta_t, valid), prev, kept)."""
+        rows_t, a_t, b_t = raw
         ys, shifted = [], []
-        for (off, n), w, rows in zip(groups, taps, prev):
-            window = rows + (mixed_ref[t, pl.ds(off, n)].astype(F32),)  # W rows [n], the oldest first
+        for w, rows, u in zip(taps, prev, rows_t):
+            window = rows + (u,)  # W rows [n], the oldest first
             ys.append(jax.nn.silu(sum(window[i] * w[i] for i in range(width))))  # the ref's order of the sum
             shifted.append(window[1:])
         valid = t < n_valid
         kept = tuple(tuple(jnp.where(valid, row, old_row) for row, old_row in zip(rows, old_rows))
                      for rows, old_rows in zip(shifted, kept))
-        q_t, k_t, v_t = _l2(ys[0]) * scale, _l2(ys[1]), ys[2]  # [Dk], [Dk], [BV]
-        x = a_ref[t].astype(F32) + dt_bias
+        x = a_t.astype(F32) + dt_bias
         softplus = jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-        beta = 1.0 / (1.0 + jnp.exp(-b_ref[t].astype(F32)))
-        s = jnp.where(valid, gdn._delta_update(s, k_t, v_t, decay * softplus, beta), s)  # padding: old bits
-        o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
-        return s, tuple(shifted), kept
+        beta = 1.0 / (1.0 + jnp.exp(-b_t.astype(F32)))
+        # q_t, k_t [Dk], v_t [BV]
+        return (_l2(ys[0]) * scale, _l2(ys[1]), ys[2], decay * softplus, beta, valid), tuple(shifted), kept
 
-    carry = (s_ref[...].astype(F32), prev0, prev0)
-    if n_tokens <= gdn.MAX_UNROLLED_TOKENS:
+    def token(t, carry):
+        s, prev, kept = carry  # prev, kept: per group, W-1 rows [n] f32
+        (q_t, k_t, v_t, g_t, beta, valid), prev, kept = inputs(t, load(t), prev, kept)
+        s = jnp.where(valid, gdn._delta_update(s, k_t, v_t, g_t, beta), s)  # padding: old bits
+        o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
+        return s, prev, kept
+
+    s = s_ref[...].astype(F32)
+    if hoisted and n_tokens <= gdn.MAX_UNROLLED_TOKENS:
+        # Every token's loads first, then every token's conv, norms and gates, then the state chain with
+        # one reduction step per token: S^T k_t and S^T q_t both read S_{t-1} (independent, side by side),
+        # and o_t = S_t^T q_t = exp(g_t) S_{t-1}^T q_t + (k_t . q_t) beta_t u_t with u_t = v_t - exp(g_t) S_{t-1}^T k_t
+        raws = [load(t) for t in range(n_tokens)]
+        prev = kept = prev0
+        per_token = []
         for t in range(n_tokens):
-            carry = token(t, carry)
+            x, prev, kept = inputs(t, raws[t], prev, kept)
+            per_token.append(x)
+        kq = [jnp.sum(q_t * k_t) for q_t, k_t, *_ in per_token]  # k_t . q_t, scalars
+        for t, (q_t, k_t, v_t, g_t, beta, valid) in enumerate(per_token):
+            gamma = jnp.exp(g_t)
+            sk = jnp.sum(s * k_t[:, None], axis=0)  # [BV]
+            sq = jnp.sum(s * q_t[:, None], axis=0)
+            bu = beta * (v_t - gamma * sk)
+            o_ref[t, :] = (gamma * sq + kq[t] * bu).astype(o_ref.dtype)
+            s = jnp.where(valid, s * gamma + k_t[:, None] * bu[None, :], s)  # padding: old bits
     else:
-        carry = jax.lax.fori_loop(0, n_tokens, token, carry)
-    s, _, kept = carry
+        carry = (s, prev0, prev0)
+        if n_tokens <= gdn.MAX_UNROLLED_TOKENS:
+            for t in range(n_tokens):
+                carry = token(t, carry)
+        else:
+            carry = jax.lax.fori_loop(0, n_tokens, token, carry)
+        s, _, kept = carry
     s_out_ref[...] = s.astype(s_out_ref.dtype)
 
     def store(group):
@@ -178,17 +209,12 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         store(1)
 
 
-FORMS = ("sequential", "chunk", "auto")
+FORMS = ("sequential", "hoisted")
 
 
-def _use_chunk(form: str, t: int) -> bool:
-    """Whether T tokens run in the chunk body (gdn_conv_chunk) under config.form."""
+def _check_form(form: str) -> None:
     if form not in FORMS:
         raise ValueError(f"gdn_conv_recurrence: form {form!r} is not one of {FORMS}")
-    if form == "chunk" and not 1 <= t <= gdn_conv_chunk.MAX_CHUNK_TOKENS:
-        raise ValueError(f"gdn_conv_recurrence: form 'chunk' takes 1..{gdn_conv_chunk.MAX_CHUNK_TOKENS} "
-                         f"tokens, got T = {t}")
-    return form == "chunk" or (form == "auto" and 2 <= t <= gdn_conv_chunk.MAX_CHUNK_TOKENS)
 
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
@@ -227,12 +253,9 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     batch_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ib,))
     s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
     w_spec = pl.BlockSpec((c, width), lambda ib, ih, iv: (0, 0))
-    kw = dict(n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv, scale=float(scale))
-    if _use_chunk(config.form, t):
-        kernel = functools.partial(gdn_conv_chunk.chunk_kernel, l2_eps=L2_EPS, **kw,
-                                   precision=gdn_conv_chunk.precision_of(config.chunk_precision, interpret))
-    else:
-        kernel = functools.partial(_conv_kernel, **kw)
+    _check_form(config.form)
+    kernel = functools.partial(_conv_kernel, n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv,
+                               scale=float(scale), hoisted=config.form == "hoisted")
     if ba is not None:
         a = b = ba
     args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state)

@@ -69,12 +69,9 @@ GDN_REPLAY_FRESH_STATE = True
 # verify of session 9 the kernel took 8.4 us per layer at T=4 against 4.5 at T=1 (192 programs).
 GDN_CONV_BLOCK_V = 32
 GDN_CONV_NUM_WARPS = 4
-# True: the conv kernel runs 2..8 tokens (verify, the commit's rebuild) in the chunk form
-# (pallas_kernels/gdn_conv_chunk.py: every token at once, the state read by dots, no per-token chain
-# of reductions); one token (plain decode, drafts) stays sequential. GDN_CONV_CHUNK_TF32X3: its dots
-# as three TF32 tensor-core passes instead of f32 FMAs.
-GDN_CONV_CHUNK = False
-GDN_CONV_CHUNK_TF32X3 = False
+# True: the conv kernel's "hoisted" form (gdn.RecurrenceConfig.form): all tokens' loads, conv, norms
+# and gates before the state chain, one reduction step per token in the chain.
+GDN_CONV_HOISTED = False
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
@@ -119,8 +116,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_replay_fresh_state": ("ops", "GDN_REPLAY_FRESH_STATE", None),
                      "gdn_conv_block_v": ("ops", "GDN_CONV_BLOCK_V", (1, 128)),
                      "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),
-                     "gdn_conv_chunk": ("ops", "GDN_CONV_CHUNK", None),
-                     "gdn_conv_chunk_tf32x3": ("ops", "GDN_CONV_CHUNK_TF32X3", None),
+                     "gdn_conv_hoisted": ("ops", "GDN_CONV_HOISTED", None),
                      "bf16_streaming": ("ops", "BF16_STREAMING", None),
                      "fp8_act_quant": ("ops", "FP8_ACT_QUANT", None),
                      "fuse_gate_projections": ("ops", "FUSE_GATE_PROJECTIONS", None),
@@ -310,8 +306,7 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5}
     if impl == "pallas":
         config = gdn.RecurrenceConfig(block_v=GDN_CONV_BLOCK_V, num_warps=GDN_CONV_NUM_WARPS,
-                                      form="auto" if GDN_CONV_CHUNK else "sequential",
-                                      chunk_precision="tf32x3" if GDN_CONV_CHUNK_TF32X3 else "ieee")
+                                      form="hoisted" if GDN_CONV_HOISTED else "sequential")
         return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
                                             interpret=_interpret(), config=config,
                                             in_place=not (state_kept and GDN_REPLAY_FRESH_STATE), ba=ba, **kw)

@@ -5,7 +5,7 @@ MARGIN, or nothing when none did; for gpu_session.sh, which runs the end-to-end 
 (`--kernels=<output>`) before they become defaults. Device busy time when the run had a GPU, else
 wall clock. Variants that set a common name exclude each other: the fastest of them is taken.
 
-  python scripts/best_round_variant.py round_pieces.json   ->   gdn_conv_chunk=true,bf16_reduce_max_out=256
+  python scripts/best_round_variant.py round_pieces.json   ->   gdn_conv_hoisted=true,bf16_reduce_max_out=256
 """
 
 from __future__ import annotations

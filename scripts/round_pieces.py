@@ -11,7 +11,7 @@ table of --compare against --base; writes both to --out as JSON. --variants meas
 again under other kernel settings, in the same process and on the same loaded model (one load for
 several settings; each variant's programs are traced afresh):
 
-    python scripts/round_pieces.py --pieces=verify,commit --variants="gdn_conv_chunk=true;bf16_reduce_max_out=256"
+    python scripts/round_pieces.py --pieces=verify,commit --variants="gdn_conv_hoisted=true;bf16_reduce_max_out=256"
 """
 
 from __future__ import annotations

@@ -297,72 +297,49 @@ def test_commit_runs_the_kernel_again_from_the_old_states_and_ignores_rejected_t
 
 
 # ------------------------------------------------------------------------------------------------
-# the chunk form (pallas_kernels/gdn_conv_chunk.py): every token at once, no per-token chain
+# the hoisted form: every token's conv first, then the state chain at one reduction step per token
 # ------------------------------------------------------------------------------------------------
 
-CHUNK = gdn.RecurrenceConfig(block_v=8, form="chunk")
+HOISTED = gdn.RecurrenceConfig(block_v=8, form="hoisted")
 
 
 @pytest.mark.parametrize("b,t,n_valid", [(3, 4, [4, 1, 0]), (2, 8, [8, 6])])
-def test_chunk_form_matches_float64_and_ignores_poisoned_padding(b, t, n_valid):
+def test_hoisted_form_matches_float64_and_ignores_poisoned_padding(b, t, n_valid):
     """Against the float64 loop (not the sequential kernel: an error they shared would hide), within
     one f32 implementation's bound; the conv state bit for bit as the ref's; n_valid = 0 returns the
-    old state's bits (exp(0) S0 + 0); T = 8 is the most the form takes ((I + L)^-1 from L, L^2, L^4)."""
+    old state's bits."""
     args = make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=b * 10 + t)
-    o, s, conv = run_kernel(*args, hk=HK, config=CHUNK)
-    want_o, want_s, want_conv = np_conv_recurrence(*args, hk=HK)
+    o, s, conv = run_kernel(*args, hk=HK, config=HOISTED)
+    want_o, want_s, _ = np_conv_recurrence(*args, hk=HK)
     keep = valid_mask(t, n_valid)
-    assert_close(o[keep], want_o[keep], conv_tol(t, DK), "chunk o (valid tokens)")
-    assert_close(s, want_s, conv_tol(t, DK), "chunk state")
-    np.testing.assert_array_equal(bits(conv), bits(run_ref(*args, hk=HK)[2]), "chunk conv state bits")
+    assert_close(o[keep], want_o[keep], conv_tol(t, DK), "hoisted o (valid tokens)")
+    assert_close(s, want_s, conv_tol(t, DK), "hoisted state")
+    np.testing.assert_array_equal(bits(conv), bits(run_ref(*args, hk=HK)[2]), "hoisted conv state bits")
     for i in np.flatnonzero(np.asarray(n_valid) == 0):
         np.testing.assert_array_equal(bits(s[i]), bits(args[7][i]), "no valid token: state bits")
 
 
-def test_chunk_form_with_strongly_coupled_tokens():
-    """The triangular solve carries weight only when tokens interact: no decay (a = -30: g ~ 0), beta ~ 1
-    and nearly parallel keys (each token's raw input the previous one's plus a little noise) make L's
-    entries ~1, so every power up to L^7 of T = 8 tokens counts; against the float64 loop."""
+def test_hoisted_form_with_strongly_coupled_tokens():
+    """o_t from S_{t-1} (exp(g) S^T q + (k.q) beta u) only differs from S_t^T q when the update is
+    large: no decay (a = -30: g ~ 0), beta ~ 1 and nearly parallel keys (each token's raw input the
+    previous one's plus a little noise); against the float64 loop."""
     b, t = 1, 8
     mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = make_inputs(b, t, HK, HV, DK, DV, [t], seed=3)
     rng = np.random.default_rng(4)
     mixed = (mixed[:, :1] + 0.05 * np.cumsum(rng.standard_normal(mixed.shape), axis=1)).astype(np.float32)
     a, beta_logit = np.full_like(a, -30.0), np.full_like(beta_logit, 5.0)
     args = (mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n)
-    o, s, _ = run_kernel(*args, hk=HK, config=CHUNK)
+    o, s, _ = run_kernel(*args, hk=HK, config=HOISTED)
     want_o, want_s, _ = np_conv_recurrence(*args, hk=HK)
-    assert_close(o, want_o, conv_tol(t, DK), "chunk o (coupled tokens)")
-    assert_close(s, want_s, conv_tol(t, DK), "chunk state (coupled tokens)")
+    assert_close(o, want_o, conv_tol(t, DK), "hoisted o (coupled tokens)")
+    assert_close(s, want_s, conv_tol(t, DK), "hoisted state (coupled tokens)")
 
 
-def test_chunk_form_commit_equals_the_shorter_forward():
-    """What the commit's rebuild relies on: the chunk form over T tokens with n_valid = n gives the
-    state and conv state that the same kernel gives over the first n tokens alone (n = 2 of 4 and
-    n = 3 of 5; bf16 inputs as the model's), to f32 rounding; the conv state bit for bit."""
-    for t, n in ((4, 2), (5, 3)):
-        args = list(make_inputs(1, t, HK, HV, DK, DV, [n], seed=t))
-        args[0], args[3], args[4] = (np.nan_to_num(np.asarray(args[i]), nan=7.0) for i in (0, 3, 4))  # dropped, not padding
-        _, s_long, conv_long = run_kernel(*args, hk=HK, config=CHUNK)
-        short = [x[:, :n] if i in (0, 3, 4) else x for i, x in enumerate(args)]
-        _, s_short, conv_short = run_kernel(*short, hk=HK, config=CHUNK)
-        assert_close(s_long, s_short, conv_tol(t, DK, 2), f"state after {n} of {t} tokens")
-        np.testing.assert_array_equal(bits(conv_long), bits(conv_short), f"conv state after {n} of {t}")
-
-
-def test_chunk_form_choice_and_limits():
-    """auto: chunk for 2..8 tokens, sequential for 1 and for more than 8; an explicit chunk beyond 8
-    tokens and an unknown form or precision are refused with the limit named."""
-    assert [gdn_conv._use_chunk("auto", t) for t in (1, 2, 8, 9)] == [False, True, True, False]
-    assert not gdn_conv._use_chunk("sequential", 4) and gdn_conv._use_chunk("chunk", 1)
-    args = [jnp.asarray(x) for x in make_inputs(1, 9, 1, 2, 8, 32, [9])]
-    kw = {"key_heads": 1, "scale": 8 ** -0.5, "interpret": True}
-    with pytest.raises(ValueError, match=r"form 'chunk' takes 1\.\.8 tokens, got T = 9"):
-        gdn_conv.gdn_conv_recurrence(*args, config=gdn.RecurrenceConfig(form="chunk"), **kw)
-    with pytest.raises(ValueError, match="form 'wy' is not one of"):
-        gdn_conv.gdn_conv_recurrence(*args, config=gdn.RecurrenceConfig(form="wy"), **kw)
-    with pytest.raises(ValueError, match="chunk_precision 'tf16'"):
-        gdn_conv.gdn_conv_recurrence(*[x[:, :4] if x.ndim == 3 and x.shape[1] == 9 else x for x in args],
-                                     config=gdn.RecurrenceConfig(form="chunk", chunk_precision="tf16"), **kw)
+def test_unknown_form_is_refused():
+    args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
+    with pytest.raises(ValueError, match="form 'chunk' is not one of"):
+        gdn_conv.gdn_conv_recurrence(*args, key_heads=1, scale=8 ** -0.5, interpret=True,
+                                     config=gdn.RecurrenceConfig(form="chunk"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,23 +390,16 @@ def test_fresh_state_kernel_writes_a_new_buffer_with_the_same_bits():
         np.testing.assert_array_equal(bits(np.asarray(x)), bits(np.asarray(y)), name)
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
-def test_chunk_form_lowers_for_h200(precision):
-    """The chunk form at the 27B shapes, B = 8, T = 5: its products are Triton dots in the asked
-    precision (ieee is tt.dot's default, so the attribute is absent), no token loop, the state in
-    place; form auto keeps one token (plain decode) on the sequential body (no dot)."""
-    config = gdn.RecurrenceConfig(form="auto", chunk_precision=precision)
+def test_hoisted_form_lowers_for_h200():
+    """The hoisted form at the 27B shapes, B = 8, T = 5: unrolled, the state in place; past
+    MAX_UNROLLED_TOKENS it falls back to the token loop."""
+    config = gdn.RecurrenceConfig(form="hoisted")
     lowered = lower_real(8, 5, config)
     assert "tf.aliasing_output = 1" in lowered.as_text()
     [(_, triton_ir)] = triton_calls(lowered)
-    dots = [line for line in triton_ir.splitlines() if "tt.dot" in line]
-    assert len(dots) >= 8 and "scf.for" not in triton_ir
-    if precision == "ieee":
-        assert not any("inputPrecision" in d for d in dots), dots[0]
-    else:
-        assert all("inputPrecision = tf32x3" in d for d in dots), dots[0]
-    [(_, one_token_ir)] = triton_calls(lower_real(1, 1, config))
-    assert "tt.dot" not in one_token_ir
+    assert "scf.for" not in triton_ir
+    [(_, looped_ir)] = triton_calls(lower_real(1, gdn.MAX_UNROLLED_TOKENS + 1, config))
+    assert "scf.for" in looped_ir
 
 
 def test_looped_kernel_lowers_for_h200():
@@ -442,8 +412,7 @@ def test_looped_kernel_lowers_for_h200():
 # ------------------------------------------------------------------------------------------------
 
 
-GPU_FORMS = {"sequential": None, "chunk": gdn.RecurrenceConfig(form="chunk"),
-             "chunk_tf32x3": gdn.RecurrenceConfig(form="chunk", chunk_precision="tf32x3")}
+GPU_FORMS = {"sequential": None, "hoisted": gdn.RecurrenceConfig(form="hoisted")}
 
 
 @pytest.mark.gpu
@@ -482,18 +451,16 @@ def test_engine_tile_setting_reaches_the_kernel(block_v, warps, monkeypatch):
     assert seen == [gdn.RecurrenceConfig(block_v=block_v, num_warps=warps)] and o.shape == (1, 2, 2, 32)
 
 
-@pytest.mark.parametrize("chunk, tf32x3, form, precision", [(True, False, "auto", "ieee"),
-                                                            (True, True, "auto", "tf32x3")])
-def test_engine_chunk_setting_reaches_the_kernel(chunk, tf32x3, form, precision, monkeypatch):
-    """gdn_conv_chunk (and gdn_conv_chunk_tf32x3) give the kernel form auto (chunk for 2..8 tokens)."""
+def test_engine_hoisted_setting_reaches_the_kernel(monkeypatch):
+    """gdn_conv_hoisted gives the kernel form "hoisted"."""
     from qmtp import ops
     seen = []
     real = gdn_conv.gdn_conv_recurrence
     monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
-    previous = ops.set_kernel_settings({"gdn_conv_chunk": chunk, "gdn_conv_chunk_tf32x3": tf32x3})
+    previous = ops.set_kernel_settings({"gdn_conv_hoisted": True})
     try:
         args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
         ops.gdn_conv_recurrence(*args, impl="pallas")
     finally:
         ops.set_kernel_settings(previous)
-    assert (seen[0].form, seen[0].chunk_precision) == (form, precision)
+    assert seen[0].form == "hoisted"

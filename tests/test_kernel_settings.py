@@ -115,16 +115,16 @@ def test_best_round_variant_settings():
     spec.loader.exec_module(mod)
     piece = lambda verify, commit: {"verify": 1.0, "commit": 1.0, "device_verify": verify, "device_commit": commit}
     result = {"pieces": piece(10.0, 1.0), "variants": {
-        "gdn_conv_chunk=true": {"pieces": piece(9.6, 0.8)},
-        "gdn_conv_chunk=true,gdn_conv_chunk_tf32x3=true": {"pieces": piece(9.7, 0.8)},  # slower, same name
+        "gdn_conv_block_v=16": {"pieces": piece(9.6, 0.8)},
+        "gdn_conv_block_v=16,gdn_conv_num_warps=2": {"pieces": piece(9.7, 0.8)},  # slower, a common name
         "bf16_reduce_max_out=256": {"pieces": piece(9.8, 1.0)},
         "fp8_scale_preload=false": {"pieces": piece(9.95, 1.0)}}}  # within 1%
     settings = mod.best_settings(result)
-    assert settings == "gdn_conv_chunk=true,bf16_reduce_max_out=256"
+    assert settings == "gdn_conv_block_v=16,bf16_reduce_max_out=256"
     previous = ops.set_kernel_settings(ops.parse_kernel_settings(settings.split(",")))  # it parses back
     ops.set_kernel_settings(previous)
-    result["variants"]["gdn_conv_chunk=true"]["pieces"] = piece(9.8, 0.8)  # now the tf32x3 one is faster
-    assert mod.best_settings(result) == "gdn_conv_chunk=true,gdn_conv_chunk_tf32x3=true,bf16_reduce_max_out=256"
+    result["variants"]["gdn_conv_block_v=16"]["pieces"] = piece(9.8, 0.8)  # now the two-warp one is faster
+    assert mod.best_settings(result) == "gdn_conv_block_v=16,gdn_conv_num_warps=2,bf16_reduce_max_out=256"
     assert mod.best_settings({"pieces": {"verify": 1.0, "commit": 0.1},
                               "variants": {"bf16_reduce_max_out=256": {"pieces": {"verify": 2.0, "commit": 0.1}}}}) == ""
     assert mod.best_settings({}) == ""

@@ -47,9 +47,8 @@ flags.DEFINE_list("gdn_cases", ["decode", "conv", "prefill"], "gdn: which cases:
                   "tile sweep), conv (the conv + recurrence kernel's, the engine's path), prefill (chunked form).")
 flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the decode and conv cases (default 1, 8, 16).")
 flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the decode and conv cases (default 1, 4, 5).")
-flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS[:FORM[:PRECISION]] "
-                  "(FORM sequential | chunk | auto, PRECISION of the chunk form's dots ieee | tf32x3; default: "
-                  "a tile sweep of the sequential form).")
+flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS[:FORM] "
+                  "(FORM sequential | hoisted, gdn.RecurrenceConfig; default: a tile sweep of the sequential form).")
 flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
 flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
 flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],

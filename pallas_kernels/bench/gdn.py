@@ -49,8 +49,7 @@ DEFAULT_CONFIG = f"{gdn_kernel.RECURRENCE_CONFIG.block_v}x{gdn_kernel.RECURRENCE
 # Dv / BV: 192 at BV = 32, ~1.5 per SM of the H200) for a per-token chain that is latency-bound;
 # each program convolves its key head's q and k channels again. Fewer warps keep the per-token
 # reductions (the L2 norms, S^T k, S^T q) inside a warp (shuffles, no block-wide barrier).
-# ":chunk" runs 2..8 tokens at once (gdn_conv_chunk, no per-token chain), ":chunk:tf32x3" with its
-# dots on the tensor cores.
+# ":hoisted" is the form that convolves every token before the state chain (gdn.RecurrenceConfig.form).
 CONV_CONFIGS = ("32x4", "16x4", "8x4", "16x2", "8x2", "16x1", "8x1", "64x4")
 
 
@@ -206,13 +205,13 @@ def conv_inputs(key, b: int, t: int):
 
 
 def parse_conv_config(config: str) -> gdn_kernel.RecurrenceConfig:
-    """"BVxWARPS[:FORM[:PRECISION]]" (e.g. "32x4", "32x4:chunk", "16x4:chunk:tf32x3") -> the kernel's config."""
+    """"BVxWARPS[:FORM]" (e.g. "32x4", "16x4:hoisted") -> the kernel's config."""
     tile, *rest = config.split(":")
     try:
         bv, warps = map(int, tile.split("x"))
     except ValueError:
-        raise ValueError(f"gdn conv config {config!r}: want BVxWARPS[:FORM[:PRECISION]], e.g. 32x4:chunk") from None
-    form = dict(zip(("form", "chunk_precision"), rest))
+        raise ValueError(f"gdn conv config {config!r}: want BVxWARPS[:FORM], e.g. 32x4:hoisted") from None
+    form = dict(zip(("form",), rest))
     return gdn_kernel.RecurrenceConfig(block_v=bv, num_warps=warps, **form)
 
 
