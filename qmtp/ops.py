@@ -70,8 +70,13 @@ GDN_REPLAY_FRESH_STATE = True
 GDN_CONV_BLOCK_V = 32
 GDN_CONV_NUM_WARPS = 4
 # True: the conv kernel's "hoisted" form (gdn.RecurrenceConfig.form): all tokens' loads, conv, norms
-# and gates before the state chain, one reduction step per token in the chain.
-GDN_CONV_HOISTED = False
+# and gates before the state chain, one reduction step per token in the chain (S^T k and S^T q both
+# from the previous state). Measured on the H200 (session 11, one lease, results/2026-12-01/session11/
+# pieces2): the kernel alone at B = 1 / 8, T = 4: 9.78 / 33.6 us per layer against 10.79 / 37.2
+# sequential; T = 1: 6.20 / 21.3 against 6.41 / 21.3; the 27B verify pass 9.761 vs 9.797 ms and the
+# commit's rebuild 0.854 vs 0.912 ms device time; the 64-layer step 9.31 vs 9.27 ms (noise). A WY
+# "chunk" form (all tokens at once through Triton dots) was 4x slower and was removed.
+GDN_CONV_HOISTED = True
 # True: bf16 weights (the lm_head of FP8 checkpoints; every projection of bf16 checkpoints) with at
 # most fp8_config.DECODE_MAX_ROWS rows run on the weight-streaming decode kernel
 # (fp8_matmul.bf16_matmul) instead of XLA's dot: one reduction order for 1..16 rows, so greedy
@@ -101,9 +106,10 @@ FUSE_GATE_PROJECTIONS = True
 # in_proj_ba, 2 Hv = 96 at 27B) times 2..fp8_config.DECODE_MAX_ROWS token rows runs as a multiply and an
 # f32 sum over the input dim, which XLA emits as one reduce fusion, as it does for one row, instead of
 # a GEMM: in the 27B verify pass (4 rows) the 48 gate GEMMs took ~3 us each where one row's reduce
-# fusions take ~1.5 (session 10 launch kinds). 0 = off, until the verify pass measures it
-# (`scripts/round_pieces.py --kernels=bf16_reduce_max_out=256`).
-BF16_REDUCE_MAX_OUT = 0
+# fusions take ~1.5 (session 10 launch kinds). Measured (session 11, `scripts/round_pieces.py
+# --variants=bf16_reduce_max_out=256`, same process): verify 9.721 vs 9.797 ms device time, the
+# target step unchanged. 0 = off.
+BF16_REDUCE_MAX_OUT = 256
 
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the

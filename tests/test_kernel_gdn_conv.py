@@ -448,19 +448,19 @@ def test_engine_tile_setting_reaches_the_kernel(block_v, warps, monkeypatch):
         o, _, _ = ops.gdn_conv_recurrence(*args, impl="pallas")
     finally:
         ops.set_kernel_settings(previous)
-    assert seen == [gdn.RecurrenceConfig(block_v=block_v, num_warps=warps)] and o.shape == (1, 2, 2, 32)
+    assert seen == [gdn.RecurrenceConfig(block_v=block_v, num_warps=warps, form="hoisted")] and o.shape == (1, 2, 2, 32)
 
 
 def test_engine_hoisted_setting_reaches_the_kernel(monkeypatch):
-    """gdn_conv_hoisted gives the kernel form "hoisted"."""
+    """gdn_conv_hoisted=false gives the kernel form "sequential" (the default is "hoisted")."""
     from qmtp import ops
     seen = []
     real = gdn_conv.gdn_conv_recurrence
     monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
-    previous = ops.set_kernel_settings({"gdn_conv_hoisted": True})
+    previous = ops.set_kernel_settings({"gdn_conv_hoisted": False})
     try:
         args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
         ops.gdn_conv_recurrence(*args, impl="pallas")
     finally:
         ops.set_kernel_settings(previous)
-    assert seen[0].form == "hoisted"
+    assert seen[0].form == "sequential"

@@ -53,7 +53,7 @@ VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False}
             "pallas_gdnbv16": {"gdn_conv_block_v": 16}, "pallas_gdnbv8": {"gdn_conv_block_v": 8},
             "pallas_gdnbv8w1": {"gdn_conv_block_v": 8, "gdn_conv_num_warps": 1},
             "pallas_a8": {"fp8_act_quant": True}, "pallas_gates_apart": {"fuse_gate_projections": False},
-            "pallas_gdnhoisted": {"gdn_conv_hoisted": True}}
+            "pallas_gdnsequential": {"gdn_conv_hoisted": False}}
 
 
 def variant_settings(name: str, defaults: dict) -> dict:
