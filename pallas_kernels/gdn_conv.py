@@ -82,10 +82,35 @@ def _gates(a, b, ba, hv: int):
     return ba[..., hv:], ba[..., :hv]
 
 
+def read_half(pair: jax.Array, halves: jax.Array) -> jax.Array:
+    """pair [2, ...][halves[0]]: the half a double-buffered state is read from."""
+    return jax.lax.dynamic_index_in_dim(pair, halves[0], axis=0, keepdims=False)
+
+
+def write_half(pair: jax.Array, halves: jax.Array, value: jax.Array) -> jax.Array:
+    """pair with half halves[1] replaced by value (in place when pair is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(pair, value.astype(pair.dtype), halves[1], axis=0)
+
+
+def _check_halves(state, halves) -> None:
+    if state.ndim != 5 or state.shape[0] != 2:
+        raise ValueError(f"gdn conv: with halves, state {state.shape} must be a pair [2, B, Hv, Dk, Dv]")
+    if halves.shape != (2,) or not jnp.issubdtype(halves.dtype, jnp.integer):
+        raise ValueError(f"gdn conv: halves {halves.shape} {halves.dtype} must be int [2] = (read, write)")
+
+
 def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *,
-                            key_heads: int, scale: float, ba=None):
+                            key_heads: int, scale: float, ba=None, halves=None):
     """The unfused pieces composed (the same jnp as qmtp.layers.causal_conv / l2_normalize):
-    -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C])."""
+    -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C]). With halves = (read,
+    write) int [2], state is a double-buffered pair [2, B, Hv, Dk, Dv]: the recurrence starts from
+    state[read] and the returned pair holds its result in half `write` (the other half as it was)."""
+    if halves is not None:
+        _check_halves(state, halves)
+        o, final, conv = gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias,
+                                                 read_half(state, halves), n_valid, key_heads=key_heads,
+                                                 scale=scale, ba=ba)
+        return o, write_half(state, halves, final), conv
     a, b = _gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0)
     _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads)
     bsz, t, _ = mixed.shape
@@ -118,12 +143,13 @@ def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, sta
 # ----------------------------------------------------------------------------------------------
 
 
-def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref,
+def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref, halves_ref,
                  o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float,
-                 hoisted: bool = False):
+                 hoisted: bool = False, paired: bool = False):
     # mixed_ref [T, C]; conv_ref, conv_out_ref [W-1, C]; w_ref [C, W]; a_ref, b_ref [T]; alog_ref,
-    # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV]; o_ref [T, BV]
-    dk, bv = s_ref.shape
+    # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV], or [2, Dk, BV] when paired (read half
+    # halves_ref[0], write half halves_ref[1]; the other half is left as it is); o_ref [T, BV]
+    dk, bv = s_ref.shape[-2:]
     width = w_ref.shape[1]
     ih, iv = pl.program_id(1), pl.program_id(2)
     kh = ih // r
@@ -163,7 +189,7 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
         return s, prev, kept
 
-    s = s_ref[...].astype(F32)
+    s = (s_ref[halves_ref[0]] if paired else s_ref[...]).astype(F32)
     if hoisted and n_tokens <= gdn.MAX_UNROLLED_TOKENS:
         # Every token's loads first, then every token's conv, norms and gates, then the state chain with
         # one reduction step per token: S^T k_t and S^T q_t both read S_{t-1} (independent, side by side),
@@ -190,7 +216,10 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         else:
             carry = jax.lax.fori_loop(0, n_tokens, token, carry)
         s, _, kept = carry
-    s_out_ref[...] = s.astype(s_out_ref.dtype)
+    if paired:
+        s_out_ref[halves_ref[1]] = s.astype(s_out_ref.dtype)
+    else:
+        s_out_ref[...] = s.astype(s_out_ref.dtype)
 
     def store(group):
         off, n = groups[group]
@@ -219,15 +248,23 @@ def _check_form(form: str) -> None:
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
                         scale: float, interpret: bool = False, config: gdn.RecurrenceConfig | None = None,
-                        in_place: bool = True, ba=None):
+                        in_place: bool = True, ba=None, halves=None):
     """Pallas twin of `gdn_conv_recurrence_ref` -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32,
     conv state [B, W-1, C]). Dk must be a power of two; the Dv tile BV as in `gdn.gdn_recurrence`.
     With in_place, the state output aliases the (f32) state input (in place when donated; when the
     caller still needs the input, XLA copies it first); otherwise the state is written to a new
     buffer. The conv state is a new buffer (see the kernel). T <= gdn.MAX_UNROLLED_TOKENS is
     unrolled, longer T loops. With ba (instead of a and b), the kernel reads b and a from its two
-    halves: ba goes in twice, with block index maps h and Hv + h."""
+    halves: ba goes in twice, with block index maps h and Hv + h. With halves = (read, write) int [2],
+    state is a double-buffered pair [2, B, Hv, Dk, Dv] (f32), always in place: each program reads its
+    tile of half `read` and writes it to half `write`, so a caller that needs the old state afterwards
+    (the speculative commit) finds it in half `read` of the returned pair, and nothing is copied."""
     config = config or gdn.RECURRENCE_CONFIG
+    if halves is not None:
+        _check_halves(state, halves)
+        if state.dtype != F32 or not in_place:
+            raise ValueError(f"gdn_conv_recurrence: a double-buffered state must be f32 ({state.dtype}) and in place")
+        pair, state = state, state[0]  # the single-state checks below run on one half's shape
     # the shapes are checked on ba's halves (slices nothing uses: traced, then dropped from the program)
     _check(mixed, conv_state, conv_w, *_gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0), a_log, dt_bias,
            state, n_valid, key_heads)
@@ -240,9 +277,10 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
         raise ValueError(f"gdn_conv_recurrence: bad config {config}: block_v must be a power of two, "
                          "num_warps and num_stages >= 1")
     bv = gdn._block_v(dv, config)
-    state = state.astype(F32)
+    state = state.astype(F32) if halves is None else pair
     if t == 0:
-        return jnp.zeros((bsz, 0, hv, dv), F32), state, conv_state
+        return jnp.zeros((bsz, 0, hv, dv), F32), (state if halves is None else write_half(
+            pair, halves, read_half(pair, halves))), conv_state
     sq = pl.squeezed
     row_spec = lambda rows: pl.BlockSpec((sq, rows, c), lambda ib, ih, iv: (ib, 0, 0))  # [rows, C] of sequence b
     tv_spec = pl.BlockSpec((sq, t, sq, bv), lambda ib, ih, iv: (ib, 0, ih, iv))
@@ -251,20 +289,26 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     b_spec = pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, ih))
     head_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ih,))
     batch_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ib,))
-    s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+    if halves is None:
+        s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+        halves = jnp.zeros((2,), jnp.int32)  # unread
+    else:
+        s_spec = pl.BlockSpec((2, sq, sq, dk, bv), lambda ib, ih, iv: (0, ib, ih, 0, iv))
+    halves_spec = pl.BlockSpec((2,), lambda ib, ih, iv: (0,))
     w_spec = pl.BlockSpec((c, width), lambda ib, ih, iv: (0, 0))
     _check_form(config.form)
     kernel = functools.partial(_conv_kernel, n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv,
-                               scale=float(scale), hoisted=config.form == "hoisted")
+                               scale=float(scale), hoisted=config.form == "hoisted", paired=state.ndim == 5)
     if ba is not None:
         a = b = ba
-    args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state)
+    args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state,
+                      halves.astype(jnp.int32))
     return pl.pallas_call(
         kernel,
-        out_shape=(out((bsz, t, hv, dv), F32), out((bsz, hv, dk, dv), F32), out(conv_state.shape, conv_state.dtype)),
+        out_shape=(out((bsz, t, hv, dv), F32), out(state.shape, F32), out(conv_state.shape, conv_state.dtype)),
         grid=(bsz, hv, dv // bv),
         in_specs=[row_spec(t), row_spec(width - 1), w_spec, a_spec, b_spec, head_spec, head_spec,
-                  batch_spec, s_spec],
+                  batch_spec, s_spec, halves_spec],
         out_specs=[tv_spec, s_spec, row_spec(width - 1)],
         input_output_aliases={8: 1} if in_place else {},
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

@@ -63,6 +63,14 @@ GDN_CONV_IN_KERNEL = True
 # round (one is left per GDN kernel call) and device busy time per round
 # from 13.03 to 12.92 ms; K=3 natural 332.5 -> 338.7 tok/s, profiled 249.9 -> 251.6, plain unchanged.
 GDN_REPLAY_FRESH_STATE = True
+# True: the speculative loops (speculate.spec_loop / spec_rounds) carry each GDN layer's state as a
+# pair [2, B, Hv, Dk, Dv] with a current-half index: the verify pass reads the current half and writes
+# the other in place, the commit's rebuild (when a draft was rejected) reads the current half again
+# and overwrites the other, and the index flips every round. The old state then survives the verify
+# without a copy (GDN_REPLAY_FRESH_STATE's fresh buffer had to be copied back into the loop carry: one
+# 3.1 MB copy per GDN layer per round at 27B, ~0.14 ms of the 27B verify, session 10). Costs one more
+# GDN state per sequence inside the loop (151 MB at 27B) and a copy in and out per loop call.
+GDN_DOUBLE_BUFFER = False
 # The conv kernel's tile (gdn.RecurrenceConfig): Dv columns of the state per program and warps per
 # program. 32 x 4 is the recurrence kernel's measured default (gdn_decode sweep, session 3); the conv
 # kernel's own sweep is `pallas_kernels.bench --parts=gdn` (kernel gdn_conv_decode). In the K=3
@@ -120,6 +128,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_gates_in_kernel": ("ops", "GDN_GATES_IN_KERNEL", None),
                      "gdn_conv_in_kernel": ("ops", "GDN_CONV_IN_KERNEL", None),
                      "gdn_replay_fresh_state": ("ops", "GDN_REPLAY_FRESH_STATE", None),
+                     "gdn_double_buffer": ("ops", "GDN_DOUBLE_BUFFER", None),
                      "gdn_conv_block_v": ("ops", "GDN_CONV_BLOCK_V", (1, 128)),
                      "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),
                      "gdn_conv_hoisted": ("ops", "GDN_CONV_HOISTED", None),
@@ -299,25 +308,28 @@ def gdn_conv_in_kernel(impl: str) -> bool:
 
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref",
-                        state_kept: bool = False, ba=None):
+                        state_kept: bool = False, ba=None, halves=None):
     """Causal conv + SiLU + q/k L2 norms (q scaled by Dk^-0.5) + gates + the per-token recurrence from
     the raw in_proj_qkv output mixed [B, T, C] (channels q | k | v) and conv_state [B, W-1, C];
     tokens t >= n_valid [B] change neither state. Returns (o [B, T, Hv, Dv] f32, ssm state, conv
     state); see pallas_kernels/gdn_conv.py. The key-head count comes from the shapes:
     C = 2 Hk Dk + Hv Dv with Hv, Dk, Dv from state [B, Hv, Dk, Dv]. state_kept: the caller uses the
     input state afterwards (a replay), so the kernel writes a fresh one if GDN_REPLAY_FRESH_STATE.
-    ba [B, T, 2 Hv] = [b | a] (with a = b = None): both gate projections as one array."""
+    ba [B, T, 2 Hv] = [b | a] (with a = b = None): both gate projections as one array. halves =
+    (read, write) int [2]: state is a double-buffered pair [2, B, Hv, Dk, Dv] (GDN_DOUBLE_BUFFER),
+    read from one half and written to the other in place."""
     check_impl(impl)
-    hv, dk, dv = state.shape[1:]
+    hv, dk, dv = state.shape[-3:]
     kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5}
     if impl == "pallas":
         config = gdn.RecurrenceConfig(block_v=GDN_CONV_BLOCK_V, num_warps=GDN_CONV_NUM_WARPS,
                                       form="hoisted" if GDN_CONV_HOISTED else "sequential")
         return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
                                             interpret=_interpret(), config=config,
-                                            in_place=not (state_kept and GDN_REPLAY_FRESH_STATE), ba=ba, **kw)
+                                            in_place=halves is not None or not (state_kept and GDN_REPLAY_FRESH_STATE),
+                                            ba=ba, halves=halves, **kw)
     return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba=ba,
-                                            **kw)
+                                            halves=halves, **kw)
 
 
 def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):

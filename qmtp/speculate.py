@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qmtp import decode, model, mtp
+from qmtp import decode, model, mtp, ops
 from qmtp.config import ModelConfig
 from qmtp.state import DecodeState
 
@@ -137,11 +137,13 @@ def _emit(out, count, tokens, n_take, max_new, stop_mask, live, max_tokens):
 
 
 def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: jax.Array, d1: jax.Array,
-           mh: jax.Array, live: jax.Array, cap: jax.Array, impl: str):
+           mh: jax.Array, live: jax.Array, cap: jax.Array, impl: str, ssm_halves=None):
     """One speculative round (steps 1-4 of the module doc) for the rows with live [B] = 1.
 
     pending [B] = t_L, d1 [B], mh [B, E]; cap [B] caps the accepted drafts (K = no cap). Returns
-    (target argmax g_0..g_K [B, K+1], accepted a [B], state, next pending, next d1, next mh)."""
+    (target argmax g_0..g_K [B, K+1], accepted a [B], state, next pending, next d1, next mh). With
+    ssm_halves = (cur, other), state.ssm holds double-buffered pairs (_paired): verify and commit read
+    half cur and leave the committed state in half `other`, which the caller makes current."""
     base = state.lengths  # L [B]
     # 1. draft d_2 .. d_K
     drafts, h = [d1], mh
@@ -155,13 +157,15 @@ def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: 
     ssm0 = state.ssm
     tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, K+1]
     hidden, state, replay = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl,
-                                          return_gdn_replay=True)
+                                          return_gdn_replay=True, ssm_halves=ssm_halves)
+    if ssm_halves is not None:  # the old state is half cur of the verify's own pairs: no copy of it is kept
+        ssm0 = state.ssm
     target = decode.greedy(_logits(params, hidden, impl))  # [B, K+1]
     # 3. accept
     a = jnp.minimum(accepted_length(drafts, target), cap)
     n_keep = (a + 1) * live
     # 4. commit
-    conv, ssm = _commit(replay, ssm0, n_keep, (state.conv, state.ssm), live * (k + 1), impl)
+    conv, ssm = _commit(replay, ssm0, n_keep, (state.conv, state.ssm), live * (k + 1), impl, ssm_halves)
     state = dataclasses.replace(state, conv=conv, ssm=ssm, lengths=base + n_keep)
     mh_all, state = mtp.forward(cfg, params, state, target, hidden, base, n_keep, impl=impl)
     mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
@@ -170,14 +174,36 @@ def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: 
     return target, a, state, pending, d1, mh
 
 
-def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_verified: jax.Array, impl: str):
+def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_verified: jax.Array, impl: str,
+            ssm_halves=None):
     """(conv, ssm) after the first n_keep [B] tokens of the verify pass. verified = the (conv, ssm)
     tuples the verify pass left after n_verified [B] tokens: the answer itself when every row kept
     them all (n_keep == n_verified; dead rows have 0 of 0), so the rebuild is skipped then."""
-    rebuild = lambda: model.commit_gdn(replay, ssm0, n_keep, impl=impl)  # noqa: E731
+    rebuild = lambda: model.commit_gdn(replay, ssm0, n_keep, impl=impl, ssm_halves=ssm_halves)  # noqa: E731
     if not SKIP_FULL_COMMIT:
         return rebuild()
     return jax.lax.cond(jnp.all(n_keep == n_verified), lambda: verified, rebuild)
+
+
+def _paired(state: DecodeState) -> tuple[DecodeState, bool]:
+    """(state, whether the loop double-buffers the GDN state): with ops.GDN_DOUBLE_BUFFER and an f32 GDN
+    state (the conv kernel's), each layer's state becomes a pair [2, B, Hv, Dk, Dv] (half 0 current)."""
+    if not (ops.GDN_DOUBLE_BUFFER and state.ssm and all(s.dtype == jnp.float32 for s in state.ssm)):
+        return state, False
+    return dataclasses.replace(state, ssm=tuple(jnp.stack([s, s]) for s in state.ssm)), True
+
+
+def _unpaired(state: DecodeState, paired: bool, cur: jax.Array) -> DecodeState:
+    """The loop's state with each pair replaced by its current half."""
+    if not paired:
+        return state
+    return dataclasses.replace(state, ssm=tuple(jax.lax.dynamic_index_in_dim(p, cur, axis=0, keepdims=False)
+                                                for p in state.ssm))
+
+
+def _halves(paired: bool, cur: jax.Array):
+    """(read, write) = (cur, 1 - cur) for a paired loop, None otherwise."""
+    return jnp.stack([cur, 1 - cur]) if paired else None
 
 
 def _zero_stats(b: int, k: int) -> dict:
@@ -217,18 +243,22 @@ def spec_loop(cfg: ModelConfig, spec: SpecConfig, params: dict, state: DecodeSta
         done, r = carry[5], carry[6]
         return (~jnp.all(done)) & (r < spec.max_tokens)
 
+    state, paired = _paired(state)
+
     def body(carry):
-        state, pending, d1, mh, out, done, r, count, stats = carry
+        state, pending, d1, mh, out, done, r, count, stats, cur = carry
         live = (~done).astype(jnp.int32)
         cap = accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
-        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, cap, impl)
+        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, cap, impl,
+                                                   _halves(paired, cur))
         out, count, done_now = _emit(out, count, target, a + 1, max_new, decode.is_stop(target, spec.stop_ids),
                                      live, spec.max_tokens)
-        return state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k)
+        return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k),
+                1 - cur if paired else cur)
 
-    carry = (state, first, d1, mh, out, done, jnp.int32(0), count, stats)
-    state, _, _, _, out, _, _, count, stats = jax.lax.while_loop(cond, body, carry)
-    return out, count, stats, state
+    carry = (state, first, d1, mh, out, done, jnp.int32(0), count, stats, jnp.int32(0))
+    state, _, _, _, out, _, _, count, stats, cur = jax.lax.while_loop(cond, body, carry)
+    return out, count, stats, _unpaired(state, paired, cur)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "n_rounds", "impl"), donate_argnames=("state",))
@@ -251,16 +281,22 @@ def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: De
         done, r = carry[5], carry[6]
         return (~jnp.all(done)) & (r < n_rounds)
 
+    state, paired = _paired(state)
+
     def body(carry):
-        state, pending, d1, mh, out, done, r, count, stats = carry
+        state, pending, d1, mh, out, done, r, count, stats, cur = carry
         live = (~done).astype(jnp.int32)
-        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, no_cap, impl)
+        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, no_cap, impl,
+                                                   _halves(paired, cur))
         out, count, done_now = _emit(out, count, target, a + 1, slots.remaining,
                                      decode.is_stop_rows(target, slots.stop), live, width)
-        return state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k)
+        return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k),
+                1 - cur if paired else cur)
 
-    carry = (state, slots.pending, slots.d1, slots.mh, out, slots.done, jnp.int32(0), count, _zero_stats(b, k))
-    state, pending, d1, mh, out, done, _, count, stats = jax.lax.while_loop(cond, body, carry)
+    carry = (state, slots.pending, slots.d1, slots.mh, out, slots.done, jnp.int32(0), count, _zero_stats(b, k),
+             jnp.int32(0))
+    state, pending, d1, mh, out, done, _, count, stats, cur = jax.lax.while_loop(cond, body, carry)
+    state = _unpaired(state, paired, cur)
     slots = decode.Slots(pending=pending, d1=d1, mh=mh, remaining=slots.remaining - count, stop=slots.stop,
                          done=done)
     return out, count, stats, state, slots

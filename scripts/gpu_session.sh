@@ -237,31 +237,27 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
-pieces() {  # a ~8-minute lease. GPU 1: the conv kernel's GPU tests (both forms), its sequential vs
-  # hoisted sweep at B = 1, 8 and T = 1, 4, the 64-layer step with each form. GPU 0: the verify pass
-  # and the commit's rebuild against a target step, launch kind by kind, with the defaults and under
-  # each of ROUND_VARIANTS in the same process (scripts/round_pieces.py --variants), then, if a variant
-  # cut verify + commit by more than 1% (scripts/best_round_variant.py), TP1 plain + K=3 end to end with it
+pieces() {  # a ~8-minute lease. GPU 1: the conv kernel's GPU tests, the 64-layer step with the
+  # hoisted (default) and the sequential conv-kernel form. GPU 0: the verify pass and the commit's
+  # rebuild against a target step, launch kind by kind, with the defaults and under each of
+  # ROUND_VARIANTS in the same process (scripts/round_pieces.py --variants), then TP1 plain + K=3 end to
+  # end with the variant that cut verify + commit by more than 1% (scripts/best_round_variant.py), or
+  # with the defaults
   (export CUDA_VISIBLE_DEVICES=1
    job gpu_tests_gdn 200 python3 -m pytest -q -m gpu tests/test_kernel_gdn_conv.py -p no:cacheprovider
-   job bench_gdn_conv 300 python3 -m pallas_kernels.bench --parts=gdn --gdn_cases=conv --gdn_batches=1,8 \
-     --gdn_tokens=1,4 --gdn_conv_configs=32x4,32x4:hoisted,16x4:hoisted,16x2:hoisted,64x4:hoisted \
-     --out=$R/bench_gdn_conv.json
-   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gdnhoisted \
+   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gdnsequential \
      --out=$R/bench_step.json) &
   export CUDA_VISIBLE_DEVICES=0
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
-  local variants=${ROUND_VARIANTS:-"gdn_conv_hoisted=true;bf16_reduce_max_out=256"}
-  job round_pieces 400 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,commit \
+  local variants=${ROUND_VARIANTS:-"gdn_double_buffer=true"}
+  job round_pieces 330 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,commit \
     --variants="$variants" --out=$R/round_pieces.json
   local best
   best=$(python3 scripts/best_round_variant.py $R/round_pieces.json 2>>$R/jobs.log)
   echo "$(date +%T) best round variant: ${best:-defaults}" >>$R/jobs.log
-  if [ -n "$best" ]; then
-    job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
-      --repeats=2 --breakdown=false --kernels=$best --out=$R/tp1_short.json
-  fi
+  job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
+    --repeats=2 --breakdown=false ${best:+--kernels=$best} --out=$R/tp1_short.json
   wait
   touch $R/all.done
 }

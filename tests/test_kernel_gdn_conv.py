@@ -343,6 +343,49 @@ def test_unknown_form_is_refused():
 
 
 # ------------------------------------------------------------------------------------------------
+# a double-buffered state (ops.GDN_DOUBLE_BUFFER): a pair [2, B, Hv, Dk, Dv] read from one half,
+# written to the other
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("read, write", [(0, 1), (1, 0), (0, 0)])
+def test_kernel_on_a_pair_keeps_the_read_half(read, write):
+    """Interpret mode: half `read` comes back bit for bit (read != write), half `write` holds what the
+    one-state kernel and the ref (on the pair) compute, to f32 rounding (the interpreter compiles each
+    program with XLA); read == write is the in-place form. Both forms of the kernel."""
+    args = [jnp.asarray(x) for x in make_inputs(3, 4, HK, HV, DK, DV, [4, 1, 0], seed=8)]
+    other = jnp.asarray(np.random.default_rng(9).standard_normal(args[7].shape), jnp.float32)
+    halves = [other, other]
+    halves[read] = args[7]
+    pair, idx = jnp.stack(halves), jnp.asarray([read, write], jnp.int32)
+    _, single, _ = run_kernel(*args, hk=HK)
+    _, ref_pair, _ = gdn_conv.gdn_conv_recurrence_ref(*args[:7], pair, args[8], key_heads=HK, scale=DK ** -0.5,
+                                                      halves=idx)
+    for form in ("sequential", "hoisted"):
+        config = gdn.RecurrenceConfig(block_v=8, form=form)
+        o, got, conv = (np.asarray(x) for x in gdn_conv.gdn_conv_recurrence(
+            *args[:7], pair, args[8], key_heads=HK, scale=DK ** -0.5, interpret=True, config=config, halves=idx))
+        assert got.shape == pair.shape
+        if read != write:
+            np.testing.assert_array_equal(bits(got[read]), bits(args[7]), f"{form}: read half {read}")
+            np.testing.assert_array_equal(bits(np.asarray(ref_pair)[read]), bits(args[7]), "ref: read half")
+        assert_close(got[write], single, conv_tol(4, DK, 2), f"{form}: written half {write}")
+        assert_close(got[write], np.asarray(ref_pair)[write], conv_tol(4, DK, 2), f"{form}: vs the ref's pair")
+
+
+def test_pair_errors_name_the_shapes():
+    args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
+    kw = {"key_heads": 1, "scale": 8 ** -0.5, "interpret": True, "halves": jnp.asarray([0, 1], jnp.int32)}
+    with pytest.raises(ValueError, match=r"must be a pair \[2, B, Hv, Dk, Dv\]"):
+        gdn_conv.gdn_conv_recurrence(*args, **kw)
+    pair = jnp.stack([args[7], args[7]])
+    with pytest.raises(ValueError, match="must be f32"):
+        gdn_conv.gdn_conv_recurrence(*args[:7], pair.astype(jnp.bfloat16), args[8], **kw)
+    with pytest.raises(ValueError, match="and in place"):
+        gdn_conv.gdn_conv_recurrence(*args[:7], pair, args[8], in_place=False, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
 # lowering for the H200, from the CPU (CI)
 # ------------------------------------------------------------------------------------------------
 
@@ -402,6 +445,17 @@ def test_hoisted_form_lowers_for_h200():
     assert "scf.for" in looped_ir
 
 
+def test_kernel_on_a_pair_lowers_for_h200():
+    """The double-buffered state at the 27B shapes (B = 1, T = 4): the pair aliases the state output."""
+    shapes = list(real_shapes(1, 4))
+    shapes[7] = jax.ShapeDtypeStruct((2,) + shapes[7].shape, jnp.float32)
+    fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a[:9], key_heads=HK27, scale=DK27 ** -0.5, halves=a[9])
+    lowered = lower_for_h200(fn, shapes + [jax.ShapeDtypeStruct((2,), jnp.int32)], donate_argnums=7)
+    assert "tf.aliasing_output = 1" in lowered.as_text()
+    [(_, triton_ir)] = triton_calls(lowered)
+    assert "tt.func public @gdn_conv_recurrence" in triton_ir
+
+
 def test_looped_kernel_lowers_for_h200():
     [(_, triton_ir)] = triton_calls(lower_real(1, gdn.MAX_UNROLLED_TOKENS + 4))
     assert "scf.for" in triton_ir
@@ -432,6 +486,22 @@ def test_gpu_kernel_matches_ref_real_shapes(b, t, form):
     np.testing.assert_array_equal(bits(conv), bits(want_conv), "gpu kernel conv state bits")
     for i in np.flatnonzero(n_valid == 0):
         np.testing.assert_array_equal(bits(s[i]), bits(s0[i]), "no valid token: state bits")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_on_a_pair_real_shapes():
+    """The double-buffered form on the H200 at the 27B shapes, B = 2, T = 4, read half 1, write half 0:
+    the read half untouched, the written half as the one-state kernel's."""
+    mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = make_inputs(
+        2, 4, HK27, HV27, DK27, DV27, [4, 2], seed=3)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    args = (bf(mixed), bf(conv_state), bf(conv_w), bf(a), bf(beta_logit), jnp.asarray(a_log), jnp.asarray(dt_bias))
+    kw = {"key_heads": HK27, "scale": DK27 ** -0.5}
+    pair = jnp.stack([jnp.zeros_like(jnp.asarray(s0)), jnp.asarray(s0)])
+    _, got, _ = gdn_conv.gdn_conv_recurrence(*args, pair, jnp.asarray(n), halves=jnp.asarray([1, 0]), **kw)
+    _, want, _ = gdn_conv.gdn_conv_recurrence(*args, jnp.asarray(s0), jnp.asarray(n), **kw)
+    np.testing.assert_array_equal(bits(np.asarray(got[1])), bits(s0), "read half")
+    assert_close(np.asarray(got[0]), np.asarray(want), conv_tol(4, DK27, 2), "written half")
 
 
 @pytest.mark.parametrize("block_v, warps", [(32, 4), (8, 2)])
