@@ -70,6 +70,9 @@ GDN_REPLAY_FRESH_STATE = True
 # without a copy (GDN_REPLAY_FRESH_STATE's fresh buffer had to be copied back into the loop carry: one
 # 3.1 MB copy per GDN layer per round at 27B, ~0.14 ms of the 27B verify, session 10). Costs one more
 # GDN state per sequence inside the loop (151 MB at 27B) and a copy in and out per loop call.
+# Measured (session 11, `scripts/round_pieces.py --variants=gdn_double_buffer=true`): verify's 50.7
+# `memcpy128` launches (148 us) gone, verify 9.458 vs 9.587 ms and the rebuild 0.874 vs 0.843 ms
+# device time. Off until the end-to-end table runs with it.
 GDN_DOUBLE_BUFFER = False
 # The conv kernel's tile (gdn.RecurrenceConfig): Dv columns of the state per program and warps per
 # program. 32 x 4 is the recurrence kernel's measured default (gdn_decode sweep, session 3); the conv
