@@ -54,7 +54,7 @@ def target_loop(cfg: ModelConfig, params, state, n, t: int, impl: str):
     lengths = state.lengths
 
     # the verify pass as the spec loop runs it: with ops.GDN_DOUBLE_BUFFER on pairs whose halves alternate
-    state, paired = speculate._paired(state) if t > 1 else (state, False)
+    state, paired = speculate.paired_state(state) if t > 1 else (state, False)
 
     def body(_, carry):
         state, tok, cur = carry
@@ -64,12 +64,12 @@ def target_loop(cfg: ModelConfig, params, state, n, t: int, impl: str):
         else:
             hidden, state, _ = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t),
                                                  impl=impl, return_gdn_replay=True,
-                                                 ssm_halves=speculate._halves(paired, cur))
+                                                 ssm_halves=speculate.gdn_halves(paired, cur))
         nxt = decode.greedy(model_lib.logits_from_hidden(params, hidden, impl))  # [B, T]
         return state, nxt[:, -1], 1 - cur if paired else cur
 
     state, tok, cur = jax.lax.fori_loop(0, n, body, (state, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
-    return tok, speculate._unpaired(state, paired, cur)
+    return tok, speculate.unpaired_state(state, paired, cur)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"))
@@ -92,18 +92,18 @@ def draft_loop(cfg: ModelConfig, params, state, n, impl: str):
 def commit_loop(cfg: ModelConfig, params, state, n, k: int, impl: str):
     b = state.lengths.shape[0]
     tokens = jnp.zeros((b, k + 1), jnp.int32)
-    state, paired = speculate._paired(state)  # ops.GDN_DOUBLE_BUFFER: rebuild from one half into the other
+    state, paired = speculate.paired_state(state)  # ops.GDN_DOUBLE_BUFFER: rebuild from one half into the other
     _, state, replay = model_lib.forward(cfg, params, state, tokens, jnp.full((b,), k + 1), impl=impl,
-                                         return_gdn_replay=True, ssm_halves=speculate._halves(paired, jnp.int32(0)))
+                                         return_gdn_replay=True, ssm_halves=speculate.gdn_halves(paired, jnp.int32(0)))
 
     def body(i, carry):
         ssm, cur = carry
         _, ssm = model_lib.commit_gdn(replay, ssm, jnp.full((b,), 1 + i % k, jnp.int32), impl=impl,
-                                      ssm_halves=speculate._halves(paired, cur))
+                                      ssm_halves=speculate.gdn_halves(paired, cur))
         return ssm, 1 - cur if paired else cur
 
     ssm, cur = jax.lax.fori_loop(0, n, body, (state.ssm, jnp.int32(0)))
-    state = speculate._unpaired(dataclasses.replace(state, ssm=ssm), paired, cur)
+    state = speculate.unpaired_state(dataclasses.replace(state, ssm=ssm), paired, cur)
     return state.lengths, state  # the work lives on in the returned state
 
 

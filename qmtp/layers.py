@@ -200,7 +200,7 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
             o, ssm = recurrence(q, k, v, g, beta, ssm_state, impl=impl)
             replay = {"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta}
         if ssm_halves is not None:
-            ssm, ssm_state = gdn_conv.write_half(pair, ssm_halves, ssm), pair
+            ssm = gdn_conv.write_half(pair, ssm_halves, ssm)  # in the pair's dtype
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
     result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
     if return_replay:

@@ -142,7 +142,7 @@ def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: 
 
     pending [B] = t_L, d1 [B], mh [B, E]; cap [B] caps the accepted drafts (K = no cap). Returns
     (target argmax g_0..g_K [B, K+1], accepted a [B], state, next pending, next d1, next mh). With
-    ssm_halves = (cur, other), state.ssm holds double-buffered pairs (_paired): verify and commit read
+    ssm_halves = (cur, other), state.ssm holds double-buffered pairs (paired_state): verify and commit read
     half cur and leave the committed state in half `other`, which the caller makes current."""
     base = state.lengths  # L [B]
     # 1. draft d_2 .. d_K
@@ -185,7 +185,7 @@ def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_ve
     return jax.lax.cond(jnp.all(n_keep == n_verified), lambda: verified, rebuild)
 
 
-def _paired(state: DecodeState) -> tuple[DecodeState, bool]:
+def paired_state(state: DecodeState) -> tuple[DecodeState, bool]:
     """(state, whether the loop double-buffers the GDN state): with ops.GDN_DOUBLE_BUFFER and an f32 GDN
     state (the conv kernel's), each layer's state becomes a pair [2, B, Hv, Dk, Dv] (half 0 current)."""
     if not (ops.GDN_DOUBLE_BUFFER and state.ssm and all(s.dtype == jnp.float32 for s in state.ssm)):
@@ -193,7 +193,7 @@ def _paired(state: DecodeState) -> tuple[DecodeState, bool]:
     return dataclasses.replace(state, ssm=tuple(jnp.stack([s, s]) for s in state.ssm)), True
 
 
-def _unpaired(state: DecodeState, paired: bool, cur: jax.Array) -> DecodeState:
+def unpaired_state(state: DecodeState, paired: bool, cur: jax.Array) -> DecodeState:
     """The loop's state with each pair replaced by its current half."""
     if not paired:
         return state
@@ -201,7 +201,7 @@ def _unpaired(state: DecodeState, paired: bool, cur: jax.Array) -> DecodeState:
                                                 for p in state.ssm))
 
 
-def _halves(paired: bool, cur: jax.Array):
+def gdn_halves(paired: bool, cur: jax.Array):
     """(read, write) = (cur, 1 - cur) for a paired loop, None otherwise."""
     return jnp.stack([cur, 1 - cur]) if paired else None
 
@@ -243,14 +243,14 @@ def spec_loop(cfg: ModelConfig, spec: SpecConfig, params: dict, state: DecodeSta
         done, r = carry[5], carry[6]
         return (~jnp.all(done)) & (r < spec.max_tokens)
 
-    state, paired = _paired(state)
+    state, paired = paired_state(state)
 
     def body(carry):
         state, pending, d1, mh, out, done, r, count, stats, cur = carry
         live = (~done).astype(jnp.int32)
         cap = accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
         target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, cap, impl,
-                                                   _halves(paired, cur))
+                                                   gdn_halves(paired, cur))
         out, count, done_now = _emit(out, count, target, a + 1, max_new, decode.is_stop(target, spec.stop_ids),
                                      live, spec.max_tokens)
         return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k),
@@ -258,7 +258,7 @@ def spec_loop(cfg: ModelConfig, spec: SpecConfig, params: dict, state: DecodeSta
 
     carry = (state, first, d1, mh, out, done, jnp.int32(0), count, stats, jnp.int32(0))
     state, _, _, _, out, _, _, count, stats, cur = jax.lax.while_loop(cond, body, carry)
-    return out, count, stats, _unpaired(state, paired, cur)
+    return out, count, stats, unpaired_state(state, paired, cur)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "n_rounds", "impl"), donate_argnames=("state",))
@@ -281,13 +281,13 @@ def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: De
         done, r = carry[5], carry[6]
         return (~jnp.all(done)) & (r < n_rounds)
 
-    state, paired = _paired(state)
+    state, paired = paired_state(state)
 
     def body(carry):
         state, pending, d1, mh, out, done, r, count, stats, cur = carry
         live = (~done).astype(jnp.int32)
         target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, no_cap, impl,
-                                                   _halves(paired, cur))
+                                                   gdn_halves(paired, cur))
         out, count, done_now = _emit(out, count, target, a + 1, slots.remaining,
                                      decode.is_stop_rows(target, slots.stop), live, width)
         return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k),
@@ -296,7 +296,7 @@ def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: De
     carry = (state, slots.pending, slots.d1, slots.mh, out, slots.done, jnp.int32(0), count, _zero_stats(b, k),
              jnp.int32(0))
     state, pending, d1, mh, out, done, _, count, stats, cur = jax.lax.while_loop(cond, body, carry)
-    state = _unpaired(state, paired, cur)
+    state = unpaired_state(state, paired, cur)
     slots = decode.Slots(pending=pending, d1=d1, mh=mh, remaining=slots.remaining - count, stop=slots.stop,
                          done=done)
     return out, count, stats, state, slots

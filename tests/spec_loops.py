@@ -5,10 +5,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import qmtp
 from qmtp import decode, ops, speculate
 from qmtp.api import _new_state, _prompt_batch
+from qmtp.tools import make_checkpoint
 
 BUFFER = 13  # one output width for every forced-acceptance case: one compiled loop
+
+
+def load_controlled(tmp_path_factory, name: str):
+    """The tiny controlled checkpoint (seed 5, fp32; its drafts are always right) written under a
+    fresh temp dir and loaded in float32 with page size 4 (boundaries cross page edges)."""
+    path = tmp_path_factory.mktemp(name) / "ckpt"
+    return qmtp.load(make_checkpoint.write_checkpoint(str(path), "tiny_controlled", "fp32", seed=5), dtype="float32",
+                     page_size=4)
 
 
 def run_spec(model, prompts, k, max_new, cap, impl="ref"):

@@ -9,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import qmtp
 from qmtp import model as model_lib, speculate
-from qmtp.tools import make_checkpoint
-from spec_loops import run_plain, run_spec
+from spec_loops import load_controlled, run_plain, run_spec
 from tolerance import F32_MODEL, assert_close
 
 RNG = np.random.default_rng(23)
@@ -20,9 +18,7 @@ RNG = np.random.default_rng(23)
 
 @pytest.fixture(scope="module")
 def controlled(tmp_path_factory):
-    path = tmp_path_factory.mktemp("skip") / "ckpt"
-    return qmtp.load(make_checkpoint.write_checkpoint(str(path), "tiny_controlled", "fp32", seed=5), dtype="float32",
-                     page_size=4)
+    return load_controlled(tmp_path_factory, "skip")
 
 
 @pytest.fixture(scope="module")

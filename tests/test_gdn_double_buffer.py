@@ -1,5 +1,5 @@
 """ops.GDN_DOUBLE_BUFFER: the speculative loops carry each GDN layer's state as a pair [2, B, Hv, Dk, Dv]
-with a current-half index (qmtp.speculate._paired); verify reads the current half and writes the
+with a current-half index (qmtp.speculate.paired_state); verify reads the current half and writes the
 other in place, the commit's rebuild reads the current half again, the index flips every round.
 Tokens and the final state must be those of plain decoding, on the reference path (the layers'
 generic read/write of a half) and through the conv kernel (interpret mode), with every draft
@@ -14,9 +14,8 @@ import pytest
 
 import qmtp
 from qmtp import ops
-from qmtp.tools import make_checkpoint
 from serving_fixtures import make_engine
-from spec_loops import run_plain, run_spec, run_spec_with
+from spec_loops import load_controlled, run_plain, run_spec, run_spec_with
 from tolerance import F32_MODEL, assert_close
 
 RNG = np.random.default_rng(23)
@@ -24,9 +23,7 @@ RNG = np.random.default_rng(23)
 
 @pytest.fixture(scope="module")
 def controlled(tmp_path_factory):
-    path = tmp_path_factory.mktemp("controlled") / "ckpt"
-    return qmtp.load(make_checkpoint.write_checkpoint(str(path), "tiny_controlled", "fp32", seed=5), dtype="float32",
-                     page_size=4)
+    return load_controlled(tmp_path_factory, "controlled")
 
 
 def _check_against_plain(model, prompts, out, stats, state, max_new, accepted, what):
