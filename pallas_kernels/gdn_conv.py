@@ -82,35 +82,57 @@ def _gates(a, b, ba, hv: int):
     return ba[..., hv:], ba[..., :hv]
 
 
-def read_half(pair: jax.Array, halves: jax.Array) -> jax.Array:
-    """pair [2, ...][halves[0]]: the half a double-buffered state is read from."""
-    return jax.lax.dynamic_index_in_dim(pair, halves[0], axis=0, keepdims=False)
+def read_slot(slotted: jax.Array, slots: jax.Array) -> jax.Array:
+    """slotted [S, B, ...] -> [B, ...]: row b's slot slots[b] (the state a slotted row is read from)."""
+    return slotted[slots, jnp.arange(slotted.shape[1])]
 
 
-def write_half(pair: jax.Array, halves: jax.Array, value: jax.Array) -> jax.Array:
-    """pair with half halves[1] replaced by value (in place when pair is donated)."""
-    return jax.lax.dynamic_update_index_in_dim(pair, value.astype(pair.dtype), halves[1], axis=0)
+def write_slots(slotted: jax.Array, slots: jax.Array, value: jax.Array) -> jax.Array:
+    """slotted [S, B, ...] with row b's slot slots[b] replaced by value[b] (in place when donated)."""
+    return slotted.at[slots, jnp.arange(slotted.shape[1])].set(value.astype(slotted.dtype))
 
 
-def _check_halves(state, halves) -> None:
-    if state.ndim != 5 or state.shape[0] != 2:
-        raise ValueError(f"gdn conv: with halves, state {state.shape} must be a pair [2, B, Hv, Dk, Dv]")
-    if halves.shape != (2,) or not jnp.issubdtype(halves.dtype, jnp.integer):
-        raise ValueError(f"gdn conv: halves {halves.shape} {halves.dtype} must be int [2] = (read, write)")
+def next_slots(slots: jax.Array, n_keep: jax.Array, n_slots: int) -> jax.Array:
+    """The slot holding each row's state after its first n_keep [B] tokens of a slotted call that read
+    slots [B] (token t's state goes to slot (slots + 1 + t) mod S; n_keep = 0 keeps the read slot)."""
+    return ((slots + n_keep) % n_slots).astype(jnp.int32)
+
+
+def _check_slots(state, conv_state, slots, t: int) -> None:
+    if state.ndim != 5 or conv_state.ndim != 4 or conv_state.shape[:2] != state.shape[:2]:
+        raise ValueError(f"gdn conv: with slots, state {state.shape} and conv_state {conv_state.shape} must be "
+                         "slotted [S, B, Hv, Dk, Dv] and [S, B, W-1, C]")
+    if state.shape[0] < t + 1:
+        raise ValueError(f"gdn conv: {state.shape[0]} state slots hold the read state and T = {t} per-token "
+                         f"states only if S >= T + 1 = {t + 1}")
+    if slots.shape != state.shape[1:2] or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"gdn conv: slots {slots.shape} {slots.dtype} must be int [B] = {state.shape[1:2]} "
+                         "(each row's read slot)")
 
 
 def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *,
-                            key_heads: int, scale: float, ba=None, halves=None):
+                            key_heads: int, scale: float, ba=None, slots=None):
     """The unfused pieces composed (the same jnp as qmtp.layers.causal_conv / l2_normalize):
-    -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C]). With halves = (read,
-    write) int [2], state is a double-buffered pair [2, B, Hv, Dk, Dv]: the recurrence starts from
-    state[read] and the returned pair holds its result in half `write` (the other half as it was)."""
-    if halves is not None:
-        _check_halves(state, halves)
-        o, final, conv = gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias,
-                                                 read_half(state, halves), n_valid, key_heads=key_heads,
-                                                 scale=scale, ba=ba)
-        return o, write_half(state, halves, final), conv
+    -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C]). With slots int [B],
+    state [S, B, Hv, Dk, Dv] f32 and conv_state [S, B, W-1, C] are slotted (S >= T + 1): row b starts
+    from slot slots[b] and the state and conv state after its first min(t + 1, n_valid) tokens go to slot
+    (slots[b] + 1 + t) mod S, t < T (the other slots as they were); so the state after any accepted
+    prefix n_keep is already in slot (slots + n_keep) mod S (`next_slots`) and nothing is rebuilt. Here
+    each per-token state is the one-state reference with n_valid = min(t + 1, n_valid): T runs, each
+    the same arithmetic as a run over that prefix."""
+    if slots is not None:
+        _check_slots(state, conv_state, slots, mixed.shape[1])
+        s0, c0 = read_slot(state, slots), read_slot(conv_state, slots)
+        kw = {"key_heads": key_heads, "scale": scale, "ba": ba}
+        o = None
+        for t in range(mixed.shape[1]):
+            o, final, conv = gdn_conv_recurrence_ref(mixed, c0, conv_w, a, b, a_log, dt_bias, s0,
+                                                     jnp.minimum(n_valid, t + 1), **kw)
+            state = write_slots(state, (slots + 1 + t) % state.shape[0], final)
+            conv_state = write_slots(conv_state, (slots + 1 + t) % state.shape[0], conv)
+        if o is None:
+            o = jnp.zeros(mixed.shape[:2] + state.shape[2:3] + state.shape[4:], F32)
+        return o, state, conv_state  # o of the last run: every valid token's
     a, b = _gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0)
     _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads)
     bsz, t, _ = mixed.shape
@@ -143,12 +165,14 @@ def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, sta
 # ----------------------------------------------------------------------------------------------
 
 
-def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref, halves_ref,
+def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref, slot_ref,
                  o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float,
-                 hoisted: bool = False, paired: bool = False):
+                 hoisted: bool = False, n_slots: int = 0):
     # mixed_ref [T, C]; conv_ref, conv_out_ref [W-1, C]; w_ref [C, W]; a_ref, b_ref [T]; alog_ref,
-    # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV], or [2, Dk, BV] when paired (read half
-    # halves_ref[0], write half halves_ref[1]; the other half is left as it is); o_ref [T, BV]
+    # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV]; o_ref [T, BV]. Slotted (n_slots = S > 0):
+    # s_ref, s_out_ref [S, Dk, BV] and conv_ref, conv_out_ref [S, W-1, C], one buffer (aliased); the
+    # program reads slot slot_ref[()] and writes token t's state and conv rows to slot
+    # (slot + 1 + t) mod S, never the read slot (S >= T + 1), so no program reads what another wrote.
     dk, bv = s_ref.shape[-2:]
     width = w_ref.shape[1]
     ih, iv = pl.program_id(1), pl.program_id(2)
@@ -156,10 +180,42 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
     groups = ((kh * dk, dk), ((key_heads + kh) * dk, dk), (2 * key_heads * dk + ih * dv + iv * bv, bv))  # q, k, v
     taps = tuple(tuple(w_ref[pl.ds(off, n), i].astype(F32) for i in range(width)) for off, n in groups)
     rnd = lambda x: x.astype(mixed_ref.dtype).astype(F32)  # the conv state joins the window in mixed's dtype
-    prev0 = tuple(tuple(rnd(conv_ref[i, pl.ds(off, n)]) for i in range(width - 1)) for off, n in groups)
+    read = slot_ref[()] if n_slots else None
+    conv_in = (lambda i, off, n: conv_ref[read, i, pl.ds(off, n)]) if n_slots else (
+        lambda i, off, n: conv_ref[i, pl.ds(off, n)])
+    prev0 = tuple(tuple(rnd(conv_in(i, off, n)) for i in range(width - 1)) for off, n in groups)
     decay = -jnp.exp(alog_ref[()].astype(F32))
     dt_bias = dtb_ref[()].astype(F32)
     n_valid = n_ref[()]
+    # q and k conv rows of key head h // r: convolved by all r * Dv / BV programs of that key head with
+    # identical results; exactly one of them (h % r == 0, j == 0) stores them, so no two programs store to
+    # one address (no reliance on racing stores of equal bytes). Unslotted, the conv-state output must
+    # therefore not alias conv_state: a program of the key head that starts later still reads the old rows.
+    owns_qk = (ih % r == 0) & (iv == 0)
+
+    def store_conv(kept, slot=None):
+        def rows(group):
+            off, n = groups[group]
+            for i in range(width - 1):
+                value = kept[group][i].astype(conv_out_ref.dtype)
+                if slot is None:
+                    conv_out_ref[i, pl.ds(off, n)] = value
+                else:
+                    conv_out_ref[slot, i, pl.ds(off, n)] = value
+
+        rows(2)  # the v slice belongs to this program alone
+
+        @pl.when(owns_qk)
+        def _():
+            rows(0)
+            rows(1)
+
+    def after_token(t, s, kept):
+        """Slotted: token t's state tile and conv rows to slot (read + 1 + t) mod S."""
+        if n_slots:
+            slot = (read + 1 + t) % n_slots
+            s_out_ref[slot] = s.astype(s_out_ref.dtype)
+            store_conv(kept, slot)
 
     def load(t):
         """Token t's raw rows (one [n] per group) and gate logits."""
@@ -187,19 +243,21 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         (q_t, k_t, v_t, g_t, beta, valid), prev, kept = inputs(t, load(t), prev, kept)
         s = jnp.where(valid, gdn._delta_update(s, k_t, v_t, g_t, beta), s)  # padding: old bits
         o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
+        after_token(t, s, kept)
         return s, prev, kept
 
-    s = (s_ref[halves_ref[0]] if paired else s_ref[...]).astype(F32)
+    s = (s_ref[read] if n_slots else s_ref[...]).astype(F32)
     if hoisted and n_tokens <= gdn.MAX_UNROLLED_TOKENS:
         # Every token's loads first, then every token's conv, norms and gates, then the state chain with
         # one reduction step per token: S^T k_t and S^T q_t both read S_{t-1} (independent, side by side),
         # and o_t = S_t^T q_t = exp(g_t) S_{t-1}^T q_t + (k_t . q_t) beta_t u_t with u_t = v_t - exp(g_t) S_{t-1}^T k_t
         raws = [load(t) for t in range(n_tokens)]
         prev = kept = prev0
-        per_token = []
+        per_token, kept_after = [], []
         for t in range(n_tokens):
             x, prev, kept = inputs(t, raws[t], prev, kept)
             per_token.append(x)
+            kept_after.append(kept)
         kq = [jnp.sum(q_t * k_t) for q_t, k_t, *_ in per_token]  # k_t . q_t, scalars
         for t, (q_t, k_t, v_t, g_t, beta, valid) in enumerate(per_token):
             gamma = jnp.exp(g_t)
@@ -208,6 +266,7 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
             bu = beta * (v_t - gamma * sk)
             o_ref[t, :] = (gamma * sq + kq[t] * bu).astype(o_ref.dtype)
             s = jnp.where(valid, s * gamma + k_t[:, None] * bu[None, :], s)  # padding: old bits
+            after_token(t, s, kept_after[t])
     else:
         carry = (s, prev0, prev0)
         if n_tokens <= gdn.MAX_UNROLLED_TOKENS:
@@ -216,26 +275,9 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         else:
             carry = jax.lax.fori_loop(0, n_tokens, token, carry)
         s, _, kept = carry
-    if paired:
-        s_out_ref[halves_ref[1]] = s.astype(s_out_ref.dtype)
-    else:
+    if not n_slots:  # slotted, every token's state is out already
         s_out_ref[...] = s.astype(s_out_ref.dtype)
-
-    def store(group):
-        off, n = groups[group]
-        for i in range(width - 1):
-            conv_out_ref[i, pl.ds(off, n)] = kept[group][i].astype(conv_out_ref.dtype)
-
-    store(2)  # the v slice belongs to this program alone
-    # The q and k channels of key head h // r are convolved by all r * Dv / BV programs of that key
-    # head, with identical results; exactly one of them (h % r == 0, j == 0) writes them, so no two
-    # programs store to one address (no reliance on racing stores of equal bytes) and the other
-    # programs skip the stores. The conv-state output must therefore not alias conv_state: a
-    # program of the key head that starts later still reads the old rows.
-    @pl.when((ih % r == 0) & (iv == 0))
-    def _():
-        store(0)
-        store(1)
+        store_conv(kept)
 
 
 FORMS = ("sequential", "hoisted")
@@ -248,24 +290,25 @@ def _check_form(form: str) -> None:
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
                         scale: float, interpret: bool = False, config: gdn.RecurrenceConfig | None = None,
-                        in_place: bool = True, ba=None, halves=None):
+                        in_place: bool = True, ba=None, slots=None):
     """Pallas twin of `gdn_conv_recurrence_ref` -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32,
     conv state [B, W-1, C]). Dk must be a power of two; the Dv tile BV as in `gdn.gdn_recurrence`.
     With in_place, the state output aliases the (f32) state input (in place when donated; when the
     caller still needs the input, XLA copies it first); otherwise the state is written to a new
     buffer. The conv state is a new buffer (see the kernel). T <= gdn.MAX_UNROLLED_TOKENS is
     unrolled, longer T loops. With ba (instead of a and b), the kernel reads b and a from its two
-    halves: ba goes in twice, with block index maps h and Hv + h. With halves = (read, write) int [2],
-    state is a double-buffered pair [2, B, Hv, Dk, Dv] (f32), always in place: each program reads its
-    tile of half `read` and writes it to half `write`, so a caller that needs the old state afterwards
-    (the speculative commit) finds it in half `read` of the returned pair, and nothing is copied."""
+    halves: ba goes in twice, with block index maps h and Hv + h. With slots int [B] (the reference's
+    slotted form: state [S, B, Hv, Dk, Dv] f32 and conv_state [S, B, W-1, C], S >= T + 1), both are
+    updated in place: each program reads its tile of row b's slot slots[b] and writes each token's
+    state and conv rows to the slots after it, so a speculative commit is an index (`next_slots`)."""
     config = config or gdn.RECURRENCE_CONFIG
-    if halves is not None:
-        _check_halves(state, halves)
+    slotted_state = slotted_conv = None
+    if slots is not None:
+        _check_slots(state, conv_state, slots, mixed.shape[1])
         if state.dtype != F32 or not in_place:
-            raise ValueError(f"gdn_conv_recurrence: a double-buffered state must be f32 ({state.dtype}) and in place")
-        pair, state = state, state[0]  # the single-state checks below run on one half's shape
-    # the shapes are checked on ba's halves (slices nothing uses: traced, then dropped from the program)
+            raise ValueError(f"gdn_conv_recurrence: a slotted state must be f32 ({state.dtype}) and in place")
+        slotted_state, slotted_conv, state, conv_state = state, conv_state, state[0], conv_state[0]
+    # the shapes are checked on one slot and on ba's halves (slices nothing uses: traced, then dropped)
     _check(mixed, conv_state, conv_w, *_gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0), a_log, dt_bias,
            state, n_valid, key_heads)
     bsz, t, c = mixed.shape
@@ -277,10 +320,10 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
         raise ValueError(f"gdn_conv_recurrence: bad config {config}: block_v must be a power of two, "
                          "num_warps and num_stages >= 1")
     bv = gdn._block_v(dv, config)
-    state = state.astype(F32) if halves is None else pair
     if t == 0:
-        return jnp.zeros((bsz, 0, hv, dv), F32), (state if halves is None else write_half(
-            pair, halves, read_half(pair, halves))), conv_state
+        if slots is not None:
+            return jnp.zeros((bsz, 0, hv, dv), F32), slotted_state, slotted_conv
+        return jnp.zeros((bsz, 0, hv, dv), F32), state.astype(F32), conv_state
     sq = pl.squeezed
     row_spec = lambda rows: pl.BlockSpec((sq, rows, c), lambda ib, ih, iv: (ib, 0, 0))  # [rows, C] of sequence b
     tv_spec = pl.BlockSpec((sq, t, sq, bv), lambda ib, ih, iv: (ib, 0, ih, iv))
@@ -289,28 +332,33 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     b_spec = pl.BlockSpec((sq, t, sq), lambda ib, ih, iv: (ib, 0, ih))
     head_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ih,))
     batch_spec = pl.BlockSpec((sq,), lambda ib, ih, iv: (ib,))
-    if halves is None:
-        s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
-        halves = jnp.zeros((2,), jnp.int32)  # unread
-    else:
-        s_spec = pl.BlockSpec((2, sq, sq, dk, bv), lambda ib, ih, iv: (0, ib, ih, 0, iv))
-    halves_spec = pl.BlockSpec((2,), lambda ib, ih, iv: (0,))
     w_spec = pl.BlockSpec((c, width), lambda ib, ih, iv: (0, 0))
+    if slots is None:
+        s_spec = pl.BlockSpec((sq, sq, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+        conv_spec = row_spec(width - 1)
+        state, slots, n_slots = state.astype(F32), jnp.zeros((bsz,), jnp.int32), 0  # slots unread
+        aliases = {8: 1} if in_place else {}
+    else:
+        n_slots = slotted_state.shape[0]
+        s_spec = pl.BlockSpec((n_slots, sq, sq, dk, bv), lambda ib, ih, iv: (0, ib, ih, 0, iv))
+        conv_spec = pl.BlockSpec((n_slots, sq, width - 1, c), lambda ib, ih, iv: (0, ib, 0, 0))
+        state, conv_state = slotted_state, slotted_conv
+        aliases = {1: 2, 8: 1}
     _check_form(config.form)
     kernel = functools.partial(_conv_kernel, n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv,
-                               scale=float(scale), hoisted=config.form == "hoisted", paired=state.ndim == 5)
+                               scale=float(scale), hoisted=config.form == "hoisted", n_slots=n_slots)
     if ba is not None:
         a = b = ba
     args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state,
-                      halves.astype(jnp.int32))
+                      slots.astype(jnp.int32))
     return pl.pallas_call(
         kernel,
         out_shape=(out((bsz, t, hv, dv), F32), out(state.shape, F32), out(conv_state.shape, conv_state.dtype)),
         grid=(bsz, hv, dv // bv),
-        in_specs=[row_spec(t), row_spec(width - 1), w_spec, a_spec, b_spec, head_spec, head_spec,
-                  batch_spec, s_spec, halves_spec],
-        out_specs=[tv_spec, s_spec, row_spec(width - 1)],
-        input_output_aliases={8: 1} if in_place else {},
+        in_specs=[row_spec(t), conv_spec, w_spec, a_spec, b_spec, head_spec, head_spec,
+                  batch_spec, s_spec, batch_spec],
+        out_specs=[tv_spec, s_spec, conv_spec],
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gdn_conv_recurrence",

@@ -9,10 +9,12 @@ clock starts: at TP2 building it took long and varied enough to swamp the differ
 step of -1.4 ms in the first TP2 run).
 
     target_step  model.forward over 1 token + logits + argmax       (a plain decode step)
-    verify       model.forward over K+1 tokens with the GDN replay + logits + argmax
+    verify       model.forward over K+1 tokens (into the GDN state slots, or with the GDN replay)
+                 + logits + argmax
     draft        mtp.forward over 1 token + draft logits + argmax  (one draft step; through the FP8
                  draft head when the model has one, as the spec loop's drafts are)
-    commit       model.commit_gdn: the GDN/conv state after the accepted prefix (a round that kept
+    commit       with ops.GDN_STATE_SLOTS the read slots' move (no kernel); otherwise
+                 model.commit_gdn: the GDN/conv state after the accepted prefix (a round that kept
                  every verified token skips it: speculate.SKIP_FULL_COMMIT)
     all_reduce   (TP > 1) the collectives of one target pass alone: 2 per layer + 1 (embedding)
                  all-reduces of [B, E] f32 and the argmax's all-gather of [B, 2] f32
@@ -38,6 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gdn_conv
 from qmtp import decode, model as model_lib, mtp, speculate, tp
 from qmtp.config import ModelConfig
 
@@ -53,23 +56,27 @@ def target_loop(cfg: ModelConfig, params, state, n, t: int, impl: str):
     b = state.lengths.shape[0]
     lengths = state.lengths
 
-    # the verify pass as the spec loop runs it: with ops.GDN_DOUBLE_BUFFER on pairs whose halves alternate
-    state, paired = speculate.paired_state(state) if t > 1 else (state, False)
+    # the verify pass as the spec loop runs it: with ops.GDN_STATE_SLOTS on slotted GDN/conv state, each
+    # pass reading the slot the last one wrote after its first token (the state moves on as in a round)
+    state, slots = speculate.slotted_state(state, t - 1, impl) if t > 1 else (state, None)
 
     def body(_, carry):
-        state, tok, cur = carry
+        state, tok, slots = carry
         tokens = jnp.broadcast_to(tok[:, None], (b, t))
         if t == 1:
             hidden, state = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t), impl=impl)
-        else:
+        elif slots is None:
             hidden, state, _ = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t),
-                                                 impl=impl, return_gdn_replay=True,
-                                                 ssm_halves=speculate.gdn_halves(paired, cur))
+                                                 impl=impl, return_gdn_replay=True)
+        else:
+            hidden, state = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t),
+                                              impl=impl, gdn_slots=slots)
+            slots = gdn_conv.next_slots(slots, jnp.ones_like(slots), state.ssm[0].shape[0])
         nxt = decode.greedy(model_lib.logits_from_hidden(params, hidden, impl))  # [B, T]
-        return state, nxt[:, -1], 1 - cur if paired else cur
+        return state, nxt[:, -1], slots
 
-    state, tok, cur = jax.lax.fori_loop(0, n, body, (state, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
-    return tok, speculate.unpaired_state(state, paired, cur)
+    state, tok, slots = jax.lax.fori_loop(0, n, body, (state, jnp.zeros((b,), jnp.int32), slots))
+    return tok, speculate.unslotted_state(state, slots)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"))
@@ -91,19 +98,20 @@ def draft_loop(cfg: ModelConfig, params, state, n, impl: str):
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "impl"))
 def commit_loop(cfg: ModelConfig, params, state, n, k: int, impl: str):
     b = state.lengths.shape[0]
+    state, slots = speculate.slotted_state(state, k, impl)
+    if slots is not None:  # ops.GDN_STATE_SLOTS: the commit is the read slots' move, as in speculate._round
+        n_slots = state.ssm[0].shape[0]
+        slots = jax.lax.fori_loop(0, n, lambda i, s: gdn_conv.next_slots(s, jnp.full((b,), 1 + i % k), n_slots), slots)
+        return state.lengths, speculate.unslotted_state(state, slots)
     tokens = jnp.zeros((b, k + 1), jnp.int32)
-    state, paired = speculate.paired_state(state)  # ops.GDN_DOUBLE_BUFFER: rebuild from one half into the other
     _, state, replay = model_lib.forward(cfg, params, state, tokens, jnp.full((b,), k + 1), impl=impl,
-                                         return_gdn_replay=True, ssm_halves=speculate.gdn_halves(paired, jnp.int32(0)))
+                                         return_gdn_replay=True)
 
-    def body(i, carry):
-        ssm, cur = carry
-        _, ssm = model_lib.commit_gdn(replay, ssm, jnp.full((b,), 1 + i % k, jnp.int32), impl=impl,
-                                      ssm_halves=speculate.gdn_halves(paired, cur))
-        return ssm, 1 - cur if paired else cur
+    def body(i, ssm):
+        _, ssm = model_lib.commit_gdn(replay, ssm, jnp.full((b,), 1 + i % k, jnp.int32), impl=impl)
+        return ssm
 
-    ssm, cur = jax.lax.fori_loop(0, n, body, (state.ssm, jnp.int32(0)))
-    state = speculate.unpaired_state(dataclasses.replace(state, ssm=ssm), paired, cur)
+    state = dataclasses.replace(state, ssm=jax.lax.fori_loop(0, n, body, state.ssm))
     return state.lengths, state  # the work lives on in the returned state
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gdn_conv
 from qmtp import ops, tp
 
 F32 = jnp.float32
@@ -145,10 +144,11 @@ def conv_qkv(mixed: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax
 
 def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
                    n_valid: jax.Array, *, eps: float, impl: str,
-                   chunked: bool, return_replay: bool = False, ssm_halves=None):
+                   chunked: bool, return_replay: bool = False, gdn_slots=None):
     """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv], or with
-    ssm_halves = (read, write) int [2] a double-buffered pair [2, B, Hv, Dk, Dv] (ops.GDN_DOUBLE_BUFFER):
-    the layer starts from half `read` and returns the pair with its new state in half `write`.
+    gdn_slots int [B] both slotted, [S, B, W-1, C] and [S, B, Hv, Dk, Dv] (ops.GDN_STATE_SLOTS): row b
+    starts from slot gdn_slots[b] and the state after each token t goes to slot (gdn_slots[b] + 1 + t)
+    mod S (pallas_kernels/gdn_conv.py; the conv kernel or, for impl="ref", its jnp twin).
 
     Returns (out [B, T, E], conv_state', ssm_state'[, replay]). `replay` holds what rebuilds the
     state after any prefix of the T tokens without running the layer again (speculative commit):
@@ -171,19 +171,22 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
         b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
         a_raw = ops.linear(x, p["in_proj_a"], impl)
     raw_gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
-    if not chunked and ops.gdn_conv_in_kernel(impl):  # conv, norms, gates, padding and recurrence: one kernel
+    if gdn_slots is not None and not chunked:  # every token's state into its slot: no replay needed
+        gates = {"a": None, "b": None, "ba": ba} if ba is not None else {"a": a_raw, "b": b_raw}
+        o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_log=p["A_log"],
+                                                   dt_bias=p["dt_bias"], state=ssm_state, n_valid=n_valid,
+                                                   impl=impl, slots=gdn_slots, **gates)
+        replay = {}
+    elif not chunked and ops.gdn_conv_in_kernel(impl):  # conv, norms, gates, padding and recurrence: one kernel
         # the kernel reads ba's halves in place (slicing it would be two launches per layer on the GPU)
         gates = {"a": None, "b": None, "ba": ba} if ba is not None else {"a": a_raw, "b": b_raw}
         o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_log=p["A_log"],
                                                    dt_bias=p["dt_bias"], state=ssm_state, n_valid=n_valid,
-                                                   impl=impl, state_kept=return_replay, halves=ssm_halves, **gates)
+                                                   impl=impl, state_kept=return_replay, **gates)
         # commit_gdn runs the same kernel from the old conv / ssm state with n_valid = the accepted length
         replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], "A_log": p["A_log"],
                   "dt_bias": p["dt_bias"], **gates}
     else:
-        pair = ssm_state
-        if ssm_halves is not None:  # the paths below take one state: read the current half, write the other
-            ssm_state = gdn_conv.read_half(pair, ssm_halves)
         (q, k, v), new_conv, window = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
         if not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel
             o, ssm = ops.gdn_recurrence_gated(q, k, v, a_raw, b_raw, p["A_log"], p["dt_bias"], ssm_state, n_valid,
@@ -199,8 +202,6 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
             recurrence = ops.gdn_chunked if chunked else ops.gdn_recurrence
             o, ssm = recurrence(q, k, v, g, beta, ssm_state, impl=impl)
             replay = {"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta}
-        if ssm_halves is not None:
-            ssm = gdn_conv.write_half(pair, ssm_halves, ssm)  # in the pair's dtype
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
     result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
     if return_replay:

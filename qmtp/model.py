@@ -15,7 +15,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gdn_conv
 from qmtp import layers, ops, tp
 from qmtp.config import LINEAR, ModelConfig
 from qmtp.state import DecodeState, PagedKV
@@ -62,14 +61,15 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, impl: str) -> 
 
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
-            *, impl: str = "ref", return_gdn_replay: bool = False, ssm_halves=None):
+            *, impl: str = "ref", return_gdn_replay: bool = False, gdn_slots=None):
     """Runs the target over tokens [B, T] (right-padded to n_valid [B]).
 
     Returns (hidden [B, T, E] post-final-norm, new state[, GDN replay]). Logits are taken from the
     hidden by the caller (`logits_from_hidden`) for the positions it needs. The replay (each entry
     stacked over the Lg GDN layers) lets `commit_gdn` rebuild the GDN/conv state after any prefix.
-    ssm_halves = (read, write) int [2]: state.ssm holds double-buffered pairs [2, B, Hv, Dk, Dv]
-    (ops.GDN_DOUBLE_BUFFER); each layer reads half `read` and writes half `write`."""
+    gdn_slots int [B]: state.conv and state.ssm are slotted, [S, B, W-1, C] and [S, B, Hv, Dk, Dv] per
+    layer (ops.GDN_STATE_SLOTS; speculate.slotted_state): each row reads slot gdn_slots[b] and the state
+    after its token t lands in slot (gdn_slots[b] + 1 + t) mod S, so no replay is returned."""
     b, t = tokens.shape
     x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
     chunked = t >= CHUNKED_GDN_MIN_TOKENS and not return_gdn_replay
@@ -82,7 +82,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
             p = params["gdn"][j]
             mixer = lambda h, p=p, j=j: layers.gated_deltanet(
                 p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps, impl=impl, chunked=chunked,
-                return_replay=return_gdn_replay, ssm_halves=ssm_halves)
+                return_replay=return_gdn_replay, gdn_slots=gdn_slots)
             x, new = decoder_layer(cfg, p, x, mixer, impl)
             convs.append(new[0])
             ssms.append(new[1])
@@ -111,7 +111,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     return hidden, new_state
 
 
-def commit_gdn(replay: tuple, ssm0: tuple, n_keep: jax.Array, *, impl: str = "ref", ssm_halves=None):
+def commit_gdn(replay: tuple, ssm0: tuple, n_keep: jax.Array, *, impl: str = "ref"):
     """GDN/conv state after the first n_keep [B] tokens of a forward that returned `replay`.
 
     ssm0 (Lg x [B, Hv, Dk, Dv]) is the state before that forward. Tokens t >= n_keep are masked
@@ -119,35 +119,31 @@ def commit_gdn(replay: tuple, ssm0: tuple, n_keep: jax.Array, *, impl: str = "re
     ssm0: the same arithmetic as the forward, so the result is the state the forward had after
     token n_keep - 1. A replay of the conv kernel (ops.GDN_CONV_IN_KERNEL) carries the old conv state:
     that kernel runs again from both old states and returns both. Returns (conv, ssm) tuples over
-    the Lg layers. With ssm_halves = (read, write), ssm0 holds double-buffered pairs [2, B, Hv, Dk, Dv]
-    (the forward's output pairs: their half `read` is still the state before it) and the rebuilt
-    state goes to half `write` (over what the forward left there)."""
+    the Lg layers."""
     convs, ssms = [], []
-    for rep, pair in zip(replay, ssm0):
+    for rep, s0 in zip(replay, ssm0):
         if "mixed" in rep:  # the forward ran the conv kernel (ops.GDN_CONV_IN_KERNEL): again, from the old states
             # a and b, or ba = [b | a] (qmtp.api.fuse_gate_projections) with a = b = None
             _, ssm, conv = ops.gdn_conv_recurrence(rep["mixed"], rep["conv"], rep["conv_w"], rep.get("a"),
-                                                   rep.get("b"), rep["A_log"], rep["dt_bias"], pair, n_keep,
-                                                   impl=impl, ba=rep.get("ba"), halves=ssm_halves)
+                                                   rep.get("b"), rep["A_log"], rep["dt_bias"], s0, n_keep,
+                                                   impl=impl, ba=rep.get("ba"))
             convs.append(conv)
-            ssms.append(ssm.astype(pair.dtype))
+            ssms.append(ssm.astype(s0.dtype))
             continue
-        s0 = pair if ssm_halves is None else gdn_conv.read_half(pair, ssm_halves)
-        to_pair = (lambda s: s) if ssm_halves is None else (lambda s, pair=pair: gdn_conv.write_half(pair, ssm_halves, s))
         t = rep["q"].shape[1]
         width = rep["window"].shape[1] - t + 1
         convs.append(layers.conv_window_state(rep["window"], n_keep, width))
         if "a" in rep:  # the forward ran the gated kernel (ops.GDN_GATES_IN_KERNEL): the same kernel, n_keep tokens
             _, ssm = ops.gdn_recurrence_gated(rep["q"], rep["k"], rep["v"], rep["a"], rep["b"], rep["A_log"],
                                               rep["dt_bias"], s0, n_keep, impl=impl)
-            ssms.append(to_pair(ssm.astype(s0.dtype)))
+            ssms.append(ssm.astype(s0.dtype))
             continue
         keep = (jnp.arange(t)[None] < n_keep[:, None])[..., None]  # [B, T, 1]
         # g = beta = k = v = 0 on dropped tokens: exp(0) S + k (beta u)^T = S exactly, even for NaN inputs
         g, beta = (jnp.where(keep, rep[n], 0.0) for n in ("g", "beta"))
         k, v = (jnp.where(keep[..., None], rep[n], 0.0) for n in ("k", "v"))
         _, ssm = ops.gdn_recurrence(rep["q"], k, v, g, beta, s0, impl=impl)
-        ssms.append(to_pair(ssm.astype(s0.dtype)))
+        ssms.append(ssm.astype(s0.dtype))
     return tuple(convs), tuple(ssms)
 
 

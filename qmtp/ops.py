@@ -63,17 +63,18 @@ GDN_CONV_IN_KERNEL = True
 # round (one is left per GDN kernel call) and device busy time per round
 # from 13.03 to 12.92 ms; K=3 natural 332.5 -> 338.7 tok/s, profiled 249.9 -> 251.6, plain unchanged.
 GDN_REPLAY_FRESH_STATE = True
-# True: the speculative loops (speculate.spec_loop / spec_rounds) carry each GDN layer's state as a
-# pair [2, B, Hv, Dk, Dv] with a current-half index: the verify pass reads the current half and writes
-# the other in place, the commit's rebuild (when a draft was rejected) reads the current half again
-# and overwrites the other, and the index flips every round. The old state then survives the verify
-# without a copy (GDN_REPLAY_FRESH_STATE's fresh buffer had to be copied back into the loop carry: one
-# 3.1 MB copy per GDN layer per round at 27B, ~0.14 ms of the 27B verify, session 10). Costs one more
-# GDN state per sequence inside the loop (151 MB at 27B) and a copy in and out per loop call.
-# Measured (session 11, `scripts/round_pieces.py --variants=gdn_double_buffer=true`): verify's 50.7
-# `memcpy128` launches (148 us) gone, verify 9.458 vs 9.587 ms and the rebuild 0.874 vs 0.843 ms
-# device time. Off until the end-to-end table runs with it.
-GDN_DOUBLE_BUFFER = False
+# True: the speculative loops (speculate.spec_loop / spec_rounds) carry each GDN layer's state and conv
+# state in K+2 slots [K+2, B, ...] with a read slot per row: the verify pass reads it and writes the
+# state after each of its K+1 tokens to the slots after it (the conv kernel or its ref twin), so the
+# commit is `gdn_conv.next_slots` (an index) and nothing is rebuilt or copied. Without it the loop
+# keeps the old state and re-runs the conv kernel from it over the accepted prefix whenever a draft was
+# rejected (model.commit_gdn), behind a lax.cond that skips full acceptances; that cond makes the host
+# wait for the verify pass and then launch the 48 rebuild kernels one by one: measured in session 11
+# as ~0.84 ms per rebuild inside a 27B round (profiled K=3 round 11.76 vs natural 11.40 ms with 43% of
+# rounds rebuilding) for ~0.36 ms of kernel time. Costs K+1 more GDN states per sequence inside the
+# loop (0.6 GB at 27B, K=3) and a copy in and out per loop call. (It replaces session 11's double-
+# buffered pair, which saved the verify's state copies but kept the rebuild.)
+GDN_STATE_SLOTS = True
 # The conv kernel's tile (gdn.RecurrenceConfig): Dv columns of the state per program and warps per
 # program. 32 x 4 is the recurrence kernel's measured default (gdn_decode sweep, session 3); the conv
 # kernel's own sweep is `pallas_kernels.bench --parts=gdn` (kernel gdn_conv_decode). In the K=3
@@ -131,7 +132,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_gates_in_kernel": ("ops", "GDN_GATES_IN_KERNEL", None),
                      "gdn_conv_in_kernel": ("ops", "GDN_CONV_IN_KERNEL", None),
                      "gdn_replay_fresh_state": ("ops", "GDN_REPLAY_FRESH_STATE", None),
-                     "gdn_double_buffer": ("ops", "GDN_DOUBLE_BUFFER", None),
+                     "gdn_state_slots": ("ops", "GDN_STATE_SLOTS", None),
                      "gdn_conv_block_v": ("ops", "GDN_CONV_BLOCK_V", (1, 128)),
                      "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),
                      "gdn_conv_hoisted": ("ops", "GDN_CONV_HOISTED", None),
@@ -311,16 +312,16 @@ def gdn_conv_in_kernel(impl: str) -> bool:
 
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, impl: str = "ref",
-                        state_kept: bool = False, ba=None, halves=None):
+                        state_kept: bool = False, ba=None, slots=None):
     """Causal conv + SiLU + q/k L2 norms (q scaled by Dk^-0.5) + gates + the per-token recurrence from
     the raw in_proj_qkv output mixed [B, T, C] (channels q | k | v) and conv_state [B, W-1, C];
     tokens t >= n_valid [B] change neither state. Returns (o [B, T, Hv, Dv] f32, ssm state, conv
     state); see pallas_kernels/gdn_conv.py. The key-head count comes from the shapes:
     C = 2 Hk Dk + Hv Dv with Hv, Dk, Dv from state [B, Hv, Dk, Dv]. state_kept: the caller uses the
     input state afterwards (a replay), so the kernel writes a fresh one if GDN_REPLAY_FRESH_STATE.
-    ba [B, T, 2 Hv] = [b | a] (with a = b = None): both gate projections as one array. halves =
-    (read, write) int [2]: state is a double-buffered pair [2, B, Hv, Dk, Dv] (GDN_DOUBLE_BUFFER),
-    read from one half and written to the other in place."""
+    ba [B, T, 2 Hv] = [b | a] (with a = b = None): both gate projections as one array. slots int [B]:
+    state [S, B, Hv, Dk, Dv] and conv_state [S, B, W-1, C] are slotted (GDN_STATE_SLOTS): read from
+    each row's slot, every token's state written to the slots after it, in place."""
     check_impl(impl)
     hv, dk, dv = state.shape[-3:]
     kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5}
@@ -329,10 +330,10 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
                                       form="hoisted" if GDN_CONV_HOISTED else "sequential")
         return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
                                             interpret=_interpret(), config=config,
-                                            in_place=halves is not None or not (state_kept and GDN_REPLAY_FRESH_STATE),
-                                            ba=ba, halves=halves, **kw)
+                                            in_place=slots is not None or not (state_kept and GDN_REPLAY_FRESH_STATE),
+                                            ba=ba, slots=slots, **kw)
     return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba=ba,
-                                            halves=halves, **kw)
+                                            slots=slots, **kw)
 
 
 def gdn_chunked(q, k, v, g, beta, state, impl: str = "ref"):

@@ -6,9 +6,11 @@ One round, for a sequence whose target has consumed positions < L and whose pend
              positions L .. L+K-2, each fed the previous draft and the previous post-mtp.norm hidden;
   2. verify  one target pass over [t_L, d_1 .. d_K] at positions L .. L+K -> argmaxes g_0 .. g_K;
   3. accept  a = leading i with d_{i+1} == g_i (optionally capped by a schedule); bonus = g_a;
-  4. commit  lengths += a+1; GDN/conv state rebuilt after a+1 tokens from the verify replay
-             (model.commit_gdn), or, when every live row kept all K+1 tokens, the verify pass's own
-             state taken as is (SKIP_FULL_COMMIT); attention KV past L+a is stale and masked by length;
+  4. commit  lengths += a+1; with slotted GDN/conv state (ops.GDN_STATE_SLOTS) the verify pass wrote
+             the state after each of its tokens to its own slot and the read slot moves a+1 slots on;
+             otherwise the state is rebuilt after a+1 tokens from the verify replay (model.commit_gdn),
+             or, when every live row kept all K+1 tokens, the verify pass's own state is taken as is
+             (SKIP_FULL_COMMIT); attention KV past L+a is stale and masked by length;
              the MTP KV at L .. L+a is refreshed from the target hiddens h_L .. h_{L+a} with the
              shifted tokens (d_1 .. d_a, bonus) = (g_0 .. g_a), whose output at L+a gives the next d_1;
   5. emit    g_0 .. g_a (= d_1 .. d_a, bonus), clipped at a stop id and max_new_tokens.
@@ -29,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gdn_conv
 from qmtp import decode, model, mtp, ops
 from qmtp.config import ModelConfig
 from qmtp.state import DecodeState
@@ -137,13 +140,14 @@ def _emit(out, count, tokens, n_take, max_new, stop_mask, live, max_tokens):
 
 
 def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: jax.Array, d1: jax.Array,
-           mh: jax.Array, live: jax.Array, cap: jax.Array, impl: str, ssm_halves=None):
+           mh: jax.Array, live: jax.Array, cap: jax.Array, impl: str, gdn_slots=None):
     """One speculative round (steps 1-4 of the module doc) for the rows with live [B] = 1.
 
     pending [B] = t_L, d1 [B], mh [B, E]; cap [B] caps the accepted drafts (K = no cap). Returns
-    (target argmax g_0..g_K [B, K+1], accepted a [B], state, next pending, next d1, next mh). With
-    ssm_halves = (cur, other), state.ssm holds double-buffered pairs (paired_state): verify and commit read
-    half cur and leave the committed state in half `other`, which the caller makes current."""
+    (target argmax g_0..g_K [B, K+1], accepted a [B], state, next pending, next d1, next mh, next
+    gdn_slots). gdn_slots int [B]: state.conv / state.ssm are slotted (slotted_state) and each row's
+    state is read from slot gdn_slots[b]; the returned slots point at the state after the accepted
+    tokens (None when not slotted)."""
     base = state.lengths  # L [B]
     # 1. draft d_2 .. d_K
     drafts, h = [d1], mh
@@ -156,54 +160,59 @@ def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: 
     # 2. verify [t_L, d_1 .. d_K]
     ssm0 = state.ssm
     tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, K+1]
-    hidden, state, replay = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl,
-                                          return_gdn_replay=True, ssm_halves=ssm_halves)
-    if ssm_halves is not None:  # the old state is half cur of the verify's own pairs: no copy of it is kept
-        ssm0 = state.ssm
+    if gdn_slots is None:
+        hidden, state, replay = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl,
+                                              return_gdn_replay=True)
+    else:
+        hidden, state = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl, gdn_slots=gdn_slots)
     target = decode.greedy(_logits(params, hidden, impl))  # [B, K+1]
     # 3. accept
     a = jnp.minimum(accepted_length(drafts, target), cap)
     n_keep = (a + 1) * live
     # 4. commit
-    conv, ssm = _commit(replay, ssm0, n_keep, (state.conv, state.ssm), live * (k + 1), impl, ssm_halves)
-    state = dataclasses.replace(state, conv=conv, ssm=ssm, lengths=base + n_keep)
+    if gdn_slots is None:
+        conv, ssm = _commit(replay, ssm0, n_keep, (state.conv, state.ssm), live * (k + 1), impl)
+        state = dataclasses.replace(state, conv=conv, ssm=ssm)
+    else:  # the state after n_keep tokens is in its slot already
+        gdn_slots = gdn_conv.next_slots(gdn_slots, n_keep, state.ssm[0].shape[0])
+    state = dataclasses.replace(state, lengths=base + n_keep)
     mh_all, state = mtp.forward(cfg, params, state, target, hidden, base, n_keep, impl=impl)
     mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
     d1 = model.draft_token(params, mh, impl)
     pending = jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
-    return target, a, state, pending, d1, mh
+    return target, a, state, pending, d1, mh, gdn_slots
 
 
-def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_verified: jax.Array, impl: str,
-            ssm_halves=None):
+def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_verified: jax.Array, impl: str):
     """(conv, ssm) after the first n_keep [B] tokens of the verify pass. verified = the (conv, ssm)
     tuples the verify pass left after n_verified [B] tokens: the answer itself when every row kept
     them all (n_keep == n_verified; dead rows have 0 of 0), so the rebuild is skipped then."""
-    rebuild = lambda: model.commit_gdn(replay, ssm0, n_keep, impl=impl, ssm_halves=ssm_halves)  # noqa: E731
+    rebuild = lambda: model.commit_gdn(replay, ssm0, n_keep, impl=impl)  # noqa: E731
     if not SKIP_FULL_COMMIT:
         return rebuild()
     return jax.lax.cond(jnp.all(n_keep == n_verified), lambda: verified, rebuild)
 
 
-def paired_state(state: DecodeState) -> tuple[DecodeState, bool]:
-    """(state, whether the loop double-buffers the GDN state): with ops.GDN_DOUBLE_BUFFER and an f32 GDN
-    state (the conv kernel's), each layer's state becomes a pair [2, B, Hv, Dk, Dv] (half 0 current)."""
-    if not (ops.GDN_DOUBLE_BUFFER and state.ssm and all(s.dtype == jnp.float32 for s in state.ssm)):
-        return state, False
-    return dataclasses.replace(state, ssm=tuple(jnp.stack([s, s]) for s in state.ssm)), True
+def slotted_state(state: DecodeState, k: int, impl: str) -> tuple[DecodeState, jax.Array | None]:
+    """(state, read slots or None): with ops.GDN_STATE_SLOTS, an f32 GDN state and the conv kernel's
+    path (impl="pallas" with ops.GDN_CONV_IN_KERNEL, or its jnp twin for impl="ref"), each GDN layer's
+    conv and ssm state in K+2 slots [K+2, B, ...] (a verify pass of K+1 tokens writes one per token
+    besides the one it reads), every row reading slot 0."""
+    conv_path = impl == "ref" or ops.gdn_conv_in_kernel(impl)
+    if not (ops.GDN_STATE_SLOTS and conv_path and state.ssm and all(s.dtype == jnp.float32 for s in state.ssm)):
+        return state, None
+    n = k + 2
+    slot = lambda x: jnp.broadcast_to(x, (n,) + x.shape)  # noqa: E731
+    state = dataclasses.replace(state, conv=tuple(map(slot, state.conv)), ssm=tuple(map(slot, state.ssm)))
+    return state, jnp.zeros(state.lengths.shape, jnp.int32)
 
 
-def unpaired_state(state: DecodeState, paired: bool, cur: jax.Array) -> DecodeState:
-    """The loop's state with each pair replaced by its current half."""
-    if not paired:
+def unslotted_state(state: DecodeState, gdn_slots) -> DecodeState:
+    """The loop's state with each row's current slot taken out of the slotted GDN/conv state."""
+    if gdn_slots is None:
         return state
-    return dataclasses.replace(state, ssm=tuple(jax.lax.dynamic_index_in_dim(p, cur, axis=0, keepdims=False)
-                                                for p in state.ssm))
-
-
-def gdn_halves(paired: bool, cur: jax.Array):
-    """(read, write) = (cur, 1 - cur) for a paired loop, None otherwise."""
-    return jnp.stack([cur, 1 - cur]) if paired else None
+    take = lambda x: gdn_conv.read_slot(x, gdn_slots)  # noqa: E731
+    return dataclasses.replace(state, conv=tuple(map(take, state.conv)), ssm=tuple(map(take, state.ssm)))
 
 
 def _zero_stats(b: int, k: int) -> dict:
@@ -243,22 +252,21 @@ def spec_loop(cfg: ModelConfig, spec: SpecConfig, params: dict, state: DecodeSta
         done, r = carry[5], carry[6]
         return (~jnp.all(done)) & (r < spec.max_tokens)
 
-    state, paired = paired_state(state)
+    state, slots = slotted_state(state, k, impl)
 
     def body(carry):
-        state, pending, d1, mh, out, done, r, count, stats, cur = carry
+        state, pending, d1, mh, out, done, r, count, stats, slots = carry
         live = (~done).astype(jnp.int32)
         cap = accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
-        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, cap, impl,
-                                                   gdn_halves(paired, cur))
+        target, a, state, pending, d1, mh, slots = _round(cfg, k, params, state, pending, d1, mh, live, cap, impl,
+                                                          slots)
         out, count, done_now = _emit(out, count, target, a + 1, max_new, decode.is_stop(target, spec.stop_ids),
                                      live, spec.max_tokens)
-        return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k),
-                1 - cur if paired else cur)
+        return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k), slots)
 
-    carry = (state, first, d1, mh, out, done, jnp.int32(0), count, stats, jnp.int32(0))
-    state, _, _, _, out, _, _, count, stats, cur = jax.lax.while_loop(cond, body, carry)
-    return out, count, stats, unpaired_state(state, paired, cur)
+    carry = (state, first, d1, mh, out, done, jnp.int32(0), count, stats, slots)
+    state, _, _, _, out, _, _, count, stats, slots = jax.lax.while_loop(cond, body, carry)
+    return out, count, stats, unslotted_state(state, slots)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "n_rounds", "impl"), donate_argnames=("state",))
@@ -281,22 +289,21 @@ def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: De
         done, r = carry[5], carry[6]
         return (~jnp.all(done)) & (r < n_rounds)
 
-    state, paired = paired_state(state)
+    state, gdn_slots = slotted_state(state, k, impl)
 
     def body(carry):
-        state, pending, d1, mh, out, done, r, count, stats, cur = carry
+        state, pending, d1, mh, out, done, r, count, stats, gdn_slots = carry
         live = (~done).astype(jnp.int32)
-        target, a, state, pending, d1, mh = _round(cfg, k, params, state, pending, d1, mh, live, no_cap, impl,
-                                                   gdn_halves(paired, cur))
+        target, a, state, pending, d1, mh, gdn_slots = _round(cfg, k, params, state, pending, d1, mh, live, no_cap,
+                                                              impl, gdn_slots)
         out, count, done_now = _emit(out, count, target, a + 1, slots.remaining,
                                      decode.is_stop_rows(target, slots.stop), live, width)
-        return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k),
-                1 - cur if paired else cur)
+        return (state, pending, d1, mh, out, done | done_now, r + 1, count, _add_stats(stats, a, live, k), gdn_slots)
 
     carry = (state, slots.pending, slots.d1, slots.mh, out, slots.done, jnp.int32(0), count, _zero_stats(b, k),
-             jnp.int32(0))
-    state, pending, d1, mh, out, done, _, count, stats, cur = jax.lax.while_loop(cond, body, carry)
-    state = unpaired_state(state, paired, cur)
+             gdn_slots)
+    state, pending, d1, mh, out, done, _, count, stats, gdn_slots = jax.lax.while_loop(cond, body, carry)
+    state = unslotted_state(state, gdn_slots)
     slots = decode.Slots(pending=pending, d1=d1, mh=mh, remaining=slots.remaining - count, stop=slots.stop,
                          done=done)
     return out, count, stats, state, slots

@@ -4,9 +4,10 @@
 #
 #   scripts/gpu_session.sh start [SECONDS]  copy the tree to /tmp, start the jobs (setsid), wait
 #   scripts/gpu_session.sh wait  [SECONDS]  wait until all jobs ended or SECONDS passed
-#   scripts/gpu_session.sh start_pieces [SECONDS]  a ~8-minute lease: the verify pass against a target
-#                                           step launch kind by kind (scripts/round_pieces.py) with both HLOs,
-#                                           under ROUND_VARIANTS, the conv kernel's forms, TP1 plain + K=3 (pieces())
+#   scripts/gpu_session.sh start_pieces [SECONDS]  a ~9-minute lease: TP1 plain + K=3 with the defaults and
+#                                           under each of PIECES_E2E, the verify pass against a target step
+#                                           launch kind by kind (scripts/round_pieces.py) under ROUND_VARIANTS,
+#                                           the conv kernel's GPU tests (pieces())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -237,27 +238,29 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
-pieces() {  # a ~8-minute lease. GPU 1: the conv kernel's GPU tests, the 64-layer step with the
-  # hoisted (default) and the sequential conv-kernel form. GPU 0: the verify pass and the commit's
-  # rebuild against a target step, launch kind by kind, with the defaults and under each of
-  # ROUND_VARIANTS in the same process (scripts/round_pieces.py --variants), then TP1 plain + K=3 end to
-  # end with the variant that cut verify + commit by more than 1% (scripts/best_round_variant.py), or
-  # with the defaults
-  (export CUDA_VISIBLE_DEVICES=1
-   job gpu_tests_gdn 200 python3 -m pytest -q -m gpu tests/test_kernel_gdn_conv.py -p no:cacheprovider
-   job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gdnsequential \
-     --out=$R/bench_step.json) &
+pieces() {  # a ~9-minute lease. GPU 0: the 27B checkpoint, then TP1 plain + K=3 end to end with the
+  # defaults and with each of PIECES_E2E (kernel settings, ";"-separated; default: the slotted GDN state
+  # off), all in one lease so the ratios compare. GPU 1: the conv kernel's GPU tests, then (once the
+  # checkpoint is written) the verify pass and the commit against a target step, launch kind by kind,
+  # with the defaults and under each of ROUND_VARIANTS (scripts/round_pieces.py --variants)
   export CUDA_VISIBLE_DEVICES=0
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
-  local variants=${ROUND_VARIANTS:-"gdn_double_buffer=true"}
-  job round_pieces 330 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,commit \
-    --variants="$variants" --out=$R/round_pieces.json
-  local best
-  best=$(python3 scripts/best_round_variant.py $R/round_pieces.json 2>>$R/jobs.log)
-  echo "$(date +%T) best round variant: ${best:-defaults}" >>$R/jobs.log
+  touch $R/checkpoint.done
+  (export CUDA_VISIBLE_DEVICES=1
+   job gpu_tests_gdn 200 python3 -m pytest -q -m gpu tests/test_kernel_gdn_conv.py -p no:cacheprovider
+   while [ ! -f $R/checkpoint.done ]; do sleep 5; done
+   job round_pieces 330 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,commit \
+     --variants="${ROUND_VARIANTS:-gdn_state_slots=false}" --out=$R/round_pieces.json) &
   job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
-    --repeats=2 --breakdown=false ${best:+--kernels=$best} --out=$R/tp1_short.json
+    --repeats=2 --breakdown=false --out=$R/tp1_short.json
+  local i=0 kernels
+  IFS=';' read -ra e2e <<<"${PIECES_E2E:-gdn_state_slots=false}"
+  for kernels in "${e2e[@]}"; do
+    i=$((i + 1))
+    job tp1_short_v$i 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
+      --repeats=2 --breakdown=false --kernels=$kernels --out=$R/tp1_short_v$i.json
+  done
   wait
   touch $R/all.done
 }

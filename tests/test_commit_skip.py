@@ -2,14 +2,15 @@
 pass's GDN/conv state and skips model.commit_gdn; any shorter acceptance still rebuilds it.
 
 The rebuild is poisoned (NaN states) to see which branch ran: with full acceptance the tokens and
-the state must still be plain greedy's, with a shorter one the poison must show."""
+the state must still be plain greedy's, with a shorter one the poison must show. The loops run without
+slotted GDN state (ops.GDN_STATE_SLOTS, which has no rebuild to skip)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qmtp import model as model_lib, speculate
+from qmtp import model as model_lib, ops, speculate
 from spec_loops import load_controlled, run_plain, run_spec
 from tolerance import F32_MODEL, assert_close
 
@@ -33,7 +34,9 @@ def poisoned_commit():
 
     jax.clear_caches()
     model_lib.commit_gdn = nan_commit
+    before = ops.set_kernel_settings({"gdn_state_slots": False})
     yield
+    ops.set_kernel_settings(before)
     model_lib.commit_gdn = real
     jax.clear_caches()
 

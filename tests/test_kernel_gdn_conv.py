@@ -343,46 +343,75 @@ def test_unknown_form_is_refused():
 
 
 # ------------------------------------------------------------------------------------------------
-# a double-buffered state (ops.GDN_DOUBLE_BUFFER): a pair [2, B, Hv, Dk, Dv] read from one half,
-# written to the other
+# slotted state (ops.GDN_STATE_SLOTS): [S, B, ...] read from each row's slot, token t's state and
+# conv state written to slot (read + 1 + t) mod S
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("read, write", [(0, 1), (1, 0), (0, 0)])
-def test_kernel_on_a_pair_keeps_the_read_half(read, write):
-    """Interpret mode: half `read` comes back bit for bit (read != write), half `write` holds what the
-    one-state kernel and the ref (on the pair) compute, to f32 rounding (the interpreter compiles each
-    program with XLA); read == write is the in-place form. Both forms of the kernel."""
-    args = [jnp.asarray(x) for x in make_inputs(3, 4, HK, HV, DK, DV, [4, 1, 0], seed=8)]
-    other = jnp.asarray(np.random.default_rng(9).standard_normal(args[7].shape), jnp.float32)
-    halves = [other, other]
-    halves[read] = args[7]
-    pair, idx = jnp.stack(halves), jnp.asarray([read, write], jnp.int32)
-    _, single, _ = run_kernel(*args, hk=HK)
-    _, ref_pair, _ = gdn_conv.gdn_conv_recurrence_ref(*args[:7], pair, args[8], key_heads=HK, scale=DK ** -0.5,
-                                                      halves=idx)
-    for form in ("sequential", "hoisted"):
-        config = gdn.RecurrenceConfig(block_v=8, form=form)
-        o, got, conv = (np.asarray(x) for x in gdn_conv.gdn_conv_recurrence(
-            *args[:7], pair, args[8], key_heads=HK, scale=DK ** -0.5, interpret=True, config=config, halves=idx))
-        assert got.shape == pair.shape
-        if read != write:
-            np.testing.assert_array_equal(bits(got[read]), bits(args[7]), f"{form}: read half {read}")
-            np.testing.assert_array_equal(bits(np.asarray(ref_pair)[read]), bits(args[7]), "ref: read half")
-        assert_close(got[write], single, conv_tol(4, DK, 2), f"{form}: written half {write}")
-        assert_close(got[write], np.asarray(ref_pair)[write], conv_tol(4, DK, 2), f"{form}: vs the ref's pair")
+def slotted_inputs(b, t, n_valid, reads, n_slots, seed):
+    """make_inputs with the state and conv state in slots: row b's real ones in slot reads[b], noise in
+    the others (which must come back as they were unless written)."""
+    args = [jnp.asarray(x) for x in make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=seed)]
+    rng = np.random.default_rng(seed + 1)
+    rows = jnp.arange(b)
+    reads = jnp.asarray(reads, jnp.int32)
+    state = jnp.asarray(rng.standard_normal((n_slots,) + args[7].shape), jnp.float32).at[reads, rows].set(args[7])
+    conv = jnp.asarray(rng.standard_normal((n_slots,) + args[1].shape), args[1].dtype).at[reads, rows].set(args[1])
+    return args, state, conv, reads
 
 
-def test_pair_errors_name_the_shapes():
+@pytest.mark.parametrize("form", ["sequential", "hoisted"])
+@pytest.mark.parametrize("b,t,n_valid,reads,n_slots", [(3, 4, [4, 2, 0], [0, 4, 2], 5), (2, 3, [3, 1], [3, 1], 6)])
+def test_slotted_kernel_writes_every_prefix_state(form, b, t, n_valid, reads, n_slots):
+    """Slot (read + 1 + t) mod S holds the state and conv state after min(t + 1, n_valid) tokens, as the
+    float64 loop computes them over that prefix; the read slot and the slots past T come back bit for
+    bit; o as the one-state kernel's. The kernel (interpret mode) and its ref twin both."""
+    args, state, conv, r = slotted_inputs(b, t, n_valid, reads, n_slots, seed=8 + t)
+    kw = {"key_heads": HK, "scale": DK ** -0.5, "slots": r}
+    config = gdn.RecurrenceConfig(block_v=8, form=form)
+    got = {"kernel": gdn_conv.gdn_conv_recurrence(*args[:1], conv, *args[2:7], state, args[8], interpret=True,
+                                                   config=config, **kw),
+           "ref": gdn_conv.gdn_conv_recurrence_ref(*args[:1], conv, *args[2:7], state, args[8], **kw)}
+    o_single, _, _ = run_kernel(*args, hk=HK, config=config)
+    keep = valid_mask(t, n_valid)
+    for name, (o, slotted, slotted_conv) in got.items():
+        slotted, slotted_conv = np.asarray(slotted), np.asarray(slotted_conv)
+        assert_close(np.asarray(o)[keep], o_single[keep], conv_tol(t, DK, 2), f"{name}: o")
+        for row in range(b):
+            written = {(reads[row] + 1 + i) % n_slots: i for i in range(t)}
+            for slot in range(n_slots):
+                if slot not in written:
+                    np.testing.assert_array_equal(bits(slotted[slot, row]), bits(np.asarray(state)[slot, row]),
+                                                  f"{name}: row {row} slot {slot} untouched")
+                    np.testing.assert_array_equal(bits(slotted_conv[slot, row]), bits(np.asarray(conv)[slot, row]),
+                                                  f"{name}: row {row} conv slot {slot} untouched")
+                    continue
+                prefix = np.minimum(np.asarray(n_valid), written[slot] + 1)
+                _, want_s, want_conv = np_conv_recurrence(*args[:8], prefix, hk=HK)
+                assert_close(slotted[slot, row], want_s[row], conv_tol(t, DK), f"{name}: row {row} slot {slot}")
+                np.testing.assert_array_equal(slotted_conv[slot, row], want_conv[row].astype(np.float32),
+                                              f"{name}: row {row} conv slot {slot}")
+
+
+def test_slotted_errors_name_the_shapes():
     args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
-    kw = {"key_heads": 1, "scale": 8 ** -0.5, "interpret": True, "halves": jnp.asarray([0, 1], jnp.int32)}
-    with pytest.raises(ValueError, match=r"must be a pair \[2, B, Hv, Dk, Dv\]"):
+    kw = {"key_heads": 1, "scale": 8 ** -0.5, "interpret": True, "slots": jnp.zeros((1,), jnp.int32)}
+    with pytest.raises(ValueError, match=r"must be slotted \[S, B, Hv, Dk, Dv\]"):
         gdn_conv.gdn_conv_recurrence(*args, **kw)
-    pair = jnp.stack([args[7], args[7]])
+    slot = lambda x, n: jnp.stack([x] * n)
+    with pytest.raises(ValueError, match=r"only if S >= T \+ 1 = 3"):
+        gdn_conv.gdn_conv_recurrence(args[0], slot(args[1], 2), *args[2:7], slot(args[7], 2), args[8], **kw)
     with pytest.raises(ValueError, match="must be f32"):
-        gdn_conv.gdn_conv_recurrence(*args[:7], pair.astype(jnp.bfloat16), args[8], **kw)
+        gdn_conv.gdn_conv_recurrence(args[0], slot(args[1], 3), *args[2:7], slot(args[7], 3).astype(jnp.bfloat16),
+                                     args[8], **kw)
     with pytest.raises(ValueError, match="and in place"):
-        gdn_conv.gdn_conv_recurrence(*args[:7], pair, args[8], in_place=False, **kw)
+        gdn_conv.gdn_conv_recurrence(args[0], slot(args[1], 3), *args[2:7], slot(args[7], 3), args[8],
+                                     in_place=False, **kw)
+
+
+def test_next_slots_is_the_prefix_slot():
+    slots = jnp.asarray([0, 3, 4], jnp.int32)
+    np.testing.assert_array_equal(gdn_conv.next_slots(slots, jnp.asarray([0, 2, 4]), 5), [0, 0, 3])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -445,15 +474,20 @@ def test_hoisted_form_lowers_for_h200():
     assert "scf.for" in looped_ir
 
 
-def test_kernel_on_a_pair_lowers_for_h200():
-    """The double-buffered state at the 27B shapes (B = 1, T = 4): the pair aliases the state output."""
+def test_slotted_kernel_lowers_for_h200():
+    """The slotted state at the 27B shapes (B = 1, T = 4, S = 5): state and conv state alias their
+    outputs; each token's state goes out from the unrolled chain."""
     shapes = list(real_shapes(1, 4))
-    shapes[7] = jax.ShapeDtypeStruct((2,) + shapes[7].shape, jnp.float32)
-    fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a[:9], key_heads=HK27, scale=DK27 ** -0.5, halves=a[9])
-    lowered = lower_for_h200(fn, shapes + [jax.ShapeDtypeStruct((2,), jnp.int32)], donate_argnums=7)
-    assert "tf.aliasing_output = 1" in lowered.as_text()
+    shapes[1] = jax.ShapeDtypeStruct((5,) + shapes[1].shape, shapes[1].dtype)
+    shapes[7] = jax.ShapeDtypeStruct((5,) + shapes[7].shape, jnp.float32)
+    fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a[:9], key_heads=HK27, scale=DK27 ** -0.5, slots=a[9],
+                                                 config=gdn.RecurrenceConfig(form="hoisted"))
+    lowered = lower_for_h200(fn, shapes + [jax.ShapeDtypeStruct((1,), jnp.int32)], donate_argnums=(1, 7))
+    text = lowered.as_text()
+    assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text
     [(_, triton_ir)] = triton_calls(lowered)
     assert "tt.func public @gdn_conv_recurrence" in triton_ir
+    assert "scf.for" not in triton_ir
 
 
 def test_looped_kernel_lowers_for_h200():
@@ -489,19 +523,27 @@ def test_gpu_kernel_matches_ref_real_shapes(b, t, form):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_on_a_pair_real_shapes():
-    """The double-buffered form on the H200 at the 27B shapes, B = 2, T = 4, read half 1, write half 0:
-    the read half untouched, the written half as the one-state kernel's."""
+def test_gpu_slotted_kernel_real_shapes():
+    """The slotted form on the H200 at the 27B shapes, B = 2, T = 4, S = 5, reading slots 4 and 1: each
+    token's slot as the one-state kernel over that prefix; the read slot untouched."""
     mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = make_inputs(
         2, 4, HK27, HV27, DK27, DV27, [4, 2], seed=3)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     args = (bf(mixed), bf(conv_state), bf(conv_w), bf(a), bf(beta_logit), jnp.asarray(a_log), jnp.asarray(dt_bias))
-    kw = {"key_heads": HK27, "scale": DK27 ** -0.5}
-    pair = jnp.stack([jnp.zeros_like(jnp.asarray(s0)), jnp.asarray(s0)])
-    _, got, _ = gdn_conv.gdn_conv_recurrence(*args, pair, jnp.asarray(n), halves=jnp.asarray([1, 0]), **kw)
-    _, want, _ = gdn_conv.gdn_conv_recurrence(*args, jnp.asarray(s0), jnp.asarray(n), **kw)
-    np.testing.assert_array_equal(bits(np.asarray(got[1])), bits(s0), "read half")
-    assert_close(np.asarray(got[0]), np.asarray(want), conv_tol(4, DK27, 2), "written half")
+    kw = {"key_heads": HK27, "scale": DK27 ** -0.5, "config": gdn.RecurrenceConfig(form="hoisted")}
+    reads, rows = jnp.asarray([4, 1], jnp.int32), jnp.arange(2)
+    state = jnp.zeros((5,) + s0.shape, jnp.float32).at[reads, rows].set(jnp.asarray(s0))
+    conv = jnp.zeros((5,) + conv_state.shape, jnp.bfloat16).at[reads, rows].set(args[1])
+    _, got, got_conv = gdn_conv.gdn_conv_recurrence(args[0], conv, *args[2:], state, jnp.asarray(n), slots=reads, **kw)
+    got, got_conv = np.asarray(got), np.asarray(got_conv)
+    for row in range(2):
+        np.testing.assert_array_equal(bits(got[int(reads[row]), row]), bits(s0[row]), "read slot")
+        for t in range(4):
+            slot = (int(reads[row]) + 1 + t) % 5
+            _, want, want_conv = gdn_conv.gdn_conv_recurrence(*args, jnp.asarray(s0), jnp.minimum(jnp.asarray(n), t + 1),
+                                                              **kw)
+            assert_close(got[slot, row], np.asarray(want)[row], conv_tol(4, DK27, 2), f"row {row} token {t}")
+            np.testing.assert_array_equal(bits(got_conv[slot, row]), bits(np.asarray(want_conv)[row]), "conv")
 
 
 @pytest.mark.parametrize("block_v, warps", [(32, 4), (8, 2)])

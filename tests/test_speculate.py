@@ -97,7 +97,8 @@ def test_gdn_gates_in_kernel_commit_gives_the_plain_state(controlled):
     max_new = 1 + rounds * (a + 1)
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
     # the conv kernel (the default) includes the gates: off, to run the gated kernel alone
-    out, stats, state = run_spec_with({"gdn_gates_in_kernel": True, "gdn_conv_in_kernel": False}, controlled,
+    out, stats, state = run_spec_with({"gdn_gates_in_kernel": True, "gdn_conv_in_kernel": False,
+                                       "gdn_state_slots": False}, controlled,
                                       prompts, k, max_new, cap=a)
     want, plain_state = run_plain(controlled, prompts, max_new)
     np.testing.assert_array_equal(out, want)
@@ -243,7 +244,8 @@ def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled, monkeypatch
     and the commit run the fused conv + recurrence kernel (the commit from the old conv and ssm state
     with n_valid = the accepted length). One of three drafts accepted per round: the tokens and the
     GDN and conv state equal plain decoding's with the switch off (the reference path). With
-    ops.GDN_REPLAY_FRESH_STATE, the verify pass (and only it) writes fresh state buffers."""
+    ops.GDN_REPLAY_FRESH_STATE, the verify pass (and only it) writes fresh state buffers. Slotted
+    state (the default) needs no replay: off here."""
     k, rounds, a = 3, 2, 1
     max_new = 1 + rounds * (a + 1)
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
@@ -253,7 +255,8 @@ def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled, monkeypatch
     kernel = gdn_conv.gdn_conv_recurrence
     monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence",
                         lambda mixed, *a, **kw: traced.append((mixed.shape[1], kw["in_place"])) or kernel(mixed, *a, **kw))
-    out, stats, state = run_spec_with({"gdn_conv_in_kernel": True, "gdn_replay_fresh_state": fresh_state},
+    out, stats, state = run_spec_with({"gdn_conv_in_kernel": True, "gdn_replay_fresh_state": fresh_state,
+                                       "gdn_state_slots": False},
                                       controlled, prompts, k, max_new, cap=a)
     fresh = {tokens for tokens, in_place in traced if not in_place}
     assert fresh == ({k + 1} if fresh_state else set()), traced  # verify's K+1 tokens, not prefill or commit
