@@ -242,16 +242,21 @@ pieces() {  # a ~9-minute lease. GPU 0: the 27B checkpoint, then TP1 plain + K=3
   # defaults and with each of PIECES_E2E (kernel settings, ";"-separated; default: the slotted GDN state
   # off), all in one lease so the ratios compare. GPU 1: the conv kernel's GPU tests, then (once the
   # checkpoint is written) the verify pass and the commit against a target step, launch kind by kind,
-  # with the defaults and under each of ROUND_VARIANTS (scripts/round_pieces.py --variants)
+  # with the defaults and under each of ROUND_VARIANTS (scripts/round_pieces.py --variants). On a
+  # one-GPU machine GPU 1's jobs run after GPU 0's (~12 minutes).
   export CUDA_VISIBLE_DEVICES=0
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
   touch $R/checkpoint.done
-  (export CUDA_VISIBLE_DEVICES=1
-   job gpu_tests_gdn 200 python3 -m pytest -q -m gpu tests/test_kernel_gdn_conv.py -p no:cacheprovider
-   while [ ! -f $R/checkpoint.done ]; do sleep 5; done
-   job round_pieces 330 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,commit \
-     --variants="${ROUND_VARIANTS:-gdn_state_slots=false}" --out=$R/round_pieces.json) &
+  gpu1_pieces() {
+    job gpu_tests_gdn 200 python3 -m pytest -q -m gpu tests/test_kernel_gdn_conv.py -p no:cacheprovider
+    while [ ! -f $R/checkpoint.done ]; do sleep 5; done
+    job round_pieces 330 python3 scripts/round_pieces.py --k=3 --pieces=target_step,verify,commit \
+      --variants="${ROUND_VARIANTS:-gdn_state_slots=false}" --out=$R/round_pieces.json
+  }
+  local gpus
+  gpus=$(nvidia-smi -L | wc -l)
+  [ "$gpus" -ge 2 ] && (export CUDA_VISIBLE_DEVICES=1; gpu1_pieces) &
   job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
     --repeats=2 --breakdown=false --out=$R/tp1_short.json
   local i=0 kernels
@@ -261,6 +266,7 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
     job tp1_short_v$i 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
       --repeats=2 --breakdown=false --kernels=$kernels --out=$R/tp1_short_v$i.json
   done
+  [ "$gpus" -ge 2 ] || gpu1_pieces
   wait
   touch $R/all.done
 }
