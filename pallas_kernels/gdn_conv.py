@@ -210,12 +210,15 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
             rows(0)
             rows(1)
 
-    def after_token(t, s, kept):
-        """Slotted: token t's state tile and conv rows to slot (read + 1 + t) mod S."""
+    def slot_of(t):
+        return (read + 1 + t) % n_slots
+
+    def after_token(t, s, kept=None):
+        """Slotted: token t's state tile (and conv rows, unless stored already) to slot (read + 1 + t) mod S."""
         if n_slots:
-            slot = (read + 1 + t) % n_slots
-            s_out_ref[slot] = s.astype(s_out_ref.dtype)
-            store_conv(kept, slot)
+            s_out_ref[slot_of(t)] = s.astype(s_out_ref.dtype)
+            if kept is not None:
+                store_conv(kept, slot_of(t))
 
     def load(t):
         """Token t's raw rows (one [n] per group) and gate logits."""
@@ -258,6 +261,9 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
             x, prev, kept = inputs(t, raws[t], prev, kept)
             per_token.append(x)
             kept_after.append(kept)
+        if n_slots:  # every token's conv rows before the chain: its steps keep only their state stores
+            for t in range(n_tokens):
+                store_conv(kept_after[t], slot_of(t))
         kq = [jnp.sum(q_t * k_t) for q_t, k_t, *_ in per_token]  # k_t . q_t, scalars
         for t, (q_t, k_t, v_t, g_t, beta, valid) in enumerate(per_token):
             gamma = jnp.exp(g_t)
@@ -266,7 +272,7 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
             bu = beta * (v_t - gamma * sk)
             o_ref[t, :] = (gamma * sq + kq[t] * bu).astype(o_ref.dtype)
             s = jnp.where(valid, s * gamma + k_t[:, None] * bu[None, :], s)  # padding: old bits
-            after_token(t, s, kept_after[t])
+            after_token(t, s)
     else:
         carry = (s, prev0, prev0)
         if n_tokens <= gdn.MAX_UNROLLED_TOKENS:

@@ -71,9 +71,13 @@ def write_kv(pages: jax.Array, page_table: jax.Array, positions: jax.Array, vali
     slot = positions // page_size
     in_table = slot < page_table.shape[1]
     page = jnp.take_along_axis(page_table, jnp.minimum(slot, page_table.shape[1] - 1), axis=1)
-    flat = jnp.where(valid & in_table, page * page_size + positions % page_size, n_pages * page_size)
+    # dropped tokens get distinct out-of-range rows, so every index is unique (sequences own their pages)
+    dropped = n_pages * page_size + jnp.arange(positions.size, dtype=positions.dtype).reshape(positions.shape)
+    flat = jnp.where(valid & in_table, page * page_size + positions % page_size, dropped)
     out = pages.reshape((n_pages * page_size,) + pages.shape[2:])
-    out = out.at[flat.reshape(-1)].set(new.reshape((-1,) + new.shape[2:]).astype(pages.dtype), mode="drop")
+    # unique_indices: XLA may write the rows in parallel with plain stores, without ordering the updates
+    out = out.at[flat.reshape(-1)].set(new.reshape((-1,) + new.shape[2:]).astype(pages.dtype), mode="drop",
+                                       unique_indices=ops.KV_SCATTER_UNIQUE)
     return out.reshape(pages.shape)
 
 

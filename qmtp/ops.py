@@ -75,6 +75,12 @@ GDN_REPLAY_FRESH_STATE = True
 # loop (0.6 GB at 27B, K=3) and a copy in and out per loop call. (It replaces session 11's double-
 # buffered pair, which saved the verify's state copies but kept the rebuild.)
 GDN_STATE_SLOTS = True
+# True: layers.write_kv's scatter of a pass's new K/V rows into the pages states that its indices are
+# unique (each valid token owns its row; dropped tokens get distinct out-of-range rows), which lets
+# XLA write the rows without ordering the updates. One row per sequence already becomes a
+# dynamic-update-slice; this is for the verify pass's K+1 rows (32 scatters of ~2.8 us per 27B verify,
+# session 11) and the MTP refresh.
+KV_SCATTER_UNIQUE = True
 # The conv kernel's tile (gdn.RecurrenceConfig): Dv columns of the state per program and warps per
 # program. 32 x 4 is the recurrence kernel's measured default (gdn_decode sweep, session 3); the conv
 # kernel's own sweep is `pallas_kernels.bench --parts=gdn` (kernel gdn_conv_decode). In the K=3
@@ -133,6 +139,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_conv_in_kernel": ("ops", "GDN_CONV_IN_KERNEL", None),
                      "gdn_replay_fresh_state": ("ops", "GDN_REPLAY_FRESH_STATE", None),
                      "gdn_state_slots": ("ops", "GDN_STATE_SLOTS", None),
+                     "kv_scatter_unique": ("ops", "KV_SCATTER_UNIQUE", None),
                      "gdn_conv_block_v": ("ops", "GDN_CONV_BLOCK_V", (1, 128)),
                      "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),
                      "gdn_conv_hoisted": ("ops", "GDN_CONV_HOISTED", None),

@@ -260,7 +260,7 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
     --repeats=2 --breakdown=false --out=$R/tp1_short.json
   local i=0 kernels
-  IFS=';' read -ra e2e <<<"${PIECES_E2E:-gdn_state_slots=false}"
+  IFS=";" read -ra e2e <<<"${PIECES_E2E-gdn_state_slots=false}"  # PIECES_E2E= : none
   for kernels in "${e2e[@]}"; do
     i=$((i + 1))
     job tp1_short_v$i 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
