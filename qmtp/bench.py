@@ -250,8 +250,8 @@ def _run() -> int:
     from qmtp import bandwidth
     from qmtp.bandwidth import copy_bandwidth
     batches, lengths = [int(b) for b in FLAGS.batch], [int(p) for p in FLAGS.prompt_lengths]
-    unknown = sorted(set(FLAGS.breakdown_ks) - set(FLAGS.ks), key=int)
-    if unknown:  # checked before the minutes of loading and compiling
+    unknown = sorted(set(FLAGS.breakdown_ks) - set(FLAGS.ks), key=int) if FLAGS.breakdown else []
+    if unknown:  # checked before the minutes of loading and compiling (and only for a breakdown that runs)
         raise ValueError(f"--breakdown_ks={','.join(unknown)} not in --ks={','.join(FLAGS.ks)}")
     engines = list(dict.fromkeys(FLAGS.engine))
     bad = [e for e in engines if e not in ("pallas", "ref")]

@@ -121,6 +121,10 @@ def test_breakdown_ks_must_be_among_ks(tmp_path):
     bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={tmp_path / 'x.json'}", "--ks=1",
                     "--breakdown_ks=2", "--repeats=1", "--max_new_tokens=4", tmp_path=tmp_path, cache=tmp_path / "c")
     assert bad.returncode == 2 and "--breakdown_ks=2 not in --ks=1" in bad.stderr
+    # without a breakdown the flag file's breakdown_ks does not matter (it fails on the engine, checked next)
+    off = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={tmp_path / 'x.json'}", "--ks=1",
+                    "--breakdown_ks=2", "--breakdown=false", "--engine=bogus", tmp_path=tmp_path, cache=tmp_path / "c")
+    assert off.returncode == 2 and "--engine=bogus" in off.stderr and "breakdown_ks" not in off.stderr
 
 
 @pytest.mark.slow  # ~20 s (the Pallas engine in interpret mode)
