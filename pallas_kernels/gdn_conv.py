@@ -22,6 +22,11 @@ state [B, Hv, Dk, Dv] f32; n_valid [B] int in [0, T]. Returns (o [B, T, Hv, Dv] 
 Dv] f32, conv state [B, W-1, C] in conv_state's dtype). The conv state is rounded to mixed's dtype
 before the conv, as qmtp.layers.causal_conv does.
 
+Slotted form (speculative verify, qmtp.ops.GDN_STATE_SLOTS): with slots int [B], state [Ns, B, Hv, Dk,
+Dv] and conv_state [Ns, B, W-1, C] (Ns >= T + 1) hold Ns states per sequence; row b reads slot
+slots[b] and the states after token t go to slot (slots[b] + 1 + t) mod Ns, so the state after any
+accepted prefix is already stored and the commit is an index (`next_slots`).
+
 - `gdn_conv_recurrence_ref`: the jnp twin, the composition of the unfused pieces (causal conv, split,
   L2 norms, `gdn.gdn_recurrence_gated_ref`).
 - `gdn_conv_recurrence`: the Pallas kernel (Triton lowering; `interpret=True` on the CPU). Grid
@@ -83,28 +88,28 @@ def _gates(a, b, ba, hv: int):
 
 
 def read_slot(slotted: jax.Array, slots: jax.Array) -> jax.Array:
-    """slotted [S, B, ...] -> [B, ...]: row b's slot slots[b] (the state a slotted row is read from)."""
+    """slotted [Ns, B, ...] -> [B, ...]: row b's slot slots[b] (the state a slotted row is read from)."""
     return slotted[slots, jnp.arange(slotted.shape[1])]
 
 
 def write_slots(slotted: jax.Array, slots: jax.Array, value: jax.Array) -> jax.Array:
-    """slotted [S, B, ...] with row b's slot slots[b] replaced by value[b] (in place when donated)."""
+    """slotted [Ns, B, ...] with row b's slot slots[b] replaced by value[b] (in place when donated)."""
     return slotted.at[slots, jnp.arange(slotted.shape[1])].set(value.astype(slotted.dtype))
 
 
 def next_slots(slots: jax.Array, n_keep: jax.Array, n_slots: int) -> jax.Array:
     """The slot holding each row's state after its first n_keep [B] tokens of a slotted call that read
-    slots [B] (token t's state goes to slot (slots + 1 + t) mod S; n_keep = 0 keeps the read slot)."""
+    slots [B] (token t's state goes to slot (slots + 1 + t) mod Ns; n_keep = 0 keeps the read slot)."""
     return ((slots + n_keep) % n_slots).astype(jnp.int32)
 
 
 def _check_slots(state, conv_state, slots, t: int) -> None:
     if state.ndim != 5 or conv_state.ndim != 4 or conv_state.shape[:2] != state.shape[:2]:
         raise ValueError(f"gdn conv: with slots, state {state.shape} and conv_state {conv_state.shape} must be "
-                         "slotted [S, B, Hv, Dk, Dv] and [S, B, W-1, C]")
+                         "slotted [Ns, B, Hv, Dk, Dv] and [Ns, B, W-1, C]")
     if state.shape[0] < t + 1:
         raise ValueError(f"gdn conv: {state.shape[0]} state slots hold the read state and T = {t} per-token "
-                         f"states only if S >= T + 1 = {t + 1}")
+                         f"states only if Ns >= T + 1 = {t + 1}")
     if slots.shape != state.shape[1:2] or not jnp.issubdtype(slots.dtype, jnp.integer):
         raise ValueError(f"gdn conv: slots {slots.shape} {slots.dtype} must be int [B] = {state.shape[1:2]} "
                          "(each row's read slot)")
@@ -114,10 +119,10 @@ def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, sta
                             key_heads: int, scale: float, ba=None, slots=None):
     """The unfused pieces composed (the same jnp as qmtp.layers.causal_conv / l2_normalize):
     -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C]). With slots int [B],
-    state [S, B, Hv, Dk, Dv] f32 and conv_state [S, B, W-1, C] are slotted (S >= T + 1): row b starts
+    state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C] are slotted (Ns >= T + 1): row b starts
     from slot slots[b] and the state and conv state after its first min(t + 1, n_valid) tokens go to slot
-    (slots[b] + 1 + t) mod S, t < T (the other slots as they were); so the state after any accepted
-    prefix n_keep is already in slot (slots + n_keep) mod S (`next_slots`) and nothing is rebuilt. Here
+    (slots[b] + 1 + t) mod Ns, t < T (the other slots as they were); so the state after any accepted
+    prefix n_keep is already in slot (slots + n_keep) mod Ns (`next_slots`) and nothing is rebuilt. Here
     each per-token state is the one-state reference with n_valid = min(t + 1, n_valid): T runs, each
     the same arithmetic as a run over that prefix."""
     if slots is not None:
@@ -169,10 +174,10 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
                  o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float,
                  hoisted: bool = False, n_slots: int = 0):
     # mixed_ref [T, C]; conv_ref, conv_out_ref [W-1, C]; w_ref [C, W]; a_ref, b_ref [T]; alog_ref,
-    # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV]; o_ref [T, BV]. Slotted (n_slots = S > 0):
-    # s_ref, s_out_ref [S, Dk, BV] and conv_ref, conv_out_ref [S, W-1, C], one buffer (aliased); the
+    # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV]; o_ref [T, BV]. Slotted (n_slots = Ns > 0):
+    # s_ref, s_out_ref [Ns, Dk, BV] and conv_ref, conv_out_ref [Ns, W-1, C], one buffer (aliased); the
     # program reads slot slot_ref[()] and writes token t's state and conv rows to slot
-    # (slot + 1 + t) mod S, never the read slot (S >= T + 1), so no program reads what another wrote.
+    # (slot + 1 + t) mod Ns, never the read slot (Ns >= T + 1), so no program reads what another wrote.
     dk, bv = s_ref.shape[-2:]
     width = w_ref.shape[1]
     ih, iv = pl.program_id(1), pl.program_id(2)
@@ -214,7 +219,7 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         return (read + 1 + t) % n_slots
 
     def after_token(t, s, kept=None):
-        """Slotted: token t's state tile (and conv rows, unless stored already) to slot (read + 1 + t) mod S."""
+        """Slotted: token t's state tile (and conv rows, unless stored already) to slot (read + 1 + t) mod Ns."""
         if n_slots:
             s_out_ref[slot_of(t)] = s.astype(s_out_ref.dtype)
             if kept is not None:
@@ -304,7 +309,7 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     buffer. The conv state is a new buffer (see the kernel). T <= gdn.MAX_UNROLLED_TOKENS is
     unrolled, longer T loops. With ba (instead of a and b), the kernel reads b and a from its two
     halves: ba goes in twice, with block index maps h and Hv + h. With slots int [B] (the reference's
-    slotted form: state [S, B, Hv, Dk, Dv] f32 and conv_state [S, B, W-1, C], S >= T + 1), both are
+    slotted form: state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C], Ns >= T + 1), both are
     updated in place: each program reads its tile of row b's slot slots[b] and writes each token's
     state and conv rows to the slots after it, so a speculative commit is an index (`next_slots`)."""
     config = config or gdn.RECURRENCE_CONFIG

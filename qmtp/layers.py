@@ -150,9 +150,9 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
                    n_valid: jax.Array, *, eps: float, impl: str,
                    chunked: bool, return_replay: bool = False, gdn_slots=None):
     """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv], or with
-    gdn_slots int [B] both slotted, [S, B, W-1, C] and [S, B, Hv, Dk, Dv] (ops.GDN_STATE_SLOTS): row b
+    gdn_slots int [B] both slotted, [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv] (ops.GDN_STATE_SLOTS): row b
     starts from slot gdn_slots[b] and the state after each token t goes to slot (gdn_slots[b] + 1 + t)
-    mod S (pallas_kernels/gdn_conv.py; the conv kernel or, for impl="ref", its jnp twin).
+    mod Ns (pallas_kernels/gdn_conv.py; the conv kernel or, for impl="ref", its jnp twin).
 
     Returns (out [B, T, E], conv_state', ssm_state'[, replay]). `replay` holds what rebuilds the
     state after any prefix of the T tokens without running the layer again (speculative commit):

@@ -67,9 +67,9 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     Returns (hidden [B, T, E] post-final-norm, new state[, GDN replay]). Logits are taken from the
     hidden by the caller (`logits_from_hidden`) for the positions it needs. The replay (each entry
     stacked over the Lg GDN layers) lets `commit_gdn` rebuild the GDN/conv state after any prefix.
-    gdn_slots int [B]: state.conv and state.ssm are slotted, [S, B, W-1, C] and [S, B, Hv, Dk, Dv] per
+    gdn_slots int [B]: state.conv and state.ssm are slotted, [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv] per
     layer (ops.GDN_STATE_SLOTS; speculate.slotted_state): each row reads slot gdn_slots[b] and the state
-    after its token t lands in slot (gdn_slots[b] + 1 + t) mod S, so no replay is returned."""
+    after its token t lands in slot (gdn_slots[b] + 1 + t) mod Ns, so no replay is returned."""
     b, t = tokens.shape
     x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
     chunked = t >= CHUNKED_GDN_MIN_TOKENS and not return_gdn_replay

@@ -327,7 +327,7 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     C = 2 Hk Dk + Hv Dv with Hv, Dk, Dv from state [B, Hv, Dk, Dv]. state_kept: the caller uses the
     input state afterwards (a replay), so the kernel writes a fresh one if GDN_REPLAY_FRESH_STATE.
     ba [B, T, 2 Hv] = [b | a] (with a = b = None): both gate projections as one array. slots int [B]:
-    state [S, B, Hv, Dk, Dv] and conv_state [S, B, W-1, C] are slotted (GDN_STATE_SLOTS): read from
+    state [Ns, B, Hv, Dk, Dv] and conv_state [Ns, B, W-1, C] are slotted (GDN_STATE_SLOTS): read from
     each row's slot, every token's state written to the slots after it, in place."""
     check_impl(impl)
     hv, dk, dv = state.shape[-3:]

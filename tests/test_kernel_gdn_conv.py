@@ -343,8 +343,8 @@ def test_unknown_form_is_refused():
 
 
 # ------------------------------------------------------------------------------------------------
-# slotted state (ops.GDN_STATE_SLOTS): [S, B, ...] read from each row's slot, token t's state and
-# conv state written to slot (read + 1 + t) mod S
+# slotted state (ops.GDN_STATE_SLOTS): [Ns, B, ...] read from each row's slot, token t's state and
+# conv state written to slot (read + 1 + t) mod Ns
 # ------------------------------------------------------------------------------------------------
 
 
@@ -363,7 +363,7 @@ def slotted_inputs(b, t, n_valid, reads, n_slots, seed):
 @pytest.mark.parametrize("form", ["sequential", "hoisted"])
 @pytest.mark.parametrize("b,t,n_valid,reads,n_slots", [(3, 4, [4, 2, 0], [0, 4, 2], 5), (2, 3, [3, 1], [3, 1], 6)])
 def test_slotted_kernel_writes_every_prefix_state(form, b, t, n_valid, reads, n_slots):
-    """Slot (read + 1 + t) mod S holds the state and conv state after min(t + 1, n_valid) tokens, as the
+    """Slot (read + 1 + t) mod Ns holds the state and conv state after min(t + 1, n_valid) tokens, as the
     float64 loop computes them over that prefix; the read slot and the slots past T come back bit for
     bit; o as the one-state kernel's. The kernel (interpret mode) and its ref twin both."""
     args, state, conv, r = slotted_inputs(b, t, n_valid, reads, n_slots, seed=8 + t)
@@ -396,10 +396,10 @@ def test_slotted_kernel_writes_every_prefix_state(form, b, t, n_valid, reads, n_
 def test_slotted_errors_name_the_shapes():
     args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
     kw = {"key_heads": 1, "scale": 8 ** -0.5, "interpret": True, "slots": jnp.zeros((1,), jnp.int32)}
-    with pytest.raises(ValueError, match=r"must be slotted \[S, B, Hv, Dk, Dv\]"):
+    with pytest.raises(ValueError, match=r"must be slotted \[Ns, B, Hv, Dk, Dv\]"):
         gdn_conv.gdn_conv_recurrence(*args, **kw)
     slot = lambda x, n: jnp.stack([x] * n)
-    with pytest.raises(ValueError, match=r"only if S >= T \+ 1 = 3"):
+    with pytest.raises(ValueError, match=r"only if Ns >= T \+ 1 = 3"):
         gdn_conv.gdn_conv_recurrence(args[0], slot(args[1], 2), *args[2:7], slot(args[7], 2), args[8], **kw)
     with pytest.raises(ValueError, match="must be f32"):
         gdn_conv.gdn_conv_recurrence(args[0], slot(args[1], 3), *args[2:7], slot(args[7], 3).astype(jnp.bfloat16),
@@ -475,7 +475,7 @@ def test_hoisted_form_lowers_for_h200():
 
 
 def test_slotted_kernel_lowers_for_h200():
-    """The slotted state at the 27B shapes (B = 1, T = 4, S = 5): state and conv state alias their
+    """The slotted state at the 27B shapes (B = 1, T = 4, Ns = 5): state and conv state alias their
     outputs; each token's state goes out from the unrolled chain."""
     shapes = list(real_shapes(1, 4))
     shapes[1] = jax.ShapeDtypeStruct((5,) + shapes[1].shape, shapes[1].dtype)
@@ -524,7 +524,7 @@ def test_gpu_kernel_matches_ref_real_shapes(b, t, form):
 
 @pytest.mark.gpu
 def test_gpu_slotted_kernel_real_shapes():
-    """The slotted form on the H200 at the 27B shapes, B = 2, T = 4, S = 5, reading slots 4 and 1: each
+    """The slotted form on the H200 at the 27B shapes, B = 2, T = 4, Ns = 5, reading slots 4 and 1: each
     token's slot as the one-state kernel over that prefix; the read slot untouched."""
     mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = make_inputs(
         2, 4, HK27, HV27, DK27, DV27, [4, 2], seed=3)
