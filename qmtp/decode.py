@@ -58,6 +58,9 @@ class Slots:
         remaining  [B] int32      tokens the slot may still emit (its max_tokens minus those emitted)
         stop       [B, NS] int32  the slot's stop ids, NO_STOP-padded
         done       [B] bool       finished, retired or empty: rides along with n_valid = 0 (no writes)
+        gdn_slot   [B] int32      MTP with a slotted GDN state kept between calls (the serving engine on
+                                  one device, speculate.spec_rounds): the slot each row's GDN/conv state
+                                  is read from; 0 otherwise
     """
 
     pending: jax.Array
@@ -66,12 +69,14 @@ class Slots:
     remaining: jax.Array
     stop: jax.Array
     done: jax.Array
+    gdn_slot: jax.Array
 
     @staticmethod
     def empty(batch: int, hidden: int, num_stop: int, dtype) -> "Slots":
         zeros = jnp.zeros((batch,), jnp.int32)
         return Slots(pending=zeros, d1=zeros, mh=jnp.zeros((batch, hidden), dtype), remaining=zeros,
-                     stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool))
+                     stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool),
+                     gdn_slot=zeros)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("state",))

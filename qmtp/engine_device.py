@@ -30,6 +30,11 @@ class DeviceBatch:
             self.state = tp_lib.init_state(cfg, model.mesh, table, num_pages, model.page_size, dtype)
         else:
             self.state = init_state(cfg, table, num_pages, model.page_size, dtype)
+        if mtp_k and model.mesh is None:
+            # MTP rounds read and write the GDN state in K+2 slots (speculate.slotted_state): kept slotted
+            # between calls, so no call copies it in and out (~0.6 GB per sequence at 27B, K=3). Under TP
+            # each spec_rounds call still slots its shards itself.
+            self.state, _ = speculate.slotted_state(self.state, mtp_k, model.impl)
         self.slots = decode.Slots.empty(batch_slots, cfg.hidden_size, max_stop_ids, dtype)
 
     def _call(self, fn, lead, args, kinds, out_kinds, **static):

@@ -20,7 +20,9 @@ program serves every slot:
                        writes nothing, so its pages can be handed to another request at once
 
 A state row is never cleared: prefill starts from zero conv/ssm rows of its own, a restore overwrites
-the rows, and KV entries at positions >= a slot's length are masked (state.py).
+the rows, and KV entries at positions >= a slot's length are masked (state.py). With a slotted GDN
+state (the one-device engine with MTP keeps it slotted between calls: state.gdn_slot_count), a row's
+conv/ssm are its read slot's, slots.gdn_slot[b]: written and read there.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 
 from qmtp import decode, speculate
 from qmtp.config import ModelConfig
-from qmtp.state import DecodeState, PagedKV
+from qmtp.state import DecodeState, PagedKV, gdn_slot_count
 
 
 def _carry_rows(slots: decode.Slots, ids, first, d1, mh, remaining, stop_rows) -> decode.Slots:
@@ -44,7 +46,7 @@ def _carry_rows(slots: decode.Slots, ids, first, d1, mh, remaining, stop_rows) -
     put = lambda a, v: a.at[ids].set(v.astype(a.dtype), mode="drop")  # noqa: E731
     return decode.Slots(pending=put(slots.pending, first), d1=put(slots.d1, d1), mh=put(slots.mh, mh),
                         remaining=put(slots.remaining, left), stop=put(slots.stop, stop_rows),
-                        done=put(slots.done, done))
+                        done=put(slots.done, done), gdn_slot=slots.gdn_slot)
 
 
 def _carry_row(slots: decode.Slots, slot, first, d1, mh, remaining, stop_row) -> decode.Slots:
@@ -52,14 +54,25 @@ def _carry_row(slots: decode.Slots, slot, first, d1, mh, remaining, stop_row) ->
     return _carry_rows(slots, jnp.reshape(slot, (1,)), first, d1, mh, jnp.reshape(remaining, (1,)), stop_row[None])
 
 
-def _put_rows(state: DecodeState, ids, conv, ssm, page_rows, lengths) -> DecodeState:
+def _put_rows(state: DecodeState, ids, conv, ssm, page_rows, lengths, gdn_slot) -> DecodeState:
     """state with rows ids [n] of conv/ssm/page_table/lengths replaced (conv/ssm: Lg x [n, ...];
-    page_rows [n, Pmax]; lengths [n]); an id outside [0, B) writes nothing."""
+    page_rows [n, Pmax]; lengths [n]); an id outside [0, B) writes nothing. A slotted conv/ssm row
+    is written to the row's read slot gdn_slot[id]."""
     put = lambda a, v: a.at[ids].set(v, mode="drop")  # noqa: E731
+    put_gdn = put
+    if gdn_slot_count(state):
+        read = gdn_slot[jnp.clip(ids, 0, state.batch - 1)]  # [n]: padding ids are dropped by their row index
+        put_gdn = lambda a, v: a.at[read, ids].set(v, mode="drop")  # noqa: E731
     return dataclasses.replace(
-        state, conv=tuple(put(c, r) for c, r in zip(state.conv, conv)),
-        ssm=tuple(put(s, r) for s, r in zip(state.ssm, ssm)),
+        state, conv=tuple(put_gdn(c, r) for c, r in zip(state.conv, conv)),
+        ssm=tuple(put_gdn(s, r) for s, r in zip(state.ssm, ssm)),
         page_table=put(state.page_table, page_rows), lengths=put(state.lengths, lengths))
+
+
+def _gdn_rows(state: DecodeState, slots: decode.Slots, rows) -> tuple[tuple, tuple]:
+    """(conv, ssm) rows [n, ...] of the batch rows `rows` [n] (each from its read slot when slotted)."""
+    take = (lambda a: a[slots.gdn_slot[rows], rows]) if gdn_slot_count(state) else (lambda a: a[rows])  # noqa: E731
+    return tuple(map(take, state.conv)), tuple(map(take, state.ssm))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "use_mtp", "impl"), donate_argnames=("state",))
@@ -73,15 +86,17 @@ def prefill_into_slots(cfg: ModelConfig, use_mtp: bool, params: dict, state: Dec
     and no state or carry row. Returns (first tokens [n], state, slots)."""
     n = tokens.shape[0]
     zeros = lambda a: jnp.repeat(jnp.zeros_like(a[:1]), n, axis=0)  # noqa: E731  (zeros_like: a's TP sharding type)
-    sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(zeros(c) for c in state.conv),
-                      ssm=tuple(zeros(s) for s in state.ssm), page_table=page_rows, lengths=jnp.zeros((n,), jnp.int32))
+    row = (lambda a: a[0]) if gdn_slot_count(state) else (lambda a: a)  # noqa: E731  a [B, ...] per slot
+    sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(zeros(row(c)) for c in state.conv),
+                      ssm=tuple(zeros(row(s)) for s in state.ssm), page_table=page_rows,
+                      lengths=jnp.zeros((n,), jnp.int32))
     if use_mtp:
         first, d1, mh, sub = speculate.prefill(cfg, params, sub, tokens, n_valid, impl=impl)
     else:
         first, _, sub = decode.prefill(cfg, params, sub, tokens, n_valid, impl=impl)
         d1, mh = jnp.zeros_like(first), zeros(slots.mh)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
-    state = _put_rows(state, ids, sub.conv, sub.ssm, page_rows, sub.lengths)
+    state = _put_rows(state, ids, sub.conv, sub.ssm, page_rows, sub.lengths, slots.gdn_slot)
     return first, state, _carry_rows(slots, ids, first, d1, mh, remaining, stop_rows)
 
 
@@ -93,8 +108,8 @@ def take_snapshot(n_pages: int, state: DecodeState, slots: decode.Slots, slot: j
     Returns (state (unchanged), snapshot, first token [1], d1 [1], mh [1, E])."""
     pages = state.page_table[slot, :n_pages]  # [Pn]
     take = lambda kv: PagedKV(tuple(k[pages] for k in kv.k), tuple(v[pages] for v in kv.v))  # [Pn, S, Hkv, D]
-    snap = DecodeState(kv=take(state.kv), mtp_kv=take(state.mtp_kv),
-                       conv=tuple(c[slot][None] for c in state.conv), ssm=tuple(s[slot][None] for s in state.ssm),
+    conv, ssm = _gdn_rows(state, slots, jnp.reshape(slot, (1,)))
+    snap = DecodeState(kv=take(state.kv), mtp_kv=take(state.mtp_kv), conv=conv, ssm=ssm,
                        page_table=jnp.arange(n_pages, dtype=jnp.int32)[None], lengths=state.lengths[slot][None])
     return state, snap, slots.pending[slot][None], slots.d1[slot][None], slots.mh[slot][None]
 
@@ -115,7 +130,8 @@ def restore_snapshot(state: DecodeState, snap: DecodeState, slots: decode.Slots,
                        tuple(p.at[dest].set(s, mode="drop") for p, s in zip(pool.v, saved.v)))
 
     state = dataclasses.replace(state, kv=put(state.kv, snap.kv), mtp_kv=put(state.mtp_kv, snap.mtp_kv))
-    state = _put_rows(state, jnp.reshape(slot, (1,)), snap.conv, snap.ssm, page_row[None], snap.lengths)
+    state = _put_rows(state, jnp.reshape(slot, (1,)), snap.conv, snap.ssm, page_row[None], snap.lengths,
+                      slots.gdn_slot)
     return state, snap, _carry_row(slots, slot, first, d1, mh, remaining, stop_row)
 
 

@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from qmtp.state import gdn_slot_count
+
 
 @dataclasses.dataclass
 class Snapshot:
@@ -113,5 +115,5 @@ def snapshot_bytes(state, slots, n_pages: int) -> int:
     size = lambda a: int(np.prod(a.shape)) * a.dtype.itemsize  # noqa: E731
     b, num_pages = state.lengths.shape[0], (state.kv.k or state.mtp_kv.k)[0].shape[0]
     pages = sum(size(a) for a in state.kv.k + state.kv.v + state.mtp_kv.k + state.mtp_kv.v) // num_pages
-    rows = sum(size(a) for a in state.conv + state.ssm) // b
+    rows = sum(size(a) for a in state.conv + state.ssm) // b // max(gdn_slot_count(state), 1)  # one slot's row
     return pages * n_pages + rows + 4 * (n_pages + 1) + 8 + size(slots.mh) // b  # + page table, length, first, d1

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gdn_conv
-from qmtp import decode, model, mtp, ops
+from qmtp import decode, model, mtp, ops, state as state_lib
 from qmtp.config import ModelConfig
 from qmtp.state import DecodeState
 
@@ -193,13 +193,18 @@ def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_ve
     return jax.lax.cond(jnp.all(n_keep == n_verified), lambda: verified, rebuild)
 
 
-def slotted_state(state: DecodeState, k: int, impl: str) -> tuple[DecodeState, jax.Array | None]:
-    """(state, read slots or None): with ops.GDN_STATE_SLOTS, an f32 GDN state and the conv kernel's
-    path (impl="pallas" with ops.GDN_CONV_IN_KERNEL, or its jnp twin for impl="ref"), each GDN layer's
-    conv and ssm state in K+2 slots [K+2, B, ...] (a verify pass of K+1 tokens writes one per token
-    besides the one it reads), every row reading slot 0."""
+def gdn_slot_count(k: int, impl: str, ssm_dtype) -> int:
+    """K+2 when the speculative loops slot the GDN state (ops.GDN_STATE_SLOTS, an f32 GDN state and the
+    conv kernel's path: impl="pallas" with ops.GDN_CONV_IN_KERNEL, or its jnp twin for impl="ref"): a
+    verify pass of K+1 tokens writes one state per token besides the one it reads. 0 otherwise."""
     conv_path = impl == "ref" or ops.gdn_conv_in_kernel(impl)
-    if not (ops.GDN_STATE_SLOTS and conv_path and state.ssm and all(s.dtype == jnp.float32 for s in state.ssm)):
+    return k + 2 if ops.GDN_STATE_SLOTS and conv_path and jnp.dtype(ssm_dtype) == jnp.float32 else 0
+
+
+def slotted_state(state: DecodeState, k: int, impl: str) -> tuple[DecodeState, jax.Array | None]:
+    """(state, read slots or None): when gdn_slot_count says so, each GDN layer's conv and ssm state
+    in K+2 slots [K+2, B, ...], every row reading slot 0."""
+    if not state.ssm or not gdn_slot_count(k, impl, state.ssm[0].dtype):
         return state, None
     n = k + 2
     slot = lambda x: jnp.broadcast_to(x, (n,) + x.shape)  # noqa: E731
@@ -274,6 +279,8 @@ def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: De
                 impl: str = "ref"):
     """At most n_rounds speculative rounds with K = k drafts, resumed from `slots` (stops early once
     every slot is done); each round emits g_0 .. g_a clipped at the slot's stop ids and `remaining`.
+    A state that comes in slotted (the serving engine's, K+2 slots) stays slotted, its read slots in
+    slots.gdn_slot; otherwise the GDN state is slotted for the call and taken out at its end.
 
     Returns (tokens [B, n_rounds * (k+1)] (PAD_TOKEN after each slot's count), counts [B], stats as
     spec_loop's, state, slots); concatenated over calls, the same tokens as spec_loop."""
@@ -289,7 +296,11 @@ def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: De
         done, r = carry[5], carry[6]
         return (~jnp.all(done)) & (r < n_rounds)
 
-    state, gdn_slots = slotted_state(state, k, impl)
+    kept_slotted = state_lib.gdn_slot_count(state) > 0
+    if kept_slotted and state_lib.gdn_slot_count(state) != k + 2:
+        raise ValueError(f"spec_rounds: the state has {state_lib.gdn_slot_count(state)} GDN state slots; K = {k} "
+                         f"needs K+2 = {k + 2}")
+    state, gdn_slots = (state, slots.gdn_slot) if kept_slotted else slotted_state(state, k, impl)
 
     def body(carry):
         state, pending, d1, mh, out, done, r, count, stats, gdn_slots = carry
@@ -303,7 +314,8 @@ def spec_rounds(cfg: ModelConfig, k: int, n_rounds: int, params: dict, state: De
     carry = (state, slots.pending, slots.d1, slots.mh, out, slots.done, jnp.int32(0), count, _zero_stats(b, k),
              gdn_slots)
     state, pending, d1, mh, out, done, _, count, stats, gdn_slots = jax.lax.while_loop(cond, body, carry)
-    state = unslotted_state(state, gdn_slots)
+    if not kept_slotted:
+        state, gdn_slots = unslotted_state(state, gdn_slots), slots.gdn_slot
     slots = decode.Slots(pending=pending, d1=d1, mh=mh, remaining=slots.remaining - count, stop=slots.stop,
-                         done=done)
+                         done=done, gdn_slot=gdn_slots)
     return out, count, stats, state, slots

@@ -88,6 +88,12 @@ def init_state(cfg: ModelConfig, page_table: np.ndarray, num_pages: int, page_si
     return dataclasses.replace(state, page_table=jnp.asarray(page_table))
 
 
+def gdn_slot_count(state: DecodeState) -> int:
+    """Ns when the GDN/conv state is slotted (conv Lg x [Ns, B, W-1, C], ssm Lg x [Ns, B, Hv, Dk, Dv]:
+    qmtp.speculate.slotted_state), else 0."""
+    return state.ssm[0].shape[0] if state.ssm and state.ssm[0].ndim == 5 else 0
+
+
 def state_bytes(state: DecodeState) -> dict[str, int]:
     """Bytes of each part of the state (for reports)."""
     size = lambda tree: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize

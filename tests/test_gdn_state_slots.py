@@ -85,9 +85,10 @@ def test_switch_off_rebuilds(controlled, no_rebuild):
     assert np.isnan(np.stack(state.ssm)).all()
 
 
-def test_engine_resumed_loop_slotted(model):
-    """The engine runs speculate.spec_rounds a few rounds per call, slotting and unslotting each call:
-    the same tokens as generate (plain)."""
+def test_engine_keeps_its_state_slotted(model):
+    """The one-device engine keeps its GDN state in K+2 slots between speculate.spec_rounds calls (a
+    few rounds each), the read slots in the carry: the same tokens as generate (plain), and the read
+    slots have moved."""
     assert ops.GDN_STATE_SLOTS
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79]]
     want = [qmtp.generate(model, [p], max_new_tokens=12).tokens[0] for p in prompts]
@@ -95,3 +96,16 @@ def test_engine_resumed_loop_slotted(model):
     got = [h.result(300).tokens for h in [engine.submit(p, 12) for p in prompts]]
     assert engine.stop(5)
     assert got == want
+    device = engine._device
+    assert all(s.shape[0] == 5 and s.ndim == 5 for s in device.state.ssm)
+    assert all(c.shape[0] == 5 and c.ndim == 4 for c in device.state.conv)
+    assert np.asarray(device.slots.gdn_slot).any(), "rounds move the read slots"
+
+
+def test_spec_rounds_refuses_a_state_slotted_for_another_k(model):
+    from qmtp import decode, speculate
+    from qmtp.api import _new_state
+    state, _ = speculate.slotted_state(_new_state(model, [16]), 2, "ref")  # K+2 = 4 slots
+    slots = decode.Slots.empty(1, model.cfg.hidden_size, 1, jnp.float32)
+    with pytest.raises(ValueError, match="4 GDN state slots; K = 3 needs K\\+2 = 5"):
+        speculate.spec_rounds(model.cfg, 3, 1, model.params, state, slots)
