@@ -26,15 +26,13 @@ class DeviceBatch:
         self.model, self.k = model, mtp_k
         cfg, dtype = model.cfg, api.DTYPES[model.dtype]
         table = np.zeros((batch_slots, pages_per_slot), np.int32)  # [B, Pmax]
+        # MTP rounds read and write the GDN state in K+2 slots (speculate.slotted_state): the engine keeps
+        # it slotted between calls, so no call copies it in and out (~0.6 GB per sequence at 27B, K=3)
+        slots = speculate.gdn_slot_count(mtp_k, model.impl, cfg.ssm_dtype) if mtp_k else 0
         if model.mesh is not None:
-            self.state = tp_lib.init_state(cfg, model.mesh, table, num_pages, model.page_size, dtype)
+            self.state = tp_lib.init_state(cfg, model.mesh, table, num_pages, model.page_size, dtype, gdn_slots=slots)
         else:
-            self.state = init_state(cfg, table, num_pages, model.page_size, dtype)
-        if mtp_k and model.mesh is None:
-            # MTP rounds read and write the GDN state in K+2 slots (speculate.slotted_state): kept slotted
-            # between calls, so no call copies it in and out (~0.6 GB per sequence at 27B, K=3). Under TP
-            # each spec_rounds call still slots its shards itself.
-            self.state, _ = speculate.slotted_state(self.state, mtp_k, model.impl)
+            self.state = init_state(cfg, table, num_pages, model.page_size, dtype, gdn_slots=slots)
         self.slots = decode.Slots.empty(batch_slots, cfg.hidden_size, max_stop_ids, dtype)
 
     def _call(self, fn, lead, args, kinds, out_kinds, **static):
@@ -65,7 +63,7 @@ class DeviceBatch:
         n_pages KV pages (target and MTP)."""
         self.state, snap_state, first, d1, mh = self._call(
             slots_lib.take_snapshot, (n_pages,), (self.state, self.slots, np.int32(slot)), ("state", "rep", "rep"),
-            ("state", "state", "rep", "rep", "rep"))
+            ("state", "rows_state", "rep", "rep", "rep"))
         return snap_state, first, d1, mh
 
     def snapshot_bytes(self, n_pages: int) -> int:

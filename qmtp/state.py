@@ -60,30 +60,34 @@ class DecodeState:
 
 
 def state_shapes(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
-                 dtype, kv_heads: int | None = None) -> DecodeState:
+                 dtype, kv_heads: int | None = None, gdn_slots: int = 0) -> DecodeState:
     """Abstract (ShapeDtypeStruct) state; the one place that states every shape and dtype.
     kv_heads: KV heads of the cache (default the config's; tensor parallelism with fewer KV heads
-    than devices stores each replica)."""
+    than devices stores each replica). gdn_slots = Ns > 0: the conv and ssm states slotted, [Ns, B, ...]
+    (qmtp.speculate.slotted_state)."""
     s = jax.ShapeDtypeStruct
     hkv, d = kv_heads or cfg.num_key_value_heads, cfg.head_dim
     pages = lambda layers: tuple(s((num_pages, page_size, hkv, d), dtype) for _ in range(layers))
     lg = cfg.num_linear_layers
+    lead = (gdn_slots,) if gdn_slots else ()
     return DecodeState(
         kv=PagedKV(pages(cfg.num_full_layers), pages(cfg.num_full_layers)),
         mtp_kv=PagedKV(pages(cfg.mtp_layers), pages(cfg.mtp_layers)),
-        conv=tuple(s((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype) for _ in range(lg)),
-        ssm=tuple(s((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+        conv=tuple(s(lead + (batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype) for _ in range(lg)),
+        ssm=tuple(s(lead + (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
                     jnp.dtype(cfg.ssm_dtype)) for _ in range(lg)),
         page_table=s((batch, pages_per_seq), jnp.int32),
         lengths=s((batch,), jnp.int32),
     )
 
 
-def init_state(cfg: ModelConfig, page_table: np.ndarray, num_pages: int, page_size: int, dtype) -> DecodeState:
-    """Zero state for len(page_table) sequences with the given page table [B, Pmax]."""
+def init_state(cfg: ModelConfig, page_table: np.ndarray, num_pages: int, page_size: int, dtype,
+               gdn_slots: int = 0) -> DecodeState:
+    """Zero state for len(page_table) sequences with the given page table [B, Pmax] (gdn_slots: see
+    state_shapes)."""
     page_table = np.asarray(page_table, np.int32)
     batch, pages_per_seq = page_table.shape
-    shapes = state_shapes(cfg, batch, num_pages, page_size, pages_per_seq, dtype)
+    shapes = state_shapes(cfg, batch, num_pages, page_size, pages_per_seq, dtype, gdn_slots=gdn_slots)
     state = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     return dataclasses.replace(state, page_table=jnp.asarray(page_table))
 

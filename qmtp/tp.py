@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from qmtp import shard_layout
 from qmtp.config import FP8_BLOCK, ModelConfig
 from qmtp.fp8 import Fp8Block
-from qmtp.state import DecodeState, PagedKV, state_shapes
+from qmtp.state import DecodeState, PagedKV, gdn_slot_count, state_shapes
 
 AXIS = "tp"
 
@@ -152,26 +152,31 @@ def param_specs(params: dict) -> dict:
         lambda path, leaf: _dim_spec(leaf.ndim, shard_layout.split_dim(_leaf_key(path))), params)
 
 
-def state_specs(state: DecodeState) -> DecodeState:
-    """KV pages split by head, conv state by channel, GDN state by value head; tables replicated."""
+def state_specs(state: DecodeState, rows: bool = False) -> DecodeState:
+    """KV pages split by head, conv state by channel, GDN state by value head; tables replicated. A
+    slotted GDN/conv state ([Ns, B, ...], state.gdn_slot_count) has the slot axis in front; rows: specs
+    for a state of plain rows whatever `state` is (a snapshot taken from a slotted state)."""
     kv = lambda pk: PagedKV(tuple(P(None, None, AXIS, None) for _ in pk.k), tuple(P(None, None, AXIS, None) for _ in pk.v))
-    return DecodeState(kv=kv(state.kv), mtp_kv=kv(state.mtp_kv), conv=tuple(P(None, None, AXIS) for _ in state.conv),
-                       ssm=tuple(P(None, AXIS) for _ in state.ssm), page_table=P(), lengths=P())
+    slot = () if rows or not gdn_slot_count(state) else (None,)
+    return DecodeState(kv=kv(state.kv), mtp_kv=kv(state.mtp_kv),
+                       conv=tuple(P(*slot, None, None, AXIS) for _ in state.conv),
+                       ssm=tuple(P(*slot, None, AXIS) for _ in state.ssm), page_table=P(), lengths=P())
 
 
 def global_state_shapes(cfg: ModelConfig, n: int, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
-                        dtype) -> DecodeState:
+                        dtype, gdn_slots: int = 0) -> DecodeState:
     """The TP-global state shapes: as `state_shapes`, with n * (KV heads per shard) KV heads."""
     return state_shapes(cfg, batch, num_pages, page_size, pages_per_seq, dtype,
-                        kv_heads=n * shard_layout.kv_heads_per_shard(cfg, n))
+                        kv_heads=n * shard_layout.kv_heads_per_shard(cfg, n), gdn_slots=gdn_slots)
 
 
 def init_state(cfg: ModelConfig, mesh: Mesh, page_table: np.ndarray, num_pages: int, page_size: int,
-               dtype) -> DecodeState:
-    """A zero decode state created directly in its shards (nothing is built on one device first)."""
+               dtype, gdn_slots: int = 0) -> DecodeState:
+    """A zero decode state created directly in its shards (nothing is built on one device first);
+    gdn_slots: see state.state_shapes."""
     page_table = np.asarray(page_table, np.int32)
     shapes = global_state_shapes(cfg, mesh.size, page_table.shape[0], num_pages, page_size, page_table.shape[1],
-                                 dtype)
+                                 dtype, gdn_slots=gdn_slots)
     shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), state_specs(shapes))
     zeros = jax.jit(lambda: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
                     out_shardings=shardings)()
@@ -258,10 +263,15 @@ def sharded_fn(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds
     output ("state" or "rep"). The state argument is donated, as the single-device entry points do."""
     state_arg = args[kinds.index("state")] if "state" in kinds else None
     key = (fn, mesh, lead, tuple(sorted(static.items())), kinds, out_kinds, check_vma,
-           jax.tree_util.tree_structure(args))
+           jax.tree_util.tree_structure(args), gdn_slot_count(state_arg) if state_arg is not None else 0)
     if key not in _SHARDED:
         in_specs = tuple(_specs(k, a) for k, a in zip(kinds, args))
-        out_specs = tuple(state_specs(state_arg) if k == "state" else P() for k in out_kinds)
+        # output "state" j is shaped as input "state" j (the first when there are fewer); "rows_state":
+        # a state of plain rows (a snapshot) of the first input state's structure
+        state_args = [a for k, a in zip(kinds, args) if k == "state"]
+        out_state = iter(state_args + [state_arg] * len(out_kinds))
+        out_specs = tuple(state_specs(next(out_state)) if k == "state" else
+                          state_specs(state_arg, rows=True) if k == "rows_state" else P() for k in out_kinds)
         body = functools.partial(_call_wrapped, fn.__wrapped__, lead, static)
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
         donate = tuple(i for i, k in enumerate(kinds) if k == "state")

@@ -220,6 +220,7 @@ def test_tp2_engine_equals_tp1_generate(ckpt, model, reference):
     results = [engine.generate(p, 14, timeout=300) for p in prompts]
     assert [r.tokens for r in results] == [reference[0], reference[1], reference[0]]
     assert results[2].snapshot_hit
+    assert all(s.shape[0] == 4 and s.ndim == 5 for s in engine._device.state.ssm), "kept in K+2 slots, sharded"
     assert engine.stop(5)
     assert_all_free(engine)
 
