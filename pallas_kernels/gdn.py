@@ -284,16 +284,17 @@ def gdn_gates_ref(a, b, a_log, dt_bias):
     return g, beta
 
 
-def gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid):
+def gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid, return_states: bool = False):
     """Gates + padding mask + `gdn_recurrence_ref`, as qmtp.layers.gated_deltanet does them:
-    g = beta = k = v = 0 on tokens t >= n_valid [B]."""
+    g = beta = k = v = 0 on tokens t >= n_valid [B] (so a padding token's state is the last valid one's
+    exactly; return_states: also every token's state, [B, T, Hv, Dk, Dv])."""
     _check_gated(q, k, v, a, b, a_log, dt_bias, state, n_valid)
     g, beta = gdn_gates_ref(a, b, a_log, dt_bias)
     valid = jnp.arange(q.shape[1])[None] < n_valid[:, None]  # [B, T]
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
     k = jnp.where(valid[..., None, None], k.astype(jnp.float32), 0.0)
     v = jnp.where(valid[..., None, None], v.astype(jnp.float32), 0.0)
-    return gdn_recurrence_ref(q, k, v, g, beta, state)
+    return gdn_recurrence_ref(q, k, v, g, beta, state, return_states=return_states)
 
 
 def check_gate_inputs(who: str, a, b, a_log, dt_bias, n_valid, bsz: int, t: int, hv: int) -> None:

@@ -122,22 +122,26 @@ def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, sta
     state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C] are slotted (Ns >= T + 1): row b starts
     from slot slots[b] and the state and conv state after its first min(t + 1, n_valid) tokens go to slot
     (slots[b] + 1 + t) mod Ns, t < T (the other slots as they were); so the state after any accepted
-    prefix n_keep is already in slot (slots + n_keep) mod Ns (`next_slots`) and nothing is rebuilt. Here
-    each per-token state is the one-state reference with n_valid = min(t + 1, n_valid): T runs, each
-    the same arithmetic as a run over that prefix."""
-    if slots is not None:
-        _check_slots(state, conv_state, slots, mixed.shape[1])
-        s0, c0 = read_slot(state, slots), read_slot(conv_state, slots)
-        kw = {"key_heads": key_heads, "scale": scale, "ba": ba}
-        o = None
-        for t in range(mixed.shape[1]):
-            o, final, conv = gdn_conv_recurrence_ref(mixed, c0, conv_w, a, b, a_log, dt_bias, s0,
-                                                     jnp.minimum(n_valid, t + 1), **kw)
-            state = write_slots(state, (slots + 1 + t) % state.shape[0], final)
-            conv_state = write_slots(conv_state, (slots + 1 + t) % state.shape[0], conv)
-        if o is None:
-            o = jnp.zeros(mixed.shape[:2] + state.shape[2:3] + state.shape[4:], F32)
-        return o, state, conv_state  # o of the last run: every valid token's
+    prefix n_keep is already in slot (slots + n_keep) mod Ns (`next_slots`) and nothing is rebuilt.
+    The per-token states are the recurrence's own (padding tokens leave the state exactly as it was)."""
+    if slots is None:
+        o, final, new_conv, _ = _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
+                                                     key_heads=key_heads, scale=scale, ba=ba)
+        return o, final, new_conv
+    _check_slots(state, conv_state, slots, mixed.shape[1])
+    o, _, _, (states, convs) = _conv_recurrence_ref(
+        mixed, read_slot(conv_state, slots), conv_w, a, b, a_log, dt_bias, read_slot(state, slots), n_valid,
+        key_heads=key_heads, scale=scale, ba=ba, per_token=True)
+    for t in range(mixed.shape[1]):
+        written = (slots + 1 + t) % state.shape[0]
+        state, conv_state = write_slots(state, written, states[:, t]), write_slots(conv_state, written, convs[:, t])
+    return o, state, conv_state
+
+
+def _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
+                         scale: float, ba=None, per_token: bool = False):
+    """(o, final state, conv state, per-token (states [B, T, Hv, Dk, Dv], conv states [B, T, W-1, C]) or
+    None) of one state per sequence; see gdn_conv_recurrence_ref."""
     a, b = _gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0)
     _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads)
     bsz, t, _ = mixed.shape
@@ -146,14 +150,18 @@ def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, sta
     window = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, W-1+T, C]
     w32 = conv_w.astype(F32)
     y = jax.nn.silu(sum(window[:, i:i + t].astype(F32) * w32[:, i] for i in range(width)))  # [B, T, C]
-    idx = n_valid[:, None] + jnp.arange(width - 1)[None]  # [B, W-1]: window rows of the new conv state
-    new_conv = jnp.take_along_axis(window, idx[:, :, None], axis=1).astype(conv_state.dtype)
+    conv_after = lambda n: jnp.take_along_axis(  # noqa: E731  window rows n .. n+W-2: the conv state after n tokens
+        window, (n[:, None] + jnp.arange(width - 1)[None])[:, :, None], axis=1).astype(conv_state.dtype)
     key_dim = key_heads * dk
     q = _l2(y[..., :key_dim].reshape(bsz, t, key_heads, dk)) * scale  # [B, T, Hk, Dk]
     k = _l2(y[..., key_dim:2 * key_dim].reshape(bsz, t, key_heads, dk))
     v = y[..., 2 * key_dim:].reshape(bsz, t, hv, dv)  # [B, T, Hv, Dv]
-    o, final = gdn.gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid)
-    return o, final, new_conv
+    if not per_token:
+        o, final = gdn.gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid)
+        return o, final, conv_after(n_valid), None
+    o, final, states = gdn.gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid, return_states=True)
+    convs = jnp.stack([conv_after(jnp.minimum(n_valid, i + 1)) for i in range(t)], axis=1)  # [B, T, W-1, C]
+    return o, final, conv_after(n_valid), (states, convs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ class DeviceBatch:
         table = np.zeros((batch_slots, pages_per_slot), np.int32)  # [B, Pmax]
         # MTP rounds read and write the GDN state in K+2 slots (speculate.slotted_state): the engine keeps
         # it slotted between calls, so no call copies it in and out (~0.6 GB per sequence at 27B, K=3)
-        slots = speculate.gdn_slot_count(mtp_k, model.impl, cfg.ssm_dtype) if mtp_k else 0
+        slots = speculate.gdn_slots_needed(mtp_k, model.impl, cfg.ssm_dtype) if mtp_k else 0
         if model.mesh is not None:
             self.state = tp_lib.init_state(cfg, model.mesh, table, num_pages, model.page_size, dtype, gdn_slots=slots)
         else:

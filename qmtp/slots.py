@@ -21,7 +21,7 @@ program serves every slot:
 
 A state row is never cleared: prefill starts from zero conv/ssm rows of its own, a restore overwrites
 the rows, and KV entries at positions >= a slot's length are masked (state.py). With a slotted GDN
-state (the one-device engine with MTP keeps it slotted between calls: state.gdn_slot_count), a row's
+state (the engine with MTP keeps it slotted between calls: state.gdn_slot_count), a row's
 conv/ssm are its read slot's, slots.gdn_slot[b]: written and read there.
 """
 

@@ -158,7 +158,7 @@ def _round(cfg: ModelConfig, k: int, params: dict, state: DecodeState, pending: 
         drafts.append(model.draft_token(params, h, impl))
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
     # 2. verify [t_L, d_1 .. d_K]
-    ssm0 = state.ssm
+    ssm0 = state.ssm  # unslotted: the state before the verify, which the rebuild starts from
     tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, K+1]
     if gdn_slots is None:
         hidden, state, replay = model.forward(cfg, params, state, tokens, live * (k + 1), impl=impl,
@@ -193,7 +193,7 @@ def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_ve
     return jax.lax.cond(jnp.all(n_keep == n_verified), lambda: verified, rebuild)
 
 
-def gdn_slot_count(k: int, impl: str, ssm_dtype) -> int:
+def gdn_slots_needed(k: int, impl: str, ssm_dtype) -> int:
     """K+2 when the speculative loops slot the GDN state (ops.GDN_STATE_SLOTS, an f32 GDN state and the
     conv kernel's path: impl="pallas" with ops.GDN_CONV_IN_KERNEL, or its jnp twin for impl="ref"): a
     verify pass of K+1 tokens writes one state per token besides the one it reads. 0 otherwise."""
@@ -202,9 +202,9 @@ def gdn_slot_count(k: int, impl: str, ssm_dtype) -> int:
 
 
 def slotted_state(state: DecodeState, k: int, impl: str) -> tuple[DecodeState, jax.Array | None]:
-    """(state, read slots or None): when gdn_slot_count says so, each GDN layer's conv and ssm state
+    """(state, read slots or None): when gdn_slots_needed says so, each GDN layer's conv and ssm state
     in K+2 slots [K+2, B, ...], every row reading slot 0."""
-    if not state.ssm or not gdn_slot_count(k, impl, state.ssm[0].dtype):
+    if not state.ssm or not gdn_slots_needed(k, impl, state.ssm[0].dtype):
         return state, None
     n = k + 2
     slot = lambda x: jnp.broadcast_to(x, (n,) + x.shape)  # noqa: E731

@@ -48,7 +48,7 @@ def _check_against_plain(model, prompts, out, stats, state, max_new, accepted, w
     assert_close(np.stack(state.conv), np.stack(plain_state.conv), F32_MODEL, f"conv, {what}")
 
 
-@pytest.mark.parametrize("a", [0, 1])
+@pytest.mark.parametrize("a", [1])  # every a in 0..3: test_speculate's forced acceptance, slotted by default
 def test_reference_path_slotted(controlled, no_rebuild, a):
     assert ops.GDN_STATE_SLOTS, "the default"
     k, rounds = 3, 3
