@@ -19,8 +19,9 @@ def rel_err_bound(row: dict) -> float:
     return 2.0 ** -7 if row.get("dtype") == "bfloat16" else 1e-3
 
 
-@pytest.mark.parametrize("module, kernels", [(gdn, {"gdn_decode", "gdn_conv_decode", "gdn_prefill"}),
-                                             (attention, {"paged_attention"})])
+@pytest.mark.parametrize("module, kernels", [
+    pytest.param(gdn, {"gdn_decode", "gdn_conv_decode", "gdn_prefill"}, marks=pytest.mark.slow),  # ~21 s
+    (attention, {"paged_attention"})])
 def test_quick_interpret_run(module, kernels):
     rows = []
     module.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True)

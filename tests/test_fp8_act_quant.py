@@ -174,6 +174,7 @@ def controlled_fp8(tmp_path_factory):
     return qmtp.load(path, dtype="bfloat16", impl="ref", page_size=4)
 
 
+@pytest.mark.slow  # ~19 s; E4M3 activations are off by default (ops.FP8_ACT_QUANT)
 def test_greedy_mtp_equals_plain_on_fp8_activations(controlled_fp8):
     """Under ops.FP8_ACT_QUANT the decode step, the verify pass and the drafts all take E4M3
     activations (per row: a row's numbers do not depend on the rows beside it); greedy MTP K=3 at

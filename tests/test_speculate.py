@@ -89,6 +89,7 @@ def test_forced_acceptance_length_gives_plain_tokens_and_state(controlled, a):
         assert_close(_kv(state, b, n), _kv(plain_state, b, n), F32_MODEL, f"kv seq {b}")
 
 
+@pytest.mark.slow  # ~18 s; the gated kernel path is off by default (the conv kernel includes the gates)
 def test_gdn_gates_in_kernel_commit_gives_the_plain_state(controlled):
     """ops.GDN_GATES_IN_KERNEL with impl="pallas": verify and commit run the gated recurrence kernel
     (gates and padding inside it; the commit with n_valid = the accepted length). One of three drafts
@@ -238,7 +239,7 @@ def test_profiled_acceptance_on_the_controlled_checkpoint_keeps_the_tokens(contr
     assert spec.stats["accept_hist"] == np.bincount(cap[:rounds, 0], minlength=4).tolist()
 
 
-@pytest.mark.parametrize("fresh_state", [False, True])
+@pytest.mark.parametrize("fresh_state", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: ~16 s
 def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled, monkeypatch, fresh_state):
     """ops.GDN_CONV_IN_KERNEL with impl="pallas": prefill (11 tokens: the kernel's token loop), verify
     and the commit run the fused conv + recurrence kernel (the commit from the old conv and ssm state

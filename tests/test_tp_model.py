@@ -112,6 +112,7 @@ def test_hf_oracle_fixtures_tp2(name):
         _same_tokens(pair, PROMPTS[:2], 2, max_new=8)
 
 
+@pytest.mark.slow  # ~19 s; TP2 == TP1 runs in the default suite on the bf16 and fp32 fixtures
 def test_fp8_with_replicated_kv_head_tp2_equals_tp1(fp8_dir):
     """FP8 block weights split on 128-blocks (scales split alike) and one KV head replicated on both
     shards: same tokens as TP1, plain and MTP."""
@@ -183,6 +184,7 @@ def test_tp_is_refused_with_a_clear_message(tmp_path):
         qmtp.load(path, progress=False, tp=3)
 
 
+@pytest.mark.slow  # ~39 s (every kernel in interpret mode under shard_map); the kernels' own tests stay
 def test_pallas_kernels_under_tp2(fp8_dir):
     """The Pallas path (interpret mode here) inside the TP2 shard_map: FP8 matmul on weight shards,
     GDN recurrence and paged attention on head shards give TP1's tokens. (shard_map's replication
