@@ -175,19 +175,15 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
         b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
         a_raw = ops.linear(x, p["in_proj_a"], impl)
     raw_gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
-    if gdn_slots is not None and not chunked:  # every token's state into its slot: no replay needed
+    if not chunked and (gdn_slots is not None or ops.gdn_conv_in_kernel(impl)):
+        # conv, norms, gates, padding and recurrence: one kernel (or its jnp twin for a slotted impl="ref"
+        # state); the kernel reads ba's halves in place (slicing it would be two launches per layer on the GPU)
         gates = {"a": None, "b": None, "ba": ba} if ba is not None else {"a": a_raw, "b": b_raw}
         o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_log=p["A_log"],
                                                    dt_bias=p["dt_bias"], state=ssm_state, n_valid=n_valid,
-                                                   impl=impl, slots=gdn_slots, **gates)
-        replay = {}
-    elif not chunked and ops.gdn_conv_in_kernel(impl):  # conv, norms, gates, padding and recurrence: one kernel
-        # the kernel reads ba's halves in place (slicing it would be two launches per layer on the GPU)
-        gates = {"a": None, "b": None, "ba": ba} if ba is not None else {"a": a_raw, "b": b_raw}
-        o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_log=p["A_log"],
-                                                   dt_bias=p["dt_bias"], state=ssm_state, n_valid=n_valid,
-                                                   impl=impl, state_kept=return_replay, **gates)
+                                                   impl=impl, state_kept=return_replay, slots=gdn_slots, **gates)
         # commit_gdn runs the same kernel from the old conv / ssm state with n_valid = the accepted length
+        # (slotted, every token's state is in its slot already and nothing asks for the replay)
         replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], "A_log": p["A_log"],
                   "dt_bias": p["dt_bias"], **gates}
     else:
