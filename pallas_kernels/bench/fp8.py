@@ -137,7 +137,10 @@ def candidate_configs(m: int) -> list:
            (64, 2, False, 4, 6, 1, True), (32, 2, True, 4, 4, 1, True), (64, 2, False, 4, 4, 2, True),
            # narrow O (80 row blocks): W off the dot's M side with more splits or more bytes per iteration
            (64, 4, False, 4, 4, 1, True), (64, 4, False, 4, 4, 2, True), (64, 8, False, 4, 4, 1, True),
-           (32, 4, False, 4, 4, 1, True)]
+           (32, 4, False, 4, 4, 1, True),
+           # verify's 2-8 rows: 128-row programs read each K range of x half as often per weight byte
+           (128, 1, False, 8, 4, 1, True), (128, 2, False, 4, 4, 1, True), (128, 4, False, 8, 4, 1, True),
+           (128, 2, False, 8, 3, 1, True), (128, 4, False, 4, 4, 1, True), (128, 8, False, 8, 4, 1, True)]
     return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
              for bo, sk, nw, ns, u in fma]
             + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
