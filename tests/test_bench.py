@@ -193,6 +193,21 @@ def test_targets_name_the_pieces_of_a_miss():
     assert all(r["met"] and not r["note"] for r in br.targets(case))
 
 
+def test_targets_say_when_a_short_run_missed_its_profile():
+    """Session 13's 128-token K=3 run: 0.83 / 0.69 / 0.57 realized for 0.85 / 0.70 / 0.57 is 0.02 off
+    at the first position, so its speedup is not the profile's; 1024 tokens realized it."""
+    k3 = {"name": "mtp K=3 profiled", "speedup": 2.47, "mean_accepted_length": 3.10,
+          "imposed_profile": [0.85, 0.70, 0.57], "position_acceptance": [0.8333, 0.6905, 0.5714]}
+    case = {"modes": [k3], "batch": 1}
+    (row,) = br.targets(case)
+    assert "0.83 / 0.69 / 0.57 strays from the profile 0.85 / 0.70 / 0.57" in row["note"]
+    assert "--max_new_tokens" in row["note"]
+    k3.update(speedup=2.57, position_acceptance=[0.8506, 0.6996, 0.5703])
+    (row,) = br.targets(case)
+    assert row["met"] and row["note"] == ""
+    assert br.profile_shortfall({"name": "mtp K=3 natural", "position_acceptance": [1.0, 1.0, 1.0]}) == ""
+
+
 def test_in_program_copy_keeps_every_pass_and_reports_both_clocks():
     """The in-program copy (qmtp.bandwidth.one_program_passes) really makes `passes` separate passes:
     the values count them and the compiled program keeps a loop whose body adds (not one x + n)."""
