@@ -1,0 +1,239 @@
+"""The FP8 block matmul's Pallas kernel bodies (generic Pallas, Triton lowering; `interpret=True`
+runs them on the CPU); their launches, the checks and the references are in fp8_matmul.py.
+
+Both regimes walk I in chunks of BLOCK = 128 columns, the width of one scale block, and factor
+the block scale out of each chunk:
+
+    y[t, o] = sum_c scale[o // 128, c] * (sum_{i in chunk c} x[t, i] * float(w[o, i]))
+
+The inner sum runs on exact products: an E4M3 value is exact in bf16 (4 significant bits,
+exponents 2^-9 .. 2^8), a bf16 x times it is exact in f32, and an f32 x is split into three
+bf16 pieces (hi + mid + lo = x exactly, 24 significant bits) so tensor-core bf16 dots lose
+nothing. Every tile is a power of two wide (the Triton lowering's rule); ragged O, I and M are
+handled with masked loads whose masked lanes become 0 and masked stores, emitted only where a
+shape is ragged, so the real (128-multiple) shapes run unmasked, fully vectorized loads.
+
+Decode (M <= fp8_config.DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k). A program owns BO output rows of W
+(BO divides 128, so one scale row), streams its [BO, I / split_k] FP8 slab in [BO, 128] chunks
+(one scalar scale per chunk), and accumulates [BO, BM] in f32 with either a tensor-core dot
+(rows padded to BM = 16, the dot minimum; `swap_ab` puts W on the dot's M side) or, for up to
+FMA_MAX_ROWS rows, f32 FMAs on the CUDA cores into one [BO, 128] accumulator per row, row-summed
+once at the end (no padding, no layout change of the loaded chunk: the faster path where the
+CUDA cores keep up with HBM).
+With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
+(deterministic, no atomics). With DecodeConfig.x_f16 a bf16 x enters as 2M float16 rows [hi; lo]
+(x = 2^16 hi + lo, see X_F16_HI), the weight chunk converts to f16 instead of bf16, and the
+f32 partials are combined as 2^16 hi + lo by XLA before the one rounding. With act_quant the
+x rows are E4M3 (quantized by XLA, zero-padded to BM rows and whole chunks) and each chunk's dot
+takes both operands unconverted, W on the dot's M side (Hopper's FP8 wgmma: pallas_kernels/_fp8_dot.py),
+its product scaled by the chunk's weight scale times each row's activation scale.
+
+Prefill: grid (cdiv(M, BM), cdiv(O, BN)), M-blocks fastest so the programs sharing one W tile run
+together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.fp8_config import BLOCK, DecodeConfig, PrefillConfig, cdiv, next_pow2
+
+
+def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
+    """bf16 x -> [x]; f32 x -> [hi, mid, lo] bf16 with hi + mid + lo == x (each residual is exact)."""
+    if x.dtype == jnp.bfloat16:
+        return [x]
+    x = x.astype(jnp.float32)
+    pieces = []
+    for _ in range(3):
+        p = x.astype(jnp.bfloat16)
+        pieces.append(p)
+        x = x - p.astype(jnp.float32)
+    return pieces
+
+
+# x = X_F16_HI * hi + lo with hi, lo float16 (DecodeConfig.x_f16). Exact for every bf16 x with
+# 2^-17 <= |x| < 2^32 (and 0): 2^16 hi is x rounded to a multiple of 2^-8 (the grid of f16's
+# smallest subnormal, 2^-24, scaled by 2^16), which changes nothing once |x| >= 4 (8 significant
+# bits); lo = x - 2^16 hi is then a multiple of x's ulp (>= 2^-24) under 2^-8, which f16 holds;
+# below 2^-17 lo rounds to the 2^-24 grid (absolute error <= 2^-25), and |x| >= 2^32 overflows hi
+# to inf (the output is then not finite). Each piece times an E4M3 weight is exact in f32.
+# The rounding is explicit f32 arithmetic, never a narrowing convert read back: XLA on the GPU
+# may drop such a round trip (xla_allow_excess_precision, on by default), which made lo 0 and cost
+# x's low bits (relative error ~1e-3 at the 27B shapes on the H200, session 6).
+X_F16_HI = 2.0 ** 16
+_X_F16_GRID = 2.0 ** -8  # X_F16_HI times f16's smallest subnormal
+
+
+def _f16_pieces(x2: jax.Array) -> jax.Array:
+    """[M, I] bf16 -> [2, M, I] float16 (hi, lo) with x = X_F16_HI * hi + lo (see X_F16_HI)."""
+    xf = x2.astype(jnp.float32)
+    hi_scaled = jnp.round(xf * (1.0 / _X_F16_GRID)) * _X_F16_GRID  # exact f32 ops: scalings by powers of 2
+    hi = (hi_scaled * (1.0 / X_F16_HI)).astype(jnp.float16)  # representable: no rounding happens
+    lo = (xf - hi_scaled).astype(jnp.float16)
+    return jnp.stack([hi, lo])
+
+
+def _dot_sum(a_pieces, b, *, swap: bool) -> jax.Array:
+    """sum_p a_p @ b^T ([R, 128] x [C, 128] -> [R, C] f32), or b @ a_p^T when swap."""
+    out = None
+    for a in reversed(a_pieces):  # smallest piece first
+        d = plgpu.dot(b, a, trans_b=True) if swap else plgpu.dot(a, b, trans_b=True)
+        out = d if out is None else out + d
+    return out
+
+
+def _mask2(rows, cols):
+    """Outer AND of optional [R] and [C] validity vectors (None: all valid)."""
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return cols[None, :]
+    if cols is None:
+        return rows[:, None]
+    return rows[:, None] & cols[None, :]
+
+
+def _load_x(ref, mask):
+    """Activation tile; lanes outside `mask` (None: all valid) read as 0."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
+
+
+def _load_w(ref, mask, dtype):
+    """FP8 weight tile converted to `dtype` (exact); lanes outside `mask` are 0. The masked load
+    has no `other` (the lowering cannot build an FP8 constant), so the select runs after the cast."""
+    if mask is None:
+        return plgpu.load(ref).astype(dtype)
+    return jnp.where(mask, plgpu.load(ref, mask=mask).astype(dtype), 0.0)
+
+
+def _load_w_fp8(ref, rows_ok, cols_ok):
+    """FP8 weight tile for an FP8 dot, not converted. Rows past O may hold anything (their outputs
+    are never stored); columns past I must be 0 (x's padding is 0, and 0 * NaN is not): those
+    tiles come as uint8 bits (the wrapper's bitcast), loaded with 0 as the fill and bitcast back."""
+    if cols_ok is None:
+        return plgpu.load(ref) if rows_ok is None else plgpu.load(ref, mask=rows_ok[:, None])
+    bits = plgpu.load(ref, mask=_mask2(rows_ok, cols_ok), other=0)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+
+
+def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f16: bool, x_fp8: bool):
+    # refs: x [M, I] (x_f16: M counts the rows of [hi; lo], float16; x_fp8: [BM, I_pad] E4M3, rows
+    # past M and columns past I zero); x_fp8 only: the activation scales [GI, BM] f32 (padding 0);
+    # n weights [O_j, I] fp8 (x_fp8 with ragged I: their uint8 bits); n scale grids [GO_j, GI] f32;
+    # n outputs [split_k, M, O_j].
+    # The row-block axis of the grid runs over the weights one after another; each program serves
+    # the weight its block falls in (one launch for several projections of the same x).
+    n = len(os)
+    x_ref, refs = refs[0], refs[1:]
+    sx_ref, refs = (refs[0], refs[1:]) if x_fp8 else (None, refs)
+    w_refs, s_refs, o_refs = refs[:n], refs[n:2 * n], refs[2 * n:]
+    po, pk = pl.program_id(0), pl.program_id(1)
+    body = functools.partial(_decode_program, m=m, i=i, bm=bm, cfg=cfg, chunks_per_split=chunks_per_split,
+                             x_f16=x_f16, sx_ref=sx_ref)
+    if n == 1:
+        body(x_ref, w_refs[0], s_refs[0], o_refs[0], po, pk, o=os[0])
+        return
+    start = 0
+    for w_ref, s_ref, o_ref, o in zip(w_refs, s_refs, o_refs, os):
+        blocks = cdiv(o, cfg.block_o)
+        pl.when((po >= start) & (po < start + blocks))(
+            functools.partial(body, x_ref, w_ref, s_ref, o_ref, po - start, pk, o=o))
+        start += blocks
+
+
+def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split,
+                    x_f16: bool, sx_ref=None):
+    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w;
+    # sx_ref [GI, BM] (x_fp8: x_ref holds E4M3 activations, sx_ref their scales)
+    bo = cfg.block_o
+    o0 = pl.multiple_of(po * bo, bo)
+    srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
+    n_chunks = cdiv(i, BLOCK)
+    rows_ok = (o0 + jnp.arange(bo)) < o if o % bo else None
+    m_ok = jnp.arange(bm) < m if bm != m else None
+    o_major = cfg.swap_ab  # dot accumulator [bo, bm] instead of [bm, bo]
+    c_first = pk * chunks_per_split
+    if cfg.scale_preload:  # this program's scales [run] in registers, lanes past the row's end 0
+        run = max(next_pow2(chunks_per_split), 2)
+        lanes = jnp.arange(run)
+        s_run = plgpu.load(s_ref.at[srow, pl.ds(c_first, run)], mask=c_first + lanes < n_chunks, other=0.0)
+
+    def chunk(c, acc):
+        k0 = pl.multiple_of(c * BLOCK, BLOCK)
+        cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
+        wm = _mask2(rows_ok, cols_ok)
+        if cfg.scale_preload:  # exact: a sum of one selected value and zeros
+            s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
+        else:
+            s = s_ref[srow, c]
+        if sx_ref is not None:  # E4M3 x E4M3 on the tensor cores; x is zero-padded (no x mask)
+            xc = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)])
+            wc = _load_w_fp8(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], rows_ok, cols_ok)
+            sx = plgpu.load(sx_ref.at[c, pl.ds(0, bm)])  # [BM] this chunk's activation scales
+            if o_major:
+                return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
+            return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
+        if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
+            xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
+            wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm,
+                         jnp.float16 if x_f16 else jnp.bfloat16)
+            return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
+        # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
+        # until after the loop); the weight chunk is loaded once for all rows
+        wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float32)
+        xm = _mask2(None, cols_ok)
+        return tuple(a + wc * (_load_x(x_ref.at[pl.ds(r, 1), pl.ds(k0, BLOCK)], xm).astype(jnp.float32) * s)
+                     for r, a in enumerate(acc))
+
+    u = cfg.chunks_per_step
+    c0 = c_first
+    c1 = jnp.minimum(c0 + chunks_per_split, n_chunks)
+    if cfg.use_dot:
+        acc = jnp.zeros((bo, bm) if o_major else (bm, bo), jnp.float32)
+    else:
+        acc = tuple(jnp.zeros((bo, BLOCK), jnp.float32) for _ in range(m))
+    if u > 1:  # u chunks per iteration, then the remainder one at a time
+        def group(g, acc):
+            for j in range(u):
+                acc = chunk(c0 + g * u + j, acc)
+            return acc
+        n_groups = (c1 - c0) // u
+        acc = jax.lax.fori_loop(0, n_groups, group, acc)
+        c0 = c0 + n_groups * u
+    acc = jax.lax.fori_loop(c0, c1, chunk, acc)
+    if not cfg.use_dot:
+        for r, a in enumerate(acc):
+            plgpu.store(o_ref.at[pk, pl.ds(r, 1), pl.ds(o0, bo)], jnp.sum(a, axis=1)[None, :].astype(o_ref.dtype),
+                        mask=_mask2(None, rows_ok))
+        return
+    if o_major:
+        acc = acc.T
+    plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
+
+
+def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
+    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [M, O]
+    bm, bn = cfg.block_m, cfg.block_n
+    pm, pn = pl.program_id(0), pl.program_id(1)
+    m0 = pl.multiple_of(pm * bm, bm)
+    n0 = pl.multiple_of(pn * bn, bn)
+    srow = pn // (BLOCK // bn)
+    m_ok = (m0 + jnp.arange(bm)) < m if m % bm else None
+    n_ok = (n0 + jnp.arange(bn)) < o if o % bn else None
+
+    def body(c, acc):
+        k0 = pl.multiple_of(c * BLOCK, BLOCK)
+        cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
+        xm, wm = _mask2(m_ok, cols_ok), _mask2(n_ok, cols_ok)
+        xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], xm)
+        wc = _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
+        return acc + _dot_sum(_bf16_pieces(xc), wc, swap=False) * s_ref[srow, c]
+
+    acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), body, jnp.zeros((bm, bn), jnp.float32))
+    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))
