@@ -8,6 +8,8 @@
 #                                           under each of PIECES_E2E, the verify pass against a target step
 #                                           launch kind by kind (scripts/round_pieces.py) under ROUND_VARIANTS,
 #                                           the conv kernel's GPU tests (pieces())
+#   scripts/gpu_session.sh start_table [SECONDS]  the full table at the presets: TP1 (~11 minutes), then
+#                                           TP2 where the machine has two GPUs (~12 more) (table())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -271,7 +273,23 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   touch $R/all.done
 }
 
-quick() {  # a short lease running one job function (pieces or confirm) in the background, then waiting
+table() {  # the issue-6 table at the presets (1024 tokens, K = 1..4 natural and profiled, the round
+  # breakdown): TP1 on GPU 0 (~11 minutes: one compile of ~100 s per K), then TP2 over both GPUs where
+  # there are two (~12 minutes); TABLE_ARGS is appended to both. Needs `wait` calls after the start.
+  export CUDA_VISIBLE_DEVICES=0
+  job checkpoint27 300 python3 -c "
+from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+  job bench27_tp1 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --repeats=2 \
+    --out=$R/bench27_tp1.json ${TABLE_ARGS:-}
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    unset CUDA_VISIBLE_DEVICES
+    job bench27_tp2 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --repeats=2 \
+      --out=$R/bench27_tp2.json ${TABLE_ARGS:-}
+  fi
+  touch $R/all.done
+}
+
+quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
   cd $SRC || exit 1
@@ -283,6 +301,7 @@ quick() {  # a short lease running one job function (pieces or confirm) in the b
 case $cmd in
   start_pieces) quick pieces ;;  # see pieces()
   start_confirm) quick confirm ;;  # see confirm()
+  start_table) quick table ;;  # see table()
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
@@ -303,5 +322,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac
