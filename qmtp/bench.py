@@ -58,6 +58,7 @@ flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: eve
 cli_help.define_kernels_flag()
 cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
+cli_help.define_compile_cache_flag()
 flags.DEFINE_string("trace_dir", None, "Also run each mode once more, after its timed repeats, under the JAX "
                     "profiler: one perfetto trace per mode in a subdirectory named after it (plain, K3_natural, "
                     "K3_profiled, ...; summarize with scripts/trace_summary.py). Not part of the figures.")
@@ -258,6 +259,7 @@ def _run() -> int:
     if bad or not engines:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
     cli_help.apply_kernels_flag()
+    compile_cache_dir = cli_help.apply_compile_cache_flag()
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
@@ -280,6 +282,7 @@ def _run() -> int:
                                    if "draft_vocab" in model.params.get("mtp", {}) else None),
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
+              "compile_cache": compile_cache_dir,  # a warm cache shortens each mode's compile_s
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
               "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,

@@ -54,6 +54,7 @@ flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the
 cli_help.define_kernels_flag()
 cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
+cli_help.define_compile_cache_flag()
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
@@ -99,6 +100,7 @@ def run(argv) -> dict:
         from qmtp.speculate import acceptance_schedule
         cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
     kernels = cli_help.apply_kernels_flag()
+    cli_help.apply_compile_cache_flag()
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,

@@ -89,6 +89,7 @@ def define_flags() -> None:
     cli_help.define_kernels_flag()
     cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
+cli_help.define_compile_cache_flag()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +352,7 @@ def build(argv) -> tuple:
     except ValueError:
         raise ValueError(f"--stop_token_ids={','.join(FLAGS.stop_token_ids)}: expected integers") from None
     cli_help.apply_kernels_flag()
+    cli_help.apply_compile_cache_flag()
     path = resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size, impl=FLAGS.impl, tp=FLAGS.tp,
                       progress=False, draft_head=FLAGS.draft_head,

@@ -28,6 +28,7 @@ from qmtp import cli_help  # noqa: E402
 cli_help.define_kernels_flag()
 cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
+cli_help.define_compile_cache_flag()
 
 flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8", "Checkpoint directory or preset:NAME:DTYPE.")
 flags.DEFINE_integer("k", 3, "Drafts per round (the verify pass runs K+1 tokens).")
@@ -54,6 +55,7 @@ def main(argv):
     from qmtp import api, bench_breakdown as bd, bench_report as br, ops
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     settings = cli_help.apply_kernels_flag()
+    cli_help.apply_compile_cache_flag()
     model = qmtp.load(resolve_checkpoint(FLAGS.checkpoint, None), dtype=FLAGS.dtype, impl=FLAGS.engine, tp=FLAGS.tp,
                       draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab)
     variants = [v.strip() for v in FLAGS.variants.split(";") if v.strip()]
