@@ -63,6 +63,9 @@ flags.DEFINE_string("trace_dir", None, "Also run each mode once more, after its 
                     "profiler: one perfetto trace per mode in a subdirectory named after it (plain, K3_natural, "
                     "K3_profiled, ...; summarize with scripts/trace_summary.py). Not part of the figures.")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
+flags.DEFINE_string("compare_to", None, "An earlier bench JSON (e.g. the TP1 table's) to compare with: each mode's "
+                    "tok/s over the same mode's there, for the same engine, batch and prompt length; a TP2 run "
+                    "against a TP1 result also checks the TP2 >= 1.6x TP1 target.")
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
 flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
 flags.DEFINE_string("plot_from", None, "Only draw the plot of an existing result JSON (no benchmark).")
@@ -259,6 +262,7 @@ def _run() -> int:
     if bad or not engines:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
     cli_help.apply_kernels_flag()
+    other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
     compile_cache_dir = cli_help.apply_compile_cache_flag()
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
@@ -282,7 +286,7 @@ def _run() -> int:
                                    if "draft_vocab" in model.params.get("mtp", {}) else None),
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
-              "compile_cache": compile_cache_dir,  # a warm cache shortens each mode's compile_s
+              "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,  # a warm cache shortens each mode's compile_s
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
               "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
@@ -313,6 +317,13 @@ def _run() -> int:
                 for k, pieces in (case.get("breakdown_kernels") or {}).items():
                     print(f"K={k}: " + br.kernel_diff_table(pieces))
                 case["targets"] = br.targets(case)
+                comparison = br.compare(case, FLAGS.tp, other) if other else None
+                if comparison:
+                    case["comparison"] = dict(comparison, path=FLAGS.compare_to)
+                    case["targets"] += comparison["targets"]
+                    print(f"against {FLAGS.compare_to}:\n" + br.comparison_table(comparison, FLAGS.tp))
+                elif other:
+                    print(f"{FLAGS.compare_to} has no case with engine {engine}, batch {b}, prompt {p}: not compared")
                 if case["targets"] and jax.default_backend() != "cpu":  # GPU targets (PERFORMANCE.md)
                     print(br.targets_text(case["targets"]))
     if len(engines) > 1:

@@ -16,6 +16,8 @@ All bandwidth figures are the copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import json
+
 import statistics
 
 import numpy as np
@@ -231,6 +233,62 @@ def targets(case: dict) -> list[dict]:
         row["note"] = "; ".join(n for n in notes if n)
         out.append(row)
     return out
+
+
+TP2_SPEEDUP_TARGET = 1.6
+
+
+def load_comparison(path: str) -> dict:
+    """An earlier bench JSON to compare a run with (--compare_to); ValueError naming the file when it
+    is missing, not JSON or has no cases."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--compare_to={path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--compare_to={path}: not a bench JSON ({e})") from None
+    if not isinstance(result, dict) or not result.get("cases") or "config" not in result:
+        raise ValueError(f"--compare_to={path}: not a qmtp.bench result (no config or cases)")
+    return result
+
+
+def compare(case: dict, tp: int, other: dict) -> dict | None:
+    """This case against the other result's case of the same engine, batch and prompt length: each
+    mode's tok/s over the same mode's there, and, for a TP2 run against a TP1 one, PERFORMANCE.md's
+    TP2 >= 1.6x TP1 target on plain decode (a miss notes the TP2 step and its all-reduces from this
+    run's breakdown). None when the other result has no such case."""
+    key = lambda c: (c.get("engine"), c["batch"], c["prompt_length"])  # noqa: E731
+    match = next((c for c in other["cases"] if key(c) == key(case)), None)
+    if match is None:
+        return None
+    theirs = {m["name"]: m["decode_tokens_per_s"]["median"] for m in match["modes"]}
+    rows = [{"mode": m["name"], "tok_s": m["decode_tokens_per_s"]["median"], "other_tok_s": theirs[m["name"]],
+             "ratio": m["decode_tokens_per_s"]["median"] / theirs[m["name"]]}
+            for m in case["modes"] if theirs.get(m["name"])]
+    other_tp = other["config"].get("tp")
+    out = {"other_tp": other_tp, "other_title": other["config"].get("title"), "modes": rows, "targets": []}
+    plain = next((r for r in rows if r["mode"] == "plain"), None)
+    if tp == 2 and other_tp == 1 and plain:
+        value = plain["ratio"]
+        row = {"target": "TP2 plain decode >= 1.6x TP1", "value": value, "goal": TP2_SPEEDUP_TARGET,
+               "met": value >= TP2_SPEEDUP_TARGET, "note": ""}
+        pieces = next(iter((case.get("breakdown") or {}).values()), {})
+        if not row["met"] and {"measured_plain_step", "all_reduce"} <= pieces.keys():
+            step, reduce = pieces["measured_plain_step"], pieces["all_reduce"]
+            need = step * value / TP2_SPEEDUP_TARGET  # the step time at which the ratio reaches the goal
+            row["note"] = (f"a TP2 step takes {step * 1e3:.2f} ms, its all-reduces {reduce * 1e3:.2f} ms of it; "
+                           f"1.6x needs a step of {need * 1e3:.2f} ms ({(step - need) * 1e3:.2f} ms less)")
+        out["targets"].append(row)
+    return out
+
+
+def comparison_table(comparison: dict, tp: int) -> str:
+    other = f"TP{comparison['other_tp']}" if comparison.get("other_tp") else "other"
+    rows = [["mode", f"TP{tp} tok/s", f"{other} tok/s", "ratio"]]
+    rows += [[r["mode"], f"{r['tok_s']:.1f}", f"{r['other_tok_s']:.1f}", f"{r['ratio']:.2f}x"]
+             for r in comparison["modes"]]
+    return aligned(rows)
 
 
 def targets_text(rows: list[dict]) -> str:

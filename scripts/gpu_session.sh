@@ -284,7 +284,7 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     unset CUDA_VISIBLE_DEVICES
     job bench27_tp2 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --repeats=2 \
-      --out=$R/bench27_tp2.json ${TABLE_ARGS:-}
+      --out=$R/bench27_tp2.json --compare_to=$R/bench27_tp1.json ${TABLE_ARGS:-}
   fi
   touch $R/all.done
 }

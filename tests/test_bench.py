@@ -224,3 +224,41 @@ def test_in_program_copy_keeps_every_pass_and_reports_both_clocks():
     copy = bandwidth.copy_bandwidth(gib=1 / 1024, trials=2)
     assert copy["tb_per_s"] == copy["bytes"] / copy["best_s"] / 1e12 and copy["best_s"] <= copy["median_s"]  # fastest
     assert copy["in_program"]["passes"] == bandwidth.IN_PROGRAM_PASSES and copy["in_program"]["tb_per_s_best"] > 0
+
+
+def _case(tp_rates: dict, breakdown=None) -> dict:
+    modes = [{"name": n, "decode_tokens_per_s": {"median": v}} for n, v in tp_rates.items()]
+    return {"engine": "pallas", "batch": 1, "prompt_length": 64, "modes": modes, "breakdown": breakdown}
+
+
+def test_compare_checks_tp2_against_tp1_and_names_the_all_reduces():
+    """Session 9's TP2 step: 124.2 vs 108.3 tok/s plain, 8.08 ms per step of which 2.49 ms all-reduces."""
+    tp1 = {"config": {"tp": 1, "title": "tp1"}, "cases": [_case({"plain": 108.3, "mtp K=3 profiled": 256.2})]}
+    tp2 = _case({"plain": 124.2, "mtp K=3 profiled": 281.2, "mtp K=4 natural": 400.0},
+                {"3": {"measured_plain_step": 0.00808, "all_reduce": 0.00249}})
+    c = br.compare(tp2, 2, tp1)
+    assert [r["mode"] for r in c["modes"]] == ["plain", "mtp K=3 profiled"]  # K=4 has nothing to compare with
+    assert abs(c["modes"][0]["ratio"] - 124.2 / 108.3) < 1e-12
+    (row,) = c["targets"]
+    assert not row["met"] and row["goal"] == 1.6
+    need = 8.08 * (124.2 / 108.3) / 1.6
+    assert f"1.6x needs a step of {need:.2f} ms ({8.08 - need:.2f} ms less)" in row["note"]
+    assert "all-reduces 2.49 ms" in row["note"]
+    assert "1.15x" in br.comparison_table(c, 2)
+    tp2["modes"][0]["decode_tokens_per_s"]["median"] = 180.0
+    assert br.compare(tp2, 2, tp1)["targets"][0]["met"]
+    assert br.compare(tp2, 1, tp1)["targets"] == []  # a TP1 run against TP1: ratios only
+    tp2["batch"] = 8
+    assert br.compare(tp2, 2, tp1) is None  # no case of that batch there
+
+
+def test_compare_to_names_a_bad_file(tmp_path):
+    with pytest.raises(ValueError, match="--compare_to=.*missing.json: cannot read"):
+        br.load_comparison(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a bench JSON"):
+        br.load_comparison(str(bad))
+    bad.write_text('{"cases": []}')
+    with pytest.raises(ValueError, match="not a qmtp.bench result"):
+        br.load_comparison(str(bad))
