@@ -1,7 +1,7 @@
-"""Admission of queued requests into batch slots, the host side of steps 2 and 4 of the engine's
-scheduling point (qmtp/engine.py): FIFO into free slots while the head's pages fit, then each
-request either copied in from an exact-prompt snapshot or prefilled with the others of its prompt
-bucket in one pass, and its first token emitted.
+"""Admission of queued requests into batch slots, step 2 of the engine's scheduling point
+(qmtp/engine.py): FIFO into free slots while the head's pages fit, then each request either copied
+in from an exact-prompt snapshot or prefilled with the others of its prompt bucket in one pass, and
+its first token emitted.
 
 `Admission` is a mixin of `engine.Engine` and runs on the engine thread only; it uses the engine's
 config, queue and lock (_cv, _queue, _free_slots, _stopping, _reload), page allocator, device
@@ -29,7 +29,6 @@ class Active:
     reservation: int  # PageAllocator handle
     stream: TextStream | None
     live_on_device: bool = True
-
 
 
 class Admission:
