@@ -9,7 +9,8 @@
 #                                           launch kind by kind (scripts/round_pieces.py) under ROUND_VARIANTS,
 #                                           the conv kernel's GPU tests (pieces())
 #   scripts/gpu_session.sh start_table [SECONDS]  the full table at the presets: TP1 (~11 minutes), then
-#                                           TP2 where the machine has two GPUs (~12 more) (table())
+#                                           TP2 where the machine has two GPUs (~12 more), then two
+#                                           runs that check the compilation cache (table())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -275,7 +276,8 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
 
 table() {  # the issue-6 table at the presets (1024 tokens, K = 1..4 natural and profiled, the round
   # breakdown): TP1 on GPU 0 (~11 minutes: one compile of ~100 s per K), then TP2 over both GPUs where
-  # there are two (~12 minutes); TABLE_ARGS is appended to both. Needs `wait` calls after the start.
+  # there are two (~12 minutes), then the compilation cache's check (~3 minutes, cache_check.txt);
+  # TABLE_ARGS is appended to both tables. Needs `wait` calls after the start.
   export CUDA_VISIBLE_DEVICES=0
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
@@ -286,6 +288,14 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
     job bench27_tp2 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --repeats=2 \
       --out=$R/bench27_tp2.json --compare_to=$R/bench27_tp1.json ${TABLE_ARGS:-}
   fi
+  # the persistent compilation cache (qmtp/compile_cache.py, on by default) on the GPU: the same K=3
+  # generation twice; the second process should load its prefill and loop (compile/warm-up line)
+  export CUDA_VISIBLE_DEVICES=0
+  for run in 1 2; do
+    JAX_DEBUG_LOG_MODULES=jax._src.compiler job cache_check_$run 400 python3 -m qmtp.generate \
+      --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas --mtp_k=3 --max_new_tokens=64 --prompt_ids=1,2,3,4
+  done
+  grep -h "compile/warm-up\|cache hit for\|Error .*persistent" $R/cache_check_*.log | cut -c1-200 >$R/cache_check.txt
   touch $R/all.done
 }
 
