@@ -286,7 +286,8 @@ def _run() -> int:
                                    if "draft_vocab" in model.params.get("mtp", {}) else None),
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
-              "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,  # a warm cache shortens each mode's compile_s
+              # a warm compilation cache shortens each mode's compile_s
+              "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
               "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
