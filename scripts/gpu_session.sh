@@ -277,13 +277,22 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
 table() {  # the issue-6 table at the presets (1024 tokens, K = 1..4 natural and profiled, the round
   # breakdown): TP1 on GPU 0 (~11 minutes: one compile of ~100 s per K), then TP2 over both GPUs where
   # there are two (~12 minutes), then the compilation cache's check (~3 minutes, cache_check.txt);
-  # TABLE_ARGS is appended to both tables. Needs `wait` calls after the start.
+  # TABLE_ARGS is appended to both tables. Needs `wait` calls after the start. Carry .whl for the
+  # server's load test (SERVE=1, the default; SERVE=0 skips it).
   export CUDA_VISIBLE_DEVICES=0
+  local gpus
+  gpus=$(nvidia-smi -L | wc -l)
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+  # with SERVE=1 (the default) the server's load test, MTP K=3 then plain: on GPU 1 beside the TP1 table
+  # where there are two GPUs, else last
+  if [ "${SERVE:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
+    (export CUDA_VISIBLE_DEVICES=1; serve 3 8193 short; serve 0 8194 short) &
+  fi
   job bench27_tp1 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --repeats=2 \
     --out=$R/bench27_tp1.json ${TABLE_ARGS:-}
-  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  wait  # GPU 1's server runs end before TP2 takes both GPUs
+  if [ "$gpus" -ge 2 ]; then
     unset CUDA_VISIBLE_DEVICES
     job bench27_tp2 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --repeats=2 \
       --out=$R/bench27_tp2.json --compare_to=$R/bench27_tp1.json ${TABLE_ARGS:-}
@@ -296,6 +305,10 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
       --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas --mtp_k=3 --max_new_tokens=64 --prompt_ids=1,2,3,4
   done
   grep -h "compile/warm-up\|cache hit for\|Error .*persistent" $R/cache_check_*.log | cut -c1-200 >$R/cache_check.txt
+  if [ "${SERVE:-1}" = 1 ] && [ "$gpus" -lt 2 ]; then
+    serve 3 8193 short
+    serve 0 8194 short
+  fi
   touch $R/all.done
 }
 
@@ -303,8 +316,13 @@ quick() {  # a short lease running one job function (pieces, confirm or table) i
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
   cd $SRC || exit 1
-  export PYTHONPATH=$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
-  setsid bash -c "$(declare -f job $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
+  local site=""
+  if ls .whl/*.whl >/dev/null 2>&1; then  # the server's wheels, where carried (see the top of this file)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && site=/tmp/site: || echo "server wheels did not install" >>$R/jobs.log
+  fi
+  export PYTHONPATH=$site$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
+  setsid bash -c "$(declare -f job serve $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
   wait_and_pack
 }
 
