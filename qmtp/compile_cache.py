@@ -6,7 +6,10 @@ the cache on, a later process that builds the same program loads the executable 
 JAX keys an entry by the whole program (the HLO, which embeds every Pallas kernel), the JAX and
 jaxlib versions, the device kind, the compile options and XLA_FLAGS: a changed kernel, kernel
 setting, shape or flag compiles afresh, so a stale entry cannot be run. Only programs that took at
-least MIN_COMPILE_S to compile are written (small helper programs are not worth the files).
+least MIN_COMPILE_S to compile are written (small helper programs are not worth the files), and the
+directory is kept under MAX_BYTES by evicting the least recently used entries (JAX's LRU). JAX's
+environment variables JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and JAX_COMPILATION_CACHE_MAX_SIZE
+override both.
 
 Directory: `--compile_cache` (default "auto": $QMTP_CACHE/jax_compile, $QMTP_CACHE defaulting to
 ~/.cache/qmtp; "off" turns the cache off; anything else is a directory). The Python API leaves
@@ -21,6 +24,7 @@ AUTO = "auto"
 OFF = ("off", "none", "")
 MIN_COMPILE_S = 1.0  # JAX's own default threshold, stated here so the module doc stays true
 SUBDIR = "jax_compile"
+MAX_BYTES = 10 * 2**30  # kernel-setting experiments each add entries; a bound keeps the directory finite
 
 
 def resolve(value: str | None) -> str | None:
@@ -44,5 +48,8 @@ def enable(directory: str) -> str:
     if not os.access(directory, os.W_OK):
         raise OSError(f"--compile_cache={directory}: the directory is not writable")
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
+    for name, value in (("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S),
+                        ("jax_compilation_cache_max_size", MAX_BYTES)):
+        if name.upper() not in os.environ:  # JAX's own environment variable wins
+            jax.config.update(name, value)
     return directory

@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def generate(cache, *args):
     env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(cache), PYTHONPATH=ROOT,
-               JAX_DEBUG_LOG_MODULES="jax._src.compiler")  # JAX logs each persistent-cache hit and miss
+               JAX_DEBUG_LOG_MODULES="jax._src.compiler",  # JAX logs each persistent-cache hit and miss
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program, however fast its compile
     return subprocess.run([sys.executable, "-m", "qmtp.generate", "--flagfile=configs/tiny.flags",
                            "--max_new_tokens=3", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
