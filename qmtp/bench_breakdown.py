@@ -57,13 +57,19 @@ def target_loop(cfg: ModelConfig, params, state, n, t: int, impl: str):
     lengths = state.lengths
 
     # the verify pass as the spec loop runs it: with ops.GDN_STATE_SLOTS on slotted GDN/conv state, each
-    # pass reading the slot the last one wrote after its first token (the state moves on as in a round)
-    state, slots = speculate.slotted_state(state, t - 1, impl) if t > 1 else (state, None)
+    # pass reading the slot the last one wrote after its first token (the state moves on as in a round);
+    # a target step as the plain loop runs it (two slots with ops.GDN_PLAIN_SLOTS)
+    if t > 1:
+        state, slots = speculate.slotted_state(state, t - 1, impl)
+    elif state.ssm and decode.plain_gdn_slots(impl, state.ssm[0].dtype):
+        state, slots = decode.slot_gdn_state(state, 2)
+    else:
+        slots = None
 
     def body(_, carry):
         state, tok, slots = carry
         tokens = jnp.broadcast_to(tok[:, None], (b, t))
-        if t == 1:
+        if t == 1 and slots is None:
             hidden, state = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t), impl=impl)
         elif slots is None:
             hidden, state, _ = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t),

@@ -19,9 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qmtp import model, tp
+from pallas_kernels import gdn_conv
+from qmtp import model, ops, tp
 from qmtp.config import ModelConfig
-from qmtp.state import DecodeState
+from qmtp.state import DecodeState, gdn_slot_count
 
 PAD_TOKEN = -1  # fills the output buffer after a sequence stops
 
@@ -90,12 +91,56 @@ def prefill(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     return greedy(model.logits_from_hidden(params, last, impl)), hidden, state
 
 
-def _step(cfg: ModelConfig, params: dict, state: DecodeState, last: jax.Array, live: jax.Array, impl: str):
+def gdn_conv_path(impl: str, ssm_dtype) -> bool:
+    """Whether a pass runs the GDN layers through the conv kernel (or, impl="ref", its jnp twin) with an
+    f32 state: the paths that can read and write slotted GDN state."""
+    return (impl == "ref" or ops.gdn_conv_in_kernel(impl)) and jnp.dtype(ssm_dtype) == jnp.float32
+
+
+def plain_gdn_slots(impl: str, ssm_dtype) -> int:
+    """2 when the plain loops slot the GDN state (ops.GDN_PLAIN_SLOTS on a gdn_conv_path), else 0."""
+    return 2 if ops.GDN_PLAIN_SLOTS and gdn_conv_path(impl, ssm_dtype) else 0
+
+
+def slot_gdn_state(state: DecodeState, n: int) -> tuple[DecodeState, jax.Array]:
+    """(state with each GDN layer's conv and ssm state in n slots [n, B, ...], read slots [B] = 0)."""
+    slot = lambda x: jnp.broadcast_to(x, (n,) + x.shape)  # noqa: E731
+    state = dataclasses.replace(state, conv=tuple(map(slot, state.conv)), ssm=tuple(map(slot, state.ssm)))
+    return state, jnp.zeros(state.lengths.shape, jnp.int32)
+
+
+def unslot_gdn_state(state: DecodeState, read: jax.Array) -> DecodeState:
+    """The state with each row's read slot taken out of the slotted conv and ssm state."""
+    take = lambda x: gdn_conv.read_slot(x, read)  # noqa: E731
+    return dataclasses.replace(state, conv=tuple(map(take, state.conv)), ssm=tuple(map(take, state.ssm)))
+
+
+def _plain_slots(state: DecodeState, impl: str, kept=None) -> tuple[DecodeState, jax.Array | None, bool]:
+    """(state, read slots or None, slotted here): a state that arrives slotted (the engine's, two slots,
+    read slots `kept`) stays so; otherwise it is slotted for the loop when plain_gdn_slots says so."""
+    if gdn_slot_count(state):
+        if gdn_slot_count(state) != 2 or kept is None:
+            raise ValueError(f"plain decoding: the state has {gdn_slot_count(state)} GDN state slots; the plain "
+                             "loops take 2 (ops.GDN_PLAIN_SLOTS) with the read slots in Slots.gdn_slot")
+        return state, kept, False
+    if not state.ssm or not plain_gdn_slots(impl, state.ssm[0].dtype):
+        return state, None, False
+    return (*slot_gdn_state(state, 2), True)
+
+
+def _step(cfg: ModelConfig, params: dict, state: DecodeState, last: jax.Array, live: jax.Array, impl: str,
+          gdn_slots=None):
     """One target step: last [B] at position lengths[b] (rows with live[b] = 0 change nothing).
 
-    Returns (greedy next token [B], state)."""
-    hidden, state = model.forward(cfg, params, state, last[:, None], live, impl=impl)  # hidden [B, 1, E]
-    return greedy(model.logits_from_hidden(params, hidden[:, 0], impl)), state
+    gdn_slots int [B] or None: the GDN/conv state is slotted (two slots) and row b reads slot gdn_slots[b];
+    the step writes the state after its token to the other slot.
+
+    Returns (greedy next token [B], state, next read slots or None)."""
+    hidden, state = model.forward(cfg, params, state, last[:, None], live, impl=impl,
+                                  gdn_slots=gdn_slots)  # hidden [B, 1, E]
+    if gdn_slots is not None:  # a live row's new state is in the next slot; a done row's stays put
+        gdn_slots = gdn_conv.next_slots(gdn_slots, live, 2)
+    return greedy(model.logits_from_hidden(params, hidden[:, 0], impl)), state, gdn_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,21 +162,24 @@ def greedy_loop(cfg: ModelConfig, spec: LoopSpec, params: dict, state: DecodeSta
     count = jnp.ones((b,), jnp.int32)
     done = is_stop(first, spec.stop_ids) | (count >= max_new)
 
+    state, read, _ = _plain_slots(state, impl)
+
     def cond(carry):
-        _, _, _, _, done, step = carry
+        done, step = carry[4], carry[5]
         return (~jnp.all(done)) & (step < spec.max_tokens)
 
     def body(carry):
-        state, last, out, count, done, step = carry
+        state, last, out, count, done, step, read = carry
         live = (~done).astype(jnp.int32)
-        nxt, state = _step(cfg, params, state, last, live, impl)
+        nxt, state, read = _step(cfg, params, state, last, live, impl, read)
         out = out.at[jnp.arange(b), jnp.where(done, spec.max_tokens, count)].set(nxt, mode="drop")
         count = count + live
         done = done | is_stop(nxt, spec.stop_ids) | (count >= max_new)
-        return state, jnp.where(live > 0, nxt, last), out, count, done, step + 1
+        return state, jnp.where(live > 0, nxt, last), out, count, done, step + 1, read
 
-    state, _, out, count, _, steps = jax.lax.while_loop(cond, body, (state, first, out, count, done, jnp.int32(0)))
-    return out, count, steps, state
+    carry = (state, first, out, count, done, jnp.int32(0), read)
+    state, _, out, count, _, steps, read = jax.lax.while_loop(cond, body, carry)
+    return out, count, steps, state if read is None else unslot_gdn_state(state, read)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "impl"), donate_argnames=("state",))
@@ -145,21 +193,25 @@ def greedy_steps(cfg: ModelConfig, n_steps: int, params: dict, state: DecodeStat
     b = slots.done.shape[0]
     out = jnp.full((b, n_steps), PAD_TOKEN, jnp.int32)
     count = jnp.zeros((b,), jnp.int32)
+    state, read, slotted_here = _plain_slots(state, impl, slots.gdn_slot)
 
     def cond(carry):
         done, step = carry[4], carry[5]
         return (~jnp.all(done)) & (step < n_steps)
 
     def body(carry):
-        state, last, out, count, done, step = carry
+        state, last, out, count, done, step, read = carry
         live = (~done).astype(jnp.int32)
-        nxt, state = _step(cfg, params, state, last, live, impl)
+        nxt, state, read = _step(cfg, params, state, last, live, impl, read)
         out = out.at[jnp.arange(b), jnp.where(done, n_steps, count)].set(nxt, mode="drop")
         count = count + live
         done = done | is_stop_rows(nxt, slots.stop) | (count >= slots.remaining)
-        return state, jnp.where(live > 0, nxt, last), out, count, done, step + 1
+        return state, jnp.where(live > 0, nxt, last), out, count, done, step + 1, read
 
-    carry = (state, slots.pending, out, count, slots.done, jnp.int32(0))
-    state, last, out, count, done, _ = jax.lax.while_loop(cond, body, carry)
-    slots = dataclasses.replace(slots, pending=last, remaining=slots.remaining - count, done=done)
+    carry = (state, slots.pending, out, count, slots.done, jnp.int32(0), read)
+    state, last, out, count, done, _, read = jax.lax.while_loop(cond, body, carry)
+    if slotted_here:
+        state, read = unslot_gdn_state(state, read), slots.gdn_slot
+    slots = dataclasses.replace(slots, pending=last, remaining=slots.remaining - count, done=done,
+                                gdn_slot=slots.gdn_slot if read is None else read)
     return out, count, state, slots

@@ -26,9 +26,11 @@ class DeviceBatch:
         self.model, self.k = model, mtp_k
         cfg, dtype = model.cfg, api.DTYPES[model.dtype]
         table = np.zeros((batch_slots, pages_per_slot), np.int32)  # [B, Pmax]
-        # MTP rounds read and write the GDN state in K+2 slots (speculate.slotted_state): the engine keeps
-        # it slotted between calls, so no call copies it in and out (~0.6 GB per sequence at 27B, K=3)
-        slots = speculate.gdn_slots_needed(mtp_k, model.impl, cfg.ssm_dtype) if mtp_k else 0
+        # MTP rounds read and write the GDN state in K+2 slots (speculate.slotted_state), plain steps in 2
+        # with ops.GDN_PLAIN_SLOTS (decode.plain_gdn_slots): the engine keeps it slotted between calls, so
+        # no call copies it in and out (~0.6 GB per sequence at 27B, K=3)
+        slots = (speculate.gdn_slots_needed(mtp_k, model.impl, cfg.ssm_dtype) if mtp_k
+                 else decode.plain_gdn_slots(model.impl, cfg.ssm_dtype))
         if model.mesh is not None:
             self.state = tp_lib.init_state(cfg, model.mesh, table, num_pages, model.page_size, dtype, gdn_slots=slots)
         else:

@@ -75,6 +75,14 @@ GDN_REPLAY_FRESH_STATE = True
 # loop (0.6 GB at 27B, K=3) and a copy in and out per loop call. (It replaces session 11's double-
 # buffered pair, which saved the verify's state copies but kept the rebuild.)
 GDN_STATE_SLOTS = True
+# True: the plain decode loops (decode.greedy_loop, greedy_steps) carry the GDN state and conv state in
+# two slots as well and alternate between them, so the conv kernel updates the conv state in place.
+# Unslotted, its conv-state output is a new buffer (programs of one key head still read the old q/k
+# rows while another writes them), which the loop then copies into its carried buffer: 48
+# `memcpy32_post` per 27B step, ~70 us of a 9.0 ms step (round_pieces, sessions 12-13), copies the
+# slotted verify pass does not make. Costs one more GDN state per sequence (~151 MB at 27B). Off until
+# measured on the GPU.
+GDN_PLAIN_SLOTS = False
 # True: layers.write_kv's scatter of a pass's new K/V rows into the pages states that its indices are
 # unique (each valid token owns its row; dropped tokens get distinct out-of-range rows), which lets
 # XLA write the rows without ordering the updates. One row per sequence already becomes a
@@ -139,6 +147,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "gdn_conv_in_kernel": ("ops", "GDN_CONV_IN_KERNEL", None),
                      "gdn_replay_fresh_state": ("ops", "GDN_REPLAY_FRESH_STATE", None),
                      "gdn_state_slots": ("ops", "GDN_STATE_SLOTS", None),
+                     "gdn_plain_slots": ("ops", "GDN_PLAIN_SLOTS", None),
                      "kv_scatter_unique": ("ops", "KV_SCATTER_UNIQUE", None),
                      "gdn_conv_block_v": ("ops", "GDN_CONV_BLOCK_V", (1, 128)),
                      "gdn_conv_num_warps": ("ops", "GDN_CONV_NUM_WARPS", (1, 16)),

@@ -194,11 +194,10 @@ def _commit(replay: tuple, ssm0: tuple, n_keep: jax.Array, verified: tuple, n_ve
 
 
 def gdn_slots_needed(k: int, impl: str, ssm_dtype) -> int:
-    """K+2 when the speculative loops slot the GDN state (ops.GDN_STATE_SLOTS, an f32 GDN state and the
-    conv kernel's path: impl="pallas" with ops.GDN_CONV_IN_KERNEL, or its jnp twin for impl="ref"): a
-    verify pass of K+1 tokens writes one state per token besides the one it reads. 0 otherwise."""
-    conv_path = impl == "ref" or ops.gdn_conv_in_kernel(impl)
-    return k + 2 if ops.GDN_STATE_SLOTS and conv_path and jnp.dtype(ssm_dtype) == jnp.float32 else 0
+    """K+2 when the speculative loops slot the GDN state (ops.GDN_STATE_SLOTS on a decode.gdn_conv_path:
+    an f32 GDN state through the conv kernel, or its jnp twin for impl="ref"): a verify pass of K+1
+    tokens writes one state per token besides the one it reads. 0 otherwise."""
+    return k + 2 if ops.GDN_STATE_SLOTS and decode.gdn_conv_path(impl, ssm_dtype) else 0
 
 
 def slotted_state(state: DecodeState, k: int, impl: str) -> tuple[DecodeState, jax.Array | None]:
@@ -206,18 +205,12 @@ def slotted_state(state: DecodeState, k: int, impl: str) -> tuple[DecodeState, j
     in K+2 slots [K+2, B, ...], every row reading slot 0."""
     if not state.ssm or not gdn_slots_needed(k, impl, state.ssm[0].dtype):
         return state, None
-    n = k + 2
-    slot = lambda x: jnp.broadcast_to(x, (n,) + x.shape)  # noqa: E731
-    state = dataclasses.replace(state, conv=tuple(map(slot, state.conv)), ssm=tuple(map(slot, state.ssm)))
-    return state, jnp.zeros(state.lengths.shape, jnp.int32)
+    return decode.slot_gdn_state(state, k + 2)
 
 
 def unslotted_state(state: DecodeState, gdn_slots) -> DecodeState:
     """The loop's state with each row's current slot taken out of the slotted GDN/conv state."""
-    if gdn_slots is None:
-        return state
-    take = lambda x: gdn_conv.read_slot(x, gdn_slots)  # noqa: E731
-    return dataclasses.replace(state, conv=tuple(map(take, state.conv)), ssm=tuple(map(take, state.ssm)))
+    return state if gdn_slots is None else decode.unslot_gdn_state(state, gdn_slots)
 
 
 def _zero_stats(b: int, k: int) -> dict:

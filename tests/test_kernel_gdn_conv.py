@@ -474,12 +474,13 @@ def test_hoisted_form_lowers_for_h200():
     assert "scf.for" in looped_ir
 
 
-def test_slotted_kernel_lowers_for_h200():
-    """The slotted state at the 27B shapes (B = 1, T = 4, Ns = 5): state and conv state alias their
-    outputs; each token's state goes out from the unrolled chain."""
-    shapes = list(real_shapes(1, 4))
-    shapes[1] = jax.ShapeDtypeStruct((5,) + shapes[1].shape, shapes[1].dtype)
-    shapes[7] = jax.ShapeDtypeStruct((5,) + shapes[7].shape, jnp.float32)
+@pytest.mark.parametrize("t,ns", [(4, 5), (1, 2)])  # the K=3 verify; a plain step (ops.GDN_PLAIN_SLOTS)
+def test_slotted_kernel_lowers_for_h200(t, ns):
+    """The slotted state at the 27B shapes (B = 1, T tokens, Ns slots): state and conv state alias
+    their outputs; each token's state goes out from the unrolled chain."""
+    shapes = list(real_shapes(1, t))
+    shapes[1] = jax.ShapeDtypeStruct((ns,) + shapes[1].shape, shapes[1].dtype)
+    shapes[7] = jax.ShapeDtypeStruct((ns,) + shapes[7].shape, jnp.float32)
     fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a[:9], key_heads=HK27, scale=DK27 ** -0.5, slots=a[9],
                                                  config=gdn.RecurrenceConfig(form="hoisted"))
     lowered = lower_for_h200(fn, shapes + [jax.ShapeDtypeStruct((1,), jnp.int32)], donate_argnums=(1, 7))
