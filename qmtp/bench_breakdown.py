@@ -62,7 +62,7 @@ def target_loop(cfg: ModelConfig, params, state, n, t: int, impl: str):
     if t > 1:
         state, slots = speculate.slotted_state(state, t - 1, impl)
     elif state.ssm and decode.plain_gdn_slots(impl, state.ssm[0].dtype):
-        state, slots = decode.slot_gdn_state(state, 2)
+        state, slots = decode.slot_gdn_state(state, decode.PLAIN_GDN_SLOTS)
     else:
         slots = None
 

@@ -97,9 +97,13 @@ def gdn_conv_path(impl: str, ssm_dtype) -> bool:
     return (impl == "ref" or ops.gdn_conv_in_kernel(impl)) and jnp.dtype(ssm_dtype) == jnp.float32
 
 
+PLAIN_GDN_SLOTS = 2  # a plain step writes one state besides the one it reads
+
+
 def plain_gdn_slots(impl: str, ssm_dtype) -> int:
-    """2 when the plain loops slot the GDN state (ops.GDN_PLAIN_SLOTS on a gdn_conv_path), else 0."""
-    return 2 if ops.GDN_PLAIN_SLOTS and gdn_conv_path(impl, ssm_dtype) else 0
+    """PLAIN_GDN_SLOTS when the plain loops slot the GDN state (ops.GDN_PLAIN_SLOTS on a gdn_conv_path),
+    else 0."""
+    return PLAIN_GDN_SLOTS if ops.GDN_PLAIN_SLOTS and gdn_conv_path(impl, ssm_dtype) else 0
 
 
 def slot_gdn_state(state: DecodeState, n: int) -> tuple[DecodeState, jax.Array]:
@@ -119,13 +123,13 @@ def _plain_slots(state: DecodeState, impl: str, kept=None) -> tuple[DecodeState,
     """(state, read slots or None, slotted here): a state that arrives slotted (the engine's, two slots,
     read slots `kept`) stays so; otherwise it is slotted for the loop when plain_gdn_slots says so."""
     if gdn_slot_count(state):
-        if gdn_slot_count(state) != 2 or kept is None:
+        if gdn_slot_count(state) != PLAIN_GDN_SLOTS or kept is None:
             raise ValueError(f"plain decoding: the state has {gdn_slot_count(state)} GDN state slots; the plain "
                              "loops take 2 (ops.GDN_PLAIN_SLOTS) with the read slots in Slots.gdn_slot")
         return state, kept, False
     if not state.ssm or not plain_gdn_slots(impl, state.ssm[0].dtype):
         return state, None, False
-    return (*slot_gdn_state(state, 2), True)
+    return (*slot_gdn_state(state, PLAIN_GDN_SLOTS), True)
 
 
 def _step(cfg: ModelConfig, params: dict, state: DecodeState, last: jax.Array, live: jax.Array, impl: str,
@@ -139,7 +143,7 @@ def _step(cfg: ModelConfig, params: dict, state: DecodeState, last: jax.Array, l
     hidden, state = model.forward(cfg, params, state, last[:, None], live, impl=impl,
                                   gdn_slots=gdn_slots)  # hidden [B, 1, E]
     if gdn_slots is not None:  # a live row's new state is in the next slot; a done row's stays put
-        gdn_slots = gdn_conv.next_slots(gdn_slots, live, 2)
+        gdn_slots = gdn_conv.next_slots(gdn_slots, live, gdn_slot_count(state))
     return greedy(model.logits_from_hidden(params, hidden[:, 0], impl)), state, gdn_slots
 
 
