@@ -9,8 +9,9 @@
 #                                           launch kind by kind (scripts/round_pieces.py) under ROUND_VARIANTS,
 #                                           the conv kernel's GPU tests (pieces())
 #   scripts/gpu_session.sh start_table [SECONDS]  the full table at the presets: TP1 (~11 minutes), then
-#                                           TP2 where the machine has two GPUs (~12 more), then two
-#                                           runs that check the compilation cache (table())
+#                                           TP2 where the machine has two GPUs (~12 more); beside TP1 on
+#                                           GPU 1 the compilation cache, the plain-slots step and the
+#                                           server's load test (table(), side_checks())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -276,40 +277,54 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
 
 table() {  # the issue-6 table at the presets (1024 tokens, K = 1..4 natural and profiled, the round
   # breakdown): TP1 on GPU 0 (~11 minutes: one compile of ~100 s per K), then TP2 over both GPUs where
-  # there are two (~12 minutes), then the compilation cache's check (~3 minutes, cache_check.txt);
-  # TABLE_ARGS is appended to both tables. Needs `wait` calls after the start. Carry .whl for the
-  # server's load test (SERVE=1, the default; SERVE=0 skips it).
+  # there are two (~12 minutes). Beside TP1 on GPU 1 (or after the tables on a one-GPU machine),
+  # side_checks(): the compilation cache, the plain-slots step A/B and the server's load test. TABLE_ARGS
+  # is appended to both tables. Needs `wait` calls after the start. Carry .whl for the server.
   export CUDA_VISIBLE_DEVICES=0
   local gpus
   gpus=$(nvidia-smi -L | wc -l)
   job checkpoint27 300 python3 -c "
 from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
-  # with SERVE=1 (the default) the server's load test, MTP K=3 then plain: on GPU 1 beside the TP1 table
-  # where there are two GPUs, else last
-  if [ "${SERVE:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
-    (export CUDA_VISIBLE_DEVICES=1; serve 3 8193 short; serve 0 8194 short) &
+  if [ "$gpus" -ge 2 ]; then
+    (export CUDA_VISIBLE_DEVICES=1; side_checks) &
   fi
   job bench27_tp1 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --repeats=2 \
     --out=$R/bench27_tp1.json ${TABLE_ARGS:-}
-  wait  # GPU 1's server runs end before TP2 takes both GPUs
+  touch $R/tp1.done  # side_checks starts no new job after this
+  wait  # GPU 1's current job ends before TP2 takes both GPUs
   if [ "$gpus" -ge 2 ]; then
     unset CUDA_VISIBLE_DEVICES
     job bench27_tp2 1200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --repeats=2 \
       --out=$R/bench27_tp2.json --compare_to=$R/bench27_tp1.json ${TABLE_ARGS:-}
+  else
+    export CUDA_VISIBLE_DEVICES=0
+    side_checks
   fi
-  # the persistent compilation cache (qmtp/compile_cache.py, on by default) on the GPU: the same K=3
-  # generation twice; the second process should load its prefill and loop (compile/warm-up line)
-  export CUDA_VISIBLE_DEVICES=0
+  touch $R/all.done
+}
+
+side_checks() {  # one GPU's checks, each skipped once $R/tp1.done exists on a two-GPU machine:
+  # 1. the persistent compilation cache (qmtp/compile_cache.py, on by default): the same K=3 generation
+  #    twice; the second process should load its prefill and loop (compile/warm-up line, cache_check.txt)
+  # 2. the 64-layer step with the plain loops' GDN state in two slots (pallas_plainslots) against the
+  #    default, step_plainslots.json
+  # 3. with SERVE=1 (the default) the server's load test with MTP K=3, then plain
+  local run
   for run in 1 2; do
+    [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
     JAX_DEBUG_LOG_MODULES=jax._src.compiler job cache_check_$run 400 python3 -m qmtp.generate \
       --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas --mtp_k=3 --max_new_tokens=64 --prompt_ids=1,2,3,4
   done
   grep -h "compile/warm-up\|cache hit for\|Error .*persistent" $R/cache_check_*.log | cut -c1-200 >$R/cache_check.txt
-  if [ "${SERVE:-1}" = 1 ] && [ "$gpus" -lt 2 ]; then
+  [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
+  job step_plainslots 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_plainslots \
+    --out=$R/step_plainslots.json
+  if [ "${SERVE:-1}" = 1 ]; then
+    [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
     serve 3 8193 short
+    [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
     serve 0 8194 short
   fi
-  touch $R/all.done
 }
 
 quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
@@ -322,7 +337,7 @@ quick() {  # a short lease running one job function (pieces, confirm or table) i
       && site=/tmp/site: || echo "server wheels did not install" >>$R/jobs.log
   fi
   export PYTHONPATH=$site$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
-  setsid bash -c "$(declare -f job serve $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
+  setsid bash -c "$(declare -f job serve side_checks $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
   wait_and_pack
 }
 
