@@ -40,7 +40,10 @@ class DecodeConfig:
     (`fp8_kernels._f16_pieces`), so each weight chunk converts E4M3 -> f16 (one instruction per two weights)
     instead of E4M3 -> bf16 (which Triton builds through f16, about three per weight). Making the
     pieces inside the kernel instead (two dots per chunk on one converted weight chunk) was measured
-    and removed: the 64-layer 27B step took 27.1 ms against 10.31 (H200, 2026-11-30)."""
+    and removed: the 64-layer 27B step took 27.1 ms against 10.31 (H200, 2026-11-30). x_f16_scaled
+    (with x_f16): x enters as one float16 piece per row instead of two, scaled by a power of two per
+    row (`fp8_kernels._f16_scaled`), so the dot has M rows, not 2M: at 9-16 rows half the tensor-core
+    work and half the partials; exact for every value within 2^32 of its row's largest."""
 
     block_o: int = 64
     split_k: int = 1
@@ -51,6 +54,7 @@ class DecodeConfig:
     chunks_per_step: int = 1
     scale_preload: bool = False
     x_f16: bool = False
+    x_f16_scaled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +129,17 @@ DECODE_PROGRAMS_PER_SM = 2
 # In the 64-layer step, same run: 9.52 ms against 10.65 ms with False (step variant "pallas_narrow_wm").
 NARROW_X_ON_M = True
 NARROW_PROGRAMS_PER_SM = 4
+# True: default decode configs of 9-32 rows (a verify of several slots) take bf16 x as one f16 piece
+# per row scaled by a power of two (DecodeConfig.x_f16_scaled), not as two pieces (9-16 rows) or bf16
+# (17-32 rows). Why: at 16 rows the two pieces fill a 32-row dot, and the kernel is instruction-bound:
+# 234 PTX instructions per 64 x 128 chunk (32 mma.sync) against 183 at 4 rows (16 mma.sync; Triton
+# 3.9 for sm_90, scripts/triton_loop_stats.py cases up_m16 / up_m4_x_f16), where the weights stream
+# at 89-91% of copy against 59-76% at 16 rows (session 10). Off until measured on the H200: the row
+# scale costs XLA a row max before the kernel.
+X_F16_SCALED = False
 
 
-def decode_config(m: int, o: int, i: int) -> DecodeConfig:
+def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
     """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
     WORKSPACE.md). With M1_CUDA_CORE, one row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
     programs, 2 warps, 4 chunks per iteration (2.0-2.5 TB/s vs 1.5-2.1 for the 64-row default).
@@ -137,20 +149,25 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). x_f16 up to X_F16_MAX_ROWS rows; with
     it at M <= 8 and NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM. 17-64 rows (batched verify):
     split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
-    loaded per chunk, as measured)."""
+    loaded per chunk, as measured). With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-32
+    rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy."""
     bo = 64
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
+    scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
+    scaled = X_F16 and scaled and m > DOT_MIN // 2  # one scaled f16 piece per row from 9 rows on
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
-        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True)
+        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
+                            x_f16=scaled, x_f16_scaled=scaled)
     if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)
     dot = m > 1 or not M1_CUDA_CORE
     x_f16 = X_F16 and dot and m <= X_F16_MAX_ROWS
-    # the narrow x-on-M policy was measured where the piece rows fit the dot's 16-row minimum (M <= 8);
-    # at 9-16 rows the narrow weights keep W on the dot's M side (the M = 16 measurement's tiles)
-    narrow_x_on_m = x_f16 and NARROW_X_ON_M and 2 * m <= DOT_MIN
+    # the narrow x-on-M policy was measured where the piece rows fit the dot's 16-row minimum (M <= 8,
+    # or 16 with one scaled piece per row); at 9-16 rows in two pieces the narrow weights keep W on the
+    # dot's M side (the M = 16 measurement's tiles)
+    narrow_x_on_m = x_f16 and NARROW_X_ON_M and (m if scaled else 2 * m) <= DOT_MIN
     x_on_m = dot and (wide or narrow_x_on_m)
     per_sm = NARROW_PROGRAMS_PER_SM if narrow_x_on_m and not wide else DECODE_PROGRAMS_PER_SM
     split = 1
@@ -159,7 +176,7 @@ def decode_config(m: int, o: int, i: int) -> DecodeConfig:
     if dot and n_chunks >= 16:
         split = max(split, 2)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not x_on_m, scale_preload=SCALE_PRELOAD,
-                        x_f16=x_f16)
+                        x_f16=x_f16, x_f16_scaled=x_f16 and scaled)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
@@ -191,6 +208,8 @@ def check_config(config, m: int) -> None:
             raise ValueError(f"fp8_matmul: DecodeConfig.chunks_per_step={c.chunks_per_step} must be >= 1")
         if c.x_f16 and not c.use_dot:
             raise ValueError("fp8_matmul: DecodeConfig(x_f16=True) needs use_dot=True (the pieces feed a tensor-core dot)")
+        if c.x_f16_scaled and not c.x_f16:
+            raise ValueError("fp8_matmul: DecodeConfig(x_f16_scaled=True) is a form of x_f16: set x_f16=True too")
     elif isinstance(config, PrefillConfig):
         c = config
         if not (is_pow2(c.block_m) and c.block_m >= DOT_MIN):

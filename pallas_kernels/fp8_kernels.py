@@ -79,6 +79,27 @@ def _f16_pieces(x2: jax.Array) -> jax.Array:
     return jnp.stack([hi, lo])
 
 
+# The scaled single piece (DecodeConfig.x_f16_scaled): each row r of x is multiplied by 2^-e_r so its
+# largest |x| lands in [2^14, 2^15), then converted to f16 once. A bf16 value has 8 significant bits
+# and f16 holds 11, so the conversion is exact for every scaled value >= 2^-17 (the f16 subnormals
+# still hold 8 bits there), i.e. for every x within 2^32 of its row's largest; smaller values round
+# to the 2^-24 grid (absolute error <= 2^(e_r - 25), below 2^-39 of the row's largest). The row
+# scales are powers of two, so scaling x and the f32 result back are exact. e_r is clamped to
+# [-100, 100] so 2^-e_r stays a finite f32 (rows whose largest value is below 2^-86 or above 2^114
+# lose their tiniest values or overflow, as their f32 products would anyway). inf / NaN propagate.
+_F16_SCALED_TOP = 15  # the scaled row's largest |x| < 2^15 (f16's largest finite value is ~2^16)
+_F16_SCALED_CLAMP = 100
+
+
+def _f16_scaled(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[M, I] bf16 -> ([M, I] float16 x * 2^-e, [M, 1] f32 2^e) with e per row (see _F16_SCALED_TOP)."""
+    xf = x2.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)  # [M, 1]
+    _, top = jnp.frexp(jnp.where(jnp.isfinite(amax), amax, 1.0))  # amax < 2^top (0 -> 0)
+    e = jnp.clip(top - _F16_SCALED_TOP, -_F16_SCALED_CLAMP, _F16_SCALED_CLAMP)
+    return (xf * jnp.ldexp(jnp.float32(1.0), -e)).astype(jnp.float16), jnp.ldexp(jnp.float32(1.0), e)
+
+
 def _dot_sum(a_pieces, b, *, swap: bool) -> jax.Array:
     """sum_p a_p @ b^T ([R, 128] x [C, 128] -> [R, C] f32), or b @ a_p^T when swap."""
     out = None

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config
 from pallas_kernels._vma import align
-from pallas_kernels.fp8_kernels import X_F16_HI, _decode_kernel, _f16_pieces, _prefill_kernel  # noqa: F401
+from pallas_kernels.fp8_kernels import X_F16_HI, _decode_kernel, _f16_pieces, _f16_scaled, _prefill_kernel  # noqa: F401
 # the configs and their heuristics (the module switches stay in fp8_config: read them there)
 from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
                                        DecodeConfig, PrefillConfig, cdiv, decode_config, default_config,
@@ -168,18 +168,24 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16
     # pieces, _bf16_pieces). The kernel then multiplies 2M rows [hi; lo] into f32 partials that XLA
     # combines as 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
+    # With x_f16_scaled one f16 piece per row, scaled by a power of two that the sum undoes.
     x_f16 = config.x_f16 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
-    m_k = 2 * m if x_f16 else m  # rows the kernel multiplies
+    scaled = x_f16 and config.x_f16_scaled
+    m_k = 2 * m if x_f16 and not scaled else m  # rows the kernel multiplies
     if m_k > DECODE_DOT_MAX_ROWS:
         raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
-                         f"(two f16 pieces per row), got M={m}")
-    if x_f16:
+                         f"(two f16 pieces per row; x_f16_scaled takes {DECODE_DOT_MAX_ROWS}), got M={m}")
+    if scaled:
+        x2, row_scale = _f16_scaled(x2)  # [M, I] f16, [M, 1] f32
+    elif x_f16:
         x2 = _f16_pieces(x2).reshape(m_k, i)
     bm = m_k if not config.use_dot else max(DOT_MIN, next_pow2(m_k))
     _, split = _chunk_split(i, config)
     part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
     ys = _decode_call((x2,), ws, scales, m=m_k, i=i, bm=bm, out_rows=m_k, part_dtype=part_dtype, config=config,
                       params=params, interpret=interpret, x_f16=x_f16, name="fp8_matmul_decode")
+    if scaled:  # [split, M, O] -> 2^e_r sum_s y_s (exact: a power of two)
+        return tuple((jnp.sum(y, axis=0) * row_scale).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
     if x_f16:  # [split, 2M, O] -> sum_s 2^16 hi_s + lo_s
         return tuple(jnp.sum(y[:, :m] * X_F16_HI + y[:, m:], axis=0).astype(out_dtype).reshape(*lead, o)
                      for y, o in zip(ys, os))

@@ -12,6 +12,8 @@
 #                                           TP2 where the machine has two GPUs (~12 more); beside TP1 on
 #                                           GPU 1 the compilation cache, the plain-slots step and the
 #                                           server's load test (table(), side_checks())
+#   scripts/gpu_session.sh start_rows [SECONDS]  the scaled f16 piece at 9-32 rows: per FP8 weight and
+#                                           end to end at batch 4, K=3 (rows())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -327,6 +329,29 @@ side_checks() {  # one GPU's checks, each skipped once $R/tp1.done exists on a t
   fi
 }
 
+rows() {  # a ~9-minute lease for the scaled f16 piece (fp8_config.X_F16_SCALED, off until measured):
+  # GPU 0: every FP8 shape at 8, 16 and 32 rows, the default beside the scaled form (fp8_rows.json);
+  # GPU 1 (or after, on one GPU): the 27B checkpoint, then batch 4 K=3 end to end (16-row verify
+  # passes), the defaults and then with --kernels=fp8_x_f16_scaled=true (bench27_b4*.json)
+  local gpus
+  gpus=$(nvidia-smi -L | wc -l)
+  b4() {
+    job checkpoint27 300 python3 -c "
+from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+    job bench27_b4 420 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=4 --ks=3 \
+      --repeats=1 --max_new_tokens=256 --breakdown=false --out=$R/bench27_b4.json
+    job bench27_b4_scaled 420 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=4 --ks=3 \
+      --repeats=1 --max_new_tokens=256 --breakdown=false --kernels=fp8_x_f16_scaled=true --out=$R/bench27_b4_scaled.json
+  }
+  if [ "$gpus" -ge 2 ]; then (export CUDA_VISIBLE_DEVICES=1; b4) & fi
+  export CUDA_VISIBLE_DEVICES=0
+  job fp8_rows 420 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=8,16,32 --fp8_prefill_ms= --xla=false \
+    --out=$R/fp8_rows.json
+  if [ "$gpus" -lt 2 ]; then b4; fi
+  wait
+  touch $R/all.done
+}
+
 quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -345,6 +370,7 @@ case $cmd in
   start_pieces) quick pieces ;;  # see pieces()
   start_confirm) quick confirm ;;  # see confirm()
   start_table) quick table ;;  # see table()
+  start_rows) quick rows ;;  # see rows()
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
@@ -365,5 +391,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

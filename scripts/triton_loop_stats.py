@@ -36,6 +36,15 @@ CASES = {
     "down_m1_a8": (1, 5120, 17408, "fp8_a8", {}),
     "up_m4_a8": (4, 17408, 5120, "fp8_a8", {}),
     "up_m1_a8_xm": (1, 17408, 5120, "fp8_a8", {"swap_ab": False}),  # x on the dot's M side: no wgmma
+    # 16 rows (a verify of 4 slots x 4 tokens): the default (x_f16, its 32 piece rows on the dot's M
+    # side for the wide weights, W on the M side for the narrow ones) and the alternatives
+    "up_m16": (16, 17408, 5120, "fp8", {}),
+    "up_m16_wm": (16, 17408, 5120, "fp8", {"swap_ab": True}),
+    "up_m16_wm_bo128": (16, 17408, 5120, "fp8", {"swap_ab": True, "block_o": 128, "num_warps": 8}),
+    "up_m16_bf16x": (16, 17408, 5120, "fp8", {"x_f16": False}),
+    "up_m16_bf16x_wm": (16, 17408, 5120, "fp8", {"x_f16": False, "swap_ab": True}),
+    "down_m16": (16, 5120, 17408, "fp8", {}),
+    "up_m16_a8": (16, 17408, 5120, "fp8_a8", {}),
 }
 
 _COMPILE = r'''

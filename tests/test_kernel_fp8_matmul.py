@@ -199,6 +199,10 @@ CONFIGS = {  # name: (config, rows)
     # bf16 x as two f16 pieces (f32 x, alternated in, ignores the flag): W on either side of the dot
     "decode_dot_x_f16": (DecodeConfig(split_k=2, x_f16=True, scale_preload=True), [1, 5, 12]),  # 12: BM = 32
     "decode_dot_x_f16_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True), [2, 24]),
+    # bf16 x as one f16 piece per row, scaled by a power of two per row: up to 64 rows (BM = 64)
+    "decode_dot_x_f16_scaled": (DecodeConfig(split_k=2, x_f16=True, x_f16_scaled=True, scale_preload=True),
+                                [1, 16, 40]),
+    "decode_dot_x_f16_scaled_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True, x_f16_scaled=True), [5]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -263,6 +267,46 @@ def test_x_f16_pieces_limits():
     want = np.asarray(x.astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(back[[0, 1, 3]], want[[0, 1, 3]])
     assert abs(back[2] - want[2]) <= 2.0 ** -25 and not np.isfinite(back[4])  # inf - inf
+
+
+@pytest.mark.parametrize("x_scale", [2.0 ** -30, 2.0 ** -12, 2.0 ** 10, 2.0 ** 40])
+def test_x_f16_scaled_exact_at_small_and_large_x(x_scale):
+    """DecodeConfig(x_f16_scaled=True): rows far below 1 (where the two pieces' lo rounds) and above
+    the two pieces' 2^32 limit are bit-exact against the float64 formula (the row scale is a power of
+    two and the f16 piece holds bf16's 8 bits; the rows' spans are test_x_f16_scaled_piece_limits')."""
+    rng = np.random.default_rng(int(np.log2(x_scale)) + 80)
+    config = DecodeConfig(split_k=2, x_f16=True, x_f16_scaled=True)
+    for m, (o, i) in [(1, (272, 300)), (9, (130, 129))]:
+        x, wq, scale = exact_problem(rng, m, o, i)
+        x = x * x_scale  # exact: integers times a power of two
+        got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config)
+        want = np.asarray(f64_formula(x, wq, scale), np.float32)
+        np.testing.assert_array_equal(got, want, err_msg=f"x_scale={x_scale} m={m}")
+
+
+def test_x_f16_scaled_piece_limits():
+    """The documented limits of the scaled piece: exact down to 2^-32 of the row's largest value; below,
+    an error of at most 2^-39 of it; zero rows stay zero with a finite scale; inf and NaN propagate."""
+    x = np.zeros((4, 256), np.float32)
+    # largest in [2^14, 2^15), smallest 2^-17 with all 8 bits (its last at 2^-24, f16's subnormal grid)
+    x[0, :4] = [2.0 ** 14 * 1.5, -(2.0 ** -18) * 1.5, 2.0 ** -17 * 1.25, 2.0 ** -17 * (1 + 2.0 ** -7)]
+    x[1, :2] = [1.0, 2.0 ** -40 * 1.5]  # a value below 2^-32 of the largest
+    x[3, :2] = [np.inf, 1.0]
+    piece, row_scale = fm._f16_scaled(jnp.asarray(x, jnp.bfloat16))
+    back = np.asarray(piece.astype(jnp.float32), np.float64) * np.asarray(row_scale, np.float64)
+    want = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(back[0], want[0])
+    assert back[1, 0] == 1.0 and abs(back[1, 1] - want[1, 1]) <= 2.0 ** -39
+    assert np.all(back[2] == 0) and np.all(np.isfinite(np.asarray(row_scale)))
+    assert np.isinf(back[3, 0]) and back[3, 1] == 1.0
+    assert piece.dtype == jnp.float16 and row_scale.shape == (4, 1)
+
+
+def test_x_f16_scaled_is_a_form_of_x_f16():
+    rng = np.random.default_rng(0)
+    x, wq, scale = exact_problem(rng, 1, 130, 129)
+    with pytest.raises(ValueError, match=r"x_f16_scaled=True\) is a form of x_f16"):
+        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(x_f16_scaled=True))
 
 
 def test_x_f16_needs_the_dot():
@@ -397,6 +441,19 @@ def test_default_config_heuristic():
     finally:
         fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
+    before = fc.X_F16_SCALED  # one scaled f16 piece per row from 9 rows on (fp8_x_f16_scaled)
+    try:
+        fc.X_F16_SCALED = True
+        assert not fm.default_config(8, 17408, 5120).x_f16_scaled and fm.default_config(8, 17408, 5120).x_f16
+        assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False,
+                                                                  scale_preload=pre, x_f16=True, x_f16_scaled=True)
+        # 16 rows fit the dot's minimum in one piece each: the narrow weights put x on the M side (split-K 8)
+        assert fm.default_config(16, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, swap_ab=False,
+                                                                  scale_preload=pre, x_f16=True, x_f16_scaled=True)
+        assert fm.default_config(32, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, x_f16=True,
+                                                                  x_f16_scaled=True)
+    finally:
+        fc.X_F16_SCALED = before
 
 
 def _bad(**kw):
@@ -756,3 +813,22 @@ def test_x_f16_lowers_for_h200(m, o, i):
     assert ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text
     converts = [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln]
     assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts
+
+
+@pytest.mark.parametrize("m, o, i", [(16, F, E), (16, E, F), (32, F, E)])
+def test_x_f16_scaled_lowers_for_h200(m, o, i):
+    """The default configs with ops setting fp8_x_f16_scaled compile for the H200: one f16 dot per
+    chunk over M rows (BM = 16 at 16 rows, not the two pieces' 32), the weight converted to f16."""
+    sds = jax.ShapeDtypeStruct
+    before = fc.X_F16_SCALED
+    try:
+        fc.X_F16_SCALED = True
+        config = fm.decode_config(m, o, i)
+    finally:
+        fc.X_F16_SCALED = before
+    assert config.x_f16 and config.x_f16_scaled
+    args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
+    [(cfg, ir_text)] = triton_calls(lowered)
+    assert ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text
+    assert f"tensor<{m}x128xf16>" in ir_text, "x rows are not one f16 piece each"

@@ -10,7 +10,8 @@ from the model's own parameter declarations) and every row count M:
     weight_tb_s counts the bytes the row's weights really have (2 per weight for the bf16 rows).
   - prefill rows (>= 1024): TFLOP/s = 2 M O I / time, against XLA's bf16 matmul on the same shape
     (weights pre-dequantized to bf16: the best XLA can do) and XLA's dequantize-then-matmul.
-impl: pallas (default config, the default with scale_preload and x_f16 flipped, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
+impl: pallas (default config, the default with scale_preload and x_f16 flipped, at 9-32 rows the default
+with fp8_config.X_F16_SCALED flipped, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
 einsum), xla_bf16 (bf16 weights, plain einsum), pallas_bf16 (bf16 weights on the streaming decode
 kernel, fp8_matmul.bf16_matmul; decode rows only), dequant_dot (prefill rows only: a materialized bf16
 dequantize, then XLA's dot, fp8_matmul_dequant_dot), pallas_a8 (decode rows: the default tiles on E4M3
@@ -203,6 +204,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
                 if default.use_dot:  # and with x as f16 pieces (fp8_config.X_F16)
                     runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
+                if m > fp8_config.DOT_MIN // 2:  # and with x as one scaled f16 piece per row, or not
+                    runs.append(("pallas", fp8_config.decode_config(m, o, i, x_f16_scaled=not default.x_f16_scaled)))
                 if default.use_dot:  # and on E4M3 activations (fp8_act_quant: an approximation of x), with
                     # W on the dot's M side as fp8_matmul's act_quant default puts it
                     a8_default = dataclasses.replace(default, x_f16=False, swap_ab=True)
