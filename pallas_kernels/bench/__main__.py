@@ -6,7 +6,8 @@ copy bandwidth next to the XLA path on the same shapes, and a summary table at t
 is also written to --out as it is measured (a run cut by a time limit keeps what it measured).
 
 Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at 1-16 rows (--fp8_ms), prefill rows against
-XLA's bf16 matmul), gdn (decode/verify recurrence at batch 1-16, chunked prefill), attention (paged
+XLA's bf16 matmul), fp8_launches (the step's FP8 launches as it makes them, projections of one x
+sharing a launch, at --fp8_launch_ms rows, against issue 4's 80% of copy), gdn (decode/verify recurrence at batch 1-16, chunked prefill), attention (paged
 attention for 1..K+1 queries at 1K-32K context), step (the whole 64-layer target decode step,
 impl=pallas vs impl=ref, batch 1, against the roofline). `--quick --interpret` runs a CPU smoke
 test of the harness (no figures mean anything there).
@@ -24,8 +25,9 @@ import sys
 from absl import app, flags
 
 from pallas_kernels.bench.step import VARIANTS
+from qmtp import cli_help
 
-PARTS = ("fp8", "gdn", "attention", "step")
+PARTS = ("fp8", "fp8_launches", "gdn", "attention", "step")
 
 flags.DEFINE_list("parts", list(PARTS), f"Which parts to run, in order: any of {', '.join(PARTS)}.")
 flags.DEFINE_string("out", "bench.json", "JSON file with every row, the copy bandwidth and the versions.")
@@ -39,6 +41,7 @@ flags.DEFINE_bool("fp8_a8_sweep", False, "fp8: also time the E4M3-activation row
 flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmul, and bf16 weights).")
 flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
 flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; others allowed).")
+flags.DEFINE_list("fp8_launch_ms", ["1", "4", "16"], "fp8_launches: rows (M) of each launch.")
 flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
 flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
                   "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "
@@ -61,6 +64,7 @@ flags.DEFINE_string("step_hlo_dir", None, "step: also write each impl's compiled
 flags.DEFINE_string("step_trace_dir", None, "step: also trace one timed run per impl with jax.profiler into this "
                     "directory (perfetto JSON; summarize with scripts/trace_summary.py).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
+cli_help.define_kernels_flag()  # the defaults every part starts from (the step's variants change one more)
 FLAGS = flags.FLAGS
 
 
@@ -81,11 +85,17 @@ def main(argv):
         print(f"error: --step_impls: unknown {', '.join(unknown)}; choose from {', '.join((*VARIANTS, 'ref'))}",
               file=sys.stderr)
         return 2
+    try:
+        settings = cli_help.apply_kernels_flag()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rec = common.Recorder(FLAGS.out, {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
                                       "flags": {f: getattr(FLAGS, f) for f in ("parts", "quick", "interpret")},
                                       "xla_flags": os.environ.get("XLA_FLAGS", "")})
     copy = copy_bandwidth(0.0625 if FLAGS.quick else FLAGS.copy_gib, 3 if FLAGS.quick else 10)
     rec.set("copy", copy)
+    rec.set("kernel_settings", settings)  # --kernels applied: what every part's defaults ran with
     tb = copy["tb_per_s"]
     opts = dict(quick=FLAGS.quick, interpret=FLAGS.interpret)
     for part in FLAGS.parts:
@@ -100,6 +110,11 @@ def main(argv):
             rec.set("fp8_step_aggregate", {str(k): v for k, v in agg.items()})
             if FLAGS.fp8_sweep:
                 rec.set("fp8_best_configs", fp8.best_configs(rec.results["rows"]))
+        elif part == "fp8_launches":
+            from pallas_kernels.bench import fp8_launches
+            launches = fp8_launches.run(tb, rec.emit, decode_ms=[int(m) for m in FLAGS.fp8_launch_ms],
+                                        device_time=FLAGS.fp8_device_time, **opts)
+            rec.set("fp8_launches", {key: {str(m): v for m, v in val.items()} for key, val in launches.items()})
         elif part == "gdn":
             from pallas_kernels.bench import gdn
             gdn.run(tb, rec.emit, cases=tuple(FLAGS.gdn_cases), batches=tuple(int(b) for b in FLAGS.gdn_batches),
@@ -118,6 +133,10 @@ def main(argv):
     if "fp8_step_aggregate" in rec.results:
         print("fp8 matmuls of one 27B decode step (default configs):",
               json.dumps(rec.results["fp8_step_aggregate"]))
+    if "fp8_launches" in rec.results:
+        from pallas_kernels.bench import fp8_launches
+        launches = {key: {int(m): v for m, v in val.items()} for key, val in rec.results["fp8_launches"].items()}
+        print("\n".join(fp8_launches.target_lines(launches)))
     return 0
 
 

@@ -1,0 +1,132 @@
+"""The FP8 matmuls of one 27B decode step as the step launches them, against the copy bandwidth.
+
+The per-weight rows of fp8.py time each weight shape alone, but the step never launches k_proj or
+v_proj ([1024, 5120], 5 MB) or in_proj_z alone: projections that read the same x share one launch
+(qmtp.ops.linear_many -> fp8_matmul_many, one grid over all of them), which is what the bandwidth
+of a launch has to be judged on. LAUNCH_GROUPS mirrors qmtp/layers.py's calls; `step_launches`
+checks that the groups cover every FP8 weight of the step exactly once, so a model change that
+adds or regroups a projection fails here instead of silently timing the wrong thing.
+
+Per launch and row count M: one jitted program loops over n distinct weight sets (>= 8x the L2
+cache together, as in fp8.py), calling fp8_matmul_many with the default config; figures per call:
+the wall clock, and on the GPU the Pallas kernel's device time (its own launches) and the busy time
+of every kernel of the call (the split-K sum and the x pieces included). share_of_copy = summed
+weight bytes / time / copy bandwidth. `targets` compares the kernel share with issue 4's 80%.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pallas_kernels.bench.common import L2_BYTES, timed
+
+# per layer kind: the FP8 projections one launch serves (qmtp/layers.py: attention, gated_deltanet, mlp)
+LAUNCH_GROUPS = {
+    "attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("mlp_gate", "mlp_up"), ("mlp_down",)),
+    "gdn": (("in_proj_qkv", "in_proj_z"), ("out_proj",), ("mlp_gate", "mlp_up"), ("mlp_down",)),
+}
+TARGET_SHARE = 0.80  # issue 4: FP8 matmul at 1-16 rows >= 80% of the measured copy bandwidth
+DECODE_MS = (1, 4, 16)
+
+
+def step_launches(preset: str = "qwen3_5_27b") -> list[dict]:
+    """[{name, shapes [(O, I)], count (per step)}] for every FP8 launch of one decode step of `preset`,
+    from the model's parameter declarations; ValueError if LAUNCH_GROUPS misses or repeats a weight."""
+    import collections
+
+    import jax.numpy as jnp
+
+    from qmtp import config as qc
+    from qmtp import params as qp
+    from qmtp.fp8 import Fp8Block
+    from qmtp.tools import make_checkpoint
+
+    cfg = qc.from_dict(make_checkpoint.build_config(preset, "fp8", 0, None))
+    tree = qp.abstract_params(cfg, jnp.bfloat16, fp8_linear=True)
+    launches: dict = collections.OrderedDict()
+    for kind, groups in LAUNCH_GROUPS.items():
+        for layer in tree[kind]:
+            fp8_keys = {k for k, v in layer.items() if isinstance(v, Fp8Block)}
+            grouped = [k for g in groups for k in g]
+            if sorted(grouped) != sorted(fp8_keys):
+                raise ValueError(f"LAUNCH_GROUPS[{kind!r}] covers {sorted(grouped)}, but the layer's FP8 "
+                                 f"weights are {sorted(fp8_keys)}: update it to match qmtp/layers.py")
+            for group in groups:
+                shapes = tuple(tuple(layer[k].shape) for k in group)
+                key = (f"{kind}.{'+'.join(group)}", shapes)
+                launches[key] = launches.get(key, 0) + 1
+    return [{"name": name, "shapes": list(shapes), "count": n} for (name, shapes), n in launches.items()]
+
+
+def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, decode_ms=DECODE_MS,
+        reps: int = 8, trials: int = 5, device_time: bool = True) -> dict:
+    """Emits one row per (launch, M); returns {"per_step": {M: figures of all launches of a step},
+    "targets": {M: [launches whose share is below TARGET_SHARE]}} (shares by device time where
+    measured, else by the wall clock)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp8_matmul as fm
+    from pallas_kernels.bench.fp8 import _device_figures, loop_program, make_weights
+
+    launches = step_launches()
+    if quick:  # two ragged projections behind one x, and one alone
+        launches = [{"name": "quick.a+b", "shapes": [(272, 300), (130, 300)], "count": 1},
+                    {"name": "quick.c", "shapes": [(130, 129)], "count": 1}]
+        reps, trials = 1, 1
+    per_step: dict = {}
+    below: dict = {}
+    for li, launch in enumerate(launches):
+        shapes = [tuple(s) for s in launch["shapes"]]
+        nbytes = sum(o * i for o, i in shapes)
+        n = 2 if quick else min(96, max(4, math.ceil(8 * L2_BYTES / nbytes)))
+        sets = [make_weights(o, i, n, seed=100 * li + j) for j, (o, i) in enumerate(shapes)]
+        ws = tuple(tuple(s[0][k] for s in sets) for k in range(n))  # n sets of the launch's weights
+        ss = tuple(tuple(s[1][k] for s in sets) for k in range(n))
+        i_dim = shapes[0][1]
+        for m in decode_ms:
+            x = jax.random.normal(jax.random.key(m), (m, i_dim), jnp.float32).astype(jnp.bfloat16)
+            row = {"kernel": "fp8_launch", "case": f"{launch['name']} M={m}", "launch": launch["name"],
+                   "shapes": [list(s) for s in shapes], "m": m, "impl": "pallas", "count_per_step": launch["count"],
+                   "n_weights": n, "bytes": nbytes,
+                   "config": repr(fm.default_config(m, sum(o for o, _ in shapes), i_dim))}
+
+            def many(x, w, s):  # the launch's outputs, concatenated so loop_program can slice them
+                return jnp.concatenate(fm.fp8_matmul_many(x, w, s, interpret=interpret), axis=-1)
+
+            try:
+                prog = loop_program(many, reps, False)
+                med, best = timed(prog, x, ws, ss, trials=trials)
+                per = med / (reps * n)
+                row.update(s_per_call=per, best_s_per_call=best / (reps * n), tb_s=nbytes / per / 1e12,
+                           share_of_copy=nbytes / per / 1e12 / copy_tb_s)
+                if device_time:
+                    row.update(_device_figures(prog, (x, ws, ss), reps * n, nbytes, copy_tb_s))
+                share = row.get("kernel_share_of_copy", row["share_of_copy"])
+                time_key = "kernel_s_per_call" if "kernel_s_per_call" in row else "s_per_call"
+                agg = per_step.setdefault(m, {"bytes": 0, "s": 0.0, "by": time_key})
+                agg["bytes"] += nbytes * launch["count"]
+                agg["s"] += row[time_key] * launch["count"]
+                if share < TARGET_SHARE:
+                    below.setdefault(m, []).append({"launch": launch["name"], "share_of_copy": round(share, 3)})
+            except Exception as e:  # record and go on: one failing launch must not hide the others
+                row["error"] = repr(e)[:1000]
+            emit(row)
+    for agg in per_step.values():
+        agg["share_of_copy"] = agg["bytes"] / agg["s"] / 1e12 / copy_tb_s
+    return {"per_step": per_step, "targets": {m: below.get(m, []) for m in per_step}}
+
+
+def target_lines(result: dict) -> list[str]:
+    """Issue 4's FP8 target per row count, met or missed, naming the launches below it."""
+    lines = []
+    for m, missed in sorted(result["targets"].items()):
+        agg = result["per_step"][m]
+        head = (f"FP8 launches at M={m} >= {TARGET_SHARE:.0%} of copy each (by {agg['by']}; all launches of a "
+                f"step: {agg['share_of_copy']:.0%})")
+        if not missed:
+            lines.append(f"target met: {head}")
+        else:
+            names = ", ".join(f"{x['launch']} {x['share_of_copy']:.0%}" for x in missed)
+            lines.append(f"target missed: {head}: {names}")
+    return lines

@@ -1,0 +1,73 @@
+"""The FP8 launch groups of the bench (pallas_kernels/bench/fp8_launches.py): they must be the launches
+the step makes, and the part must run end to end (interpret mode on the CPU; timings mean nothing)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pallas_kernels.bench import fp8, fp8_launches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_launch_groups_cover_every_fp8_weight_of_the_step_once():
+    """Summed over the launches, every FP8 weight shape of the 27B step appears as often as the
+    per-weight bench counts it (fp8.step_shapes, from the parameter tree): nothing missed, nothing twice."""
+    counts = collections.Counter()
+    for launch in fp8_launches.step_launches():
+        for shape in launch["shapes"]:
+            counts[tuple(shape)] += launch["count"]
+    assert counts == {shape: len(keys) for shape, keys in fp8.step_shapes().items()}
+    names = {x["name"]: x for x in fp8_launches.step_launches()}
+    # k and v never launch alone: they ride with q (16 attention layers of the 27B model)
+    assert names["attn.q_proj+k_proj+v_proj"]["shapes"] == [(12288, 5120), (1024, 5120), (1024, 5120)]
+    assert names["attn.q_proj+k_proj+v_proj"]["count"] == 16 and names["gdn.in_proj_qkv+in_proj_z"]["count"] == 48
+
+
+def test_a_group_that_misses_a_weight_is_refused(monkeypatch):
+    groups = dict(fp8_launches.LAUNCH_GROUPS, attn=(("q_proj", "k_proj"), ("o_proj",), ("mlp_gate", "mlp_up"),
+                                                    ("mlp_down",)))
+    monkeypatch.setattr(fp8_launches, "LAUNCH_GROUPS", groups)
+    with pytest.raises(ValueError, match=r"LAUNCH_GROUPS\['attn'\] covers .*v_proj"):
+        fp8_launches.step_launches()
+
+
+def test_target_lines():
+    result = {"per_step": {1: {"share_of_copy": 0.87, "by": "kernel_s_per_call"},
+                           16: {"share_of_copy": 0.62, "by": "kernel_s_per_call"}},
+              "targets": {1: [], 16: [{"launch": "attn.o_proj", "share_of_copy": 0.5}]}}
+    lines = fp8_launches.target_lines(result)
+    assert lines[0].startswith("target met: FP8 launches at M=1") and "87%" in lines[0]
+    assert lines[1].startswith("target missed: FP8 launches at M=16") and lines[1].endswith("attn.o_proj 50%")
+
+
+def test_quick_run(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--quick", "--interpret",
+                        "--kernels=fp8_x_f16_scaled=true", "--fp8_launch_ms=1,9", f"--out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = [x for x in res["rows"] if x["kernel"] == "fp8_launch"]
+    assert not [x for x in rows if "error" in x], rows
+    assert {(x["launch"], x["m"]) for x in rows} == {(n, m) for n in ("quick.a+b", "quick.c") for m in (1, 9)}
+    assert res["kernel_settings"]["fp8_x_f16_scaled"] is True  # --kernels: the defaults the launches ran with
+    assert all(("x_f16_scaled=True" in x["config"]) == (x["m"] == 9) for x in rows), [x["config"] for x in rows]
+    shared = next(x for x in rows if x["launch"] == "quick.a+b")
+    assert shared["bytes"] == 272 * 300 + 130 * 300 and shared["share_of_copy"] > 0
+    assert set(res["fp8_launches"]["per_step"]) == {"1", "9"}
+    assert "FP8 launches at M=1" in r.stdout and "FP8 launches at M=9" in r.stdout
+
+
+def test_bad_kernels_flag_is_refused(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--kernels=nope=1",
+                        f"--out={tmp_path / 'x.json'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "--kernels" in r.stderr and "nope" in r.stderr
