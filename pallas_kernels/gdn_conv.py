@@ -320,7 +320,16 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, 
     slotted form: state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C], Ns >= T + 1), both are
     updated in place: each program reads its tile of row b's slot slots[b] and writes each token's
     state and conv rows to the slots after it, so a speculative commit is an index (`next_slots`)."""
-    config = config or gdn.RECURRENCE_CONFIG
+    return _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots,
+                                key_heads=key_heads, scale=float(scale), interpret=interpret,
+                                config=config or gdn.RECURRENCE_CONFIG, in_place=in_place)
+
+
+# jitted so that the 48 GDN layers of a pass, with the same shapes and settings, trace the kernel once
+# and share one lowered function (see fp8_matmul._decode_launch for the figures)
+@functools.partial(jax.jit, static_argnames=("key_heads", "scale", "interpret", "config", "in_place"))
+def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots, *,
+                         key_heads: int, scale: float, interpret: bool, config: gdn.RecurrenceConfig, in_place: bool):
     slotted_state = slotted_conv = None
     if slots is not None:
         _check_slots(state, conv_state, slots, mixed.shape[1])

@@ -332,7 +332,7 @@ side_checks() {  # one GPU's checks, each skipped once $R/tp1.done exists on a t
 rows() {  # a ~9-minute lease for the scaled f16 piece (fp8_config.X_F16_SCALED, off until measured):
   # GPU 0: every FP8 shape at 8, 16 and 32 rows, the default beside the scaled form, and the step's FP8
   # launches at 1, 4 and 16 rows against issue 4's 80% (fp8_rows.json), the launches at 16 and 32 rows
-  # with the scaled form (fp8_launches_scaled.json);
+  # with the scaled form (fp8_launches_scaled.json), the 64-layer step (step_default.json);
   # GPU 1 (or after, on one GPU): the 27B checkpoint, then batch 4 K=3 end to end (16-row verify
   # passes), the defaults and then with --kernels=fp8_x_f16_scaled=true (bench27_b4*.json)
   local gpus
@@ -351,6 +351,8 @@ from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_
     --xla=false --out=$R/fp8_rows.json
   job fp8_launches_scaled 200 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=16,32 \
     --kernels=fp8_x_f16_scaled=true --out=$R/fp8_launches_scaled.json
+  # the step with the nested-jit launches (session 14): unchanged at 9.23 ms and 1062 launches?
+  job step_default 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas --out=$R/step_default.json
   if [ "$gpus" -lt 2 ]; then b4; fi
   wait
   touch $R/all.done

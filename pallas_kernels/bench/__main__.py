@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from pallas_kernels.bench.step import VARIANTS
 from qmtp import cli_help
@@ -141,4 +141,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli_help.run(main, __doc__)
