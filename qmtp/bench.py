@@ -118,7 +118,9 @@ def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, labe
                             accept_cap=cap)
         runs.append(res)
         progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s")
-    out = {"compile_s": compile_s, "runs": runs}
+    # device memory after the mode: in use, and the process's high-water mark through it (the modes run in
+    # the table's order, so a mode that needs more than every one before it raises the mark)
+    out = {"compile_s": compile_s, "runs": runs, "memory": memory()}
     if FLAGS.trace_dir:  # an untimed run under the profiler (where a round's device time goes)
         import jax
         out["trace_dir"] = os.path.join(FLAGS.trace_dir, f"{model.impl}_{trace_name(label)}")
@@ -140,7 +142,7 @@ def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, byte
     out = {"name": name, "k": k, "acceptance": acceptance, "compile_s": mode["compile_s"],
            "decode_tokens_per_s": br.spread([r.stats["decode_tokens_per_s"] for r in runs]),
            "ttft_s": br.spread([r.stats["ttft_s"] for r in runs]),
-           "raw": [{k_: v for k_, v in r.stats.items()} for r in runs]}
+           "raw": [{k_: v for k_, v in r.stats.items()} for r in runs], "memory": mode.get("memory")}
     if mode.get("trace_dir"):
         out["trace_dir"] = mode["trace_dir"]
     tokens = runs[-1].tokens

@@ -78,16 +78,19 @@ def aligned(rows: list[list[str]]) -> str:
 
 
 def table(modes: list[dict]) -> str:
-    """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share."""
-    head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "acc.len", "per-position", "roofline"]
+    """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share, and the
+    device memory's high-water mark through the mode (GB; "-" where the backend keeps no statistics)."""
+    head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "acc.len", "per-position", "roofline", "peak GB"]
     rows = [head]
     for m in modes:
         tps = m["decode_tokens_per_s"]
+        peak = (m.get("memory") or {}).get("peak_bytes_in_use")
         rows.append([m["name"], str(m["k"]), f"{tps['median']:.1f}", f"{tps['min']:.1f}-{tps['max']:.1f}",
                      f"{m.get('speedup', float('nan')):.2f}x", f"{m['ttft_s']['median'] * 1e3:.1f}",
                      f"{m['mean_accepted_length']:.2f}" if m["k"] else "-",
                      "/".join(f"{p:.2f}" for p in m.get("position_acceptance", [])) or "-",
-                     f"{m['share_of_roofline']:.0%}" if m.get("share_of_roofline") is not None else "-"])
+                     f"{m['share_of_roofline']:.0%}" if m.get("share_of_roofline") is not None else "-",
+                     f"{peak / 1e9:.1f}" if peak is not None else "-"])
     return aligned(rows)
 
 

@@ -38,6 +38,7 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     assert names == ["plain", "mtp K=1 natural", "mtp K=3 natural", "mtp K=1 profiled", "mtp K=3 profiled"]
     for m in case["modes"]:
         assert m["decode_tokens_per_s"]["median"] > 0 and m["ttft_s"]["n"] == 1 and m["share_of_roofline"] > 0
+        assert set(m["memory"]) == {"bytes_in_use", "peak_bytes_in_use"}  # per mode (None on the CPU)
     natural3 = case["modes"][2]
     assert natural3["position_acceptance"] == [1.0, 1.0, 1.0] and natural3["mean_accepted_length"] == 4.0
     assert case["modes"][4]["imposed_profile"] == [0.85, 0.70, 0.57]
@@ -68,6 +69,17 @@ def test_help_and_plot_from(tmp_path):
     for flag in ("checkpoint", "engine", "tp", "ks", "profile", "prompt_lengths", "batch", "repeats", "out", "plot_from",
                  "kernels"):
         assert f"--{flag}" in r.stdout, flag
+
+
+def test_table_shows_each_modes_memory_high_water_mark():
+    from qmtp import bench_report as br
+    mode = {"name": "plain", "k": 0, "decode_tokens_per_s": {"median": 100.0, "min": 99.0, "max": 101.0},
+            "ttft_s": {"median": 0.05}, "share_of_roofline": 0.8, "speedup": 1.0}
+    with_stats = dict(mode, memory={"bytes_in_use": 32.4e9, "peak_bytes_in_use": 40.3e9})
+    lines = br.table([with_stats, dict(mode, memory={"bytes_in_use": None, "peak_bytes_in_use": None}), mode])
+    rows = lines.splitlines()
+    assert rows[0].split()[-2:] == ["peak", "GB"] and rows[1].split()[-1] == "40.3"
+    assert rows[2].split()[-1] == "-" and rows[3].split()[-1] == "-"  # no statistics (CPU), or an older JSON
 
 
 def test_roofline_and_ceiling_arithmetic():
