@@ -1,7 +1,7 @@
 """Tile configurations of the FP8 block matmul kernels (pallas_kernels/fp8_matmul.py) and the
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
-The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, NARROW_X_ON_M, DECODE_MAX_ROWS) live here and only here: set
+The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, NARROW_X_ON_M, DECODE_MAX_ROWS) live here and only here: set
 them through `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 

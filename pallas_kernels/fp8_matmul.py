@@ -221,8 +221,9 @@ def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, out_rows
 
 # jitted so that the FP8 launches of a pass with the same shapes and config (the 64 layers' gate/up, ...)
 # trace the kernel once and share one lowered function (JAX reuses a nested jit's lowering): a 64-layer
-# 27B plain loop traced and lowered for the H200 in 24.7 s with a pallas_call per layer, 3.5 s with
-# these and gdn_conv's (CPU, session 14); the persistent compile cache cannot skip that part
+# 27B plain loop traced and lowered for the H200 in 25.7 s with a pallas_call per layer, 3.1 s with
+# these and gdn_conv's (CPU, session 14, scripts/lowering_time.py); the persistent compile cache
+# cannot skip that part
 @functools.partial(jax.jit, static_argnames=("os", "m", "i", "bm", "cps", "split", "out_rows", "part_dtype", "config",
                                              "params", "interpret", "x_f16", "name"))
 def _decode_launch(x_args, ws, scales, *, os, m, i, bm, cps, split, out_rows, part_dtype, config, params, interpret,
