@@ -137,6 +137,7 @@ NARROW_PROGRAMS_PER_SM = 4
 # at 89-91% of copy against 59-76% at 16 rows (session 10). Off until measured on the H200: the row
 # scale costs XLA a row max before the kernel.
 X_F16_SCALED = False
+X_F16_SCALED_MIN_ROWS = DOT_MIN // 2 + 1  # below it, two pieces per row still fit the dot's 16-row minimum
 
 
 def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
@@ -155,7 +156,7 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
-    scaled = X_F16 and scaled and m > DOT_MIN // 2  # one scaled f16 piece per row from 9 rows on
+    scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
         return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
                             x_f16=scaled, x_f16_scaled=scaled)

@@ -105,6 +105,15 @@ t = time.time(); p = m.ensure_preset('qwen3_5_27b_controlled', 'fp8'); print(p, 
   touch $R/gpu0.done
 }
 
+checkpoint27() {  # the Qwen3.5-27B-shaped controlled FP8 checkpoint (reused where it exists), as a job
+  job checkpoint27 300 python3 -c "
+from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+}
+
+tp1_over() {  # side_checks on GPU 1 of a two-GPU machine once the TP1 table has ended: start nothing more
+  [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ]
+}
+
 serve() {  # K PORT full|short
   local k=$1 port=$2 how=$3
   python3 -m qmtp.server --checkpoint=${SERVE_CKPT:-preset:qwen3_5_27b_controlled:fp8} --served_model_name=q27 \
@@ -231,8 +240,7 @@ confirm() {  # a short lease: the step against the variant the last change repla
   (export CUDA_VISIBLE_DEVICES=1
    job bench_step 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_gdnxla \
      --out=$R/bench_step.json) &
-  job checkpoint27 300 python3 -c "
-from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+  checkpoint27
   CUDA_VISIBLE_DEVICES=0 job tp1_short 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
     --repeats=2 --breakdown=false --out=$R/tp1_short.json --trace_dir=/tmp/qmtp_e2e_trace
   for d in /tmp/qmtp_e2e_trace/*/; do
@@ -251,8 +259,7 @@ pieces() {  # a ~9-minute lease. GPU 0: the 27B checkpoint, then TP1 plain + K=3
   # with the defaults and under each of ROUND_VARIANTS (scripts/round_pieces.py --variants). On a
   # one-GPU machine GPU 1's jobs run after GPU 0's (~12 minutes).
   export CUDA_VISIBLE_DEVICES=0
-  job checkpoint27 300 python3 -c "
-from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+  checkpoint27
   touch $R/checkpoint.done
   gpu1_pieces() {
     job gpu_tests_gdn 200 python3 -m pytest -q -m gpu tests/test_kernel_gdn_conv.py -p no:cacheprovider
@@ -285,8 +292,7 @@ table() {  # the issue-6 table at the presets (1024 tokens, K = 1..4 natural and
   export CUDA_VISIBLE_DEVICES=0
   local gpus
   gpus=$(nvidia-smi -L | wc -l)
-  job checkpoint27 300 python3 -c "
-from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+  checkpoint27
   if [ "$gpus" -ge 2 ]; then
     (export CUDA_VISIBLE_DEVICES=1; side_checks) &
   fi
@@ -313,18 +319,18 @@ side_checks() {  # one GPU's checks, each skipped once $R/tp1.done exists on a t
   # 3. with SERVE=1 (the default) the server's load test with MTP K=3, then plain
   local run
   for run in 1 2; do
-    [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
+    tp1_over && return
     JAX_DEBUG_LOG_MODULES=jax._src.compiler job cache_check_$run 400 python3 -m qmtp.generate \
       --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas --mtp_k=3 --max_new_tokens=64 --prompt_ids=1,2,3,4
   done
   grep -h "compile/warm-up\|cache hit for\|Error .*persistent" $R/cache_check_*.log | cut -c1-200 >$R/cache_check.txt
-  [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
+  tp1_over && return
   job step_plainslots 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_plainslots \
     --out=$R/step_plainslots.json
   if [ "${SERVE:-1}" = 1 ]; then
-    [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
+    tp1_over && return
     serve 3 8193 short
-    [ -f $R/tp1.done ] && [ "${CUDA_VISIBLE_DEVICES:-}" = 1 ] && return
+    tp1_over && return
     serve 0 8194 short
   fi
 }
@@ -338,8 +344,7 @@ rows() {  # a ~9-minute lease for the scaled f16 piece (fp8_config.X_F16_SCALED,
   local gpus
   gpus=$(nvidia-smi -L | wc -l)
   b4() {
-    job checkpoint27 300 python3 -c "
-from qmtp.tools import make_checkpoint as m; print(m.ensure_preset('qwen3_5_27b_controlled', 'fp8'))"
+    checkpoint27
     job bench27_b4 420 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=4 --ks=3 \
       --repeats=1 --max_new_tokens=256 --breakdown=false --out=$R/bench27_b4.json
     job bench27_b4_scaled 420 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=4 --ks=3 \
@@ -368,7 +373,7 @@ quick() {  # a short lease running one job function (pieces, confirm or table) i
       && site=/tmp/site: || echo "server wheels did not install" >>$R/jobs.log
   fi
   export PYTHONPATH=$site$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
-  setsid bash -c "$(declare -f job serve side_checks $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
+  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
   wait_and_pack
 }
 

@@ -98,6 +98,7 @@ def main(argv):
     rec.set("kernel_settings", settings)  # --kernels applied: what every part's defaults ran with
     tb = copy["tb_per_s"]
     opts = dict(quick=FLAGS.quick, interpret=FLAGS.interpret)
+    launches = None  # the fp8_launches part's result, for its target lines at the end
     for part in FLAGS.parts:
         print(f"== {part}", file=sys.stderr, flush=True)
         if part == "fp8":
@@ -133,9 +134,8 @@ def main(argv):
     if "fp8_step_aggregate" in rec.results:
         print("fp8 matmuls of one 27B decode step (default configs):",
               json.dumps(rec.results["fp8_step_aggregate"]))
-    if "fp8_launches" in rec.results:
+    if launches is not None:
         from pallas_kernels.bench import fp8_launches
-        launches = {key: {int(m): v for m, v in val.items()} for key, val in rec.results["fp8_launches"].items()}
         print("\n".join(fp8_launches.target_lines(launches)))
     return 0
 

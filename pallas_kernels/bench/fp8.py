@@ -204,7 +204,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
                 if default.use_dot:  # and with x as f16 pieces (fp8_config.X_F16)
                     runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
-                if m > fp8_config.DOT_MIN // 2:  # and with x as one scaled f16 piece per row, or not
+                if m >= fp8_config.X_F16_SCALED_MIN_ROWS:  # and with x as one scaled f16 piece per row, or not
                     runs.append(("pallas", fp8_config.decode_config(m, o, i, x_f16_scaled=not default.x_f16_scaled)))
                 if default.use_dot:  # and on E4M3 activations (fp8_act_quant: an approximation of x), with
                     # W on the dot's M side as fp8_matmul's act_quant default puts it

@@ -76,6 +76,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         reps, trials = 1, 1
     per_step: dict = {}
     below: dict = {}
+
+    def many(x, w, s):  # a launch's outputs, concatenated so loop_program can slice them
+        return jnp.concatenate(fm.fp8_matmul_many(x, w, s, interpret=interpret), axis=-1)
+
     for li, launch in enumerate(launches):
         shapes = [tuple(s) for s in launch["shapes"]]
         nbytes = sum(o * i for o, i in shapes)
@@ -90,10 +94,6 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                    "shapes": [list(s) for s in shapes], "m": m, "impl": "pallas", "count_per_step": launch["count"],
                    "n_weights": n, "bytes": nbytes,
                    "config": repr(fm.default_config(m, sum(o for o, _ in shapes), i_dim))}
-
-            def many(x, w, s):  # the launch's outputs, concatenated so loop_program can slice them
-                return jnp.concatenate(fm.fp8_matmul_many(x, w, s, interpret=interpret), axis=-1)
-
             try:
                 prog = loop_program(many, reps, False)
                 med, best = timed(prog, x, ws, ss, trials=trials)
