@@ -133,10 +133,14 @@ NARROW_PROGRAMS_PER_SM = 4
 # per row scaled by a power of two (DecodeConfig.x_f16_scaled), not as two pieces (9-16 rows) or bf16
 # (17-32 rows). Why: at 16 rows the two pieces fill a 32-row dot, and the kernel is instruction-bound:
 # 234 PTX instructions per 64 x 128 chunk (32 mma.sync) against 183 at 4 rows (16 mma.sync; Triton
-# 3.9 for sm_90, scripts/triton_loop_stats.py cases up_m16 / up_m4_x_f16), where the weights stream
-# at 89-91% of copy against 59-76% at 16 rows (session 10). Off until measured on the H200: the row
-# scale costs XLA a row max before the kernel.
-X_F16_SCALED = False
+# 3.9 for sm_90, scripts/triton_loop_stats.py cases up_m16 / up_m4_x_f16). Measured on the H200
+# (2026-12-01, session 15, `scripts/gpu_session.sh start_rows`): the step's FP8 launches at 16 rows
+# stream at 86% of copy by kernel time against 70% with two pieces (`pallas_kernels.bench
+# --parts=fp8_launches`), and every 27B shape is faster per call at 16 and 32 rows (5120x6144
+# 20.9 -> 15.8 us at 16, 25.0 -> 20.6 at 32); batch 4 with K=3 end to end (16-row verifies): natural
+# 1066 -> 1197 tok/s, profiled 822 -> 921 (`qmtp.bench --batch=4 --ks=3`), plain unchanged (406 / 407).
+# The row max it needs before the kernel costs less than the halved dot saves.
+X_F16_SCALED = True
 X_F16_SCALED_MIN_ROWS = DOT_MIN // 2 + 1  # below it, two pieces per row still fit the dot's 16-row minimum
 
 

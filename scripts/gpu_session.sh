@@ -14,6 +14,8 @@
 #                                           server's load test (table(), side_checks())
 #   scripts/gpu_session.sh start_rows [SECONDS]  the scaled f16 piece at 9-32 rows: per FP8 weight and
 #                                           end to end at batch 4, K=3 (rows())
+#   scripts/gpu_session.sh start_floor [SECONDS]  the FP8 launches with their read floors, batch 8 K=3
+#                                           with and without the scaled piece, o_proj's tile sweep (floor())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -363,6 +365,22 @@ rows() {  # a ~9-minute lease for the scaled f16 piece (fp8_config.X_F16_SCALED,
   touch $R/all.done
 }
 
+floor() {  # a ~14-minute lease on one GPU after the scaled piece became the default (session 15):
+  # the step's FP8 launches at 1/4/16 rows with each launch's read floor (launches_floor.json); batch 8
+  # K=3 end to end (32-row verifies) with the default and with the scaled piece off (bench27_b8*.json);
+  # o_proj / out_proj's tile sweep at 1 and 16 rows (oproj_sweep.json)
+  export CUDA_VISIBLE_DEVICES=0
+  job launches_floor 300 python3 -m pallas_kernels.bench --parts=fp8_launches --out=$R/launches_floor.json
+  checkpoint27
+  job bench27_b8 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=8 --ks=3 \
+    --repeats=1 --max_new_tokens=256 --breakdown=false --out=$R/bench27_b8.json
+  job bench27_b8_pieces 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=8 --ks=3 \
+    --repeats=1 --max_new_tokens=256 --breakdown=false --kernels=fp8_x_f16_scaled=false --out=$R/bench27_b8_pieces.json
+  job oproj_sweep 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
+    --fp8_prefill_ms= --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/oproj_sweep.json
+  touch $R/all.done
+}
+
 quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -382,6 +400,7 @@ case $cmd in
   start_confirm) quick confirm ;;  # see confirm()
   start_table) quick table ;;  # see table()
   start_rows) quick rows ;;  # see rows()
+  start_floor) quick floor ;;  # see floor()
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
@@ -402,5 +421,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

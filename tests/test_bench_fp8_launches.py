@@ -45,20 +45,28 @@ def test_target_lines():
     lines = fp8_launches.target_lines(result)
     assert lines[0].startswith("target met: FP8 launches at M=1") and "87%" in lines[0]
     assert lines[1].startswith("target missed: FP8 launches at M=16") and lines[1].endswith("attn.o_proj 50%")
+    result["targets"][16][0]["floor_share_of_copy"] = 0.83  # with the launch's read floor measured
+    assert fp8_launches.target_lines(result)[1].endswith("attn.o_proj 50% (read floor 83%)")
 
 
 def test_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--quick", "--interpret",
-                        "--kernels=fp8_x_f16_scaled=true", "--fp8_launch_ms=1,9", f"--out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                        "--kernels=fp8_x_f16_scaled=false", "--fp8_launch_ms=1,9", f"--out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = [x for x in res["rows"] if x["kernel"] == "fp8_launch"]
     assert not [x for x in rows if "error" in x], rows
+    # each launch's read floor, measured once per launch before its rows (wall clock only on the CPU)
+    floors = [x for x in res["rows"] if x["kernel"] == "read_floor"]
+    assert [x["launch"] for x in floors] == ["quick.a+b", "quick.c"] and not [x for x in floors if "error" in x]
+    assert floors[0]["bytes"] == 272 * 300 + 130 * 300 and floors[0]["share_of_copy"] > 0
     assert {(x["launch"], x["m"]) for x in rows} == {(n, m) for n in ("quick.a+b", "quick.c") for m in (1, 9)}
-    assert res["kernel_settings"]["fp8_x_f16_scaled"] is True  # --kernels: the defaults the launches ran with
-    assert all(("x_f16_scaled=True" in x["config"]) == (x["m"] == 9) for x in rows), [x["config"] for x in rows]
+    # --kernels: the defaults the launches ran with (the scaled piece, on by default from 9 rows, off here)
+    assert res["kernel_settings"]["fp8_x_f16_scaled"] is False
+    assert all("x_f16_scaled=False" in x["config"] for x in rows), [x["config"] for x in rows]
+    assert any("x_f16=True" in x["config"] for x in rows if x["m"] == 9)  # two f16 pieces instead
     shared = next(x for x in rows if x["launch"] == "quick.a+b")
     assert shared["bytes"] == 272 * 300 + 130 * 300 and shared["share_of_copy"] > 0
     assert set(res["fp8_launches"]["per_step"]) == {"1", "9"}

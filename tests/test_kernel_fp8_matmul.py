@@ -401,9 +401,6 @@ def test_interpret_mode_poisons_out_of_bounds():
 
 def test_default_config_heuristic():
     assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
-    # a batched verify of 17-32 rows: the decode grid, split-K 4, W on the dot's M side (the M = 32 sweep)
-    for m in (17, 32):
-        assert fm.default_config(m, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True)
     assert fm.default_config(32, 130, 129).split_k == 1  # two chunks: nothing to split
     assert isinstance(fm.default_config(33, 17408, 5120), PrefillConfig)
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
@@ -414,23 +411,44 @@ def test_default_config_heuristic():
                                                              scale_preload=pre, x_f16=True)
     assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
                                                              scale_preload=pre, x_f16=f16)
-    # f16 pieces up to 16 rows (32 piece rows: faster per weight at M = 16), not at 17-32 (slower at M = 32)
-    assert fm.default_config(16, 5120, 6144).x_f16 == f16 and not fm.default_config(17, 5120, 6144).x_f16
     # narrow O with the f16 pieces (<= 8 rows): 80 row blocks -> split-K 8 -> 640 programs on 132 SMs
     for m in (1, 5, 8):
         assert [fm.default_config(m, o, i).split_k for o, i in ((5120, 17408), (5120, 6144), (6144, 5120))] == [8] * 3
         assert not fm.default_config(m, 5120, 6144).swap_ab
     assert fm.default_config(1, 5120, 3072).split_k == 4  # 24 chunks (o_proj at TP2): each split keeps >= 4
-    # 9-16 rows of a narrow weight: f16 pieces, but W stays on the dot's M side (split-K 4, 2 programs per SM)
-    for m in (9, 16):
-        assert fm.default_config(m, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, scale_preload=pre,
-                                                                 x_f16=f16)
-    assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False, scale_preload=pre,
-                                                              x_f16=f16)
     assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
     assert fm.default_config(5, 130, 129).split_k == 1  # two chunks: nothing to split
     # the wide weights keep split-K 2 (their sweep's best)
     assert [fm.default_config(1, o, 5120).split_k for o in (17408, 12288, 10240)] == [2, 2, 2]
+    # 9-32 rows (X_F16_SCALED, the default since session 15's measurement): one scaled f16 piece per row
+    assert not fm.default_config(8, 17408, 5120).x_f16_scaled and fm.default_config(8, 17408, 5120).x_f16
+    assert fm.default_config(9, 17408, 5120).x_f16_scaled
+    assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False,
+                                                              scale_preload=pre, x_f16=True, x_f16_scaled=True)
+    # 16 rows fit the dot's minimum in one piece each: the narrow weights put x on the M side (split-K 8)
+    assert fm.default_config(16, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, swap_ab=False,
+                                                              scale_preload=pre, x_f16=True, x_f16_scaled=True)
+    # a batched verify of 17-32 rows: the decode grid, split-K 4, W on the dot's M side (the M = 32 sweep)
+    for m in (17, 32):
+        assert fm.default_config(m, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, x_f16=True,
+                                                                 x_f16_scaled=True)
+    before = fc.X_F16_SCALED  # the two-piece policy it replaced (fp8_x_f16_scaled=false)
+    try:
+        fc.X_F16_SCALED = False
+        for m in (17, 32):
+            assert fm.default_config(m, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True)
+        # f16 pieces up to 16 rows (32 piece rows: faster per weight at M = 16), not at 17-32 (slower at M = 32)
+        assert fm.default_config(16, 5120, 6144).x_f16 == f16 and not fm.default_config(17, 5120, 6144).x_f16
+        # 9-16 rows of a narrow weight in two pieces: W stays on the dot's M side (split-K 4, 2 programs per SM)
+        for m in (9, 16):
+            assert fm.default_config(m, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, swap_ab=True,
+                                                                     scale_preload=pre, x_f16=f16)
+        assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False,
+                                                                  scale_preload=pre, x_f16=f16)
+        # the explicit argument overrides the switch (the fp8 bench times both forms)
+        assert fc.decode_config(16, 17408, 5120, x_f16_scaled=True).x_f16_scaled
+    finally:
+        fc.X_F16_SCALED = before
     before = fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM  # the policy before: W on M, split-K 4 (2 per SM)
     try:
         fc.NARROW_X_ON_M = False
@@ -441,19 +459,6 @@ def test_default_config_heuristic():
     finally:
         fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
-    before = fc.X_F16_SCALED  # one scaled f16 piece per row from 9 rows on (fp8_x_f16_scaled)
-    try:
-        fc.X_F16_SCALED = True
-        assert not fm.default_config(8, 17408, 5120).x_f16_scaled and fm.default_config(8, 17408, 5120).x_f16
-        assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False,
-                                                                  scale_preload=pre, x_f16=True, x_f16_scaled=True)
-        # 16 rows fit the dot's minimum in one piece each: the narrow weights put x on the M side (split-K 8)
-        assert fm.default_config(16, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, swap_ab=False,
-                                                                  scale_preload=pre, x_f16=True, x_f16_scaled=True)
-        assert fm.default_config(32, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, x_f16=True,
-                                                                  x_f16_scaled=True)
-    finally:
-        fc.X_F16_SCALED = before
 
 
 def _bad(**kw):

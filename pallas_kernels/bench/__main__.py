@@ -42,6 +42,8 @@ flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmu
 flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
 flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; others allowed).")
 flags.DEFINE_list("fp8_launch_ms", ["1", "4", "16"], "fp8_launches: rows (M) of each launch.")
+flags.DEFINE_bool("fp8_launch_floor", True, "fp8_launches: also time each launch's read floor (a kernel that only "
+                  "reads the same bytes in one launch, read_floor.py) and each launch's share of it.")
 flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
 flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
                   "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "
@@ -114,7 +116,7 @@ def main(argv):
         elif part == "fp8_launches":
             from pallas_kernels.bench import fp8_launches
             launches = fp8_launches.run(tb, rec.emit, decode_ms=[int(m) for m in FLAGS.fp8_launch_ms],
-                                        device_time=FLAGS.fp8_device_time, **opts)
+                                        device_time=FLAGS.fp8_device_time, floor=FLAGS.fp8_launch_floor, **opts)
             rec.set("fp8_launches", {key: {str(m): v for m, v in val.items()} for key, val in launches.items()})
         elif part == "gdn":
             from pallas_kernels.bench import gdn

@@ -106,7 +106,8 @@ def _pinned_dequantize(matmul):
 
 def candidate_configs(m: int) -> list:
     """Tile configs the sweep tries besides the default (compile time: a few seconds each)."""
-    from pallas_kernels.fp8_config import DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, DecodeConfig, PrefillConfig
+    from pallas_kernels.fp8_config import (DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, X_F16_SCALED_MIN_ROWS, DecodeConfig,
+                                           PrefillConfig)
     if m > 16:
         gemm = [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
                 for bm, bn, nw, ns in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4),
@@ -141,7 +142,12 @@ def candidate_configs(m: int) -> list:
            (32, 4, False, 4, 4, 1, True),
            # verify's 2-8 rows: 128-row programs read each K range of x half as often per weight byte
            (128, 1, False, 8, 4, 1, True), (128, 2, False, 4, 4, 1, True), (128, 4, False, 8, 4, 1, True),
-           (128, 2, False, 8, 3, 1, True), (128, 4, False, 4, 4, 1, True), (128, 8, False, 8, 4, 1, True)]
+           (128, 2, False, 8, 3, 1, True), (128, 4, False, 4, 4, 1, True), (128, 8, False, 8, 4, 1, True),
+           # the narrow weights' ramp (o_proj / out_proj, 31 MB): shorter programs, more of them
+           (64, 16, False, 4, 4, 1, True), (32, 8, False, 4, 4, 1, True), (64, 8, False, 4, 3, 1, True),
+           (64, 8, False, 8, 4, 1, True)]
+    # 9-16 rows: the same f16 tiles with one scaled piece per row (fp8_config.X_F16_SCALED)
+    scaled = f16 if m >= X_F16_SCALED_MIN_ROWS else []
     return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
              for bo, sk, nw, ns, u in fma]
             + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
@@ -149,7 +155,10 @@ def candidate_configs(m: int) -> list:
                for bo, sk, sw, nw, ns, u, pre in dot]
             + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
                             scale_preload=pre, x_f16=True)
-               for bo, sk, sw, nw, ns, u, pre in f16])
+               for bo, sk, sw, nw, ns, u, pre in f16]
+            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
+                            scale_preload=pre, x_f16=True, x_f16_scaled=True)
+               for bo, sk, sw, nw, ns, u, pre in scaled])
 
 
 def a8_candidate_configs() -> list:

@@ -12,6 +12,12 @@ cache together, as in fp8.py), calling fp8_matmul_many with the default config; 
 the wall clock, and on the GPU the Pallas kernel's device time (its own launches) and the busy time
 of every kernel of the call (the split-K sum and the x pieces included). share_of_copy = summed
 weight bytes / time / copy bandwidth. `targets` compares the kernel share with issue 4's 80%.
+
+Per launch also its read floor (read_floor.py, `floor=True`): the fastest a kernel that only reads
+the launch's bytes in one launch of the same kind of grid gets, as a share of copy, and each
+launch's share of that floor (share_of_floor). It tells a launch that is short of 80% because of
+what the FP8 kernel does from one that is short because one launch of that many bytes cannot get
+there.
 """
 
 from __future__ import annotations
@@ -59,14 +65,16 @@ def step_launches(preset: str = "qwen3_5_27b") -> list[dict]:
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, decode_ms=DECODE_MS,
-        reps: int = 8, trials: int = 5, device_time: bool = True) -> dict:
-    """Emits one row per (launch, M); returns {"per_step": {M: figures of all launches of a step},
-    "targets": {M: [launches whose share is below TARGET_SHARE]}} (shares by device time where
+        reps: int = 8, trials: int = 5, device_time: bool = True, floor: bool = True) -> dict:
+    """Emits one row per (launch, M), and with `floor` one read_floor row per launch first; returns
+    {"per_step": {M: figures of all launches of a step}, "targets": {M: [launches whose share is
+    below TARGET_SHARE, with their read floor's share where measured]}} (shares by device time where
     measured, else by the wall clock)."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels import fp8_matmul as fm
+    from pallas_kernels.bench import read_floor
     from pallas_kernels.bench.fp8 import _device_figures, loop_program, make_weights
 
     launches = step_launches()
@@ -76,6 +84,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         reps, trials = 1, 1
     per_step: dict = {}
     below: dict = {}
+    floors: dict = {}  # (shapes): the read floor, measured once per distinct launch shape
 
     def many(x, w, s):  # a launch's outputs, concatenated so loop_program can slice them
         return jnp.concatenate(fm.fp8_matmul_many(x, w, s, interpret=interpret), axis=-1)
@@ -88,6 +97,21 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         ws = tuple(tuple(s[0][k] for s in sets) for k in range(n))  # n sets of the launch's weights
         ss = tuple(tuple(s[1][k] for s in sets) for k in range(n))
         i_dim = shapes[0][1]
+        fl = None
+        if floor:
+            row = {"kernel": "read_floor", "case": launch["name"], "launch": launch["name"], "impl": "pallas",
+                   "shapes": [list(s) for s in shapes], "bytes": nbytes, "n_weights": n}
+            try:
+                key = tuple(shapes)
+                if key not in floors:
+                    floors[key] = read_floor.floor_figures(
+                        shapes, n, copy_tb_s, reps=reps, trials=trials, interpret=interpret,
+                        configs=read_floor.CONFIGS[:1] if quick else read_floor.CONFIGS)
+                fl = floors[key]
+                row.update(fl)
+            except Exception as e:  # the launches are still measured without it
+                row["error"] = repr(e)[:1000]
+            emit(row)
         for m in decode_ms:
             x = jax.random.normal(jax.random.key(m), (m, i_dim), jnp.float32).astype(jnp.bfloat16)
             row = {"kernel": "fp8_launch", "case": f"{launch['name']} M={m}", "launch": launch["name"],
@@ -102,13 +126,19 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                            share_of_copy=nbytes / per / 1e12 / copy_tb_s)
                 if device_time:
                     row.update(_device_figures(prog, (x, ws, ss), reps * n, nbytes, copy_tb_s))
+                if fl and "kernel_s_per_call" in fl and "kernel_s_per_call" in row:
+                    row.update(floor_share_of_copy=fl["kernel_share_of_copy"],
+                               share_of_floor=fl["kernel_s_per_call"] / row["kernel_s_per_call"])
                 share = row.get("kernel_share_of_copy", row["share_of_copy"])
                 time_key = "kernel_s_per_call" if "kernel_s_per_call" in row else "s_per_call"
                 agg = per_step.setdefault(m, {"bytes": 0, "s": 0.0, "by": time_key})
                 agg["bytes"] += nbytes * launch["count"]
                 agg["s"] += row[time_key] * launch["count"]
                 if share < TARGET_SHARE:
-                    below.setdefault(m, []).append({"launch": launch["name"], "share_of_copy": round(share, 3)})
+                    miss = {"launch": launch["name"], "share_of_copy": round(share, 3)}
+                    if "floor_share_of_copy" in row:
+                        miss["floor_share_of_copy"] = round(row["floor_share_of_copy"], 3)
+                    below.setdefault(m, []).append(miss)
             except Exception as e:  # record and go on: one failing launch must not hide the others
                 row["error"] = repr(e)[:1000]
             emit(row)
@@ -127,6 +157,8 @@ def target_lines(result: dict) -> list[str]:
         if not missed:
             lines.append(f"target met: {head}")
         else:
-            names = ", ".join(f"{x['launch']} {x['share_of_copy']:.0%}" for x in missed)
+            names = ", ".join(f"{x['launch']} {x['share_of_copy']:.0%}"
+                              + (f" (read floor {x['floor_share_of_copy']:.0%})" if "floor_share_of_copy" in x else "")
+                              for x in missed)
             lines.append(f"target missed: {head}: {names}")
     return lines
