@@ -1,7 +1,8 @@
 """Tile configurations of the FP8 block matmul kernels (pallas_kernels/fp8_matmul.py) and the
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
-The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, NARROW_X_ON_M, DECODE_MAX_ROWS) live here and only here: set
+The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, NARROW_X_ON_M, NARROW_NUM_STAGES,
+DECODE_MAX_ROWS) live here and only here: set
 them through `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -129,6 +130,17 @@ DECODE_PROGRAMS_PER_SM = 2
 # In the 64-layer step, same run: 9.52 ms against 10.65 ms with False (step variant "pallas_narrow_wm").
 NARROW_X_ON_M = True
 NARROW_PROGRAMS_PER_SM = 4
+# Pipeline stages of the narrow x-on-M launches (o_proj / out_proj, mlp_down). Their programs are
+# short (6 chunks of 128 columns each for [5120, 6144] at split-K 8), so a deep pipeline spends much
+# of each program filling and draining. Measured on the H200 (2026-12-01, session 15): the o_proj
+# sweep (`pallas_kernels.bench --parts=fp8 --fp8_shapes=5120x6144 --fp8_sweep`) had 3 stages fastest
+# at 16 rows (14.2 against 16.3 us per call) and at 1 row (14.0 against 14.3); the step's launches by
+# kernel time (`--parts=fp8_launches --kernels=fp8_narrow_num_stages=4|3|2`) at 1 / 4 / 16 rows:
+# o_proj 11.17 / 11.47 / 11.93 us with 4 stages, 10.62 / 10.92 / 11.20 with 3, 12.08 / 12.49 / 12.72
+# with 2; mlp_down 25.41 / 25.85 / 26.64, 24.44 / 24.82 / 25.44, 28.32 / 28.98 / 29.52; all FP8
+# launches of a step 7.21 / 7.34 / 7.36 ms with 4, 7.13 / 7.26 / 7.22 with 3. The 64-layer step: 9.20
+# ms either way (9.204 / 9.197, within its run-to-run spread). The wide launches keep 4.
+NARROW_NUM_STAGES = 3
 # True: default decode configs of 9-32 rows (a verify of several slots) take bf16 x as one f16 piece
 # per row scaled by a power of two (DecodeConfig.x_f16_scaled), not as two pieces (9-16 rows) or bf16
 # (17-32 rows). Why: at 16 rows the two pieces fill a 32-row dot, and the kernel is instruction-bound:
@@ -181,7 +193,8 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     if dot and n_chunks >= 16:
         split = max(split, 2)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not x_on_m, scale_preload=SCALE_PRELOAD,
-                        x_f16=x_f16, x_f16_scaled=x_f16 and scaled)
+                        x_f16=x_f16, x_f16_scaled=x_f16 and scaled,
+                        num_stages=NARROW_NUM_STAGES if narrow_x_on_m and not wide else DecodeConfig.num_stages)
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:

@@ -152,7 +152,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         # W on the dot's M side: Triton's FP8 wgmma needs 64 rows per warpgroup there (x's <= 32
         # rows on that side fall back to converting both operands to f16 for mma.sync:
         # scripts/triton_loop_stats.py, 245 instructions per chunk against 123)
-        config = dataclasses.replace(default_config(m, sum(os), i), swap_ab=True, x_f16=False)
+        config = dataclasses.replace(default_config(m, sum(os), i), swap_ab=True, x_f16=False, x_f16_scaled=False)
     config = config or default_config(m, sum(os), i)
     fp8_config.check_config(config, m)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)

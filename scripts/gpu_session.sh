@@ -16,6 +16,8 @@
 #                                           end to end at batch 4, K=3 (rows())
 #   scripts/gpu_session.sh start_floor [SECONDS]  the FP8 launches with their read floors, batch 8 K=3
 #                                           with and without the scaled piece, o_proj's tile sweep (floor())
+#   scripts/gpu_session.sh start_stages [SECONDS]  the narrow launches' pipeline depth: launches at 4/3/2
+#                                           stages, the step at 4 and 3 (stages())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -381,6 +383,21 @@ floor() {  # a ~14-minute lease on one GPU after the scaled piece became the def
   touch $R/all.done
 }
 
+stages() {  # a ~4-minute lease on one GPU: the narrow x-on-M launches' pipeline depth
+  # (fp8_config.NARROW_NUM_STAGES): the step's FP8 launches at 1/4/16 rows with 4 (the default), 3 and 2
+  # stages (launches_s*.json), then the 64-layer step with 4 and 3 (step_s*.json)
+  export CUDA_VISIBLE_DEVICES=0
+  for st in 4 3 2; do
+    job launches_s$st 150 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false \
+      --kernels=fp8_narrow_num_stages=$st --out=$R/launches_s$st.json
+  done
+  for st in 4 3; do
+    job step_s$st 150 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas \
+      --kernels=fp8_narrow_num_stages=$st --out=$R/step_s$st.json
+  done
+  touch $R/all.done
+}
+
 quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -401,6 +418,7 @@ case $cmd in
   start_table) quick table ;;  # see table()
   start_rows) quick rows ;;  # see rows()
   start_floor) quick floor ;;  # see floor()
+  start_stages) quick stages ;;  # see stages()
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
@@ -421,5 +439,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

@@ -406,9 +406,10 @@ def test_default_config_heuristic():
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
     pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 rows (measured per weight)
+    ns = fc.NARROW_NUM_STAGES  # the narrow x-on-M launches' pipeline depth
     # narrow mlp_down with the f16 pieces: x on the dot's M side, split-K 8 (4 programs per SM)
     assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, use_dot=True, swap_ab=False,
-                                                             scale_preload=pre, x_f16=True)
+                                                             scale_preload=pre, x_f16=True, num_stages=ns)
     assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
                                                              scale_preload=pre, x_f16=f16)
     # narrow O with the f16 pieces (<= 8 rows): 80 row blocks -> split-K 8 -> 640 programs on 132 SMs
@@ -427,7 +428,8 @@ def test_default_config_heuristic():
                                                               scale_preload=pre, x_f16=True, x_f16_scaled=True)
     # 16 rows fit the dot's minimum in one piece each: the narrow weights put x on the M side (split-K 8)
     assert fm.default_config(16, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, swap_ab=False,
-                                                              scale_preload=pre, x_f16=True, x_f16_scaled=True)
+                                                              scale_preload=pre, x_f16=True, x_f16_scaled=True,
+                                                              num_stages=ns)
     # a batched verify of 17-32 rows: the decode grid, split-K 4, W on the dot's M side (the M = 32 sweep)
     for m in (17, 32):
         assert fm.default_config(m, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, x_f16=True,
@@ -458,6 +460,17 @@ def test_default_config_heuristic():
         assert fm.default_config(1, 5120, 17408).split_k == 8 and fm.default_config(1, 5120, 6144).split_k == 8
     finally:
         fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM = before
+    before = fc.NARROW_NUM_STAGES  # pipeline depth of the narrow x-on-M launches only
+    try:
+        fc.NARROW_NUM_STAGES = 3
+        for m in (1, 8, 16):
+            assert fm.default_config(m, 5120, 6144).num_stages == 3, m
+            assert fm.default_config(m, 17408, 5120).num_stages == DecodeConfig.num_stages, m  # wide
+        assert fm.default_config(32, 5120, 6144).num_stages == DecodeConfig.num_stages  # W on M at 17-32 rows
+        fc.NARROW_NUM_STAGES = 4
+        assert fm.default_config(1, 5120, 6144).num_stages == 4
+    finally:
+        fc.NARROW_NUM_STAGES = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
 
 
@@ -600,7 +613,8 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 64, 2), 1),  # tensor-core path (the default)
     "decode_m1_gate_up_fma": (1, F, E, jnp.bfloat16, (F // 16, 1), 0),  # M1_CUDA_CORE on: FMA path
     "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 2), 1),
-    "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 4), 1),
+    # 16 rows in one scaled f16 piece each: the narrow x-on-M policy, split-K 8
+    "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 8), 1),
     "decode_m32_down_verify": (32, E, F, jnp.bfloat16, (E // 64, 4), 1),  # a batched verify (8 x K+1)
     "decode_m64_gate_up": (64, F, E, jnp.bfloat16, (F // 64, 4), 1),  # DecodeConfig by hand (below)
     "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
