@@ -197,6 +197,16 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
                         num_stages=NARROW_NUM_STAGES if narrow_x_on_m and not wide else DecodeConfig.num_stages)
 
 
+def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:
+    """The decode config of E4M3 activations (fp8_matmul's act_quant): decode_config's tiles with W on
+    the dot's M side (Triton's FP8 wgmma needs 64 rows per warpgroup there; x's <= 32 rows on that
+    side fall back to converting both operands to f16 for mma.sync: scripts/triton_loop_stats.py,
+    245 instructions per chunk against 123) and x taken as it is (no f16 pieces, scaled or not); the
+    pipeline depth its tiles were measured with (NARROW_NUM_STAGES was measured on the f16 path only)."""
+    return dataclasses.replace(decode_config(m, o, i), swap_ab=True, x_f16=False, x_f16_scaled=False,
+                               num_stages=DecodeConfig.num_stages)
+
+
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
     """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above."""
     del o, i

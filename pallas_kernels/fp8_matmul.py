@@ -15,7 +15,6 @@ not this formula): y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] .
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -149,10 +148,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     if m == 0 or i == 0 or 0 in os:
         return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
     if config is None and act_quant and m <= fp8_config.DECODE_MAX_ROWS:
-        # W on the dot's M side: Triton's FP8 wgmma needs 64 rows per warpgroup there (x's <= 32
-        # rows on that side fall back to converting both operands to f16 for mma.sync:
-        # scripts/triton_loop_stats.py, 245 instructions per chunk against 123)
-        config = dataclasses.replace(default_config(m, sum(os), i), swap_ab=True, x_f16=False, x_f16_scaled=False)
+        config = fp8_config.act_quant_config(m, sum(os), i)
     config = config or default_config(m, sum(os), i)
     fp8_config.check_config(config, m)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)

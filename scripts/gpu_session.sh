@@ -398,6 +398,14 @@ stages() {  # a ~4-minute lease on one GPU: the narrow x-on-M launches' pipeline
   touch $R/all.done
 }
 
+oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep at 1 and 16 rows around the
+  # 3-stage default (oproj_sweep3.json)
+  export CUDA_VISIBLE_DEVICES=0
+  job oproj_sweep3 200 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
+    --fp8_prefill_ms= --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/oproj_sweep3.json
+  touch $R/all.done
+}
+
 quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -419,6 +427,7 @@ case $cmd in
   start_rows) quick rows ;;  # see rows()
   start_floor) quick floor ;;  # see floor()
   start_stages) quick stages ;;  # see stages()
+  start_oproj) quick oproj ;;  # see oproj()
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
@@ -439,5 +448,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

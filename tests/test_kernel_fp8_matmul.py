@@ -472,6 +472,11 @@ def test_default_config_heuristic():
     finally:
         fc.NARROW_NUM_STAGES = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
+    # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
+    for m in (1, 16, 32):
+        c = fc.act_quant_config(m, 5120, 6144)
+        assert c.swap_ab and not c.x_f16 and not c.x_f16_scaled and c.num_stages == 4, (m, c)
+        assert c.split_k == fc.decode_config(m, 5120, 6144).split_k
 
 
 def _bad(**kw):

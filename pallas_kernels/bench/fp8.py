@@ -145,7 +145,11 @@ def candidate_configs(m: int) -> list:
            (128, 2, False, 8, 3, 1, True), (128, 4, False, 4, 4, 1, True), (128, 8, False, 8, 4, 1, True),
            # the narrow weights' ramp (o_proj / out_proj, 31 MB): shorter programs, more of them
            (64, 16, False, 4, 4, 1, True), (32, 8, False, 4, 4, 1, True), (64, 8, False, 4, 3, 1, True),
-           (64, 8, False, 8, 4, 1, True)]
+           (64, 8, False, 8, 4, 1, True),
+           # around their 3-stage default (fp8_config.NARROW_NUM_STAGES): program length, width, warps
+           (64, 4, False, 4, 3, 1, True), (64, 16, False, 4, 3, 1, True), (32, 8, False, 4, 3, 1, True),
+           (32, 16, False, 4, 3, 1, True), (64, 8, False, 4, 3, 2, True), (64, 8, False, 8, 3, 1, True),
+           (128, 8, False, 8, 3, 1, True), (64, 8, False, 2, 3, 1, True), (64, 8, False, 4, 3, 1, False)]
     # 9-16 rows: the same f16 tiles with one scaled piece per row (fp8_config.X_F16_SCALED)
     scaled = f16 if m >= X_F16_SCALED_MIN_ROWS else []
     return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
@@ -217,7 +221,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                     runs.append(("pallas", fp8_config.decode_config(m, o, i, x_f16_scaled=not default.x_f16_scaled)))
                 if default.use_dot:  # and on E4M3 activations (fp8_act_quant: an approximation of x), with
                     # W on the dot's M side as fp8_matmul's act_quant default puts it
-                    a8_default = dataclasses.replace(default, x_f16=False, swap_ab=True)
+                    a8_default = fp8_config.act_quant_config(m, o, i)
                     runs.append(("pallas_a8", a8_default))
                     if a8_sweep:
                         runs += [("pallas_a8", c) for c in a8_candidate_configs() if c != a8_default]
