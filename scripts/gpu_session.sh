@@ -406,6 +406,12 @@ oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep at 1 a
   touch $R/all.done
 }
 
+gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
+  touch $R/all.done
+}
+
 quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -428,6 +434,7 @@ case $cmd in
   start_floor) quick floor ;;  # see floor()
   start_stages) quick stages ;;  # see stages()
   start_oproj) quick oproj ;;  # see oproj()
+  start_gputests) quick gputests ;;  # see gputests()
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
@@ -448,5 +455,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

@@ -734,6 +734,9 @@ GPU_CONFIGS = {  # name: (config, rows)
     "decode_fma_bo32": (DecodeConfig(use_dot=False, block_o=32), [1]),
     "decode_x_f16": (DecodeConfig(split_k=2, x_f16=True), [1, 4, 16]),
     "decode_x_f16_noswap_verify": (DecodeConfig(split_k=4, swap_ab=False, x_f16=True), [32]),
+    # one scaled f16 piece per row (the default at 9-32 rows since session 15), 3 stages (the narrow default)
+    "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
+                            [9, 16, 32]),
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
 }
