@@ -45,6 +45,12 @@ CASES = {
     "up_m16_bf16x_wm": (16, 17408, 5120, "fp8", {"x_f16": False, "swap_ab": True}),
     "down_m16": (16, 5120, 17408, "fp8", {}),
     "up_m16_a8": (16, 17408, 5120, "fp8_a8", {}),
+    # o_proj / out_proj [5120, 6144], the launch below 80% of copy (session 15): its 3-stage default
+    # against 4 stages (shared memory per program sets how many of its 640 programs fit one wave)
+    "oproj_m1": (1, 5120, 6144, "fp8", {}),
+    "oproj_m1_s4": (1, 5120, 6144, "fp8", {"num_stages": 4}),
+    "oproj_m16": (16, 5120, 6144, "fp8", {}),
+    "oproj_m16_s4": (16, 5120, 6144, "fp8", {"num_stages": 4}),
 }
 
 _COMPILE = r'''
@@ -66,8 +72,21 @@ for l in lines[span[0]:span[1] + 1]:
         continue
     op = l.split()[1] if l.startswith("@") else l.split()[0]
     ops[".".join(op.rstrip(";").split(".")[:2])] += 1
+total = sum(1 for l in lines if l.strip() and not l.strip().startswith(("//", ".", "{", "}", "$")))
+# registers per thread, from the ptxas Triton ships (with shared memory, they set the programs per SM)
+import os, subprocess, tempfile
+bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# the newer of the two it ships reads the PTX version Triton writes
+ptxas = next(p for p in (os.path.join(bins, "ptxas-blackwell"), os.path.join(bins, "ptxas")) if os.path.exists(p))
+arch = re.search(r"^\.target\s+(\S+)", k.asm["ptx"], re.M).group(1)
+with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+    f.write(k.asm["ptx"])
+r = subprocess.run([ptxas, "-v", "--gpu-name", arch, f.name, "-o", os.devnull], capture_output=True, text=True)
+os.unlink(f.name)
+found = re.search(r"Used (\d+) registers", r.stderr)
+regs = int(found.group(1)) if found else None
 print(json.dumps({"triton": triton.__version__, "shared_bytes": k.metadata.shared, "loop_instructions": sum(ops.values()),
-                  "loop_ops": dict(ops.most_common())}))
+                  "outside_loop_instructions": total - sum(ops.values()), "registers": regs, "loop_ops": dict(ops.most_common())}))
 '''
 
 
@@ -117,7 +136,8 @@ def main() -> int:
             row = json.loads(p.stdout.strip().splitlines()[-1])
             results[name] = {"config": repr(config), **row}
             top = ", ".join(f"{k} {v}" for k, v in list(row["loop_ops"].items())[:8])
-            print(f"{name:22s} {row['loop_instructions']:4d} instructions per loop iteration ({top})", flush=True)
+            print(f"{name:22s} {row['loop_instructions']:4d} instructions per loop iteration, "
+                  f"{row['outside_loop_instructions']} outside, {row['shared_bytes']} B shared, {row['registers']} registers ({top})", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
