@@ -1,9 +1,9 @@
 """Tile configurations of the FP8 block matmul kernels (pallas_kernels/fp8_matmul.py) and the
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
-The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, NARROW_X_ON_M, NARROW_NUM_STAGES,
-DECODE_MAX_ROWS) live here and only here: set
-them through `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
+The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, NARROW_X_ON_M,
+NARROW_NUM_STAGES, DECODE_MAX_ROWS) live here and only here: set them through
+`qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ DECODE_PROGRAMS_PER_SM = 2
 NARROW_X_ON_M = True
 NARROW_PROGRAMS_PER_SM = 4
 # Pipeline stages of the narrow x-on-M launches (o_proj / out_proj, mlp_down). Their programs are
-# short (6 chunks of 128 columns each for [5120, 6144] at split-K 8), so a deep pipeline spends much
-# of each program filling and draining. Measured on the H200 (2026-12-01, session 15): the o_proj
+# short (6 chunks of 128 columns each for [5120, 6144] at split-K 8): with fewer loads in its
+# prologue a program waits less before its first chunk. Not occupancy: 60 registers and 24 KB (3
+# stages) or 36 KB (4) of shared memory per program fit 8 or 6 programs per SM, and o_proj's 640
+# programs run in one wave either way (scripts/triton_loop_stats.py, cases oproj_*). Measured on the H200 (2026-12-01, session 15): the o_proj
 # sweep (`pallas_kernels.bench --parts=fp8 --fp8_shapes=5120x6144 --fp8_sweep`) had 3 stages fastest
 # at 16 rows (14.2 against 16.3 us per call) and at 1 row (14.0 against 14.3); the step's launches by
 # kernel time (`--parts=fp8_launches --kernels=fp8_narrow_num_stages=4|3|2`) at 1 / 4 / 16 rows:
