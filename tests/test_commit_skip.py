@@ -64,6 +64,7 @@ def test_partial_acceptance_still_rebuilds(controlled, poisoned_commit):
     assert np.isnan(np.stack(state.ssm)).all() and np.isnan(np.stack(state.conv)).all()
 
 
+@pytest.mark.slow  # a switch off by default: CI time
 def test_switch_off_always_rebuilds(controlled, poisoned_commit, monkeypatch):
     monkeypatch.setattr(speculate, "SKIP_FULL_COMMIT", False)
     jax.clear_caches()  # the switch is read when the loop is traced

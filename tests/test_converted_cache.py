@@ -160,7 +160,7 @@ def test_corrupt_entry_falls_back_and_is_rewritten(ckpt, reference, tmp_path, re
     _assert_bitwise_equal(again.params, reference[1].params, 1)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # CI time
 def test_cached_model_generates_the_same_tokens(ckpt, reference, tmp_path, reads, tp):
     cache = str(tmp_path / "cache")
     qmtp.load(ckpt, tp=tp, converted_cache=cache, progress=False)

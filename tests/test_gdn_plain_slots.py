@@ -45,7 +45,7 @@ def _plain(model, prompts, max_new, impl):
     return np.asarray(out), np.asarray(count), state
 
 
-@pytest.mark.parametrize("impl", ["ref", "pallas"])
+@pytest.mark.parametrize("impl", ["ref", pytest.param("pallas", marks=pytest.mark.slow)])  # off by default: CI time
 def test_greedy_loop_slotted_equals_unslotted(controlled, impl, monkeypatch):
     prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
     max_new = [WIDTH, 4]  # the second row finishes first and rides along done
@@ -71,6 +71,7 @@ def test_greedy_loop_slotted_equals_unslotted(controlled, impl, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # ~12 s; gdn_plain_slots is off by default (measured slower): CI time
 def test_engine_keeps_two_slots(model, plain_slots):
     """The plain engine (mtp_k=0) keeps its GDN state in two slots between greedy_steps calls."""
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79]]

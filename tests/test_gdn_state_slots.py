@@ -73,6 +73,7 @@ def test_conv_kernel_slotted(controlled, no_rebuild, monkeypatch):
     _check_against_plain(controlled, prompts, out, stats, state, max_new, [rounds * a] * 2, f"pallas, a={a}")
 
 
+@pytest.mark.slow  # a switch off by default: CI time
 def test_switch_off_rebuilds(controlled, no_rebuild):
     """gdn_state_slots=false: the rebuild path again (the poisoned commit shows in the state)."""
     prompts = [[int(x) for x in RNG.integers(0, 380, 7)]]

@@ -85,6 +85,7 @@ def test_few_steps_lower_both_losses_on_a_fixed_batch(run_a):
     assert os.path.getsize(os.path.join(run_a, "loss.png")) > 10_000
 
 
+@pytest.mark.slow  # ~23 s (CI time)
 def test_resume_reproduces_the_uninterrupted_run_bitwise(run_a, tmp_path):
     out = str(tmp_path / "b")
     _train(f"--out_dir={out}", "--stop_at_step=4", "--export_best")
