@@ -7,7 +7,7 @@ is also written to --out as it is measured (a run cut by a time limit keeps what
 
 Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at 1-16 rows (--fp8_ms), prefill rows against
 XLA's bf16 matmul), fp8_launches (the step's FP8 launches as it makes them, projections of one x
-sharing a launch, at --fp8_launch_ms rows, against issue 4's 80% of copy), gdn (decode/verify recurrence at batch 1-16, chunked prefill), attention (paged
+sharing a launch, at --fp8_launch_ms rows, against issue 4's 80% of copy and each launch's read floor), gdn (decode/verify recurrence at batch 1-16, chunked prefill), attention (paged
 attention for 1..K+1 queries at 1K-32K context), step (the whole 64-layer target decode step,
 impl=pallas vs impl=ref, batch 1, against the roofline). `--quick --interpret` runs a CPU smoke
 test of the harness (no figures mean anything there).
