@@ -253,7 +253,6 @@ confirm() {  # a short lease: the step against the variant the last change repla
   wait
   job tp2_short 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp2.flags --ks=3 --repeats=2 \
     --breakdown=false --out=$R/tp2_short.json
-  touch $R/all.done
 }
 
 pieces() {  # a ~9-minute lease. GPU 0: the 27B checkpoint, then TP1 plain + K=3 end to end with the
@@ -285,7 +284,6 @@ pieces() {  # a ~9-minute lease. GPU 0: the 27B checkpoint, then TP1 plain + K=3
   done
   [ "$gpus" -ge 2 ] || gpu1_pieces
   wait
-  touch $R/all.done
 }
 
 table() {  # the issue-6 table at the presets (1024 tokens, K = 1..4 natural and profiled, the round
@@ -312,7 +310,6 @@ table() {  # the issue-6 table at the presets (1024 tokens, K = 1..4 natural and
     export CUDA_VISIBLE_DEVICES=0
     side_checks
   fi
-  touch $R/all.done
 }
 
 side_checks() {  # one GPU's checks, each skipped once $R/tp1.done exists on a two-GPU machine:
@@ -364,7 +361,6 @@ rows() {  # a ~9-minute lease for the scaled f16 piece (fp8_config.X_F16_SCALED,
   job step_default 300 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas --out=$R/step_default.json
   if [ "$gpus" -lt 2 ]; then b4; fi
   wait
-  touch $R/all.done
 }
 
 floor() {  # a ~14-minute lease on one GPU after the scaled piece became the default (session 15):
@@ -378,9 +374,7 @@ floor() {  # a ~14-minute lease on one GPU after the scaled piece became the def
     --repeats=1 --max_new_tokens=256 --breakdown=false --out=$R/bench27_b8.json
   job bench27_b8_pieces 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=8 --ks=3 \
     --repeats=1 --max_new_tokens=256 --breakdown=false --kernels=fp8_x_f16_scaled=false --out=$R/bench27_b8_pieces.json
-  job oproj_sweep 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
-    --fp8_prefill_ms= --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/oproj_sweep.json
-  touch $R/all.done
+  oproj_sweep oproj_sweep
 }
 
 stages() {  # a ~4-minute lease on one GPU: the narrow x-on-M launches' pipeline depth
@@ -395,24 +389,24 @@ stages() {  # a ~4-minute lease on one GPU: the narrow x-on-M launches' pipeline
     job step_s$st 150 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas \
       --kernels=fp8_narrow_num_stages=$st --out=$R/step_s$st.json
   done
-  touch $R/all.done
 }
 
-oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep at 1 and 16 rows around the
-  # 3-stage default (oproj_sweep3.json)
+oproj_sweep() {  # NAME: o_proj / out_proj's tile sweep at 1 and 16 rows, as a job ($R/NAME.json)
+  job $1 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
+    --fp8_prefill_ms= --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/$1.json
+}
+
+oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep around the 3-stage default
   export CUDA_VISIBLE_DEVICES=0
-  job oproj_sweep3 200 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
-    --fp8_prefill_ms= --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --out=$R/oproj_sweep3.json
-  touch $R/all.done
+  oproj_sweep oproj_sweep3
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
-  touch $R/all.done
 }
 
-quick() {  # a short lease running one job function (pieces, confirm or table) in the background, then waiting
+quick() {  # a short lease running one job function (start_X: X) in the background, then waiting
   local fn=$1
   rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
   cd $SRC || exit 1
@@ -422,19 +416,15 @@ quick() {  # a short lease running one job function (pieces, confirm or table) i
       && site=/tmp/site: || echo "server wheels did not install" >>$R/jobs.log
   fi
   export PYTHONPATH=$site$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
-  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks $fn); R=$R; $fn" </dev/null >$R/$fn.out 2>&1 &
+  # all.done once the function returns, whatever it ran (wait_and_pack stops on it)
+  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks oproj_sweep $fn); R=$R; $fn; touch $R/all.done" \
+    </dev/null >$R/$fn.out 2>&1 &
   wait_and_pack
 }
 
 case $cmd in
-  start_pieces) quick pieces ;;  # see pieces()
-  start_confirm) quick confirm ;;  # see confirm()
-  start_table) quick table ;;  # see table()
-  start_rows) quick rows ;;  # see rows()
-  start_floor) quick floor ;;  # see floor()
-  start_stages) quick stages ;;  # see stages()
-  start_oproj) quick oproj ;;  # see oproj()
-  start_gputests) quick gputests ;;  # see gputests()
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests)
+    quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
     cd $SRC || exit 1
