@@ -73,6 +73,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def chunk_runs(n_chunks: int, splits: int) -> tuple[int, int]:
+    """(chunks per program, programs) when n_chunks are split into at most `splits` contiguous runs of
+    equal length: fewer programs where a run would be left empty (48 chunks in 8 -> 6 each, 8; 12 in
+    8 -> 2 each, 6)."""
+    per = cdiv(n_chunks, min(splits, n_chunks))
+    return per, cdiv(n_chunks, per)
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -188,7 +196,8 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     # dot's M side (the M = 16 measurement's tiles)
     narrow_x_on_m = x_f16 and NARROW_X_ON_M and (m if scaled else 2 * m) <= DOT_MIN
     x_on_m = dot and (wide or narrow_x_on_m)
-    per_sm = NARROW_PROGRAMS_PER_SM if narrow_x_on_m and not wide else DECODE_PROGRAMS_PER_SM
+    narrow = narrow_x_on_m and not wide  # the narrow policy: more programs per SM, NARROW_NUM_STAGES
+    per_sm = NARROW_PROGRAMS_PER_SM if narrow else DECODE_PROGRAMS_PER_SM
     split = 1
     while n_o * split < per_sm * SM_COUNT and split < 8 and n_chunks >= 2 * split * 4:
         split *= 2
@@ -196,7 +205,7 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
         split = max(split, 2)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not x_on_m, scale_preload=SCALE_PRELOAD,
                         x_f16=x_f16, x_f16_scaled=x_f16 and scaled,
-                        num_stages=NARROW_NUM_STAGES if narrow_x_on_m and not wide else DecodeConfig.num_stages)
+                        num_stages=NARROW_NUM_STAGES if narrow else DecodeConfig.num_stages)
 
 
 def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:

@@ -191,9 +191,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
 
 def _chunk_split(i: int, config: DecodeConfig) -> tuple[int, int]:
     """(128-column chunks per split, splits): split_k, fewer where a split would be left empty."""
-    n_chunks = cdiv(i, BLOCK)
-    cps = cdiv(n_chunks, min(config.split_k, n_chunks))
-    return cps, cdiv(n_chunks, cps)
+    return fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
 
 
 def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, out_rows: int, part_dtype,

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_config import cdiv
+from pallas_kernels.fp8_config import cdiv, chunk_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +72,7 @@ def _read_kernel(salt_ref, w_ref, o_ref, *, rows: int, cols: int, cfg: ReadConfi
 def read_floor(w: jax.Array, salt: jax.Array, cfg: ReadConfig = ReadConfig(), interpret: bool = False) -> jax.Array:
     """w [R, C] int32, salt [1] int32 -> partial row sums [split, R] int32 (plus salt), one launch."""
     rows, cols = w.shape
-    n_chunks = cdiv(cols, cfg.block_cols)
-    cps = cdiv(n_chunks, min(cfg.split, n_chunks))
-    split = cdiv(n_chunks, cps)
+    cps, split = chunk_runs(cdiv(cols, cfg.block_cols), cfg.split)  # as the FP8 kernel splits its chunks
     kernel = functools.partial(_read_kernel, rows=rows, cols=cols, cfg=cfg, chunks_per_split=cps)
     return pl.pallas_call(
         kernel,
