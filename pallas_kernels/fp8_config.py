@@ -2,7 +2,7 @@
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
 The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, NARROW_X_ON_M,
-NARROW_NUM_STAGES, NARROW_K_MAJOR, DECODE_MAX_ROWS) live here and only here: set them through
+NARROW_NUM_STAGES, DECODE_MAX_ROWS) live here and only here: set them through
 `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -44,10 +44,7 @@ class DecodeConfig:
     and removed: the 64-layer 27B step took 27.1 ms against 10.31 (H200, 2026-11-30). x_f16_scaled
     (with x_f16): x enters as one float16 piece per row instead of two, scaled by a power of two per
     row (`fp8_kernels._f16_scaled`), so the dot has M rows, not 2M: at 9-16 rows half the tensor-core
-    work and half the partials; exact for every value within 2^32 of its row's largest. k_major: the
-    grid's launch order runs over the splits first, so consecutive programs read consecutive runs of
-    the same weight rows (one contiguous [block_o, I] slab per split_k programs) instead of the same
-    columns of consecutive row blocks."""
+    work and half the partials; exact for every value within 2^32 of its row's largest."""
 
     block_o: int = 64
     split_k: int = 1
@@ -59,7 +56,6 @@ class DecodeConfig:
     scale_preload: bool = False
     x_f16: bool = False
     x_f16_scaled: bool = False
-    k_major: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +151,6 @@ NARROW_PROGRAMS_PER_SM = 4
 # launches of a step 7.21 / 7.34 / 7.36 ms with 4, 7.13 / 7.26 / 7.22 with 3. The 64-layer step: 9.20
 # ms either way (9.204 / 9.197, within its run-to-run spread). The wide launches keep 4.
 NARROW_NUM_STAGES = 3
-# True: the narrow x-on-M launches run their grid with the splits first in launch order
-# (DecodeConfig.k_major): the split_k programs that share a 64-row block start together and read its
-# [64, I] slab as one contiguous run. Off until measured (session 16).
-NARROW_K_MAJOR = False
 # True: default decode configs of 9-32 rows (a verify of several slots) take bf16 x as one f16 piece
 # per row scaled by a power of two (DecodeConfig.x_f16_scaled), not as two pieces (9-16 rows) or bf16
 # (17-32 rows). Why: at 16 rows the two pieces fill a 32-row dot, and the kernel is instruction-bound:
@@ -213,8 +205,7 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
         split = max(split, 2)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not x_on_m, scale_preload=SCALE_PRELOAD,
                         x_f16=x_f16, x_f16_scaled=x_f16 and scaled,
-                        num_stages=NARROW_NUM_STAGES if narrow else DecodeConfig.num_stages,
-                        k_major=narrow and NARROW_K_MAJOR)
+                        num_stages=NARROW_NUM_STAGES if narrow else DecodeConfig.num_stages)
 
 
 def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:

@@ -13,8 +13,8 @@ nothing. Every tile is a power of two wide (the Triton lowering's rule); ragged 
 handled with masked loads whose masked lanes become 0 and masked stores, emitted only where a
 shape is ragged, so the real (128-multiple) shapes run unmasked, fully vectorized loads.
 
-Decode (M <= fp8_config.DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k) (with k_major the other way
-round, the splits first in launch order). A program owns BO output rows of W (BO divides 128, so one scale row), streams its [BO, I / split_k] FP8 slab in [BO, 128] chunks
+Decode (M <= fp8_config.DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k). A program owns BO output rows of W
+(BO divides 128, so one scale row), streams its [BO, I / split_k] FP8 slab in [BO, 128] chunks
 (one scalar scale per chunk), and accumulates [BO, BM] in f32 with either a tensor-core dot
 (rows padded to BM = 16, the dot minimum; `swap_ab` puts W on the dot's M side) or, for up to
 FMA_MAX_ROWS rows, f32 FMAs on the CUDA cores into one [BO, 128] accumulator per row, row-summed
@@ -154,9 +154,7 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f
     x_ref, refs = refs[0], refs[1:]
     sx_ref, refs = (refs[0], refs[1:]) if x_fp8 else (None, refs)
     w_refs, s_refs, o_refs = refs[:n], refs[n:2 * n], refs[2 * n:]
-    po, pk = pl.program_id(0), pl.program_id(1)  # fp8_matmul._decode_grid's order
-    if cfg.k_major:
-        po, pk = pk, po
+    po, pk = pl.program_id(0), pl.program_id(1)
     body = functools.partial(_decode_program, m=m, i=i, bm=bm, cfg=cfg, chunks_per_split=chunks_per_split,
                              x_f16=x_f16, sx_ref=sx_ref)
     if n == 1:

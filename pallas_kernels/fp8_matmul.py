@@ -228,16 +228,11 @@ def _decode_launch(x_args, ws, scales, *, os, m, i, bm, cps, split, out_rows, pa
     return pl.pallas_call(
         kernel,
         out_shape=tuple(out((split, out_rows, o), part_dtype) for o in os),
-        grid=_decode_grid(sum(cdiv(o, config.block_o) for o in os), split, config),
+        grid=(sum(cdiv(o, config.block_o) for o in os), split),
         compiler_params=params,
         interpret=interpret,
         name=name,
     )(*args)
-
-
-def _decode_grid(row_blocks: int, split: int, config: DecodeConfig) -> tuple[int, int]:
-    """The decode grid; its first axis runs fastest in launch order (the split index with k_major)."""
-    return (split, row_blocks) if config.k_major else (row_blocks, split)
 
 
 def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, params, interpret: bool, weight_dtype):

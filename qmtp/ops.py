@@ -166,7 +166,6 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_narrow_x_on_m": ("fp8_config", "NARROW_X_ON_M", None),
                      "fp8_narrow_programs_per_sm": ("fp8_config", "NARROW_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_num_stages": ("fp8_config", "NARROW_NUM_STAGES", (1, 8)),
-                     "fp8_narrow_k_major": ("fp8_config", "NARROW_K_MAJOR", None),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
                      "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
 

@@ -18,8 +18,6 @@
 #                                           with and without the scaled piece, o_proj's tile sweep (floor())
 #   scripts/gpu_session.sh start_stages [SECONDS]  the narrow launches' pipeline depth: launches at 4/3/2
 #                                           stages, the step at 4 and 3 (stages())
-#   scripts/gpu_session.sh start_order [SECONDS]  the narrow launches' grid order (k_major) and pipeline
-#                                           depth: o_proj's sweep, launches and step both ways (order())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -403,25 +401,6 @@ oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep around
   oproj_sweep oproj_sweep3
 }
 
-order() {  # a ~7-minute lease on one GPU: the narrow launches' grid order (fp8_config.NARROW_K_MAJOR) and
-  # deeper pipelines: o_proj / out_proj's split-K 8 tiles at 1 and 16 rows (order_sweep.json), the step's
-  # launches and the 64-layer step with the splits first and as now (launches_k*.json, step_k*.json),
-  # and the FP8 kernel's gpu tests (gputests.log, with the k_major case)
-  export CUDA_VISIBLE_DEVICES=0
-  job order_sweep 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
-    --fp8_prefill_ms= --xla=false --fp8_sweep \
-    "--fp8_sweep_match=block_o=64, split_k=8, use_dot=True, swap_ab=False, num_warps=4" --out=$R/order_sweep.json
-  for km in true false; do
-    job launches_k$km 150 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false \
-      --kernels=fp8_narrow_k_major=$km --out=$R/launches_k$km.json
-  done
-  for km in true false; do
-    job step_k$km 150 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas \
-      --kernels=fp8_narrow_k_major=$km --out=$R/step_k$km.json
-  done
-  job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
-}
-
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -444,7 +423,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_order)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -466,5 +445,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_order|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

@@ -203,9 +203,6 @@ CONFIGS = {  # name: (config, rows)
     "decode_dot_x_f16_scaled": (DecodeConfig(split_k=2, x_f16=True, x_f16_scaled=True, scale_preload=True),
                                 [1, 16, 40]),
     "decode_dot_x_f16_scaled_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True, x_f16_scaled=True), [5]),
-    # the splits first in launch order: a program that took its row block and split from the wrong axis
-    # would read past the weight (NaN) or leave output blocks unwritten
-    "decode_dot_x_f16_k_major": (DecodeConfig(block_o=32, split_k=3, x_f16=True, k_major=True), [1, 4]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -474,15 +471,6 @@ def test_default_config_heuristic():
         assert fm.default_config(1, 5120, 6144).num_stages == 4
     finally:
         fc.NARROW_NUM_STAGES = before
-    before = fc.NARROW_K_MAJOR  # launch order of the narrow x-on-M launches only
-    try:
-        fc.NARROW_K_MAJOR = True
-        assert fm.default_config(1, 5120, 6144).k_major and fm.default_config(16, 5120, 17408).k_major
-        assert not fm.default_config(1, 17408, 5120).k_major and not fm.default_config(32, 5120, 6144).k_major
-        fc.NARROW_K_MAJOR = False
-        assert not fm.default_config(1, 5120, 6144).k_major
-    finally:
-        fc.NARROW_K_MAJOR = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
     # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
     for m in (1, 16, 32):
@@ -749,7 +737,6 @@ GPU_CONFIGS = {  # name: (config, rows)
     # one scaled f16 piece per row (the default at 9-32 rows since session 15), 3 stages (the narrow default)
     "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
                             [9, 16, 32]),
-    "decode_x_f16_k_major": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, num_stages=3, k_major=True), [1, 4]),
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
 }

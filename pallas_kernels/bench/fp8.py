@@ -150,10 +150,6 @@ def candidate_configs(m: int) -> list:
            (64, 4, False, 4, 3, 1, True), (64, 16, False, 4, 3, 1, True), (32, 8, False, 4, 3, 1, True),
            (32, 16, False, 4, 3, 1, True), (64, 8, False, 4, 3, 2, True), (64, 8, False, 8, 3, 1, True),
            (128, 8, False, 8, 3, 1, True), (64, 8, False, 2, 3, 1, True), (64, 8, False, 4, 3, 1, False)]
-    # the narrow default (split-K 8, x on M) with the splits first in launch order (k_major), and deeper
-    # pipelines: 6 stages hold all of a [5120, 6144] program's 6 chunks in flight at once
-    narrow_order = [(64, 8, False, 4, ns, 1, True, km) for ns in (3, 4, 5, 6) for km in (True, False)
-                    if km or ns >= 5]
     # 9-16 rows: the same f16 tiles with one scaled piece per row (fp8_config.X_F16_SCALED)
     scaled = f16 if m >= X_F16_SCALED_MIN_ROWS else []
     return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
@@ -164,9 +160,6 @@ def candidate_configs(m: int) -> list:
             + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
                             scale_preload=pre, x_f16=True)
                for bo, sk, sw, nw, ns, u, pre in f16]
-            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
-                            scale_preload=pre, x_f16=True, x_f16_scaled=m >= X_F16_SCALED_MIN_ROWS, k_major=km)
-               for bo, sk, sw, nw, ns, u, pre, km in narrow_order]
             + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
                             scale_preload=pre, x_f16=True, x_f16_scaled=True)
                for bo, sk, sw, nw, ns, u, pre in scaled])
