@@ -163,6 +163,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fuse_gate_projections": ("ops", "FUSE_GATE_PROJECTIONS", None),
                      "bf16_reduce_max_out": ("ops", "BF16_REDUCE_MAX_OUT", (0, None)),
                      "norm_operand_launch": ("ops", "NORM_OPERAND_LAUNCH", None),
+                     "norm_operand_slice": ("norm_operand", "SLICE", (16, 1 << 16)),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
@@ -182,7 +183,7 @@ def _switch_module(module: str):
     import sys
     if module == "speculate":  # imported here: qmtp.speculate imports this module
         return importlib.import_module("qmtp.speculate")
-    return fp8_config if module == "fp8_config" else sys.modules[__name__]
+    return {"fp8_config": fp8_config, "norm_operand": norm_operand}.get(module, sys.modules[__name__])
 
 
 def kernel_settings() -> dict:

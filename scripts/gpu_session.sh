@@ -405,19 +405,27 @@ oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep around
 
 normop() {  # a ~9-minute lease on one GPU: the MLP norm and gate/up's f16 pieces in one launch
   # (ops.NORM_OPERAND_LAUNCH, off until measured): the kernel's gpu tests (gputests_norm.log), the
-  # 64-layer step with and without it (step_normop.json), then plain + K=3 end to end on the 27B
-  # checkpoint, the defaults and with it (bench27*.json), and batch 4 K=3 with it (16-row verifies)
+  # 64-layer step without it and with it at 256 / 512 / 1024 lanes per program (norm_operand.SLICE;
+  # step_normop.json); if one of those beat the step without it, plain + K=3 end to end on the 27B
+  # checkpoint with the defaults and with the fastest (bench27*.json)
   export CUDA_VISIBLE_DEVICES=0
   job gputests_norm 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_operand.py
-  job step_normop 200 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_normop \
-    --out=$R/step_normop.json
+  job step_normop 300 python3 -m pallas_kernels.bench --parts=step \
+    --step_impls=pallas,pallas_normop256,pallas_normop,pallas_normop1k --out=$R/step_normop.json
+  local best
+  best=$(python3 -c "
+import json, sys
+rows = [r for r in json.load(open('$R/step_normop.json'))['rows'] if r.get('kernel') == 'decode_step' and 's_per_step' in r]
+s = {r['impl']: r['s_per_step'] for r in rows}
+best = min((k for k in s if k != 'pallas'), key=s.get, default=None)
+sl = {'pallas_normop256': 256, 'pallas_normop': 512, 'pallas_normop1k': 1024}
+print(sl[best] if best and 'pallas' in s and s[best] < 0.995 * s['pallas'] else '')")
+  [ -n "$best" ] || { echo "no normop variant beat the step by 0.5%" >>$R/jobs.log; return; }
   checkpoint27
-  for v in default norm_operand_launch=true; do
+  for v in default norm_operand_launch=true,norm_operand_slice=$best; do
     job bench27_${v%%=*} 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
       --max_new_tokens=256 --breakdown=false --kernels=${v/default/} --out=$R/bench27_${v%%=*}.json
   done
-  job bench27_b4_normop 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=4 --ks=3 \
-    --repeats=1 --max_new_tokens=256 --breakdown=false --kernels=norm_operand_launch=true --out=$R/bench27_b4_normop.json
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)

@@ -58,19 +58,20 @@ def test_ref_matches_float64_formula(form):
     check_operand(y, rows, row_scale, form)
 
 
-CASES = [(1, 64, "pieces"), (3, 200, "pieces"), (8, 320, "pieces"), (9, 200, "scaled"), (16, 64, "scaled"),
-         (5, 130, "scaled")]
+CASES = [(1, 64, "pieces", None), (3, 200, "pieces", 64), (8, 320, "pieces", 128), (9, 200, "scaled", 64),
+         (16, 64, "scaled", None), (5, 130, "scaled", 32)]  # (M, E, form, lanes per program)
 
 
-@pytest.mark.parametrize("m,e,form", CASES)
-def test_kernel_matches_ref(m, e, form):
-    """Ragged widths (lanes past E masked), 1-16 rows, both forms; rows with huge values (|y| >= 2^15,
-    past the add-and-subtract rounding's range) and a zero row among them."""
+@pytest.mark.parametrize("m,e,form,lanes", CASES)
+def test_kernel_matches_ref(m, e, form, lanes):
+    """Ragged widths (lanes past E masked), one or several programs per row (the last one ragged),
+    1-16 rows, both forms; rows with huge values (|y| >= 2^15, past the add-and-subtract rounding's
+    range) and a zero row among them."""
     rng = np.random.default_rng(m * 1000 + e)
     x, w = problem(rng, m, e)
     w = w.at[: e // 4].set(2.0 ** 17)  # 1 + w large: y values >= 2^15 on those lanes
     x = x.at[m - 1].set(0.0)
-    y, rows, row_scale = no.rms_norm_operand(x, w, EPS, form, interpret=True)
+    y, rows, row_scale = no.rms_norm_operand(x, w, EPS, form, interpret=True, slice_lanes=lanes)
     ry, _, _ = no.rms_norm_operand_ref(x, w, EPS, form)
     assert y.dtype == jnp.bfloat16 and rows.shape == ((2 * m if form == "pieces" else m), e)
     np.testing.assert_allclose(as_f32(y), as_f32(ry), rtol=2 ** -7, atol=0)  # one bf16 rounding apart at most
@@ -80,8 +81,8 @@ def test_kernel_matches_ref(m, e, form):
 def test_rows_are_independent():
     """A NaN row stays in its row: the others equal the same rows normed alone."""
     x, w = problem(np.random.default_rng(1), 4, 96)
-    y, rows, _ = no.rms_norm_operand(x.at[2].set(jnp.nan), w, EPS, "pieces", interpret=True)
-    alone, _, _ = no.rms_norm_operand(x[:2], w, EPS, "pieces", interpret=True)
+    y, rows, _ = no.rms_norm_operand(x.at[2].set(jnp.nan), w, EPS, "pieces", interpret=True, slice_lanes=32)
+    alone, _, _ = no.rms_norm_operand(x[:2], w, EPS, "pieces", interpret=True, slice_lanes=32)
     np.testing.assert_array_equal(as_f32(y[:2]), as_f32(alone))
     assert np.all(np.isnan(as_f32(y[2]))) and np.all(np.isfinite(as_f32(y[np.array([0, 1, 3])])))
 
@@ -100,6 +101,8 @@ def test_rejects_bad_inputs():
         no.rms_norm_operand(x.astype(jnp.float32), w, EPS, "pieces")
     with pytest.raises(ValueError, match=r"w \(32,\) does not match x's last dim 64"):
         no.rms_norm_operand(x, w[:32], EPS, "pieces")
+    with pytest.raises(ValueError, match="slice_lanes=48 must be a power of two"):
+        no.rms_norm_operand(x, w, EPS, "pieces", slice_lanes=48)
 
 
 @pytest.mark.parametrize("form", no.FORMS)
