@@ -125,33 +125,17 @@ def bf16_matmul_ref(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool = False,
-                    config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False,
-                    x_operand: tuple | None = None) -> tuple[jax.Array, ...]:
+                    config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> tuple[jax.Array, ...]:
     """(fp8_matmul(x, w_j, scale_j) for each j), with the weights sharing one decode launch.
 
     Few rows (M <= fp8_config.DECODE_MAX_ROWS): one pallas_call whose row blocks run over all the weights (fewer launches,
     and small projections such as k/v fill the GPU together with the large ones); the config is
-    chosen for the summed O. Many rows: one GEMM per weight. act_quant: as in `fp8_matmul`.
-    x_operand (form, rows, row_scale): the decode kernel's x as already made from bf16 x [M, I] in
-    the form the config takes (`x_operand_form`; pallas_kernels/norm_operand.py makes it in the
-    norm's launch), used instead of making it here; ValueError if the config takes another form."""
-    return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn, act_quant, x_operand)
-
-
-def x_operand_form(m: int, o: int, i: int, config: DecodeConfig | PrefillConfig | None = None) -> str | None:
-    """How the decode kernel takes a bf16 x of M rows against FP8 weights of summed O rows and I
-    columns under `config` (None: the default): "pieces" (two f16 rows per row, DecodeConfig.x_f16),
-    "scaled" (one scaled f16 row per row, x_f16_scaled), or None (x as it is, or the prefill GEMM)."""
-    if m == 0 or m > fp8_config.DECODE_MAX_ROWS and config is None:
-        return None
-    config = config or default_config(m, o, i)
-    if not isinstance(config, DecodeConfig) or not config.x_f16:
-        return None
-    return "scaled" if config.x_f16_scaled else "pieces"
+    chosen for the summed O. Many rows: one GEMM per weight. act_quant: as in `fp8_matmul`."""
+    return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn, act_quant)
 
 
 def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype,
-                 act_quant: bool = False, x_operand: tuple | None = None) -> tuple[jax.Array, ...]:
+                 act_quant: bool = False) -> tuple[jax.Array, ...]:
     ws, scales = tuple(ws), tuple(scales)
     if not ws or len(ws) != len(scales):
         raise ValueError(f"fp8_matmul_many: {len(ws)} weights and {len(scales)} scale grids; one of each per projection")
@@ -169,9 +153,6 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     fp8_config.check_config(config, m)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
-    if x_operand is not None and (act_quant or isinstance(config, PrefillConfig)):
-        raise ValueError(f"fp8_matmul: x_operand is for the decode kernel on f16 pieces, got act_quant={act_quant} "
-                         f"and {config} for M={m}")
     if isinstance(config, PrefillConfig):
         if act_quant:
             raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {fp8_config.DECODE_MAX_ROWS} "
@@ -190,13 +171,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     if m_k > DECODE_DOT_MAX_ROWS:
         raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
                          f"(two f16 pieces per row; x_f16_scaled takes {DECODE_DOT_MAX_ROWS}), got M={m}")
-    if x_operand is not None:
-        form = "scaled" if scaled else "pieces" if x_f16 else None
-        if x_operand[0] != form:
-            raise ValueError(f"fp8_matmul: x_operand in form {x_operand[0]!r}, but {config} for M={m} takes "
-                             f"{form or 'x as it is'}")
-        x2, row_scale = x_operand[1], x_operand[2]  # [M_k, I] f16, [M, 1] f32 (scaled) or None
-    elif scaled:
+    if scaled:
         x2, row_scale = _f16_scaled(x2)  # [M, I] f16, [M, 1] f32
     elif x_f16:
         x2 = _f16_pieces(x2).reshape(m_k, i)

@@ -49,13 +49,9 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
 
 
 # ---- MLP (§3.4) --------------------------------------------------------------------------------
-def mlp(p: dict, x: jax.Array, impl: str, norm: tuple | None = None) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate.T) * (x @ up.T)), of rms_norm(x, *norm) when norm = (w, eps) is
-    given (then with impl="pallas" the norm may share a launch with gate and up's x operand:
-    ops.rms_norm_linear_many)."""
-    ws = (p["mlp_gate"], p["mlp_up"])
-    fused = ops.rms_norm_linear_many(x, *norm, ws, impl) if norm is not None else None
-    gate, up = fused or ops.linear_many(rms_norm(x, *norm) if norm is not None else x, ws, impl)
+def mlp(p: dict, x: jax.Array, impl: str) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate.T) * (x @ up.T))."""
+    gate, up = ops.linear_many(x, (p["mlp_gate"], p["mlp_up"]), impl)
     return row_parallel((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], impl)
 
 

@@ -57,7 +57,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, impl: str) -> 
     """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`."""
     out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps))
     h = x + out
-    return h + layers.mlp(p, h, impl, norm=(p["post_norm"], cfg.rms_norm_eps)), new_state
+    return h + layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps), impl), new_state
 
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,

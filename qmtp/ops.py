@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_act_quant, fp8_config, fp8_matmul, gdn, gdn_conv, norm_operand, paged_attention
+from pallas_kernels import fp8_act_quant, fp8_config, fp8_matmul, gdn, gdn_conv, paged_attention
 from qmtp.fp8 import Fp8Block
 
 IMPLS = ("ref", "pallas")
@@ -136,12 +136,6 @@ FUSE_GATE_PROJECTIONS = True
 # --variants=bf16_reduce_max_out=256`, same process): verify 9.721 vs 9.797 ms device time, the
 # target step unchanged. 0 = off.
 BF16_REDUCE_MAX_OUT = 256
-# True: with impl="pallas", an RMSNorm whose output only feeds FP8 projections that take x as f16
-# pieces (the post-attention norm before mlp_gate + mlp_up; rms_norm_linear_many) runs in one launch
-# with those pieces (pallas_kernels/norm_operand.py) instead of XLA's three (the norm's reduction, its
-# normalization, the pieces; ~1.5-2.6 us each in session 16's trace of the 27B step). Off until
-# the step measures it (step variant "pallas_normop").
-NORM_OPERAND_LAUNCH = False
 
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
@@ -162,8 +156,6 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_act_quant": ("ops", "FP8_ACT_QUANT", None),
                      "fuse_gate_projections": ("ops", "FUSE_GATE_PROJECTIONS", None),
                      "bf16_reduce_max_out": ("ops", "BF16_REDUCE_MAX_OUT", (0, None)),
-                     "norm_operand_launch": ("ops", "NORM_OPERAND_LAUNCH", None),
-                     "norm_operand_slice": ("norm_operand", "SLICE", (16, 1 << 16)),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
@@ -183,7 +175,7 @@ def _switch_module(module: str):
     import sys
     if module == "speculate":  # imported here: qmtp.speculate imports this module
         return importlib.import_module("qmtp.speculate")
-    return {"fp8_config": fp8_config, "norm_operand": norm_operand}.get(module, sys.modules[__name__])
+    return fp8_config if module == "fp8_config" else sys.modules[__name__]
 
 
 def kernel_settings() -> dict:
@@ -291,26 +283,6 @@ def linear_many(x: jax.Array, ws, impl: str = "ref") -> tuple[jax.Array, ...]:
         return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret(),
                                           act_quant=_act_quant(rows))
     return tuple(linear(x, w, impl) for w in ws)
-
-
-def rms_norm_linear_many(x: jax.Array, norm_w: jax.Array, eps: float, ws, impl: str = "ref"):
-    """linear_many(rms_norm(x, norm_w, eps), ws) with the norm and the FP8 kernel's x operand made in
-    one launch (NORM_OPERAND_LAUNCH, pallas_kernels/norm_operand.py), or None where that does not
-    apply (impl="ref", other weights, f32 x, E4M3 activations, rows the decode kernel takes without
-    f16 pieces): the caller then norms with XLA (qmtp.layers.rms_norm) and calls linear_many."""
-    check_impl(impl)
-    rows = math.prod(x.shape[:-1])
-    if not (impl == "pallas" and NORM_OPERAND_LAUNCH and SHARED_PROJECTION_LAUNCH and x.dtype == jnp.bfloat16
-            and all(isinstance(w, Fp8Block) for w in ws) and not _act_quant(rows)
-            and not (XLA_SINGLE_ROW and rows == 1)):
-        return None
-    form = fp8_matmul.x_operand_form(rows, sum(w.shape[0] for w in ws), x.shape[-1])
-    if form is None:
-        return None
-    normed, pieces, row_scale = norm_operand.rms_norm_operand(x.reshape(rows, x.shape[-1]), norm_w, eps, form,
-                                                              interpret=_interpret())
-    return fp8_matmul.fp8_matmul_many(normed.reshape(x.shape), [w.weight for w in ws], [w.scale for w in ws],
-                                      interpret=_interpret(), x_operand=(form, pieces, row_scale))
 
 
 def _act_quant(rows: int) -> bool:

@@ -18,8 +18,6 @@
 #                                           with and without the scaled piece, o_proj's tile sweep (floor())
 #   scripts/gpu_session.sh start_stages [SECONDS]  the narrow launches' pipeline depth: launches at 4/3/2
 #                                           stages, the step at 4 and 3 (stages())
-#   scripts/gpu_session.sh start_normop [SECONDS]  the MLP norm + f16 pieces launch: its gpu tests, the
-#                                           step and plain + K=3 end to end with and without it (normop())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -403,31 +401,6 @@ oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep around
   oproj_sweep oproj_sweep3
 }
 
-normop() {  # a ~9-minute lease on one GPU: the MLP norm and gate/up's f16 pieces in one launch
-  # (ops.NORM_OPERAND_LAUNCH, off until measured): the kernel's gpu tests (gputests_norm.log), the
-  # 64-layer step without it and with it at 256 / 512 / 1024 lanes per program (norm_operand.SLICE;
-  # step_normop.json); if one of those beat the step without it, plain + K=3 end to end on the 27B
-  # checkpoint with the defaults and with the fastest (bench27*.json)
-  export CUDA_VISIBLE_DEVICES=0
-  job gputests_norm 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_norm_operand.py
-  job step_normop 300 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_normop256,pallas_normop,pallas_normop1k --out=$R/step_normop.json
-  local best
-  best=$(python3 -c "
-import json, sys
-rows = [r for r in json.load(open('$R/step_normop.json'))['rows'] if r.get('kernel') == 'decode_step' and 's_per_step' in r]
-s = {r['impl']: r['s_per_step'] for r in rows}
-best = min((k for k in s if k != 'pallas'), key=s.get, default=None)
-sl = {'pallas_normop256': 256, 'pallas_normop': 512, 'pallas_normop1k': 1024}
-print(sl[best] if best and 'pallas' in s and s[best] < 0.995 * s['pallas'] else '')")
-  [ -n "$best" ] || { echo "no normop variant beat the step by 0.5%" >>$R/jobs.log; return; }
-  checkpoint27
-  for v in default norm_operand_launch=true,norm_operand_slice=$best; do
-    job bench27_${v%%=*} 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
-      --max_new_tokens=256 --breakdown=false --kernels=${v/default/} --out=$R/bench27_${v%%=*}.json
-  done
-}
-
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -450,7 +423,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_normop)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -472,5 +445,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_normop|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

@@ -14,9 +14,7 @@ ops.GDN_CONV_IN_KERNEL), or with the split-K
 heuristic aiming at 4 programs per SM instead of 2 ("pallas_pps4", see fp8_config.DECODE_PROGRAMS_PER_SM),
 or with the narrow weights' W on the dot's M side at split-K 4 ("pallas_narrow_wm", the default before
 2026-11-30; see fp8_config.NARROW_X_ON_M), or with the GDN state in two alternating slots so the conv
-state is written in place ("pallas_plainslots", see ops.GDN_PLAIN_SLOTS), or with the MLP's
-RMSNorm and gate/up's f16 pieces in one launch ("pallas_normop", see ops.NORM_OPERAND_LAUNCH; with
-256 or 1024 lanes per program instead of norm_operand.SLICE: "pallas_normop256", "pallas_normop1k").
+state is written in place ("pallas_plainslots", see ops.GDN_PLAIN_SLOTS).
 
 Random FP8 block weights with the real shapes are generated on the device (no checkpoint: a 27B
 FP8 tree is ~30 GB; the step time does not depend on the values), the KV cache holds `context`
@@ -57,10 +55,7 @@ VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False}
             "pallas_gdnbv8w1": {"gdn_conv_block_v": 8, "gdn_conv_num_warps": 1},
             "pallas_a8": {"fp8_act_quant": True}, "pallas_gates_apart": {"fuse_gate_projections": False},
             "pallas_gdnsequential": {"gdn_conv_hoisted": False},
-            "pallas_plainslots": {"gdn_plain_slots": True},
-            "pallas_normop": {"norm_operand_launch": True},
-            "pallas_normop256": {"norm_operand_launch": True, "norm_operand_slice": 256},
-            "pallas_normop1k": {"norm_operand_launch": True, "norm_operand_slice": 1024}}
+            "pallas_plainslots": {"gdn_plain_slots": True}}
 
 
 def variant_settings(name: str, defaults: dict) -> dict:
