@@ -17,8 +17,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m qmtp.generate --flagfile=configs/demo.flags
 
+# The suite in a few fresh pytest processes (scripts/pytest_groups.py says why); same markers and flags.
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -x --timeout=900
+	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py --groups=16 -q -x --timeout=900
 
 # Includes tests marked slow (still CPU only).
 test-all: $(STAMP)

@@ -26,7 +26,7 @@ def run_bench(*args, tmp_path, cache):
 
 def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     out = tmp_path / "r.json"
-    r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1,3",
+    r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=3",
                   "--max_new_tokens=12", "--breakdown_ks=3", "--prompt_text=def fibonacci(",
                   "--kernels=fp8_scale_preload=false,fp8_decode_max_rows=8", "--draft_head=fp8",
                   f"--trace_dir={tmp_path / 'traces'}", tmp_path=tmp_path, cache=tmp_path / "cache")
@@ -35,14 +35,14 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     assert res["all_tokens_match_plain"] and res["copy"]["tb_per_s"] > 0 and res["load_s"] > 0
     (case,) = res["cases"]
     names = [m["name"] for m in case["modes"]]
-    assert names == ["plain", "mtp K=1 natural", "mtp K=3 natural", "mtp K=1 profiled", "mtp K=3 profiled"]
+    assert names == ["plain", "mtp K=3 natural", "mtp K=3 profiled"]  # one K: CI time (session 16)
     for m in case["modes"]:
         assert m["decode_tokens_per_s"]["median"] > 0 and m["ttft_s"]["n"] == 1 and m["share_of_roofline"] > 0
         assert set(m["memory"]) == {"bytes_in_use", "peak_bytes_in_use"}  # per mode (None on the CPU)
-    natural3 = case["modes"][2]
+    natural3 = case["modes"][1]
     assert natural3["position_acceptance"] == [1.0, 1.0, 1.0] and natural3["mean_accepted_length"] == 4.0
-    assert case["modes"][4]["imposed_profile"] == [0.85, 0.70, 0.57]
-    assert case["modes"][4]["mean_accepted_length"] < 4.0  # the cap took effect
+    assert case["modes"][2]["imposed_profile"] == [0.85, 0.70, 0.57]
+    assert case["modes"][2]["mean_accepted_length"] < 4.0  # the cap took effect
     assert os.path.getsize(case["plot"]) > 1000
     assert set(case["breakdown"]) == {"3"}  # --breakdown_ks
     assert case["batch"] == 1 and res["config"]["prompt_text"] == ["def fibonacci("]
@@ -53,10 +53,10 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     for pieces in case["breakdown"].values():
         assert {"target_step", "verify", "draft", "commit", "predicted_round", "measured_round"} <= set(pieces)
     assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout and "per piece of a round" in r.stdout
-    assert "[1/5" in r.stderr  # progress
+    assert "[1/3" in r.stderr  # progress
     # --trace_dir: one profiler trace per mode, named after it, readable as scripts/trace_summary.py reads it
     from pallas_kernels.bench import trace_events
-    trace_dir = case["modes"][4]["trace_dir"]
+    trace_dir = case["modes"][2]["trace_dir"]
     assert os.path.dirname(trace_dir) == str(tmp_path / "traces")
     assert os.path.basename(trace_dir) == f"ref_B1_P{case['prompt_length']}_K3_profiled"
     for m in case["modes"]:

@@ -33,6 +33,7 @@ def test_second_process_loads_the_loops_from_the_cache(tmp_path):
     assert first.stdout.split("\n")[:2] == second.stdout.split("\n")[:2]  # the same text
 
 
+@pytest.mark.slow  # CI time (session 16): the cache's hit across processes stays in CI
 def test_off_writes_no_cache(tmp_path):
     r = generate(tmp_path, "--compile_cache=off")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -32,6 +32,7 @@ def test_shipped_files_fit_the_repository_limits():
         assert name in sizes
 
 
+@pytest.mark.slow  # CI time (session 16): the shipped model's files do not change; its flagfile test stays in CI
 def test_heldout_teacher_forced_acceptance_reaches_the_issue_bar(demo):
     # the split's hash holds out whole top-level modules / packages; of Python 3.12's stdlib that is
     # webbrowser.py (~7.3k tokens): windows spread over all of it

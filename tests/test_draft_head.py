@@ -67,6 +67,7 @@ def test_the_draft_head_is_what_drafts_use(controlled):
     assert np.all(qmtp.mtp_logits(broken, ids).logits == 0.0)
 
 
+@pytest.mark.slow  # CI time (session 16): the FP8 draft head and TP2 each stay in CI on their own
 def test_fp8_draft_head_under_tp2(controlled):
     one = qmtp.generate(qmtp.load(controlled, dtype="float32", progress=False), PROMPTS, max_new_tokens=8)
     model = qmtp.load(controlled, dtype="float32", progress=False, draft_head="fp8", tp=2)

@@ -56,6 +56,7 @@ def test_every_id_drafts_as_the_full_head(ckpt, plain):
     assert got.stats["accepted"] == full.stats["accepted"] > 0
 
 
+@pytest.mark.slow  # CI time (session 16): test_every_id_drafts_as_the_full_head stays in CI
 def test_a_vocabulary_without_the_emitted_tokens_drafts_nothing_right(ckpt, plain, tmp_path):
     model, want = plain
     emitted = {t for row in want.tokens for t in row}

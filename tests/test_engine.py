@@ -211,6 +211,7 @@ def test_snapshots_give_identical_tokens_within_the_byte_budget(model, ckpt, ref
     assert_all_free(engine)
 
 
+@pytest.mark.slow  # CI time (session 16): TP2 == TP1 stays in CI through tests/test_tp_model.py
 def test_tp2_engine_equals_tp1_generate(ckpt, model, reference):
     import jax
     assert len(jax.devices()) >= 2, "needs 2 devices (jax_num_cpu_devices=2 in conftest.py)"

@@ -242,7 +242,9 @@ def test_profiled_acceptance_on_the_controlled_checkpoint_keeps_the_tokens(contr
     assert spec.stats["accept_hist"] == np.bincount(cap[:rounds, 0], minlength=4).tolist()
 
 
-@pytest.mark.parametrize("fresh_state", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: ~16 s
+# both slow since session 16 (CI time): the default commit (slotted state) is in every MTP test of CI
+@pytest.mark.slow
+@pytest.mark.parametrize("fresh_state", [False, True])
 def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled, monkeypatch, fresh_state):
     """ops.GDN_CONV_IN_KERNEL with impl="pallas": prefill (11 tokens: the kernel's token loop), verify
     and the commit run the fused conv + recurrence kernel (the commit from the old conv and ssm state
