@@ -23,7 +23,7 @@ test: $(STAMP)
 
 # Includes tests marked slow (still CPU only).
 test-all: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m 'not gpu'
+	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py --groups=16 -q -m 'not gpu'
 
 # Regenerates tests/fixtures/oracle with HF transformers in a separate Python 3.11 + torch venv.
 oracle-fixtures:

@@ -377,6 +377,7 @@ def test_engine_mtp_with_swapped_fc_halves_is_always_wrong(ckpts, pi, tmp_path):
     assert r.agreement == 0.0 and np.array_equal(r.draft_argmax, seq[1:])
 
 
+@pytest.mark.slow  # CI time (session 16): test_engine's controlled-checkpoint test stays in CI
 @pytest.mark.parametrize("kind", ["bf16"])
 def test_engine_speculative_generation_accepts_everything(models, pi, kind):
     prompt = follow(pi, 9, 20)

@@ -48,6 +48,7 @@ def _check_against_plain(model, prompts, out, stats, state, max_new, accepted, w
     assert_close(np.stack(state.conv), np.stack(plain_state.conv), F32_MODEL, f"conv, {what}")
 
 
+@pytest.mark.slow  # CI time (session 16): test_speculate's forced acceptance runs the slotted state in CI
 @pytest.mark.parametrize("a", [1])  # every a in 0..3: test_speculate's forced acceptance, slotted by default
 def test_reference_path_slotted(controlled, no_rebuild, a):
     assert ops.GDN_STATE_SLOTS, "the default"

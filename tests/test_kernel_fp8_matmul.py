@@ -210,7 +210,14 @@ CONFIGS = {  # name: (config, rows)
 EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x, out), alternated
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# in CI: the tiles the default heuristics choose (decode at 1-16 rows, the x_f16 pieces and the scaled
+# piece, a batched verify's rows, the GEMM) and uneven chunk runs; the other tiles are `slow` (CI time,
+# session 16; `make test-all` and the GPU sweeps run them)
+CI_CONFIGS = {"decode_default", "decode_split3_bo16", "decode_dot_verify_rows", "decode_dot_x_f16",
+              "decode_dot_x_f16_scaled", "prefill_default"}
+
+
+@pytest.mark.parametrize("name", [n if n in CI_CONFIGS else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
 def test_kernel_exact_on_integer_problems(name):
     """Bit-exact against the float64 formula (exact in f32, then one rounding to the output dtype) on
     ragged shapes for every config: a masked lane that leaked anything, a chunk summed twice or a
@@ -325,7 +332,8 @@ MANY_CONFIGS = {  # name: (config, rows)
 }
 
 
-@pytest.mark.parametrize("name", list(MANY_CONFIGS))
+@pytest.mark.parametrize("name", [n if n in ("default", "x_f16") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in MANY_CONFIGS])  # the rest `slow` since session 16 (CI time)
 def test_many_weights_in_one_launch_exact(name):
     """Three weights of different ragged heights behind one x (as q/k/v or gate/up are): each output
     is bit-exact against its own float64 formula, so a program that served the wrong weight, read

@@ -148,6 +148,7 @@ def _raw_tensors(ckpt_dir: str) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.slow  # CI time (session 16): the export round trip and the tokenizer fixture train in CI
 def test_train_mtp_only_changes_only_the_mtp_tensors(tmp_path):
     src = make_checkpoint.write_checkpoint(str(tmp_path / "fp8"), "tiny", "fp8", seed=3)
     out = str(tmp_path / "mtp_run")
