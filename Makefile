@@ -19,11 +19,11 @@ demo: $(STAMP)
 
 # The suite in a few fresh pytest processes (scripts/pytest_groups.py says why); same markers and flags.
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py --groups=16 -q -x --timeout=900
+	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py -q -x --timeout=900
 
 # Includes tests marked slow (still CPU only).
 test-all: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py --groups=16 -q -m 'not gpu'
+	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py -q -m 'not gpu'
 
 # Regenerates tests/fixtures/oracle with HF transformers in a separate Python 3.11 + torch venv.
 oracle-fixtures:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from h200_lowering import lower_for_h200, triton_calls
+from marks import slow_except
 from pallas_kernels import fp8_act_quant as aq
 from pallas_kernels import fp8_matmul as fm
 from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
@@ -89,7 +90,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n == "default" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
+@pytest.mark.parametrize("name", slow_except(CONFIGS, {"default"}))
 def test_kernel_matches_the_reference(name):  # the other tiles slow since session 16 (CI time; E4M3 x is off by default)
     """Ragged O and I (the uint8 path fills the columns past I with 0), M padded to the dot's 16
     rows, bf16 and f32 x; NaN in a padding row of x cannot reach the others (rows are independent)."""

@@ -33,6 +33,7 @@ from pallas_kernels import fp8_config as fc
 from pallas_kernels import fp8_matmul as fm
 from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
 from qmtp.fp8 import quantize_np
+from marks import slow_except
 from tolerance import assert_close
 from h200_lowering import H200, lower_for_h200, triton_calls, attr_int
 
@@ -217,7 +218,7 @@ CI_CONFIGS = {"decode_default", "decode_split3_bo16", "decode_dot_verify_rows", 
               "decode_dot_x_f16_scaled", "prefill_default"}
 
 
-@pytest.mark.parametrize("name", [n if n in CI_CONFIGS else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
+@pytest.mark.parametrize("name", slow_except(CONFIGS, CI_CONFIGS))
 def test_kernel_exact_on_integer_problems(name):
     """Bit-exact against the float64 formula (exact in f32, then one rounding to the output dtype) on
     ragged shapes for every config: a masked lane that leaked anything, a chunk summed twice or a
@@ -332,8 +333,7 @@ MANY_CONFIGS = {  # name: (config, rows)
 }
 
 
-@pytest.mark.parametrize("name", [n if n in ("default", "x_f16") else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in MANY_CONFIGS])  # the rest `slow` since session 16 (CI time)
+@pytest.mark.parametrize("name", slow_except(MANY_CONFIGS, {"default", "x_f16"}))  # the rest `slow` since session 16
 def test_many_weights_in_one_launch_exact(name):
     """Three weights of different ragged heights behind one x (as q/k/v or gate/up are): each output
     is bit-exact against its own float64 formula, so a program that served the wrong weight, read

@@ -17,6 +17,7 @@ import pytest
 
 import qmtp
 from qmtp import checkpoint, params, shard_layout
+from marks import slow_except
 from qmtp.tools import make_checkpoint
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle")
@@ -64,8 +65,8 @@ def _close(a, b, what):
     assert err <= TP_LOGITS_RTOL, f"{what}: relative error {err:.2e} > {TP_LOGITS_RTOL}"
 
 
-# In CI: K=3 at batch 3 on the random checkpoint, K=2 at batch 1 with full acceptance (plain TP2 ==
-# TP1 by logits below); the rest of the product is `slow` (CI time, session 15: each case 18-36 s).
+# In CI: K=3 at batch 3 on the random checkpoint (plain TP2 == TP1 by logits below); the rest of the
+# product is `slow` (CI time, session 15: each case 18-36 s).
 CI_TINY = {(3, 3)}  # (K, batch)
 # none since session 16 (CI time): TP2 == TP1 runs in CI on the random checkpoint (CI_TINY), the
 # controlled one's full-acceptance case under `make test-all`
@@ -73,7 +74,7 @@ CI_CONTROLLED: set = set()
 
 
 def _cases(ci):
-    return [pytest.param(k, b, marks=() if (k, b) in ci else pytest.mark.slow) for k in range(5) for b in (1, 3)]
+    return slow_except([(k, b) for k in range(5) for b in (1, 3)], ci)
 
 
 @pytest.mark.parametrize("k,batch", _cases(CI_TINY))
