@@ -173,6 +173,7 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w;
     # sx_ref [GI, BM] (x_fp8: x_ref holds E4M3 activations, sx_ref their scales)
     bo = cfg.block_o
+    tiled = len(w_ref.shape) == 4  # w_ref [O / bo, I / 128, bo, 128]: one contiguous tile per chunk
     o0 = pl.multiple_of(po * bo, bo)
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
     n_chunks = cdiv(i, BLOCK)
@@ -202,8 +203,8 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
         if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
-            wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm,
-                         jnp.float16 if x_f16 else jnp.bfloat16)
+            w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
+            wc = _load_w(w_tile, wm, jnp.float16 if x_f16 else jnp.bfloat16)
             return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
         # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
         # until after the loop); the weight chunk is loaded once for all rows

@@ -34,10 +34,38 @@ from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_
 _fp8_dot.install()  # E4M3 x E4M3 dots (act_quant) may use Hopper's FP8 wgmma: see _fp8_dot
 
 
+def tile_weight(w: jax.Array, block_o: int = DecodeConfig.block_o) -> jax.Array:
+    """[O, I] -> [O / block_o, I / 128, block_o, 128]: every [block_o, 128] chunk the decode kernel
+    reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous too
+    (in the checkpoint's layout a chunk is block_o runs of 128 bytes, I bytes apart).
+    O must be a multiple of block_o and I of 128 (every 27B shape is)."""
+    o, i = w.shape
+    if o % block_o or i % BLOCK:
+        raise ValueError(f"tile_weight: w {w.shape} needs O a multiple of {block_o} and I of {BLOCK}")
+    return w.reshape(o // block_o, block_o, i // BLOCK, BLOCK).transpose(0, 2, 1, 3)
+
+
+def untile_weight(w: jax.Array) -> jax.Array:
+    """The inverse of tile_weight: [O / bo, I / 128, bo, 128] -> [O, I]; a 2-D w comes back as it is."""
+    if w.ndim == 2:
+        return w
+    n_o, n_c, bo, blk = w.shape
+    return w.transpose(0, 2, 1, 3).reshape(n_o * bo, n_c * blk)
+
+
+def weight_shape(w: jax.Array) -> tuple[int, int]:
+    """(O, I) of a weight in either layout (tile_weight's or the checkpoint's)."""
+    if w.ndim == 4:
+        return w.shape[0] * w.shape[2], w.shape[1] * w.shape[3]
+    return tuple(w.shape)
+
+
 def _check(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
-    if w.ndim != 2 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"fp8_matmul: x {x.shape} and w {w.shape} need x[..., I] and w[O, I]")
-    grid = (-(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK))
+    if w.ndim not in (2, 4) or (w.ndim == 4 and w.shape[3] != BLOCK) or x.shape[-1] != weight_shape(w)[1]:
+        raise ValueError(f"fp8_matmul: x {x.shape} and w {w.shape} need x[..., I] and w[O, I] "
+                         f"(or tile_weight's [O / bo, I / {BLOCK}, bo, {BLOCK}])")
+    o, i = weight_shape(w)
+    grid = (-(-o // BLOCK), -(-i // BLOCK))
     if tuple(scale.shape) != grid:
         raise ValueError(f"fp8_matmul: scale {scale.shape} is not the {BLOCK}x{BLOCK} grid {grid} of w {w.shape}")
 
@@ -50,8 +78,9 @@ def dequantize_ref(w: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Arr
 
 
 def fp8_matmul_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
-    """Reference: dequantize to f32, then x @ W.T with f32 accumulation."""
+    """Reference: dequantize to f32, then x @ W.T with f32 accumulation (w in either layout)."""
     _check(x, w, scale)
+    w = untile_weight(w)
     out_dtype = out_dtype or x.dtype
     y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize_ref(w, scale),
                    precision=jax.lax.Precision.HIGHEST)
@@ -143,7 +172,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     for w, scale in zip(ws, scales):
         _check(x, w, scale)
         _check_dtypes(x, w, scale, out_dtype, weight_dtype)
-    lead, i, os = x.shape[:-1], x.shape[-1], tuple(w.shape[0] for w in ws)
+    lead, i, os = x.shape[:-1], x.shape[-1], tuple(weight_shape(w)[0] for w in ws)
     m = math.prod(lead)
     if m == 0 or i == 0 or 0 in os:
         return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
@@ -151,13 +180,21 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         config = fp8_config.act_quant_config(m, sum(os), i)
     config = config or default_config(m, sum(os), i)
     fp8_config.check_config(config, m)
+    tiled = [w.ndim == 4 for w in ws]
+    if any(tiled):
+        if not isinstance(config, DecodeConfig) or act_quant or not config.use_dot or not all(tiled):
+            # the tiled layout is read by the tensor-core decode kernel only: the others get [O, I]
+            ws = tuple(untile_weight(w) for w in ws)
+        elif any(w.shape[2] != config.block_o for w in ws):
+            raise ValueError(f"fp8_matmul: tiled weights of {sorted({w.shape[2] for w in ws})} rows per tile "
+                             f"need DecodeConfig.block_o equal to it, got {config}")
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
     if isinstance(config, PrefillConfig):
         if act_quant:
             raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {fp8_config.DECODE_MAX_ROWS} "
                              f"rows with a DecodeConfig), got M={m} with {config}")
-        return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, w.shape[0])
+        return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, weight_shape(w)[0])
                      for w, s in zip(ws, scales))
     if act_quant:
         return _act_quant_call(x2, ws, scales, lead, out_dtype, config, params, interpret, weight_dtype)
@@ -199,7 +236,7 @@ def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, out_rows
     """The decode kernel's launch over all weights: x_args are x [M, I] alone, or (x_q, s_x) with E4M3
     activations (x_fp8); returns the partials [split, out_rows, O_j] per weight."""
     cps, split = _chunk_split(i, config)
-    os = tuple(w.shape[0] for w in ws)
+    os = tuple(weight_shape(w)[0] for w in ws)
     x_fp8 = len(x_args) == 2
     # the kernel indexes x's rows up to BM and, with E4M3 x, whole 128-column chunks
     _check_int32(bm if x_fp8 else m, max(os), cdiv(i, BLOCK) * BLOCK if x_fp8 else i, split)

@@ -18,6 +18,8 @@
 #                                           with and without the scaled piece, o_proj's tile sweep (floor())
 #   scripts/gpu_session.sh start_stages [SECONDS]  the narrow launches' pipeline depth: launches at 4/3/2
 #                                           stages, the step at 4 and 3 (stages())
+#   scripts/gpu_session.sh start_tiles [SECONDS]  the FP8 launches on the tiled weight layout against the
+#                                           checkpoint's, with read floors over both; the tiled `gpu` tests (tiles())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -401,6 +403,15 @@ oproj() {  # a ~3-minute lease on one GPU: o_proj / out_proj's tile sweep around
   oproj_sweep oproj_sweep3
 }
 
+tiles() {  # a ~8-minute lease on one GPU: the tiled weight layout (fp8_matmul.tile_weight) against the
+  # checkpoint's: every FP8 launch of the step at 1/4/16 rows on both, with read floors over both layouts
+  # (launches_tiles.json), then the FP8 kernel's `gpu` tests of the tiled layout (gputests_tiles.log)
+  export CUDA_VISIBLE_DEVICES=0
+  job launches_tiles 420 python3 -m pallas_kernels.bench --parts=fp8_launches \
+    --fp8_launch_layouts=checkpoint,tiled --out=$R/launches_tiles.json
+  job gputests_tiles 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k tiled
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -423,7 +434,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -445,5 +456,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

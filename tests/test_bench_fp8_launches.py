@@ -73,6 +73,28 @@ def test_quick_run(tmp_path):
     assert "FP8 launches at M=1" in r.stdout and "FP8 launches at M=9" in r.stdout
 
 
+def test_quick_run_tiled_layout(tmp_path):
+    """--fp8_launch_layouts=checkpoint,tiled: each launch and M timed on both layouts, the tiled ones
+    summed under "M tiled", the read floor over tiled bytes too."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--quick", "--interpret",
+                        "--fp8_launch_ms=1", "--fp8_launch_layouts=checkpoint,tiled", f"--out={out}"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = [x for x in res["rows"] if x["kernel"] == "fp8_launch"]
+    assert not [x for x in rows if "error" in x], rows
+    assert sorted(x["layout"] for x in rows) == ["checkpoint", "tiled"]
+    assert set(res["fp8_launches"]["per_step"]) == {"1", "1 tiled"}
+    [floor] = [x for x in res["rows"] if x["kernel"] == "read_floor"]
+    assert any("tiled=True" in c for c in floor["configs"]) and any("tiled=False" in c for c in floor["configs"])
+    bad = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches",
+                          "--fp8_launch_layouts=rows", f"--out={tmp_path / 'x.json'}"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--fp8_launch_layouts: rows; choose from checkpoint, tiled" in bad.stderr
+
+
 def test_bad_kernels_flag_is_refused(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--kernels=nope=1",

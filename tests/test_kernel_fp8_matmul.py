@@ -354,6 +354,70 @@ def test_many_weights_in_one_launch_exact(name):
             np.testing.assert_array_equal(np.asarray(y), f64_formula(x, w, s), err_msg=f"{name} m={m} weight {j}")
 
 
+# ------------------------------------------------------------------------------------------------
+# the tiled weight layout (fp8_matmul.tile_weight): each [64, 128] chunk one contiguous run
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tile_weight_layout_by_hand():
+    """Element (o, i) of w lands at [o // 64, i // 128, o % 64, i % 128]; untile_weight inverts it."""
+    w = np.arange(128 * 256, dtype=np.float32).reshape(128, 256)
+    t = np.asarray(fm.tile_weight(jnp.asarray(w)))
+    assert t.shape == (2, 2, 64, 128)
+    for o, i in [(0, 0), (63, 127), (64, 128), (70, 3), (127, 255), (5, 200)]:
+        assert t[o // 64, i // 128, o % 64, i % 128] == w[o, i]
+    np.testing.assert_array_equal(np.asarray(fm.untile_weight(jnp.asarray(t))), w)
+    assert fm.weight_shape(jnp.asarray(t)) == (128, 256)
+    with pytest.raises(ValueError, match=r"tile_weight: w \(130, 256\) needs O a multiple of 64 and I of 128"):
+        fm.tile_weight(jnp.zeros((130, 256), jnp.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_tiled_weights_give_the_same_bits(m):
+    """The kernel on tiled weights equals the kernel on the checkpoint layout bit for bit (the same
+    chunks in the same order), and both equal the float64 formula on an exact problem; two weights in
+    one launch (q/k/v style), and the ref and the prefill path take the tiled layout too."""
+    rng = np.random.default_rng(m)
+    x, w0, s0 = exact_problem(rng, m, 256, 384)
+    _, w1, s1 = exact_problem(rng, m, 128, 384)
+    xj = jnp.asarray(x, jnp.bfloat16)
+    ws, ss = (jnp.asarray(w0), jnp.asarray(w1)), (jnp.asarray(s0), jnp.asarray(s1))
+    tiled = tuple(fm.tile_weight(w) for w in ws)
+    many = jax.jit(lambda x, ws, ss: fm.fp8_matmul_many(x, ws, ss, jnp.float32, interpret=True))
+    plain, got = many(xj, ws, ss), many(xj, tiled, ss)
+    for j, (a, b, w, s) in enumerate(zip(plain, got, ws, ss)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"m={m} weight {j}")
+        np.testing.assert_array_equal(np.asarray(b), f64_formula(x, np.asarray(w), np.asarray(s)))
+    np.testing.assert_array_equal(np.asarray(fm.fp8_matmul_ref(xj, tiled[0], ss[0], jnp.float32)),
+                                  f64_formula(x, w0, s0))
+    pre = fm.fp8_matmul(xj, tiled[0], ss[0], jnp.float32, interpret=True, config=PrefillConfig(block_m=16))
+    np.testing.assert_array_equal(np.asarray(pre), f64_formula(x, w0, s0))
+
+
+def test_tiled_weights_need_matching_tiles():
+    rng = np.random.default_rng(0)
+    x, w, s = exact_problem(rng, 2, 256, 384)
+    t = fm.tile_weight(jnp.asarray(w))
+    with pytest.raises(ValueError, match=r"tiled weights of \[64\] rows per tile need DecodeConfig.block_o"):
+        fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), t, jnp.asarray(s), interpret=True,
+                      config=DecodeConfig(block_o=32, x_f16=True))
+
+
+def test_tiled_weights_lower_for_h200():
+    """o_proj's shape on tiled weights: one Triton call on the same grid, one unmasked E4M3 load per chunk."""
+    sds = jax.ShapeDtypeStruct
+    o, i = 5120, 6144
+    args = (sds((1, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
+            sds((o // 128, i // 128), jnp.float32))
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args)
+    [(cfg, ir_text)] = triton_calls(lowered)
+    config = fm.default_config(1, o, i)
+    assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 64, config.split_k)
+    assert attr_int(cfg, "num_stages") == config.num_stages and "scf.for" in ir_text
+    w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
+    assert len(w_loads) == 1 and w_loads[0].count("%") == 2  # unmasked: vectorized loads
+
+
 def test_many_rejects_mismatched_inputs():
     rng = np.random.default_rng(0)
     x, wq, scale = exact_problem(rng, 2, 130, 129)
@@ -745,6 +809,7 @@ GPU_CONFIGS = {  # name: (config, rows)
     # one scaled f16 piece per row (the default at 9-32 rows since session 15), 3 stages (the narrow default)
     "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
                             [9, 16, 32]),
+    "tiled_default": ("tiled", [1, 4, 16]),  # the default configs on fp8_matmul.tile_weight's layout
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
 }
@@ -757,11 +822,16 @@ def test_gpu_kernel_exact_on_integer_problems(name):
     gpu_required()
     config, rows = GPU_CONFIGS[name]
     rng = np.random.default_rng(len(name))
-    for o, i in [(F, E), (E, F), (F + 72, E + 40)]:
+    tiled = config == "tiled"
+    for o, i in [(F, E), (E, F)] if tiled else [(F, E), (E, F), (F + 72, E + 40)]:
         wq, scale = real_weights(o, i, "exact")
         for m in rows:
             x = rng.integers(-2, 3, (m, i)).astype(np.float32)
-            got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config, interpret=False)
+            if tiled:
+                got = np.asarray(fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fm.tile_weight(jnp.asarray(wq)),
+                                               jnp.asarray(scale), jnp.float32))
+            else:
+                got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config, interpret=False)
             np.testing.assert_array_equal(got, run_ref(x, wq, scale, jnp.bfloat16, jnp.float32),
                                           err_msg=f"{name} m={m} o={o} i={i}")
 

@@ -44,6 +44,9 @@ flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default
 flags.DEFINE_list("fp8_launch_ms", ["1", "4", "16"], "fp8_launches: rows (M) of each launch.")
 flags.DEFINE_bool("fp8_launch_floor", True, "fp8_launches: also time each launch's read floor (a kernel that only "
                   "reads the same bytes in one launch, read_floor.py) and each launch's share of it.")
+flags.DEFINE_list("fp8_launch_layouts", ["checkpoint"], "fp8_launches: weight layouts to time each launch on: "
+                  "checkpoint ([O, I] as stored) and / or tiled (fp8_matmul.tile_weight: every [64, 128] chunk "
+                  "one contiguous run); with tiled the read floor also times tiled bytes.")
 flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
 flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
                   "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "
@@ -82,6 +85,12 @@ def main(argv):
     if unknown:
         print(f"error: --parts: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}", file=sys.stderr)
         return 2
+    from pallas_kernels.bench.fp8_launches import LAYOUTS
+    bad = [x for x in FLAGS.fp8_launch_layouts if x not in LAYOUTS]
+    if bad or not FLAGS.fp8_launch_layouts:
+        print(f"error: --fp8_launch_layouts: {', '.join(bad) or 'empty'}; choose from {', '.join(LAYOUTS)}",
+              file=sys.stderr)
+        return 2
     unknown = [i for i in FLAGS.step_impls if i not in (*VARIANTS, "ref")]
     if unknown:  # an unknown variant would time the default pallas path under its name
         print(f"error: --step_impls: unknown {', '.join(unknown)}; choose from {', '.join((*VARIANTS, 'ref'))}",
@@ -116,7 +125,8 @@ def main(argv):
         elif part == "fp8_launches":
             from pallas_kernels.bench import fp8_launches
             launches = fp8_launches.run(tb, rec.emit, decode_ms=[int(m) for m in FLAGS.fp8_launch_ms],
-                                        device_time=FLAGS.fp8_device_time, floor=FLAGS.fp8_launch_floor, **opts)
+                                        device_time=FLAGS.fp8_device_time, floor=FLAGS.fp8_launch_floor,
+                                        layouts=tuple(FLAGS.fp8_launch_layouts), **opts)
             rec.set("fp8_launches", {key: {str(m): v for m, v in val.items()} for key, val in launches.items()})
         elif part == "gdn":
             from pallas_kernels.bench import gdn

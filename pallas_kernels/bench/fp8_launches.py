@@ -64,12 +64,17 @@ def step_launches(preset: str = "qwen3_5_27b") -> list[dict]:
     return [{"name": name, "shapes": list(shapes), "count": n} for (name, shapes), n in launches.items()]
 
 
+LAYOUTS = ("checkpoint", "tiled")  # the weights as the checkpoint stores them, or fp8_matmul.tile_weight's
+
+
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, decode_ms=DECODE_MS,
-        reps: int = 8, trials: int = 5, device_time: bool = True, floor: bool = True) -> dict:
-    """Emits one row per (launch, M), and with `floor` one read_floor row per launch first; returns
-    {"per_step": {M: figures of all launches of a step}, "targets": {M: [launches whose share is
-    below TARGET_SHARE, with their read floor's share where measured]}} (shares by device time where
-    measured, else by the wall clock)."""
+        reps: int = 8, trials: int = 5, device_time: bool = True, floor: bool = True,
+        layouts=("checkpoint",)) -> dict:
+    """Emits one row per (launch, M, layout), and with `floor` one read_floor row per launch first (over
+    the tiled floor configs too when "tiled" is among `layouts`); returns {"per_step": {key: figures of
+    all launches of a step}, "targets": {key: [launches whose share is below TARGET_SHARE, with their
+    read floor's share where measured]}}, key M for the checkpoint layout and "M tiled" for the tiled
+    one (shares by device time where measured, else by the wall clock)."""
     import jax
     import jax.numpy as jnp
 
@@ -81,6 +86,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     if quick:  # two ragged projections behind one x, and one alone
         launches = [{"name": "quick.a+b", "shapes": [(272, 300), (130, 300)], "count": 1},
                     {"name": "quick.c", "shapes": [(130, 129)], "count": 1}]
+        if "tiled" in layouts:  # tile_weight needs whole tiles
+            launches = [{"name": "quick.d+e", "shapes": [(128, 256), (64, 256)], "count": 1}]
         reps, trials = 1, 1
     per_step: dict = {}
     below: dict = {}
@@ -104,41 +111,50 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             try:
                 key = tuple(shapes)
                 if key not in floors:
-                    floors[key] = read_floor.floor_figures(
-                        shapes, n, copy_tb_s, reps=reps, trials=trials, interpret=interpret,
-                        configs=read_floor.CONFIGS[:1] if quick else read_floor.CONFIGS)
+                    configs = read_floor.CONFIGS[:1] if quick else read_floor.CONFIGS
+                    if "tiled" in layouts:
+                        configs = configs + (read_floor.TILED_CONFIGS[:1] if quick else read_floor.TILED_CONFIGS)
+                    floors[key] = read_floor.floor_figures(shapes, n, copy_tb_s, reps=reps, trials=trials,
+                                                           interpret=interpret, configs=configs)
                 fl = floors[key]
                 row.update(fl)
             except Exception as e:  # the launches are still measured without it
                 row["error"] = repr(e)[:1000]
             emit(row)
-        for m in decode_ms:
+        for m, layout in ((m, layout) for m in decode_ms for layout in layouts):
             x = jax.random.normal(jax.random.key(m), (m, i_dim), jnp.float32).astype(jnp.bfloat16)
-            row = {"kernel": "fp8_launch", "case": f"{launch['name']} M={m}", "launch": launch["name"],
+            config = fm.default_config(m, sum(o for o, _ in shapes), i_dim)
+            agg_key = m if layout == "checkpoint" else f"{m} {layout}"
+            row = {"kernel": "fp8_launch", "case": f"{launch['name']} M={m}" + ("" if layout == "checkpoint" else
+                                                                                 f" {layout}"),
+                   "launch": launch["name"], "layout": layout,
                    "shapes": [list(s) for s in shapes], "m": m, "impl": "pallas", "count_per_step": launch["count"],
-                   "n_weights": n, "bytes": nbytes,
-                   "config": repr(fm.default_config(m, sum(o for o, _ in shapes), i_dim))}
+                   "n_weights": n, "bytes": nbytes, "config": repr(config)}
             try:
+                w_in = ws
+                if layout == "tiled":  # laid out once, outside the timed program (as a load would)
+                    tile = jax.jit(fm.tile_weight, static_argnums=1)
+                    w_in = tuple(tuple(tile(w, config.block_o) for w in one) for one in ws)
                 prog = loop_program(many, reps, False)
-                med, best = timed(prog, x, ws, ss, trials=trials)
+                med, best = timed(prog, x, w_in, ss, trials=trials)
                 per = med / (reps * n)
                 row.update(s_per_call=per, best_s_per_call=best / (reps * n), tb_s=nbytes / per / 1e12,
                            share_of_copy=nbytes / per / 1e12 / copy_tb_s)
                 if device_time:
-                    row.update(_device_figures(prog, (x, ws, ss), reps * n, nbytes, copy_tb_s))
+                    row.update(_device_figures(prog, (x, w_in, ss), reps * n, nbytes, copy_tb_s))
                 if fl and "kernel_s_per_call" in fl and "kernel_s_per_call" in row:
                     row.update(floor_share_of_copy=fl["kernel_share_of_copy"],
                                share_of_floor=fl["kernel_s_per_call"] / row["kernel_s_per_call"])
                 share = row.get("kernel_share_of_copy", row["share_of_copy"])
                 time_key = "kernel_s_per_call" if "kernel_s_per_call" in row else "s_per_call"
-                agg = per_step.setdefault(m, {"bytes": 0, "s": 0.0, "by": time_key})
+                agg = per_step.setdefault(agg_key, {"bytes": 0, "s": 0.0, "by": time_key})
                 agg["bytes"] += nbytes * launch["count"]
                 agg["s"] += row[time_key] * launch["count"]
                 if share < TARGET_SHARE:
                     miss = {"launch": launch["name"], "share_of_copy": round(share, 3)}
                     if "floor_share_of_copy" in row:
                         miss["floor_share_of_copy"] = round(row["floor_share_of_copy"], 3)
-                    below.setdefault(m, []).append(miss)
+                    below.setdefault(agg_key, []).append(miss)
             except Exception as e:  # record and go on: one failing launch must not hide the others
                 row["error"] = repr(e)[:1000]
             emit(row)
@@ -150,7 +166,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
 def target_lines(result: dict) -> list[str]:
     """Issue 4's FP8 target per row count, met or missed, naming the launches below it."""
     lines = []
-    for m, missed in sorted(result["targets"].items()):
+    for m, missed in sorted(result["targets"].items(), key=lambda kv: str(kv[0])):
         agg = result["per_step"][m]
         head = (f"FP8 launches at M={m} >= {TARGET_SHARE:.0%} of copy each (by {agg['by']}; all launches of a "
                 f"step: {agg['share_of_copy']:.0%})")

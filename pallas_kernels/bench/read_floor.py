@@ -35,6 +35,7 @@ class ReadConfig:
     split: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    tiled: bool = False  # the words as [R / block_rows, C / block_cols, block_rows, block_cols]: a tile is contiguous
 
 
 # the floor is the fastest of these: the FP8 kernel's grid (64 rows, 128 B per row and chunk) and
@@ -42,10 +43,14 @@ class ReadConfig:
 CONFIGS = (ReadConfig(), ReadConfig(split=4), ReadConfig(split=16), ReadConfig(block_cols=128, split=4),
            ReadConfig(block_cols=128, split=8, num_stages=3), ReadConfig(block_rows=128, block_cols=64, split=8,
                                                                           num_warps=8))
+# the same grids over tiled bytes (fp8_matmul.tile_weight's layout: each chunk one contiguous run)
+TILED_CONFIGS = (ReadConfig(tiled=True), ReadConfig(num_stages=3, tiled=True),
+                 ReadConfig(block_cols=128, split=8, num_stages=3, tiled=True))
 
 
 def _read_kernel(salt_ref, w_ref, o_ref, *, rows: int, cols: int, cfg: ReadConfig, chunks_per_split: int):
-    # salt_ref [1] int32 (ties the call to its loop iteration); w_ref [R, C] int32; o_ref [split, R] int32
+    # salt_ref [1] int32 (ties the call to its loop iteration); w_ref [R, C] int32, or with cfg.tiled
+    # [R / br, C / bc, br, bc]; o_ref [split, R] int32
     pr, ps = pl.program_id(0), pl.program_id(1)
     br, bc = cfg.block_rows, cfg.block_cols
     r0 = pl.multiple_of(pr * br, br)
@@ -56,7 +61,7 @@ def _read_kernel(salt_ref, w_ref, o_ref, *, rows: int, cols: int, cfg: ReadConfi
     def chunk(c, acc):
         k0 = pl.multiple_of(c * bc, bc)
         cols_ok = (k0 + jnp.arange(bc)) < cols if cols % bc else None
-        ref = w_ref.at[pl.ds(r0, br), pl.ds(k0, bc)]
+        ref = w_ref.at[pr, c] if cfg.tiled else w_ref.at[pl.ds(r0, br), pl.ds(k0, bc)]
         if rows_ok is None and cols_ok is None:
             return acc + plgpu.load(ref)
         mask = (rows_ok[:, None] if rows_ok is not None else True) & (cols_ok[None, :] if cols_ok is not None else True)
@@ -70,8 +75,14 @@ def _read_kernel(salt_ref, w_ref, o_ref, *, rows: int, cols: int, cfg: ReadConfi
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def read_floor(w: jax.Array, salt: jax.Array, cfg: ReadConfig = ReadConfig(), interpret: bool = False) -> jax.Array:
-    """w [R, C] int32, salt [1] int32 -> partial row sums [split, R] int32 (plus salt), one launch."""
-    rows, cols = w.shape
+    """w [R, C] int32 (cfg.tiled: tile_words' [R / br, C / bc, br, bc]), salt [1] int32 -> partial row
+    sums [split, R] int32 (plus salt), one launch."""
+    if cfg.tiled:
+        if w.shape[2:] != (cfg.block_rows, cfg.block_cols):
+            raise ValueError(f"read_floor: tiled words {w.shape} do not match {cfg}")
+        rows, cols = w.shape[0] * w.shape[2], w.shape[1] * w.shape[3]
+    else:
+        rows, cols = w.shape
     cps, split = chunk_runs(cdiv(cols, cfg.block_cols), cfg.split)  # as the FP8 kernel splits its chunks
     kernel = functools.partial(_read_kernel, rows=rows, cols=cols, cfg=cfg, chunks_per_split=cps)
     return pl.pallas_call(
@@ -89,6 +100,18 @@ def read_floor_ref(w: np.ndarray, salt: int) -> np.ndarray:
     (each partial carries the salt once: subtract (split - 1) * salt from their sum)."""
     total = np.sum(w.astype(np.int64), axis=1) + salt
     return ((total + 2**31) % 2**32 - 2**31).astype(np.int32)
+
+
+def tile_words(w: jax.Array, cfg: ReadConfig) -> jax.Array:
+    """[R, C] -> [R / block_rows, C / block_cols, block_rows, block_cols] (the layout cfg.tiled reads)."""
+    r, c = w.shape
+    br, bc = cfg.block_rows, cfg.block_cols
+    return w.reshape(r // br, br, c // bc, bc).transpose(0, 2, 1, 3)
+
+
+def fits(cfg: ReadConfig, rows: int, cols: int) -> bool:
+    """Whether cfg can read an [R, C] array: any, untiled; whole tiles only, tiled."""
+    return not cfg.tiled or (rows % cfg.block_rows == 0 and cols % cfg.block_cols == 0)
 
 
 def words_for(shapes) -> tuple[int, int]:
@@ -110,7 +133,13 @@ def floor_figures(shapes, n: int, copy_tb_s: float, *, reps: int, trials: int, i
     keys = jax.random.split(jax.random.key(seed), n)
     arrs = tuple(jax.lax.bitcast_convert_type(jax.random.bits(k, (rows, cols), jnp.uint32), jnp.int32) for k in keys)
     out: dict = {"configs": {}}
+    flat = arrs
     for cfg in configs:
+        if not fits(cfg, rows, cols):
+            continue
+        arrs = tuple(jax.block_until_ready(jax.jit(tile_words, static_argnums=1)(a, cfg)) for a in flat) \
+            if cfg.tiled else flat
+
         @jax.jit
         def prog(arrs, cfg=cfg):
             def body(_, salt):  # each call depends on the last (no hoisting, no reordering)
