@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_layout import untile_weight
+
 GROUP = 128  # activation features per scale (= the weight scale block)
 E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-10  # an all-zero group keeps a finite scale (its x_q are 0)
@@ -47,6 +49,7 @@ def fp8_matmul_act_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=N
     scaled by s_x * s_w and summed in f32; rounded once to out_dtype (default x's dtype)."""
     out_dtype = out_dtype or x.dtype
     lead, i = x.shape[:-1], x.shape[-1]
+    w = untile_weight(w)  # either layout (fp8_layout)
     o = w.shape[0]
     x_q, s_x = quantize_groups(x.reshape(-1, i))
     groups = s_x.shape[1]

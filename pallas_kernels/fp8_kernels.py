@@ -196,7 +196,8 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             s = s_ref[srow, c]
         if sx_ref is not None:  # E4M3 x E4M3 on the tensor cores; x is zero-padded (no x mask)
             xc = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)])
-            wc = _load_w_fp8(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], rows_ok, cols_ok)
+            wc = plgpu.load(w_ref.at[po, c]) if tiled else _load_w_fp8(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)],
+                                                                         rows_ok, cols_ok)
             sx = plgpu.load(sx_ref.at[c, pl.ds(0, bm)])  # [BM] this chunk's activation scales
             if o_major:
                 return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
@@ -240,7 +241,8 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
 
 
 def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
-    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [M, O]
+    # x_ref [M, I]; w_ref [O, I] fp8, or tiled [O / tr, I / 128, tr, 128] (fp8_matmul.tile_weight: O a
+    # multiple of block_n and of tr, I of 128); s_ref [GO, GI] f32; o_ref [M, O]
     bm, bn = cfg.block_m, cfg.block_n
     pm, pn = pl.program_id(0), pl.program_id(1)
     m0 = pl.multiple_of(pm * bm, bm)
@@ -248,14 +250,28 @@ def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
     srow = pn // (BLOCK // bn)
     m_ok = (m0 + jnp.arange(bm)) < m if m % bm else None
     n_ok = (n0 + jnp.arange(bn)) < o if o % bn else None
+    tiled = len(w_ref.shape) == 4
+    # tiled: the program's bn rows are n_sub pieces of `sub` rows, each inside one tile (one dot each)
+    sub = min(bn, w_ref.shape[2]) if tiled else bn
+    n_sub = bn // sub
+
+    def w_piece(j, c, k0, wm):
+        if not tiled:
+            return _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
+        tr = w_ref.shape[2]
+        r = n0 + j * sub  # the piece's first row: tile r // tr, row r % tr in it
+        rows = pl.ds(0, sub) if sub == tr else pl.ds(pl.multiple_of(r % tr, sub), sub)
+        return _load_w(w_ref.at[r // tr, c, rows], None, jnp.bfloat16)
 
     def body(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         xm, wm = _mask2(m_ok, cols_ok), _mask2(n_ok, cols_ok)
         xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], xm)
-        wc = _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
-        return acc + _dot_sum(_bf16_pieces(xc), wc, swap=False) * s_ref[srow, c]
+        xp = _bf16_pieces(xc)
+        return tuple(a + _dot_sum(xp, w_piece(j, c, k0, wm), swap=False) * s_ref[srow, c] for j, a in enumerate(acc))
 
-    acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), body, jnp.zeros((bm, bn), jnp.float32))
-    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))
+    acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), body, tuple(jnp.zeros((bm, sub), jnp.float32) for _ in range(n_sub)))
+    for j, a in enumerate(acc):
+        cols = (n0 + j * sub + jnp.arange(sub)) < o if o % bn else None
+        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0 + j * sub, sub)], a.astype(o_ref.dtype), mask=_mask2(m_ok, cols))

@@ -1,6 +1,7 @@
 """FP8 E4M3 block-scaled matmul: y[t, o] = sum_i x[t, i] * w[o, i] * scale[o // 128, i // 128].
 
-Layout: w [O, I] float8_e4m3fn as the checkpoint stores it, scale [ceil(O/128), ceil(I/128)] f32
+Layout: w [O, I] float8_e4m3fn as the checkpoint stores it (or fp8_layout.tile_weight's tiles, which
+the decode kernel reads as contiguous runs), scale [ceil(O/128), ceil(I/128)] f32
 (ragged last blocks use their block's scale), x [..., I] bf16 or f32, f32 accumulation, output in
 `out_dtype`.
 
@@ -25,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config
 from pallas_kernels._vma import align
+from pallas_kernels.fp8_layout import tile_weight, untile_weight, weight_shape  # noqa: F401 (re-exported)
 from pallas_kernels.fp8_kernels import X_F16_HI, _decode_kernel, _f16_pieces, _f16_scaled, _prefill_kernel  # noqa: F401
 # the configs and their heuristics (the module switches stay in fp8_config: read them there)
 from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
@@ -32,32 +34,6 @@ from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_
                                        next_pow2, prefill_config)
 
 _fp8_dot.install()  # E4M3 x E4M3 dots (act_quant) may use Hopper's FP8 wgmma: see _fp8_dot
-
-
-def tile_weight(w: jax.Array, block_o: int = DecodeConfig.block_o) -> jax.Array:
-    """[O, I] -> [O / block_o, I / 128, block_o, 128]: every [block_o, 128] chunk the decode kernel
-    reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous too
-    (in the checkpoint's layout a chunk is block_o runs of 128 bytes, I bytes apart).
-    O must be a multiple of block_o and I of 128 (every 27B shape is)."""
-    o, i = w.shape
-    if o % block_o or i % BLOCK:
-        raise ValueError(f"tile_weight: w {w.shape} needs O a multiple of {block_o} and I of {BLOCK}")
-    return w.reshape(o // block_o, block_o, i // BLOCK, BLOCK).transpose(0, 2, 1, 3)
-
-
-def untile_weight(w: jax.Array) -> jax.Array:
-    """The inverse of tile_weight: [O / bo, I / 128, bo, 128] -> [O, I]; a 2-D w comes back as it is."""
-    if w.ndim == 2:
-        return w
-    n_o, n_c, bo, blk = w.shape
-    return w.transpose(0, 2, 1, 3).reshape(n_o * bo, n_c * blk)
-
-
-def weight_shape(w: jax.Array) -> tuple[int, int]:
-    """(O, I) of a weight in either layout (tile_weight's or the checkpoint's)."""
-    if w.ndim == 4:
-        return w.shape[0] * w.shape[2], w.shape[1] * w.shape[3]
-    return tuple(w.shape)
 
 
 def _check(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
@@ -98,7 +74,7 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
     from fusing the dequantize into the dot's operand (that fused form ran at 42-49 TFLOP/s)."""
     _check(x, w, scale)
     out_dtype = out_dtype or x.dtype
-    deq = jax.lax.optimization_barrier(dequantize_ref(w, scale, x.dtype))  # [O, I]
+    deq = jax.lax.optimization_barrier(dequantize_ref(untile_weight(w), scale, x.dtype))  # [O, I]
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     y = jnp.einsum("...i,oi->...o", x, deq, preferred_element_type=jnp.float32, precision=precision)
     return y.astype(out_dtype)
@@ -180,14 +156,8 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         config = fp8_config.act_quant_config(m, sum(os), i)
     config = config or default_config(m, sum(os), i)
     fp8_config.check_config(config, m)
-    tiled = [w.ndim == 4 for w in ws]
-    if any(tiled):
-        if not isinstance(config, DecodeConfig) or act_quant or not config.use_dot or not all(tiled):
-            # the tiled layout is read by the tensor-core decode kernel only: the others get [O, I]
-            ws = tuple(untile_weight(w) for w in ws)
-        elif any(w.shape[2] != config.block_o for w in ws):
-            raise ValueError(f"fp8_matmul: tiled weights of {sorted({w.shape[2] for w in ws})} rows per tile "
-                             f"need DecodeConfig.block_o equal to it, got {config}")
+    if any(w.ndim == 4 for w in ws):
+        ws = _fit_tiles(ws, config)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
     if isinstance(config, PrefillConfig):
@@ -224,6 +194,24 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
                      for y, o in zip(ys, os))
     return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)
                  for y, o in zip(ys, os))
+
+
+def _fit_tiles(ws, config):
+    """Tiled weights as the launch can read them: the tensor-core decode kernel reads tiles of block_o
+    rows (others raise), the GEMM any tiles whose height and block_n divide the other (O a multiple of
+    block_n); every other case (the CUDA-core decode path, a GEMM tile that would run past O) gets
+    untile_weight's [O, I], a copy per call."""
+    if isinstance(config, DecodeConfig):
+        if not config.use_dot:
+            return tuple(untile_weight(w) for w in ws)
+        bad = sorted({w.shape[2] for w in ws if w.ndim == 4 and w.shape[2] != config.block_o})
+        if bad:
+            raise ValueError(f"fp8_matmul: tiled weights of {bad} rows per tile need DecodeConfig.block_o equal "
+                             f"to it, got {config}")
+        return ws
+    bn = config.block_n
+    fits = lambda w: w.ndim == 2 or (weight_shape(w)[0] % bn == 0 and (bn % w.shape[2] == 0 or w.shape[2] % bn == 0))  # noqa: E731
+    return tuple(w if fits(w) else untile_weight(w) for w in ws)
 
 
 def _chunk_split(i: int, config: DecodeConfig) -> tuple[int, int]:
@@ -279,7 +267,7 @@ def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, param
     if weight_dtype != jnp.float8_e4m3fn or not config.use_dot:
         raise ValueError("fp8_matmul: act_quant needs E4M3 weights and DecodeConfig(use_dot=True), got "
                          f"{jnp.dtype(weight_dtype).name} weights and {config}")
-    (m, i), os = x2.shape, tuple(w.shape[0] for w in ws)
+    (m, i), os = x2.shape, tuple(weight_shape(w)[0] for w in ws)
     bm = max(DOT_MIN, next_pow2(m))
     x_q, s_x = fp8_act_quant.quantize_groups(x2)  # [M, GI * 128] (zero past I), [M, GI]
     x_q = jnp.pad(x_q, ((0, bm - m), (0, 0)))  # E4M3 zeros
@@ -299,7 +287,7 @@ def _check_int32(m: int, o: int, i: int, split: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "params", "interpret"))  # see _decode_launch
 def _prefill_call(x2, w, scale, out_dtype, config: PrefillConfig, params, interpret: bool) -> jax.Array:
-    (m, i), o = x2.shape, w.shape[0]
+    (m, i), o = x2.shape, weight_shape(w)[0]
     _check_int32(m, o, i, 1)
     kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config)
     (x2, w, scale), out = align(x2, w, scale)

@@ -119,6 +119,9 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
         params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(model_lib.lm_head(params), mesh)))
     if ops.FUSE_GATE_PROJECTIONS:
         params = fuse_gate_projections(params, mesh)
+    if impl == "pallas" and ops.FP8_TILED_WEIGHTS:  # the kernels' layout (qmtp/weight_layout.py)
+        from qmtp import weight_layout
+        params = weight_layout.tile_fp8_weights(params, mesh)
     return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl,
                  mesh)
 

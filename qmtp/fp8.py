@@ -28,14 +28,23 @@ if not hasattr(np, "float8_e4m3fn"):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Block:
-    """A block-quantized linear weight. weight: [..., O, I] float8_e4m3fn; scale: [..., ceil(O/128), ceil(I/128)] f32."""
+    """A block-quantized linear weight. weight: [..., O, I] float8_e4m3fn, or for the Pallas kernels
+    tiled as [O / 64, I / 128, 64, 128] (qmtp.weight_layout, pallas_kernels.fp8_matmul.tile_weight);
+    scale: [..., ceil(O/128), ceil(I/128)] f32."""
 
     weight: jax.Array
     scale: jax.Array
 
     @property
+    def tiled(self) -> bool:
+        """Whether the weight is in the kernels' tiled layout (4-D) rather than the checkpoint's [O, I]."""
+        return self.weight.ndim == 4
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
+        """The logical [..., O, I] shape, in either layout."""
+        w = self.weight.shape
+        return (w[0] * w[2], w[1] * w[3]) if self.tiled else tuple(w)
 
 
 def scale_grid(out_features: int, in_features: int, block: int = FP8_BLOCK) -> tuple[int, int]:

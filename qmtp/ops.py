@@ -136,6 +136,13 @@ FUSE_GATE_PROJECTIONS = True
 # --variants=bf16_reduce_max_out=256`, same process): verify 9.721 vs 9.797 ms device time, the
 # target step unchanged. 0 = off.
 BF16_REDUCE_MAX_OUT = 256
+# True: qmtp.load(impl="pallas") lays every FP8 weight whose shape allows it out in the kernels' tiled
+# layout (qmtp/weight_layout.py, pallas_kernels/fp8_layout.py: each [64, 128] chunk of the decode
+# kernel one contiguous run). Measured on the H200 (session 17, `pallas_kernels.bench
+# --parts=fp8_launches --fp8_launch_layouts=checkpoint,tiled`): the 27B step's FP8 launches by kernel
+# time 7.10 -> 6.91 ms at 1 row, 7.22 -> 7.06 at 4, 7.25 -> 7.18 at 16 (gate/up 53.0 -> 51.4 us,
+# mlp_down 24.4 -> 23.7, o_proj 10.7 -> 10.5 at 1 row).
+FP8_TILED_WEIGHTS = True
 
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
@@ -156,6 +163,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_act_quant": ("ops", "FP8_ACT_QUANT", None),
                      "fuse_gate_projections": ("ops", "FUSE_GATE_PROJECTIONS", None),
                      "bf16_reduce_max_out": ("ops", "BF16_REDUCE_MAX_OUT", (0, None)),
+                     "fp8_tiled_weights": ("ops", "FP8_TILED_WEIGHTS", None),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),

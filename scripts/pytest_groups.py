@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
-"""Runs the test suite as a few pytest processes over consecutive groups of test files (`make test`).
+"""Runs the test suite as fresh pytest processes over groups of test files, a few at a time (`make test`).
 
-    python scripts/pytest_groups.py [--groups=N (default 16)] [PYTEST ARGS...]
+    python scripts/pytest_groups.py [--groups=N (default 16)] [--jobs=J (default: the CPU count, at most 4)]
+                                    [PYTEST ARGS...]
 
-Why: one process running the whole CPU suite got slower as it went. Measured on the 2-core machine
-(session 16): tests/test_model.py + tests/test_engine.py took 121 s in a fresh process and ~190 s
-late in the one-process suite, and GC was not it (3.6 s of the 121). Each group starts a fresh
-process; the per-process start (jax import, collection) is a few seconds.
+Why processes: one process running the whole CPU suite got slower as it went. Measured on the
+2-core machine (session 16): tests/test_model.py + tests/test_engine.py took 121 s in a fresh
+process and ~190 s late in the one-process suite, and GC was not it (3.6 s of the 121).
+
+Why J at a time: the suite is mostly XLA compiling tiny programs, and a compile runs on one core, so
+one process leaves the second core of a 2-core machine (CI's) mostly idle. J processes at a time
+use them all; each test still runs alone in its process, so nothing a test checks changes. (The
+tests that share state across processes use the cache's atomic writes: make_checkpoint.ensure_preset
+renames a finished directory into place, JAX's compile cache writes whole files.)
 
 The files of tests/ (test_*.py, sorted) are split into N groups of about equal count; each group is
-one `python -m pytest PYTEST ARGS FILES` run. Stops after the first group that fails (pytest's exit
-code 5, "no tests collected", counts as a pass: a group may hold only deselected tests) and exits with
-that code; prints each group's wall time and the total.
+one `python -m pytest PYTEST ARGS FILES` run whose output is printed whole when it ends (so two
+groups' lines never interleave), with its wall time. After the first group that fails (pytest's exit
+code 5, "no tests collected", counts as a pass: a group may hold only deselected tests) no new group
+starts, the running ones finish, and the runner exits with the first failure's code.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ import glob
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_TESTS_COLLECTED = 5
+MAX_DEFAULT_JOBS = 4  # beyond this the groups' memory (a JAX process holds ~1-2 GB) outweighs the gain
 
 
 def split(files: list[str], groups: int) -> list[list[str]]:
@@ -38,30 +47,75 @@ def split(files: list[str], groups: int) -> list[list[str]]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    groups = 16
-    args = []
+def parse_args(argv: list[str]) -> tuple[int, int, list[str]]:
+    """(groups, jobs, pytest args) from the command line; ValueError naming a bad value."""
+    groups, jobs, args = 16, min(os.cpu_count() or 1, MAX_DEFAULT_JOBS), []
     for a in argv:
-        if a.startswith("--groups="):
-            groups = int(a.split("=", 1)[1])
+        if a.startswith("--groups=") or a.startswith("--jobs="):
+            name, value = a[2:].split("=", 1)
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--{name}={value!r}: expected a positive integer")
+            if name == "groups":
+                groups = int(value)
+            else:
+                jobs = int(value)
         else:
             args.append(a)
+    return groups, jobs, args
+
+
+def run_groups(chunks: list[list[str]], args: list[str], jobs: int, out=sys.stdout) -> int:
+    """Runs each chunk of files as one pytest process, `jobs` at a time, printing each group's output
+    when it ends; returns 0 or the first failing group's exit code."""
+    n, t0 = len(chunks), time.perf_counter()
+    pending = list(enumerate(chunks, 1))
+    running: dict = {}  # group number -> (process, log file, start time, names)
+    first_failure = 0
+    while pending or running:
+        while pending and len(running) < jobs and not first_failure:
+            g, chunk = pending.pop(0)
+            names = [os.path.relpath(f, ROOT) for f in chunk]
+            log = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", *args, *names], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT)
+            running[g] = (proc, log, time.perf_counter(), names)
+            print(f"== group {g}/{n} started: {' '.join(os.path.basename(x) for x in names)}", file=out, flush=True)
+        if first_failure:
+            pending.clear()
+        done = [g for g, (proc, *_) in running.items() if proc.poll() is not None]
+        if not done:
+            time.sleep(0.2)
+            continue
+        for g in done:
+            proc, log, start, names = running.pop(g)
+            log.seek(0)
+            print(f"== group {g}/{n}: {' '.join(os.path.basename(x) for x in names)}", file=out)
+            out.write(log.read())
+            log.close()
+            rc = proc.returncode
+            print(f"== group {g}/{n}: exit {rc} in {time.perf_counter() - start:.0f} s", file=out, flush=True)
+            if rc not in (0, NO_TESTS_COLLECTED) and not first_failure:
+                first_failure = rc
+                print(f"pytest_groups: group {g} failed (exit {rc}) after {time.perf_counter() - t0:.0f} s; "
+                      "no new group starts", file=out, flush=True)
+    if first_failure:
+        return first_failure
+    print(f"pytest_groups: all {n} groups passed in {time.perf_counter() - t0:.0f} s ({jobs} at a time)", file=out,
+          flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        groups, jobs, args = parse_args(argv)
+    except ValueError as e:
+        print(f"pytest_groups: {e}", file=sys.stderr)
+        return 2
     files = sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
     if not files:
         print("pytest_groups: no tests/test_*.py found", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
-    for g, chunk in enumerate(split(files, groups), 1):
-        names = [os.path.relpath(f, ROOT) for f in chunk]
-        print(f"== group {g}/{groups}: {' '.join(os.path.basename(n) for n in names)}", flush=True)
-        t = time.perf_counter()
-        rc = subprocess.call([sys.executable, "-m", "pytest", *args, *names], cwd=ROOT)
-        print(f"== group {g}/{groups}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
-        if rc not in (0, NO_TESTS_COLLECTED):
-            print(f"pytest_groups: group {g} failed (exit {rc}) after {time.perf_counter() - t0:.0f} s", flush=True)
-            return rc
-    print(f"pytest_groups: all {groups} groups passed in {time.perf_counter() - t0:.0f} s", flush=True)
-    return 0
+    return run_groups(split(files, groups), args, jobs)
 
 
 if __name__ == "__main__":

@@ -390,8 +390,19 @@ def test_tiled_weights_give_the_same_bits(m):
         np.testing.assert_array_equal(np.asarray(b), f64_formula(x, np.asarray(w), np.asarray(s)))
     np.testing.assert_array_equal(np.asarray(fm.fp8_matmul_ref(xj, tiled[0], ss[0], jnp.float32)),
                                   f64_formula(x, w0, s0))
-    pre = fm.fp8_matmul(xj, tiled[0], ss[0], jnp.float32, interpret=True, config=PrefillConfig(block_m=16))
-    np.testing.assert_array_equal(np.asarray(pre), f64_formula(x, w0, s0))
+    for bn in (128, 64, 32):  # the GEMM reads a tile in two pieces, whole, or a half of it per program
+        pre = fm.fp8_matmul(xj, tiled[0], ss[0], jnp.float32, interpret=True,
+                            config=PrefillConfig(block_m=16, block_n=bn))
+        np.testing.assert_array_equal(np.asarray(pre), f64_formula(x, w0, s0), err_msg=f"prefill block_n={bn}")
+    np.testing.assert_array_equal(np.asarray(fm.fp8_matmul_dequant_dot(xj.astype(jnp.float32), tiled[1], ss[1],
+                                                                       jnp.float32)), f64_formula(x, w1, s1))
+    # E4M3 activations: the tiled weights give the checkpoint layout's bits
+    a8 = jax.jit(lambda x, ws, ss: fm.fp8_matmul_many(x, ws, ss, jnp.float32, interpret=True, act_quant=True))
+    for a, b in zip(a8(xj, ws, ss), a8(xj, tiled, ss)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"act_quant m={m}")
+    # one tiled and one checkpoint-layout weight in one launch
+    for y, w, s in zip(many(xj, (tiled[0], ws[1]), ss), (w0, w1), (s0, s1)):
+        np.testing.assert_array_equal(np.asarray(y), f64_formula(x, w, s), err_msg=f"mixed m={m}")
 
 
 def test_tiled_weights_need_matching_tiles():

@@ -25,3 +25,52 @@ def test_make_test_runs_the_groups():
     with open(os.path.join(ROOT, "Makefile")) as f:
         recipe = f.read().split("\ntest: ", 1)[1].split("\n\n", 1)[0]
     assert "scripts/pytest_groups.py" in recipe and "-x" in recipe
+
+
+def test_parse_args():
+    assert pytest_groups.parse_args(["--groups=3", "--jobs=2", "-q", "-x"]) == (3, 2, ["-q", "-x"])
+    groups, jobs, args = pytest_groups.parse_args(["-q"])
+    assert groups == 16 and 1 <= jobs <= pytest_groups.MAX_DEFAULT_JOBS and args == ["-q"]
+    for bad in ("--jobs=0", "--groups=x"):
+        try:
+            pytest_groups.parse_args([bad])
+        except ValueError as e:
+            assert bad.split("=")[0] in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
+def _write(path, body):
+    path.write_text(body)
+    return str(path)
+
+
+def test_groups_run_side_by_side_and_stop_after_a_failure(tmp_path):
+    """Two at a time: the groups' outputs come out whole, a group of deselected tests passes, and after
+    the failing group no new group starts (the fourth never runs) while the exit code is the failure's."""
+    import io
+    slow = _write(tmp_path / "test_a.py", "import time\ndef test_a():\n    time.sleep(1.5)\n")
+    fails = _write(tmp_path / "test_b.py", "def test_b():\n    assert 1 == 2, 'b fails'\n")
+    empty = _write(tmp_path / "test_c.py", "import pytest\n@pytest.mark.skipme\ndef test_c():\n    pass\n")
+    never = _write(tmp_path / "test_d.py", "def test_d():\n    open(__file__ + '.ran', 'w').close()\n")
+    out = io.StringIO()
+    rc = pytest_groups.run_groups([[slow], [fails], [empty], [never]], ["-q", "-p", "no:cacheprovider",
+                                                                      "-m", "not skipme"], jobs=2, out=out)
+    text = out.getvalue()
+    assert rc == 1, text
+    assert "group 2 failed (exit 1)" in text and "b fails" in text
+    assert not os.path.exists(never + ".ran") and "group 4/4" not in text
+    # group 1 (slow) was started before group 2 ended, and finished after it: they ran side by side
+    assert text.index("group 1/4 started") < text.index("group 2/4: exit 1") < text.index("group 1/4: exit 0")
+    block = text.split("== group 1/4: test_a.py\n", 1)[1].split("== group 1/4: exit", 1)[0]
+    assert "1 passed" in block and "b fails" not in block  # one group's lines, whole
+
+
+def test_groups_all_pass_and_deselected_count_as_pass(tmp_path):
+    import io
+    ok = _write(tmp_path / "test_ok.py", "def test_ok():\n    pass\n")
+    empty = _write(tmp_path / "test_e.py", "import pytest\n@pytest.mark.skipme\ndef test_e():\n    pass\n")
+    out = io.StringIO()
+    assert pytest_groups.run_groups([[ok], [empty]], ["-q", "-p", "no:cacheprovider", "-m", "not skipme"], jobs=3,
+                                    out=out) == 0
+    assert "all 2 groups passed" in out.getvalue() and "exit 5" in out.getvalue()

@@ -55,7 +55,7 @@ VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False}
             "pallas_gdnbv8w1": {"gdn_conv_block_v": 8, "gdn_conv_num_warps": 1},
             "pallas_a8": {"fp8_act_quant": True}, "pallas_gates_apart": {"fuse_gate_projections": False},
             "pallas_gdnsequential": {"gdn_conv_hoisted": False},
-            "pallas_plainslots": {"gdn_plain_slots": True}}
+            "pallas_plainslots": {"gdn_plain_slots": True}, "pallas_untiled": {"fp8_tiled_weights": False}}
 
 
 def variant_settings(name: str, defaults: dict) -> dict:
@@ -142,7 +142,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
 
     from qmtp import config as qc
-    from qmtp import api, bench_report, decode, ops
+    from qmtp import api, bench_report, decode, ops, weight_layout
     from qmtp.state import init_state
     from qmtp.tools import make_checkpoint
 
@@ -173,6 +173,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         jax.clear_caches()
         # the tree qmtp.load would hand this variant (the gate projections joined at load or not)
         run_params = api.fuse_gate_projections(params) if ops.FUSE_GATE_PROJECTIONS else params
+        if impl == "pallas" and ops.FP8_TILED_WEIGHTS:  # and its FP8 weights tiled at load, or not
+            run_params = weight_layout.tile_fp8_weights(run_params, donate=False)
         row = {"kernel": "decode_step", "case": case, "impl": name, "preset": preset,
                "kernel_settings": ops.kernel_settings(),
                "num_layers": cfg.num_hidden_layers, "context": context, "bytes": total, "bytes_by_part": parts,

@@ -137,8 +137,9 @@ def _dequantize(codes: np.ndarray, scale: np.ndarray, np_dtype: np.dtype) -> np.
 def quantize_stored(value: np.ndarray | fp8.Fp8Block, scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(E4M3 [O, I], scale grid in the stored dtype). Float values go through `fp8.quantize_np`; with
     bf16 scales the codes are recomputed against the bf16-rounded scales (dequant stays consistent)."""
-    if isinstance(value, fp8.Fp8Block):
-        q, scale = np.asarray(value.weight), np.asarray(value.scale, np.float32)
+    if isinstance(value, fp8.Fp8Block):  # either layout (a model loaded for the kernels holds tiles)
+        from pallas_kernels.fp8_layout import untile_weight
+        q, scale = np.asarray(untile_weight(value.weight)), np.asarray(value.scale, np.float32)
     else:
         w = np.asarray(value, np.float32)
         q, scale = fp8.quantize_np(w)

@@ -1,0 +1,42 @@
+"""The FP8 weight layouts the kernels read: the checkpoint's [O, I], or tiled for the decode kernel.
+
+tile_weight's layout [O / bo, I / 128, bo, 128] puts every [bo, 128] chunk the decode kernel reads
+in one contiguous run of bo * 128 bytes, and a program's run of chunks along I one after another;
+in the checkpoint's layout a chunk is bo runs of 128 bytes, I bytes apart. Measured on the H200
+(session 17, `pallas_kernels.bench --parts=fp8_launches --fp8_launch_layouts=checkpoint,tiled`):
+the 27B step's FP8 launches by kernel time 7.10 -> 6.91 ms at 1 row, 7.22 -> 7.06 at 4, 7.25 ->
+7.18 at 16.
+"""
+
+from __future__ import annotations
+
+import jax
+
+BLOCK = 128  # the scale block's width: a chunk's columns
+TILE_ROWS = 64  # the decode kernel's block_o (fp8_config.DecodeConfig)
+
+
+def tile_weight(w: jax.Array, block_o: int = TILE_ROWS) -> jax.Array:
+    """[O, I] -> [O / block_o, I / 128, block_o, 128]: every [block_o, 128] chunk the decode kernel
+    reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous too
+    (in the checkpoint's layout a chunk is block_o runs of 128 bytes, I bytes apart).
+    O must be a multiple of block_o and I of 128 (every 27B shape is)."""
+    o, i = w.shape
+    if o % block_o or i % BLOCK:
+        raise ValueError(f"tile_weight: w {w.shape} needs O a multiple of {block_o} and I of {BLOCK}")
+    return w.reshape(o // block_o, block_o, i // BLOCK, BLOCK).transpose(0, 2, 1, 3)
+
+
+def untile_weight(w: jax.Array) -> jax.Array:
+    """The inverse of tile_weight: [O / bo, I / 128, bo, 128] -> [O, I]; any other w comes back as it is."""
+    if w.ndim != 4:
+        return w
+    n_o, n_c, bo, blk = w.shape
+    return w.transpose(0, 2, 1, 3).reshape(n_o * bo, n_c * blk)
+
+
+def weight_shape(w: jax.Array) -> tuple[int, int]:
+    """(O, I) of a weight in either layout (tile_weight's or the checkpoint's)."""
+    if w.ndim == 4:
+        return w.shape[0] * w.shape[2], w.shape[1] * w.shape[3]
+    return tuple(w.shape)

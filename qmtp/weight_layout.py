@@ -1,0 +1,67 @@
+"""The FP8 weights of a loaded model in the Pallas kernels' tiled layout (ops.FP8_TILED_WEIGHTS).
+
+`tile_fp8_weights(params, mesh)` replaces each `Fp8Block` whose weight is [O, I] with O a multiple
+of 64 and I of 128 on every device (its TP shard's shape, where the model is split) by the same
+block with the weight as pallas_kernels.fp8_layout.tile_weight lays it out, [O / 64, I / 128, 64,
+128]; scales, bf16 weights and blocks of other shapes stay as they are. Every kernel and reference
+takes either layout (the decode kernel reads a tile as one contiguous run), so only speed changes.
+
+Under TP a split along O (dim 0) or I (dim 1) stays on the same dimension of the tiled weight, so
+each device tiles its own shard where it lives (tp.param_specs gives the 4-D spec from the same
+key), and nothing moves between devices. The old weight is donated: memory grows by one weight at
+a time while the model is laid out.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.fp8_layout import BLOCK, TILE_ROWS, tile_weight
+from qmtp import shard_layout
+from qmtp.tp import AXIS
+from qmtp.fp8 import Fp8Block
+
+
+def _local_shape(shape: tuple[int, int], dim: int | None, n: int) -> tuple[int, int] | None:
+    """The per-device [O, I] of a weight split n ways along dim (None: whole), or None if it does not split."""
+    if dim is None or n == 1:
+        return shape
+    if shape[dim] % n:
+        return None
+    return tuple(s // n if d == dim else s for d, s in enumerate(shape))
+
+
+def tileable(block: Fp8Block, dim: int | None = None, n: int = 1) -> bool:
+    """Whether `block` (split n ways along dim under TP) can take the tiled layout on every device."""
+    if block.tiled or block.weight.ndim != 2:
+        return False
+    local = _local_shape(tuple(block.weight.shape), dim, n)
+    return local is not None and local[0] % TILE_ROWS == 0 and local[1] % BLOCK == 0
+
+
+def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:
+    """The tree with every tileable Fp8Block's weight tiled (module doc); mesh: the TP mesh, if any;
+    donate: free each old weight as its tiled copy is made (False keeps `params` usable)."""
+    n = 1 if mesh is None else mesh.size
+    donated = (0,) if donate else ()
+    plain = jax.jit(tile_weight, donate_argnums=donated)
+    per_dim = {}
+
+    def tile(path, leaf):
+        if not isinstance(leaf, Fp8Block):
+            return leaf
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        dim = shard_layout.split_dim(keys[-1]) if mesh is not None else None
+        if not tileable(leaf, dim, n):
+            return leaf
+        if mesh is None:
+            return Fp8Block(plain(leaf.weight), leaf.scale)
+        if dim not in per_dim:  # each device tiles its own shard (the split keeps its dimension)
+            spec2 = P(*[AXIS if d == dim else None for d in range(2)]) if dim is not None else P()
+            spec4 = P(*spec2, None, None) if dim is not None else P()
+            per_dim[dim] = jax.jit(jax.shard_map(tile_weight, mesh=mesh, in_specs=spec2, out_specs=spec4),
+                                   donate_argnums=donated)
+        return Fp8Block(per_dim[dim](leaf.weight), leaf.scale)
+
+    return jax.tree_util.tree_map_with_path(tile, params, is_leaf=lambda x: isinstance(x, Fp8Block))

@@ -1,0 +1,87 @@
+"""The FP8 weights in the kernels' tiled layout at load (qmtp/weight_layout.py, ops.FP8_TILED_WEIGHTS):
+which weights take it, that their values and TP shards are the checkpoint's, and that a model
+with tiled weights gives the same logits, bit for bit, as one without."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import qmtp
+from pallas_kernels.fp8_layout import untile_weight
+from qmtp import ops, weight_layout
+from qmtp.fp8 import Fp8Block
+from qmtp.tools import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    # tiny_tp: E 256, F 512, head dim 128: every FP8 weight splits into whole [64, 128] tiles
+    return make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("layout") / "fp8"), "tiny_tp", "fp8", seed=1)
+
+
+def _blocks(params):
+    """{path: Fp8Block} of a parameter tree."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, Fp8Block))[0]
+    return {jax.tree_util.keystr(p): v for p, v in leaves if isinstance(v, Fp8Block)}
+
+
+def _load(path, tiled: bool, **kw):
+    before = ops.set_kernel_settings({"fp8_tiled_weights": tiled})
+    try:
+        return qmtp.load(path, dtype="float32", progress=False, impl="pallas", **kw)
+    finally:
+        ops.set_kernel_settings(before)
+
+
+def test_tileable_rules():
+    import jax.numpy as jnp
+    block = lambda o, i: Fp8Block(jnp.zeros((o, i), jnp.float8_e4m3fn), jnp.ones((-(-o // 128), -(-i // 128))))  # noqa: E731
+    assert weight_layout.tileable(block(256, 384))
+    assert not weight_layout.tileable(block(160, 384)) and not weight_layout.tileable(block(256, 160))
+    assert weight_layout.tileable(block(256, 256), dim=1, n=2) and not weight_layout.tileable(block(256, 384), dim=1, n=2)
+    assert weight_layout.tileable(block(256, 384), dim=0, n=2) and not weight_layout.tileable(block(192, 384), dim=0, n=2)
+
+
+def test_load_tiles_every_tileable_weight_with_its_values(fp8_dir):
+    plain, tiled = _load(fp8_dir, False), _load(fp8_dir, True)
+    a, b = _blocks(plain.params), _blocks(tiled.params)
+    assert a.keys() == b.keys() and len(a) > 10
+    assert not any(x.tiled for x in a.values())
+    for key, blk in b.items():
+        assert blk.shape == a[key].shape, key  # the logical shape in either layout
+        assert blk.tiled == weight_layout.tileable(a[key]), key
+        np.testing.assert_array_equal(np.asarray(untile_weight(blk.weight)).view(np.uint8),
+                                      np.asarray(a[key].weight).view(np.uint8), err_msg=key)
+        np.testing.assert_array_equal(np.asarray(blk.scale), np.asarray(a[key].scale), err_msg=key)
+    assert sum(x.tiled for x in b.values()) == len(b)  # tiny_tp: all of them
+    # the same logits, bit for bit (the kernels read the same chunks in the same order)
+    np.testing.assert_array_equal(np.asarray(qmtp.target_logits(tiled, [1, 2, 3])),
+                                  np.asarray(qmtp.target_logits(plain, [1, 2, 3])))
+
+
+def test_reference_impl_keeps_the_checkpoint_layout(fp8_dir):
+    ref = qmtp.load(fp8_dir, dtype="float32", progress=False, impl="ref")
+    assert not any(x.tiled for x in _blocks(ref.params).values())
+
+
+def test_tp2_tiles_each_shard_in_place(fp8_dir):
+    """Under TP2 each device's shard is tiled where it lives: the tiled weight is split on the same
+    dimension as the [O, I] one (O for column-parallel, I for row-parallel), and each shard's values
+    are its [O, I] shard's."""
+    from qmtp import shard_layout
+    plain, tiled = _load(fp8_dir, False, tp=2), _load(fp8_dir, True, tp=2)
+    a, b = _blocks(plain.params), _blocks(tiled.params)
+    dims = set()
+    for key, blk in b.items():
+        assert blk.tiled, key
+        dim = shard_layout.split_dim(key.split("'")[-2])
+        dims.add(dim)
+        spec = tuple(blk.weight.sharding.spec) + (None,) * (4 - len(blk.weight.sharding.spec))
+        assert spec[:2] == tuple("tp" if d == dim else None for d in range(2)) and spec[2:] == (None, None), (key, spec)
+        for sa, sb in zip(a[key].weight.addressable_shards, blk.weight.addressable_shards):
+            assert sa.device == sb.device
+            np.testing.assert_array_equal(np.asarray(untile_weight(sb.data)).view(np.uint8),
+                                          np.asarray(sa.data).view(np.uint8), err_msg=key)
+    assert {0, 1} <= dims  # both kinds of split were tiled
