@@ -20,6 +20,8 @@
 #                                           stages, the step at 4 and 3 (stages())
 #   scripts/gpu_session.sh start_tiles [SECONDS]  the FP8 launches on the tiled weight layout against the
 #                                           checkpoint's, with read floors over both; the tiled `gpu` tests (tiles())
+#   scripts/gpu_session.sh start_tiled [SECONDS]  the tiled weights at load (ops.FP8_TILED_WEIGHTS): the
+#                                           step and TP1 plain + K=3 with and without, the tiled `gpu` tests (tiled())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -412,6 +414,20 @@ tiles() {  # a ~8-minute lease on one GPU: the tiled weight layout (fp8_matmul.t
   job gputests_tiles 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k tiled
 }
 
+tiled() {  # a ~8-minute lease on one GPU for ops.FP8_TILED_WEIGHTS (on by default): the 64-layer step
+  # with tiled and checkpoint-layout weights (step_tiled.json), TP1 plain + K=3 end to end with each
+  # (bench27_tiled.json, bench27_untiled.json), the FP8 kernel's tiled `gpu` tests (gputests_tiled.log)
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests_tiled 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k tiled
+  job step_tiled 240 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_untiled \
+    --out=$R/step_tiled.json
+  checkpoint27
+  job bench27_tiled 240 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --out=$R/bench27_tiled.json
+  job bench27_untiled 200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --kernels=fp8_tiled_weights=false --out=$R/bench27_untiled.json
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -434,7 +450,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -456,5 +472,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

@@ -820,7 +820,7 @@ GPU_CONFIGS = {  # name: (config, rows)
     # one scaled f16 piece per row (the default at 9-32 rows since session 15), 3 stages (the narrow default)
     "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
                             [9, 16, 32]),
-    "tiled_default": ("tiled", [1, 4, 16]),  # the default configs on fp8_matmul.tile_weight's layout
+    "tiled_default": ("tiled", [1, 4, 16, 40, 600]),  # the default configs on fp8_layout.tile_weight's tiles
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
 }
