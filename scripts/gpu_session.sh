@@ -21,7 +21,7 @@
 #   scripts/gpu_session.sh start_tiles [SECONDS]  the FP8 launches on the tiled weight layout against the
 #                                           checkpoint's, with read floors over both; the tiled `gpu` tests (tiles())
 #   scripts/gpu_session.sh start_tiled [SECONDS]  the tiled weights at load (ops.FP8_TILED_WEIGHTS): the
-#                                           step and TP1 plain + K=3 with and without, the tiled `gpu` tests (tiled())
+#                                           step, the prefill GEMM and TP1 plain + K=3 with and without, the tiled `gpu` tests (tiled())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -414,18 +414,21 @@ tiles() {  # a ~8-minute lease on one GPU: the tiled weight layout (fp8_matmul.t
   job gputests_tiles 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k tiled
 }
 
-tiled() {  # a ~8-minute lease on one GPU for ops.FP8_TILED_WEIGHTS (on by default): the 64-layer step
-  # with tiled and checkpoint-layout weights (step_tiled.json), TP1 plain + K=3 end to end with each
-  # (bench27_tiled.json, bench27_untiled.json), the FP8 kernel's tiled `gpu` tests (gputests_tiled.log)
+tiled() {  # a ~9-minute lease on one GPU for ops.FP8_TILED_WEIGHTS (off until this measures it): the
+  # FP8 kernel's tiled `gpu` tests (gputests_tiled.log), the 64-layer step with checkpoint-layout and
+  # tiled weights (step_tiled.json), the prefill GEMM per shape at 64 and 512 rows on both layouts
+  # (prefill_tiled.json), TP1 plain + K=3 end to end with each (bench27_untiled.json, bench27_tiled.json)
   export CUDA_VISIBLE_DEVICES=0
   job gputests_tiled 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k tiled
-  job step_tiled 240 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_untiled \
+  job step_tiled 240 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_tiled \
     --out=$R/step_tiled.json
+  job prefill_tiled 200 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=64,512 \
+    --fp8_launch_layouts=checkpoint,tiled --fp8_launch_floor=false --out=$R/prefill_tiled.json
   checkpoint27
-  job bench27_tiled 240 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --out=$R/bench27_tiled.json
-  job bench27_untiled 200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --kernels=fp8_tiled_weights=false --out=$R/bench27_untiled.json
+  job bench27_untiled 240 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --out=$R/bench27_untiled.json
+  job bench27_tiled 200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --kernels=fp8_tiled_weights=true --out=$R/bench27_tiled.json
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)

@@ -132,9 +132,9 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                    "n_weights": n, "bytes": nbytes, "config": repr(config)}
             try:
                 w_in = ws
-                if layout == "tiled":  # laid out once, outside the timed program (as a load would)
-                    tile = jax.jit(fm.tile_weight, static_argnums=1)
-                    w_in = tuple(tuple(tile(w, config.block_o) for w in one) for one in ws)
+                if layout == "tiled":  # laid out once, outside the timed program, as qmtp.load lays them out
+                    tile = jax.jit(fm.tile_weight)
+                    w_in = tuple(tuple(tile(w) for w in one) for one in ws)
                 prog = loop_program(many, reps, False)
                 med, best = timed(prog, x, w_in, ss, trials=trials)
                 per = med / (reps * n)
