@@ -51,6 +51,10 @@ CASES = {
     "oproj_m1_s4": (1, 5120, 6144, "fp8", {"num_stages": 4}),
     "oproj_m16": (16, 5120, 6144, "fp8", {}),
     "oproj_m16_s4": (16, 5120, 6144, "fp8", {"num_stages": 4}),
+    # the tiled weight layout (pallas_kernels/fp8_layout.py): each chunk one contiguous run
+    "oproj_m1_tiled": (1, 5120, 6144, "fp8_tiled", {}),
+    "oproj_m16_tiled": (16, 5120, 6144, "fp8_tiled", {}),
+    "up_m1_tiled": (1, 17408, 5120, "fp8_tiled", {}),
 }
 
 _COMPILE = r'''
@@ -106,7 +110,8 @@ def dump_ttir(name: str, out_dir: str) -> tuple[str, object]:
         fn, args = (lambda x, w: fm.bf16_matmul(x, w, config=config)), (sds((m, i), jnp.bfloat16), sds((o, i), jnp.bfloat16))
     else:
         fn = lambda x, w, s: fm.fp8_matmul(x, w, s, config=config, act_quant=wdt == "fp8_a8")  # noqa: E731
-        args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
+        w_shape = (o // 64, i // 128, 64, 128) if wdt == "fp8_tiled" else (o, i)
+        args = (sds((m, i), jnp.bfloat16), sds(w_shape, jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
     [(_, text)] = triton_calls(lower_for_h200(fn, args))
     path = os.path.join(out_dir, f"{name}.ttir")
     with open(path, "w") as f:
