@@ -251,27 +251,22 @@ def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
     m_ok = (m0 + jnp.arange(bm)) < m if m % bm else None
     n_ok = (n0 + jnp.arange(bn)) < o if o % bn else None
     tiled = len(w_ref.shape) == 4
-    # tiled: the program's bn rows are n_sub pieces of `sub` rows, each inside one tile (one dot each)
-    sub = min(bn, w_ref.shape[2]) if tiled else bn
-    n_sub = bn // sub
 
-    def w_piece(j, c, k0, wm):
+    def w_block(c, k0, wm):  # the program's [bn, 128] weight rows of chunk c
         if not tiled:
             return _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
-        tr = w_ref.shape[2]
-        r = n0 + j * sub  # the piece's first row: tile r // tr, row r % tr in it
-        rows = pl.ds(0, sub) if sub == tr else pl.ds(pl.multiple_of(r % tr, sub), sub)
-        return _load_w(w_ref.at[r // tr, c, rows], None, jnp.bfloat16)
+        tr = w_ref.shape[2]  # rows per tile: bn spans whole tiles, or lies inside one
+        if bn >= tr:
+            tiles = plgpu.load(w_ref.at[pl.ds(pn * (bn // tr), bn // tr), c])  # [bn / tr, tr, 128]
+            return tiles.reshape(bn, BLOCK).astype(jnp.bfloat16)
+        return _load_w(w_ref.at[n0 // tr, c, pl.ds(pl.multiple_of(n0 % tr, bn), bn)], None, jnp.bfloat16)
 
     def body(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         xm, wm = _mask2(m_ok, cols_ok), _mask2(n_ok, cols_ok)
         xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], xm)
-        xp = _bf16_pieces(xc)
-        return tuple(a + _dot_sum(xp, w_piece(j, c, k0, wm), swap=False) * s_ref[srow, c] for j, a in enumerate(acc))
+        return acc + _dot_sum(_bf16_pieces(xc), w_block(c, k0, wm), swap=False) * s_ref[srow, c]
 
-    acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), body, tuple(jnp.zeros((bm, sub), jnp.float32) for _ in range(n_sub)))
-    for j, a in enumerate(acc):
-        cols = (n0 + j * sub + jnp.arange(sub)) < o if o % bn else None
-        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0 + j * sub, sub)], a.astype(o_ref.dtype), mask=_mask2(m_ok, cols))
+    acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), body, jnp.zeros((bm, bn), jnp.float32))
+    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))

@@ -198,9 +198,10 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
 
 def _fit_tiles(ws, config):
     """Tiled weights as the launch can read them: the tensor-core decode kernel reads tiles of block_o
-    rows (others raise), the GEMM any tiles whose height and block_n divide the other (O a multiple of
-    block_n); every other case (the CUDA-core decode path, a GEMM tile that would run past O) gets
-    untile_weight's [O, I], a copy per call."""
+    rows (others raise); the GEMM reads block_n rows as whole tiles joined (one dot) or as a slice of
+    one tile, so their heights must divide one another and O must be a multiple of block_n; every
+    other case (the CUDA-core decode path, a GEMM tile that would run past O) gets untile_weight's
+    [O, I], a copy per call."""
     if isinstance(config, DecodeConfig):
         if not config.use_dot:
             return tuple(untile_weight(w) for w in ws)

@@ -427,6 +427,11 @@ def test_tiled_weights_lower_for_h200():
     assert attr_int(cfg, "num_stages") == config.num_stages and "scf.for" in ir_text
     w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
     assert len(w_loads) == 1 and w_loads[0].count("%") == 2  # unmasked: vectorized loads
+    # the GEMM (64 rows): its 128-row weight block is two tiles joined, one dot per chunk
+    args = (sds((64, i), jnp.bfloat16),) + args[1:]
+    [(cfg, ir_text)] = triton_calls(lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args))
+    assert fm.default_config(64, o, i).block_n == 128 and attr_int(cfg, "grid_y") == o // 128
+    assert ir_text.count("tt.dot ") == 1 and "tt.reshape" in ir_text
 
 
 def test_many_rejects_mismatched_inputs():
