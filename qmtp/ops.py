@@ -142,7 +142,7 @@ BF16_REDUCE_MAX_OUT = 256
 # --parts=fp8_launches --fp8_launch_layouts=checkpoint,tiled`): the 27B step's FP8 launches by kernel
 # time 7.10 -> 6.91 ms at 1 row, 7.22 -> 7.06 at 4, 7.25 -> 7.18 at 16 (gate/up 53.0 -> 51.4 us,
 # mlp_down 24.4 -> 23.7, o_proj 10.7 -> 10.5 at 1 row). Off until the whole step, end-to-end decode
-# and the prefill GEMM (which reads a 128-row tile as two 64-row pieces) are measured with it
+# and the prefill GEMM (which joins two 64-row tiles per 128-row block) are measured with it
 # (`scripts/gpu_session.sh start_tiled`; step variant "pallas_tiled"): no GPU was lent for that.
 FP8_TILED_WEIGHTS = False
 
