@@ -85,3 +85,13 @@ def test_tp2_tiles_each_shard_in_place(fp8_dir):
             np.testing.assert_array_equal(np.asarray(untile_weight(sb.data)).view(np.uint8),
                                           np.asarray(sa.data).view(np.uint8), err_msg=key)
     assert {0, 1} <= dims  # both kinds of split were tiled
+
+
+@pytest.mark.slow  # ~116 s: interpret-mode kernels inside the TP2 shard_map; the shards' values are checked above
+def test_tp2_tiled_tokens_equal_tp1(fp8_dir):
+    """Greedy tokens with tiled weights: TP2 == TP1, plain and MTP K=2 (the kernels inside the TP2
+    shard_map read each device's tiles)."""
+    one, two = _load(fp8_dir, True), _load(fp8_dir, True, tp=2)
+    for k in (0, 2):
+        a, b = (qmtp.generate(m, [[1, 2, 3]], max_new_tokens=4, mtp_k=k) for m in (one, two))
+        assert a.tokens == b.tokens, (k, a.tokens, b.tokens)
