@@ -44,7 +44,11 @@ class DecodeConfig:
     and removed: the 64-layer 27B step took 27.1 ms against 10.31 (H200, 2026-11-30). x_f16_scaled
     (with x_f16): x enters as one float16 piece per row instead of two, scaled by a power of two per
     row (`fp8_kernels._f16_scaled`), so the dot has M rows, not 2M: at 9-16 rows half the tensor-core
-    work and half the partials; exact for every value within 2^32 of its row's largest."""
+    work and half the partials; exact for every value within 2^32 of its row's largest. x_chunk_scaled
+    (tensor-core dot, bf16 x, FP8 weights; instead of x_f16): x enters as it is, bf16, and each program
+    makes the scaled f16 piece itself, per row and 128-column chunk (`fp8_kernels._chunk_scaled`): no
+    XLA launch before the kernel makes pieces, and a plain split-K sum after it; exact for every value
+    within 2^32 of the largest of its row's chunk."""
 
     block_o: int = 64
     split_k: int = 1
@@ -56,6 +60,7 @@ class DecodeConfig:
     scale_preload: bool = False
     x_f16: bool = False
     x_f16_scaled: bool = False
+    x_chunk_scaled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +169,13 @@ NARROW_NUM_STAGES = 3
 # The row max it needs before the kernel costs less than the halved dot saves.
 X_F16_SCALED = True
 X_F16_SCALED_MIN_ROWS = DOT_MIN // 2 + 1  # below it, two pieces per row still fit the dot's 16-row minimum
+# True: default tensor-core decode configs take bf16 x as it is and make the scaled f16 piece inside the
+# kernel, per row and chunk (DecodeConfig.x_chunk_scaled), at every row count, instead of x_f16's
+# pieces made by an XLA launch before each FP8 launch. Why: a trace of the 27B step (session 16) put
+# ~0.4 ms of its 9 ms in concatenate fusions, most of them those pieces, each a ~1.5-2 us launch on
+# the chain between two FP8 launches. Off until measured on the H200 (`scripts/gpu_session.sh
+# start_xchunk`; step variant "pallas_xchunk"): no GPU was lent when it was written (session 17).
+X_CHUNK_SCALED = False
 
 
 def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
@@ -181,20 +193,22 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     bo = 64
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
     wide = n_o >= SM_COUNT
+    chunk = X_CHUNK_SCALED  # one piece per row made in the kernel: M dot rows, as the scaled piece
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
-    scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS
+    scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
         return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
-                            x_f16=scaled, x_f16_scaled=scaled)
+                            x_f16=scaled, x_f16_scaled=scaled, x_chunk_scaled=chunk)
     if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)
     dot = m > 1 or not M1_CUDA_CORE
-    x_f16 = X_F16 and dot and m <= X_F16_MAX_ROWS
+    chunk = chunk and dot
+    x_f16 = X_F16 and dot and m <= X_F16_MAX_ROWS and not chunk
     # the narrow x-on-M policy was measured where the piece rows fit the dot's 16-row minimum (M <= 8,
     # or 16 with one scaled piece per row); at 9-16 rows in two pieces the narrow weights keep W on the
     # dot's M side (the M = 16 measurement's tiles)
-    narrow_x_on_m = x_f16 and NARROW_X_ON_M and (m if scaled else 2 * m) <= DOT_MIN
+    narrow_x_on_m = (x_f16 or chunk) and NARROW_X_ON_M and (m if scaled or chunk else 2 * m) <= DOT_MIN
     x_on_m = dot and (wide or narrow_x_on_m)
     narrow = narrow_x_on_m and not wide  # the narrow policy: more programs per SM, NARROW_NUM_STAGES
     per_sm = NARROW_PROGRAMS_PER_SM if narrow else DECODE_PROGRAMS_PER_SM
@@ -204,7 +218,7 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     if dot and n_chunks >= 16:
         split = max(split, 2)
     return DecodeConfig(block_o=bo, split_k=split, use_dot=dot, swap_ab=not x_on_m, scale_preload=SCALE_PRELOAD,
-                        x_f16=x_f16, x_f16_scaled=x_f16 and scaled,
+                        x_f16=x_f16, x_f16_scaled=x_f16 and scaled, x_chunk_scaled=chunk,
                         num_stages=NARROW_NUM_STAGES if narrow else DecodeConfig.num_stages)
 
 
@@ -215,6 +229,7 @@ def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:
     245 instructions per chunk against 123) and x taken as it is (no f16 pieces, scaled or not); the
     pipeline depth its tiles were measured with (NARROW_NUM_STAGES was measured on the f16 path only)."""
     return dataclasses.replace(decode_config(m, o, i), swap_ab=True, x_f16=False, x_f16_scaled=False,
+                               x_chunk_scaled=False,
                                num_stages=DecodeConfig.num_stages)
 
 
@@ -249,6 +264,9 @@ def check_config(config, m: int) -> None:
             raise ValueError("fp8_matmul: DecodeConfig(x_f16=True) needs use_dot=True (the pieces feed a tensor-core dot)")
         if c.x_f16_scaled and not c.x_f16:
             raise ValueError("fp8_matmul: DecodeConfig(x_f16_scaled=True) is a form of x_f16: set x_f16=True too")
+        if c.x_chunk_scaled and (c.x_f16 or not c.use_dot):
+            raise ValueError("fp8_matmul: DecodeConfig(x_chunk_scaled=True) replaces x_f16 (set it False) and needs "
+                             "use_dot=True")
     elif isinstance(config, PrefillConfig):
         c = config
         if not (is_pow2(c.block_m) and c.block_m >= DOT_MIN):

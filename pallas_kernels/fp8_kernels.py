@@ -23,7 +23,9 @@ CUDA cores keep up with HBM).
 With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
 (deterministic, no atomics). With DecodeConfig.x_f16 a bf16 x enters as 2M float16 rows [hi; lo]
 (x = 2^16 hi + lo, see X_F16_HI), the weight chunk converts to f16 instead of bf16, and the
-f32 partials are combined as 2^16 hi + lo by XLA before the one rounding. With act_quant the
+f32 partials are combined as 2^16 hi + lo by XLA before the one rounding. With
+DecodeConfig.x_chunk_scaled x enters as bf16 and each chunk makes its own f16 piece per row, scaled by
+a power of two that the chunk's product is multiplied back by (`_chunk_scaled`). With act_quant the
 x rows are E4M3 (quantized by XLA, zero-padded to BM rows and whole chunks) and each chunk's dot
 takes both operands unconverted, W on the dot's M side (Hopper's FP8 wgmma: pallas_kernels/_fp8_dot.py),
 its product scaled by the chunk's weight scale times each row's activation scale.
@@ -98,6 +100,22 @@ def _f16_scaled(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
     _, top = jnp.frexp(jnp.where(jnp.isfinite(amax), amax, 1.0))  # amax < 2^top (0 -> 0)
     e = jnp.clip(top - _F16_SCALED_TOP, -_F16_SCALED_CLAMP, _F16_SCALED_CLAMP)
     return (xf * jnp.ldexp(jnp.float32(1.0), -e)).astype(jnp.float16), jnp.ldexp(jnp.float32(1.0), e)
+
+
+def _chunk_scaled(xc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside the kernel: one chunk of bf16 x [R, 128] -> ([R, 128] float16 x * 2^-e, [R] f32 2^e), e per
+    row of the chunk so its largest |x| lands in [2^14, 2^15) (DecodeConfig.x_chunk_scaled): the rule
+    of `_f16_scaled` applied to each row's 128 columns, so every value within 2^32 of its chunk's
+    largest converts exactly. e comes from the bits of the chunk's largest |x| (frexp's exponent: the
+    biased exponent - 126), clamped to [-100, 100]; 2^-e and 2^e are built from bits too (exact).
+    Zero rows give e = -100 (their piece stays 0); inf / NaN propagate."""
+    xf = xc.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1)  # [R]
+    top = ((jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF) - 126  # amax < 2^top
+    e = jnp.clip(top - _F16_SCALED_TOP, -_F16_SCALED_CLAMP, _F16_SCALED_CLAMP)
+    down = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2^-e
+    up = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2^e
+    return (xf * down[:, None]).astype(jnp.float16), up
 
 
 def _dot_sum(a_pieces, b, *, swap: bool) -> jax.Array:
@@ -202,6 +220,13 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             if o_major:
                 return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
             return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
+        if cfg.use_dot and cfg.x_chunk_scaled:  # bf16 x: this chunk's scaled f16 piece, made here
+            xs, up = _chunk_scaled(_load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok)))
+            w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
+            wc = _load_w(w_tile, wm, jnp.float16)
+            if o_major:
+                return acc + plgpu.dot(wc, xs, trans_b=True) * (up[None, :] * s)
+            return acc + plgpu.dot(xs, wc, trans_b=True) * (up[:, None] * s)
         if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
             w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]

@@ -16,6 +16,7 @@ not this formula): y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] .
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -174,6 +175,8 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     # With x_f16_scaled one f16 piece per row, scaled by a power of two that the sum undoes.
     x_f16 = config.x_f16 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
     scaled = x_f16 and config.x_f16_scaled
+    if config.x_chunk_scaled and not (x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn):
+        config = dataclasses.replace(config, x_chunk_scaled=False)  # f32 x keeps its exact bf16 pieces
     m_k = 2 * m if x_f16 and not scaled else m  # rows the kernel multiplies
     if m_k > DECODE_DOT_MAX_ROWS:
         raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "

@@ -170,6 +170,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
                      "fp8_x_f16_scaled": ("fp8_config", "X_F16_SCALED", None),
+                     "fp8_x_chunk_scaled": ("fp8_config", "X_CHUNK_SCALED", None),
                      "fp8_x_f16_max_rows": ("fp8_config", "X_F16_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS // 2)),
                      "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "fp8_decode_programs_per_sm": ("fp8_config", "DECODE_PROGRAMS_PER_SM", (1, 64)),

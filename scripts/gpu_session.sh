@@ -22,6 +22,8 @@
 #                                           checkpoint's, with read floors over both; the tiled `gpu` tests (tiles())
 #   scripts/gpu_session.sh start_tiled [SECONDS]  the tiled weights at load (ops.FP8_TILED_WEIGHTS): the
 #                                           step, the prefill GEMM and TP1 plain + K=3 with and without, the tiled `gpu` tests (tiled())
+#   scripts/gpu_session.sh start_xchunk [SECONDS]  the scaled f16 piece made in the kernel (X_CHUNK_SCALED):
+#                                           the FP8 launches and TP1 plain + K=3 with it (xchunk())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -415,13 +417,14 @@ tiles() {  # a ~8-minute lease on one GPU: the tiled weight layout (fp8_matmul.t
 }
 
 tiled() {  # a ~9-minute lease on one GPU for ops.FP8_TILED_WEIGHTS (off until this measures it): the
-  # FP8 kernel's tiled `gpu` tests (gputests_tiled.log), the 64-layer step with checkpoint-layout and
-  # tiled weights (step_tiled.json), the prefill GEMM per shape at 64 and 512 rows on both layouts
+  # FP8 kernel's tiled and in-kernel-piece `gpu` tests (gputests_tiled.log), the 64-layer step with
+  # checkpoint-layout and tiled weights, each with and without the in-kernel piece (step_tiled.json), the prefill GEMM per shape at 64 and 512 rows on both layouts
   # (prefill_tiled.json), TP1 plain + K=3 end to end with each (bench27_untiled.json, bench27_tiled.json)
   export CUDA_VISIBLE_DEVICES=0
-  job gputests_tiled 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k tiled
-  job step_tiled 240 python3 -m pallas_kernels.bench --parts=step --step_impls=pallas,pallas_tiled \
-    --out=$R/step_tiled.json
+  job gputests_tiled 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
+    -k "tiled or chunk"
+  job step_tiled 300 python3 -m pallas_kernels.bench --parts=step \
+    --step_impls=pallas,pallas_tiled,pallas_xchunk,pallas_tiled_xchunk --out=$R/step_tiled.json
   job prefill_tiled 200 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=64,512 \
     --fp8_launch_layouts=checkpoint,tiled --fp8_launch_floor=false --out=$R/prefill_tiled.json
   checkpoint27
@@ -429,6 +432,21 @@ tiled() {  # a ~9-minute lease on one GPU for ops.FP8_TILED_WEIGHTS (off until t
     --breakdown=false --out=$R/bench27_untiled.json
   job bench27_tiled 200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
     --breakdown=false --kernels=fp8_tiled_weights=true --out=$R/bench27_tiled.json
+}
+
+xchunk() {  # a ~7-minute lease on one GPU for fp8_config.X_CHUNK_SCALED (the scaled f16 piece made in the
+  # kernel, off until this measures it): the step's FP8 launches at 1/4/16 rows without and with it
+  # (the kernel's time and every kernel of a call, busy_*: the XLA pieces launch it removes;
+  # launches_xchunk_*.json), TP1 plain + K=3 end to end with it (bench27_xchunk.json; the default's
+  # figure is start_tiled's bench27_untiled)
+  export CUDA_VISIBLE_DEVICES=0
+  for on in false true; do
+    job launches_xchunk_$on 200 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false \
+      --kernels=fp8_x_chunk_scaled=$on --out=$R/launches_xchunk_$on.json
+  done
+  checkpoint27
+  job bench27_xchunk 240 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --kernels=fp8_x_chunk_scaled=true --out=$R/bench27_xchunk.json
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
@@ -453,7 +471,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -475,5 +493,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

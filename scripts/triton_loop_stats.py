@@ -55,6 +55,11 @@ CASES = {
     "oproj_m1_tiled": (1, 5120, 6144, "fp8_tiled", {}),
     "oproj_m16_tiled": (16, 5120, 6144, "fp8_tiled", {}),
     "up_m1_tiled": (1, 17408, 5120, "fp8_tiled", {}),
+    # the scaled f16 piece made in the kernel per row and chunk (DecodeConfig.x_chunk_scaled)
+    "oproj_m1_xchunk": (1, 5120, 6144, "fp8", {"x_f16": False, "x_f16_scaled": False, "x_chunk_scaled": True}),
+    "oproj_m16_xchunk": (16, 5120, 6144, "fp8", {"x_f16": False, "x_f16_scaled": False, "x_chunk_scaled": True}),
+    "up_m1_xchunk": (1, 17408, 5120, "fp8", {"x_f16": False, "x_f16_scaled": False, "x_chunk_scaled": True}),
+    "up_m4_xchunk": (4, 17408, 5120, "fp8", {"x_f16": False, "x_f16_scaled": False, "x_chunk_scaled": True}),
 }
 
 _COMPILE = r'''

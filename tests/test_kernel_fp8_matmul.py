@@ -204,6 +204,9 @@ CONFIGS = {  # name: (config, rows)
     "decode_dot_x_f16_scaled": (DecodeConfig(split_k=2, x_f16=True, x_f16_scaled=True, scale_preload=True),
                                 [1, 16, 40]),
     "decode_dot_x_f16_scaled_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True, x_f16_scaled=True), [5]),
+    # bf16 x as it is, its scaled f16 piece made in the kernel per row and chunk: W on either side
+    "decode_dot_x_chunk_scaled": (DecodeConfig(split_k=2, x_chunk_scaled=True, scale_preload=True), [1, 16, 40]),
+    "decode_dot_x_chunk_scaled_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_chunk_scaled=True), [5]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -215,7 +218,7 @@ EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x,
 # piece, a batched verify's rows, the GEMM) and uneven chunk runs; the other tiles are `slow` (CI time,
 # session 16; `make test-all` and the GPU sweeps run them)
 CI_CONFIGS = {"decode_default", "decode_split3_bo16", "decode_dot_verify_rows", "decode_dot_x_f16",
-              "decode_dot_x_f16_scaled", "prefill_default"}
+              "decode_dot_x_f16_scaled", "decode_dot_x_chunk_scaled", "prefill_default"}
 
 
 @pytest.mark.parametrize("name", slow_except(CONFIGS, CI_CONFIGS))
@@ -308,6 +311,54 @@ def test_x_f16_scaled_piece_limits():
     assert np.all(back[2] == 0) and np.all(np.isfinite(np.asarray(row_scale)))
     assert np.isinf(back[3, 0]) and back[3, 1] == 1.0
     assert piece.dtype == jnp.float16 and row_scale.shape == (4, 1)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_x_chunk_scaled_scales_each_chunk(swap):
+    """DecodeConfig(x_chunk_scaled=True): each row's chunks get their own power of two, so a chunk of
+    values near 2^40 and one near 2^-30 in the same row both convert exactly (one scale per row would
+    flush the small chunk: it lies 2^70 below the row's largest), and the result equals the float64
+    formula bit for bit; a zero row gives zeros, an inf makes its row non-finite, the others stay exact."""
+    rng = np.random.default_rng(7)
+    m, o, i = 4, 130, 300  # ragged: masked rows and columns inside the kernel's chunks
+    _, wq, scale = exact_problem(rng, m, o, i)
+    wq = np.where(np.abs(wq.astype(np.float32)) > 4, np.float32(1), wq.astype(np.float32)).astype(E4M3)
+    scale = np.ones_like(scale)
+    x = rng.integers(-4, 5, (m, i)).astype(np.float32)
+    x[0, :128] *= 2.0 ** 40  # chunk 0 of row 0 large, chunk 1 tiny, chunk 2 as it is
+    x[0, 128:256] *= 2.0 ** -30
+    x[1] = 0.0
+    x[2, 5] = np.inf
+    config = DecodeConfig(split_k=1, swap_ab=swap, x_chunk_scaled=True)
+    got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config)
+    want = f64_formula(np.where(np.isinf(x), 0.0, x), wq, scale)
+    np.testing.assert_array_equal(got[0], want[0].astype(np.float32))
+    np.testing.assert_array_equal(got[1], 0.0)
+    assert not np.all(np.isfinite(got[2]))
+    np.testing.assert_array_equal(got[3], want[3].astype(np.float32))
+    # the tiny chunk matters: without it row 0 would differ (so a flushed chunk would show)
+    assert np.any(f64_formula(np.where(np.abs(x) < 1, 0.0, x)[:1], wq, scale) != want[:1])
+
+
+def test_x_chunk_scaled_config_rules(monkeypatch):
+    rng = np.random.default_rng(0)
+    x, wq, scale = exact_problem(rng, 1, 130, 129)
+    with pytest.raises(ValueError, match=r"x_chunk_scaled=True\) replaces x_f16"):
+        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(x_f16=True, x_chunk_scaled=True))
+    with pytest.raises(ValueError, match=r"x_chunk_scaled=True\) replaces x_f16 \(set it False\) and needs use_dot"):
+        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(use_dot=False, x_chunk_scaled=True))
+    # f32 x keeps its exact bf16 pieces under the flag (the kernel ignores it there)
+    got = run_kernel(x, wq, scale, jnp.float32, jnp.float32, DecodeConfig(x_chunk_scaled=True))
+    np.testing.assert_array_equal(got, f64_formula(x, wq, scale).astype(np.float32))
+    # the switch: every decode row count takes it instead of the XLA-made pieces
+    monkeypatch.setattr(fc, "X_CHUNK_SCALED", True)
+    for m in (1, 4, 9, 16, 32):
+        for o, i in [(17408, 5120), (5120, 6144)]:
+            c = fm.default_config(m, o, i)
+            assert c.x_chunk_scaled and not c.x_f16 and not c.x_f16_scaled, (m, o, i, c)
+    assert not fc.act_quant_config(4, 17408, 5120).x_chunk_scaled
+    # the narrow launches keep x on the dot's M side with M rows (as the scaled piece at 16 rows)
+    assert fm.default_config(16, 5120, 6144).swap_ab is False and fm.default_config(1, 5120, 6144).split_k == 8
 
 
 def test_x_f16_scaled_is_a_form_of_x_f16():
@@ -745,6 +796,22 @@ def test_kernel_lowers_for_h200(name, monkeypatch):
     assert all((ld.count("%") == 2) == aligned for ld in w_loads), w_loads
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_x_chunk_scaled_lowers_for_h200(m):
+    """o_proj's shape with the in-kernel scaled piece: one Triton call that loads x as bf16 and reduces
+    each chunk's rows (tt.reduce) before its one dot; the HLO around it makes no f16 pieces."""
+    sds = jax.ShapeDtypeStruct
+    o, i = 5120, 6144
+    config = dataclasses.replace(fm.default_config(m, o, i), x_f16=False, x_f16_scaled=False, x_chunk_scaled=True)
+    args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
+    [(cfg, ir_text)] = triton_calls(lowered)
+    assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 64, config.split_k)
+    assert ir_text.count("tt.dot ") == 1 and "tt.reduce" in ir_text and "scf.for" in ir_text
+    assert any("tt.load" in ln and "bf16" in ln for ln in ir_text.splitlines())
+    assert "xf16>" not in lowered.as_text()  # no f16 tensor anywhere: no piece made before the kernel
+
+
 def test_many_weights_lower_to_one_launch_for_h200():
     """q/k/v of a 27B attention layer at K+1 = 4 rows: one Triton call whose grid covers the three
     weights' row blocks, one guarded branch (scf.if) per weight."""
@@ -826,6 +893,9 @@ GPU_CONFIGS = {  # name: (config, rows)
     "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
                             [9, 16, 32]),
     "tiled_default": ("tiled", [1, 4, 16, 40, 600]),  # the default configs on fp8_layout.tile_weight's tiles
+    # the in-kernel scaled piece at decode and verify rows, W on either side (fp8_config.X_CHUNK_SCALED)
+    "decode_x_chunk_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_chunk_scaled=True, num_stages=3), [1, 4, 16]),
+    "decode_x_chunk_scaled_verify": (DecodeConfig(split_k=4, swap_ab=True, x_chunk_scaled=True), [32]),
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
 }

@@ -33,3 +33,35 @@ def test_pallas_impl_on_an_fp8_checkpoint_matches_ref(tmp_path):
     assert_close(qmtp.target_logits(pallas, ids), qmtp.target_logits(ref, ids), F32_MODEL, "fp8 logits")
     want = qmtp.generate(ref, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=1)
     assert qmtp.generate(pallas, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=1).tokens == want.tokens
+
+
+@pytest.mark.slow  # ~60 s; off by default (fp8_config.X_CHUNK_SCALED): the kernel's exact cases run in CI
+def test_in_kernel_scaled_piece_keeps_mtp_equal_to_plain(tmp_path, monkeypatch):
+    """bf16 activations (the path the f16 pieces serve) with the scaled piece made in the kernel:
+    greedy MTP K=2 tokens equal plain greedy tokens, and the logits stay within bf16 rounding of the
+    default path's (both multiply exact products; at 9-32 rows, as in this 21-token prompt, the
+    default's one scaled piece per row gives the same f32 sums scaled by powers of two)."""
+    import jax
+
+    from pallas_kernels import fp8_kernels
+    from qmtp import ops
+    from qmtp.tools import make_checkpoint
+    made = []  # chunks whose piece the kernel made, counted as the kernels are traced
+    inner = fp8_kernels._chunk_scaled
+    monkeypatch.setattr(fp8_kernels, "_chunk_scaled", lambda xc: made.append(xc.shape) or inner(xc))
+    path = make_checkpoint.write_checkpoint(str(tmp_path / "fp8"), "tiny_tp", "fp8", seed=2)
+    model = qmtp.load(path, dtype="bfloat16", progress=False, impl="pallas")
+    ids = list(range(3, 24))
+    default = np.asarray(qmtp.target_logits(model, ids), np.float32)
+    jax.clear_caches()
+    before = ops.set_kernel_settings({"fp8_x_chunk_scaled": True})
+    try:
+        got = np.asarray(qmtp.target_logits(model, ids), np.float32)
+        plain = qmtp.generate(model, [ids[:6]], max_new_tokens=6, stop_token_ids=[], mtp_k=0)
+        mtp = qmtp.generate(model, [ids[:6]], max_new_tokens=6, stop_token_ids=[], mtp_k=2)
+    finally:
+        ops.set_kernel_settings(before)
+        jax.clear_caches()
+    assert mtp.tokens == plain.tokens
+    assert np.max(np.abs(got - default)) <= 0.05 * np.max(np.abs(default))
+    assert made and {r for r, _ in made} >= {16, 32}  # 1-row steps (16-row dot) and the 21-row prompt
