@@ -208,33 +208,31 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         wm = _mask2(rows_ok, cols_ok)
+        w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]  # [bo, 128]
         if cfg.scale_preload:  # exact: a sum of one selected value and zeros
             s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
         else:
             s = s_ref[srow, c]
         if sx_ref is not None:  # E4M3 x E4M3 on the tensor cores; x is zero-padded (no x mask)
             xc = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)])
-            wc = plgpu.load(w_ref.at[po, c]) if tiled else _load_w_fp8(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)],
-                                                                         rows_ok, cols_ok)
+            wc = plgpu.load(w_tile) if tiled else _load_w_fp8(w_tile, rows_ok, cols_ok)
             sx = plgpu.load(sx_ref.at[c, pl.ds(0, bm)])  # [BM] this chunk's activation scales
             if o_major:
                 return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
             return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
         if cfg.use_dot and cfg.x_chunk_scaled:  # bf16 x: this chunk's scaled f16 piece, made here
             xs, up = _chunk_scaled(_load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok)))
-            w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
             wc = _load_w(w_tile, wm, jnp.float16)
             if o_major:
                 return acc + plgpu.dot(wc, xs, trans_b=True) * (up[None, :] * s)
             return acc + plgpu.dot(xs, wc, trans_b=True) * (up[:, None] * s)
         if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
-            w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
             wc = _load_w(w_tile, wm, jnp.float16 if x_f16 else jnp.bfloat16)
             return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
         # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
         # until after the loop); the weight chunk is loaded once for all rows
-        wc = _load_w(w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)], wm, jnp.float32)
+        wc = _load_w(w_tile, wm, jnp.float32)  # (never tiled: fp8_matmul._fit_tiles untiles for this path)
         xm = _mask2(None, cols_ok)
         return tuple(a + wc * (_load_x(x_ref.at[pl.ds(r, 1), pl.ds(k0, BLOCK)], xm).astype(jnp.float32) * s)
                      for r, a in enumerate(acc))

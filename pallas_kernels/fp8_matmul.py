@@ -214,8 +214,14 @@ def _fit_tiles(ws, config):
                              f"to it, got {config}")
         return ws
     bn = config.block_n
-    fits = lambda w: w.ndim == 2 or (weight_shape(w)[0] % bn == 0 and (bn % w.shape[2] == 0 or w.shape[2] % bn == 0))  # noqa: E731
-    return tuple(w if fits(w) else untile_weight(w) for w in ws)
+
+    def readable(w) -> bool:
+        if w.ndim == 2:
+            return True
+        rows = w.shape[2]
+        return weight_shape(w)[0] % bn == 0 and (bn % rows == 0 or rows % bn == 0)
+
+    return tuple(w if readable(w) else untile_weight(w) for w in ws)
 
 
 def _chunk_split(i: int, config: DecodeConfig) -> tuple[int, int]:
