@@ -171,10 +171,13 @@ X_F16_SCALED = True
 X_F16_SCALED_MIN_ROWS = DOT_MIN // 2 + 1  # below it, two pieces per row still fit the dot's 16-row minimum
 # True: default tensor-core decode configs take bf16 x as it is and make the scaled f16 piece inside the
 # kernel, per row and chunk (DecodeConfig.x_chunk_scaled), at every row count, instead of x_f16's
-# pieces made by an XLA launch before each FP8 launch. Why: a trace of the 27B step (session 16) put
-# ~0.4 ms of its 9 ms in concatenate fusions, most of them those pieces, each a ~1.5-2 us launch on
-# the chain between two FP8 launches. Off until measured on the H200 (`scripts/gpu_session.sh
-# start_xchunk`; step variant "pallas_xchunk"): no GPU was lent when it was written (session 17).
+# pieces made by XLA before each FP8 launch. Why: in the 27B step's optimized HLO (session 16) XLA
+# fuses most pieces into a launch the step needs anyway (the norm, silu(gate) * up), but 112 launches
+# per step do nothing else (o_proj's and out_proj's x, and the GDN layers' normalized x, which
+# in_proj_b/a also read): ~1.1-2 us each on the chain, 0.12-0.22 ms per step, against a heavier
+# chunk loop (293 PTX instructions against 180). Off until measured on the H200
+# (`scripts/gpu_session.sh start_xchunk`; step variant "pallas_xchunk"): no GPU was lent when it
+# was written (session 17).
 X_CHUNK_SCALED = False
 
 
