@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs the test suite as fresh pytest processes over groups of test files, a few at a time (`make test`).
 
-    python scripts/pytest_groups.py [--groups=N (default 16)] [--jobs=J (default: the CPU count, at most 4)]
+    python scripts/pytest_groups.py [--groups=N (default 16)] [--jobs=J (default: the usable CPUs, at most 4)]
                                     [PYTEST ARGS...]
 
 Why processes: one process running the whole CPU suite got slower as it went. Measured on the
@@ -47,9 +47,18 @@ def split(files: list[str], groups: int) -> list[list[str]]:
     return out
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which containers narrow; os.cpu_count()
+    counts the host's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity on this platform
+        return os.cpu_count() or 1
+
+
 def parse_args(argv: list[str]) -> tuple[int, int, list[str]]:
     """(groups, jobs, pytest args) from the command line; ValueError naming a bad value."""
-    groups, jobs, args = 16, min(os.cpu_count() or 1, MAX_DEFAULT_JOBS), []
+    groups, jobs, args = 16, min(usable_cpus(), MAX_DEFAULT_JOBS), []
     for a in argv:
         if a.startswith("--groups=") or a.startswith("--jobs="):
             name, value = a[2:].split("=", 1)

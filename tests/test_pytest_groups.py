@@ -30,7 +30,8 @@ def test_make_test_runs_the_groups():
 def test_parse_args():
     assert pytest_groups.parse_args(["--groups=3", "--jobs=2", "-q", "-x"]) == (3, 2, ["-q", "-x"])
     groups, jobs, args = pytest_groups.parse_args(["-q"])
-    assert groups == 16 and 1 <= jobs <= pytest_groups.MAX_DEFAULT_JOBS and args == ["-q"]
+    assert groups == 16 and jobs == min(pytest_groups.usable_cpus(), pytest_groups.MAX_DEFAULT_JOBS) and args == ["-q"]
+    assert 1 <= pytest_groups.usable_cpus() <= (os.cpu_count() or 1)
     for bad in ("--jobs=0", "--groups=x"):
         try:
             pytest_groups.parse_args([bad])
