@@ -24,6 +24,7 @@
 #                                           step, the prefill GEMM and TP1 plain + K=3 with and without, the tiled `gpu` tests (tiled())
 #   scripts/gpu_session.sh start_xchunk [SECONDS]  the scaled f16 piece made in the kernel (X_CHUNK_SCALED):
 #                                           the FP8 launches and TP1 plain + K=3 with it (xchunk())
+#   scripts/gpu_session.sh start_switches [SECONDS]  tiled() then xchunk() (~16 minutes: follow with `wait`)
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -449,6 +450,12 @@ xchunk() {  # a ~7-minute lease on one GPU for fp8_config.X_CHUNK_SCALED (the sc
     --breakdown=false --kernels=fp8_x_chunk_scaled=true --out=$R/bench27_xchunk.json
 }
 
+switches() {  # ~16 minutes over two calls (start_switches, then wait): tiled() then xchunk(), the two
+  # switches session 17 left off until measured (the 27B checkpoint is built once)
+  tiled
+  xchunk
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -465,13 +472,13 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
   fi
   export PYTHONPATH=$site$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
   # all.done once the function returns, whatever it ran (wait_and_pack stops on it)
-  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks oproj_sweep $fn); R=$R; $fn; touch $R/all.done" \
+  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks oproj_sweep tiled xchunk $fn); R=$R; $fn; touch $R/all.done" \
     </dev/null >$R/$fn.out 2>&1 &
   wait_and_pack
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -493,5 +500,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac
