@@ -175,7 +175,7 @@ X_F16_SCALED_MIN_ROWS = DOT_MIN // 2 + 1  # below it, two pieces per row still f
 # fuses most pieces into a launch the step needs anyway (the norm, silu(gate) * up), but 112 launches
 # per step do nothing else (o_proj's and out_proj's x, and the GDN layers' normalized x, which
 # in_proj_b/a also read): ~1.1-2 us each on the chain, 0.12-0.22 ms per step, against a heavier
-# chunk loop (293 PTX instructions against 180). Off until measured on the H200
+# chunk loop (277 PTX instructions against 180). Off until measured on the H200
 # (`scripts/gpu_session.sh start_xchunk`; step variant "pallas_xchunk"): no GPU was lent when it
 # was written (session 17).
 X_CHUNK_SCALED = False

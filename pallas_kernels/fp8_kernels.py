@@ -107,11 +107,14 @@ def _chunk_scaled(xc: jax.Array) -> tuple[jax.Array, jax.Array]:
     row of the chunk so its largest |x| lands in [2^14, 2^15) (DecodeConfig.x_chunk_scaled): the rule
     of `_f16_scaled` applied to each row's 128 columns, so every value within 2^32 of its chunk's
     largest converts exactly. e comes from the bits of the chunk's largest |x| (frexp's exponent: the
-    biased exponent - 126), clamped to [-100, 100]; 2^-e and 2^e are built from bits too (exact).
+    biased exponent - 126), found as an integer max of the magnitude bits (16 fewer instructions per
+    chunk than an f32 abs + max: 277 against 293, scripts/triton_loop_stats.py), clamped to
+    [-100, 100]; 2^-e and 2^e are built from bits too (exact).
     Zero rows give e = -100 (their piece stays 0); inf / NaN propagate."""
+    # the largest |x| as bits: a bf16's magnitude bits order as its value (sign bit cleared)
+    mag = jnp.max(jax.lax.bitcast_convert_type(xc, jnp.int16).astype(jnp.int32) & 0x7FFF, axis=1)  # [R]
+    top = ((mag >> 7) & 0xFF) - 126  # the largest |x| < 2^top (bf16: 8 exponent bits above 7 mantissa bits)
     xf = xc.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1)  # [R]
-    top = ((jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF) - 126  # amax < 2^top
     e = jnp.clip(top - _F16_SCALED_TOP, -_F16_SCALED_CLAMP, _F16_SCALED_CLAMP)
     down = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2^-e
     up = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2^e
