@@ -39,11 +39,12 @@ def test_a_group_that_misses_a_weight_is_refused(monkeypatch):
 
 
 def test_target_lines():
-    result = {"per_step": {1: {"share_of_copy": 0.87, "by": "kernel_s_per_call"},
-                           16: {"share_of_copy": 0.62, "by": "kernel_s_per_call"}},
+    result = {"per_step": {1: {"share_of_copy": 0.87, "by": "kernel_s_per_call", "s": 7.1e-3, "busy_s": 8.0e-3},
+                           16: {"share_of_copy": 0.62, "by": "kernel_s_per_call", "s": 9.9e-3}},
               "targets": {1: [], 16: [{"launch": "attn.o_proj", "share_of_copy": 0.5}]}}
     lines = fp8_launches.target_lines(result)
     assert lines[0].startswith("target met: FP8 launches at M=1") and "87%" in lines[0]
+    assert "7.10 ms, 8.00 ms with their XLA pieces and sums" in lines[0] and "9.90 ms)" in lines[1]
     assert lines[1].startswith("target missed: FP8 launches at M=16") and lines[1].endswith("attn.o_proj 50%")
     result["targets"][16][0]["floor_share_of_copy"] = 0.83  # with the launch's read floor measured
     assert fp8_launches.target_lines(result)[1].endswith("attn.o_proj 50% (read floor 83%)")
@@ -93,6 +94,22 @@ def test_quick_run_tiled_layout(tmp_path):
                           "--fp8_launch_layouts=rows", f"--out={tmp_path / 'x.json'}"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--fp8_launch_layouts: rows; choose from checkpoint, tiled" in bad.stderr
+
+
+def test_busy_time_sums_per_step(monkeypatch):
+    """Where the device time is measured, each launch's busy time (every kernel of a call) is summed per
+    step with its count, beside the kernel time; device figures are faked here (the CPU has none)."""
+    from pallas_kernels.bench import fp8 as fp8_bench
+    fake = {"kernel_s_per_call": 2e-6, "kernel_share_of_copy": 0.5, "busy_s_per_call": 3e-6}
+    monkeypatch.setattr(fp8_bench, "_device_figures", lambda *a, **k: dict(fake))
+    monkeypatch.setattr(fp8_launches, "step_launches", lambda: [])  # quick's launches replace these
+    rows = []
+    res = fp8_launches.run(1.0, rows.append, quick=True, interpret=True, decode_ms=(1,), floor=False)
+    launches = [r for r in rows if r["kernel"] == "fp8_launch"]
+    assert len(launches) == 2 and not [r for r in launches if "error" in r]
+    agg = res["per_step"][1]
+    assert agg["by"] == "kernel_s_per_call" and agg["s"] == pytest.approx(2 * 2e-6)  # two launches, count 1
+    assert agg["busy_s"] == pytest.approx(2 * 3e-6) and agg["busy_share_of_copy"] > 0
 
 
 def test_bad_kernels_flag_is_refused(tmp_path):
