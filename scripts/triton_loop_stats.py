@@ -60,6 +60,9 @@ CASES = {
     "oproj_m16_xchunk": (16, 5120, 6144, "fp8", {"x_f16": False, "x_f16_scaled": False, "x_chunk_scaled": True}),
     "up_m1_xchunk": (1, 17408, 5120, "fp8", {"x_f16": False, "x_f16_scaled": False, "x_chunk_scaled": True}),
     "up_m4_xchunk": (4, 17408, 5120, "fp8", {"x_f16": False, "x_f16_scaled": False, "x_chunk_scaled": True}),
+    # the GEMM (M > DECODE_MAX_ROWS: PrefillConfig) on both layouts: a 128-row block of tiles is two tiles joined
+    "oproj_gemm_m64": (64, 5120, 6144, "fp8", {}),
+    "oproj_gemm_m64_tiled": (64, 5120, 6144, "fp8_tiled", {}),
 }
 
 _COMPILE = r'''
@@ -109,7 +112,11 @@ def dump_ttir(name: str, out_dir: str) -> tuple[str, object]:
     from pallas_kernels import fp8_matmul as fm
 
     m, o, i, wdt, overrides = CASES[name]
-    config = dataclasses.replace(fm.decode_config(m, o, i), **{**({"swap_ab": True} if wdt == "fp8_a8" else {}), **overrides})
+    if m > fm.fp8_config.DECODE_MAX_ROWS:  # the GEMM's default tiles
+        config = dataclasses.replace(fm.default_config(m, o, i), **overrides)
+    else:
+        config = dataclasses.replace(fm.decode_config(m, o, i),
+                                     **{**({"swap_ab": True} if wdt == "fp8_a8" else {}), **overrides})
     sds = jax.ShapeDtypeStruct
     if wdt == "bf16":
         fn, args = (lambda x, w: fm.bf16_matmul(x, w, config=config)), (sds((m, i), jnp.bfloat16), sds((o, i), jnp.bfloat16))
