@@ -16,15 +16,16 @@ BLOCK = 128  # the scale block's width: a chunk's columns
 TILE_ROWS = 64  # the decode kernel's block_o (fp8_config.DecodeConfig)
 
 
-def tile_weight(w: jax.Array, block_o: int = TILE_ROWS) -> jax.Array:
-    """[O, I] -> [O / block_o, I / 128, block_o, 128]: every [block_o, 128] chunk the decode kernel
-    reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous too
-    (in the checkpoint's layout a chunk is block_o runs of 128 bytes, I bytes apart).
-    O must be a multiple of block_o and I of 128 (every 27B shape is)."""
+def tile_weight(w: jax.Array, block_o: int = TILE_ROWS, block_i: int = BLOCK) -> jax.Array:
+    """[O, I] -> [O / block_o, I / block_i, block_o, block_i]: every [block_o, 128] chunk the decode
+    kernel reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous
+    too (in the checkpoint's layout a chunk is block_o runs of 128 bytes, I bytes apart). O must be a
+    multiple of block_o and I of block_i (every 27B shape is, for the kernels' 64 x 128); the read
+    floor tiles its int32 words with other blocks."""
     o, i = w.shape
-    if o % block_o or i % BLOCK:
-        raise ValueError(f"tile_weight: w {w.shape} needs O a multiple of {block_o} and I of {BLOCK}")
-    return w.reshape(o // block_o, block_o, i // BLOCK, BLOCK).transpose(0, 2, 1, 3)
+    if o % block_o or i % block_i:
+        raise ValueError(f"tile_weight: w {w.shape} needs O a multiple of {block_o} and I of {block_i}")
+    return w.reshape(o // block_o, block_o, i // block_i, block_i).transpose(0, 2, 1, 3)
 
 
 def untile_weight(w: jax.Array) -> jax.Array:
@@ -35,8 +36,8 @@ def untile_weight(w: jax.Array) -> jax.Array:
     return w.transpose(0, 2, 1, 3).reshape(n_o * bo, n_c * blk)
 
 
-def weight_shape(w: jax.Array) -> tuple[int, int]:
-    """(O, I) of a weight in either layout (tile_weight's or the checkpoint's)."""
+def weight_shape(w: jax.Array) -> tuple[int, ...]:
+    """(O, I) of a weight in either layout (tile_weight's or the checkpoint's; any other shape as it is)."""
     if w.ndim == 4:
         return w.shape[0] * w.shape[2], w.shape[1] * w.shape[3]
     return tuple(w.shape)

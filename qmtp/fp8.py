@@ -29,7 +29,7 @@ if not hasattr(np, "float8_e4m3fn"):
 @dataclasses.dataclass(frozen=True)
 class Fp8Block:
     """A block-quantized linear weight. weight: [..., O, I] float8_e4m3fn, or for the Pallas kernels
-    tiled as [O / 64, I / 128, 64, 128] (qmtp.weight_layout, pallas_kernels.fp8_matmul.tile_weight);
+    tiled as [O / 64, I / 128, 64, 128] (qmtp.weight_layout, pallas_kernels.fp8_layout.tile_weight);
     scale: [..., ceil(O/128), ceil(I/128)] f32."""
 
     weight: jax.Array
@@ -43,8 +43,8 @@ class Fp8Block:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical [..., O, I] shape, in either layout."""
-        w = self.weight.shape
-        return (w[0] * w[2], w[1] * w[3]) if self.tiled else tuple(w)
+        from pallas_kernels.fp8_layout import weight_shape
+        return weight_shape(self.weight)
 
 
 def scale_grid(out_features: int, in_features: int, block: int = FP8_BLOCK) -> tuple[int, int]:

@@ -134,13 +134,14 @@ def gather_vocab(logits: jax.Array) -> jax.Array:
 
 
 # ---- layouts ---------------------------------------------------------------------------------------
-def _leaf_key(path) -> str:
+def leaf_key(path) -> str:
     """The parameter key of a leaf: the last dict key on its path (Fp8Block fields share it)."""
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
     return keys[-1]
 
 
-def _dim_spec(ndim: int, dim: int | None) -> P:
+def dim_spec(ndim: int, dim: int | None) -> P:
+    """The PartitionSpec of an ndim array split along dim (None: replicated)."""
     if dim is None:
         return P()
     return P(*[AXIS if d == dim else None for d in range(ndim)])
@@ -149,7 +150,7 @@ def _dim_spec(ndim: int, dim: int | None) -> P:
 def param_specs(params: dict) -> dict:
     """PartitionSpecs of a parameter tree (same structure; Fp8Block weight and scale split alike)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _dim_spec(leaf.ndim, shard_layout.split_dim(_leaf_key(path))), params)
+        lambda path, leaf: dim_spec(leaf.ndim, shard_layout.split_dim(leaf_key(path))), params)
 
 
 def state_specs(state: DecodeState, rows: bool = False) -> DecodeState:
@@ -190,7 +191,7 @@ def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
     n = mesh.size
 
     def place(path, leaf):
-        key = _leaf_key(path)
+        key = leaf_key(path)
         dim = shard_layout.split_dim(key)
         if dim is None:
             return jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, P())), leaf)
@@ -213,7 +214,7 @@ def assemble(pieces: list, dim: int, mesh: Mesh) -> jax.Array:
     devices = list(mesh.devices.flat)
     shape = list(pieces[0].shape)
     shape[dim] = sum(p.shape[dim] for p in pieces)
-    sharding = NamedSharding(mesh, _dim_spec(len(shape), dim))
+    sharding = NamedSharding(mesh, dim_spec(len(shape), dim))
     arrays = [jax.device_put(p, d) for p, d in zip(pieces, devices)]
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 

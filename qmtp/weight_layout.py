@@ -15,11 +15,9 @@ a time while the model is laid out.
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.fp8_layout import BLOCK, TILE_ROWS, tile_weight
-from qmtp import shard_layout
-from qmtp.tp import AXIS
+from qmtp import shard_layout, tp
 from qmtp.fp8 import Fp8Block
 
 
@@ -34,7 +32,7 @@ def _local_shape(shape: tuple[int, int], dim: int | None, n: int) -> tuple[int, 
 
 def tileable(block: Fp8Block, dim: int | None = None, n: int = 1) -> bool:
     """Whether `block` (split n ways along dim under TP) can take the tiled layout on every device."""
-    if block.tiled or block.weight.ndim != 2:
+    if block.weight.ndim != 2:  # tiled already (or stacked)
         return False
     local = _local_shape(tuple(block.weight.shape), dim, n)
     return local is not None and local[0] % TILE_ROWS == 0 and local[1] % BLOCK == 0
@@ -51,17 +49,14 @@ def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:
     def tile(path, leaf):
         if not isinstance(leaf, Fp8Block):
             return leaf
-        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        dim = shard_layout.split_dim(keys[-1]) if mesh is not None else None
+        dim = shard_layout.split_dim(tp.leaf_key(path)) if mesh is not None else None
         if not tileable(leaf, dim, n):
             return leaf
         if mesh is None:
             return Fp8Block(plain(leaf.weight), leaf.scale)
         if dim not in per_dim:  # each device tiles its own shard (the split keeps its dimension)
-            spec2 = P(*[AXIS if d == dim else None for d in range(2)]) if dim is not None else P()
-            spec4 = P(*spec2, None, None) if dim is not None else P()
-            per_dim[dim] = jax.jit(jax.shard_map(tile_weight, mesh=mesh, in_specs=spec2, out_specs=spec4),
-                                   donate_argnums=donated)
+            per_dim[dim] = jax.jit(jax.shard_map(tile_weight, mesh=mesh, in_specs=tp.dim_spec(2, dim),
+                                                 out_specs=tp.dim_spec(4, dim)), donate_argnums=donated)
         return Fp8Block(per_dim[dim](leaf.weight), leaf.scale)
 
     return jax.tree_util.tree_map_with_path(tile, params, is_leaf=lambda x: isinstance(x, Fp8Block))

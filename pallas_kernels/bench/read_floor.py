@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8_config import cdiv, chunk_runs
+from pallas_kernels.fp8_layout import tile_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +104,9 @@ def read_floor_ref(w: np.ndarray, salt: int) -> np.ndarray:
 
 
 def tile_words(w: jax.Array, cfg: ReadConfig) -> jax.Array:
-    """[R, C] -> [R / block_rows, C / block_cols, block_rows, block_cols] (the layout cfg.tiled reads)."""
-    r, c = w.shape
-    br, bc = cfg.block_rows, cfg.block_cols
-    return w.reshape(r // br, br, c // bc, bc).transpose(0, 2, 1, 3)
+    """[R, C] -> [R / block_rows, C / block_cols, block_rows, block_cols] (the layout cfg.tiled reads):
+    fp8_layout.tile_weight's layout with the config's tile."""
+    return tile_weight(w, cfg.block_rows, cfg.block_cols)
 
 
 def fits(cfg: ReadConfig, rows: int, cols: int) -> bool:
@@ -133,12 +133,15 @@ def floor_figures(shapes, n: int, copy_tb_s: float, *, reps: int, trials: int, i
     keys = jax.random.split(jax.random.key(seed), n)
     arrs = tuple(jax.lax.bitcast_convert_type(jax.random.bits(k, (rows, cols), jnp.uint32), jnp.int32) for k in keys)
     out: dict = {"configs": {}}
-    flat = arrs
+    laid_out = {None: arrs}  # the arrays per tile shape (None: untiled), each laid out once
     for cfg in configs:
         if not fits(cfg, rows, cols):
             continue
-        arrs = tuple(jax.block_until_ready(jax.jit(tile_words, static_argnums=1)(a, cfg)) for a in flat) \
-            if cfg.tiled else flat
+        tile = (cfg.block_rows, cfg.block_cols) if cfg.tiled else None
+        if tile not in laid_out:
+            laid_out[tile] = tuple(jax.block_until_ready(jax.jit(tile_words, static_argnums=1)(a, cfg))
+                                   for a in laid_out[None])
+        arrs = laid_out[tile]
 
         @jax.jit
         def prog(arrs, cfg=cfg):
