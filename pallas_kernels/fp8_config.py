@@ -1,8 +1,8 @@
 """Tile configurations of the FP8 block matmul kernels (pallas_kernels/fp8_matmul.py) and the
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
-The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, NARROW_X_ON_M,
-NARROW_NUM_STAGES, DECODE_MAX_ROWS) live here and only here: set them through
+The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, X_CHUNK_SCALED,
+NARROW_X_ON_M, NARROW_NUM_STAGES, DECODE_MAX_ROWS, GEMM_SPLIT_PROGRAMS) live here and only here: set them through
 `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -66,12 +66,15 @@ class DecodeConfig:
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """Many-row GEMM tile config: block_m x block_n output tiles (powers of two, block_m >= 16,
-    16 <= block_n <= 128 so a tile has one scale row), K chunk = 128 (one scale column)."""
+    16 <= block_n <= 128 so a tile has one scale row), K chunk = 128 (one scale column); split_k:
+    programs along I per output tile, each summing a contiguous run of chunks into f32 partials
+    [split_k, M, O] that XLA sums in a fixed order (1: each program writes its tile, rounded, itself)."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
 
 def cdiv(a: int, b: int) -> int:
@@ -175,10 +178,20 @@ X_F16_SCALED_MIN_ROWS = DOT_MIN // 2 + 1  # below it, two pieces per row still f
 # fuses most pieces into a launch the step needs anyway (the norm, silu(gate) * up), but 112 launches
 # per step do nothing else (o_proj's and out_proj's x, and the GDN layers' normalized x, which
 # in_proj_b/a also read): ~1.1-2 us each on the chain, 0.12-0.22 ms per step, against a heavier
-# chunk loop (277 PTX instructions against 180). Off until measured on the H200
-# (`scripts/gpu_session.sh start_xchunk`; step variant "pallas_xchunk"): no GPU was lent when it
-# was written (session 17).
+# chunk loop (277 PTX instructions against 180). Measured slower on the H200 (session 18,
+# `scripts/gpu_session.sh start_xchunk`): the 64-layer step 9.07 -> 10.01 ms (`--parts=step`, variant
+# "pallas_untiled_xchunk" against "pallas_untiled"), the step's FP8 launches by kernel time 6.97 -> 8.01 ms
+# at 1 row (o_proj 10.5 -> 12.5 us), by busy time with the XLA pieces 7.15 -> 8.13 ms, TP1 plain decode
+# 111.7 -> 102.1 tok/s: the loop's extra instructions cost more than the launches it removes. Kept, off,
+# as the measured alternative (step variant "pallas_xchunk").
 X_CHUNK_SCALED = False
+# The GEMM (more than DECODE_MAX_ROWS rows) splits I until its grid has this many programs (0: never).
+# Why: a batched verify of 64 rows (16 slots x K + 1 = 4) on whole 64 x 128 output tiles gave the
+# narrow weights one program per 128 output rows and nothing else: o_proj / out_proj and mlp_down 40
+# programs on 132 SMs, k_proj / v_proj 8. Measured on the H200 before the split (session 18,
+# `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=64`): all FP8 launches of a 27B step 29.4
+# ms at 64 rows (21% of copy; o_proj 86.9 us, mlp_down 245 us) against 7.2 ms at 16 rows.
+GEMM_SPLIT_PROGRAMS = SM_COUNT
 
 
 def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
@@ -237,11 +250,17 @@ def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
-    """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above."""
-    del o, i
+    """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above; split_k (a power
+    of two, runs of >= 4 chunks) while the grid has fewer than GEMM_SPLIT_PROGRAMS programs (0: never)."""
     if m <= 256:
-        return PrefillConfig(block_m=64 if m > 32 else 32, block_n=128, num_warps=4, num_stages=3)
-    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        config = PrefillConfig(block_m=64 if m > 32 else 32, block_n=128, num_warps=4, num_stages=3)
+    else:
+        config = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    tiles, n_chunks = cdiv(m, config.block_m) * cdiv(o, config.block_n), cdiv(i, BLOCK)
+    split = 1
+    while tiles * split < GEMM_SPLIT_PROGRAMS and n_chunks >= 8 * split:  # doubled, each run keeps >= 4 chunks
+        split *= 2
+    return dataclasses.replace(config, split_k=split)
 
 
 def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
@@ -276,6 +295,8 @@ def check_config(config, m: int) -> None:
             raise ValueError(f"fp8_matmul: PrefillConfig.block_m={c.block_m} must be a power of two >= 16")
         if not (is_pow2(c.block_n) and DOT_MIN <= c.block_n <= BLOCK):
             raise ValueError(f"fp8_matmul: PrefillConfig.block_n={c.block_n} must be a power of two in [16, 128]")
+        if c.split_k < 1:
+            raise ValueError(f"fp8_matmul: PrefillConfig.split_k={c.split_k} must be >= 1")
     else:
         raise ValueError(f"fp8_matmul: config must be a DecodeConfig or PrefillConfig, got {type(config).__name__}")
     if config.num_warps < 1 or config.num_stages < 1:

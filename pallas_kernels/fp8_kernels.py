@@ -30,8 +30,10 @@ x rows are E4M3 (quantized by XLA, zero-padded to BM rows and whole chunks) and 
 takes both operands unconverted, W on the dot's M side (Hopper's FP8 wgmma: pallas_kernels/_fp8_dot.py),
 its product scaled by the chunk's weight scale times each row's activation scale.
 
-Prefill: grid (cdiv(M, BM), cdiv(O, BN)), M-blocks fastest so the programs sharing one W tile run
-together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot.
+Prefill: grid (cdiv(M, BM), cdiv(O, BN), split_k), M-blocks fastest so the programs sharing one W tile
+run together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot. With
+split_k > 1 (a grid of few output tiles: a batched verify's 33-256 rows on a narrow weight) each
+program sums a contiguous run of chunks into f32 partials [split_k, M, O] that XLA sums in order.
 """
 
 from __future__ import annotations
@@ -266,11 +268,12 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
 
 
-def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
+def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig, chunks_per_split):
     # x_ref [M, I]; w_ref [O, I] fp8, or tiled [O / tr, I / 128, tr, 128] (fp8_matmul.tile_weight: O a
-    # multiple of block_n and of tr, I of 128); s_ref [GO, GI] f32; o_ref [M, O]
+    # multiple of block_n and of tr, I of 128); s_ref [GO, GI] f32; o_ref [split_k, M, O]: program
+    # (pm, pn, pk) sums chunks [pk * chunks_per_split, (pk + 1) * chunks_per_split) of its tile
     bm, bn = cfg.block_m, cfg.block_n
-    pm, pn = pl.program_id(0), pl.program_id(1)
+    pm, pn, pk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = pl.multiple_of(pm * bm, bm)
     n0 = pl.multiple_of(pn * bn, bn)
     srow = pn // (BLOCK // bn)
@@ -294,5 +297,7 @@ def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig):
         xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], xm)
         return acc + _dot_sum(_bf16_pieces(xc), w_block(c, k0, wm), swap=False) * s_ref[srow, c]
 
-    acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), body, jnp.zeros((bm, bn), jnp.float32))
-    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))
+    c0 = pk * chunks_per_split
+    c1 = jnp.minimum(c0 + chunks_per_split, cdiv(i, BLOCK))
+    acc = jax.lax.fori_loop(c0, c1, body, jnp.zeros((bm, bn), jnp.float32))
+    plgpu.store(o_ref.at[pk, pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))

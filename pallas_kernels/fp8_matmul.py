@@ -155,6 +155,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
     if config is None and act_quant and m <= fp8_config.DECODE_MAX_ROWS:
         config = fp8_config.act_quant_config(m, sum(os), i)
+    chosen = config is None  # a GEMM then takes each weight's own split (fp8_config.prefill_config)
     config = config or default_config(m, sum(os), i)
     fp8_config.check_config(config, m)
     if any(w.ndim == 4 for w in ws):
@@ -165,8 +166,9 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         if act_quant:
             raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {fp8_config.DECODE_MAX_ROWS} "
                              f"rows with a DecodeConfig), got M={m} with {config}")
-        return tuple(_prefill_call(x2, w, s, out_dtype, config, params, interpret).reshape(*lead, weight_shape(w)[0])
-                     for w, s in zip(ws, scales))
+        configs = [fp8_config.prefill_config(m, o, i) if chosen else config for o in os]
+        return tuple(_prefill_call(x2, w, s, out_dtype, c, params, interpret).reshape(*lead, o)
+                     for w, s, c, o in zip(ws, scales, configs, os))
     if act_quant:
         return _act_quant_call(x2, ws, scales, lead, out_dtype, config, params, interpret, weight_dtype)
     # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16
@@ -298,14 +300,16 @@ def _check_int32(m: int, o: int, i: int, split: int) -> None:
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "params", "interpret"))  # see _decode_launch
 def _prefill_call(x2, w, scale, out_dtype, config: PrefillConfig, params, interpret: bool) -> jax.Array:
     (m, i), o = x2.shape, weight_shape(w)[0]
-    _check_int32(m, o, i, 1)
-    kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config)
+    cps, split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
+    _check_int32(m, o, i, split)
+    kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config, chunks_per_split=cps)
     (x2, w, scale), out = align(x2, w, scale)
-    return pl.pallas_call(
+    y = pl.pallas_call(
         kernel,
-        out_shape=out((m, o), out_dtype),
-        grid=(cdiv(m, config.block_m), cdiv(o, config.block_n)),
+        out_shape=out((split, m, o), out_dtype if split == 1 else jnp.float32),  # [split, M, O]
+        grid=(cdiv(m, config.block_m), cdiv(o, config.block_n), split),
         compiler_params=params,
         interpret=interpret,
         name="fp8_matmul_prefill",
     )(x2, w, scale)
+    return y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)

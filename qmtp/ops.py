@@ -138,13 +138,13 @@ FUSE_GATE_PROJECTIONS = True
 BF16_REDUCE_MAX_OUT = 256
 # True: qmtp.load(impl="pallas") lays every FP8 weight whose shape allows it out in the kernels' tiled
 # layout (qmtp/weight_layout.py, pallas_kernels/fp8_layout.py: each [64, 128] chunk of the decode
-# kernel one contiguous run). Measured on the H200 (session 17, `pallas_kernels.bench
-# --parts=fp8_launches --fp8_launch_layouts=checkpoint,tiled`): the 27B step's FP8 launches by kernel
-# time 7.10 -> 6.91 ms at 1 row, 7.22 -> 7.06 at 4, 7.25 -> 7.18 at 16 (gate/up 53.0 -> 51.4 us,
-# mlp_down 24.4 -> 23.7, o_proj 10.7 -> 10.5 at 1 row). Off until the whole step, end-to-end decode
-# and the prefill GEMM (which joins two 64-row tiles per 128-row block) are measured with it
-# (`scripts/gpu_session.sh start_tiled`; step variant "pallas_tiled"): no GPU was lent for that.
-FP8_TILED_WEIGHTS = False
+# kernel one contiguous run). Measured on the H200: the 27B step's FP8 launches by kernel time 7.10 ->
+# 6.91 ms at 1 row, 7.22 -> 7.06 at 4, 7.25 -> 7.18 at 16 (session 17, `pallas_kernels.bench
+# --parts=fp8_launches --fp8_launch_layouts=checkpoint,tiled`); in session 18 the 64-layer step 9.07 ->
+# 8.84 ms (`--parts=step --step_impls=pallas_untiled,pallas`), TP1 plain decode 111.7 -> 113.4 tok/s
+# and K=3 285.6 -> 289.0 (`qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags`), and the prefill
+# GEMM's launches of a step 29.42 -> 29.10 ms at 64 rows, 98.2 -> 91.1 at 512.
+FP8_TILED_WEIGHTS = True
 
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
@@ -177,6 +177,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_narrow_x_on_m": ("fp8_config", "NARROW_X_ON_M", None),
                      "fp8_narrow_programs_per_sm": ("fp8_config", "NARROW_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_num_stages": ("fp8_config", "NARROW_NUM_STAGES", (1, 8)),
+                     "fp8_gemm_split_programs": ("fp8_config", "GEMM_SPLIT_PROGRAMS", (0, None)),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
                      "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
 

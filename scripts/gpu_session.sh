@@ -25,6 +25,8 @@
 #   scripts/gpu_session.sh start_xchunk [SECONDS]  the scaled f16 piece made in the kernel (X_CHUNK_SCALED):
 #                                           the FP8 launches and TP1 plain + K=3 with it (xchunk())
 #   scripts/gpu_session.sh start_switches [SECONDS]  tiled() then xchunk() (~16 minutes: follow with `wait`)
+#   scripts/gpu_session.sh start_midrows [SECONDS]  a batched verify's 33-256 rows: the GEMM split along I
+#                                           against unsplit and the decode grid, per launch and at batch 16 K=3 (midrows())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -425,14 +427,14 @@ tiled() {  # a ~9-minute lease on one GPU for ops.FP8_TILED_WEIGHTS (off until t
   job gputests_tiled 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
     -k "tiled or chunk"
   job step_tiled 300 python3 -m pallas_kernels.bench --parts=step \
-    --step_impls=pallas,pallas_tiled,pallas_xchunk,pallas_tiled_xchunk --out=$R/step_tiled.json
+    --step_impls=pallas_untiled,pallas,pallas_untiled_xchunk,pallas_xchunk --out=$R/step_tiled.json
   job prefill_tiled 200 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=64,512 \
     --fp8_launch_layouts=checkpoint,tiled --fp8_launch_floor=false --out=$R/prefill_tiled.json
   checkpoint27
-  job bench27_untiled 240 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --out=$R/bench27_untiled.json
-  job bench27_tiled 200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
-    --breakdown=false --kernels=fp8_tiled_weights=true --out=$R/bench27_tiled.json
+  job bench27_tiled 240 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --out=$R/bench27_tiled.json
+  job bench27_untiled 200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=2 \
+    --breakdown=false --kernels=fp8_tiled_weights=false --out=$R/bench27_untiled.json
 }
 
 xchunk() {  # a ~7-minute lease on one GPU for fp8_config.X_CHUNK_SCALED (the scaled f16 piece made in the
@@ -456,6 +458,28 @@ switches() {  # ~16 minutes over two calls (start_switches, then wait): tiled() 
   xchunk
 }
 
+midrows() {  # a ~11-minute lease on one GPU: a batched verify's 33-256 rows (fp8_config.GEMM_SPLIT_PROGRAMS):
+  # the GEMM's `gpu` tests (gputests_midrows.log), the step's FP8 launches at 48-256 rows with the GEMM
+  # split along I (the default), without (fp8_gemm_split_programs=0), and on the decode grid up to 64 rows
+  # (fp8_decode_max_rows=64) (launches_mid_*.json), then batch 16 plain + K=3 end to end (64-row verifies)
+  # with and without the split (bench27_b16_*.json)
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests_midrows 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
+    -k "gemm_default_verify_rows or prefill_default"
+  job launches_mid_split 150 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=48,64,128,256 \
+    --fp8_launch_floor=false --out=$R/launches_mid_split.json
+  job launches_mid_nosplit 150 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=48,64,128,256 \
+    --fp8_launch_floor=false --kernels=fp8_gemm_split_programs=0 --out=$R/launches_mid_nosplit.json
+  job launches_mid_decode64 120 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=48,64 \
+    --fp8_launch_floor=false --kernels=fp8_decode_max_rows=64 --out=$R/launches_mid_decode64.json
+  checkpoint27
+  for split in 132 0; do
+    job bench27_b16_split$split 200 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --batch=16 \
+      --ks=3 --repeats=1 --max_new_tokens=256 --breakdown=false --kernels=fp8_gemm_split_programs=$split \
+      --out=$R/bench27_b16_split$split.json
+  done
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -472,13 +496,13 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
   fi
   export PYTHONPATH=$site$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
   # all.done once the function returns, whatever it ran (wait_and_pack stops on it)
-  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks oproj_sweep tiled xchunk $fn); R=$R; $fn; touch $R/all.done" \
+  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks oproj_sweep tiled xchunk midrows $fn); R=$R; $fn; touch $R/all.done" \
     </dev/null >$R/$fn.out 2>&1 &
   wait_and_pack
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -500,5 +524,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

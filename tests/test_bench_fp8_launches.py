@@ -54,7 +54,8 @@ def test_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--quick", "--interpret",
-                        "--kernels=fp8_x_f16_scaled=false", "--fp8_launch_ms=1,9", f"--out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                        "--kernels=fp8_x_f16_scaled=false", "--fp8_launch_ms=1,9", "--fp8_launch_layouts=checkpoint",
+                        f"--out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = [x for x in res["rows"] if x["kernel"] == "fp8_launch"]
@@ -104,7 +105,8 @@ def test_busy_time_sums_per_step(monkeypatch):
     monkeypatch.setattr(fp8_bench, "_device_figures", lambda *a, **k: dict(fake))
     monkeypatch.setattr(fp8_launches, "step_launches", lambda: [])  # quick's launches replace these
     rows = []
-    res = fp8_launches.run(1.0, rows.append, quick=True, interpret=True, decode_ms=(1,), floor=False)
+    res = fp8_launches.run(1.0, rows.append, quick=True, interpret=True, decode_ms=(1,), floor=False,
+                           layouts=("checkpoint",))
     launches = [r for r in rows if r["kernel"] == "fp8_launch"]
     assert len(launches) == 2 and not [r for r in launches if "error" in r]
     agg = res["per_step"][1]

@@ -210,6 +210,8 @@ CONFIGS = {  # name: (config, rows)
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
+    # I split over programs (3 chunks at I = 300 -> runs of 1; 2 at 129 -> 2 runs), f32 partials summed
+    "prefill_split3": (PrefillConfig(block_m=16, block_n=32, split_k=3), [3, 40]),
 }
 EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x, out), alternated
 
@@ -218,7 +220,7 @@ EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x,
 # piece, a batched verify's rows, the GEMM) and uneven chunk runs; the other tiles are `slow` (CI time,
 # session 16; `make test-all` and the GPU sweeps run them)
 CI_CONFIGS = {"decode_default", "decode_split3_bo16", "decode_dot_verify_rows", "decode_dot_x_f16",
-              "decode_dot_x_f16_scaled", "decode_dot_x_chunk_scaled", "prefill_default"}
+              "decode_dot_x_f16_scaled", "decode_dot_x_chunk_scaled", "prefill_default", "prefill_split3"}
 
 
 @pytest.mark.parametrize("name", slow_except(CONFIGS, CI_CONFIGS))
@@ -611,6 +613,21 @@ def test_default_config_heuristic():
     finally:
         fc.NARROW_NUM_STAGES = before
     assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
+    # the GEMM splits I while its grid has fewer programs than SMs, runs of >= 4 chunks
+    before = fc.GEMM_SPLIT_PROGRAMS
+    try:
+        fc.GEMM_SPLIT_PROGRAMS = 132
+        assert fm.default_config(64, 5120, 6144).split_k == 4  # o_proj: 40 tiles -> 160 programs
+        assert fm.default_config(64, 1024, 5120).split_k == 8  # k_proj: 8 tiles, 40 chunks -> runs of 5
+        assert fm.default_config(64, 17408, 5120).split_k == 1  # gate: 136 tiles
+        assert fm.default_config(512, 5120, 6144).split_k == 1  # 4 x 40 tiles
+        assert fm.default_config(40, 5120, 17408).split_k == 4
+        assert fm.default_config(64, 5120, 384).split_k == 1  # 3 chunks: no run of 4 to split
+        assert fm.default_config(4096, 1024, 5120).split_k == 1
+        fc.GEMM_SPLIT_PROGRAMS = 0
+        assert fm.default_config(64, 5120, 6144).split_k == 1
+    finally:
+        fc.GEMM_SPLIT_PROGRAMS = before
     # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
     for m in (1, 16, 32):
         c = fc.act_quant_config(m, 5120, 6144)
@@ -638,6 +655,7 @@ def _bad(**kw):
     (dict(x=jnp.zeros((9, 129), jnp.bfloat16), config=DecodeConfig(use_dot=False)),
      r"use_dot=False\) is for at most 8 rows, got M=9"),
     (dict(config=DecodeConfig(split_k=0)), r"split_k=0"),
+    (dict(config=PrefillConfig(split_k=0)), r"PrefillConfig.split_k=0"),
     (dict(config=DecodeConfig(chunks_per_step=0)), r"chunks_per_step=0 must be >= 1"),
     (dict(config=PrefillConfig(block_m=8)), r"block_m=8 must be a power of two >= 16"),
     (dict(config=PrefillConfig(block_n=256)), r"block_n=256"),
@@ -763,7 +781,8 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     "decode_m64_gate_up": (64, F, E, jnp.bfloat16, (F // 64, 4), 1),  # DecodeConfig by hand (below)
     "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
     "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
-    "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),
+    "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),  # split-K 4 (40 output tiles)
+    "prefill_m64_down": (64, E, F, jnp.bfloat16, (1, E // 128), 1),  # a 16-slot verify: split-K 4
     "ragged_decode": (5, 130, 129, jnp.bfloat16, (3, 1), 1),
     "ragged_fma": (1, 130, 129, jnp.float32, (3, 1), 0),
     "ragged_prefill": (40, 130, 129, jnp.bfloat16, (1, 2), 1),
@@ -783,7 +802,8 @@ def test_kernel_lowers_for_h200(name, monkeypatch):
     config = fm.decode_config(m, o, i) if m > fc.DECODE_MAX_ROWS and "decode" in name else fm.default_config(m, o, i)
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
-    assert tuple(attr_int(cfg, f"grid_{a}") for a in "xy") == grid and attr_int(cfg, "grid_z") == 1
+    split = config.split_k if isinstance(config, PrefillConfig) else 1  # the GEMM's I splits are its grid's z
+    assert tuple(attr_int(cfg, f"grid_{a}") for a in "xy") == grid and attr_int(cfg, "grid_z") == split
     assert attr_int(cfg, "num_warps") == config.num_warps and attr_int(cfg, "num_stages") == config.num_stages
     assert "scf.for" in ir_text, "the chunk loop is not an scf.for (Triton cannot pipeline it)"
     assert ir_text.count("tt.dot ") == n_dots
@@ -898,6 +918,8 @@ GPU_CONFIGS = {  # name: (config, rows)
     "decode_x_chunk_scaled_verify": (DecodeConfig(split_k=4, swap_ab=True, x_chunk_scaled=True), [32]),
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
+    # the default GEMM of a batched verify: [5120, 17408] (and the ragged shape) split along I at 64 rows
+    "gemm_default_verify_rows": (None, [33, 64, 256]),
 }
 
 

@@ -44,9 +44,10 @@ flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default
 flags.DEFINE_list("fp8_launch_ms", ["1", "4", "16"], "fp8_launches: rows (M) of each launch.")
 flags.DEFINE_bool("fp8_launch_floor", True, "fp8_launches: also time each launch's read floor (a kernel that only "
                   "reads the same bytes in one launch, read_floor.py) and each launch's share of it.")
-flags.DEFINE_list("fp8_launch_layouts", ["checkpoint"], "fp8_launches: weight layouts to time each launch on: "
-                  "checkpoint ([O, I] as stored) and / or tiled (fp8_matmul.tile_weight: every [64, 128] chunk "
-                  "one contiguous run); with tiled the read floor also times tiled bytes.")
+flags.DEFINE_list("fp8_launch_layouts", ["tiled"], "fp8_launches: weight layouts to time each launch on: "
+                  "tiled (fp8_matmul.tile_weight: every [64, 128] chunk one contiguous run; what qmtp.load lays "
+                  "out by default, ops.FP8_TILED_WEIGHTS) and / or checkpoint ([O, I] as stored); with tiled the "
+                  "read floor also times tiled bytes.")
 flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
 flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
                   "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "

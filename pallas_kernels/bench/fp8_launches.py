@@ -70,7 +70,7 @@ LAYOUTS = ("checkpoint", "tiled")  # the weights as the checkpoint stores them, 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, decode_ms=DECODE_MS,
         reps: int = 8, trials: int = 5, device_time: bool = True, floor: bool = True,
-        layouts=("checkpoint",)) -> dict:
+        layouts=("tiled",)) -> dict:
     """Emits one row per (launch, M, layout), and with `floor` one read_floor row per launch first (over
     the tiled floor configs too when "tiled" is among `layouts`); returns {"per_step": {key: figures of
     all launches of a step}, "targets": {key: [launches whose share is below TARGET_SHARE, with their

@@ -55,9 +55,9 @@ VARIANTS = {"pallas": {}, "pallas_separate": {"shared_projection_launch": False}
             "pallas_gdnbv8w1": {"gdn_conv_block_v": 8, "gdn_conv_num_warps": 1},
             "pallas_a8": {"fp8_act_quant": True}, "pallas_gates_apart": {"fuse_gate_projections": False},
             "pallas_gdnsequential": {"gdn_conv_hoisted": False},
-            "pallas_plainslots": {"gdn_plain_slots": True}, "pallas_tiled": {"fp8_tiled_weights": True},
+            "pallas_plainslots": {"gdn_plain_slots": True}, "pallas_untiled": {"fp8_tiled_weights": False},
             "pallas_xchunk": {"fp8_x_chunk_scaled": True},
-            "pallas_tiled_xchunk": {"fp8_tiled_weights": True, "fp8_x_chunk_scaled": True}}
+            "pallas_untiled_xchunk": {"fp8_tiled_weights": False, "fp8_x_chunk_scaled": True}}
 
 
 def variant_settings(name: str, defaults: dict) -> dict:
