@@ -2,7 +2,7 @@
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
 The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, X_CHUNK_SCALED,
-NARROW_X_ON_M, NARROW_NUM_STAGES, DECODE_MAX_ROWS, GEMM_SPLIT_PROGRAMS) live here and only here: set them through
+NARROW_X_ON_M, NARROW_NUM_STAGES, DECODE_MAX_ROWS, GEMM_SPLIT_PROGRAMS, NARROW_DECODE_MAX_ROWS) live here and only here: set them through
 `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -192,6 +192,17 @@ X_CHUNK_SCALED = False
 # `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=64`): all FP8 launches of a 27B step 29.4
 # ms at 64 rows (21% of copy; o_proj 86.9 us, mlp_down 245 us) against 7.2 ms at 16 rows.
 GEMM_SPLIT_PROGRAMS = SM_COUNT
+# A narrow launch (fewer 64-row blocks than SMs in its summed O: o_proj / out_proj, mlp_down in the 27B
+# step) of more than DECODE_MAX_ROWS rows runs on the decode grid up to this many rows, not the GEMM
+# (<= DECODE_MAX_ROWS: off; at most DECODE_DOT_MAX_ROWS). Measured per launch on the H200 (session 18,
+# `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=48,64`, the GEMM split along I against
+# `--kernels=fp8_decode_max_rows=64`), busy time per call with the XLA pieces and sums, at 48 / 64 rows:
+# mlp_down 77.5 / 72.7 us on the GEMM against 59.6 / 67.5 on the decode grid, o_proj 30.6 / 29.5 against
+# 25.4 / 27.0, out_proj 30.5 / 29.6 against 25.1 / 26.7; the wide launches were faster on the GEMM
+# (gate / up 85.0 / 85.0 against 108.7 / 114.2, in_proj 48.0 / 45.1 against 53.4 / 56.3, q + k + v
+# 45.0 / 45.2 against 47.3 / 48.5). Per step this takes the FP8 launches' busy time from 15.4 to ~13.9
+# ms at 48 rows and from 14.9 to ~14.4 ms at 64.
+NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 
 
 def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
@@ -264,8 +275,12 @@ def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
 
 
 def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
-    """The dispatch on M: few rows stream W (bandwidth-bound), many rows run the GEMM."""
-    return decode_config(m, o, i) if m <= DECODE_MAX_ROWS else prefill_config(m, o, i)
+    """The dispatch on M: few rows stream W (bandwidth-bound), many rows run the GEMM; a narrow launch
+    (cdiv(O, 64) < SM_COUNT) stays on the decode grid up to NARROW_DECODE_MAX_ROWS rows."""
+    narrow = cdiv(o, DecodeConfig.block_o) < SM_COUNT
+    if m <= DECODE_MAX_ROWS or (narrow and m <= min(NARROW_DECODE_MAX_ROWS, DECODE_DOT_MAX_ROWS)):
+        return decode_config(m, o, i)
+    return prefill_config(m, o, i)
 
 
 def check_config(config, m: int) -> None:

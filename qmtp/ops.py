@@ -178,6 +178,8 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_narrow_programs_per_sm": ("fp8_config", "NARROW_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_num_stages": ("fp8_config", "NARROW_NUM_STAGES", (1, 8)),
                      "fp8_gemm_split_programs": ("fp8_config", "GEMM_SPLIT_PROGRAMS", (0, None)),
+                     "fp8_narrow_decode_max_rows": ("fp8_config", "NARROW_DECODE_MAX_ROWS",
+                                                    (0, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
                      "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
 

@@ -617,17 +617,34 @@ def test_default_config_heuristic():
     before = fc.GEMM_SPLIT_PROGRAMS
     try:
         fc.GEMM_SPLIT_PROGRAMS = 132
-        assert fm.default_config(64, 5120, 6144).split_k == 4  # o_proj: 40 tiles -> 160 programs
-        assert fm.default_config(64, 1024, 5120).split_k == 8  # k_proj: 8 tiles, 40 chunks -> runs of 5
-        assert fm.default_config(64, 17408, 5120).split_k == 1  # gate: 136 tiles
-        assert fm.default_config(512, 5120, 6144).split_k == 1  # 4 x 40 tiles
-        assert fm.default_config(40, 5120, 17408).split_k == 4
-        assert fm.default_config(64, 5120, 384).split_k == 1  # 3 chunks: no run of 4 to split
-        assert fm.default_config(4096, 1024, 5120).split_k == 1
+        assert fc.prefill_config(64, 5120, 6144).split_k == 4  # o_proj: 40 tiles -> 160 programs
+        assert fc.prefill_config(64, 1024, 5120).split_k == 8  # k_proj: 8 tiles, 40 chunks -> runs of 5
+        assert fc.prefill_config(64, 17408, 5120).split_k == 1  # gate: 136 tiles
+        assert fc.prefill_config(512, 5120, 6144).split_k == 1  # 4 x 40 tiles
+        assert fc.prefill_config(40, 5120, 17408).split_k == 4
+        assert fc.prefill_config(64, 5120, 384).split_k == 1  # 3 chunks: no run of 4 to split
+        assert fc.prefill_config(4096, 1024, 5120).split_k == 1
         fc.GEMM_SPLIT_PROGRAMS = 0
-        assert fm.default_config(64, 5120, 6144).split_k == 1
+        assert fc.prefill_config(64, 5120, 6144).split_k == 1
     finally:
         fc.GEMM_SPLIT_PROGRAMS = before
+    # a narrow launch's verify rows stay on the decode grid up to NARROW_DECODE_MAX_ROWS, a wide one's do not
+    before = fc.NARROW_DECODE_MAX_ROWS
+    try:
+        fc.NARROW_DECODE_MAX_ROWS = 64
+        for m in (33, 48, 64):
+            assert fm.default_config(m, 5120, 6144) == fc.decode_config(m, 5120, 6144), m  # o_proj
+            assert fm.default_config(m, 5120, 17408) == fc.decode_config(m, 5120, 17408), m  # mlp_down
+            assert isinstance(fm.default_config(m, 2 * 17408, 5120), PrefillConfig), m  # gate + up
+            assert isinstance(fm.default_config(m, 12288 + 2 * 1024, 5120), PrefillConfig), m  # q + k + v
+        assert fm.default_config(48, 5120, 6144).x_f16_scaled  # one scaled piece per row: 48 dot rows
+        assert isinstance(fm.default_config(65, 5120, 6144), PrefillConfig)
+        assert isinstance(fm.default_config(64, 132 * 64, 5120), PrefillConfig)  # 132 blocks: not narrow
+        assert isinstance(fm.default_config(64, 131 * 64, 5120), DecodeConfig)
+        fc.NARROW_DECODE_MAX_ROWS = 0
+        assert isinstance(fm.default_config(33, 5120, 6144), PrefillConfig)
+    finally:
+        fc.NARROW_DECODE_MAX_ROWS = before
     # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
     for m in (1, 16, 32):
         c = fc.act_quant_config(m, 5120, 6144)
@@ -782,7 +799,8 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
     "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
     "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),  # split-K 4 (40 output tiles)
-    "prefill_m64_down": (64, E, F, jnp.bfloat16, (1, E // 128), 1),  # a 16-slot verify: split-K 4
+    "prefill_m64_down": (64, E, F, jnp.bfloat16, (1, E // 128), 1),  # the GEMM at 64 rows: split-K 4
+    "verify_m48_down_default": (48, E, F, jnp.bfloat16, (E // 64, 4), 1),  # narrow: the decode grid
     "ragged_decode": (5, 130, 129, jnp.bfloat16, (3, 1), 1),
     "ragged_fma": (1, 130, 129, jnp.float32, (3, 1), 0),
     "ragged_prefill": (40, 130, 129, jnp.bfloat16, (1, 2), 1),
@@ -799,7 +817,12 @@ def test_kernel_lowers_for_h200(name, monkeypatch):
     sds = jax.ShapeDtypeStruct
     args = (sds((m, i), x_dtype), sds((o, i), jnp.float8_e4m3fn), sds((-(-o // 128), -(-i // 128)), jnp.float32))
     # verify rows above DECODE_MAX_ROWS take the decode grid only when asked (config=)
-    config = fm.decode_config(m, o, i) if m > fc.DECODE_MAX_ROWS and "decode" in name else fm.default_config(m, o, i)
+    if "prefill" in name:  # the GEMM, where the default may take the decode grid (a narrow launch's verify rows)
+        config = fc.prefill_config(m, o, i)
+    elif m > fc.DECODE_MAX_ROWS and "decode" in name:
+        config = fm.decode_config(m, o, i)
+    else:
+        config = fm.default_config(m, o, i)
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
     split = config.split_k if isinstance(config, PrefillConfig) else 1  # the GEMM's I splits are its grid's z
@@ -920,6 +943,7 @@ GPU_CONFIGS = {  # name: (config, rows)
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
     # the default GEMM of a batched verify: [5120, 17408] (and the ragged shape) split along I at 64 rows
     "gemm_default_verify_rows": (None, [33, 64, 256]),
+    "gemm_split_verify_rows": (PrefillConfig(split_k=4), [33, 64]),
 }
 
 
