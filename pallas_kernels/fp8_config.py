@@ -2,7 +2,8 @@
 heuristics that choose them per (M, O, I), with the module switches the measurements set.
 
 The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, X_CHUNK_SCALED,
-NARROW_X_ON_M, NARROW_NUM_STAGES, DECODE_MAX_ROWS, GEMM_SPLIT_PROGRAMS, NARROW_DECODE_MAX_ROWS) live here and only here: set them through
+NARROW_X_ON_M, NARROW_NUM_STAGES, DECODE_MAX_ROWS, GEMM_SPLIT_PROGRAMS, NARROW_DECODE_MAX_ROWS,
+GEMM_X_F16_SCALED) live here and only here: set them through
 `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -68,13 +69,17 @@ class PrefillConfig:
     """Many-row GEMM tile config: block_m x block_n output tiles (powers of two, block_m >= 16,
     16 <= block_n <= 128 so a tile has one scale row), K chunk = 128 (one scale column); split_k:
     programs along I per output tile, each summing a contiguous run of chunks into f32 partials
-    [split_k, M, O] that XLA sums in a fixed order (1: each program writes its tile, rounded, itself)."""
+    [split_k, M, O] that XLA sums in a fixed order (1: each program writes its tile, rounded, itself);
+    x_f16_scaled: bf16 x enters as one f16 piece per row scaled by a power of two (the decode path's
+    `fp8_kernels._f16_scaled`, exact for every value within 2^32 of its row's largest), so each weight
+    chunk converts E4M3 -> f16 (one instruction per two weights) instead of -> bf16 (through f16)."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    x_f16_scaled: bool = False
 
 
 def cdiv(a: int, b: int) -> int:
@@ -203,6 +208,13 @@ GEMM_SPLIT_PROGRAMS = SM_COUNT
 # 45.0 / 45.2 against 47.3 / 48.5). Per step this takes the FP8 launches' busy time from 15.4 to ~13.9
 # ms at 48 rows and from 14.9 to ~14.4 ms at 64.
 NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
+# True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
+# chunks convert E4M3 -> f16 instead of -> bf16, as the decode kernel has since session 9. Why: at a
+# batched verify's rows the GEMM is far from the copy ceiling where its launches are wide (gate + up
+# 84 us at 64 rows, 55% of copy, session 18) and its weights are converted once per 64-row block,
+# ~3 instructions per weight to bf16 against one per two to f16. Off until measured on the H200
+# (`scripts/gpu_session.sh start_midrows`; no GPU time was left when it was written, session 18).
+GEMM_X_F16_SCALED = False
 
 
 def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
@@ -262,7 +274,8 @@ def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
     """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above; split_k (a power
-    of two, runs of >= 4 chunks) while the grid has fewer than GEMM_SPLIT_PROGRAMS programs (0: never)."""
+    of two, runs of >= 4 chunks) while the grid has fewer than GEMM_SPLIT_PROGRAMS programs (0: never);
+    x_f16_scaled from GEMM_X_F16_SCALED."""
     if m <= 256:
         config = PrefillConfig(block_m=64 if m > 32 else 32, block_n=128, num_warps=4, num_stages=3)
     else:
@@ -271,7 +284,7 @@ def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
     split = 1
     while tiles * split < GEMM_SPLIT_PROGRAMS and n_chunks >= 8 * split:  # doubled, each run keeps >= 4 chunks
         split *= 2
-    return dataclasses.replace(config, split_k=split)
+    return dataclasses.replace(config, split_k=split, x_f16_scaled=GEMM_X_F16_SCALED)
 
 
 def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:

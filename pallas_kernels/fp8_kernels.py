@@ -34,6 +34,9 @@ Prefill: grid (cdiv(M, BM), cdiv(O, BN), split_k), M-blocks fastest so the progr
 run together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot. With
 split_k > 1 (a grid of few output tiles: a batched verify's 33-256 rows on a narrow weight) each
 program sums a contiguous run of chunks into f32 partials [split_k, M, O] that XLA sums in order.
+With PrefillConfig.x_f16_scaled a bf16 x enters as one f16 piece per row scaled by a power of two (the
+decode path's `_f16_scaled`), each weight chunk converts to f16, and each program multiplies its rows
+back by their scales before its store.
 """
 
 from __future__ import annotations
@@ -268,10 +271,14 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
 
 
-def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig, chunks_per_split):
+def _prefill_kernel(*refs, m, o, i, cfg: PrefillConfig, chunks_per_split):
     # x_ref [M, I]; w_ref [O, I] fp8, or tiled [O / tr, I / 128, tr, 128] (fp8_matmul.tile_weight: O a
-    # multiple of block_n and of tr, I of 128); s_ref [GO, GI] f32; o_ref [split_k, M, O]: program
+    # multiple of block_n and of tr, I of 128); s_ref [GO, GI] f32; with cfg.x_f16_scaled x is the scaled
+    # f16 piece (_f16_scaled) and rs_ref [M] f32 its row scales 2^e; o_ref [split_k, M, O]: program
     # (pm, pn, pk) sums chunks [pk * chunks_per_split, (pk + 1) * chunks_per_split) of its tile
+    x_ref, w_ref, s_ref = refs[:3]
+    rs_ref, o_ref = refs[3:] if cfg.x_f16_scaled else (None, refs[3])
+    w_dtype = jnp.float16 if cfg.x_f16_scaled else jnp.bfloat16  # E4M3 -> f16 is one instruction per 2 weights
     bm, bn = cfg.block_m, cfg.block_n
     pm, pn, pk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = pl.multiple_of(pm * bm, bm)
@@ -283,21 +290,25 @@ def _prefill_kernel(x_ref, w_ref, s_ref, o_ref, *, m, o, i, cfg: PrefillConfig, 
 
     def w_block(c, k0, wm):  # the program's [bn, 128] weight rows of chunk c
         if not tiled:
-            return _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, jnp.bfloat16)
+            return _load_w(w_ref.at[pl.ds(n0, bn), pl.ds(k0, BLOCK)], wm, w_dtype)
         tr = w_ref.shape[2]  # rows per tile: bn spans whole tiles, or lies inside one
         if bn >= tr:
             tiles = plgpu.load(w_ref.at[pl.ds(pn * (bn // tr), bn // tr), c])  # [bn / tr, tr, 128]
-            return tiles.reshape(bn, BLOCK).astype(jnp.bfloat16)
-        return _load_w(w_ref.at[n0 // tr, c, pl.ds(pl.multiple_of(n0 % tr, bn), bn)], None, jnp.bfloat16)
+            return tiles.reshape(bn, BLOCK).astype(w_dtype)
+        return _load_w(w_ref.at[n0 // tr, c, pl.ds(pl.multiple_of(n0 % tr, bn), bn)], None, w_dtype)
 
     def body(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         xm, wm = _mask2(m_ok, cols_ok), _mask2(n_ok, cols_ok)
         xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], xm)
-        return acc + _dot_sum(_bf16_pieces(xc), w_block(c, k0, wm), swap=False) * s_ref[srow, c]
+        pieces = [xc] if cfg.x_f16_scaled else _bf16_pieces(xc)
+        return acc + _dot_sum(pieces, w_block(c, k0, wm), swap=False) * s_ref[srow, c]
 
     c0 = pk * chunks_per_split
     c1 = jnp.minimum(c0 + chunks_per_split, cdiv(i, BLOCK))
     acc = jax.lax.fori_loop(c0, c1, body, jnp.zeros((bm, bn), jnp.float32))
+    if rs_ref is not None:  # back to x's scale: exact, a power of two per row
+        rows = rs_ref.at[pl.ds(m0, bm)]
+        acc = acc * (plgpu.load(rows) if m_ok is None else plgpu.load(rows, mask=m_ok, other=1.0))[:, None]
     plgpu.store(o_ref.at[pk, pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, n_ok))

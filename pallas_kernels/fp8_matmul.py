@@ -167,7 +167,15 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
             raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {fp8_config.DECODE_MAX_ROWS} "
                              f"rows with a DecodeConfig), got M={m} with {config}")
         configs = [fp8_config.prefill_config(m, o, i) if chosen else config for o in os]
-        return tuple(_prefill_call(x2, w, s, out_dtype, c, params, interpret).reshape(*lead, o)
+        # the scaled f16 piece only where it can help: bf16 x against FP8 weights (f32 x keeps its bf16 pieces)
+        x_f16 = x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
+        configs = [c if x_f16 or not c.x_f16_scaled else dataclasses.replace(c, x_f16_scaled=False) for c in configs]
+        x_args = (x2,)
+        if any(c.x_f16_scaled for c in configs):
+            x_f, row_scale = _f16_scaled(x2)  # [M, I] f16, [M, 1] f32, made once for all weights
+            x_args = (x_f, row_scale[:, 0])
+        return tuple(_prefill_call(x_args if c.x_f16_scaled else (x2,), w, s, out_dtype, c, params,
+                                   interpret).reshape(*lead, o)
                      for w, s, c, o in zip(ws, scales, configs, os))
     if act_quant:
         return _act_quant_call(x2, ws, scales, lead, out_dtype, config, params, interpret, weight_dtype)
@@ -298,12 +306,13 @@ def _check_int32(m: int, o: int, i: int, split: int) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "params", "interpret"))  # see _decode_launch
-def _prefill_call(x2, w, scale, out_dtype, config: PrefillConfig, params, interpret: bool) -> jax.Array:
-    (m, i), o = x2.shape, weight_shape(w)[0]
+def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, params, interpret: bool) -> jax.Array:
+    """The GEMM of x_args = (x [M, I],) or, with config.x_f16_scaled, (f16 piece [M, I], row scales [M])."""
+    (m, i), o = x_args[0].shape, weight_shape(w)[0]
     cps, split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
     _check_int32(m, o, i, split)
     kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config, chunks_per_split=cps)
-    (x2, w, scale), out = align(x2, w, scale)
+    (x_f, w, scale, *row_scale), out = align(x_args[0], w, scale, *x_args[1:])
     y = pl.pallas_call(
         kernel,
         out_shape=out((split, m, o), out_dtype if split == 1 else jnp.float32),  # [split, M, O]
@@ -311,5 +320,5 @@ def _prefill_call(x2, w, scale, out_dtype, config: PrefillConfig, params, interp
         compiler_params=params,
         interpret=interpret,
         name="fp8_matmul_prefill",
-    )(x2, w, scale)
+    )(x_f, w, scale, *row_scale)
     return y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)

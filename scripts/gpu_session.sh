@@ -25,8 +25,9 @@
 #   scripts/gpu_session.sh start_xchunk [SECONDS]  the scaled f16 piece made in the kernel (X_CHUNK_SCALED):
 #                                           the FP8 launches and TP1 plain + K=3 with it (xchunk())
 #   scripts/gpu_session.sh start_switches [SECONDS]  tiled() then xchunk() (~16 minutes: follow with `wait`)
-#   scripts/gpu_session.sh start_midrows [SECONDS]  a batched verify's 33-64 rows: the narrow launches on
-#                                           the decode grid against the split GEMM, per launch and at batch 12 / 16 K=3 (midrows())
+#   scripts/gpu_session.sh start_midrows [SECONDS]  a batched verify's 33-512 rows: the narrow launches on
+#                                           the decode grid against the split GEMM, the GEMM's f16 piece, per
+#                                           launch and at batch 12 / 16 K=3 (midrows(); ~14 minutes: follow with `wait`)
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -458,27 +459,32 @@ switches() {  # ~16 minutes over two calls (start_switches, then wait): tiled() 
   xchunk
 }
 
-midrows() {  # a ~12-minute lease on one GPU for a batched verify's 33-64 rows, most needed first (session 18
-  # ran its first form; the defaults since then: the GEMM split along I, fp8_config.GEMM_SPLIT_PROGRAMS,
-  # and the narrow launches on the decode grid up to 64 rows, NARROW_DECODE_MAX_ROWS): the FP8 kernel's
-  # `gpu` tests of those rows (gputests_midrows.log); the step's FP8 launches at 40 / 48 / 64 rows with
-  # the defaults and with the narrow launches on the GEMM (launches_mid_*.json); end to end plain + K=3
-  # at batch 16 (64-row verifies) and 12 (48) with the defaults, then at 16 as before session 18
-  # (both switches off); the 64-layer step under XLA's programmatic dependent launch on and off
+midrows() {  # a ~14-minute lease on one GPU for a batched verify's 33-512 rows, most needed first (session 18
+  # ran a first form; the defaults since then: the GEMM split along I, fp8_config.GEMM_SPLIT_PROGRAMS,
+  # and the narrow launches on the decode grid up to 64 rows, NARROW_DECODE_MAX_ROWS; off: the GEMM's
+  # scaled f16 piece, GEMM_X_F16_SCALED): the FP8 kernel's `gpu` tests of those rows
+  # (gputests_midrows.log); the step's FP8 launches at 40-512 rows with the defaults, with the f16 piece
+  # in the GEMM, and at 40-64 with the narrow launches on the GEMM (launches_mid_*.json); end to end
+  # plain + K=3 at batch 16 (64-row verifies) with the defaults, with the f16 piece, as before session 18
+  # (both switches off), and at batch 12 (48 rows); the 64-layer step under XLA's programmatic
+  # dependent launch on and off
   export CUDA_VISIBLE_DEVICES=0
   job gputests_midrows 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
     -k "verify_rows or prefill_default"
-  job launches_mid_default 120 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=40,48,64 \
-    --fp8_launch_floor=false --out=$R/launches_mid_default.json
-  job launches_mid_gemm 120 python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=40,48,64 \
-    --fp8_launch_floor=false --kernels=fp8_narrow_decode_max_rows=0 --out=$R/launches_mid_gemm.json
+  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false"
+  job launches_mid_default 150 $launches --fp8_launch_ms=40,48,64,128,512 --out=$R/launches_mid_default.json
+  job launches_mid_f16 150 $launches --fp8_launch_ms=40,48,64,128,512 --kernels=fp8_gemm_x_f16_scaled=true \
+    --out=$R/launches_mid_f16.json
+  job launches_mid_gemm 120 $launches --fp8_launch_ms=40,48,64 --kernels=fp8_narrow_decode_max_rows=0 \
+    --out=$R/launches_mid_gemm.json
   checkpoint27
   local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
     --max_new_tokens=256 --breakdown=false"
   job bench27_b16 200 $bench --batch=16 --out=$R/bench27_b16.json
-  job bench27_b12 200 $bench --batch=12 --out=$R/bench27_b12.json
+  job bench27_b16_f16 200 $bench --batch=16 --kernels=fp8_gemm_x_f16_scaled=true --out=$R/bench27_b16_f16.json
   job bench27_b16_before 200 $bench --batch=16 --kernels=fp8_gemm_split_programs=0,fp8_narrow_decode_max_rows=0 \
     --out=$R/bench27_b16_before.json
+  job bench27_b12 200 $bench --batch=12 --out=$R/bench27_b12.json
   for pdl in true false; do
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$pdl" job step_pdl_$pdl 120 python3 -m pallas_kernels.bench \
       --parts=step --step_impls=pallas --out=$R/step_pdl_$pdl.json

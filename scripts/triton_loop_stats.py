@@ -63,6 +63,12 @@ CASES = {
     # the GEMM (M > DECODE_MAX_ROWS: PrefillConfig) on both layouts: a 128-row block of tiles is two tiles joined
     "oproj_gemm_m64": (64, 5120, 6144, "fp8", {}),
     "oproj_gemm_m64_tiled": (64, 5120, 6144, "fp8_tiled", {}),
+    # the GEMM of a wide launch at a batched verify's 64 rows: bf16 x (the default) or one scaled f16
+    # piece per row (PrefillConfig.x_f16_scaled: the weight converts to f16, not bf16)
+    "up_gemm_m64_tiled": (64, 17408, 5120, "fp8_tiled", {"x_f16_scaled": False}),
+    "up_gemm_m64_tiled_f16": (64, 17408, 5120, "fp8_tiled", {"x_f16_scaled": True}),
+    "up_gemm_m512_tiled": (512, 17408, 5120, "fp8_tiled", {"x_f16_scaled": False}),
+    "up_gemm_m512_tiled_f16": (512, 17408, 5120, "fp8_tiled", {"x_f16_scaled": True}),
 }
 
 _COMPILE = r'''
@@ -112,8 +118,8 @@ def dump_ttir(name: str, out_dir: str) -> tuple[str, object]:
     from pallas_kernels import fp8_matmul as fm
 
     m, o, i, wdt, overrides = CASES[name]
-    if m > fm.fp8_config.DECODE_MAX_ROWS:  # the GEMM's default tiles
-        config = dataclasses.replace(fm.default_config(m, o, i), **overrides)
+    if "gemm" in name:  # the GEMM's default tiles (at 33-64 rows the default may be the decode grid)
+        config = dataclasses.replace(fm.fp8_config.prefill_config(m, o, i), **overrides)
     else:
         config = dataclasses.replace(fm.decode_config(m, o, i),
                                      **{**({"swap_ab": True} if wdt == "fp8_a8" else {}), **overrides})

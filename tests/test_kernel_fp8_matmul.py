@@ -212,6 +212,9 @@ CONFIGS = {  # name: (config, rows)
     "prefill_default": (None, [17, 130]),
     # I split over programs (3 chunks at I = 300 -> runs of 1; 2 at 129 -> 2 runs), f32 partials summed
     "prefill_split3": (PrefillConfig(block_m=16, block_n=32, split_k=3), [3, 40]),
+    # bf16 x as one scaled f16 piece per row (f32 x, alternated in, ignores the flag), unsplit and split
+    "prefill_x_f16_scaled": (PrefillConfig(block_m=16, block_n=32, x_f16_scaled=True), [3, 40]),
+    "prefill_x_f16_scaled_split2": (PrefillConfig(block_m=32, block_n=64, split_k=2, x_f16_scaled=True), [40]),
 }
 EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x, out), alternated
 
@@ -220,7 +223,8 @@ EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x,
 # piece, a batched verify's rows, the GEMM) and uneven chunk runs; the other tiles are `slow` (CI time,
 # session 16; `make test-all` and the GPU sweeps run them)
 CI_CONFIGS = {"decode_default", "decode_split3_bo16", "decode_dot_verify_rows", "decode_dot_x_f16",
-              "decode_dot_x_f16_scaled", "decode_dot_x_chunk_scaled", "prefill_default", "prefill_split3"}
+              "decode_dot_x_f16_scaled", "decode_dot_x_chunk_scaled", "prefill_default", "prefill_split3",
+              "prefill_x_f16_scaled"}
 
 
 @pytest.mark.parametrize("name", slow_except(CONFIGS, CI_CONFIGS))
@@ -284,12 +288,13 @@ def test_x_f16_pieces_limits():
 
 @pytest.mark.parametrize("x_scale", [2.0 ** -30, 2.0 ** -12, 2.0 ** 10, 2.0 ** 40])
 def test_x_f16_scaled_exact_at_small_and_large_x(x_scale):
-    """DecodeConfig(x_f16_scaled=True): rows far below 1 (where the two pieces' lo rounds) and above
+    """DecodeConfig(x_f16_scaled=True) and the GEMM's PrefillConfig(x_f16_scaled=True): rows far below 1 (where the two pieces' lo rounds) and above
     the two pieces' 2^32 limit are bit-exact against the float64 formula (the row scale is a power of
     two and the f16 piece holds bf16's 8 bits; the rows' spans are test_x_f16_scaled_piece_limits')."""
     rng = np.random.default_rng(int(np.log2(x_scale)) + 80)
     config = DecodeConfig(split_k=2, x_f16=True, x_f16_scaled=True)
-    for m, (o, i) in [(1, (272, 300)), (9, (130, 129))]:
+    gemm = PrefillConfig(block_m=16, block_n=32, split_k=2, x_f16_scaled=True)  # the GEMM's form of it
+    for m, (o, i), config in [(1, (272, 300), config), (9, (130, 129), config), (40, (272, 300), gemm)]:
         x, wq, scale = exact_problem(rng, m, o, i)
         x = x * x_scale  # exact: integers times a power of two
         got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config)
@@ -480,10 +485,10 @@ def test_tiled_weights_lower_for_h200():
     assert attr_int(cfg, "num_stages") == config.num_stages and "scf.for" in ir_text
     w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
     assert len(w_loads) == 1 and w_loads[0].count("%") == 2  # unmasked: vectorized loads
-    # the GEMM (64 rows): its 128-row weight block is two tiles joined, one dot per chunk
-    args = (sds((64, i), jnp.bfloat16),) + args[1:]
+    # the GEMM (128 rows): its 128-row weight block is two tiles joined, one dot per chunk
+    args = (sds((128, i), jnp.bfloat16),) + args[1:]
     [(cfg, ir_text)] = triton_calls(lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args))
-    assert fm.default_config(64, o, i).block_n == 128 and attr_int(cfg, "grid_y") == o // 128
+    assert fm.default_config(128, o, i).block_n == 128 and attr_int(cfg, "grid_y") == o // 128
     assert ir_text.count("tt.dot ") == 1 and "tt.reshape" in ir_text
 
 
@@ -944,6 +949,7 @@ GPU_CONFIGS = {  # name: (config, rows)
     # the default GEMM of a batched verify: [5120, 17408] (and the ragged shape) split along I at 64 rows
     "gemm_default_verify_rows": (None, [33, 64, 256]),
     "gemm_split_verify_rows": (PrefillConfig(split_k=4), [33, 64]),
+    "gemm_x_f16_scaled_verify_rows": (PrefillConfig(split_k=2, x_f16_scaled=True), [40, 600]),
 }
 
 
@@ -1050,6 +1056,31 @@ def test_x_f16_lowers_for_h200(m, o, i):
     assert ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text
     converts = [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln]
     assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts
+
+
+def test_gemm_x_f16_scaled_lowers_for_h200():
+    """The GEMM's default at a batched verify's 64 rows with fp8_gemm_x_f16_scaled compiles for the
+    H200: one f16 dot per chunk, x one f16 piece per row, the weight converted to f16 (no bf16 in the
+    loop), the row scales read once per program."""
+    sds = jax.ShapeDtypeStruct
+    m, o, i = 64, 17408, 5120
+    before = fc.GEMM_X_F16_SCALED
+    try:
+        fc.GEMM_X_F16_SCALED = True
+        config = fm.default_config(m, o, i)
+    finally:
+        fc.GEMM_X_F16_SCALED = before
+    assert isinstance(config, PrefillConfig) and config.x_f16_scaled
+    args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
+            sds((o // 128, i // 128), jnp.float32))  # on tiled weights, as qmtp.load lays them out
+    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
+    [(cfg, ir_text)] = triton_calls(lowered)
+    assert ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text
+    assert f"tensor<{config.block_m}x128xf16>" in ir_text  # x: one f16 piece per row
+    converts = [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln]
+    assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts
+    assert [ln for ln in ir_text.splitlines() if "bf16" in ln and "tt.dot" in ln] == []
+    assert attr_int(cfg, "grid_x") == 1 and attr_int(cfg, "grid_y") == o // config.block_n
 
 
 @pytest.mark.parametrize("m, o, i", [(16, F, E), (16, E, F), (32, F, E)])
