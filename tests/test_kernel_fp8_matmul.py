@@ -1058,18 +1058,13 @@ def test_x_f16_lowers_for_h200(m, o, i):
     assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts
 
 
-def test_gemm_x_f16_scaled_lowers_for_h200():
+def test_gemm_x_f16_scaled_lowers_for_h200(monkeypatch):
     """The GEMM's default at a batched verify's 64 rows with fp8_gemm_x_f16_scaled compiles for the
-    H200: one f16 dot per chunk, x one f16 piece per row, the weight converted to f16 (no bf16 in the
-    loop), the row scales read once per program."""
+    H200: one f16 dot per chunk, x one f16 piece per row, the weight converted to f16 (no bf16 dot)."""
     sds = jax.ShapeDtypeStruct
     m, o, i = 64, 17408, 5120
-    before = fc.GEMM_X_F16_SCALED
-    try:
-        fc.GEMM_X_F16_SCALED = True
-        config = fm.default_config(m, o, i)
-    finally:
-        fc.GEMM_X_F16_SCALED = before
+    monkeypatch.setattr(fc, "GEMM_X_F16_SCALED", True)
+    config = fm.default_config(m, o, i)
     assert isinstance(config, PrefillConfig) and config.x_f16_scaled
     args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
             sds((o // 128, i // 128), jnp.float32))  # on tiled weights, as qmtp.load lays them out

@@ -23,9 +23,11 @@ def restore():
 
 def test_settings_reach_the_module_switches_and_restore():
     previous = ops.set_kernel_settings(ops.parse_kernel_settings(
-        ["fp8_scale_preload=false", "xla_single_row=1", "fp8_decode_max_rows= 8", "dequant_dot_min_rows=0"]))
+        ["fp8_scale_preload=false", "xla_single_row=1", "fp8_decode_max_rows= 8", "dequant_dot_min_rows=0",
+         "fp8_narrow_decode_max_rows=0"]))
     assert fp8_config.SCALE_PRELOAD is False and ops.XLA_SINGLE_ROW is True
     assert fp8_config.DECODE_MAX_ROWS == 8 and ops.DEQUANT_DOT_MIN_ROWS == 0
+    assert fp8_config.NARROW_DECODE_MAX_ROWS == 0
     assert not fp8_matmul.default_config(1, 256, 512).scale_preload  # what the kernels see
     assert isinstance(fp8_matmul.default_config(9, 256, 512), fp8_matmul.PrefillConfig)
     assert ops.kernel_settings()["fp8_decode_max_rows"] == 8

@@ -149,7 +149,11 @@ def candidate_configs(m: int) -> list:
            # around their 3-stage default (fp8_config.NARROW_NUM_STAGES): program length, width, warps
            (64, 4, False, 4, 3, 1, True), (64, 16, False, 4, 3, 1, True), (32, 8, False, 4, 3, 1, True),
            (32, 16, False, 4, 3, 1, True), (64, 8, False, 4, 3, 2, True), (64, 8, False, 8, 3, 1, True),
-           (128, 8, False, 8, 3, 1, True), (64, 8, False, 2, 3, 1, True), (64, 8, False, 4, 3, 1, False)]
+           (128, 8, False, 8, 3, 1, True), (64, 8, False, 2, 3, 1, True), (64, 8, False, 4, 3, 1, False),
+           # splits that are no power of two (o_proj's 48 chunks in runs of 8 / 4, 480 or 960 programs
+           # against the default's 640 = 4.85 per SM): how the programs fall on the 132 SMs
+           (64, 6, False, 4, 3, 1, True), (64, 12, False, 4, 3, 1, True), (32, 6, False, 4, 3, 1, True),
+           (128, 12, False, 8, 3, 1, True)]
     # 9-16 rows: the same f16 tiles with one scaled piece per row (fp8_config.X_F16_SCALED)
     scaled = f16 if m >= X_F16_SCALED_MIN_ROWS else []
     return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
