@@ -467,7 +467,7 @@ midrows() {  # a ~14-minute lease on one GPU for a batched verify's 33-512 rows,
   # in the GEMM, and at 40-64 with the narrow launches on the GEMM (launches_mid_*.json); end to end
   # plain + K=3 at batch 16 (64-row verifies) with the defaults, with the f16 piece, as before session 18
   # (both switches off), and at batch 12 (48 rows); the 64-layer step under XLA's programmatic
-  # dependent launch on and off
+  # dependent launch on and off; each weight's 64-row tile sweep
   export CUDA_VISIBLE_DEVICES=0
   job gputests_midrows 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
     -k "verify_rows or prefill_default"
@@ -489,6 +489,11 @@ midrows() {  # a ~14-minute lease on one GPU for a batched verify's 33-512 rows,
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$pdl" job step_pdl_$pdl 120 python3 -m pallas_kernels.bench \
       --parts=step --step_impls=pallas --out=$R/step_pdl_$pdl.json
   done
+  # the wide weights at 64 rows over the GEMM's tiles, with and without the f16 piece (rows as JSON lines
+  # in gemm_sweep_m64.log as they come, gemm_sweep_m64.json at the end)
+  job gemm_sweep_m64 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=64 --fp8_prefill_ms= --xla=false \
+    --fp8_shapes=17408x5120,12288x5120,10240x5120 --fp8_sweep --fp8_sweep_match=PrefillConfig \
+    --out=$R/gemm_sweep_m64.json
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)

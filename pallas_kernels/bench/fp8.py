@@ -112,6 +112,12 @@ def candidate_configs(m: int) -> list:
         gemm = [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
                 for bm, bn, nw, ns in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4),
                                        (64, 64, 4, 4), (256, 128, 8, 3), (32, 64, 4, 4), (32, 128, 4, 4)]]
+        # with the scaled f16 piece (PrefillConfig.x_f16_scaled): a lighter loop may want other tiles,
+        # and split-K where a batched verify's tiles leave SMs idle
+        gemm += [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, split_k=sk, x_f16_scaled=True)
+                 for bm, bn, nw, ns, sk in [(64, 128, 4, 3, 1), (64, 128, 4, 4, 1), (64, 128, 8, 3, 1),
+                                            (128, 128, 8, 3, 1), (64, 64, 4, 4, 1), (32, 128, 4, 4, 1),
+                                            (64, 128, 4, 3, 2), (64, 64, 4, 4, 2)]]
         if m > DECODE_DOT_MAX_ROWS:
             return gemm
         # a batched verify: the weight-streaming decode grid (split-K) with the tensor-core dot
@@ -219,7 +225,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             a8_default = None
             if isinstance(default, fm.DecodeConfig):  # always: the default with the other scale loading
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
-                if default.use_dot:  # and with x as f16 pieces (fp8_config.X_F16)
+                if default.use_dot and not default.x_f16_scaled:  # and with x as f16 pieces (fp8_config.X_F16);
+                    # a scaled default's other form is the flip just below
                     runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
                 if m >= fp8_config.X_F16_SCALED_MIN_ROWS:  # and with x as one scaled f16 piece per row, or not
                     runs.append(("pallas", fp8_config.decode_config(m, o, i, x_f16_scaled=not default.x_f16_scaled)))
