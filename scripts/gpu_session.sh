@@ -27,7 +27,7 @@
 #   scripts/gpu_session.sh start_switches [SECONDS]  tiled() then xchunk() (~16 minutes: follow with `wait`)
 #   scripts/gpu_session.sh start_midrows [SECONDS]  a batched verify's 33-512 rows: the narrow launches on
 #                                           the decode grid against the split GEMM, the GEMM's f16 piece, per
-#                                           launch and at batch 12 / 16 K=3 (midrows(); ~14 minutes: follow with `wait`)
+#                                           launch and at batch 12 / 16 K=3 (midrows(); ~25 minutes: follow with `wait`)
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -459,15 +459,15 @@ switches() {  # ~16 minutes over two calls (start_switches, then wait): tiled() 
   xchunk
 }
 
-midrows() {  # a ~14-minute lease on one GPU for a batched verify's 33-512 rows, most needed first (session 18
+midrows() {  # a ~25-minute lease on one GPU (start_midrows, then wait) for a batched verify's 33-512 rows, most needed first (session 18
   # ran a first form; the defaults since then: the GEMM split along I, fp8_config.GEMM_SPLIT_PROGRAMS,
   # and the narrow launches on the decode grid up to 64 rows, NARROW_DECODE_MAX_ROWS; off: the GEMM's
   # scaled f16 piece, GEMM_X_F16_SCALED): the FP8 kernel's `gpu` tests of those rows
   # (gputests_midrows.log); the step's FP8 launches at 40-512 rows with the defaults, with the f16 piece
   # in the GEMM, and at 40-64 with the narrow launches on the GEMM (launches_mid_*.json); end to end
   # plain + K=3 at batch 16 (64-row verifies) with the defaults, with the f16 piece, as before session 18
-  # (both switches off), and at batch 12 (48 rows); the 64-layer step under XLA's programmatic
-  # dependent launch on and off; each weight's 64-row tile sweep
+  # (both switches off); the wide weights' 64-row GEMM tile sweep; batch 12 (48 rows); the 64-layer
+  # step under XLA's programmatic dependent launch on and off (the tail may be cut by the budget)
   export CUDA_VISIBLE_DEVICES=0
   job gputests_midrows 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
     -k "verify_rows or prefill_default"
@@ -484,16 +484,16 @@ midrows() {  # a ~14-minute lease on one GPU for a batched verify's 33-512 rows,
   job bench27_b16_f16 200 $bench --batch=16 --kernels=fp8_gemm_x_f16_scaled=true --out=$R/bench27_b16_f16.json
   job bench27_b16_before 200 $bench --batch=16 --kernels=fp8_gemm_split_programs=0,fp8_narrow_decode_max_rows=0 \
     --out=$R/bench27_b16_before.json
-  job bench27_b12 200 $bench --batch=12 --out=$R/bench27_b12.json
-  for pdl in true false; do
-    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$pdl" job step_pdl_$pdl 120 python3 -m pallas_kernels.bench \
-      --parts=step --step_impls=pallas --out=$R/step_pdl_$pdl.json
-  done
   # the wide weights at 64 rows over the GEMM's tiles, with and without the f16 piece (rows as JSON lines
   # in gemm_sweep_m64.log as they come, gemm_sweep_m64.json at the end)
   job gemm_sweep_m64 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=64 --fp8_prefill_ms= --xla=false \
     --fp8_shapes=17408x5120,12288x5120,10240x5120 --fp8_sweep --fp8_sweep_match=PrefillConfig \
     --out=$R/gemm_sweep_m64.json
+  job bench27_b12 200 $bench --batch=12 --out=$R/bench27_b12.json
+  for pdl in true false; do
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$pdl" job step_pdl_$pdl 120 python3 -m pallas_kernels.bench \
+      --parts=step --step_impls=pallas --out=$R/step_pdl_$pdl.json
+  done
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
