@@ -217,6 +217,12 @@ NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 GEMM_X_F16_SCALED = False
 
 
+def is_wide(o: int) -> bool:
+    """A launch of O output rows is wide when its 64-row blocks alone fill the SMs (gate + up, q + k + v,
+    in_proj in the 27B step); narrow ones (o_proj / out_proj, mlp_down) need split-K or other tiles."""
+    return cdiv(o, DecodeConfig.block_o) >= SM_COUNT
+
+
 def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
     """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
     WORKSPACE.md). With M1_CUDA_CORE, one row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
@@ -227,11 +233,11 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). x_f16 up to X_F16_MAX_ROWS rows; with
     it at M <= 8 and NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM. 17-64 rows (batched verify):
     split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
-    loaded per chunk, as measured). With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-32
+    loaded per chunk, as measured). With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-64
     rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy."""
     bo = 64
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
-    wide = n_o >= SM_COUNT
+    wide = is_wide(o)
     chunk = X_CHUNK_SCALED  # one piece per row made in the kernel: M dot rows, as the scaled piece
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
     scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk
@@ -289,9 +295,8 @@ def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
 
 def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
     """The dispatch on M: few rows stream W (bandwidth-bound), many rows run the GEMM; a narrow launch
-    (cdiv(O, 64) < SM_COUNT) stays on the decode grid up to NARROW_DECODE_MAX_ROWS rows."""
-    narrow = cdiv(o, DecodeConfig.block_o) < SM_COUNT
-    if m <= DECODE_MAX_ROWS or (narrow and m <= min(NARROW_DECODE_MAX_ROWS, DECODE_DOT_MAX_ROWS)):
+    (not is_wide) stays on the decode grid up to NARROW_DECODE_MAX_ROWS rows."""
+    if m <= DECODE_MAX_ROWS or (not is_wide(o) and m <= min(NARROW_DECODE_MAX_ROWS, DECODE_DOT_MAX_ROWS)):
         return decode_config(m, o, i)
     return prefill_config(m, o, i)
 

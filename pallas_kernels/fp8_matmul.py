@@ -160,32 +160,31 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     fp8_config.check_config(config, m)
     if any(w.ndim == 4 for w in ws):
         ws = _fit_tiles(ws, config)
-    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
+    # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16
+    # pieces, _bf16_pieces)
+    f16_able = x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
     if isinstance(config, PrefillConfig):
         if act_quant:
             raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {fp8_config.DECODE_MAX_ROWS} "
                              f"rows with a DecodeConfig), got M={m} with {config}")
         configs = [fp8_config.prefill_config(m, o, i) if chosen else config for o in os]
-        # the scaled f16 piece only where it can help: bf16 x against FP8 weights (f32 x keeps its bf16 pieces)
-        x_f16 = x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
-        configs = [c if x_f16 or not c.x_f16_scaled else dataclasses.replace(c, x_f16_scaled=False) for c in configs]
+        configs = [dataclasses.replace(c, x_f16_scaled=c.x_f16_scaled and f16_able) for c in configs]
         x_args = (x2,)
         if any(c.x_f16_scaled for c in configs):
             x_f, row_scale = _f16_scaled(x2)  # [M, I] f16, [M, 1] f32, made once for all weights
             x_args = (x_f, row_scale[:, 0])
-        return tuple(_prefill_call(x_args if c.x_f16_scaled else (x2,), w, s, out_dtype, c, params,
-                                   interpret).reshape(*lead, o)
+        return tuple(_prefill_call(x_args if c.x_f16_scaled else (x2,), w, s, out_dtype, c, interpret).reshape(*lead, o)
                      for w, s, c, o in zip(ws, scales, configs, os))
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     if act_quant:
         return _act_quant_call(x2, ws, scales, lead, out_dtype, config, params, interpret, weight_dtype)
-    # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16
-    # pieces, _bf16_pieces). The kernel then multiplies 2M rows [hi; lo] into f32 partials that XLA
-    # combines as 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
+    # x_f16: the kernel multiplies 2M rows [hi; lo] into f32 partials that XLA combines as
+    # 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
     # With x_f16_scaled one f16 piece per row, scaled by a power of two that the sum undoes.
-    x_f16 = config.x_f16 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
+    x_f16 = config.x_f16 and f16_able
     scaled = x_f16 and config.x_f16_scaled
-    if config.x_chunk_scaled and not (x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn):
+    if config.x_chunk_scaled and not f16_able:
         config = dataclasses.replace(config, x_chunk_scaled=False)  # f32 x keeps its exact bf16 pieces
     m_k = 2 * m if x_f16 and not scaled else m  # rows the kernel multiplies
     if m_k > DECODE_DOT_MAX_ROWS:
@@ -305,9 +304,10 @@ def _check_int32(m: int, o: int, i: int, split: int) -> None:
                          "offsets; split the call so that M*I, O*I and split_k*M*O stay below 2^31")
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "params", "interpret"))  # see _decode_launch
-def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, params, interpret: bool) -> jax.Array:
-    """The GEMM of x_args = (x [M, I],) or, with config.x_f16_scaled, (f16 piece [M, I], row scales [M])."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))  # see _decode_launch
+def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, interpret: bool) -> jax.Array:
+    """The GEMM of x_args = (x [M, I],) or, with config.x_f16_scaled, (f16 piece [M, I], row scales [M]),
+    launched with this weight's own config's warps and stages."""
     (m, i), o = x_args[0].shape, weight_shape(w)[0]
     cps, split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
     _check_int32(m, o, i, split)
@@ -317,7 +317,7 @@ def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, params, in
         kernel,
         out_shape=out((split, m, o), out_dtype if split == 1 else jnp.float32),  # [split, M, O]
         grid=(cdiv(m, config.block_m), cdiv(o, config.block_n), split),
-        compiler_params=params,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="fp8_matmul_prefill",
     )(x_f, w, scale, *row_scale)
