@@ -210,11 +210,16 @@ GEMM_SPLIT_PROGRAMS = SM_COUNT
 NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
 # chunks convert E4M3 -> f16 instead of -> bf16, as the decode kernel has since session 9. Why: at a
-# batched verify's rows the GEMM is far from the copy ceiling where its launches are wide (gate + up
-# 84 us at 64 rows, 55% of copy, session 18) and its weights are converted once per 64-row block,
-# ~3 instructions per weight to bf16 against one per two to f16. Off until measured on the H200
-# (`scripts/gpu_session.sh start_midrows`; no GPU time was left when it was written, session 18).
-GEMM_X_F16_SCALED = False
+# batched verify's rows the GEMM is compute-bound where its launches are wide (gate + up 84 us at 64
+# rows, 55% of copy, session 18): its weights are converted once per 64-row block, ~3 instructions per
+# weight to bf16 against one per two to f16 (scripts/triton_loop_stats.py: 584 -> 328 PTX instructions
+# per chunk at 64 rows). Measured on the H200 (session 19, `scripts/gpu_session.sh start_midrows`), all
+# FP8 launches of a 27B step by kernel time, off -> on: 13.12 -> 11.60 ms at 40 rows, 13.80 -> 12.11 at
+# 48, 14.19 -> 12.61 at 64, 27.48 -> 21.64 at 128, 90.31 -> 68.19 at 512; end to end at batch 16, K=3
+# (64-row verifies): K=3 natural 2105 -> 2297 tok/s, plain unchanged (1311 / 1309: its 16 rows never
+# reach the GEMM), tokens equal plain. The piece is exact (a power-of-two scale per row, bf16's 8-bit
+# significand inside f16's 11); only the order of the f32 sums inside the dot differs from the bf16 dot.
+GEMM_X_F16_SCALED = True
 
 
 def is_wide(o: int) -> bool:

@@ -28,6 +28,8 @@
 #   scripts/gpu_session.sh start_midrows [SECONDS]  a batched verify's 33-512 rows: the narrow launches on
 #                                           the decode grid against the split GEMM, the GEMM's f16 piece, per
 #                                           launch and at batch 12 / 16 K=3 (midrows(); ~25 minutes: follow with `wait`)
+#   scripts/gpu_session.sh start_narrow [SECONDS]  the narrow launches' tile sweep at 64 rows with the
+#                                           scaled f16 piece: decode grid and split GEMM (narrow())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -496,6 +498,14 @@ midrows() {  # a ~25-minute lease on one GPU (start_midrows, then wait) for a ba
   done
 }
 
+narrow() {  # a ~3-minute lease on one GPU (session 19): the narrow launches (o_proj / out_proj, mlp_down)
+  # at a batched verify's 64 rows, where they run at 31-36% of copy on the decode grid: the tile sweep
+  # over the scaled-piece configs, decode grid and split GEMM (rows as JSON lines in narrow_sweep_m64.log)
+  export CUDA_VISIBLE_DEVICES=0
+  job narrow_sweep_m64 240 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=64 --fp8_prefill_ms= --xla=false \
+    --fp8_shapes=5120x6144,5120x17408 --fp8_sweep --fp8_sweep_match=x_f16_scaled=True --out=$R/narrow_sweep_m64.json
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -518,7 +528,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -540,5 +550,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

@@ -618,7 +618,16 @@ def test_default_config_heuristic():
         assert fm.default_config(1, 5120, 6144).num_stages == 4
     finally:
         fc.NARROW_NUM_STAGES = before
-    assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8)
+    # the GEMM takes x as one scaled f16 piece per row (GEMM_X_F16_SCALED, on since session 19)
+    assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8,
+                                                                x_f16_scaled=True)
+    before = fc.GEMM_X_F16_SCALED
+    try:
+        fc.GEMM_X_F16_SCALED = False
+        assert not fm.default_config(512, 17408, 5120).x_f16_scaled
+        assert not fc.prefill_config(64, 5120, 6144).x_f16_scaled
+    finally:
+        fc.GEMM_X_F16_SCALED = before
     # the GEMM splits I while its grid has fewer programs than SMs, runs of >= 4 chunks
     before = fc.GEMM_SPLIT_PROGRAMS
     try:

@@ -68,12 +68,13 @@ def test_in_kernel_scaled_piece_keeps_mtp_equal_to_plain(tmp_path, monkeypatch):
     assert made and {r for r, _ in made} >= {16, 32}  # 1-row steps (16-row dot) and the 21-row prompt
 
 
-@pytest.mark.slow  # ~90 s; off by default (fp8_config.GEMM_X_F16_SCALED): the kernel's exact cases run in CI
+@pytest.mark.slow  # ~90 s; the kernel's exact cases and lowering run in CI
 def test_gemm_scaled_piece_keeps_prefill_logits_and_mtp_equal_to_plain(tmp_path, monkeypatch):
-    """bf16 activations with the GEMM's scaled f16 piece: a 70-token prompt (its FP8 launches of 70
-    rows run on the GEMM) gives logits as close to the f32 model's as the default bf16 path's (the
-    piece is exact; only the order of the f32 sums inside a dot may differ, as between any two dot
-    implementations), and greedy MTP K=2 equals plain."""
+    """bf16 activations with the GEMM's scaled f16 piece (the default since session 19): a 70-token
+    prompt (its FP8 launches of 70 rows run on the GEMM) gives logits as close to the f32 model's as
+    the bf16 dot's path (fp8_gemm_x_f16_scaled=false; the piece is exact, only the order of the f32
+    sums inside a dot may differ, as between any two dot implementations), and greedy MTP K=2 equals
+    plain."""
     import jax
 
     from pallas_kernels import fp8_matmul
@@ -87,18 +88,19 @@ def test_gemm_scaled_piece_keeps_prefill_logits_and_mtp_equal_to_plain(tmp_path,
     model = qmtp.load(path, dtype="bfloat16", progress=False, impl="pallas")
     ids = [int(t) for t in np.random.default_rng(5).integers(3, 250, 70)]
     f32 = np.asarray(qmtp.target_logits(qmtp.load(path, dtype="float32", progress=False), ids), np.float32)
-    default = np.asarray(qmtp.target_logits(model, ids), np.float32)
-    assert 70 not in rows
+    got = np.asarray(qmtp.target_logits(model, ids), np.float32)
+    plain = qmtp.generate(model, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=0)
+    mtp = qmtp.generate(model, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=2)
+    assert 70 in rows
+    rows.clear()
     jax.clear_caches()
-    before = ops.set_kernel_settings({"fp8_gemm_x_f16_scaled": True})
+    before = ops.set_kernel_settings({"fp8_gemm_x_f16_scaled": False})
     try:
-        got = np.asarray(qmtp.target_logits(model, ids), np.float32)
-        plain = qmtp.generate(model, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=0)
-        mtp = qmtp.generate(model, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=2)
+        bf16_dot = np.asarray(qmtp.target_logits(model, ids), np.float32)
     finally:
         ops.set_kernel_settings(before)
         jax.clear_caches()
-    assert 70 in rows
-    assert_close(default, f32, BF16_MODEL, "default bf16 path vs f32")
+    assert 70 not in rows
+    assert_close(bf16_dot, f32, BF16_MODEL, "the GEMM's bf16 dot vs f32")
     assert_close(got, f32, BF16_MODEL, "the GEMM's f16 piece vs f32")
     assert mtp.tokens == plain.tokens
