@@ -18,7 +18,7 @@ BLOCK = 128  # the scale block: 128 x 128 weights share one scale
 # BN = 128: 40 programs on 132 SMs), where the decode grid splits K as well. Measured at M = 32 on the
 # H200 (2026-11-30, `pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_sweep`): the decode grid
 # (64-row programs, split-K 4) streamed 1.25-1.78 TB/s per weight on the five 27B shapes against
-# 0.50-1.14 for the GEMM default, 1.5-2.9x. 33-64 rows are not measured yet.
+# 0.50-1.14 for the GEMM default, 1.5-2.9x. 33-64 rows: NARROW_DECODE_MAX_ROWS, VERIFY_NARROW_STAGES.
 DECODE_MAX_ROWS = 32
 # A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 64] f32 accumulator).
 DECODE_DOT_MAX_ROWS = 64
@@ -208,6 +208,16 @@ GEMM_SPLIT_PROGRAMS = SM_COUNT
 # 45.0 / 45.2 against 47.3 / 48.5). Per step this takes the FP8 launches' busy time from 15.4 to ~13.9
 # ms at 48 rows and from 14.9 to ~14.4 ms at 64.
 NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
+# The decode grid at more than DECODE_MAX_ROWS rows (a batched verify's narrow launches: o_proj /
+# out_proj, mlp_down at 33-64 rows) runs this pipeline depth, and split-K 8 where each run keeps >= 16
+# chunks (4 otherwise). Why: at 64 rows a stage holds the [64, 128] FP8 weight chunk and the [64, 128]
+# f16 x slice, 24 KB: 4 stages left room for 2 programs per SM, 3 stages for 3. Measured on the H200
+# (session 19, `scripts/gpu_session.sh start_narrow`: the 64-row sweep, checkpoint layout, one run at
+# copy 3.73 TB/s), wall time per call with the x piece and the split-K sum, the 4-stage split-4 default
+# against the best: o_proj / out_proj 31.4 -> 25.9 us (split 4, 3 stages; split 8 26.6), mlp_down 73.0 ->
+# 56.0 (split 8, 3 stages; split 4 58.5). 17-32 rows keep the 4-stage config they were measured with.
+VERIFY_NARROW_STAGES = 3
+VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
 # chunks convert E4M3 -> f16 instead of -> bf16, as the decode kernel has since session 9. Why: at a
 # batched verify's rows the GEMM is compute-bound where its launches are wide (gate + up 84 us at 64
@@ -236,9 +246,11 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     has >= 2 programs per SM, so narrow O (o_proj / down_proj: 80 row blocks) fills the H200; more
     rows use the tensor-core dot with at least 2 splits, and the wide shapes put x on the dot's M
     side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). x_f16 up to X_F16_MAX_ROWS rows; with
-    it at M <= 8 and NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM. 17-64 rows (batched verify):
-    split-K 4 with W on the dot's M side, the best of the M = 32 sweep on all five shapes (scales
-    loaded per chunk, as measured). With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-64
+    it at M <= 8 and NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM.
+    17-32 rows (batched verify): split-K 4 with W on the dot's M side, the best of the M = 32 sweep on
+    all five shapes (scales loaded per chunk, as measured); 33-64 rows (a batched verify's narrow
+    launches) the same with 3 stages and split-K 8 where runs keep >= 16 chunks (VERIFY_NARROW_STAGES,
+    the best of the M = 64 sweep). With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-64
     rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy."""
     bo = 64
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
@@ -246,6 +258,10 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     chunk = X_CHUNK_SCALED  # one piece per row made in the kernel: M dot rows, as the scaled piece
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
     scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk
+    if m >= VERIFY_NARROW_MIN_ROWS:  # a batched verify's narrow launches at 33-64 rows (VERIFY_NARROW_STAGES)
+        return DecodeConfig(block_o=bo, split_k=8 if n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4)),
+                            use_dot=True, swap_ab=True, x_f16=scaled, x_f16_scaled=scaled, x_chunk_scaled=chunk,
+                            num_stages=VERIFY_NARROW_STAGES)
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
         return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
                             x_f16=scaled, x_f16_scaled=scaled, x_chunk_scaled=chunk)

@@ -653,6 +653,14 @@ def test_default_config_heuristic():
             assert isinstance(fm.default_config(m, 2 * 17408, 5120), PrefillConfig), m  # gate + up
             assert isinstance(fm.default_config(m, 12288 + 2 * 1024, 5120), PrefillConfig), m  # q + k + v
         assert fm.default_config(48, 5120, 6144).x_f16_scaled  # one scaled piece per row: 48 dot rows
+        # 33-64 rows: 3 stages (3 programs per SM at 64 rows' 24 KB a stage), split-K 8 where runs keep
+        # >= 16 chunks (mlp_down's 136), 4 otherwise (o_proj's 48); 17-32 rows keep the M = 32 config
+        for m in (33, 64):
+            assert fm.default_config(m, 5120, 6144).num_stages == fc.VERIFY_NARROW_STAGES == 3, m
+            assert fm.default_config(m, 5120, 6144).split_k == 4, m
+            assert fm.default_config(m, 5120, 17408).split_k == 8, m
+        assert fm.default_config(32, 5120, 17408).num_stages == 4
+        assert fm.default_config(32, 5120, 17408).split_k == 4
         assert isinstance(fm.default_config(65, 5120, 6144), PrefillConfig)
         assert isinstance(fm.default_config(64, 132 * 64, 5120), PrefillConfig)  # 132 blocks: not narrow
         assert isinstance(fm.default_config(64, 131 * 64, 5120), DecodeConfig)
@@ -815,7 +823,7 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
     "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),  # split-K 4 (40 output tiles)
     "prefill_m64_down": (64, E, F, jnp.bfloat16, (1, E // 128), 1),  # the GEMM at 64 rows: split-K 4
-    "verify_m48_down_default": (48, E, F, jnp.bfloat16, (E // 64, 4), 1),  # narrow: the decode grid
+    "verify_m48_down_default": (48, E, F, jnp.bfloat16, (E // 64, 8), 1),  # narrow: the decode grid, split 8
     "ragged_decode": (5, 130, 129, jnp.bfloat16, (3, 1), 1),
     "ragged_fma": (1, 130, 129, jnp.float32, (3, 1), 0),
     "ragged_prefill": (40, 130, 129, jnp.bfloat16, (1, 2), 1),
@@ -950,7 +958,7 @@ GPU_CONFIGS = {  # name: (config, rows)
     # one scaled f16 piece per row (the default at 9-32 rows since session 15), 3 stages (the narrow default)
     "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
                             [9, 16, 32]),
-    "tiled_default": ("tiled", [1, 4, 16, 40, 600]),  # the default configs on fp8_layout.tile_weight's tiles
+    "tiled_default": ("tiled", [1, 4, 16, 40, 64, 600]),  # the default configs on fp8_layout.tile_weight's tiles
     # the in-kernel scaled piece at decode and verify rows, W on either side (fp8_config.X_CHUNK_SCALED)
     "decode_x_chunk_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_chunk_scaled=True, num_stages=3), [1, 4, 16]),
     "decode_x_chunk_scaled_verify": (DecodeConfig(split_k=4, swap_ab=True, x_chunk_scaled=True), [32]),
