@@ -216,7 +216,7 @@ NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 # copy 3.73 TB/s), wall time per call with the x piece and the split-K sum, the 4-stage split-4 default
 # against the best: o_proj / out_proj 31.4 -> 25.9 us (split 4, 3 stages; split 8 26.6), mlp_down 73.0 ->
 # 56.0 (split 8, 3 stages; split 4 58.5). 17-32 rows keep the 4-stage config they were measured with.
-VERIFY_NARROW_STAGES = 3
+VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
 VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
 # chunks convert E4M3 -> f16 instead of -> bf16, as the decode kernel has since session 9. Why: at a

@@ -181,6 +181,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_narrow_decode_max_rows": ("fp8_config", "NARROW_DECODE_MAX_ROWS",
                                                     (0, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "fp8_gemm_x_f16_scaled": ("fp8_config", "GEMM_X_F16_SCALED", None),
+                     "fp8_verify_narrow_stages": ("fp8_config", "VERIFY_NARROW_STAGES", (1, 8)),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
                      "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
 

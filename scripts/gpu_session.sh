@@ -30,6 +30,8 @@
 #                                           launch and at batch 12 / 16 K=3 (midrows(); ~25 minutes: follow with `wait`)
 #   scripts/gpu_session.sh start_narrow [SECONDS]  the narrow launches' tile sweep at 64 rows with the
 #                                           scaled f16 piece: decode grid and split GEMM (narrow())
+#   scripts/gpu_session.sh start_stages64 [SECONDS]  session 19's 33-64-row narrow config end to end: its `gpu`
+#                                           tests, the launches at 3 and 4 stages, batch 16 and batch 1 (stages64())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -506,6 +508,24 @@ narrow() {  # a ~3-minute lease on one GPU (session 19): the narrow launches (o_
     --fp8_shapes=5120x6144,5120x17408 --fp8_sweep --fp8_sweep_match=x_f16_scaled=True --out=$R/narrow_sweep_m64.json
 }
 
+stages64() {  # a ~10-minute lease on one GPU (session 19's last change, not yet measured end to end): the
+  # `gpu` tests of the tiled defaults (40 / 64 rows on the 3-stage narrow config) and the verify rows; the
+  # step's FP8 launches at 40 / 48 / 64 rows with VERIFY_NARROW_STAGES 3 (the default) and 4; batch 16
+  # plain + K=3 with the defaults (session 19 before it: 1309 / 2297 / 1771 tok/s); TP1 batch 1 plain +
+  # K=3 (unchanged kernels at 1-16 rows: a check that nothing else moved)
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests_stages64 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
+    -k "tiled_default or verify_rows"
+  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=40,48,64"
+  job launches_stages3 120 $launches --out=$R/launches_stages3.json
+  job launches_stages4 120 $launches --kernels=fp8_verify_narrow_stages=4 --out=$R/launches_stages4.json
+  checkpoint27
+  job bench27_b16 260 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
+    --max_new_tokens=256 --breakdown=false --batch=16 --out=$R/bench27_b16.json
+  job bench27_b1 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
+    --breakdown=false --out=$R/bench27_b1.json
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -528,7 +548,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
@@ -550,5 +570,5 @@ case $cmd in
     SERVE_CKPT=preset:tiny SERVE_IMPL=ref SERVE_DTYPE=float32 serve 3 ${2:-8193} full
     cat $R/jobs.log; for f in $R/load_*.json; do python3 -c "import json,sys; r=json.load(open('$f')); print('$f', {k: r[k] for k in list(r)[:8]})"; done
     ;;
-  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
+  *) echo "usage: $0 start|start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|wait [SECONDS] | serve_check [PORT]"; exit 2 ;;
 esac

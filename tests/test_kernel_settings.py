@@ -35,6 +35,20 @@ def test_settings_reach_the_module_switches_and_restore():
     assert ops.kernel_settings() == previous
 
 
+def test_verify_narrow_stages_setting_reaches_the_33_to_64_row_config():
+    """fp8_verify_narrow_stages sets the pipeline depth of a batched verify's narrow launches (33-64
+    rows on the decode grid) and nothing below 33 rows."""
+    previous = ops.set_kernel_settings(ops.parse_kernel_settings(["fp8_verify_narrow_stages=4"]))
+    try:
+        assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 4
+        ops.set_kernel_settings({"fp8_verify_narrow_stages": 2})
+        assert fp8_matmul.default_config(48, 5120, 17408).num_stages == 2
+        assert fp8_matmul.default_config(32, 5120, 17408).num_stages == fp8_config.DecodeConfig.num_stages
+    finally:
+        ops.set_kernel_settings(previous)
+    assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 3
+
+
 def test_xla_single_row_setting_changes_the_path():
     # one row through ops.linear: with xla_single_row the reference formula runs (bitwise equal to it)
     rng = np.random.default_rng(0)
