@@ -217,6 +217,14 @@ NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 # against the best: o_proj / out_proj 31.4 -> 25.9 us (split 4, 3 stages; split 8 26.6), mlp_down 73.0 ->
 # 56.0 (split 8, 3 stages; split 4 58.5). 17-32 rows keep the 4-stage config they were measured with.
 VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
+# The GEMM's output tile rows and pipeline depth at 33-256 rows (a batched verify's wide launches: gate +
+# up, q + k + v, in_proj). 64 and 3 as first chosen; settings fp8_gemm_mid_block_m / fp8_gemm_mid_stages
+# so that the launches can be timed at other values. Why look: the 64-row sweep of one [17408, 5120]
+# weight with the f16 piece (session 19) took 63.5 us on 32 x 128 tiles with 4 stages against 73.4 for
+# 64 x 128 with 3, but the step's gate + up launch has twice its output tiles, so only the launch-level
+# figure (`scripts/gpu_session.sh start_stages64`) decides.
+GEMM_MID_BLOCK_M = 64
+GEMM_MID_STAGES = 3
 VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
 # chunks convert E4M3 -> f16 instead of -> bf16, as the decode kernel has since session 9. Why: at a
@@ -300,11 +308,13 @@ def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
-    """Heuristic: 64 x 128 tiles (4 warps) up to M = 256, 128 x 128 (8 warps) above; split_k (a power
-    of two, runs of >= 4 chunks) while the grid has fewer than GEMM_SPLIT_PROGRAMS programs (0: never);
-    x_f16_scaled from GEMM_X_F16_SCALED."""
-    if m <= 256:
-        config = PrefillConfig(block_m=64 if m > 32 else 32, block_n=128, num_warps=4, num_stages=3)
+    """Heuristic: GEMM_MID_BLOCK_M x 128 tiles (4 warps, GEMM_MID_STAGES) at 33-256 rows, 32 x 128 at
+    fewer, 128 x 128 (8 warps) above; split_k (a power of two, runs of >= 4 chunks) while the grid has
+    fewer than GEMM_SPLIT_PROGRAMS programs (0: never); x_f16_scaled from GEMM_X_F16_SCALED."""
+    if m <= 32:
+        config = PrefillConfig(block_m=32, block_n=128, num_warps=4, num_stages=3)
+    elif m <= 256:
+        config = PrefillConfig(block_m=GEMM_MID_BLOCK_M, block_n=128, num_warps=4, num_stages=GEMM_MID_STAGES)
     else:
         config = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     tiles, n_chunks = cdiv(m, config.block_m) * cdiv(o, config.block_n), cdiv(i, BLOCK)

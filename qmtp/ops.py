@@ -182,8 +182,13 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                                                     (0, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "fp8_gemm_x_f16_scaled": ("fp8_config", "GEMM_X_F16_SCALED", None),
                      "fp8_verify_narrow_stages": ("fp8_config", "VERIFY_NARROW_STAGES", (1, 8)),
+                     "fp8_gemm_mid_block_m": ("fp8_config", "GEMM_MID_BLOCK_M", (16, 256)),
+                     "fp8_gemm_mid_stages": ("fp8_config", "GEMM_MID_STAGES", (1, 8)),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
                      "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
+
+
+_POW2_SETTINGS = {"fp8_gemm_mid_block_m"}
 
 
 def _switch_module(module: str):
@@ -246,6 +251,8 @@ def _parse_setting(name: str, value, bounds):
     lo, hi = bounds
     if number < lo or (hi is not None and number > hi):
         raise ValueError(f"kernel setting {name}={number}: must be in [{lo}, {hi if hi is not None else 'inf'}]")
+    if name in _POW2_SETTINGS and not fp8_config.is_pow2(number):
+        raise ValueError(f"kernel setting {name}={number}: must be a power of two (a tile's rows)")
     return number
 
 

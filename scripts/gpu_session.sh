@@ -510,15 +510,19 @@ narrow() {  # a ~3-minute lease on one GPU (session 19): the narrow launches (o_
 
 stages64() {  # a ~10-minute lease on one GPU (session 19's last change, not yet measured end to end): the
   # `gpu` tests of the tiled defaults (40 / 64 rows on the 3-stage narrow config) and the verify rows; the
-  # step's FP8 launches at 40 / 48 / 64 rows with VERIFY_NARROW_STAGES 3 (the default) and 4; batch 16
+  # step's FP8 launches at 40 / 48 / 64 / 128 rows with VERIFY_NARROW_STAGES 3 (the default) and 4, and
+  # with the GEMM's mid-row tiles 32 x 128 x 4 stages (fp8_gemm_mid_block_m / _stages); batch 16
   # plain + K=3 with the defaults (session 19 before it: 1309 / 2297 / 1771 tok/s); TP1 batch 1 plain +
   # K=3 (unchanged kernels at 1-16 rows: a check that nothing else moved)
   export CUDA_VISIBLE_DEVICES=0
   job gputests_stages64 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
     -k "tiled_default or verify_rows"
-  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=40,48,64"
+  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=40,48,64,128"
   job launches_stages3 120 $launches --out=$R/launches_stages3.json
   job launches_stages4 120 $launches --kernels=fp8_verify_narrow_stages=4 --out=$R/launches_stages4.json
+  # the wide launches' GEMM tiles at 33-256 rows: 32 x 128 with 4 stages against 64 x 128 with 3
+  job launches_gemm32 150 $launches --kernels=fp8_gemm_mid_block_m=32,fp8_gemm_mid_stages=4 \
+    --out=$R/launches_gemm32.json
   checkpoint27
   job bench27_b16 260 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
     --max_new_tokens=256 --breakdown=false --batch=16 --out=$R/bench27_b16.json

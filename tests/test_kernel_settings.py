@@ -49,6 +49,23 @@ def test_verify_narrow_stages_setting_reaches_the_33_to_64_row_config():
     assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 3
 
 
+def test_gemm_mid_row_tiles_setting_reaches_33_to_256_rows_only():
+    """fp8_gemm_mid_block_m / fp8_gemm_mid_stages set the GEMM's tiles at 33-256 rows (a batched
+    verify's wide launches) and nothing at 512; a tile height that is no power of two is refused."""
+    previous = ops.set_kernel_settings({"fp8_gemm_mid_block_m": "32", "fp8_gemm_mid_stages": "4"})
+    try:
+        for m in (33, 64, 256):
+            c = fp8_matmul.default_config(m, 17408, 5120)
+            assert (c.block_m, c.num_stages) == (32, 4), (m, c)
+        assert fp8_matmul.default_config(512, 17408, 5120).block_m == 128
+    finally:
+        ops.set_kernel_settings(previous)
+    assert (fp8_matmul.default_config(64, 17408, 5120).block_m, fp8_matmul.default_config(64, 17408, 5120).num_stages) == (64, 3)
+    with pytest.raises(ValueError, match="fp8_gemm_mid_block_m=48: must be a power of two"):
+        ops.set_kernel_settings({"fp8_gemm_mid_block_m": "48"})
+    assert fp8_config.GEMM_MID_BLOCK_M == 64
+
+
 def test_xla_single_row_setting_changes_the_path():
     # one row through ops.linear: with xla_single_row the reference formula runs (bitwise equal to it)
     rng = np.random.default_rng(0)
