@@ -226,6 +226,12 @@ VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
 GEMM_MID_BLOCK_M = 64
 GEMM_MID_STAGES = 3
 VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
+# Those launches' output rows per program (ops setting fp8_verify_narrow_block_o: 64, or 128 with 8
+# warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 is worth timing: at 64 rows
+# each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight chunk's bytes; 128-row
+# programs halve that traffic (mlp_down at 64 rows: ~174 MB of x reads per call for 89 MB of weight).
+# 64 until the launches are timed (`scripts/gpu_session.sh start_stages64`).
+VERIFY_NARROW_BLOCK_O = 64
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
 # chunks convert E4M3 -> f16 instead of -> bf16, as the decode kernel has since session 9. Why: at a
 # batched verify's rows the GEMM is compute-bound where its launches are wide (gate + up 84 us at 64
@@ -267,9 +273,10 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
     scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk
     if m >= VERIFY_NARROW_MIN_ROWS:  # a batched verify's narrow launches at 33-64 rows (VERIFY_NARROW_STAGES)
-        return DecodeConfig(block_o=bo, split_k=8 if n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4)),
+        return DecodeConfig(block_o=VERIFY_NARROW_BLOCK_O,
+                            split_k=8 if n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4)),
                             use_dot=True, swap_ab=True, x_f16=scaled, x_f16_scaled=scaled, x_chunk_scaled=chunk,
-                            num_stages=VERIFY_NARROW_STAGES)
+                            num_warps=8 if VERIFY_NARROW_BLOCK_O > 64 else 4, num_stages=VERIFY_NARROW_STAGES)
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
         return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
                             x_f16=scaled, x_f16_scaled=scaled, x_chunk_scaled=chunk)

@@ -199,7 +199,9 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w;
     # sx_ref [GI, BM] (x_fp8: x_ref holds E4M3 activations, sx_ref their scales)
     bo = cfg.block_o
-    tiled = len(w_ref.shape) == 4  # w_ref [O / bo, I / 128, bo, 128]: one contiguous tile per chunk
+    # tiled: w_ref [O / tr, I / 128, tr, 128], one contiguous tile per chunk; bo = tr, or whole tiles joined
+    tiled = len(w_ref.shape) == 4
+    joined = bo // w_ref.shape[2] if tiled else 1  # tiles per program (bo a multiple of tr, O of bo)
     o0 = pl.multiple_of(po * bo, bo)
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
     n_chunks = cdiv(i, BLOCK)
@@ -216,31 +218,40 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         wm = _mask2(rows_ok, cols_ok)
-        w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]  # [bo, 128]
+
+        def load_w(dtype):  # this chunk's [bo, 128] weight rows as dtype (None: E4M3, for an FP8 dot)
+            if joined > 1:  # [joined, tr, 128] -> [bo, 128]; no mask: a tiled weight's O and I are whole tiles
+                w = plgpu.load(w_ref.at[pl.ds(po * joined, joined), c]).reshape(bo, BLOCK)
+                return w if dtype is None else w.astype(dtype)
+            w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]  # [bo, 128]
+            if dtype is None:
+                return plgpu.load(w_tile) if tiled else _load_w_fp8(w_tile, rows_ok, cols_ok)
+            return _load_w(w_tile, wm, dtype)
+
         if cfg.scale_preload:  # exact: a sum of one selected value and zeros
             s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
         else:
             s = s_ref[srow, c]
         if sx_ref is not None:  # E4M3 x E4M3 on the tensor cores; x is zero-padded (no x mask)
             xc = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)])
-            wc = plgpu.load(w_tile) if tiled else _load_w_fp8(w_tile, rows_ok, cols_ok)
+            wc = load_w(None)
             sx = plgpu.load(sx_ref.at[c, pl.ds(0, bm)])  # [BM] this chunk's activation scales
             if o_major:
                 return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
             return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
         if cfg.use_dot and cfg.x_chunk_scaled:  # bf16 x: this chunk's scaled f16 piece, made here
             xs, up = _chunk_scaled(_load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok)))
-            wc = _load_w(w_tile, wm, jnp.float16)
+            wc = load_w(jnp.float16)
             if o_major:
                 return acc + plgpu.dot(wc, xs, trans_b=True) * (up[None, :] * s)
             return acc + plgpu.dot(xs, wc, trans_b=True) * (up[:, None] * s)
         if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
             xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
-            wc = _load_w(w_tile, wm, jnp.float16 if x_f16 else jnp.bfloat16)
+            wc = load_w(jnp.float16 if x_f16 else jnp.bfloat16)
             return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
         # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
         # until after the loop); the weight chunk is loaded once for all rows
-        wc = _load_w(w_tile, wm, jnp.float32)  # (never tiled: fp8_matmul._fit_tiles untiles for this path)
+        wc = load_w(jnp.float32)  # (never tiled: fp8_matmul._fit_tiles untiles for this path)
         xm = _mask2(None, cols_ok)
         return tuple(a + wc * (_load_x(x_ref.at[pl.ds(r, 1), pl.ds(k0, BLOCK)], xm).astype(jnp.float32) * s)
                      for r, a in enumerate(acc))

@@ -209,18 +209,19 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
 
 
 def _fit_tiles(ws, config):
-    """Tiled weights as the launch can read them: the tensor-core decode kernel reads tiles of block_o
-    rows (others raise); the GEMM reads block_n rows as whole tiles joined (one dot) or as a slice of
+    """Tiled weights as the launch can read them: the tensor-core decode kernel reads block_o rows as one
+    tile or as whole tiles joined (O a multiple of block_o; others raise); the GEMM reads block_n rows as whole tiles joined (one dot) or as a slice of
     one tile, so their heights must divide one another and O must be a multiple of block_n; every
     other case (the CUDA-core decode path, a GEMM tile that would run past O) gets untile_weight's
     [O, I], a copy per call."""
     if isinstance(config, DecodeConfig):
         if not config.use_dot:
             return tuple(untile_weight(w) for w in ws)
-        bad = sorted({w.shape[2] for w in ws if w.ndim == 4 and w.shape[2] != config.block_o})
+        bo = config.block_o
+        bad = sorted({w.shape[2] for w in ws if w.ndim == 4 and (bo % w.shape[2] or weight_shape(w)[0] % bo)})
         if bad:
-            raise ValueError(f"fp8_matmul: tiled weights of {bad} rows per tile need DecodeConfig.block_o equal "
-                             f"to it, got {config}")
+            raise ValueError(f"fp8_matmul: tiled weights of {bad} rows per tile need DecodeConfig.block_o equal to "
+                             f"it or a multiple of it that divides O, got {config}")
         return ws
     bn = config.block_n
 

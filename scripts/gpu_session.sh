@@ -30,7 +30,7 @@
 #                                           launch and at batch 12 / 16 K=3 (midrows(); ~25 minutes: follow with `wait`)
 #   scripts/gpu_session.sh start_narrow [SECONDS]  the narrow launches' tile sweep at 64 rows with the
 #                                           scaled f16 piece: decode grid and split GEMM (narrow())
-#   scripts/gpu_session.sh start_stages64 [SECONDS]  session 19's 33-64-row narrow config end to end: its `gpu`
+#   scripts/gpu_session.sh start_stages64 [SECONDS]  (~14 minutes: follow with `wait`) session 19's 33-256-row configs: `gpu`
 #                                           tests, the launches at 3 and 4 stages, batch 16 and batch 1 (stages64())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
@@ -508,7 +508,7 @@ narrow() {  # a ~3-minute lease on one GPU (session 19): the narrow launches (o_
     --fp8_shapes=5120x6144,5120x17408 --fp8_sweep --fp8_sweep_match=x_f16_scaled=True --out=$R/narrow_sweep_m64.json
 }
 
-stages64() {  # a ~10-minute lease on one GPU (session 19's last change, not yet measured end to end): the
+stages64() {  # a ~14-minute lease on one GPU (start_stages64, then wait) (session 19's last change, not yet measured end to end): the
   # `gpu` tests of the tiled defaults (40 / 64 rows on the 3-stage narrow config) and the verify rows; the
   # step's FP8 launches at 40 / 48 / 64 / 128 rows with VERIFY_NARROW_STAGES 3 (the default) and 4, and
   # with the GEMM's mid-row tiles 32 x 128 x 4 stages (fp8_gemm_mid_block_m / _stages); batch 16
@@ -516,11 +516,13 @@ stages64() {  # a ~10-minute lease on one GPU (session 19's last change, not yet
   # K=3 (unchanged kernels at 1-16 rows: a check that nothing else moved)
   export CUDA_VISIBLE_DEVICES=0
   job gputests_stages64 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
-    -k "tiled_default or verify_rows"
+    -k "tiled_default or verify_rows or joined"
   local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=40,48,64,128"
   job launches_stages3 120 $launches --out=$R/launches_stages3.json
   job launches_stages4 120 $launches --kernels=fp8_verify_narrow_stages=4 --out=$R/launches_stages4.json
-  # the wide launches' GEMM tiles at 33-256 rows: 32 x 128 with 4 stages against 64 x 128 with 3
+  # the narrow launches on 128-row programs (two tiles joined), then the wide launches' GEMM tiles at
+  # 33-256 rows: 32 x 128 with 4 stages against 64 x 128 with 3
+  job launches_bo128 120 $launches --kernels=fp8_verify_narrow_block_o=128 --out=$R/launches_bo128.json
   job launches_gemm32 150 $launches --kernels=fp8_gemm_mid_block_m=32,fp8_gemm_mid_stages=4 \
     --out=$R/launches_gemm32.json
   checkpoint27
@@ -528,6 +530,7 @@ stages64() {  # a ~10-minute lease on one GPU (session 19's last change, not yet
     --max_new_tokens=256 --breakdown=false --batch=16 --out=$R/bench27_b16.json
   job bench27_b1 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
     --breakdown=false --out=$R/bench27_b1.json
+  narrow  # the 64-row sweep of the narrow shapes, now with 128-row programs among its candidates
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
@@ -546,7 +549,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
   fi
   export PYTHONPATH=$site$SRC JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 QMTP_CACHE=/tmp/qmtp_cache
   # all.done once the function returns, whatever it ran (wait_and_pack stops on it)
-  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks oproj_sweep tiled xchunk midrows $fn); R=$R; $fn; touch $R/all.done" \
+  setsid bash -c "$(declare -f job checkpoint27 tp1_over serve side_checks oproj_sweep tiled xchunk midrows narrow $fn); R=$R; $fn; touch $R/all.done" \
     </dev/null >$R/$fn.out 2>&1 &
   wait_and_pack
 }

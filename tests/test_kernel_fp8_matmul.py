@@ -471,6 +471,51 @@ def test_tiled_weights_need_matching_tiles():
     with pytest.raises(ValueError, match=r"tiled weights of \[64\] rows per tile need DecodeConfig.block_o"):
         fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), t, jnp.asarray(s), interpret=True,
                       config=DecodeConfig(block_o=32, x_f16=True))
+    _, w3, s3 = exact_problem(rng, 2, 192, 384)  # 3 tiles: no whole number of 128-row blocks
+    with pytest.raises(ValueError, match=r"a multiple of it that divides O"):
+        fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fm.tile_weight(jnp.asarray(w3)), jnp.asarray(s3),
+                      interpret=True, config=DecodeConfig(block_o=128, x_f16=True))
+
+
+@pytest.mark.parametrize("m, x_dtype, config", [
+    (40, jnp.bfloat16, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True)),  # verify rows
+    (3, jnp.bfloat16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True)),  # two pieces, x on M
+    (5, jnp.float32, DecodeConfig(block_o=128, split_k=2)),  # bf16 pieces of f32 x
+])
+def test_decode_programs_join_tiles_of_a_tiled_weight(m, x_dtype, config):
+    """block_o 128 on 64-row tiles: each program joins two whole tiles per chunk, one dot; the result
+    equals the checkpoint layout's bit for bit and the float64 formula on an exact problem (and E4M3
+    activations join them the same way)."""
+    rng = np.random.default_rng(m)
+    x, w, s = exact_problem(rng, m, 256, 640)
+    xj = jnp.asarray(x, x_dtype)
+    tiled = fm.tile_weight(jnp.asarray(w))
+    assert tiled.shape[2] == 64
+    got = fm.fp8_matmul(xj, tiled, jnp.asarray(s), jnp.float32, interpret=True, config=config)
+    want = fm.fp8_matmul(xj, jnp.asarray(w), jnp.asarray(s), jnp.float32, interpret=True, config=config)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
+    if m <= fc.DECODE_MAX_ROWS and xj.dtype == jnp.bfloat16:
+        a8 = dataclasses.replace(config, x_f16=False, x_f16_scaled=False, swap_ab=True)
+        quant = [fm.fp8_matmul_many(xj, (ww,), (jnp.asarray(s),), jnp.float32, interpret=True, config=a8,
+                                    act_quant=True)[0] for ww in (tiled, jnp.asarray(w))]
+        np.testing.assert_array_equal(np.asarray(quant[0]), np.asarray(quant[1]))
+
+
+def test_joined_tiles_lower_for_h200():
+    """mlp_down's shape at a batched verify's 64 rows, block_o 128 on tiled weights: one Triton call
+    on O / 128 row blocks, one unmasked E4M3 load of two tiles per chunk, one f16 dot."""
+    sds = jax.ShapeDtypeStruct
+    m, o, i = 64, 5120, 17408
+    config = dataclasses.replace(fm.default_config(m, o, i), block_o=128, num_warps=8)
+    args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
+            sds((o // 128, i // 128), jnp.float32))
+    [(cfg, ir_text)] = triton_calls(lower_for_h200(
+        lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args))
+    assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 128, config.split_k)
+    w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
+    assert len(w_loads) == 1 and w_loads[0].count("%") == 2 and "2x64x128" in w_loads[0], w_loads
+    assert ir_text.count("tt.dot ") == 1
 
 
 def test_tiled_weights_lower_for_h200():
@@ -990,6 +1035,23 @@ def test_gpu_kernel_exact_on_integer_problems(name):
                 got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config, interpret=False)
             np.testing.assert_array_equal(got, run_ref(x, wq, scale, jnp.bfloat16, jnp.float32),
                                           err_msg=f"{name} m={m} o={o} i={i}")
+
+
+@pytest.mark.gpu
+def test_gpu_joined_tiles_exact_at_verify_rows():
+    """block_o 128 programs joining two 64-row tiles of a tiled weight, at a batched verify's rows with
+    the scaled f16 piece: bit-exact against the ref on the device (mlp_down's and o_proj's shapes)."""
+    gpu_required()
+    rng = np.random.default_rng(11)
+    for o, i in [(E, F), (E, 6144)]:
+        wq, scale = real_weights(o, i, "exact")
+        tiled = fm.tile_weight(jnp.asarray(wq))
+        for m, sk in [(40, 4), (64, 8)]:
+            config = DecodeConfig(block_o=128, split_k=sk, x_f16=True, x_f16_scaled=True, num_warps=8, num_stages=3)
+            x = rng.integers(-2, 3, (m, i)).astype(np.float32)
+            got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), tiled, jnp.asarray(scale), jnp.float32, config=config)
+            np.testing.assert_array_equal(np.asarray(got), run_ref(x, wq, scale, jnp.bfloat16, jnp.float32),
+                                          err_msg=f"joined m={m} o={o} i={i}")
 
 
 # ------------------------------------------------------------------------------------------------

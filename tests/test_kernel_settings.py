@@ -49,6 +49,21 @@ def test_verify_narrow_stages_setting_reaches_the_33_to_64_row_config():
     assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 3
 
 
+def test_verify_narrow_block_o_setting_joins_tiles_with_8_warps():
+    """fp8_verify_narrow_block_o=128: 33-64-row narrow launches on 128-row programs with 8 warps (two
+    64-row tiles joined on tiled weights); 96 is refused (not a power of two)."""
+    previous = ops.set_kernel_settings({"fp8_verify_narrow_block_o": "128"})
+    try:
+        c = fp8_matmul.default_config(64, 5120, 17408)
+        assert (c.block_o, c.num_warps, c.split_k) == (128, 8, 8)
+        assert fp8_matmul.default_config(16, 5120, 17408).block_o == 64
+    finally:
+        ops.set_kernel_settings(previous)
+    assert fp8_matmul.default_config(64, 5120, 17408).block_o == 64
+    with pytest.raises(ValueError, match="must be a power of two"):
+        ops.set_kernel_settings({"fp8_verify_narrow_block_o": "96"})
+
+
 def test_gemm_mid_row_tiles_setting_reaches_33_to_256_rows_only():
     """fp8_gemm_mid_block_m / fp8_gemm_mid_stages set the GEMM's tiles at 33-256 rows (a batched
     verify's wide launches) and nothing at 512; a tile height that is no power of two is refused."""

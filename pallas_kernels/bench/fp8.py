@@ -126,13 +126,15 @@ def candidate_configs(m: int) -> list:
                                              (32, 4, True, 4, 4), (64, 4, False, 8, 3), (128, 2, False, 8, 3)]]
         # the narrow launches' default at 33-64 rows takes one scaled f16 piece per row; each program
         # reads its [rows, 128] x slice per chunk from L2 (at 64 rows twice the bytes of its weight
-        # chunk): fewer, longer programs read less of it, more splits fill the SMs (block_o stays 64:
-        # the tiled weights' rows per tile); against them the split GEMM, whose 128-wide output tiles
-        # read each x slice once per 128 weight rows
-        decode += [DecodeConfig(block_o=64, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, x_f16=True,
+        # chunk): fewer, longer programs read less of it, more splits fill the SMs; 128-row programs
+        # (two of the tiled weights' 64-row tiles) read it once per 128 weight rows, as the GEMM does
+        decode += [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, x_f16=True,
                                 x_f16_scaled=True)
-                   for sk, sw, nw, ns in [(8, True, 4, 4), (4, True, 4, 3), (2, True, 4, 4), (1, True, 4, 4),
-                                          (4, False, 4, 4), (2, False, 4, 4), (4, True, 8, 4), (8, True, 4, 3)]]
+                   for bo, sk, sw, nw, ns in [(64, 8, True, 4, 4), (64, 4, True, 4, 3), (64, 2, True, 4, 4),
+                                              (64, 1, True, 4, 4), (64, 4, False, 4, 4), (64, 2, False, 4, 4),
+                                              (64, 4, True, 8, 4), (64, 8, True, 4, 3), (128, 4, True, 8, 3),
+                                              (128, 8, True, 8, 3), (128, 4, True, 4, 3), (128, 8, True, 8, 2),
+                                              (128, 16, True, 8, 3)]]
         gemm += [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, split_k=sk, x_f16_scaled=True)
                  for bm, bn, nw, ns, sk in [(64, 128, 4, 3, 4), (64, 128, 4, 4, 4), (64, 64, 4, 4, 4),
                                             (32, 128, 4, 4, 4), (64, 128, 4, 3, 8)]]
