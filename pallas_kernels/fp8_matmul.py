@@ -210,7 +210,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
 
 def _fit_tiles(ws, config):
     """Tiled weights as the launch can read them: the tensor-core decode kernel reads block_o rows as one
-    tile or as whole tiles joined (O a multiple of block_o; others raise); the GEMM reads block_n rows as whole tiles joined (one dot) or as a slice of
+    tile or as whole tiles joined (a block_o below the tile's rows raises); the GEMM reads block_n rows as whole tiles joined (one dot) or as a slice of
     one tile, so their heights must divide one another and O must be a multiple of block_n; every
     other case (the CUDA-core decode path, a GEMM tile that would run past O) gets untile_weight's
     [O, I], a copy per call."""
@@ -218,11 +218,12 @@ def _fit_tiles(ws, config):
         if not config.use_dot:
             return tuple(untile_weight(w) for w in ws)
         bo = config.block_o
-        bad = sorted({w.shape[2] for w in ws if w.ndim == 4 and (bo % w.shape[2] or weight_shape(w)[0] % bo)})
+        bad = sorted({w.shape[2] for w in ws if w.ndim == 4 and bo % w.shape[2]})
         if bad:
             raise ValueError(f"fp8_matmul: tiled weights of {bad} rows per tile need DecodeConfig.block_o equal to "
-                             f"it or a multiple of it that divides O, got {config}")
-        return ws
+                             f"it or a multiple of it, got {config}")
+        # whole tiles joined need O a multiple of block_o (no program may run past the last tile)
+        return tuple(untile_weight(w) if w.ndim == 4 and weight_shape(w)[0] % bo else w for w in ws)
     bn = config.block_n
 
     def readable(w) -> bool:
