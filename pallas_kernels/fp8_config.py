@@ -208,15 +208,22 @@ GEMM_SPLIT_PROGRAMS = SM_COUNT
 # 45.0 / 45.2 against 47.3 / 48.5). Per step this takes the FP8 launches' busy time from 15.4 to ~13.9
 # ms at 48 rows and from 14.9 to ~14.4 ms at 64.
 NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
-# The decode grid at more than DECODE_MAX_ROWS rows (a batched verify's narrow launches: o_proj /
-# out_proj, mlp_down at 33-64 rows) runs this pipeline depth, and split-K 8 where each run keeps >= 16
-# chunks (4 otherwise). Why: at 64 rows a stage holds the [64, 128] FP8 weight chunk and the [64, 128]
+# The decode grid at 33-64 rows (VERIFY_NARROW_MIN_ROWS; with the default dispatch a batched verify's
+# narrow launches: o_proj / out_proj, mlp_down) runs this pipeline depth, and split-K 8 where each run
+# keeps >= 16 chunks (4 otherwise). Why: at 64 rows a stage holds the [64, 128] FP8 weight chunk and the [64, 128]
 # f16 x slice, 24 KB: 4 stages left room for 2 programs per SM, 3 stages for 3. Measured on the H200
 # (session 19, `scripts/gpu_session.sh start_narrow`: the 64-row sweep, checkpoint layout, one run at
 # copy 3.73 TB/s), wall time per call with the x piece and the split-K sum, the 4-stage split-4 default
 # against the best: o_proj / out_proj 31.4 -> 25.9 us (split 4, 3 stages; split 8 26.6), mlp_down 73.0 ->
 # 56.0 (split 8, 3 stages; split 4 58.5). 17-32 rows keep the 4-stage config they were measured with.
 VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
+VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
+# The 33-64-row narrow launches' output rows per program (ops setting fp8_verify_narrow_block_o: 64,
+# or 128 with 8 warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 is worth
+# timing: at 64 rows each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight chunk's bytes; 128-row
+# programs halve that traffic (mlp_down at 64 rows: ~174 MB of x reads per call for 89 MB of weight).
+# 64 until the launches are timed (`scripts/gpu_session.sh start_stages64`).
+VERIFY_NARROW_BLOCK_O = 64
 # The GEMM's output tile rows and pipeline depth at 33-256 rows (a batched verify's wide launches: gate +
 # up, q + k + v, in_proj). 64 and 3 as first chosen; settings fp8_gemm_mid_block_m / fp8_gemm_mid_stages
 # so that the launches can be timed at other values. Why look: the 64-row sweep of one [17408, 5120]
@@ -225,13 +232,6 @@ VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
 # figure (`scripts/gpu_session.sh start_stages64`) decides.
 GEMM_MID_BLOCK_M = 64
 GEMM_MID_STAGES = 3
-VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
-# Those launches' output rows per program (ops setting fp8_verify_narrow_block_o: 64, or 128 with 8
-# warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 is worth timing: at 64 rows
-# each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight chunk's bytes; 128-row
-# programs halve that traffic (mlp_down at 64 rows: ~174 MB of x reads per call for 89 MB of weight).
-# 64 until the launches are timed (`scripts/gpu_session.sh start_stages64`).
-VERIFY_NARROW_BLOCK_O = 64
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
 # chunks convert E4M3 -> f16 instead of -> bf16, as the decode kernel has since session 9. Why: at a
 # batched verify's rows the GEMM is compute-bound where its launches are wide (gate + up 84 us at 64
