@@ -4,11 +4,13 @@ the step makes, and the part must run end to end (interpret mode on the CPU; tim
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from pallas_kernels.bench import fp8, fp8_launches
@@ -48,6 +50,24 @@ def test_target_lines():
     assert lines[1].startswith("target missed: FP8 launches at M=16") and lines[1].endswith("attn.o_proj 50%")
     result["targets"][16][0]["floor_share_of_copy"] = 0.83  # with the launch's read floor measured
     assert fp8_launches.target_lines(result)[1].endswith("attn.o_proj 50% (read floor 83%)")
+
+
+@pytest.mark.parametrize("m", [1, 40])  # the decode grid (one call for all weights) and the GEMM (one per weight)
+def test_timed_launch_reads_every_weight(m):
+    """The timing loop's result depends on every weight of a launch: a NaN scale in the last weight
+    reaches it (XLA would drop a GEMM call whose output is never read, and the launch would be timed
+    without it)."""
+    from pallas_kernels.bench.fp8 import loop_program
+    from pallas_kernels.bench.fp8_launches import launch_output
+    from pallas_kernels import fp8_config
+    import jax.numpy as jnp
+    assert (m > fp8_config.DECODE_MAX_ROWS) == (m == 40)
+    x = jnp.ones((m, 256), jnp.bfloat16)
+    ws = tuple(jnp.ones((o, 256), jnp.float8_e4m3fn) for o in (128, 64))
+    ss = (jnp.ones((1, 2), jnp.float32), jnp.full((1, 2), jnp.nan, jnp.float32))
+    prog = loop_program(functools.partial(launch_output, interpret=True), 1, False)
+    _, acc = prog(x, (ws,), (ss,))
+    assert np.isnan(float(acc))
 
 
 def test_quick_run(tmp_path):

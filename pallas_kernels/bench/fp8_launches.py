@@ -23,6 +23,7 @@ there.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from pallas_kernels.bench.common import L2_BYTES, timed
@@ -65,6 +66,16 @@ def step_launches(preset: str = "qwen3_5_27b") -> list[dict]:
     return [{"name": name, "shapes": list(shapes), "count": n} for (name, shapes), n in launches.items()]
 
 
+def launch_output(x, ws, ss, interpret: bool = False):
+    """One launch's outputs reduced to [M, 1] for loop_program: the first column of every output,
+    summed. Each output must reach the result: a GEMM launch is one pallas_call per weight (the
+    decode grid is one for all), and XLA removes a call whose output is never read. Sessions 18-19
+    concatenated the outputs and loop_program kept the first column, which timed the GEMM groups'
+    first weight alone (gate of gate + up, q of q + k + v, in_proj_qkv of in_proj_qkv + z)."""
+    from pallas_kernels import fp8_matmul as fm
+    return sum(y[:, :1].astype("float32") for y in fm.fp8_matmul_many(x, ws, ss, interpret=interpret))
+
+
 LAYOUTS = ("checkpoint", "tiled")  # the weights as the checkpoint stores them, or fp8_matmul.tile_weight's
 
 
@@ -94,8 +105,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     below: dict = {}
     floors: dict = {}  # (shapes): the read floor, measured once per distinct launch shape
 
-    def many(x, w, s):  # a launch's outputs, concatenated so loop_program can slice them
-        return jnp.concatenate(fm.fp8_matmul_many(x, w, s, interpret=interpret), axis=-1)
+    many = functools.partial(launch_output, interpret=interpret)
 
     for li, launch in enumerate(launches):
         shapes = [tuple(s) for s in launch["shapes"]]
