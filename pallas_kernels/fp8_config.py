@@ -206,7 +206,11 @@ GEMM_SPLIT_PROGRAMS = SM_COUNT
 # 25.4 / 27.0, out_proj 30.5 / 29.6 against 25.1 / 26.7; the wide launches were faster on the GEMM
 # (gate / up 85.0 / 85.0 against 108.7 / 114.2, in_proj 48.0 / 45.1 against 53.4 / 56.3, q + k + v
 # 45.0 / 45.2 against 47.3 / 48.5). Per step this takes the FP8 launches' busy time from 15.4 to ~13.9
-# ms at 48 rows and from 14.9 to ~14.4 ms at 64.
+# ms at 48 rows and from 14.9 to ~14.4 ms at 64. Caveat (session 19): those GEMM figures of a launch of
+# several weights (gate + up, q + k + v, in_proj) timed its first weight alone (the bench dropped the
+# others' calls; fixed), so the wide launches' "faster on the GEMM" is unproven: each is one GEMM call
+# per weight, ~2x the figure for gate + up. `start_stages64` times every launch on the decode grid
+# (`fp8_decode_max_rows=64`) against this.
 NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 # The decode grid at 33-64 rows (VERIFY_NARROW_MIN_ROWS; with the default dispatch a batched verify's
 # narrow launches: o_proj / out_proj, mlp_down) runs this pipeline depth, and split-K 8 where each run
@@ -228,8 +232,8 @@ VERIFY_NARROW_BLOCK_O = 64
 # up, q + k + v, in_proj). 64 and 3 as first chosen; settings fp8_gemm_mid_block_m / fp8_gemm_mid_stages
 # so that the launches can be timed at other values. Why look: the 64-row sweep of one [17408, 5120]
 # weight with the f16 piece (session 19) took 63.5 us on 32 x 128 tiles with 4 stages against 73.4 for
-# 64 x 128 with 3, but the step's gate + up launch has twice its output tiles, so only the launch-level
-# figure (`scripts/gpu_session.sh start_stages64`) decides.
+# 64 x 128 with 3 (the GEMM runs one call per weight, so gate and up each take that shape); one sweep
+# run, so the launch-level figure (`scripts/gpu_session.sh start_stages64`) decides.
 GEMM_MID_BLOCK_M = 64
 GEMM_MID_STAGES = 3
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
@@ -237,8 +241,9 @@ GEMM_MID_STAGES = 3
 # batched verify's rows the GEMM is compute-bound where its launches are wide (gate + up 84 us at 64
 # rows, 55% of copy, session 18): its weights are converted once per 64-row block, ~3 instructions per
 # weight to bf16 against one per two to f16 (scripts/triton_loop_stats.py: 584 -> 328 PTX instructions
-# per chunk at 64 rows). Measured on the H200 (session 19, `scripts/gpu_session.sh start_midrows`), all
-# FP8 launches of a 27B step by kernel time, off -> on: 13.12 -> 11.60 ms at 40 rows, 13.80 -> 12.11 at
+# per chunk at 64 rows). Measured on the H200 (session 19, `scripts/gpu_session.sh start_midrows`), the
+# FP8 launches of a 27B step by kernel time, off -> on (each GEMM launch of several weights counted by
+# its first weight alone, a bench fault fixed since): 13.12 -> 11.60 ms at 40 rows, 13.80 -> 12.11 at
 # 48, 14.19 -> 12.61 at 64, 27.48 -> 21.64 at 128, 90.31 -> 68.19 at 512; end to end at batch 16, K=3
 # (64-row verifies): K=3 natural 2105 -> 2297 tok/s, plain unchanged (1311 / 1309: its 16 rows never
 # reach the GEMM), tokens equal plain. The piece is exact (a power-of-two scale per row, bf16's 8-bit

@@ -30,8 +30,9 @@
 #                                           launch and at batch 12 / 16 K=3 (midrows(); ~25 minutes: follow with `wait`)
 #   scripts/gpu_session.sh start_narrow [SECONDS]  the narrow launches' tile sweep at 64 rows with the
 #                                           scaled f16 piece: decode grid and split GEMM (narrow())
-#   scripts/gpu_session.sh start_stages64 [SECONDS]  (~14 minutes: follow with `wait`) session 19's 33-256-row configs: `gpu`
-#                                           tests, the launches at 3 and 4 stages, batch 16 and batch 1 (stages64())
+#   scripts/gpu_session.sh start_stages64 [SECONDS]  (~22 minutes: follow with `wait`, twice) session 19's
+#                                           33-256-row configs and the GEMM groups re-timed: `gpu` tests, the
+#                                           launches under each choice, batch 16 two ways, batch 1 (stages64())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -508,26 +509,30 @@ narrow() {  # a ~3-minute lease on one GPU (session 19): the narrow launches (o_
     --fp8_shapes=5120x6144,5120x17408 --fp8_sweep --fp8_sweep_match=x_f16_scaled=True --out=$R/narrow_sweep_m64.json
 }
 
-stages64() {  # a ~14-minute lease on one GPU (start_stages64, then wait) (session 19's last change, not yet measured end to end): the
-  # `gpu` tests of the tiled defaults (40 / 64 rows on the 3-stage narrow config) and the verify rows; the
-  # step's FP8 launches at 40 / 48 / 64 / 128 rows with VERIFY_NARROW_STAGES 3 (the default) and 4, and
-  # with the GEMM's mid-row tiles 32 x 128 x 4 stages (fp8_gemm_mid_block_m / _stages); batch 16
-  # plain + K=3 with the defaults (session 19 before it: 1309 / 2297 / 1771 tok/s); TP1 batch 1 plain +
-  # K=3 (unchanged kernels at 1-16 rows: a check that nothing else moved)
+stages64() {  # a ~22-minute lease on one GPU (start_stages64, then wait, twice), most needed first: session
+  # 19's 33-64-row configs, and the GEMM groups re-timed once fp8_launches read all their weights (until
+  # session 19's fix it timed the first weight of a GEMM group alone, so session 18's "wide launches are
+  # faster on the GEMM" rests on half their bytes). The `gpu` tests of the tiled defaults at 40 / 64 rows,
+  # the verify rows and the joined tiles; the step's FP8 launches at 40 / 48 / 64 / 128 rows with the
+  # defaults, with every launch of <= 64 rows on the decode grid (fp8_decode_max_rows=64), at 4 stages,
+  # with 128-row narrow programs, with the GEMM's 32 x 128 x 4-stage mid-row tiles; batch 16 plain + K=3
+  # with the defaults (session 19 before the 3-stage change: 1309 / 2297 / 1771 tok/s) and with every
+  # launch on the decode grid; TP1 batch 1; the narrow 64-row sweep with its 128-row candidates
   export CUDA_VISIBLE_DEVICES=0
   job gputests_stages64 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
     -k "tiled_default or verify_rows or joined"
   local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=40,48,64,128"
-  job launches_stages3 120 $launches --out=$R/launches_stages3.json
+  job launches_default 120 $launches --out=$R/launches_default.json
+  job launches_decode64 120 $launches --kernels=fp8_decode_max_rows=64 --out=$R/launches_decode64.json
+  checkpoint27
+  local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
+    --max_new_tokens=256 --breakdown=false"
+  job bench27_b16 260 $bench --batch=16 --out=$R/bench27_b16.json
+  job bench27_b16_decode64 260 $bench --batch=16 --kernels=fp8_decode_max_rows=64 --out=$R/bench27_b16_decode64.json
   job launches_stages4 120 $launches --kernels=fp8_verify_narrow_stages=4 --out=$R/launches_stages4.json
-  # the narrow launches on 128-row programs (two tiles joined), then the wide launches' GEMM tiles at
-  # 33-256 rows: 32 x 128 with 4 stages against 64 x 128 with 3
   job launches_bo128 120 $launches --kernels=fp8_verify_narrow_block_o=128 --out=$R/launches_bo128.json
   job launches_gemm32 150 $launches --kernels=fp8_gemm_mid_block_m=32,fp8_gemm_mid_stages=4 \
     --out=$R/launches_gemm32.json
-  checkpoint27
-  job bench27_b16 260 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
-    --max_new_tokens=256 --breakdown=false --batch=16 --out=$R/bench27_b16.json
   job bench27_b1 300 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
     --breakdown=false --out=$R/bench27_b1.json
   narrow  # the 64-row sweep of the narrow shapes, now with 128-row programs among its candidates
