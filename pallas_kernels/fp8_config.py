@@ -194,8 +194,9 @@ X_CHUNK_SCALED = False
 # Why: a batched verify of 64 rows (16 slots x K + 1 = 4) on whole 64 x 128 output tiles gave the
 # narrow weights one program per 128 output rows and nothing else: o_proj / out_proj and mlp_down 40
 # programs on 132 SMs, k_proj / v_proj 8. Measured on the H200 before the split (session 18,
-# `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=64`): all FP8 launches of a 27B step 29.4
-# ms at 64 rows (21% of copy; o_proj 86.9 us, mlp_down 245 us) against 7.2 ms at 16 rows.
+# `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=64`): the FP8 launches of a 27B step 29.4
+# ms at 64 rows (GEMM groups by their first weight, NARROW_DECODE_MAX_ROWS's caveat; o_proj 86.9 us,
+# mlp_down 245 us) against 7.2 ms at 16 rows.
 GEMM_SPLIT_PROGRAMS = SM_COUNT
 # A narrow launch (fewer 64-row blocks than SMs in its summed O: o_proj / out_proj, mlp_down in the 27B
 # step) of more than DECODE_MAX_ROWS rows runs on the decode grid up to this many rows, not the GEMM
