@@ -215,8 +215,8 @@ GEMM_SPLIT_PROGRAMS = SM_COUNT
 NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 # The decode grid at 33-64 rows (VERIFY_NARROW_MIN_ROWS; with the default dispatch a batched verify's
 # narrow launches: o_proj / out_proj, mlp_down) runs this pipeline depth, and split-K 8 where each run
-# keeps >= 16 chunks (4 otherwise). Why: at 64 rows a stage holds the [64, 128] FP8 weight chunk and the [64, 128]
-# f16 x slice, 24 KB: 4 stages left room for 2 programs per SM, 3 stages for 3. Measured on the H200
+# keeps >= 16 chunks (4 otherwise). Why: at 64 rows a stage holds the [64, 128] FP8 weight chunk and
+# the [64, 128] f16 x slice, 24 KB: 4 stages left room for 2 programs per SM, 3 stages for 3. Measured on the H200
 # (session 19, `scripts/gpu_session.sh start_narrow`: the 64-row sweep, checkpoint layout, one run at
 # copy 3.73 TB/s), wall time per call with the x piece and the split-K sum, the 4-stage split-4 default
 # against the best: o_proj / out_proj 31.4 -> 25.9 us (split 4, 3 stages; split 8 26.6), mlp_down 73.0 ->
@@ -225,8 +225,9 @@ VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
 VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
 # The 33-64-row narrow launches' output rows per program (ops setting fp8_verify_narrow_block_o: 64,
 # or 128 with 8 warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 is worth
-# timing: at 64 rows each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight chunk's bytes; 128-row
-# programs halve that traffic (mlp_down at 64 rows: ~174 MB of x reads per call for 89 MB of weight).
+# timing: at 64 rows each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight
+# chunk's bytes; 128-row programs halve that traffic (mlp_down at 64 rows: ~174 MB of x reads per call
+# for 89 MB of weight).
 # 64 until the launches are timed (`scripts/gpu_session.sh start_stages64`).
 VERIFY_NARROW_BLOCK_O = 64
 # The GEMM's output tile rows and pipeline depth at 33-256 rows (a batched verify's wide launches: gate +
@@ -278,14 +279,14 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     chunk = X_CHUNK_SCALED  # one piece per row made in the kernel: M dot rows, as the scaled piece
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
     scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk
-    if m >= VERIFY_NARROW_MIN_ROWS:  # a batched verify's narrow launches at 33-64 rows (VERIFY_NARROW_STAGES)
-        return DecodeConfig(block_o=VERIFY_NARROW_BLOCK_O,
-                            split_k=8 if n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4)),
-                            use_dot=True, swap_ab=True, x_f16=scaled, x_f16_scaled=scaled, x_chunk_scaled=chunk,
-                            num_warps=8 if VERIFY_NARROW_BLOCK_O > 64 else 4, num_stages=VERIFY_NARROW_STAGES)
-    if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape
-        return DecodeConfig(block_o=bo, split_k=max(1, min(4, n_chunks // 4)), use_dot=True, swap_ab=True,
-                            x_f16=scaled, x_f16_scaled=scaled, x_chunk_scaled=chunk)
+    if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape, and at
+        # 33-64 rows (its narrow launches) the M = 64 sweep's depth, split and tile (VERIFY_NARROW_*)
+        mid = m >= VERIFY_NARROW_MIN_ROWS
+        block_o = VERIFY_NARROW_BLOCK_O if mid else bo
+        split = 8 if mid and n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4))
+        return DecodeConfig(block_o=block_o, split_k=split, use_dot=True, swap_ab=True, x_f16=scaled,
+                            x_f16_scaled=scaled, x_chunk_scaled=chunk, num_warps=8 if block_o > 64 else 4,
+                            num_stages=VERIFY_NARROW_STAGES if mid else DecodeConfig.num_stages)
     if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)

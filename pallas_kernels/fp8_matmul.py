@@ -210,10 +210,10 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
 
 def _fit_tiles(ws, config):
     """Tiled weights as the launch can read them: the tensor-core decode kernel reads block_o rows as one
-    tile or as whole tiles joined (a block_o below the tile's rows raises); the GEMM reads block_n rows as whole tiles joined (one dot) or as a slice of
-    one tile, so their heights must divide one another and O must be a multiple of block_n; every
-    other case (the CUDA-core decode path, a GEMM tile that would run past O) gets untile_weight's
-    [O, I], a copy per call."""
+    tile or as whole tiles joined (a block_o below the tile's rows raises); the GEMM reads block_n rows
+    as whole tiles joined (one dot) or as a slice of one tile, so their heights must divide one another;
+    both need O a multiple of the rows they join. Every other case (the CUDA-core decode path, a block
+    that would run past O) gets untile_weight's [O, I], a copy per call."""
     if isinstance(config, DecodeConfig):
         if not config.use_dot:
             return tuple(untile_weight(w) for w in ws)

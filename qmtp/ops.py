@@ -149,6 +149,7 @@ FP8_TILED_WEIGHTS = True
 
 # kernel_settings() name -> (module, attribute) of the switch ("ops" is this module), with the
 # integer range a value must fall in (None: a bool)
+POW2 = "a power of two"  # a setting's bounds (lo, hi, POW2): a tile's rows, so only powers of two
 _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUNCH", None),
                      "dequant_dot_min_rows": ("ops", "DEQUANT_DOT_MIN_ROWS", (0, None)),
                      "xla_single_row": ("ops", "XLA_SINGLE_ROW", None),
@@ -182,14 +183,11 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                                                     (0, fp8_config.DECODE_DOT_MAX_ROWS)),
                      "fp8_gemm_x_f16_scaled": ("fp8_config", "GEMM_X_F16_SCALED", None),
                      "fp8_verify_narrow_stages": ("fp8_config", "VERIFY_NARROW_STAGES", (1, 8)),
-                     "fp8_verify_narrow_block_o": ("fp8_config", "VERIFY_NARROW_BLOCK_O", (64, 128)),
-                     "fp8_gemm_mid_block_m": ("fp8_config", "GEMM_MID_BLOCK_M", (16, 256)),
+                     "fp8_verify_narrow_block_o": ("fp8_config", "VERIFY_NARROW_BLOCK_O", (64, 128, POW2)),
+                     "fp8_gemm_mid_block_m": ("fp8_config", "GEMM_MID_BLOCK_M", (16, 256, POW2)),
                      "fp8_gemm_mid_stages": ("fp8_config", "GEMM_MID_STAGES", (1, 8)),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
                      "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
-
-
-_POW2_SETTINGS = {"fp8_gemm_mid_block_m", "fp8_verify_narrow_block_o"}
 
 
 def _switch_module(module: str):
@@ -235,7 +233,7 @@ def parse_kernel_settings(items) -> dict:
 
 
 def _parse_setting(name: str, value, bounds):
-    """A bool (bounds None) or an integer within bounds (lo, hi; None: unbounded) from its text."""
+    """A bool (bounds None) or an integer within bounds (lo, hi[, POW2]; hi None: unbounded) from its text."""
     if bounds is None:
         if isinstance(value, bool):
             return value
@@ -249,10 +247,10 @@ def _parse_setting(name: str, value, bounds):
         number = int(value)
     except (TypeError, ValueError):
         raise ValueError(f"kernel setting {name}={value!r}: expected an integer") from None
-    lo, hi = bounds
+    lo, hi, *rule = bounds
     if number < lo or (hi is not None and number > hi):
         raise ValueError(f"kernel setting {name}={number}: must be in [{lo}, {hi if hi is not None else 'inf'}]")
-    if name in _POW2_SETTINGS and not fp8_config.is_pow2(number):
+    if rule == [POW2] and not fp8_config.is_pow2(number):
         raise ValueError(f"kernel setting {name}={number}: must be a power of two (a tile's rows)")
     return number
 
