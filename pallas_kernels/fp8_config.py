@@ -13,13 +13,18 @@ import dataclasses
 
 BLOCK = 128  # the scale block: 128 x 128 weights share one scale
 
-# M above this runs the prefill GEMM (default_config's dispatch). 32, not 16: a batched verify (8 slots
-# x K+1 = 32 rows) on the GEMM tiles gives narrow weights few programs (mlp_down [5120, 17408] at
-# BN = 128: 40 programs on 132 SMs), where the decode grid splits K as well. Measured at M = 32 on the
-# H200 (2026-11-30, `pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_sweep`): the decode grid
-# (64-row programs, split-K 4) streamed 1.25-1.78 TB/s per weight on the five 27B shapes against
-# 0.50-1.14 for the GEMM default, 1.5-2.9x. 33-64 rows: NARROW_DECODE_MAX_ROWS, VERIFY_NARROW_STAGES.
-DECODE_MAX_ROWS = 32
+# M above this runs the prefill GEMM (default_config's dispatch): every launch of at most 64 rows (decode,
+# a verify of up to 16 slots x K+1 = 4) streams its weights on the decode grid. History: 32 since
+# 2026-11-30, when a batch-8 verify (32 rows) on the GEMM tiles gave narrow weights few programs
+# (mlp_down [5120, 17408] at BN = 128: 40 on 132 SMs) and the decode grid streamed 1.25-1.78 TB/s per
+# 27B weight against 0.50-1.14 (`pallas_kernels.bench --parts=fp8 --fp8_ms=32 --fp8_sweep`). 64 since
+# session 20, once the launch bench timed every weight of a GEMM launch (session 19's fix) and the
+# 33-64-row decode grid ran 3 stages: on the H200 (`scripts/gpu_session.sh start_stages64`, one lease,
+# copy 3.77 TB/s) the FP8 launches of a 27B step by kernel time at 40 / 48 / 64 rows took 16.2 / 16.3 /
+# 16.7 ms with the wide launches on the GEMM against 11.7 / 12.5 / 13.4 on the decode grid
+# (gate + up 135 -> 95 us at 64 rows, q + k + v 55 -> 41, in_proj 59 -> 48); batch 16, K=3 (64-row
+# verifies): natural 2431 -> 2557 tok/s, profiled 1872 -> 1959, plain 1313 / 1306, tokens equal plain.
+DECODE_MAX_ROWS = 64
 # A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 64] f32 accumulator).
 DECODE_DOT_MAX_ROWS = 64
 DOT_MIN = 16  # smallest M / N / K of a Triton dot
@@ -200,42 +205,44 @@ X_CHUNK_SCALED = False
 GEMM_SPLIT_PROGRAMS = SM_COUNT
 # A narrow launch (fewer 64-row blocks than SMs in its summed O: o_proj / out_proj, mlp_down in the 27B
 # step) of more than DECODE_MAX_ROWS rows runs on the decode grid up to this many rows, not the GEMM
-# (<= DECODE_MAX_ROWS: off; at most DECODE_DOT_MAX_ROWS). Measured per launch on the H200 (session 18,
-# `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=48,64`, the GEMM split along I against
-# `--kernels=fp8_decode_max_rows=64`), busy time per call with the XLA pieces and sums, at 48 / 64 rows:
-# mlp_down 77.5 / 72.7 us on the GEMM against 59.6 / 67.5 on the decode grid, o_proj 30.6 / 29.5 against
-# 25.4 / 27.0, out_proj 30.5 / 29.6 against 25.1 / 26.7; the wide launches were faster on the GEMM
-# (gate / up 85.0 / 85.0 against 108.7 / 114.2, in_proj 48.0 / 45.1 against 53.4 / 56.3, q + k + v
-# 45.0 / 45.2 against 47.3 / 48.5). Per step this takes the FP8 launches' busy time from 15.4 to ~13.9
-# ms at 48 rows and from 14.9 to ~14.4 ms at 64. Caveat (session 19): those GEMM figures of a launch of
-# several weights (gate + up, q + k + v, in_proj) timed its first weight alone (the bench dropped the
-# others' calls; fixed), so the wide launches' "faster on the GEMM" is unproven: each is one GEMM call
-# per weight, ~2x the figure for gate + up. `start_stages64` times every launch on the decode grid
-# (`fp8_decode_max_rows=64`) against this.
+# (<= DECODE_MAX_ROWS: off; at most DECODE_DOT_MAX_ROWS). Since DECODE_MAX_ROWS is 64 (session 20) it
+# matters only where fp8_decode_max_rows is set lower. Measured per launch on the H200 (session 18,
+# `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=48,64`, the GEMM split along I against the
+# decode grid), busy time per call with the XLA pieces and sums, at 48 / 64 rows: mlp_down 77.5 / 72.7
+# us on the GEMM against 59.6 / 67.5 on the decode grid, o_proj 30.6 / 29.5 against 25.4 / 27.0,
+# out_proj 30.5 / 29.6 against 25.1 / 26.7. (The wide launches' "faster on the GEMM" of that run timed a
+# GEMM launch of several weights by its first weight alone, a bench fault fixed in session 19;
+# re-timed, they are faster on the decode grid: DECODE_MAX_ROWS.)
 NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
-# The decode grid at 33-64 rows (VERIFY_NARROW_MIN_ROWS; with the default dispatch a batched verify's
-# narrow launches: o_proj / out_proj, mlp_down) runs this pipeline depth, and split-K 8 where each run
-# keeps >= 16 chunks (4 otherwise). Why: at 64 rows a stage holds the [64, 128] FP8 weight chunk and
-# the [64, 128] f16 x slice, 24 KB: 4 stages left room for 2 programs per SM, 3 stages for 3. Measured on the H200
-# (session 19, `scripts/gpu_session.sh start_narrow`: the 64-row sweep, checkpoint layout, one run at
-# copy 3.73 TB/s), wall time per call with the x piece and the split-K sum, the 4-stage split-4 default
-# against the best: o_proj / out_proj 31.4 -> 25.9 us (split 4, 3 stages; split 8 26.6), mlp_down 73.0 ->
-# 56.0 (split 8, 3 stages; split 4 58.5). 17-32 rows keep the 4-stage config they were measured with.
+# The decode grid at 33-64 rows (VERIFY_NARROW_MIN_ROWS: a batched verify of 9-16 slots at K=3) runs
+# this pipeline depth, and split-K 8 where each run keeps >= 16 chunks (4 otherwise). Why: at 64 rows a
+# stage holds the [64, 128] FP8 weight chunk and the [64, 128] f16 x slice, 24 KB: 4 stages left room
+# for 2 programs per SM, 3 stages for 3. Measured on the H200 (session 19, `scripts/gpu_session.sh
+# start_narrow`: the 64-row sweep, checkpoint layout, one run at copy 3.73 TB/s), wall time per call
+# with the x piece and the split-K sum, the 4-stage split-4 default against the best: o_proj / out_proj
+# 31.4 -> 25.9 us (split 4, 3 stages; split 8 26.6), mlp_down 73.0 -> 56.0 (split 8, 3 stages; split 4
+# 58.5). Per step (session 20, `start_stages64`, the launches by kernel time with the wide ones still on
+# the GEMM): 4 stages 16.9 / 17.3 / 17.6 ms at 40 / 48 / 64 rows against 16.2 / 16.3 / 16.7 with 3
+# (o_proj 26.1 -> 19.7 us, mlp_down 56.2 -> 48.7 at 64 rows). 17-32 rows keep the 4-stage config they
+# were measured with.
 VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
 VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
-# The 33-64-row narrow launches' output rows per program (ops setting fp8_verify_narrow_block_o: 64,
-# or 128 with 8 warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 is worth
-# timing: at 64 rows each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight
-# chunk's bytes; 128-row programs halve that traffic (mlp_down at 64 rows: ~174 MB of x reads per call
-# for 89 MB of weight).
-# 64 until the launches are timed (`scripts/gpu_session.sh start_stages64`).
+# The 33-64-row decode grid's output rows per program (ops setting fp8_verify_narrow_block_o: 64, or
+# 128 with 8 warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 was tried: at 64
+# rows each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight chunk's bytes;
+# 128-row programs halve that traffic. Measured slower on the H200 (session 20, `start_stages64`, the
+# launches by kernel time on the tiled weights): o_proj 19.7 -> 44.5 us and mlp_down 48.7 -> 89.3 at 64
+# rows, the step's launches 16.7 -> 21.0 ms; on the checkpoint layout (the 64-row sweep of the same
+# lease) 128-row programs came within 5% of 64-row ones (o_proj 28.1 against 25.1 us, mlp_down 53.6
+# against 56.2 at split 16), so the joined tiles' [2, 64, 128] load is what costs. Kept as the measured
+# alternative.
 VERIFY_NARROW_BLOCK_O = 64
-# The GEMM's output tile rows and pipeline depth at 33-256 rows (a batched verify's wide launches: gate +
-# up, q + k + v, in_proj). 64 and 3 as first chosen; settings fp8_gemm_mid_block_m / fp8_gemm_mid_stages
-# so that the launches can be timed at other values. Why look: the 64-row sweep of one [17408, 5120]
-# weight with the f16 piece (session 19) took 63.5 us on 32 x 128 tiles with 4 stages against 73.4 for
-# 64 x 128 with 3 (the GEMM runs one call per weight, so gate and up each take that shape); one sweep
-# run, so the launch-level figure (`scripts/gpu_session.sh start_stages64`) decides.
+# The GEMM's output tile rows and pipeline depth at 33-256 rows (65-256 with the default dispatch;
+# settings fp8_gemm_mid_block_m / fp8_gemm_mid_stages). Why 32 x 128 with 4 stages was tried: the
+# 64-row sweep of one [17408, 5120] weight with the f16 piece (session 19) took 63.5 us on them against
+# 73.4 for 64 x 128 with 3. Measured slower per launch on the H200 (session 20, `start_stages64`, the
+# launches by kernel time, every weight of a launch timed): gate + up 135 -> 218 us at 64 rows and
+# 247 -> 363 at 128, q + k + v 55 -> 96, the step's launches at 128 rows 31.6 -> 56.6 ms. Kept at 64 / 3.
 GEMM_MID_BLOCK_M = 64
 GEMM_MID_STAGES = 3
 # True: the GEMM takes bf16 x as one scaled f16 piece per row (PrefillConfig.x_f16_scaled), so its weight
@@ -269,8 +276,8 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     side (measured 1.5 -> 2.0 TB/s at M = 4..16 on [17408, 5120]). x_f16 up to X_F16_MAX_ROWS rows; with
     it at M <= 8 and NARROW_X_ON_M the narrow shapes also put x on the M side, with >= 4 programs per SM.
     17-32 rows (batched verify): split-K 4 with W on the dot's M side, the best of the M = 32 sweep on
-    all five shapes (scales loaded per chunk, as measured); 33-64 rows (a batched verify's narrow
-    launches) the same with 3 stages and split-K 8 where runs keep >= 16 chunks (VERIFY_NARROW_STAGES,
+    all five shapes (scales loaded per chunk, as measured); 33-64 rows (a batched verify of 9-16
+    slots) the same with 3 stages and split-K 8 where runs keep >= 16 chunks (VERIFY_NARROW_STAGES,
     the best of the M = 64 sweep). With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-64
     rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy."""
     bo = 64
@@ -322,8 +329,8 @@ def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:
 
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
-    """Heuristic: GEMM_MID_BLOCK_M x 128 tiles (4 warps, GEMM_MID_STAGES) at 33-256 rows, 32 x 128 at
-    fewer, 128 x 128 (8 warps) above; split_k (a power of two, runs of >= 4 chunks) while the grid has
+    """Heuristic: GEMM_MID_BLOCK_M x 128 tiles (4 warps, GEMM_MID_STAGES) at 33-256 rows (65-256 with
+    the default dispatch), 32 x 128 at fewer, 128 x 128 (8 warps) above; split_k (a power of two, runs of >= 4 chunks) while the grid has
     fewer than GEMM_SPLIT_PROGRAMS programs (0: never); x_f16_scaled from GEMM_X_F16_SCALED."""
     if m <= 32:
         config = PrefillConfig(block_m=32, block_n=128, num_warps=4, num_stages=3)
@@ -339,8 +346,9 @@ def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
 
 
 def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
-    """The dispatch on M: few rows stream W (bandwidth-bound), many rows run the GEMM; a narrow launch
-    (not is_wide) stays on the decode grid up to NARROW_DECODE_MAX_ROWS rows."""
+    """The dispatch on M: up to DECODE_MAX_ROWS rows stream W on the decode grid, more run the GEMM;
+    where DECODE_MAX_ROWS is set lower, a narrow launch (not is_wide) stays on the decode grid up to
+    NARROW_DECODE_MAX_ROWS rows."""
     if m <= DECODE_MAX_ROWS or (not is_wide(o) and m <= min(NARROW_DECODE_MAX_ROWS, DECODE_DOT_MAX_ROWS)):
         return decode_config(m, o, i)
     return prefill_config(m, o, i)

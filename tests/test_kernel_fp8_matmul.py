@@ -600,7 +600,10 @@ def test_interpret_mode_poisons_out_of_bounds():
 def test_default_config_heuristic():
     assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
     assert fm.default_config(32, 130, 129).split_k == 1  # two chunks: nothing to split
-    assert isinstance(fm.default_config(33, 17408, 5120), PrefillConfig)
+    # every launch of <= 64 rows streams on the decode grid (wide ones too), more rows run the GEMM
+    for o in (17408, 2 * 17408, 5120):
+        assert isinstance(fm.default_config(64, o, 5120), DecodeConfig), o
+        assert isinstance(fm.default_config(65, o, 5120), PrefillConfig), o
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
     pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 rows (measured per weight)
@@ -694,10 +697,11 @@ def test_default_config_heuristic():
         assert fc.prefill_config(64, 5120, 6144).split_k == 1
     finally:
         fc.GEMM_SPLIT_PROGRAMS = before
-    # a narrow launch's verify rows stay on the decode grid up to NARROW_DECODE_MAX_ROWS, a wide one's do not
-    before = fc.NARROW_DECODE_MAX_ROWS
+    # with fp8_decode_max_rows set below 64, a narrow launch's verify rows stay on the decode grid up to
+    # NARROW_DECODE_MAX_ROWS, a wide one's do not
+    before = fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS
     try:
-        fc.NARROW_DECODE_MAX_ROWS = 64
+        fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS = 64, 32
         for m in (33, 48, 64):
             assert fm.default_config(m, 5120, 6144) == fc.decode_config(m, 5120, 6144), m  # o_proj
             assert fm.default_config(m, 5120, 17408) == fc.decode_config(m, 5120, 17408), m  # mlp_down
@@ -718,7 +722,7 @@ def test_default_config_heuristic():
         fc.NARROW_DECODE_MAX_ROWS = 0
         assert isinstance(fm.default_config(33, 5120, 6144), PrefillConfig)
     finally:
-        fc.NARROW_DECODE_MAX_ROWS = before
+        fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS = before
     # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
     for m in (1, 16, 32):
         c = fc.act_quant_config(m, 5120, 6144)
@@ -869,7 +873,7 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     # 16 rows in one scaled f16 piece each: the narrow x-on-M policy, split-K 8
     "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 8), 1),
     "decode_m32_down_verify": (32, E, F, jnp.bfloat16, (E // 64, 4), 1),  # a batched verify (8 x K+1)
-    "decode_m64_gate_up": (64, F, E, jnp.bfloat16, (F // 64, 4), 1),  # DecodeConfig by hand (below)
+    "decode_m64_gate_up": (64, F, E, jnp.bfloat16, (F // 64, 4), 1),  # a wide launch at 64 rows
     "decode_m4_f32_x": (4, F, E, jnp.float32, (F // 64, 2), 3),  # hi / mid / lo pieces
     "prefill_m512": (512, F, E, jnp.bfloat16, (4, F // 128), 1),
     "prefill_m40_down_f32_x": (40, E, F, jnp.float32, (1, E // 128), 3),  # split-K 4 (40 output tiles)
@@ -890,11 +894,8 @@ def test_kernel_lowers_for_h200(name, monkeypatch):
     monkeypatch.setattr(fc, "M1_CUDA_CORE", name in FMA_CASES)
     sds = jax.ShapeDtypeStruct
     args = (sds((m, i), x_dtype), sds((o, i), jnp.float8_e4m3fn), sds((-(-o // 128), -(-i // 128)), jnp.float32))
-    # verify rows above DECODE_MAX_ROWS take the decode grid only when asked (config=)
-    if "prefill" in name:  # the GEMM, where the default may take the decode grid (a narrow launch's verify rows)
+    if "prefill" in name:  # the GEMM, where the default takes the decode grid (<= DECODE_MAX_ROWS rows)
         config = fc.prefill_config(m, o, i)
-    elif m > fc.DECODE_MAX_ROWS and "decode" in name:
-        config = fm.decode_config(m, o, i)
     else:
         config = fm.default_config(m, o, i)
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
@@ -1145,10 +1146,11 @@ def test_x_f16_lowers_for_h200(m, o, i):
 
 
 def test_gemm_x_f16_scaled_lowers_for_h200(monkeypatch):
-    """The GEMM's default at a batched verify's 64 rows with fp8_gemm_x_f16_scaled compiles for the
-    H200: one f16 dot per chunk, x one f16 piece per row, the weight converted to f16 (no bf16 dot)."""
+    """The GEMM's default at a batched verify's 128 rows (32 slots at K=3) with fp8_gemm_x_f16_scaled
+    compiles for the H200: one f16 dot per chunk, x one f16 piece per row, the weight converted to f16
+    (no bf16 dot)."""
     sds = jax.ShapeDtypeStruct
-    m, o, i = 64, 17408, 5120
+    m, o, i = 128, 17408, 5120
     monkeypatch.setattr(fc, "GEMM_X_F16_SCALED", True)
     config = fm.default_config(m, o, i)
     assert isinstance(config, PrefillConfig) and config.x_f16_scaled
@@ -1161,7 +1163,7 @@ def test_gemm_x_f16_scaled_lowers_for_h200(monkeypatch):
     converts = [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln]
     assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts
     assert [ln for ln in ir_text.splitlines() if "bf16" in ln and "tt.dot" in ln] == []
-    assert attr_int(cfg, "grid_x") == 1 and attr_int(cfg, "grid_y") == o // config.block_n
+    assert attr_int(cfg, "grid_x") == m // config.block_m and attr_int(cfg, "grid_y") == o // config.block_n
 
 
 @pytest.mark.parametrize("m, o, i", [(16, F, E), (16, E, F), (32, F, E)])

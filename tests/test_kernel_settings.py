@@ -64,18 +64,21 @@ def test_verify_narrow_block_o_setting_joins_tiles_with_8_warps():
         ops.set_kernel_settings({"fp8_verify_narrow_block_o": "96"})
 
 
-def test_gemm_mid_row_tiles_setting_reaches_33_to_256_rows_only():
-    """fp8_gemm_mid_block_m / fp8_gemm_mid_stages set the GEMM's tiles at 33-256 rows (a batched
-    verify's wide launches) and nothing at 512; a tile height that is no power of two is refused."""
+def test_gemm_mid_row_tiles_setting_reaches_65_to_256_rows_only():
+    """fp8_gemm_mid_block_m / fp8_gemm_mid_stages set the GEMM's tiles at 65-256 rows (33-256 where
+    fp8_decode_max_rows is 32) and nothing at 512 or on the decode grid; a tile height that is no power
+    of two is refused."""
     previous = ops.set_kernel_settings({"fp8_gemm_mid_block_m": "32", "fp8_gemm_mid_stages": "4"})
     try:
-        for m in (33, 64, 256):
+        for m in (65, 128, 256):
             c = fp8_matmul.default_config(m, 17408, 5120)
             assert (c.block_m, c.num_stages) == (32, 4), (m, c)
         assert fp8_matmul.default_config(512, 17408, 5120).block_m == 128
+        assert fp8_matmul.default_config(64, 17408, 5120) == fp8_config.decode_config(64, 17408, 5120)
+        assert fp8_config.prefill_config(33, 17408, 5120).block_m == 32
     finally:
         ops.set_kernel_settings(previous)
-    assert (fp8_matmul.default_config(64, 17408, 5120).block_m, fp8_matmul.default_config(64, 17408, 5120).num_stages) == (64, 3)
+    assert (fp8_matmul.default_config(128, 17408, 5120).block_m, fp8_matmul.default_config(128, 17408, 5120).num_stages) == (64, 3)
     with pytest.raises(ValueError, match="fp8_gemm_mid_block_m=48: must be a power of two"):
         ops.set_kernel_settings({"fp8_gemm_mid_block_m": "48"})
     assert fp8_config.GEMM_MID_BLOCK_M == 64
