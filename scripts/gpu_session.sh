@@ -33,6 +33,8 @@
 #   scripts/gpu_session.sh start_stages64 [SECONDS]  (~22 minutes: follow with `wait`, twice) session 19's
 #                                           33-256-row configs and the GEMM groups re-timed: `gpu` tests, the
 #                                           launches under each choice, batch 16 two ways, batch 1 (stages64())
+#   scripts/gpu_session.sh start_batch32 [SECONDS]  (~8 minutes) the tiled `gpu` tests on session 20's
+#                                           dispatch, batch 32 plain / K=1 / K=3 (batch32())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -538,6 +540,18 @@ stages64() {  # a ~22-minute lease on one GPU (start_stages64, then wait, twice)
   narrow  # the 64-row sweep of the narrow shapes, now with 128-row programs among its candidates
 }
 
+batch32() {  # a ~8-minute lease on one GPU (start_batch32): session 20's dispatch (every launch of <= 64
+  # rows on the decode grid) under its tiled `gpu` tests (40 / 64 rows now on the decode grid for the wide
+  # weights too), then batch 32, where a K=3 verify is 128 rows (the GEMM) and a K=1 verify 64 (the
+  # decode grid): plain, K=1 and K=3 with natural and profiled acceptance
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests_tiled_default 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
+    -k tiled_default
+  checkpoint27
+  job bench27_b32 400 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=1,3 --repeats=1 \
+    --max_new_tokens=128 --breakdown=false --batch=32 --out=$R/bench27_b32.json
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -560,7 +574,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC

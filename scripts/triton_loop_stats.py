@@ -69,6 +69,12 @@ CASES = {
     "up_gemm_m64_tiled_f16": (64, 17408, 5120, "fp8_tiled", {"x_f16_scaled": True}),
     "up_gemm_m512_tiled": (512, 17408, 5120, "fp8_tiled", {"x_f16_scaled": False}),
     "up_gemm_m512_tiled_f16": (512, 17408, 5120, "fp8_tiled", {"x_f16_scaled": True}),
+    # a batched verify's 64 rows on the decode grid (tiled weights): 64-row programs against 128-row ones
+    # joining two 64-row tiles per chunk (fp8_verify_narrow_block_o=128, measured 2x slower on the H200)
+    "down_m64_tiled": (64, 5120, 17408, "fp8_tiled", {}),
+    "down_m64_tiled_bo128": (64, 5120, 17408, "fp8_tiled", {"block_o": 128, "num_warps": 8}),
+    "up_m64_tiled": (64, 17408, 5120, "fp8_tiled", {}),
+    "oproj_m16_tiled_bo128": (16, 5120, 6144, "fp8_tiled", {"block_o": 128, "num_warps": 8}),
 }
 
 _COMPILE = r'''
