@@ -25,8 +25,10 @@ BLOCK = 128  # the scale block: 128 x 128 weights share one scale
 # (gate + up 135 -> 95 us at 64 rows, q + k + v 55 -> 41, in_proj 59 -> 48); batch 16, K=3 (64-row
 # verifies): natural 2431 -> 2557 tok/s, profiled 1872 -> 1959, plain 1313 / 1306, tokens equal plain.
 DECODE_MAX_ROWS = 64
-# A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 64] f32 accumulator).
-DECODE_DOT_MAX_ROWS = 64
+# A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 128] f32 accumulator,
+# 64 registers per thread at BO = 64 and 4 warps). 65-128 rows run on it only where fp8_decode_max_rows
+# asks (VERIFY_TALL_STAGES says why).
+DECODE_DOT_MAX_ROWS = 128
 DOT_MIN = 16  # smallest M / N / K of a Triton dot
 FMA_MAX_ROWS = 8  # the CUDA-core path keeps one [block_o, 128] f32 accumulator per row in registers
 SM_COUNT = 132  # H200 streaming multiprocessors (the split-K heuristic's occupancy target)
@@ -213,7 +215,7 @@ GEMM_SPLIT_PROGRAMS = SM_COUNT
 # out_proj 30.5 / 29.6 against 25.1 / 26.7. (The wide launches' "faster on the GEMM" of that run timed a
 # GEMM launch of several weights by its first weight alone, a bench fault fixed in session 19;
 # re-timed, they are faster on the decode grid: DECODE_MAX_ROWS.)
-NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
+NARROW_DECODE_MAX_ROWS = 64
 # The decode grid at 33-64 rows (VERIFY_NARROW_MIN_ROWS: a batched verify of 9-16 slots at K=3) runs
 # this pipeline depth, and split-K 8 where each run keeps >= 16 chunks (4 otherwise). Why: at 64 rows a
 # stage holds the [64, 128] FP8 weight chunk and the [64, 128] f16 x slice, 24 KB: 4 stages left room
@@ -227,6 +229,17 @@ NARROW_DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS
 # were measured with.
 VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
 VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
+# The decode grid at 65-128 rows (VERIFY_TALL_MIN_ROWS: a verify of 17-32 slots at K=3; only where
+# fp8_decode_max_rows is raised above 64, the default dispatch runs the GEMM there) keeps the 33-64-row
+# tiles with this pipeline depth. Why look: the FP8 launches of a 128-row step took 31.5 ms on the
+# GEMM against 13.4 at 64 rows on the decode grid (session 20), 2.35x for twice the rows; one decode
+# program per 64 weight rows converts each weight chunk to f16 once for all 128 rows, where the GEMM's
+# 64 x 128 tiles convert it once per 64 rows. Why 2 stages: a stage holds the [64, 128] FP8 weight chunk
+# and the [128, 128] f16 x slice, 40 KB; 2 stages leave room for 2 programs per SM, 3 for one.
+# Unmeasured (built in session 20 with no device time left): time it with `--parts=fp8_launches
+# --fp8_launch_ms=96,128 --kernels=fp8_decode_max_rows=128` against the default.
+VERIFY_TALL_STAGES = 2  # ops setting fp8_verify_tall_stages
+VERIFY_TALL_MIN_ROWS = 65
 # The 33-64-row decode grid's output rows per program (ops setting fp8_verify_narrow_block_o: 64, or
 # 128 with 8 warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 was tried: at 64
 # rows each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight chunk's bytes;
@@ -278,7 +291,8 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     17-32 rows (batched verify): split-K 4 with W on the dot's M side, the best of the M = 32 sweep on
     all five shapes (scales loaded per chunk, as measured); 33-64 rows (a batched verify of 9-16
     slots) the same with 3 stages and split-K 8 where runs keep >= 16 chunks (VERIFY_NARROW_STAGES,
-    the best of the M = 64 sweep). With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-64
+    the best of the M = 64 sweep); 65-128 rows (fp8_decode_max_rows raised) the same tiles with
+    VERIFY_TALL_STAGES. With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-128
     rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy."""
     bo = 64
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
@@ -291,9 +305,10 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
         mid = m >= VERIFY_NARROW_MIN_ROWS
         block_o = VERIFY_NARROW_BLOCK_O if mid else bo
         split = 8 if mid and n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4))
+        stages = VERIFY_TALL_STAGES if m >= VERIFY_TALL_MIN_ROWS else VERIFY_NARROW_STAGES if mid else None
         return DecodeConfig(block_o=block_o, split_k=split, use_dot=True, swap_ab=True, x_f16=scaled,
                             x_f16_scaled=scaled, x_chunk_scaled=chunk, num_warps=8 if block_o > 64 else 4,
-                            num_stages=VERIFY_NARROW_STAGES if mid else DecodeConfig.num_stages)
+                            num_stages=stages or DecodeConfig.num_stages)
     if m == 1 and wide and M1_CUDA_CORE:
         return DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2, num_stages=3, chunks_per_step=4,
                             scale_preload=SCALE_PRELOAD)

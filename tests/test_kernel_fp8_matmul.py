@@ -191,8 +191,8 @@ CONFIGS = {  # name: (config, rows)
     "decode_fma_rows": (DecodeConfig(block_o=16, use_dot=False, chunks_per_step=2, split_k=2), [3, 8]),
     "decode_dot_unroll2_split2": (DecodeConfig(split_k=2, chunks_per_step=2), [5]),
     "decode_dot_unroll4": (DecodeConfig(block_o=16, chunks_per_step=4), [2, 16]),
-    # a batched verify's rows on the decode grid: BM = 32 and 64, ragged M padded inside the tile
-    "decode_dot_verify_rows": (DecodeConfig(split_k=2), [32, 40, 64]),
+    # a batched verify's rows on the decode grid: BM = 32, 64 and 128, ragged M padded inside the tile
+    "decode_dot_verify_rows": (DecodeConfig(split_k=2), [32, 40, 64, 128]),
     # scales loaded once per program as a vector (3 splits of I = 300 -> runs of 1; 2 chunks at 129)
     "decode_dot_scale_preload": (DecodeConfig(split_k=3, scale_preload=True), [1, 5]),
     "decode_dot_scale_preload_unroll": (DecodeConfig(block_o=16, chunks_per_step=2, scale_preload=True), [2]),
@@ -200,9 +200,9 @@ CONFIGS = {  # name: (config, rows)
     # bf16 x as two f16 pieces (f32 x, alternated in, ignores the flag): W on either side of the dot
     "decode_dot_x_f16": (DecodeConfig(split_k=2, x_f16=True, scale_preload=True), [1, 5, 12]),  # 12: BM = 32
     "decode_dot_x_f16_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True), [2, 24]),
-    # bf16 x as one f16 piece per row, scaled by a power of two per row: up to 64 rows (BM = 64)
+    # bf16 x as one f16 piece per row, scaled by a power of two per row: up to 128 rows (BM = 128)
     "decode_dot_x_f16_scaled": (DecodeConfig(split_k=2, x_f16=True, x_f16_scaled=True, scale_preload=True),
-                                [1, 16, 40]),
+                                [1, 16, 40, 100]),
     "decode_dot_x_f16_scaled_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True, x_f16_scaled=True), [5]),
     # bf16 x as it is, its scaled f16 piece made in the kernel per row and chunk: W on either side
     "decode_dot_x_chunk_scaled": (DecodeConfig(split_k=2, x_chunk_scaled=True, scale_preload=True), [1, 16, 40]),
@@ -721,8 +721,18 @@ def test_default_config_heuristic():
         assert isinstance(fm.default_config(64, 131 * 64, 5120), DecodeConfig)
         fc.NARROW_DECODE_MAX_ROWS = 0
         assert isinstance(fm.default_config(33, 5120, 6144), PrefillConfig)
+        # raised to 128: 65-128 rows on the decode grid with the 33-64-row tiles and VERIFY_TALL_STAGES
+        fc.DECODE_MAX_ROWS = 128
+        for m in (65, 128):
+            for o, i in ((5120, 17408), (2 * 17408, 5120)):
+                c = fm.default_config(m, o, i)
+                assert c == dataclasses.replace(fc.decode_config(64, o, i), num_stages=fc.VERIFY_TALL_STAGES), (m, o)
+        assert fc.VERIFY_TALL_STAGES == 2 and fm.default_config(64, 5120, 17408).num_stages == 3
+        assert isinstance(fm.default_config(129, 5120, 17408), PrefillConfig)
     finally:
         fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS = before
+    assert fc.NARROW_DECODE_MAX_ROWS == 64  # not DECODE_DOT_MAX_ROWS: 65-128 rows stay on the GEMM by default
+    assert isinstance(fm.default_config(128, 5120, 6144), PrefillConfig)
     # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
     for m in (1, 16, 32):
         c = fc.act_quant_config(m, 5120, 6144)
@@ -1011,6 +1021,9 @@ GPU_CONFIGS = {  # name: (config, rows)
     "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
                             [9, 16, 32]),
     "tiled_default": ("tiled", [1, 4, 16, 40, 64, 600]),  # the default configs on fp8_layout.tile_weight's tiles
+    # 65-128 rows on the decode grid (fp8_decode_max_rows raised; fp8_config.VERIFY_TALL_STAGES)
+    "decode_x_f16_scaled_tall": (DecodeConfig(split_k=4, swap_ab=True, x_f16=True, x_f16_scaled=True, num_stages=2),
+                                 [65, 128]),
     # the in-kernel scaled piece at decode and verify rows, W on either side (fp8_config.X_CHUNK_SCALED)
     "decode_x_chunk_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_chunk_scaled=True, num_stages=3), [1, 4, 16]),
     "decode_x_chunk_scaled_verify": (DecodeConfig(split_k=4, swap_ab=True, x_chunk_scaled=True), [32]),
@@ -1164,6 +1177,28 @@ def test_gemm_x_f16_scaled_lowers_for_h200(monkeypatch):
     assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts
     assert [ln for ln in ir_text.splitlines() if "bf16" in ln and "tt.dot" in ln] == []
     assert attr_int(cfg, "grid_x") == m // config.block_m and attr_int(cfg, "grid_y") == o // config.block_n
+
+
+def test_decode_grid_lowers_for_h200_at_128_rows():
+    """gate's shape at a 128-row verify on the decode grid (fp8_decode_max_rows=128): one Triton call
+    on O / 64 row blocks with 2 stages, one f16 dot per chunk over all 128 rows (x one [128, 128]
+    f16 slice), the weight converted to f16."""
+    sds = jax.ShapeDtypeStruct
+    m, o, i = 128, F, E
+    before = fc.DECODE_MAX_ROWS
+    try:
+        fc.DECODE_MAX_ROWS = 128
+        config = fm.default_config(m, o, i)
+    finally:
+        fc.DECODE_MAX_ROWS = before
+    assert isinstance(config, DecodeConfig) and config.num_stages == fc.VERIFY_TALL_STAGES and config.x_f16_scaled
+    args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
+            sds((o // 128, i // 128), jnp.float32))
+    [(cfg, ir_text)] = triton_calls(lower_for_h200(
+        lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args))
+    assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 64, config.split_k)
+    assert attr_int(cfg, "num_stages") == 2 and ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text
+    assert "tensor<128x128xf16>" in ir_text and "tensor<64x128xf16>" in ir_text  # x slice, converted W
 
 
 @pytest.mark.parametrize("m, o, i", [(16, F, E), (16, E, F), (32, F, E)])

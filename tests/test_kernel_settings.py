@@ -49,6 +49,24 @@ def test_verify_narrow_stages_setting_reaches_the_33_to_64_row_config():
     assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 3
 
 
+def test_tall_rows_need_decode_max_rows_and_take_the_tall_stages():
+    """fp8_decode_max_rows=128 puts 65-128 rows on the decode grid (up to DECODE_DOT_MAX_ROWS; 129 is
+    refused, test_bad_settings_are_refused_by_name), where fp8_verify_tall_stages sets the pipeline depth; 33-64
+    rows keep theirs."""
+    assert isinstance(fp8_matmul.default_config(128, 17408, 5120), fp8_config.PrefillConfig)
+    previous = ops.set_kernel_settings(ops.parse_kernel_settings(["fp8_decode_max_rows=128",
+                                                                  "fp8_verify_tall_stages=3"]))
+    try:
+        assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 3
+        assert fp8_matmul.default_config(65, 5120, 17408).num_stages == 3
+        ops.set_kernel_settings({"fp8_verify_tall_stages": 1})
+        assert fp8_matmul.default_config(100, 5120, 6144).num_stages == 1
+        assert fp8_matmul.default_config(64, 5120, 6144).num_stages == fp8_config.VERIFY_NARROW_STAGES
+    finally:
+        ops.set_kernel_settings(previous)
+    assert fp8_config.VERIFY_TALL_STAGES == 2 and fp8_config.DECODE_MAX_ROWS == 64
+
+
 def test_verify_narrow_block_o_setting_joins_tiles_with_8_warps():
     """fp8_verify_narrow_block_o=128: 33-64-row narrow launches on 128-row programs with 8 warps (two
     64-row tiles joined on tiled weights); 96 is refused (not a power of two)."""
@@ -100,7 +118,7 @@ def test_xla_single_row_setting_changes_the_path():
     (["nope=1"], "unknown kernel setting 'nope'"),
     (["fp8_scale_preload=maybe"], "fp8_scale_preload='maybe': expected true or false"),
     (["fp8_decode_max_rows=many"], "expected an integer"),
-    (["fp8_decode_max_rows=65"], r"fp8_decode_max_rows=65: must be in \[1, 64\]"),
+    (["fp8_decode_max_rows=129"], r"fp8_decode_max_rows=129: must be in \[1, 128\]"),
 ])
 def test_bad_settings_are_refused_by_name(items, match):
     before = ops.kernel_settings()
