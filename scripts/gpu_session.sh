@@ -35,6 +35,8 @@
 #                                           launches under each choice, batch 16 two ways, batch 1 (stages64())
 #   scripts/gpu_session.sh start_batch32 [SECONDS]  (~8 minutes) the tiled `gpu` tests on session 20's
 #                                           dispatch, batch 32 plain / K=1 / K=3 (batch32())
+#   scripts/gpu_session.sh start_tall [SECONDS]  (~15 minutes: follow with `wait`) the decode grid at
+#                                           65-128 rows against the GEMM: `gpu` test, launches, batch 32 (tall())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -552,6 +554,24 @@ batch32() {  # a ~8-minute lease on one GPU (start_batch32): session 20's dispat
     --max_new_tokens=128 --breakdown=false --batch=32 --out=$R/bench27_b32.json
 }
 
+tall() {  # a ~15-minute lease on one GPU (start_tall, then wait): session 20's decode grid at 65-128 rows
+  # (off by default: fp8_decode_max_rows=128) against the GEMM there. Its `gpu` test; the step's FP8
+  # launches at 96 / 128 rows with the default (the GEMM), on the decode grid at 2 and 3 stages; batch 32
+  # K=3 (128-row verifies) both ways (session 20 on the GEMM: plain 1952, K=3 profiled 2070 tok/s)
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests_tall 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k tall
+  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=96,128"
+  job launches_tall_gemm 120 $launches --out=$R/launches_tall_gemm.json
+  job launches_tall_decode 120 $launches --kernels=fp8_decode_max_rows=128 --out=$R/launches_tall_decode.json
+  job launches_tall_decode_s3 120 $launches --kernels=fp8_decode_max_rows=128,fp8_verify_tall_stages=3 \
+    --out=$R/launches_tall_decode_s3.json
+  checkpoint27
+  local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
+    --max_new_tokens=128 --breakdown=false --batch=32"
+  job bench27_b32_gemm 330 $bench --out=$R/bench27_b32_gemm.json
+  job bench27_b32_decode 330 $bench --kernels=fp8_decode_max_rows=128 --out=$R/bench27_b32_decode.json
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -574,7 +594,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
