@@ -760,6 +760,8 @@ def _bad(**kw):
     (dict(x=jnp.zeros((9, 129), jnp.bfloat16), config=DecodeConfig(use_dot=False)),
      r"use_dot=False\) is for at most 8 rows, got M=9"),
     (dict(config=DecodeConfig(split_k=0)), r"split_k=0"),
+    (dict(x=jnp.zeros((65, 129), jnp.bfloat16), config=DecodeConfig(x_f16=True)),
+     r"x_f16=True\) is for M <= 64 rows \(two f16 pieces per row; x_f16_scaled takes 128\), got M=65"),
     (dict(config=PrefillConfig(split_k=0)), r"PrefillConfig.split_k=0"),
     (dict(config=DecodeConfig(chunks_per_step=0)), r"chunks_per_step=0 must be >= 1"),
     (dict(config=PrefillConfig(block_m=8)), r"block_m=8 must be a power of two >= 16"),
@@ -781,8 +783,8 @@ def test_wrapper_rejects_int32_offset_overflow():
 
 def test_decode_config_rejects_many_rows():
     rng = np.random.default_rng(0)
-    x, wq, scale = exact_problem(rng, 65, 130, 129)
-    with pytest.raises(ValueError, match=r"DecodeConfig is for M <= 64 rows, got M=65"):
+    x, wq, scale = exact_problem(rng, 129, 130, 129)
+    with pytest.raises(ValueError, match=r"DecodeConfig is for M <= 128 rows, got M=129"):
         fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(scale), interpret=True,
                       config=DecodeConfig())
 
