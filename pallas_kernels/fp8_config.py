@@ -250,6 +250,14 @@ VERIFY_TALL_MIN_ROWS = 65
 # against 56.2 at split 16), so the joined tiles' [2, 64, 128] load is what costs. Kept as the measured
 # alternative.
 VERIFY_NARROW_BLOCK_O = 64
+# A narrow launch's output rows per program at 1-16 rows (o_proj / out_proj, mlp_down in the 27B step;
+# ops setting fp8_narrow_block_o: 64, or 128). Why 128 is worth timing again: at 16 rows the x slices
+# the programs read from L2 are half the weight's bytes (o_proj: 15.7 MB per call for 31.5 MB), the
+# likely cause of its 11.10 us at 16 rows against 10.49 at 1 (75.7% of copy, the one launch below
+# the issue's 80%); 128-row programs halve them. Session 15 measured 128-row programs without gain on
+# the checkpoint layout (128 strided runs of 128 bytes per chunk); on 128-row tiles (fp8_layout's
+# TILE_ROWS, setting fp8_tile_rows=128) a chunk is one contiguous 16 KB run. Unmeasured (session 20).
+NARROW_BLOCK_O = 64
 # The GEMM's output tile rows and pipeline depth at 33-256 rows (65-256 with the default dispatch;
 # settings fp8_gemm_mid_block_m / fp8_gemm_mid_stages). Why 32 x 128 with 4 stages was tried: the
 # 64-row sweep of one [17408, 5120] weight with the f16 piece (session 19) took 63.5 us on them against
@@ -294,9 +302,9 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     the best of the M = 64 sweep); 65-128 rows (fp8_decode_max_rows raised) the same tiles with
     VERIFY_TALL_STAGES. With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-128
     rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy."""
-    bo = 64
-    n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
     wide = is_wide(o)
+    bo = NARROW_BLOCK_O if not wide and m <= DOT_MIN else 64
+    n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
     chunk = X_CHUNK_SCALED  # one piece per row made in the kernel: M dot rows, as the scaled piece
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
     scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk

@@ -199,9 +199,11 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w;
     # sx_ref [GI, BM] (x_fp8: x_ref holds E4M3 activations, sx_ref their scales)
     bo = cfg.block_o
-    # tiled: w_ref [O / tr, I / 128, tr, 128], one contiguous tile per chunk; bo = tr, or whole tiles joined
+    # tiled: w_ref [O / tr, I / 128, tr, 128], one contiguous tile per chunk; bo = tr, whole tiles joined
+    # (bo a multiple of tr, O of bo), or a slice of one tile (tr a multiple of bo: still one contiguous run)
     tiled = len(w_ref.shape) == 4
-    joined = bo // w_ref.shape[2] if tiled else 1  # tiles per program (bo a multiple of tr, O of bo)
+    tr = w_ref.shape[2] if tiled else bo
+    joined = max(bo // tr, 1)  # tiles per program
     o0 = pl.multiple_of(po * bo, bo)
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
     n_chunks = cdiv(i, BLOCK)
@@ -223,7 +225,10 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             if joined > 1:  # [joined, tr, 128] -> [bo, 128]; no mask: a tiled weight's O and I are whole tiles
                 w = plgpu.load(w_ref.at[pl.ds(po * joined, joined), c]).reshape(bo, BLOCK)
                 return w if dtype is None else w.astype(dtype)
-            w_tile = w_ref.at[po, c] if tiled else w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]  # [bo, 128]
+            if tiled:  # [bo, 128]: the program's rows of one tile (all of it where bo = tr)
+                w_tile = w_ref.at[po, c] if tr == bo else w_ref.at[o0 // tr, c, pl.ds(pl.multiple_of(o0 % tr, bo), bo)]
+            else:
+                w_tile = w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
             if dtype is None:
                 return plgpu.load(w_tile) if tiled else _load_w_fp8(w_tile, rows_ok, cols_ok)
             return _load_w(w_tile, wm, dtype)

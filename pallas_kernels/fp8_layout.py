@@ -13,15 +13,22 @@ from __future__ import annotations
 import jax
 
 BLOCK = 128  # the scale block's width: a chunk's columns
-TILE_ROWS = 64  # the decode kernel's block_o (fp8_config.DecodeConfig)
+# Rows per tile (ops setting fp8_tile_rows: 64 or 128). 64 is the decode kernel's block_o at 1-64 rows
+# (fp8_config.DecodeConfig). 128-row tiles serve both: a 64-row program reads half a tile (still one
+# contiguous run) and a 128-row program one whole tile, with no [2, 64, 128] join, which the H200 ran
+# 2.2x slower than 64-row programs (Session 20 decisions (3)). Why look: 128-row programs read each
+# x slice half as often (at 64 rows the x slices are twice the weight's bytes, at 16 rows half).
+# Unmeasured on the H200 (session 20, no device time left).
+TILE_ROWS = 64
 
 
-def tile_weight(w: jax.Array, block_o: int = TILE_ROWS, block_i: int = BLOCK) -> jax.Array:
+def tile_weight(w: jax.Array, block_o: int | None = None, block_i: int = BLOCK) -> jax.Array:
     """[O, I] -> [O / block_o, I / block_i, block_o, block_i]: every [block_o, 128] chunk the decode
     kernel reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous
     too (in the checkpoint's layout a chunk is block_o runs of 128 bytes, I bytes apart). O must be a
     multiple of block_o and I of block_i (every 27B shape is, for the kernels' 64 x 128); the read
-    floor tiles its int32 words with other blocks."""
+    floor tiles its int32 words with other blocks. block_o None: TILE_ROWS at the call."""
+    block_o = block_o or TILE_ROWS
     o, i = w.shape
     if o % block_o or i % block_i:
         raise ValueError(f"tile_weight: w {w.shape} needs O a multiple of {block_o} and I of {block_i}")

@@ -209,28 +209,20 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
 
 
 def _fit_tiles(ws, config):
-    """Tiled weights as the launch can read them: the tensor-core decode kernel reads block_o rows as one
-    tile or as whole tiles joined (a block_o below the tile's rows raises); the GEMM reads block_n rows
-    as whole tiles joined (one dot) or as a slice of one tile, so their heights must divide one another;
-    both need O a multiple of the rows they join. Every other case (the CUDA-core decode path, a block
-    that would run past O) gets untile_weight's [O, I], a copy per call."""
-    if isinstance(config, DecodeConfig):
-        if not config.use_dot:
-            return tuple(untile_weight(w) for w in ws)
-        bo = config.block_o
-        bad = sorted({w.shape[2] for w in ws if w.ndim == 4 and bo % w.shape[2]})
-        if bad:
-            raise ValueError(f"fp8_matmul: tiled weights of {bad} rows per tile need DecodeConfig.block_o equal to "
-                             f"it or a multiple of it, got {config}")
-        # whole tiles joined need O a multiple of block_o (no program may run past the last tile)
-        return tuple(untile_weight(w) if w.ndim == 4 and weight_shape(w)[0] % bo else w for w in ws)
-    bn = config.block_n
+    """Tiled weights as the launch can read them: the tensor-core decode kernel reads block_o rows and
+    the GEMM block_n rows as one tile, as whole tiles joined or as a slice of one tile, so the heights
+    must divide one another, and O must be a multiple of the rows a program reads (no program may run
+    past the last tile). Every other case (the CUDA-core decode path, heights that do not divide, a
+    block that would run past O) gets untile_weight's [O, I], a copy per call."""
+    if isinstance(config, DecodeConfig) and not config.use_dot:
+        return tuple(untile_weight(w) for w in ws)
+    rows = config.block_o if isinstance(config, DecodeConfig) else config.block_n
 
     def readable(w) -> bool:
         if w.ndim == 2:
             return True
-        rows = w.shape[2]
-        return weight_shape(w)[0] % bn == 0 and (bn % rows == 0 or rows % bn == 0)
+        tr = w.shape[2]
+        return weight_shape(w)[0] % rows == 0 and (rows % tr == 0 or tr % rows == 0)
 
     return tuple(w if readable(w) else untile_weight(w) for w in ws)
 

@@ -167,6 +167,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fuse_gate_projections": ("ops", "FUSE_GATE_PROJECTIONS", None),
                      "bf16_reduce_max_out": ("ops", "BF16_REDUCE_MAX_OUT", (0, None)),
                      "fp8_tiled_weights": ("ops", "FP8_TILED_WEIGHTS", None),
+                     "fp8_tile_rows": ("fp8_layout", "TILE_ROWS", (64, 128, POW2)),
                      "fp8_m1_cuda_core": ("fp8_config", "M1_CUDA_CORE", None),
                      "fp8_scale_preload": ("fp8_config", "SCALE_PRELOAD", None),
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
@@ -185,6 +186,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_verify_narrow_stages": ("fp8_config", "VERIFY_NARROW_STAGES", (1, 8)),
                      "fp8_verify_narrow_block_o": ("fp8_config", "VERIFY_NARROW_BLOCK_O", (64, 128, POW2)),
                      "fp8_verify_tall_stages": ("fp8_config", "VERIFY_TALL_STAGES", (1, 8)),
+                     "fp8_narrow_block_o": ("fp8_config", "NARROW_BLOCK_O", (64, 128, POW2)),
                      "fp8_gemm_mid_block_m": ("fp8_config", "GEMM_MID_BLOCK_M", (16, 256, POW2)),
                      "fp8_gemm_mid_stages": ("fp8_config", "GEMM_MID_STAGES", (1, 8)),
                      "paged_attention_max_queries": ("ops", "PAGED_ATTENTION_MAX_QUERIES", (1, None)),
@@ -196,6 +198,9 @@ def _switch_module(module: str):
     import sys
     if module == "speculate":  # imported here: qmtp.speculate imports this module
         return importlib.import_module("qmtp.speculate")
+    if module == "fp8_layout":
+        from pallas_kernels import fp8_layout
+        return fp8_layout
     return fp8_config if module == "fp8_config" else sys.modules[__name__]
 
 

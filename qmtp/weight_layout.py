@@ -1,9 +1,9 @@
 """The FP8 weights of a loaded model in the Pallas kernels' tiled layout (ops.FP8_TILED_WEIGHTS).
 
 `tile_fp8_weights(params, mesh)` replaces each `Fp8Block` whose weight is [O, I] with O a multiple
-of 64 and I of 128 on every device (its TP shard's shape, where the model is split) by the same
-block with the weight as pallas_kernels.fp8_layout.tile_weight lays it out, [O / 64, I / 128, 64,
-128]; scales, bf16 weights and blocks of other shapes stay as they are. Every kernel and reference
+of fp8_layout.TILE_ROWS (64; setting fp8_tile_rows) and I of 128 on every device (its TP shard's
+shape, where the model is split) by the same block with the weight as
+pallas_kernels.fp8_layout.tile_weight lays it out, [O / 64, I / 128, 64, 128]; scales, bf16 weights and blocks of other shapes stay as they are. Every kernel and reference
 takes either layout (the decode kernel reads a tile as one contiguous run), so only speed changes.
 
 Under TP a split along O (dim 0) or I (dim 1) stays on the same dimension of the tiled weight, so
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.fp8_layout import BLOCK, TILE_ROWS, tile_weight
+from pallas_kernels import fp8_layout
+from pallas_kernels.fp8_layout import BLOCK, tile_weight
 from qmtp import shard_layout, tp
 from qmtp.fp8 import Fp8Block
 
@@ -35,7 +36,7 @@ def tileable(block: Fp8Block, dim: int | None = None, n: int = 1) -> bool:
     if block.weight.ndim != 2:  # tiled already (or stacked)
         return False
     local = _local_shape(tuple(block.weight.shape), dim, n)
-    return local is not None and local[0] % TILE_ROWS == 0 and local[1] % BLOCK == 0
+    return local is not None and local[0] % fp8_layout.TILE_ROWS == 0 and local[1] % BLOCK == 0
 
 
 def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:

@@ -464,13 +464,16 @@ def test_tiled_weights_give_the_same_bits(m):
         np.testing.assert_array_equal(np.asarray(y), f64_formula(x, w, s), err_msg=f"mixed m={m}")
 
 
-def test_tiled_weights_need_matching_tiles():
+def test_tiled_weights_read_whole_or_sliced_or_untiled():
+    """A decode program of fewer rows than a tile reads its slice of the tile (one contiguous run);
+    one that would run past the last tile's rows gets the checkpoint layout (untiled)."""
     rng = np.random.default_rng(0)
     x, w, s = exact_problem(rng, 2, 256, 384)
     t = fm.tile_weight(jnp.asarray(w))
-    with pytest.raises(ValueError, match=r"tiled weights of \[64\] rows per tile need DecodeConfig.block_o"):
-        fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), t, jnp.asarray(s), interpret=True,
-                      config=DecodeConfig(block_o=32, x_f16=True))
+    got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), t, jnp.asarray(s), jnp.float32, interpret=True,
+                        config=DecodeConfig(block_o=32, x_f16=True))
+    np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
+    assert fm._fit_tiles((t,), DecodeConfig(block_o=32, x_f16=True))[0] is t  # read in place
     # 3 tiles: no whole number of 128-row blocks, so the launch reads the checkpoint layout (untiled)
     _, w3, s3 = exact_problem(rng, 2, 192, 384)
     got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fm.tile_weight(jnp.asarray(w3)), jnp.asarray(s3),
@@ -481,6 +484,63 @@ def test_tiled_weights_need_matching_tiles():
     cfg = DecodeConfig(block_o=128, x_f16=True)
     three, four = fm._fit_tiles((fm.tile_weight(jnp.asarray(w3)), t), cfg)
     assert three.shape == (192, 384) and four.shape == t.shape == (4, 3, 64, 128)
+    assert fm._fit_tiles((t,), DecodeConfig(use_dot=False))[0].shape == (256, 384)  # the CUDA-core path
+
+
+@pytest.mark.parametrize("m, config", [
+    (1, None),  # the default config: 64-row programs, each reading half of a 128-row tile
+    (5, DecodeConfig(block_o=128, split_k=2, x_f16=True)),  # whole tiles, two pieces
+    (16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True, x_f16_scaled=True)),
+    (40, None),  # a batched verify's default (64-row programs)
+    (64, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True, num_warps=8)),
+])
+def test_128_row_tiles_give_the_same_bits(m, config):
+    """fp8_tile_rows=128: decode programs of 64 rows read half a tile, of 128 rows a whole one; the
+    result equals the checkpoint layout's bit for bit and the float64 formula (and E4M3 activations
+    read the tiles the same way)."""
+    rng = np.random.default_rng(m + 7)
+    x, w, s = exact_problem(rng, m, 384, 640)
+    xj = jnp.asarray(x, jnp.bfloat16)
+    tiled = fm.tile_weight(jnp.asarray(w), 128)
+    assert tiled.shape == (3, 5, 128, 128)
+    got = fm.fp8_matmul(xj, tiled, jnp.asarray(s), jnp.float32, interpret=True, config=config)
+    want = fm.fp8_matmul(xj, jnp.asarray(w), jnp.asarray(s), jnp.float32, interpret=True, config=config)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
+    if m <= 16:
+        quant = [fm.fp8_matmul_many(xj, (ww,), (jnp.asarray(s),), jnp.float32, interpret=True, act_quant=True)[0]
+                 for ww in (tiled, jnp.asarray(w))]
+        np.testing.assert_array_equal(np.asarray(quant[0]), np.asarray(quant[1]))
+
+
+def test_tile_rows_setting_reaches_tile_weight():
+    from qmtp import ops
+    w = jnp.zeros((256, 384), jnp.float8_e4m3fn)
+    assert fm.tile_weight(w).shape == (4, 3, 64, 128)
+    previous = ops.set_kernel_settings({"fp8_tile_rows": "128"})
+    try:
+        assert fm.tile_weight(w).shape == (2, 3, 128, 128)
+    finally:
+        ops.set_kernel_settings(previous)
+    with pytest.raises(ValueError, match="fp8_tile_rows=96: must be a power of two"):
+        ops.set_kernel_settings({"fp8_tile_rows": "96"})
+
+
+def test_sliced_tiles_lower_for_h200():
+    """o_proj's shape on 128-row tiles with the default 64-row programs (1 and 40 rows): one unmasked
+    E4M3 load of a [64, 128] slice per chunk, no reshape."""
+    sds = jax.ShapeDtypeStruct
+    o, i = 5120, 6144
+    for m in (1, 40):
+        config = fm.default_config(m, o, i)
+        args = (sds((m, i), jnp.bfloat16), sds((o // 128, i // 128, 128, 128), jnp.float8_e4m3fn),
+                sds((o // 128, i // 128), jnp.float32))
+        [(cfg, ir_text)] = triton_calls(lower_for_h200(
+            lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args))
+        assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 64, config.split_k), m
+        w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
+        assert len(w_loads) == 1 and w_loads[0].count("%") == 2 and "64x128x!tt.ptr<f8E4M3FN>" in w_loads[0], (m, w_loads)
+        assert "tt.reshape" not in ir_text.split("scf.for")[1], m
 
 
 @pytest.mark.parametrize("m, x_dtype, config", [

@@ -67,6 +67,21 @@ def test_tall_rows_need_decode_max_rows_and_take_the_tall_stages():
     assert fp8_config.VERIFY_TALL_STAGES == 2 and fp8_config.DECODE_MAX_ROWS == 64
 
 
+def test_narrow_block_o_setting_reaches_narrow_launches_at_1_to_16_rows():
+    """fp8_narrow_block_o=128: the narrow launches (o_proj, mlp_down) at 1-16 rows on 128-row programs;
+    wide launches and 17+ rows keep 64."""
+    previous = ops.set_kernel_settings({"fp8_narrow_block_o": "128"})
+    try:
+        for m in (1, 4, 16):
+            assert fp8_matmul.default_config(m, 5120, 6144).block_o == 128, m
+            assert fp8_matmul.default_config(m, 5120, 17408).block_o == 128, m
+            assert fp8_matmul.default_config(m, 17408, 5120).block_o == 64, m
+        assert fp8_matmul.default_config(17, 5120, 6144).block_o == 64
+    finally:
+        ops.set_kernel_settings(previous)
+    assert fp8_matmul.default_config(16, 5120, 6144).block_o == 64
+
+
 def test_verify_narrow_block_o_setting_joins_tiles_with_8_warps():
     """fp8_verify_narrow_block_o=128: 33-64-row narrow launches on 128-row programs with 8 warps (two
     64-row tiles joined on tiled weights); 96 is refused (not a power of two)."""

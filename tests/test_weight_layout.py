@@ -61,6 +61,22 @@ def test_load_tiles_every_tileable_weight_with_its_values(fp8_dir):
                                   np.asarray(qmtp.target_logits(plain, [1, 2, 3])))
 
 
+def test_128_row_tiles_at_load_give_the_same_logits(fp8_dir):
+    """fp8_tile_rows=128: weights with O a multiple of 128 take 128-row tiles (the others keep the
+    checkpoint layout), read by 64-row programs as halves of a tile; the logits equal the checkpoint
+    layout's bit for bit."""
+    before = ops.set_kernel_settings({"fp8_tile_rows": 128})
+    try:
+        tiled = _load(fp8_dir, True)
+    finally:
+        ops.set_kernel_settings(before)
+    blocks = _blocks(tiled.params)
+    assert all(b.weight.shape[2] == 128 for b in blocks.values() if b.tiled) and sum(b.tiled for b in blocks.values()) > 10
+    plain = _load(fp8_dir, False)
+    np.testing.assert_array_equal(np.asarray(qmtp.target_logits(tiled, [1, 2, 3])),
+                                  np.asarray(qmtp.target_logits(plain, [1, 2, 3])))
+
+
 def test_reference_impl_keeps_the_checkpoint_layout(fp8_dir):
     ref = qmtp.load(fp8_dir, dtype="float32", progress=False, impl="ref")
     assert not any(x.tiled for x in _blocks(ref.params).values())
