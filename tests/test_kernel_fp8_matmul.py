@@ -511,6 +511,11 @@ def test_128_row_tiles_give_the_same_bits(m, config):
         quant = [fm.fp8_matmul_many(xj, (ww,), (jnp.asarray(s),), jnp.float32, interpret=True, act_quant=True)[0]
                  for ww in (tiled, jnp.asarray(w))]
         np.testing.assert_array_equal(np.asarray(quant[0]), np.asarray(quant[1]))
+    if m == 40:  # the GEMM reads a whole tile or a half of it per program
+        for bn in (128, 64):
+            pre = fm.fp8_matmul(xj, tiled, jnp.asarray(s), jnp.float32, interpret=True,
+                                config=PrefillConfig(block_m=16, block_n=bn))
+            np.testing.assert_array_equal(np.asarray(pre), f64_formula(x, w, s), err_msg=f"prefill block_n={bn}")
 
 
 def test_tile_rows_setting_reaches_tile_weight():
