@@ -37,6 +37,8 @@
 #                                           dispatch, batch 32 plain / K=1 / K=3 (batch32())
 #   scripts/gpu_session.sh start_tall [SECONDS]  (~15 minutes: follow with `wait`) the decode grid at
 #                                           65-128 rows against the GEMM: `gpu` test, launches, batch 32 (tall())
+#   scripts/gpu_session.sh start_tiles128 [SECONDS]  (~12 minutes: follow with `wait`) 128-row weight
+#                                           tiles and 128-row programs: `gpu` test, launches, batch 16 (tiles128())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -572,6 +574,29 @@ tall() {  # a ~15-minute lease on one GPU (start_tall, then wait): session 20's 
   job bench27_b32_decode 330 $bench --kernels=fp8_decode_max_rows=128 --out=$R/bench27_b32_decode.json
 }
 
+tiles128() {  # a ~12-minute lease on one GPU (start_tiles128, then wait): session 20's 128-row weight
+  # tiles (fp8_tile_rows=128, off by default) and the 128-row programs they allow without a join. Their
+  # `gpu` test; the step's FP8 launches at 1 / 4 / 16 / 40 / 64 rows with the defaults, on 128-row tiles
+  # (64-row programs reading halves: should equal the default), with 128-row programs for the narrow
+  # launches at 1-16 rows (fp8_narrow_block_o=128: o_proj's 75.7% at 16 rows) and at 33-64 rows
+  # (fp8_verify_narrow_block_o=128: x slices twice the weight's bytes at 64 rows); then batch 16 K=3
+  # with the better 33-64-row choice
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests_tiles128 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py -k 128_row
+  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=1,4,16,40,64"
+  job launches_t64 150 $launches --out=$R/launches_t64.json
+  job launches_t128 150 $launches --kernels=fp8_tile_rows=128 --out=$R/launches_t128.json
+  job launches_t128_narrow 150 $launches --kernels=fp8_tile_rows=128,fp8_narrow_block_o=128 \
+    --out=$R/launches_t128_narrow.json
+  job launches_t128_verify 150 $launches --kernels=fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
+    --out=$R/launches_t128_verify.json
+  checkpoint27
+  local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
+    --max_new_tokens=256 --breakdown=false --batch=16"
+  job bench27_b16_t128_verify 260 $bench --kernels=fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
+    --out=$R/bench27_b16_t128_verify.json
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -594,7 +619,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall|start_tiles128)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC

@@ -1141,6 +1141,27 @@ def test_gpu_joined_tiles_exact_at_verify_rows():
                                           err_msg=f"joined m={m} o={o} i={i}")
 
 
+@pytest.mark.gpu
+def test_gpu_128_row_tiles_exact():
+    """Weights in 128-row tiles (fp8_tile_rows=128) on the device: the default configs (64-row programs
+    reading halves of a tile) and 128-row programs reading whole tiles at decode and verify rows, bit-
+    exact against the ref (o_proj's and mlp_down's shapes)."""
+    gpu_required()
+    rng = np.random.default_rng(12)
+    for o, i in [(E, 6144), (E, F)]:
+        wq, scale = real_weights(o, i, "exact")
+        tiled = fm.tile_weight(jnp.asarray(wq), 128)
+        for m in (1, 4, 16, 40, 64):
+            x = rng.integers(-2, 3, (m, i)).astype(np.float32)
+            want = run_ref(x, wq, scale, jnp.bfloat16, jnp.float32)
+            whole = dataclasses.replace(fm.default_config(m, o, i), block_o=128,
+                                        num_warps=8 if m > 16 else 4)
+            for config in (None, whole):
+                got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), tiled, jnp.asarray(scale), jnp.float32,
+                                    config=config)
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"m={m} o={o} i={i} {config}")
+
+
 # ------------------------------------------------------------------------------------------------
 # bf16 weights on the streaming decode kernel (fp8_matmul.bf16_matmul, ops.BF16_STREAMING)
 # ------------------------------------------------------------------------------------------------
