@@ -80,3 +80,22 @@ def apply_kernels_flag() -> dict:
     except ValueError as e:
         raise ValueError(f"--kernels: {e}") from None
     return ops.kernel_settings()
+
+
+def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> str | None:
+    """A warning for a run whose MTP verify passes leave the FP8 decode kernel, or None (unit: what the
+    batch counts, as the command line calls it).
+
+    A verify pass has batch x (K+1) rows. The Pallas FP8 kernels stream the weights for up to
+    fp8_config.DECODE_MAX_ROWS rows (64; --kernels=fp8_decode_max_rows) and run GEMM tiles above,
+    which are compute-bound there: on the H200 at 27B shapes a 128-row step's FP8 launches took 2.35x a
+    64-row step's, and at batch 32 K=3 gave 1.06x plain against K=1's 1.23x (WORKSPACE, session 20)."""
+    from pallas_kernels import fp8_config
+    rows, limit = batch * (k + 1), fp8_config.DECODE_MAX_ROWS
+    if not k or model.impl != "pallas" or model.cfg.quantization is None or rows <= limit:
+        return None
+    fits = max((kk for kk in range(1, k) if batch * (kk + 1) <= limit), default=0)
+    advice = f"--mtp_k={fits} keeps them on it" if fits else f"at most {limit // 2} {unit} at K=1 keep them on it"
+    return (f"warning: {batch} {unit} x (K+1 = {k + 1}) = {rows} rows per MTP verify pass exceed the FP8 "
+            f"decode kernel's {limit} (fp8_decode_max_rows); they run on GEMM tiles, which are compute-bound at "
+            f"that size and may make MTP slower than plain decoding; {advice}")

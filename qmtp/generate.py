@@ -106,6 +106,9 @@ def run(argv) -> dict:
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
                       converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab)
+    warning = cli_help.verify_rows_warning(model, len(prompts), FLAGS.mtp_k)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
                            mtp_k=FLAGS.mtp_k, accept_cap=cap, temperature=FLAGS.temperature,
                            warmup=FLAGS.warmup)

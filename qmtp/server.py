@@ -363,6 +363,9 @@ def build(argv) -> tuple:
         max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages, max_queue=FLAGS.max_queue,
         max_stop_ids=FLAGS.max_stop_ids, snapshot_budget_bytes=FLAGS.snapshot_budget_bytes, stop_token_ids=stop,
         prefill_batch=FLAGS.prefill_batch, max_prefill_tokens=FLAGS.max_prefill_tokens))
+    warning = cli_help.verify_rows_warning(model, FLAGS.batch_slots, FLAGS.mtp_k, unit="batch slots")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     name = FLAGS.served_model_name or (FLAGS.checkpoint.split(":")[1] if FLAGS.checkpoint.startswith(PRESET_PREFIX)
                                        else os.path.basename(os.path.normpath(path)))
     settings = ServerSettings(name, FLAGS.max_tokens_limit, FLAGS.default_max_tokens, FLAGS.shutdown_timeout_s)
