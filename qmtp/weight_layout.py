@@ -1,10 +1,11 @@
 """The FP8 weights of a loaded model in the Pallas kernels' tiled layout (ops.FP8_TILED_WEIGHTS).
 
 `tile_fp8_weights(params, mesh)` replaces each `Fp8Block` whose weight is [O, I] with O a multiple
-of fp8_layout.TILE_ROWS (64; setting fp8_tile_rows) and I of 128 on every device (its TP shard's
-shape, where the model is split) by the same block with the weight as
-pallas_kernels.fp8_layout.tile_weight lays it out, [O / 64, I / 128, 64, 128]; scales, bf16 weights and blocks of other shapes stay as they are. Every kernel and reference
-takes either layout (the decode kernel reads a tile as one contiguous run), so only speed changes.
+of tr = fp8_layout.TILE_ROWS (64; setting fp8_tile_rows) and I of 128 on every device (its TP
+shard's shape, where the model is split) by the same block with the weight as
+pallas_kernels.fp8_layout.tile_weight lays it out, [O / tr, I / 128, tr, 128]; scales, bf16 weights
+and blocks of other shapes stay as they are. Every kernel and reference takes either layout (the
+decode kernel reads a tile, or its slice of one, as one contiguous run), so only speed changes.
 
 Under TP a split along O (dim 0) or I (dim 1) stays on the same dimension of the tiled weight, so
 each device tiles its own shard where it lives (tp.param_specs gives the 4-D spec from the same
