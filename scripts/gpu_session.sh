@@ -37,7 +37,7 @@
 #                                           dispatch, batch 32 plain / K=1 / K=3 (batch32())
 #   scripts/gpu_session.sh start_tall [SECONDS]  (~15 minutes: follow with `wait`) the decode grid at
 #                                           65-128 rows against the GEMM: `gpu` test, launches, batch 32 (tall())
-#   scripts/gpu_session.sh start_tiles128 [SECONDS]  (~12 minutes: follow with `wait`) 128-row weight
+#   scripts/gpu_session.sh start_tiles128 [SECONDS]  (~15 minutes: follow with `wait`) 128-row weight
 #                                           tiles and 128-row programs: `gpu` test, launches, batch 16 (tiles128())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
@@ -574,7 +574,7 @@ tall() {  # a ~15-minute lease on one GPU (start_tall, then wait): session 20's 
   job bench27_b32_decode 330 $bench --kernels=fp8_decode_max_rows=128 --out=$R/bench27_b32_decode.json
 }
 
-tiles128() {  # a ~12-minute lease on one GPU (start_tiles128, then wait): session 20's 128-row weight
+tiles128() {  # a ~15-minute lease on one GPU (start_tiles128, then wait): session 20's 128-row weight
   # tiles (fp8_tile_rows=128, off by default) and the 128-row programs they allow without a join. Their
   # `gpu` test; the step's FP8 launches at 1 / 4 / 16 / 40 / 64 rows with the defaults, on 128-row tiles
   # (64-row programs reading halves: should equal the default), with 128-row programs for the narrow
@@ -590,6 +590,10 @@ tiles128() {  # a ~12-minute lease on one GPU (start_tiles128, then wait): sessi
     --out=$R/launches_t128_narrow.json
   job launches_t128_verify 150 $launches --kernels=fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
     --out=$R/launches_t128_verify.json
+  # o_proj's tile sweep at 1 / 16 rows on 128-row tiles (the sweeps so far ran on the checkpoint layout)
+  job oproj_sweep_t128 200 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
+    --fp8_prefill_ms= --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --fp8_layout=tiled \
+    --kernels=fp8_tile_rows=128 --out=$R/oproj_sweep_t128.json
   checkpoint27
   local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
     --max_new_tokens=256 --breakdown=false --batch=16"

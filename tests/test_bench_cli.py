@@ -100,3 +100,16 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 }
 """
     assert count_launches(hlo) == {"fusion": 2, "custom-call": 1, "all-reduce": 1, "copy": 1, "total": 5}
+
+
+@pytest.mark.slow  # ~16 s: interpret-mode kernels; the tiled layouts themselves are tested in test_kernel_fp8_matmul
+def test_fp8_part_on_tiled_weights():
+    """fp8.run(layout="tiled"): the Pallas rows read tile_weight's tiles (labelled "tiled") and agree
+    with the reference."""
+    from pallas_kernels.bench import fp8
+    rows = []
+    fp8.run(1.0, rows.append, quick=True, interpret=True, xla=False, only_shapes=[(128, 256)], device_time=False,
+            layout="tiled")
+    assert rows and not [r for r in rows if "error" in r], rows
+    assert {r["layout"] for r in rows if r["impl"] in ("pallas", "pallas_a8")} == {"tiled"}
+    assert all(r["rel_err"] < 1e-2 for r in rows if r["impl"] == "pallas"), rows

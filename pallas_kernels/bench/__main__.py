@@ -48,6 +48,9 @@ flags.DEFINE_list("fp8_launch_layouts", ["tiled"], "fp8_launches: weight layouts
                   "tiled (fp8_matmul.tile_weight: every [64, 128] chunk one contiguous run; what qmtp.load lays "
                   "out by default, ops.FP8_TILED_WEIGHTS) and / or checkpoint ([O, I] as stored); with tiled the "
                   "read floor also times tiled bytes.")
+flags.DEFINE_enum("fp8_layout", "checkpoint", ["checkpoint", "tiled"], "fp8: the weight layout the Pallas rows "
+                  "read: checkpoint ([O, I] as stored) or tiled (fp8_matmul.tile_weight's tiles of fp8_tile_rows rows, "
+                  "as qmtp.load lays them out; a shape of no whole number of tiles stays [O, I]).")
 flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
 flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
                   "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "
@@ -119,7 +122,8 @@ def main(argv):
                           decode_ms=[int(m) for m in FLAGS.fp8_ms],
                           prefill_ms=[int(m) for m in FLAGS.fp8_prefill_ms if m],
                           only_shapes=[tuple(int(v) for v in s.split("x")) for s in FLAGS.fp8_shapes],
-                          device_time=FLAGS.fp8_device_time, a8_sweep=FLAGS.fp8_a8_sweep, **opts)
+                          device_time=FLAGS.fp8_device_time, a8_sweep=FLAGS.fp8_a8_sweep, layout=FLAGS.fp8_layout,
+                          **opts)
             rec.set("fp8_step_aggregate", {str(k): v for k, v in agg.items()})
             if FLAGS.fp8_sweep:
                 rec.set("fp8_best_configs", fp8.best_configs(rec.results["rows"]))

@@ -201,11 +201,14 @@ def a8_candidate_configs() -> list:
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False,
         sweep_match: str = "", xla: bool = True, decode_ms=DECODE_MS, prefill_ms=PREFILL_MS, only_shapes=(), reps: int = 8,
-        trials: int = 5, device_time: bool = True, a8_sweep: bool = False) -> dict:
+        trials: int = 5, device_time: bool = True, a8_sweep: bool = False, layout: str = "checkpoint") -> dict:
     """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M (from the
     wall clock, and from the kernels' device time where measured: "kernel_" keys).
 
     a8_sweep: the E4M3-activation rows also try a8_candidate_configs() (decode rows).
+    layout: "checkpoint" ([O, I]) or "tiled" (fp8_layout.tile_weight's tiles of TILE_ROWS rows, as
+    qmtp.load lays them out; a shape of no whole number of tiles stays [O, I]): the weights the Pallas
+    rows read; the XLA rows read [O, I] either way.
     device_time: the default Pallas configs also run once under the profiler (GPU only: nothing on
     the CPU), which adds
     kernel_s_per_call (the Pallas kernel's own launches: its device time), busy_s_per_call (every
@@ -215,7 +218,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import fp8_act_quant, fp8_config, fp8_matmul as fm
+    from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul as fm
 
     shapes = {(272, 300): ["ragged"], (130, 129): ["ragged"]} if quick else step_shapes()
     if only_shapes:
@@ -230,6 +233,9 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         # weights rotated per call so that none is read from L2; one far past L2 (the lm_head) needs few
         n = 2 if quick else 4 if o * i >= 8 * L2_BYTES else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
         ws, ss = make_weights(o, i, n, seed=si)
+        ws_pallas = ws  # what the Pallas rows read (layout)
+        if layout == "tiled" and o % fp8_layout.TILE_ROWS == 0 and i % fp8_layout.BLOCK == 0:
+            ws_pallas = tuple(jax.jit(fm.tile_weight)(w) for w in ws)
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
@@ -259,17 +265,18 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 runs += [("dequant_dot", None)]  # what qmtp.ops uses from DEQUANT_DOT_MIN_ROWS rows
             for impl, config in runs:
                 row = {"kernel": "fp8_matmul", "case": f"{o}x{i} M={m}", "o": o, "i": i, "m": m, "impl": impl,
-                       "tensors": sorted(set(keys)), "count_per_step": len(keys), "n_weights": n}
+                       "tensors": sorted(set(keys)), "count_per_step": len(keys), "n_weights": n,
+                       "layout": "tiled" if ws_pallas is not ws and impl in ("pallas", "pallas_a8") else "checkpoint"}
                 try:
                     if impl == "pallas":
                         cfg = config or fm.default_config(m, o, i)
                         row.update(config=repr(cfg), default=config is None)
                         mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret)
-                        prog, args = loop_program(mm, reps, False), (x, ws, ss)
+                        prog, args = loop_program(mm, reps, False), (x, ws_pallas, ss)
                     elif impl == "pallas_a8":
                         row.update(config=repr(config), default=config == a8_default)
                         mm = functools.partial(fm.fp8_matmul, config=config, interpret=interpret, act_quant=True)
-                        prog, args = loop_program(mm, reps, False), (x, ws, ss)
+                        prog, args = loop_program(mm, reps, False), (x, ws_pallas, ss)
                     elif impl in ("xla", "dequant_dot"):
                         mm = fm.fp8_matmul_ref if impl == "xla" else fm.fp8_matmul_dequant_dot
                         prog, args = loop_program(_pinned_dequantize(mm), reps, True), (x, ws, ss)
@@ -304,7 +311,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 except Exception as e:  # record and go on: one failing config must not hide the others
                     row["error"] = repr(e)[:1000]
                 emit(row)
-        del ws, ss, bf16
+        del ws, ws_pallas, ss, bf16
 
     aggregate = {}
     for m, times in pallas_default.items():
