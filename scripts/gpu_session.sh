@@ -567,6 +567,10 @@ tall() {  # a ~15-minute lease on one GPU (start_tall, then wait): session 20's 
   job launches_tall_decode 120 $launches --kernels=fp8_decode_max_rows=128 --out=$R/launches_tall_decode.json
   job launches_tall_decode_s3 120 $launches --kernels=fp8_decode_max_rows=128,fp8_verify_tall_stages=3 \
     --out=$R/launches_tall_decode_s3.json
+  # and with 128-row programs on 128-row tiles (x slices read once per 128 weight rows; 8 warps)
+  job launches_tall_decode_bo128 120 $launches \
+    --kernels=fp8_decode_max_rows=128,fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
+    --out=$R/launches_tall_decode_bo128.json
   checkpoint27
   local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 --repeats=1 \
     --max_new_tokens=128 --breakdown=false --batch=32"
