@@ -493,6 +493,7 @@ def test_tiled_weights_read_whole_or_sliced_or_untiled():
     (16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True, x_f16_scaled=True)),
     (40, None),  # a batched verify's default (64-row programs)
     (64, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True, num_warps=8)),
+    (128, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True, num_warps=8, num_stages=2)),  # tall
 ])
 def test_128_row_tiles_give_the_same_bits(m, config):
     """fp8_tile_rows=128: decode programs of 64 rows read half a tile, of 128 rows a whole one; the
