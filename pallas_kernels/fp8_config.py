@@ -301,7 +301,9 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     slots) the same with 3 stages and split-K 8 where runs keep >= 16 chunks (VERIFY_NARROW_STAGES,
     the best of the M = 64 sweep); 65-128 rows (fp8_decode_max_rows raised) the same tiles with
     VERIFY_TALL_STAGES. With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-128
-    rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy."""
+    rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy. Rows
+    per program: NARROW_BLOCK_O for the narrow weights at 1-16 rows, VERIFY_NARROW_BLOCK_O from 33
+    rows (both 64 by default; 128 where set, on 128-row tiles without a join)."""
     wide = is_wide(o)
     bo = NARROW_BLOCK_O if not wide and m <= DOT_MIN else 64
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
@@ -309,7 +311,7 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     scaled = X_F16_SCALED if x_f16_scaled is None else x_f16_scaled
     scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape, and at
-        # 33-64 rows (its narrow launches) the M = 64 sweep's depth, split and tile (VERIFY_NARROW_*)
+        # 33-64 rows the M = 64 sweep's depth, split and tile (VERIFY_NARROW_*), at 65-128 VERIFY_TALL_STAGES
         mid = m >= VERIFY_NARROW_MIN_ROWS
         block_o = VERIFY_NARROW_BLOCK_O if mid else bo
         split = 8 if mid and n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4))
