@@ -595,7 +595,7 @@ tiles128() {  # a ~15-minute lease on one GPU (start_tiles128, then wait): sessi
   job launches_t128_verify 150 $launches --kernels=fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
     --out=$R/launches_t128_verify.json
   # o_proj's tile sweep at 1 / 16 rows on 128-row tiles (the sweeps so far ran on the checkpoint layout)
-  job oproj_sweep_t128 200 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
+  job oproj_sweep_t128 300 python3 -m pallas_kernels.bench --parts=fp8 --fp8_ms=1,16 --fp8_shapes=5120x6144 \
     --fp8_prefill_ms= --xla=false --fp8_sweep --fp8_sweep_match=x_f16=True --fp8_layout=tiled \
     --kernels=fp8_tile_rows=128 --out=$R/oproj_sweep_t128.json
   checkpoint27
