@@ -355,8 +355,9 @@ def act_quant_config(m: int, o: int, i: int) -> DecodeConfig:
 
 def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
     """Heuristic: GEMM_MID_BLOCK_M x 128 tiles (4 warps, GEMM_MID_STAGES) at 33-256 rows (65-256 with
-    the default dispatch), 32 x 128 at fewer, 128 x 128 (8 warps) above; split_k (a power of two, runs of >= 4 chunks) while the grid has
-    fewer than GEMM_SPLIT_PROGRAMS programs (0: never); x_f16_scaled from GEMM_X_F16_SCALED."""
+    the default dispatch), 32 x 128 at fewer, 128 x 128 (8 warps) above; split_k (a power of two, runs
+    of >= 4 chunks) while the grid has fewer than GEMM_SPLIT_PROGRAMS programs (0: never);
+    x_f16_scaled from GEMM_X_F16_SCALED."""
     if m <= 32:
         config = PrefillConfig(block_m=32, block_n=128, num_warps=4, num_stages=3)
     elif m <= 256:

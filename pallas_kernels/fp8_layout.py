@@ -22,6 +22,12 @@ BLOCK = 128  # the scale block's width: a chunk's columns
 TILE_ROWS = 64
 
 
+def tileable_shape(o: int, i: int) -> bool:
+    """Whether an [O, I] weight splits into whole tiles of TILE_ROWS x BLOCK (tile_weight's default
+    condition; qmtp.load and the benches keep any other weight in the checkpoint layout)."""
+    return o % TILE_ROWS == 0 and i % BLOCK == 0
+
+
 def tile_weight(w: jax.Array, block_o: int | None = None, block_i: int = BLOCK) -> jax.Array:
     """[O, I] -> [O / block_o, I / block_i, block_o, block_i]: every [block_o, 128] chunk the decode
     kernel reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import fp8_layout
-from pallas_kernels.fp8_layout import BLOCK, tile_weight
+from pallas_kernels.fp8_layout import tile_weight
 from qmtp import shard_layout, tp
 from qmtp.fp8 import Fp8Block
 
@@ -37,7 +37,7 @@ def tileable(block: Fp8Block, dim: int | None = None, n: int = 1) -> bool:
     if block.weight.ndim != 2:  # tiled already (or stacked)
         return False
     local = _local_shape(tuple(block.weight.shape), dim, n)
-    return local is not None and local[0] % fp8_layout.TILE_ROWS == 0 and local[1] % BLOCK == 0
+    return local is not None and fp8_layout.tileable_shape(*local)
 
 
 def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:

@@ -5,7 +5,8 @@
 One row per (launch, M, layout): each run's time per call in us (by the kernels' device time by
 default; `busy` adds the launch's XLA pieces, `wall` is the timing loop's clock), and each other run's
 ratio to the first; then each run's per-step sums ("M layout": ms per step and share of its copy
-bandwidth). Each column is headed by its file's name and the kernel settings that differ from the
+bandwidth; the bench's own sums, by the kernels' device time where measured, or with --by=busy the
+busy time). Each column is headed by its file's name and the kernel settings that differ from the
 first run's, so a lease's variants (`--kernels=...`) read as what they changed.
 """
 
@@ -59,16 +60,18 @@ def table(paths: list[str], by: str = "kernel") -> str:
         row = f"{c[0]:34s} {c[1]:4d} {c[2]:10s}" + "".join(f" {v * 1e6:10.1f}" if v else f" {'-':>10s}" for v in vals)
         row += "".join(f" {v / vals[0]:8.3f}" if v and vals[0] else f" {'-':>8s}" for v in vals[1:])
         lines.append(row)
-    lines += ["", "per step (ms, share of the run's copy bandwidth):"]
+    # the bench sums a step by the kernels' device time where measured (its "by"), or with the XLA pieces
+    busy = by == "busy"
+    basis = "busy" if busy else "the bench's own"
+    lines += ["", f"per step (ms, share of the run's copy bandwidth; {basis} sums):"]
     steps = sorted({k for r in runs for k in r.get("fp8_launches", {}).get("per_step", {})},
                    key=lambda k: (int(k.split()[0]), k))
     for k in steps:
         cells = []
         for r in runs:
-            s = r.get("fp8_launches", {}).get("per_step", {}).get(k)
-            sec = s and (s.get("busy_s") if by == "busy" else s.get("s"))
-            cells.append(f"{sec * 1e3:8.2f} ({s['share_of_copy'] if by != 'busy' else s['busy_share_of_copy']:.0%})"
-                         if sec else f"{'-':>15s}")
+            s = r.get("fp8_launches", {}).get("per_step", {}).get(k, {})
+            sec, share = (s.get("busy_s"), s.get("busy_share_of_copy")) if busy else (s.get("s"), s.get("share_of_copy"))
+            cells.append(f"{sec * 1e3:8.2f} ({share:.0%})" if sec else "-")
         lines.append(f"  {k:12s}" + "".join(f" {c:>15s}" for c in cells))
     return "\n".join(lines)
 

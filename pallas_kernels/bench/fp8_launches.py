@@ -145,8 +145,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                    "n_weights": n, "bytes": nbytes, "config": repr(config)}
             try:
                 if layout == "tiled" and tiled_ws is None:  # outside the timed programs; as qmtp.load, a
-                    # weight of no whole number of tiles (fp8_layout.TILE_ROWS rows) keeps the checkpoint layout
-                    tiled_ws = tuple(tuple(jax.jit(fm.tile_weight)(w) if w.shape[0] % fp8_layout.TILE_ROWS == 0 else w
+                    # weight of no whole number of tiles keeps the checkpoint layout
+                    tiled_ws = tuple(tuple(jax.jit(fm.tile_weight)(w) if fp8_layout.tileable_shape(*w.shape) else w
                                            for w in one) for one in ws)
                 w_in = tiled_ws if layout == "tiled" else ws
                 prog = loop_program(many, reps, False)
