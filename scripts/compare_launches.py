@@ -70,7 +70,8 @@ def table(paths: list[str], by: str = "kernel") -> str:
         cells = []
         for r in runs:
             s = r.get("fp8_launches", {}).get("per_step", {}).get(k, {})
-            sec, share = (s.get("busy_s"), s.get("busy_share_of_copy")) if busy else (s.get("s"), s.get("share_of_copy"))
+            prefix = "busy_" if busy else ""
+            sec, share = s.get(f"{prefix}s"), s.get(f"{prefix}share_of_copy")
             cells.append(f"{sec * 1e3:8.2f} ({share:.0%})" if sec else "-")
         lines.append(f"  {k:12s}" + "".join(f" {c:>15s}" for c in cells))
     return "\n".join(lines)
