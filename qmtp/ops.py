@@ -193,15 +193,14 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "spec_skip_full_commit": ("speculate", "SKIP_FULL_COMMIT", None)}
 
 
+# a setting's module name -> the module it lives in (imported at use: qmtp.speculate imports this one)
+_SWITCH_MODULES = {"ops": __name__, "fp8_config": "pallas_kernels.fp8_config",
+                   "fp8_layout": "pallas_kernels.fp8_layout", "speculate": "qmtp.speculate"}
+
+
 def _switch_module(module: str):
     import importlib
-    import sys
-    if module == "speculate":  # imported here: qmtp.speculate imports this module
-        return importlib.import_module("qmtp.speculate")
-    if module == "fp8_layout":
-        from pallas_kernels import fp8_layout
-        return fp8_layout
-    return fp8_config if module == "fp8_config" else sys.modules[__name__]
+    return importlib.import_module(_SWITCH_MODULES[module])
 
 
 def kernel_settings() -> dict:
