@@ -3,7 +3,7 @@ heuristics that choose them per (M, O, I), with the module switches the measurem
 
 The switches (M1_CUDA_CORE, SCALE_PRELOAD, X_F16, X_F16_MAX_ROWS, X_F16_SCALED, X_CHUNK_SCALED,
 NARROW_X_ON_M, NARROW_NUM_STAGES, DECODE_MAX_ROWS, GEMM_SPLIT_PROGRAMS, NARROW_DECODE_MAX_ROWS,
-GEMM_X_F16_SCALED) live here and only here: set them through
+GEMM_X_F16_SCALED, the VERIFY_* tiles) live here and only here: set them through
 `qmtp.ops.set_kernel_settings` (or `--kernels`), never on a module that imported them.
 """
 
@@ -24,7 +24,13 @@ BLOCK = 128  # the scale block: 128 x 128 weights share one scale
 # 16.7 ms with the wide launches on the GEMM against 11.7 / 12.5 / 13.4 on the decode grid
 # (gate + up 135 -> 95 us at 64 rows, q + k + v 55 -> 41, in_proj 59 -> 48); batch 16, K=3 (64-row
 # verifies): natural 2431 -> 2557 tok/s, profiled 1872 -> 1959, plain 1313 / 1306, tokens equal plain.
-DECODE_MAX_ROWS = 64
+# 128 (DECODE_DOT_MAX_ROWS, the decode kernel's limit) since session 21: a verify of 17-32 slots at K=3
+# on the decode grid with VERIFY_TALL_STAGES. On the H200 (`scripts/gpu_session.sh start_tall2`, one
+# lease, copy 3.68-3.81 TB/s) the FP8 launches of a 27B step by kernel time at 96 / 128 rows took
+# 32.1 / 31.5 ms on the GEMM against 23.4 / 22.2 on the decode grid; batch 32, K=3 (128-row verifies):
+# natural 2720 -> 3048 tok/s, profiled 2070 -> 2335 (session 20's GEMM run against session 21's, one
+# process each), plain 1952 / 1926, tokens equal plain.
+DECODE_MAX_ROWS = 128
 # A DecodeConfig with the tensor-core dot serves up to this many rows ([BO, BM <= 128] f32 accumulator,
 # 64 registers per thread at BO = 64 and 4 warps). 65-128 rows run on it only where fp8_decode_max_rows
 # asks (VERIFY_TALL_STAGES says why).
@@ -207,8 +213,8 @@ X_CHUNK_SCALED = False
 GEMM_SPLIT_PROGRAMS = SM_COUNT
 # A narrow launch (fewer 64-row blocks than SMs in its summed O: o_proj / out_proj, mlp_down in the 27B
 # step) of more than DECODE_MAX_ROWS rows runs on the decode grid up to this many rows, not the GEMM
-# (<= DECODE_MAX_ROWS: off; at most DECODE_DOT_MAX_ROWS). Since DECODE_MAX_ROWS is 64 (session 20) it
-# matters only where fp8_decode_max_rows is set lower. Measured per launch on the H200 (session 18,
+# (<= DECODE_MAX_ROWS: off; at most DECODE_DOT_MAX_ROWS). Since DECODE_MAX_ROWS is 64 (session 20, 128
+# since session 21) it matters only where fp8_decode_max_rows is set lower. Measured per launch on the H200 (session 18,
 # `pallas_kernels.bench --parts=fp8_launches --fp8_launch_ms=48,64`, the GEMM split along I against the
 # decode grid), busy time per call with the XLA pieces and sums, at 48 / 64 rows: mlp_down 77.5 / 72.7
 # us on the GEMM against 59.6 / 67.5 on the decode grid, o_proj 30.6 / 29.5 against 25.4 / 27.0,
@@ -229,27 +235,43 @@ NARROW_DECODE_MAX_ROWS = 64
 # were measured with.
 VERIFY_NARROW_STAGES = 3  # ops setting fp8_verify_narrow_stages
 VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at M = 32
-# The decode grid at 65-128 rows (VERIFY_TALL_MIN_ROWS: a verify of 17-32 slots at K=3; only where
-# fp8_decode_max_rows is raised above 64, the default dispatch runs the GEMM there) keeps the 33-64-row
-# tiles with this pipeline depth. Why look: the FP8 launches of a 128-row step took 31.5 ms on the
-# GEMM against 13.4 at 64 rows on the decode grid (session 20), 2.35x for twice the rows; one decode
-# program per 64 weight rows converts each weight chunk to f16 once for all 128 rows, where the GEMM's
-# 64 x 128 tiles convert it once per 64 rows. Why 2 stages: a stage holds the [64, 128] FP8 weight chunk
+# The decode grid at 65-128 rows (VERIFY_TALL_MIN_ROWS: a verify of 17-32 slots at K=3; the default
+# dispatch since session 21, DECODE_MAX_ROWS) keeps the 33-64-row tiles with this pipeline depth. Why
+# look: the FP8 launches of a 128-row step took 31.5 ms on the GEMM against 13.4 at 64 rows on the
+# decode grid (session 20), 2.35x for twice the rows; one decode program per 64 weight rows converts
+# each weight chunk to f16 once for all 128 rows, where the GEMM's 64 x 128 tiles convert it once per
+# 64 rows. Why 2 stages: a stage holds the [64, 128] FP8 weight chunk
 # and the [128, 128] f16 x slice, 40 KB; 2 stages leave room for 2 programs per SM, 3 for one.
-# Unmeasured (built in session 20 with no device time left): time it with `--parts=fp8_launches
-# --fp8_launch_ms=96,128 --kernels=fp8_decode_max_rows=128` against the default.
+# Measured on the H200 (session 21, `start_tall2`, DECODE_MAX_ROWS's figures): 2 stages, 22.2 ms of
+# launches per 128-row step against 31.5 on the GEMM; 3 stages were not timed. 128-row programs (8
+# warps) on 128-row tiles took 28.6 ms at 128 rows, slower than 64-row ones here.
 VERIFY_TALL_STAGES = 2  # ops setting fp8_verify_tall_stages
 VERIFY_TALL_MIN_ROWS = 65
-# The 33-64-row decode grid's output rows per program (ops setting fp8_verify_narrow_block_o: 64, or
-# 128 with 8 warps, two of the tiled weights' 64-row tiles joined per chunk). Why 128 was tried: at 64
+# A narrow launch's output rows per program on the decode grid at 33-128 rows (ops setting
+# fp8_verify_narrow_block_o: 64, or 128 with 8 warps; on 64-row tiles two tiles joined per chunk). Until
+# session 21 it set the wide launches' rows too (VERIFY_WIDE_BLOCK_O now). Why 128 was tried: at 64
 # rows each program reads a [64, 128] f16 x slice from L2 per chunk, twice its weight chunk's bytes;
 # 128-row programs halve that traffic. Measured slower on the H200 (session 20, `start_stages64`, the
 # launches by kernel time on the tiled weights): o_proj 19.7 -> 44.5 us and mlp_down 48.7 -> 89.3 at 64
 # rows, the step's launches 16.7 -> 21.0 ms; on the checkpoint layout (the 64-row sweep of the same
 # lease) 128-row programs came within 5% of 64-row ones (o_proj 28.1 against 25.1 us, mlp_down 53.6
-# against 56.2 at split 16), so the joined tiles' [2, 64, 128] load is what costs. Kept as the measured
-# alternative.
+# against 56.2 at split 16), so the joined tiles' [2, 64, 128] load is what costs. On 128-row tiles
+# without the join (session 21, `start_tiles128`, kernel time per call at 40 / 64 rows): o_proj 18.7 /
+# 20.0 -> 22.1 / 22.8 us, out_proj 18.8 / 19.6 -> 22.1 / 23.0, mlp_down 40.7 / 49.1 -> 43.7 / 45.8,
+# still slower but for mlp_down at 64 rows. Kept at 64.
 VERIFY_NARROW_BLOCK_O = 64
+# A wide launch's output rows per program on the decode grid at 33-64 rows, where its weights lie in
+# tiles of a multiple of this many rows (fp8_layout's TILE_ROWS, setting fp8_tile_rows; on other
+# layouts 64; ops setting fp8_verify_wide_block_o: 64 or 128, 8 warps at 128). Why: at 64 rows each
+# program reads a [64, 128] f16 x slice per weight chunk, twice the chunk's bytes, and 128-row programs
+# read half as many; the wide launches have programs to spare (gate + up: 272 row blocks of 64).
+# Measured on the H200 (session 21, `scripts/gpu_session.sh start_tiles128`, the launches by kernel time
+# on 128-row tiles, 128-row programs at 33-64 rows for every launch against 64-row ones): gate + up
+# 83.0 / 95.2 -> 79.0 / 82.7 us at 40 / 64 rows, q + k + v 40.1 / 41.6 -> 36.6 / 37.6, in_proj 40.6 /
+# 47.7 -> 37.4 / 38.7; the narrow launches slower (VERIFY_NARROW_BLOCK_O). The step's launches 11.70 /
+# 13.49 -> 11.65 / 12.15 ms with every launch on 128-row programs; batch 16, K=3 (64-row verifies)
+# natural 2557 -> 2729 tok/s (session 20's run against session 21's, one process each).
+VERIFY_WIDE_BLOCK_O = 128
 # A narrow launch's output rows per program at 1-16 rows (o_proj / out_proj, mlp_down in the 27B step;
 # ops setting fp8_narrow_block_o: 64, or 128). Why 128 is worth timing again: at 16 rows the x slices
 # the programs read from L2 are half the weight's bytes (o_proj: 15.7 MB per call for 31.5 MB), the
@@ -287,7 +309,8 @@ def is_wide(o: int) -> bool:
     return cdiv(o, DecodeConfig.block_o) >= SM_COUNT
 
 
-def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> DecodeConfig:
+def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None,
+                  tile_rows: int | None = None) -> DecodeConfig:
     """Heuristic from the H200 sweeps (`python -m pallas_kernels.bench --parts=fp8 --fp8_sweep`,
     WORKSPACE.md). With M1_CUDA_CORE, one row of a wide weight (O >= 64 * SM_COUNT): the CUDA-core path with 16-row
     programs, 2 warps, 4 chunks per iteration (2.0-2.5 TB/s vs 1.5-2.1 for the 64-row default).
@@ -302,8 +325,10 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     the best of the M = 64 sweep); 65-128 rows (fp8_decode_max_rows raised) the same tiles with
     VERIFY_TALL_STAGES. With X_F16_SCALED (or x_f16_scaled=True, which overrides it) 9-128
     rows take x as one scaled f16 piece per row, and 9-16 rows fit the narrow x-on-M policy. Rows
-    per program: NARROW_BLOCK_O for the narrow weights at 1-16 rows, VERIFY_NARROW_BLOCK_O from 33
-    rows (both 64 by default; 128 where set, on 128-row tiles without a join)."""
+    per program: NARROW_BLOCK_O for the narrow weights at 1-16 rows, VERIFY_NARROW_BLOCK_O for them
+    from 33 rows (both 64 by default; 128 where set, on 128-row tiles without a join),
+    VERIFY_WIDE_BLOCK_O for the wide ones at 33-64 rows where tile_rows (the rows of the weights'
+    tiles; None: the checkpoint layout) is a multiple of it, 64 otherwise."""
     wide = is_wide(o)
     bo = NARROW_BLOCK_O if not wide and m <= DOT_MIN else 64
     n_o, n_chunks = cdiv(o, bo), cdiv(i, BLOCK)
@@ -313,9 +338,11 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None) -> D
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape, and at
         # 33-64 rows the M = 64 sweep's depth, split and tile (VERIFY_NARROW_*), at 65-128 VERIFY_TALL_STAGES
         mid = m >= VERIFY_NARROW_MIN_ROWS
-        block_o = VERIFY_NARROW_BLOCK_O if mid else bo
+        wide_bo = VERIFY_WIDE_BLOCK_O if tile_rows and tile_rows % VERIFY_WIDE_BLOCK_O == 0 else 64
+        tall = m >= VERIFY_TALL_MIN_ROWS
+        block_o = bo if not mid else VERIFY_NARROW_BLOCK_O if not wide else 64 if tall else wide_bo
         split = 8 if mid and n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4))
-        stages = VERIFY_TALL_STAGES if m >= VERIFY_TALL_MIN_ROWS else VERIFY_NARROW_STAGES if mid else None
+        stages = VERIFY_TALL_STAGES if tall else VERIFY_NARROW_STAGES if mid else None
         return DecodeConfig(block_o=block_o, split_k=split, use_dot=True, swap_ab=True, x_f16=scaled,
                             x_f16_scaled=scaled, x_chunk_scaled=chunk, num_warps=8 if block_o > 64 else 4,
                             num_stages=stages or DecodeConfig.num_stages)
@@ -371,12 +398,12 @@ def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
     return dataclasses.replace(config, split_k=split, x_f16_scaled=GEMM_X_F16_SCALED)
 
 
-def default_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
+def default_config(m: int, o: int, i: int, tile_rows: int | None = None) -> DecodeConfig | PrefillConfig:
     """The dispatch on M: up to DECODE_MAX_ROWS rows stream W on the decode grid, more run the GEMM;
     where DECODE_MAX_ROWS is set lower, a narrow launch (not is_wide) stays on the decode grid up to
-    NARROW_DECODE_MAX_ROWS rows."""
+    NARROW_DECODE_MAX_ROWS rows. tile_rows: as decode_config's."""
     if m <= DECODE_MAX_ROWS or (not is_wide(o) and m <= min(NARROW_DECODE_MAX_ROWS, DECODE_DOT_MAX_ROWS)):
-        return decode_config(m, o, i)
+        return decode_config(m, o, i, tile_rows=tile_rows)
     return prefill_config(m, o, i)
 
 

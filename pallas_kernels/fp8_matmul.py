@@ -156,7 +156,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
     if config is None and act_quant and m <= fp8_config.DECODE_MAX_ROWS:
         config = fp8_config.act_quant_config(m, sum(os), i)
     chosen = config is None  # a GEMM then takes each weight's own split (fp8_config.prefill_config)
-    config = config or default_config(m, sum(os), i)
+    config = config or default_config(m, sum(os), i, tile_rows=tile_rows(ws))
     fp8_config.check_config(config, m)
     if any(w.ndim == 4 for w in ws):
         ws = _fit_tiles(ws, config)
@@ -206,6 +206,14 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
                      for y, o in zip(ys, os))
     return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)
                  for y, o in zip(ys, os))
+
+
+def tile_rows(ws) -> int | None:
+    """The rows of the tiles that every weight of a launch reads whole (the fewest among tiled weights
+    of different heights); None where any weight is in the checkpoint's [O, I]."""
+    if any(w.ndim != 4 for w in ws):
+        return None
+    return min(w.shape[2] for w in ws)
 
 
 def _fit_tiles(ws, config):

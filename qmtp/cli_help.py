@@ -87,9 +87,10 @@ def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> s
     batch counts, as the command line calls it).
 
     A verify pass has batch x (K+1) rows. The Pallas FP8 kernels stream the weights for up to
-    fp8_config.DECODE_MAX_ROWS rows (64; --kernels=fp8_decode_max_rows) and run GEMM tiles above,
-    which are compute-bound there: on the H200 at 27B shapes a 128-row step's FP8 launches took 2.35x a
-    64-row step's, and at batch 32 K=3 gave 1.06x plain against K=1's 1.23x (WORKSPACE, session 20)."""
+    fp8_config.DECODE_MAX_ROWS rows (128, the decode kernel's limit; --kernels=fp8_decode_max_rows) and
+    run GEMM tiles above, which are compute-bound there: on the H200 at 27B shapes a 128-row step's FP8
+    launches took 31.5 ms on the GEMM against 22.2 on the decode kernel, and batch 32 at K=3 gave 1.06x
+    plain on the GEMM against 1.21x on the decode kernel (WORKSPACE, sessions 20-21)."""
     from pallas_kernels import fp8_config
     rows, limit = batch * (k + 1), fp8_config.DECODE_MAX_ROWS
     if not k or model.impl != "pallas" or model.cfg.quantization is None or rows <= limit:

@@ -185,6 +185,7 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_gemm_x_f16_scaled": ("fp8_config", "GEMM_X_F16_SCALED", None),
                      "fp8_verify_narrow_stages": ("fp8_config", "VERIFY_NARROW_STAGES", (1, 8)),
                      "fp8_verify_narrow_block_o": ("fp8_config", "VERIFY_NARROW_BLOCK_O", (64, 128, POW2)),
+                     "fp8_verify_wide_block_o": ("fp8_config", "VERIFY_WIDE_BLOCK_O", (64, 128, POW2)),
                      "fp8_verify_tall_stages": ("fp8_config", "VERIFY_TALL_STAGES", (1, 8)),
                      "fp8_narrow_block_o": ("fp8_config", "NARROW_BLOCK_O", (64, 128, POW2)),
                      "fp8_gemm_mid_block_m": ("fp8_config", "GEMM_MID_BLOCK_M", (16, 256, POW2)),

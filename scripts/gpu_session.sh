@@ -605,6 +605,23 @@ tiles128() {  # a ~15-minute lease on one GPU (start_tiles128, then wait): sessi
     --out=$R/bench27_b16_t128_verify.json
 }
 
+tall2() {  # a ~9-minute lease on one GPU, after tiles128 in the same lease (session 21): the decode grid at
+  # 65-128 rows with 128-row programs on 128-row tiles against the GEMM: launches at 96 / 128 rows, then
+  # batch 32 K=3 on it (session 20 on the GEMM: plain 1952, K=3 profiled 2070 tok/s)
+  export CUDA_VISIBLE_DEVICES=0
+  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=96,128"
+  job launches_tall_gemm 100 $launches --out=$R/launches_tall_gemm.json
+  job launches_tall_decode 100 $launches --kernels=fp8_decode_max_rows=128 --out=$R/launches_tall_decode.json
+  job launches_tall_decode_bo128 100 $launches \
+    --kernels=fp8_decode_max_rows=128,fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
+    --out=$R/launches_tall_decode_bo128.json
+  checkpoint27
+  job bench27_b32_decode_bo128 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
+    --repeats=1 --max_new_tokens=128 --breakdown=false --batch=32 \
+    --kernels=fp8_decode_max_rows=128,fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
+    --out=$R/bench27_b32_decode_bo128.json
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -627,7 +644,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall|start_tiles128)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall|start_tiles128|start_tall2)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC

@@ -116,18 +116,19 @@ def test_help_explains_every_flag(cache):
 
 @pytest.mark.parametrize("batch, k, impl, fp8, expected", [
     (16, 3, "pallas", True, None),  # 64 rows: on the decode kernel
-    (32, 1, "pallas", True, None),
-    (32, 3, "pallas", True, "32 sequences x (K+1 = 4) = 128 rows per MTP verify pass exceed the FP8 decode "
-                            "kernel's 64 (fp8_decode_max_rows); they run on GEMM tiles"),
-    (20, 4, "pallas", True, "--mtp_k=2 keeps them on it"),  # 20 x 3 = 60 rows
-    (40, 1, "pallas", True, "at most 32 sequences at K=1 keep them on it"),
-    (32, 3, "ref", True, None),  # no Pallas kernels
-    (32, 3, "pallas", False, None),  # bf16 weights: no FP8 decode kernel
+    (32, 3, "pallas", True, None),  # 128 rows: its limit
+    (40, 3, "pallas", True, "40 sequences x (K+1 = 4) = 160 rows per MTP verify pass exceed the FP8 decode "
+                            "kernel's 128 (fp8_decode_max_rows); they run on GEMM tiles"),
+    (40, 3, "pallas", True, "--mtp_k=2 keeps them on it"),  # 40 x 3 = 120 rows
+    (48, 4, "pallas", True, "--mtp_k=1 keeps them on it"),  # 48 x 3 = 144, 48 x 2 = 96 rows
+    (80, 1, "pallas", True, "at most 64 sequences at K=1 keep them on it"),
+    (40, 3, "ref", True, None),  # no Pallas kernels
+    (40, 3, "pallas", False, None),  # bf16 weights: no FP8 decode kernel
     (64, 0, "pallas", True, None),  # plain decoding has no verify pass
 ])
 def test_verify_rows_warning(batch, k, impl, fp8, expected):
     """generate and the server warn when batch x (K+1) verify rows leave the FP8 decode kernel (the GEMM
-    tiles at that size made K=3 at batch 32 barely faster than plain on the H200), and say which K fits."""
+    tiles at 128 rows made K=3 at batch 32 barely faster than plain on the H200), and say which K fits."""
     import types
     from qmtp import cli_help
     model = types.SimpleNamespace(impl=impl, cfg=types.SimpleNamespace(quantization=object() if fp8 else None))

@@ -519,6 +519,28 @@ def test_128_row_tiles_give_the_same_bits(m, config):
             np.testing.assert_array_equal(np.asarray(pre), f64_formula(x, w, s), err_msg=f"prefill block_n={bn}")
 
 
+def test_wide_launch_takes_its_tiles_rows_at_verify_rows(monkeypatch):
+    """A launch's default config sees its weights' tile rows (fp8_matmul.tile_rows): at 40 verify rows
+    a wide launch on 128-row tiles runs 128-row programs with 8 warps (fp8_config.VERIFY_WIDE_BLOCK_O),
+    on 64-row tiles, a mix of both heights or the checkpoint layout 64-row ones; each bit for bit the
+    float64 formula."""
+    monkeypatch.setattr(fc, "SM_COUNT", 4)  # 384 rows are 6 blocks of 64: a wide launch on 4 SMs
+    chosen, check = [], fc.check_config
+    monkeypatch.setattr(fc, "check_config", lambda config, m: (chosen.append(config), check(config, m))[1])
+    rng = np.random.default_rng(40)
+    x, w, s = exact_problem(rng, 40, 384, 640)
+    _, w2, s2 = exact_problem(rng, 40, 256, 640)
+    xj, wj = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w)
+    for ws, block_o in [((fm.tile_weight(wj, 128), fm.tile_weight(jnp.asarray(w2), 128)), 128),
+                        ((fm.tile_weight(wj, 64), fm.tile_weight(jnp.asarray(w2), 64)), 64),
+                        ((fm.tile_weight(wj, 128), fm.tile_weight(jnp.asarray(w2), 64)), 64),
+                        ((wj, fm.tile_weight(jnp.asarray(w2), 128)), 64)]:
+        got = fm.fp8_matmul_many(xj, ws, (jnp.asarray(s), jnp.asarray(s2)), jnp.float32, interpret=True)
+        assert (chosen[-1].block_o, chosen[-1].num_warps) == (block_o, 8 if block_o == 128 else 4), [t.shape for t in ws]
+        np.testing.assert_array_equal(np.asarray(got[0]), f64_formula(x, w, s))
+        np.testing.assert_array_equal(np.asarray(got[1]), f64_formula(x, w2, s2))
+
+
 def test_tile_rows_setting_reaches_tile_weight():
     from qmtp import ops
     w = jnp.zeros((256, 384), jnp.float8_e4m3fn)
@@ -1149,7 +1171,7 @@ def test_gpu_128_row_tiles_exact():
     exact against the ref (o_proj's and mlp_down's shapes)."""
     gpu_required()
     rng = np.random.default_rng(12)
-    for o, i in [(E, 6144), (E, F)]:
+    for o, i in [(E, 6144), (E, F), (F, E)]:  # (F, E): a wide launch, 128-row programs by default at 40 / 64
         wq, scale = real_weights(o, i, "exact")
         tiled = fm.tile_weight(jnp.asarray(wq), 128)
         for m in (1, 4, 16, 40, 64):

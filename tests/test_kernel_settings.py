@@ -49,22 +49,25 @@ def test_verify_narrow_stages_setting_reaches_the_33_to_64_row_config():
     assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 3
 
 
-def test_tall_rows_need_decode_max_rows_and_take_the_tall_stages():
-    """fp8_decode_max_rows=128 puts 65-128 rows on the decode grid (up to DECODE_DOT_MAX_ROWS; 129 is
-    refused, test_bad_settings_are_refused_by_name), where fp8_verify_tall_stages sets the pipeline depth; 33-64
-    rows keep theirs."""
-    assert isinstance(fp8_matmul.default_config(128, 17408, 5120), fp8_config.PrefillConfig)
-    previous = ops.set_kernel_settings(ops.parse_kernel_settings(["fp8_decode_max_rows=128",
-                                                                  "fp8_verify_tall_stages=3"]))
+def test_tall_rows_run_the_decode_grid_with_the_tall_stages():
+    """65-128 rows run on the decode grid by default (DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS; 129 is
+    refused as a setting, test_bad_settings_are_refused_by_name), where fp8_verify_tall_stages sets the
+    pipeline depth and 33-64 rows keep theirs; fp8_decode_max_rows=64 sends them back to the GEMM."""
+    assert fp8_config.DECODE_MAX_ROWS == 128 and fp8_config.VERIFY_TALL_STAGES == 2
+    assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 2
+    assert isinstance(fp8_matmul.default_config(129, 17408, 5120), fp8_config.PrefillConfig)
+    previous = ops.set_kernel_settings(ops.parse_kernel_settings(["fp8_verify_tall_stages=3"]))
     try:
         assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 3
         assert fp8_matmul.default_config(65, 5120, 17408).num_stages == 3
         ops.set_kernel_settings({"fp8_verify_tall_stages": 1})
         assert fp8_matmul.default_config(100, 5120, 6144).num_stages == 1
         assert fp8_matmul.default_config(64, 5120, 6144).num_stages == fp8_config.VERIFY_NARROW_STAGES
+        ops.set_kernel_settings({"fp8_decode_max_rows": 64})
+        assert isinstance(fp8_matmul.default_config(65, 17408, 5120), fp8_config.PrefillConfig)
     finally:
         ops.set_kernel_settings(previous)
-    assert fp8_config.VERIFY_TALL_STAGES == 2 and fp8_config.DECODE_MAX_ROWS == 64
+    assert fp8_config.VERIFY_TALL_STAGES == 2 and fp8_config.DECODE_MAX_ROWS == 128
 
 
 def test_narrow_block_o_setting_reaches_narrow_launches_at_1_to_16_rows():
@@ -82,14 +85,17 @@ def test_narrow_block_o_setting_reaches_narrow_launches_at_1_to_16_rows():
     assert fp8_matmul.default_config(16, 5120, 6144).block_o == 64
 
 
-def test_verify_narrow_block_o_setting_joins_tiles_with_8_warps():
-    """fp8_verify_narrow_block_o=128: 33-64-row narrow launches on 128-row programs with 8 warps (two
-    64-row tiles joined on tiled weights); 96 is refused (not a power of two)."""
+def test_verify_narrow_block_o_setting_reaches_narrow_launches_only():
+    """fp8_verify_narrow_block_o=128: 33-128-row narrow launches on 128-row programs with 8 warps (two
+    64-row tiles joined on 64-row tiled weights); wide launches and 16 rows keep their tiles; 96 is
+    refused (not a power of two)."""
     previous = ops.set_kernel_settings({"fp8_verify_narrow_block_o": "128"})
     try:
         c = fp8_matmul.default_config(64, 5120, 17408)
         assert (c.block_o, c.num_warps, c.split_k) == (128, 8, 8)
+        assert fp8_matmul.default_config(100, 5120, 6144).block_o == 128
         assert fp8_matmul.default_config(16, 5120, 17408).block_o == 64
+        assert fp8_matmul.default_config(64, 17408, 5120).block_o == 64
     finally:
         ops.set_kernel_settings(previous)
     assert fp8_matmul.default_config(64, 5120, 17408).block_o == 64
@@ -97,21 +103,41 @@ def test_verify_narrow_block_o_setting_joins_tiles_with_8_warps():
         ops.set_kernel_settings({"fp8_verify_narrow_block_o": "96"})
 
 
-def test_gemm_mid_row_tiles_setting_reaches_65_to_256_rows_only():
-    """fp8_gemm_mid_block_m / fp8_gemm_mid_stages set the GEMM's tiles at 65-256 rows (33-256 where
+@pytest.mark.parametrize("m, tile_rows, block_o", [
+    (40, 128, 128), (64, 128, 128),  # a batched verify of 10-16 slots on 128-row tiles
+    (64, 64, 64), (64, None, 64),  # 64-row tiles (a join) and the checkpoint layout
+    (32, 128, 64), (65, 128, 64), (128, 128, 64),  # 17-32 rows and the tall rows keep 64
+])
+def test_verify_wide_block_o_needs_128_row_tiles(m, tile_rows, block_o):
+    """fp8_config.VERIFY_WIDE_BLOCK_O: the wide launches (gate + up, q + k + v, in_proj) take 128-row
+    programs with 8 warps at 33-64 rows where their weights lie in 128-row tiles; narrow launches keep
+    VERIFY_NARROW_BLOCK_O; fp8_verify_wide_block_o=64 turns it off."""
+    c = fp8_matmul.default_config(m, 17408, 5120, tile_rows=tile_rows)
+    assert (c.block_o, c.num_warps) == (block_o, 8 if block_o == 128 else 4)
+    assert fp8_matmul.default_config(m, 5120, 17408, tile_rows=tile_rows).block_o == 64  # narrow
+    previous = ops.set_kernel_settings({"fp8_verify_wide_block_o": "64"})
+    try:
+        assert fp8_matmul.default_config(m, 17408, 5120, tile_rows=tile_rows).block_o == 64
+    finally:
+        ops.set_kernel_settings(previous)
+
+
+def test_gemm_mid_row_tiles_setting_reaches_129_to_256_rows_only():
+    """fp8_gemm_mid_block_m / fp8_gemm_mid_stages set the GEMM's tiles at 129-256 rows (33-256 where
     fp8_decode_max_rows is 32) and nothing at 512 or on the decode grid; a tile height that is no power
     of two is refused."""
     previous = ops.set_kernel_settings({"fp8_gemm_mid_block_m": "32", "fp8_gemm_mid_stages": "4"})
     try:
-        for m in (65, 128, 256):
+        for m in (129, 256):
             c = fp8_matmul.default_config(m, 17408, 5120)
             assert (c.block_m, c.num_stages) == (32, 4), (m, c)
         assert fp8_matmul.default_config(512, 17408, 5120).block_m == 128
-        assert fp8_matmul.default_config(64, 17408, 5120) == fp8_config.decode_config(64, 17408, 5120)
+        assert fp8_matmul.default_config(128, 17408, 5120) == fp8_config.decode_config(128, 17408, 5120)
         assert fp8_config.prefill_config(33, 17408, 5120).block_m == 32
     finally:
         ops.set_kernel_settings(previous)
-    assert (fp8_matmul.default_config(128, 17408, 5120).block_m, fp8_matmul.default_config(128, 17408, 5120).num_stages) == (64, 3)
+    gemm = fp8_matmul.default_config(200, 17408, 5120)
+    assert (gemm.block_m, gemm.num_stages) == (64, 3)
     with pytest.raises(ValueError, match="fp8_gemm_mid_block_m=48: must be a power of two"):
         ops.set_kernel_settings({"fp8_gemm_mid_block_m": "48"})
     assert fp8_config.GEMM_MID_BLOCK_M == 64

@@ -242,7 +242,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             want = np.asarray(ref(x, ws[0], ss[0]), np.float64)
             candidates = [c for c in candidate_configs(m) if sweep_match in repr(c)] if sweep else []
             runs = [("pallas", None)] + [("pallas", c) for c in candidates]
-            default = fm.default_config(m, o, i)
+            default = fm.default_config(m, o, i, tile_rows=fm.tile_rows(ws_pallas))  # as the model's launch
             a8_default = None
             if isinstance(default, fm.DecodeConfig):  # always: the default with the other scale loading
                 runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
@@ -269,7 +269,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                        "layout": "tiled" if ws_pallas is not ws and impl in ("pallas", "pallas_a8") else "checkpoint"}
                 try:
                     if impl == "pallas":
-                        cfg = config or fm.default_config(m, o, i)
+                        cfg = config or default
                         row.update(config=repr(cfg), default=config is None)
                         mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret)
                         prog, args = loop_program(mm, reps, False), (x, ws_pallas, ss)

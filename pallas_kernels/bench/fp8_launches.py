@@ -136,19 +136,21 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             emit(row)
         for m, layout in ((m, layout) for m in decode_ms for layout in layouts):
             x = jax.random.normal(jax.random.key(m), (m, i_dim), jnp.float32).astype(jnp.bfloat16)
-            config = fm.default_config(m, sum(o for o, _ in shapes), i_dim)
             agg_key = m if layout == "checkpoint" else f"{m} {layout}"
             row = {"kernel": "fp8_launch", "case": f"{launch['name']} M={m}" + ("" if layout == "checkpoint" else
                                                                                  f" {layout}"),
                    "launch": launch["name"], "layout": layout,
                    "shapes": [list(s) for s in shapes], "m": m, "impl": "pallas", "count_per_step": launch["count"],
-                   "n_weights": n, "bytes": nbytes, "config": repr(config)}
+                   "n_weights": n, "bytes": nbytes}
             try:
                 if layout == "tiled" and tiled_ws is None:  # outside the timed programs; as qmtp.load, a
                     # weight of no whole number of tiles keeps the checkpoint layout
                     tiled_ws = tuple(tuple(jax.jit(fm.tile_weight)(w) if fp8_layout.tileable_shape(*w.shape) else w
                                            for w in one) for one in ws)
                 w_in = tiled_ws if layout == "tiled" else ws
+                # the config the launch chooses (reported): its weights' tile rows matter at 33-64 rows
+                config = fm.default_config(m, sum(o for o, _ in shapes), i_dim, tile_rows=fm.tile_rows(w_in[0]))
+                row["config"] = repr(config)
                 prog = loop_program(many, reps, False)
                 med, best = timed(prog, x, w_in, ss, trials=trials)
                 per = med / (reps * n)
