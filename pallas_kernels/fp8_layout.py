@@ -13,13 +13,17 @@ from __future__ import annotations
 import jax
 
 BLOCK = 128  # the scale block's width: a chunk's columns
-# Rows per tile (ops setting fp8_tile_rows: 64 or 128). 64 is the decode kernel's block_o at 1-64 rows
-# (fp8_config.DecodeConfig). 128-row tiles serve both: a 64-row program reads half a tile (still one
-# contiguous run) and a 128-row program one whole tile, with no [2, 64, 128] join, which the H200 ran
-# 2.2x slower than 64-row programs (Session 20 decisions (3)). Why look: 128-row programs read each
-# x slice half as often (at 64 rows the x slices are twice the weight's bytes, at 16 rows half).
-# Unmeasured on the H200 (session 20, no device time left).
-TILE_ROWS = 64
+# Rows per tile (ops setting fp8_tile_rows: 64 or 128). 128-row tiles serve both program heights: a
+# 64-row program (the decode kernel's block_o at 1-32 rows, the narrow launches' at 33-128, every
+# launch's at 65-128) reads half a tile, still one contiguous run, and a 128-row program (the wide
+# launches at 33-64 rows, fp8_config.VERIFY_WIDE_BLOCK_O) one whole tile, with no [2, 64, 128] join,
+# which the H200 ran 2.2x slower than 64-row programs (Session 20 decisions (3)). Measured on the H200
+# (session 21, `pallas_kernels.bench --parts=fp8_launches`, the 27B step's FP8 launches by kernel time
+# on 64- against 128-row tiles): 6.86 / 7.00 / 7.10 ms against 6.83 / 6.99 / 7.10 at 1 / 4 / 16 rows
+# (64-row programs: the same), 11.75 / 13.39 against 11.24 / 12.10 at 40 / 64 (the wide launches on
+# 128-row programs), 22.07 / 94.54 against 22.10 / 94.21 at 128 / 512 (the GEMM at 512 reads whole
+# tiles where it joined two). A weight whose O is no multiple of 128 keeps the checkpoint layout.
+TILE_ROWS = 128
 
 
 def tileable_shape(o: int, i: int) -> bool:

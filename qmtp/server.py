@@ -55,8 +55,8 @@ def define_flags() -> None:
                          lower_bound=0, upper_bound=4)
     flags.DEFINE_integer("batch_slots", 4, "Requests decoded together (batch rows of the device loop; every slot, "
                          "busy or not, is a row of each step). With MTP a round verifies batch_slots x (K+1) rows: "
-                         "up to 64 stream the FP8 weights on the decode kernels (16 slots at K=3, 32 at K=1), more "
-                         "run on GEMM tiles (a 128-row step's FP8 launches 2.35x a 64-row one's on the H200).",
+                         "up to 128 stream the FP8 weights on the decode kernels (32 slots at K=3, 64 at K=1), more "
+                         "run on GEMM tiles, compute-bound at that size (a warning names the K that fits).",
                      lower_bound=1)
     flags.DEFINE_integer("prefill_batch", 4, "Prompts of one length bucket that wait together are prefilled in one "
                          "pass of at most this many (the weights are read once for all); 1 = one at a time.",

@@ -1,7 +1,7 @@
 """The FP8 weights of a loaded model in the Pallas kernels' tiled layout (ops.FP8_TILED_WEIGHTS).
 
 `tile_fp8_weights(params, mesh)` replaces each `Fp8Block` whose weight is [O, I] with O a multiple
-of tr = fp8_layout.TILE_ROWS (64; setting fp8_tile_rows) and I of 128 on every device (its TP
+of tr = fp8_layout.TILE_ROWS (128; setting fp8_tile_rows) and I of 128 on every device (its TP
 shard's shape, where the model is split) by the same block with the weight as
 pallas_kernels.fp8_layout.tile_weight lays it out, [O / tr, I / 128, tr, 128]; scales, bf16 weights
 and blocks of other shapes stay as they are. Every kernel and reference takes either layout (the
@@ -14,6 +14,8 @@ a time while the model is laid out.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
@@ -45,7 +47,10 @@ def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:
     donate: free each old weight as its tiled copy is made (False keeps `params` usable)."""
     n = 1 if mesh is None else mesh.size
     donated = (0,) if donate else ()
-    plain = jax.jit(tile_weight, donate_argnums=donated)
+    # the tile height as a bound argument: jax.jit would reuse a trace of tile_weight made under an
+    # earlier fp8_tile_rows for a weight of the same shape
+    tile_rows = functools.partial(tile_weight, block_o=fp8_layout.TILE_ROWS)
+    plain = jax.jit(tile_rows, donate_argnums=donated)
     per_dim = {}
 
     def tile(path, leaf):
@@ -57,7 +62,7 @@ def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:
         if mesh is None:
             return Fp8Block(plain(leaf.weight), leaf.scale)
         if dim not in per_dim:  # each device tiles its own shard (the split keeps its dimension)
-            per_dim[dim] = jax.jit(jax.shard_map(tile_weight, mesh=mesh, in_specs=tp.dim_spec(2, dim),
+            per_dim[dim] = jax.jit(jax.shard_map(tile_rows, mesh=mesh, in_specs=tp.dim_spec(2, dim),
                                                  out_specs=tp.dim_spec(4, dim)), donate_argnums=donated)
         return Fp8Block(per_dim[dim](leaf.weight), leaf.scale)
 

@@ -39,6 +39,10 @@
 #                                           65-128 rows against the GEMM: `gpu` test, launches, batch 32 (tall())
 #   scripts/gpu_session.sh start_tiles128 [SECONDS]  (~15 minutes: follow with `wait`) 128-row weight
 #                                           tiles and 128-row programs: `gpu` test, launches, batch 16 (tiles128())
+#   scripts/gpu_session.sh start_tall2 [SECONDS]  (~9 minutes) the decode grid at 65-128 rows: launches,
+#                                           batch 32 K=3 (tall2())
+#   scripts/gpu_session.sh start_defaults21 [SECONDS]  (~17 minutes: follow with `wait`) session 21's
+#                                           defaults end to end at batch 1 / 16 / 32, o_proj at split-K 4 (defaults21())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -605,21 +609,43 @@ tiles128() {  # a ~15-minute lease on one GPU (start_tiles128, then wait): sessi
     --out=$R/bench27_b16_t128_verify.json
 }
 
-tall2() {  # a ~9-minute lease on one GPU, after tiles128 in the same lease (session 21): the decode grid at
-  # 65-128 rows with 128-row programs on 128-row tiles against the GEMM: launches at 96 / 128 rows, then
-  # batch 32 K=3 on it (session 20 on the GEMM: plain 1952, K=3 profiled 2070 tok/s)
+tall2() {  # a ~9-minute lease on one GPU (session 21, after tiles128 in the same lease): the decode grid
+  # at 65-128 rows, 64-row programs on 64-row tiles and 128-row programs on 128-row tiles, against the
+  # GEMM: launches at 96 / 128 rows, then batch 32 K=3 on the latter (session 20 on the GEMM: plain
+  # 1952, K=3 profiled 2070 tok/s). Session 21 timed the former end to end by hand, the same bench
+  # with --kernels=fp8_decode_max_rows=128 (3048 / 2335 tok/s natural / profiled).
   export CUDA_VISIBLE_DEVICES=0
   local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false --fp8_launch_ms=96,128"
-  job launches_tall_gemm 100 $launches --out=$R/launches_tall_gemm.json
-  job launches_tall_decode 100 $launches --kernels=fp8_decode_max_rows=128 --out=$R/launches_tall_decode.json
-  job launches_tall_decode_bo128 100 $launches \
-    --kernels=fp8_decode_max_rows=128,fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
+  job launches_tall_gemm 100 $launches --kernels=fp8_decode_max_rows=64 --out=$R/launches_tall_gemm.json
+  job launches_tall_decode 100 $launches --kernels=fp8_tile_rows=64 --out=$R/launches_tall_decode.json
+  job launches_tall_decode_bo128 100 $launches --kernels=fp8_verify_narrow_block_o=128,fp8_verify_wide_block_o=128 \
     --out=$R/launches_tall_decode_bo128.json
   checkpoint27
   job bench27_b32_decode_bo128 330 python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --ks=3 \
     --repeats=1 --max_new_tokens=128 --breakdown=false --batch=32 \
-    --kernels=fp8_decode_max_rows=128,fp8_tile_rows=128,fp8_verify_narrow_block_o=128 \
-    --out=$R/bench27_b32_decode_bo128.json
+    --kernels=fp8_verify_narrow_block_o=128 --out=$R/bench27_b32_decode_bo128.json
+}
+
+defaults21() {  # a ~17-minute lease on one GPU (start_defaults21, then wait; session 22's first): session
+  # 21's defaults (128-row tiles, the wide launches on 128-row programs at 33-64 rows, the decode grid
+  # to 128 rows) end to end and the last o_proj candidate. The tiled and tall `gpu` tests; o_proj at
+  # 1 / 4 / 16 rows with split-K 4 (fp8_narrow_programs_per_sm=2: half the f32 partials it writes at
+  # 16 rows, 1.3 against 2.6 MB) against the default; the 65-128-row launches at 3 stages; batch 1 K=3,
+  # batch 16 K=3, batch 32 K=1 / K=3 (tokens equal plain in each)
+  export CUDA_VISIBLE_DEVICES=0
+  job gputests_defaults21 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
+    -k "128_row or tall or tiled"
+  local launches="python3 -m pallas_kernels.bench --parts=fp8_launches --fp8_launch_floor=false"
+  job launches_narrow_default 100 $launches --fp8_launch_ms=1,4,16 --out=$R/launches_narrow_default.json
+  job launches_narrow_split4 100 $launches --fp8_launch_ms=1,4,16 --kernels=fp8_narrow_programs_per_sm=2 \
+    --out=$R/launches_narrow_split4.json
+  job launches_tall_s3 100 $launches --fp8_launch_ms=96,128 --kernels=fp8_verify_tall_stages=3 \
+    --out=$R/launches_tall_s3.json
+  checkpoint27
+  local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --repeats=1 --breakdown=false"
+  job bench27_b16 260 $bench --ks=3 --batch=16 --max_new_tokens=256 --out=$R/bench27_b16.json
+  job bench27_b32 400 $bench --ks=1,3 --batch=32 --max_new_tokens=128 --out=$R/bench27_b32.json
+  job bench27_b1 300 $bench --ks=3 --out=$R/bench27_b1.json
 }
 
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
@@ -644,7 +670,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall|start_tiles128|start_tall2)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall|start_tiles128|start_tall2|start_defaults21)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC

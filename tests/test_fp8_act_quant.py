@@ -150,7 +150,7 @@ def test_engine_switch_routes_decode_rows_only(monkeypatch):
     from qmtp import ops
     from qmtp.fp8 import Fp8Block
     rng = np.random.default_rng(2)
-    x, wq, scale = problem(rng, 72, 130, 300)
+    x, wq, scale = problem(rng, 136, 130, 300)
     w = Fp8Block(jnp.asarray(wq), jnp.asarray(scale))
     monkeypatch.setattr(ops, "FP8_ACT_QUANT", True)
     for rows in (1, 5):
@@ -161,7 +161,7 @@ def test_engine_switch_routes_decode_rows_only(monkeypatch):
             assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-5, (rows, impl)
         (got,) = ops.linear_many(xj, (w,), "pallas")
         assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-5
-    long = jnp.asarray(x, jnp.float32)  # 72 rows > DECODE_MAX_ROWS: exact activations
+    long = jnp.asarray(x, jnp.float32)  # 136 rows > DECODE_MAX_ROWS: exact activations
     exact = fm.fp8_matmul_ref(long, w.weight, w.scale)
     assert float(jnp.max(jnp.abs(ops.linear(long, w, "ref") - exact))) == 0.0
 

@@ -43,3 +43,20 @@ def test_gpu_session_uses_known_flags_and_variants():
     assert checked > 20
     for impls in re.findall(r"--step_impls=([\w,]+)", text):
         assert set(impls.split(",")) <= set(VARIANTS) | {"ref"}, impls
+
+
+def test_gpu_session_kernel_settings_exist():
+    """Every --kernels=NAME=VALUE,... the lease functions pass names a setting with a value it takes
+    (ops.parse_kernel_settings / set_kernel_settings), so no lease ends on a typo in a setting."""
+    from qmtp import ops
+    text = open(os.path.join(ROOT, "scripts", "gpu_session.sh")).read()
+    # literal lists only (a value from a shell variable, e.g. a loop's, is the script's own business)
+    found = [spec for spec in re.findall(r"--kernels=([^\s'\"]+)", text) if "$" not in spec]
+    assert len(found) > 10
+    before = ops.kernel_settings()
+    try:
+        for spec in found:
+            ops.set_kernel_settings(ops.parse_kernel_settings(spec.split(",")))  # raises, naming the setting
+            ops.set_kernel_settings(before)
+    finally:
+        ops.set_kernel_settings(before)

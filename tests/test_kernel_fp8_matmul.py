@@ -419,16 +419,18 @@ def test_many_weights_in_one_launch_exact(name):
 
 
 def test_tile_weight_layout_by_hand():
-    """Element (o, i) of w lands at [o // 64, i // 128, o % 64, i % 128]; untile_weight inverts it."""
+    """Element (o, i) of w lands at [o // 64, i // 128, o % 64, i % 128] in 64-row tiles; untile_weight
+    inverts it; the default tile is fp8_layout.TILE_ROWS = 128 rows."""
     w = np.arange(128 * 256, dtype=np.float32).reshape(128, 256)
-    t = np.asarray(fm.tile_weight(jnp.asarray(w)))
+    assert fm.tile_weight(jnp.asarray(w)).shape == (1, 2, 128, 128)
+    t = np.asarray(fm.tile_weight(jnp.asarray(w), 64))
     assert t.shape == (2, 2, 64, 128)
     for o, i in [(0, 0), (63, 127), (64, 128), (70, 3), (127, 255), (5, 200)]:
         assert t[o // 64, i // 128, o % 64, i % 128] == w[o, i]
     np.testing.assert_array_equal(np.asarray(fm.untile_weight(jnp.asarray(t))), w)
     assert fm.weight_shape(jnp.asarray(t)) == (128, 256)
     with pytest.raises(ValueError, match=r"tile_weight: w \(130, 256\) needs O a multiple of 64 and I of 128"):
-        fm.tile_weight(jnp.zeros((130, 256), jnp.float8_e4m3fn))
+        fm.tile_weight(jnp.zeros((130, 256), jnp.float8_e4m3fn), 64)
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
@@ -469,20 +471,20 @@ def test_tiled_weights_read_whole_or_sliced_or_untiled():
     one that would run past the last tile's rows gets the checkpoint layout (untiled)."""
     rng = np.random.default_rng(0)
     x, w, s = exact_problem(rng, 2, 256, 384)
-    t = fm.tile_weight(jnp.asarray(w))
+    t = fm.tile_weight(jnp.asarray(w), 64)
     got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), t, jnp.asarray(s), jnp.float32, interpret=True,
                         config=DecodeConfig(block_o=32, x_f16=True))
     np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
     assert fm._fit_tiles((t,), DecodeConfig(block_o=32, x_f16=True))[0] is t  # read in place
     # 3 tiles: no whole number of 128-row blocks, so the launch reads the checkpoint layout (untiled)
     _, w3, s3 = exact_problem(rng, 2, 192, 384)
-    got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fm.tile_weight(jnp.asarray(w3)), jnp.asarray(s3),
+    got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fm.tile_weight(jnp.asarray(w3), 64), jnp.asarray(s3),
                         jnp.float32, interpret=True, config=DecodeConfig(block_o=128, x_f16=True))
     np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w3, s3))
     # (interpret mode pads a read past the last tile, so the rule itself is checked: on the GPU such a
     # program would read past the weight's end)
     cfg = DecodeConfig(block_o=128, x_f16=True)
-    three, four = fm._fit_tiles((fm.tile_weight(jnp.asarray(w3)), t), cfg)
+    three, four = fm._fit_tiles((fm.tile_weight(jnp.asarray(w3), 64), t), cfg)
     assert three.shape == (192, 384) and four.shape == t.shape == (4, 3, 64, 128)
     assert fm._fit_tiles((t,), DecodeConfig(use_dot=False))[0].shape == (256, 384)  # the CUDA-core path
 
@@ -544,10 +546,10 @@ def test_wide_launch_takes_its_tiles_rows_at_verify_rows(monkeypatch):
 def test_tile_rows_setting_reaches_tile_weight():
     from qmtp import ops
     w = jnp.zeros((256, 384), jnp.float8_e4m3fn)
-    assert fm.tile_weight(w).shape == (4, 3, 64, 128)
-    previous = ops.set_kernel_settings({"fp8_tile_rows": "128"})
+    assert fm.tile_weight(w).shape == (2, 3, 128, 128)
+    previous = ops.set_kernel_settings({"fp8_tile_rows": "64"})
     try:
-        assert fm.tile_weight(w).shape == (2, 3, 128, 128)
+        assert fm.tile_weight(w).shape == (4, 3, 64, 128)
     finally:
         ops.set_kernel_settings(previous)
     with pytest.raises(ValueError, match="fp8_tile_rows=96: must be a power of two"):
@@ -583,7 +585,7 @@ def test_decode_programs_join_tiles_of_a_tiled_weight(m, x_dtype, config):
     rng = np.random.default_rng(m)
     x, w, s = exact_problem(rng, m, 256, 640)
     xj = jnp.asarray(x, x_dtype)
-    tiled = fm.tile_weight(jnp.asarray(w))
+    tiled = fm.tile_weight(jnp.asarray(w), 64)
     assert tiled.shape[2] == 64
     got = fm.fp8_matmul(xj, tiled, jnp.asarray(s), jnp.float32, interpret=True, config=config)
     want = fm.fp8_matmul(xj, jnp.asarray(w), jnp.asarray(s), jnp.float32, interpret=True, config=config)
@@ -625,10 +627,10 @@ def test_tiled_weights_lower_for_h200():
     assert attr_int(cfg, "num_stages") == config.num_stages and "scf.for" in ir_text
     w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
     assert len(w_loads) == 1 and w_loads[0].count("%") == 2  # unmasked: vectorized loads
-    # the GEMM (128 rows): its 128-row weight block is two tiles joined, one dot per chunk
-    args = (sds((128, i), jnp.bfloat16),) + args[1:]
+    # the GEMM (136 rows): its 128-row weight block is two 64-row tiles joined, one dot per chunk
+    args = (sds((136, i), jnp.bfloat16),) + args[1:]
     [(cfg, ir_text)] = triton_calls(lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args))
-    assert fm.default_config(128, o, i).block_n == 128 and attr_int(cfg, "grid_y") == o // 128
+    assert fm.default_config(136, o, i).block_n == 128 and attr_int(cfg, "grid_y") == o // 128
     assert ir_text.count("tt.dot ") == 1 and "tt.reshape" in ir_text
 
 
@@ -688,10 +690,10 @@ def test_interpret_mode_poisons_out_of_bounds():
 def test_default_config_heuristic():
     assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
     assert fm.default_config(32, 130, 129).split_k == 1  # two chunks: nothing to split
-    # every launch of <= 64 rows streams on the decode grid (wide ones too), more rows run the GEMM
+    # every launch of <= 128 rows streams on the decode grid (wide ones too), more rows run the GEMM
     for o in (17408, 2 * 17408, 5120):
-        assert isinstance(fm.default_config(64, o, 5120), DecodeConfig), o
-        assert isinstance(fm.default_config(65, o, 5120), PrefillConfig), o
+        assert isinstance(fm.default_config(128, o, 5120), DecodeConfig), o
+        assert isinstance(fm.default_config(129, o, 5120), PrefillConfig), o
     # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
     assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
     pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 rows (measured per weight)
@@ -819,8 +821,8 @@ def test_default_config_heuristic():
         assert isinstance(fm.default_config(129, 5120, 17408), PrefillConfig)
     finally:
         fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS = before
-    assert fc.NARROW_DECODE_MAX_ROWS == 64  # not DECODE_DOT_MAX_ROWS: 65-128 rows stay on the GEMM by default
-    assert isinstance(fm.default_config(128, 5120, 6144), PrefillConfig)
+    assert fc.NARROW_DECODE_MAX_ROWS == 64 and fc.DECODE_MAX_ROWS == 128  # 65-128 rows: the decode grid by default
+    assert isinstance(fm.default_config(128, 5120, 6144), DecodeConfig)
     # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
     for m in (1, 16, 32):
         c = fc.act_quant_config(m, 5120, 6144)
@@ -1270,11 +1272,11 @@ def test_x_f16_lowers_for_h200(m, o, i):
 
 
 def test_gemm_x_f16_scaled_lowers_for_h200(monkeypatch):
-    """The GEMM's default at a batched verify's 128 rows (32 slots at K=3) with fp8_gemm_x_f16_scaled
-    compiles for the H200: one f16 dot per chunk, x one f16 piece per row, the weight converted to f16
-    (no bf16 dot)."""
+    """The GEMM's default at a batched verify's 192 rows (48 slots at K=3, past the decode grid's 128)
+    with fp8_gemm_x_f16_scaled compiles for the H200: one f16 dot per chunk, x one f16 piece per row,
+    the weight converted to f16 (no bf16 dot)."""
     sds = jax.ShapeDtypeStruct
-    m, o, i = 128, 17408, 5120
+    m, o, i = 192, 17408, 5120
     monkeypatch.setattr(fc, "GEMM_X_F16_SCALED", True)
     config = fm.default_config(m, o, i)
     assert isinstance(config, PrefillConfig) and config.x_f16_scaled

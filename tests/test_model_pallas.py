@@ -71,13 +71,14 @@ def test_in_kernel_scaled_piece_keeps_mtp_equal_to_plain(tmp_path, monkeypatch):
 @pytest.mark.slow  # ~90 s; the kernel's exact cases and lowering run in CI
 def test_gemm_scaled_piece_keeps_prefill_logits_and_mtp_equal_to_plain(tmp_path, monkeypatch):
     """bf16 activations with the GEMM's scaled f16 piece (the default since session 19): a 70-token
-    prompt (its FP8 launches of 70 rows run on the GEMM) gives logits as close to the f32 model's as
+    prompt (its FP8 launches of 70 rows run on the GEMM with fp8_decode_max_rows=64; the default
+    streams up to 128 rows on the decode grid) gives logits as close to the f32 model's as
     the bf16 dot's path (fp8_gemm_x_f16_scaled=false; the piece is exact, only the order of the f32
     sums inside a dot may differ, as between any two dot implementations), and greedy MTP K=2 equals
     plain."""
     import jax
 
-    from pallas_kernels import fp8_matmul
+    from pallas_kernels import fp8_config, fp8_matmul
     from qmtp import ops
     from qmtp.tools import make_checkpoint
     from tolerance import BF16_MODEL
@@ -87,6 +88,7 @@ def test_gemm_scaled_piece_keeps_prefill_logits_and_mtp_equal_to_plain(tmp_path,
     path = make_checkpoint.write_checkpoint(str(tmp_path / "fp8"), "tiny_tp", "fp8", seed=3)
     model = qmtp.load(path, dtype="bfloat16", progress=False, impl="pallas")
     ids = [int(t) for t in np.random.default_rng(5).integers(3, 250, 70)]
+    monkeypatch.setattr(fp8_config, "DECODE_MAX_ROWS", 64)
     f32 = np.asarray(qmtp.target_logits(qmtp.load(path, dtype="float32", progress=False), ids), np.float32)
     got = np.asarray(qmtp.target_logits(model, ids), np.float32)
     plain = qmtp.generate(model, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=0)

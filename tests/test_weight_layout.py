@@ -17,7 +17,7 @@ from qmtp.tools import make_checkpoint
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
-    # tiny_tp: E 256, F 512, head dim 128: every FP8 weight splits into whole [64, 128] tiles
+    # tiny_tp: E 256, F 512, head dim 128: every FP8 weight splits into whole [128, 128] tiles
     return make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("layout") / "fp8"), "tiny_tp", "fp8", seed=1)
 
 
@@ -61,17 +61,17 @@ def test_load_tiles_every_tileable_weight_with_its_values(fp8_dir):
                                   np.asarray(qmtp.target_logits(plain, [1, 2, 3])))
 
 
-def test_128_row_tiles_at_load_give_the_same_logits(fp8_dir):
-    """fp8_tile_rows=128: weights with O a multiple of 128 take 128-row tiles (the others keep the
-    checkpoint layout), read by 64-row programs as halves of a tile; the logits equal the checkpoint
-    layout's bit for bit."""
-    before = ops.set_kernel_settings({"fp8_tile_rows": 128})
+def test_64_row_tiles_at_load_give_the_same_logits(fp8_dir):
+    """fp8_tile_rows=64 (the default until session 21, which made it 128): every weight with O a
+    multiple of 64 takes 64-row tiles; the logits equal the checkpoint layout's bit for bit."""
+    before = ops.set_kernel_settings({"fp8_tile_rows": 64})
     try:
         tiled = _load(fp8_dir, True)
     finally:
         ops.set_kernel_settings(before)
     blocks = _blocks(tiled.params)
-    assert all(b.weight.shape[2] == 128 for b in blocks.values() if b.tiled) and sum(b.tiled for b in blocks.values()) > 10
+    assert all(b.weight.shape[2] == 64 for b in blocks.values() if b.tiled), {k: b.weight.shape for k, b in blocks.items()}
+    assert sum(b.tiled for b in blocks.values()) > 10
     plain = _load(fp8_dir, False)
     np.testing.assert_array_equal(np.asarray(qmtp.target_logits(tiled, [1, 2, 3])),
                                   np.asarray(qmtp.target_logits(plain, [1, 2, 3])))
@@ -85,14 +85,18 @@ def test_reference_impl_keeps_the_checkpoint_layout(fp8_dir):
 def test_tp2_tiles_each_shard_in_place(fp8_dir):
     """Under TP2 each device's shard is tiled where it lives: the tiled weight is split on the same
     dimension as the [O, I] one (O for column-parallel, I for row-parallel), and each shard's values
-    are its [O, I] shard's."""
+    are its [O, I] shard's. A shard of no whole number of 128-row tiles keeps the [O, I] layout:
+    tiny_tp's draft head (384 rows, 192 per device)."""
     from qmtp import shard_layout
     plain, tiled = _load(fp8_dir, False, tp=2), _load(fp8_dir, True, tp=2)
     a, b = _blocks(plain.params), _blocks(tiled.params)
-    dims = set()
+    dims, untiled = set(), []
     for key, blk in b.items():
-        assert blk.tiled, key
         dim = shard_layout.split_dim(key.split("'")[-2])
+        assert blk.tiled == weight_layout.tileable(a[key], dim, 2), key
+        if not blk.tiled:
+            untiled.append(key)
+            continue
         dims.add(dim)
         spec = tuple(blk.weight.sharding.spec) + (None,) * (4 - len(blk.weight.sharding.spec))
         assert spec[:2] == tuple("tp" if d == dim else None for d in range(2)) and spec[2:] == (None, None), (key, spec)
@@ -101,6 +105,7 @@ def test_tp2_tiles_each_shard_in_place(fp8_dir):
             np.testing.assert_array_equal(np.asarray(untile_weight(sb.data)).view(np.uint8),
                                           np.asarray(sa.data).view(np.uint8), err_msg=key)
     assert {0, 1} <= dims  # both kinds of split were tiled
+    assert untiled == ["['mtp']['draft_head']"]
 
 
 @pytest.mark.slow  # ~116 s: interpret-mode kernels inside the TP2 shard_map; the shards' values are checked above
@@ -111,3 +116,18 @@ def test_tp2_tiled_tokens_equal_tp1(fp8_dir):
     for k in (0, 2):
         a, b = (qmtp.generate(m, [[1, 2, 3]], max_new_tokens=4, mtp_k=k) for m in (one, two))
         assert a.tokens == b.tokens, (k, a.tokens, b.tokens)
+
+
+def test_tile_rows_setting_is_read_at_each_tiling():
+    """weight_layout.tile_fp8_weights tiles with the fp8_tile_rows in force at the call, also after a
+    tiling of the same shape under another setting in the same process (jax.jit caches the trace of
+    tile_weight per function, so the tile height must be an argument of the traced call)."""
+    import jax.numpy as jnp
+    params = {"w": Fp8Block(jnp.zeros((256, 384), jnp.float8_e4m3fn), jnp.ones((2, 3), jnp.float32))}
+    assert weight_layout.tile_fp8_weights(params, donate=False)["w"].weight.shape == (2, 3, 128, 128)
+    before = ops.set_kernel_settings({"fp8_tile_rows": 64})
+    try:
+        assert weight_layout.tile_fp8_weights(params, donate=False)["w"].weight.shape == (4, 3, 64, 128)
+    finally:
+        ops.set_kernel_settings(before)
+    assert weight_layout.tile_fp8_weights(params, donate=False)["w"].weight.shape == (2, 3, 128, 128)

@@ -235,7 +235,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         ws, ss = make_weights(o, i, n, seed=si)
         ws_pallas = ws  # what the Pallas rows read (layout)
         if layout == "tiled" and fp8_layout.tileable_shape(o, i):
-            ws_pallas = tuple(jax.jit(fm.tile_weight)(w) for w in ws)
+            ws_pallas = tuple(jax.jit(functools.partial(fm.tile_weight, block_o=fp8_layout.TILE_ROWS))(w) for w in ws)
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
