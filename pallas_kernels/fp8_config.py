@@ -337,10 +337,15 @@ def decode_config(m: int, o: int, i: int, x_f16_scaled: bool | None = None,
     scaled = X_F16 and scaled and m >= X_F16_SCALED_MIN_ROWS and not chunk
     if m > DOT_MIN:  # a batched verify: the config measured best at M = 32 on every 27B shape, and at
         # 33-64 rows the M = 64 sweep's depth, split and tile (VERIFY_NARROW_*), at 65-128 VERIFY_TALL_STAGES
-        mid = m >= VERIFY_NARROW_MIN_ROWS
-        wide_bo = VERIFY_WIDE_BLOCK_O if tile_rows and tile_rows % VERIFY_WIDE_BLOCK_O == 0 else 64
-        tall = m >= VERIFY_TALL_MIN_ROWS
-        block_o = bo if not mid else VERIFY_NARROW_BLOCK_O if not wide else 64 if tall else wide_bo
+        mid, tall = m >= VERIFY_NARROW_MIN_ROWS, m >= VERIFY_TALL_MIN_ROWS
+        if not mid:  # 17-32 rows: the M = 32 tiles
+            block_o = bo
+        elif not wide:
+            block_o = VERIFY_NARROW_BLOCK_O
+        elif tall:  # 128-row programs measured slower at 65-128 rows (VERIFY_TALL_STAGES)
+            block_o = 64
+        else:  # whole tiles only: joining 64-row tiles was 2.2x slower (VERIFY_NARROW_BLOCK_O)
+            block_o = VERIFY_WIDE_BLOCK_O if tile_rows and tile_rows % VERIFY_WIDE_BLOCK_O == 0 else 64
         split = 8 if mid and n_chunks >= 8 * 16 else max(1, min(4, n_chunks // 4))
         stages = VERIFY_TALL_STAGES if tall else VERIFY_NARROW_STAGES if mid else None
         return DecodeConfig(block_o=block_o, split_k=split, use_dot=True, swap_ab=True, x_f16=scaled,
