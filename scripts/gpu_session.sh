@@ -41,7 +41,7 @@
 #                                           tiles and 128-row programs: `gpu` test, launches, batch 16 (tiles128())
 #   scripts/gpu_session.sh start_tall2 [SECONDS]  (~9 minutes) the decode grid at 65-128 rows: launches,
 #                                           batch 32 K=3 (tall2())
-#   scripts/gpu_session.sh start_defaults21 [SECONDS]  (~17 minutes: follow with `wait`) session 21's
+#   scripts/gpu_session.sh start_defaults21 [SECONDS]  (~24 minutes: follow with `wait` twice) session 21's
 #                                           defaults end to end at batch 1 / 16 / 32, o_proj at split-K 4 (defaults21())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
@@ -626,12 +626,13 @@ tall2() {  # a ~9-minute lease on one GPU (session 21, after tiles128 in the sam
     --kernels=fp8_verify_narrow_block_o=128 --out=$R/bench27_b32_decode_bo128.json
 }
 
-defaults21() {  # a ~17-minute lease on one GPU (start_defaults21, then wait; session 22's first): session
-  # 21's defaults (128-row tiles, the wide launches on 128-row programs at 33-64 rows, the decode grid
-  # to 128 rows) end to end and the last o_proj candidate. The tiled and tall `gpu` tests; o_proj at
-  # 1 / 4 / 16 rows with split-K 4 (fp8_narrow_programs_per_sm=2: half the f32 partials it writes at
-  # 16 rows, 1.3 against 2.6 MB) against the default; the 65-128-row launches at 3 stages; batch 1 K=3,
-  # batch 16 K=3, batch 32 K=1 / K=3 (tokens equal plain in each)
+defaults21() {  # a ~24-minute lease on one GPU (start_defaults21, then wait twice; session 22's first):
+  # session 21's defaults (128-row tiles, the wide launches on 128-row programs at 33-64 rows, the
+  # decode grid to 128 rows) end to end and the last o_proj candidate. The tiled and tall `gpu` tests;
+  # o_proj at 1 / 4 / 16 rows with split-K 4 (fp8_narrow_programs_per_sm=2: half the f32 partials it
+  # writes at 16 rows, 1.3 against 2.6 MB) at 3 and 4 stages against the default; the 65-128-row
+  # launches at 3 stages; batch 16 K=3, batch 32 K=1 / K=3, then batch 1 K=3 (the least needed: 1-16
+  # rows measured unchanged on 128-row tiles), tokens equal plain in each
   export CUDA_VISIBLE_DEVICES=0
   job gputests_defaults21 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py \
     -k "128_row or tall or tiled"
@@ -639,11 +640,15 @@ defaults21() {  # a ~17-minute lease on one GPU (start_defaults21, then wait; se
   job launches_narrow_default 100 $launches --fp8_launch_ms=1,4,16 --out=$R/launches_narrow_default.json
   job launches_narrow_split4 100 $launches --fp8_launch_ms=1,4,16 --kernels=fp8_narrow_programs_per_sm=2 \
     --out=$R/launches_narrow_split4.json
+  # and with 4 stages (12 chunks per program at split-K 4): session 21's o_proj sweep on 128-row tiles had
+  # split 4 / 4 stages fastest by wall time at 1 row (13.6 against 14.5-14.9 us per call, within its noise)
+  job launches_narrow_split4_s4 100 $launches --fp8_launch_ms=1,4,16 \
+    --kernels=fp8_narrow_programs_per_sm=2,fp8_narrow_num_stages=4 --out=$R/launches_narrow_split4_s4.json
   job launches_tall_s3 100 $launches --fp8_launch_ms=96,128 --kernels=fp8_verify_tall_stages=3 \
     --out=$R/launches_tall_s3.json
   checkpoint27
   local bench="python3 -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags --repeats=1 --breakdown=false"
-  job bench27_b16 260 $bench --ks=3 --batch=16 --max_new_tokens=256 --out=$R/bench27_b16.json
+  job bench27_b16 330 $bench --ks=3 --batch=16 --max_new_tokens=256 --out=$R/bench27_b16.json
   job bench27_b32 400 $bench --ks=1,3 --batch=32 --max_new_tokens=128 --out=$R/bench27_b32.json
   job bench27_b1 300 $bench --ks=3 --out=$R/bench27_b1.json
 }
