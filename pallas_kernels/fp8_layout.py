@@ -10,6 +10,8 @@ the 27B step's FP8 launches by kernel time 7.10 -> 6.91 ms at 1 row, 7.22 -> 7.0
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 BLOCK = 128  # the scale block's width: a chunk's columns
@@ -24,12 +26,25 @@ BLOCK = 128  # the scale block's width: a chunk's columns
 # 128-row programs), 22.07 / 94.54 against 22.10 / 94.21 at 128 / 512 (the GEMM at 512 reads whole
 # tiles where it joined two). A weight whose O is no multiple of 128 keeps the checkpoint layout.
 TILE_ROWS = 128
+# A weight whose O is no multiple of TILE_ROWS takes tiles of this many rows where it can (the decode
+# kernel's block_o at 1-32 rows): TP2 shards of 192 rows, small models' projections, kept on the
+# layout they had before 128-row tiles.
+MIN_TILE_ROWS = 64
+
+
+def tile_rows_for(o: int, i: int) -> int | None:
+    """The tile height qmtp.load and the benches give an [O, I] weight: TILE_ROWS where O is a multiple
+    of it, else MIN_TILE_ROWS where O is a multiple of that; None (the checkpoint layout) where neither
+    divides O or I is no multiple of BLOCK."""
+    if i % BLOCK:
+        return None
+    return next((rows for rows in (TILE_ROWS, MIN_TILE_ROWS) if o % rows == 0), None)
 
 
 def tileable_shape(o: int, i: int) -> bool:
-    """Whether an [O, I] weight splits into whole tiles of TILE_ROWS x BLOCK (tile_weight's default
-    condition; qmtp.load and the benches keep any other weight in the checkpoint layout)."""
-    return o % TILE_ROWS == 0 and i % BLOCK == 0
+    """Whether an [O, I] weight splits into whole tiles (tile_rows_for; qmtp.load and the benches keep
+    any other weight in the checkpoint layout)."""
+    return tile_rows_for(o, i) is not None
 
 
 def tile_weight(w: jax.Array, block_o: int | None = None, block_i: int = BLOCK) -> jax.Array:
@@ -43,6 +58,19 @@ def tile_weight(w: jax.Array, block_o: int | None = None, block_i: int = BLOCK) 
     if o % block_o or i % block_i:
         raise ValueError(f"tile_weight: w {w.shape} needs O a multiple of {block_o} and I of {block_i}")
     return w.reshape(o // block_o, block_o, i // block_i, block_i).transpose(0, 2, 1, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiler(rows: int):
+    # the tile height bound before the jit: a trace that read TILE_ROWS would be reused after a change
+    return jax.jit(functools.partial(tile_weight, block_o=rows))
+
+
+def tile_as_loaded(w: jax.Array) -> jax.Array:
+    """[O, I] -> w in the tiles qmtp.load gives it (tile_rows_for), or w as it is where it keeps the
+    checkpoint layout: the benches' way of timing the layout the engine runs."""
+    rows = tile_rows_for(*w.shape)
+    return w if rows is None else _tiler(rows)(w)
 
 
 def untile_weight(w: jax.Array) -> jax.Array:

@@ -1,8 +1,8 @@
 """The FP8 weights of a loaded model in the Pallas kernels' tiled layout (ops.FP8_TILED_WEIGHTS).
 
 `tile_fp8_weights(params, mesh)` replaces each `Fp8Block` whose weight is [O, I] with O a multiple
-of tr = fp8_layout.TILE_ROWS (128; setting fp8_tile_rows) and I of 128 on every device (its TP
-shard's shape, where the model is split) by the same block with the weight as
+of tr = fp8_layout.TILE_ROWS (128; setting fp8_tile_rows), or else of tr = 64, and I of 128 on every
+device (its TP shard's shape, where the model is split) by the same block with the weight as
 pallas_kernels.fp8_layout.tile_weight lays it out, [O / tr, I / 128, tr, 128]; scales, bf16 weights
 and blocks of other shapes stay as they are. Every kernel and reference takes either layout (the
 decode kernel reads a tile, or its slice of one, as one contiguous run), so only speed changes.
@@ -34,12 +34,18 @@ def _local_shape(shape: tuple[int, int], dim: int | None, n: int) -> tuple[int, 
     return tuple(s // n if d == dim else s for d, s in enumerate(shape))
 
 
+def tile_rows(block: Fp8Block, dim: int | None = None, n: int = 1) -> int | None:
+    """The rows of the tiles `block` (split n ways along dim under TP) takes on every device
+    (fp8_layout.tile_rows_for of its shard), or None: it keeps the checkpoint layout."""
+    if block.weight.ndim != 2:  # tiled already (or stacked)
+        return None
+    local = _local_shape(tuple(block.weight.shape), dim, n)
+    return None if local is None else fp8_layout.tile_rows_for(*local)
+
+
 def tileable(block: Fp8Block, dim: int | None = None, n: int = 1) -> bool:
     """Whether `block` (split n ways along dim under TP) can take the tiled layout on every device."""
-    if block.weight.ndim != 2:  # tiled already (or stacked)
-        return False
-    local = _local_shape(tuple(block.weight.shape), dim, n)
-    return local is not None and fp8_layout.tileable_shape(*local)
+    return tile_rows(block, dim, n) is not None
 
 
 def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:
@@ -47,23 +53,25 @@ def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:
     donate: free each old weight as its tiled copy is made (False keeps `params` usable)."""
     n = 1 if mesh is None else mesh.size
     donated = (0,) if donate else ()
-    # the tile height as a bound argument: jax.jit would reuse a trace of tile_weight made under an
-    # earlier fp8_tile_rows for a weight of the same shape
-    tile_rows = functools.partial(tile_weight, block_o=fp8_layout.TILE_ROWS)
-    plain = jax.jit(tile_rows, donate_argnums=donated)
-    per_dim = {}
+    tilers = {}  # (split dim, tile rows) -> a jitted tiling
+
+    def tiler(dim, rows):
+        if (dim, rows) not in tilers:
+            # the tile height as a bound argument: jax.jit would reuse a trace of tile_weight made
+            # under an earlier fp8_tile_rows for a weight of the same shape
+            fn = functools.partial(tile_weight, block_o=rows)
+            if mesh is not None:  # each device tiles its own shard (the split keeps its dimension)
+                fn = jax.shard_map(fn, mesh=mesh, in_specs=tp.dim_spec(2, dim), out_specs=tp.dim_spec(4, dim))
+            tilers[dim, rows] = jax.jit(fn, donate_argnums=donated)
+        return tilers[dim, rows]
 
     def tile(path, leaf):
         if not isinstance(leaf, Fp8Block):
             return leaf
         dim = shard_layout.split_dim(tp.leaf_key(path)) if mesh is not None else None
-        if not tileable(leaf, dim, n):
+        rows = tile_rows(leaf, dim, n)
+        if rows is None:
             return leaf
-        if mesh is None:
-            return Fp8Block(plain(leaf.weight), leaf.scale)
-        if dim not in per_dim:  # each device tiles its own shard (the split keeps its dimension)
-            per_dim[dim] = jax.jit(jax.shard_map(tile_rows, mesh=mesh, in_specs=tp.dim_spec(2, dim),
-                                                 out_specs=tp.dim_spec(4, dim)), donate_argnums=donated)
-        return Fp8Block(per_dim[dim](leaf.weight), leaf.scale)
+        return Fp8Block(tiler(dim, rows)(leaf.weight), leaf.scale)
 
     return jax.tree_util.tree_map_with_path(tile, params, is_leaf=lambda x: isinstance(x, Fp8Block))

@@ -85,18 +85,18 @@ def test_reference_impl_keeps_the_checkpoint_layout(fp8_dir):
 def test_tp2_tiles_each_shard_in_place(fp8_dir):
     """Under TP2 each device's shard is tiled where it lives: the tiled weight is split on the same
     dimension as the [O, I] one (O for column-parallel, I for row-parallel), and each shard's values
-    are its [O, I] shard's. A shard of no whole number of 128-row tiles keeps the [O, I] layout:
-    tiny_tp's draft head (384 rows, 192 per device)."""
+    are its [O, I] shard's. A shard of no whole number of 128-row tiles takes 64-row ones: tiny_tp's
+    draft head (384 rows, 192 per device)."""
     from qmtp import shard_layout
     plain, tiled = _load(fp8_dir, False, tp=2), _load(fp8_dir, True, tp=2)
     a, b = _blocks(plain.params), _blocks(tiled.params)
-    dims, untiled = set(), []
+    dims, short = set(), []
     for key, blk in b.items():
+        assert blk.tiled, key
         dim = shard_layout.split_dim(key.split("'")[-2])
-        assert blk.tiled == weight_layout.tileable(a[key], dim, 2), key
-        if not blk.tiled:
-            untiled.append(key)
-            continue
+        assert blk.weight.shape[2] == weight_layout.tile_rows(a[key], dim, 2), key
+        if blk.weight.shape[2] == 64:
+            short.append(key)
         dims.add(dim)
         spec = tuple(blk.weight.sharding.spec) + (None,) * (4 - len(blk.weight.sharding.spec))
         assert spec[:2] == tuple("tp" if d == dim else None for d in range(2)) and spec[2:] == (None, None), (key, spec)
@@ -105,7 +105,7 @@ def test_tp2_tiles_each_shard_in_place(fp8_dir):
             np.testing.assert_array_equal(np.asarray(untile_weight(sb.data)).view(np.uint8),
                                           np.asarray(sa.data).view(np.uint8), err_msg=key)
     assert {0, 1} <= dims  # both kinds of split were tiled
-    assert untiled == ["['mtp']['draft_head']"]
+    assert short == ["['mtp']['draft_head']"]
 
 
 @pytest.mark.slow  # ~116 s: interpret-mode kernels inside the TP2 shard_map; the shards' values are checked above
@@ -131,3 +131,22 @@ def test_tile_rows_setting_is_read_at_each_tiling():
     finally:
         ops.set_kernel_settings(before)
     assert weight_layout.tile_fp8_weights(params, donate=False)["w"].weight.shape == (2, 3, 128, 128)
+
+
+def test_tile_rows_fall_back_to_64():
+    """fp8_layout.tile_rows_for: 128-row tiles where O allows, 64-row ones where only 64 divides O (a
+    TP2 shard of 192 rows), the checkpoint layout otherwise; fp8_tile_rows=64 makes every tile 64 rows;
+    tile_as_loaded lays a weight out so."""
+    from pallas_kernels import fp8_layout
+    import jax.numpy as jnp
+    assert [fp8_layout.tile_rows_for(o, 256) for o in (384, 192, 160)] == [128, 64, None]
+    assert fp8_layout.tile_rows_for(384, 160) is None
+    assert fp8_layout.tile_as_loaded(jnp.zeros((192, 256), jnp.float8_e4m3fn)).shape == (3, 2, 64, 128)
+    assert fp8_layout.tile_as_loaded(jnp.zeros((160, 256), jnp.float8_e4m3fn)).shape == (160, 256)
+    before = ops.set_kernel_settings({"fp8_tile_rows": 64})
+    try:
+        assert fp8_layout.tile_rows_for(384, 256) == 64
+        assert fp8_layout.tile_as_loaded(jnp.zeros((384, 256), jnp.float8_e4m3fn)).shape == (6, 2, 64, 128)
+    finally:
+        ops.set_kernel_settings(before)
+    assert fp8_layout.tile_as_loaded(jnp.zeros((384, 256), jnp.float8_e4m3fn)).shape == (3, 2, 128, 128)

@@ -224,7 +224,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     if only_shapes:
         shapes = {s: shapes.get(s, ["other"]) for s in only_shapes}  # e.g. a fused gate+up shape
     if quick:
-        decode_ms, prefill_ms, reps, trials = (1, 5), (40,), 1, 1
+        # the quick prefill just past the decode kernel's rows, so the GEMM and dequant_dot rows run
+        decode_ms, prefill_ms, reps, trials = (1, 5), (fp8_config.DECODE_MAX_ROWS + 8,), 1, 1
     ref = jax.jit(lambda x, w, s: fm.fp8_matmul_ref(x, w, s))
     ref_a8 = jax.jit(lambda x, w, s: fp8_act_quant.fp8_matmul_act_ref(x, w, s))
     pallas_default: dict = collections.defaultdict(dict)  # m -> {(o, i): s_per_call}
@@ -234,8 +235,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         n = 2 if quick else 4 if o * i >= 8 * L2_BYTES else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
         ws, ss = make_weights(o, i, n, seed=si)
         ws_pallas = ws  # what the Pallas rows read (layout)
-        if layout == "tiled" and fp8_layout.tileable_shape(o, i):
-            ws_pallas = tuple(jax.jit(functools.partial(fm.tile_weight, block_o=fp8_layout.TILE_ROWS))(w) for w in ws)
+        if layout == "tiled" and fp8_layout.tileable_shape(o, i):  # as qmtp.load lays them out
+            ws_pallas = tuple(fp8_layout.tile_as_loaded(w) for w in ws)
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)

@@ -145,10 +145,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             try:
                 if layout == "tiled" and tiled_ws is None:  # outside the timed programs; as qmtp.load, a
                     # weight of no whole number of tiles keeps the checkpoint layout
-                    # the tile height bound, not read inside the trace (qmtp/weight_layout.py says why)
-                    tile = jax.jit(functools.partial(fm.tile_weight, block_o=fp8_layout.TILE_ROWS))
-                    tiled_ws = tuple(tuple(tile(w) if fp8_layout.tileable_shape(*w.shape) else w
-                                           for w in one) for one in ws)
+                    tiled_ws = tuple(tuple(fp8_layout.tile_as_loaded(w) for w in one) for one in ws)
                 w_in = tiled_ws if layout == "tiled" else ws
                 # the config the launch chooses (reported): its weights' tile rows matter at 33-64 rows
                 config = fm.default_config(m, sum(o for o, _ in shapes), i_dim, tile_rows=fm.tile_rows(w_in[0]))
