@@ -24,7 +24,7 @@ BLOCK = 128  # the scale block's width: a chunk's columns
 # on 64- against 128-row tiles): 6.86 / 7.00 / 7.10 ms against 6.83 / 6.99 / 7.10 at 1 / 4 / 16 rows
 # (64-row programs: the same), 11.75 / 13.39 against 11.24 / 12.10 at 40 / 64 (the wide launches on
 # 128-row programs), 22.07 / 94.54 against 22.10 / 94.21 at 128 / 512 (the GEMM at 512 reads whole
-# tiles where it joined two). A weight whose O is no multiple of 128 keeps the checkpoint layout.
+# tiles where it joined two). A weight whose O is no multiple of 128 takes MIN_TILE_ROWS-row tiles.
 TILE_ROWS = 128
 # A weight whose O is no multiple of TILE_ROWS takes tiles of this many rows where it can (the decode
 # kernel's block_o at 1-32 rows): TP2 shards of 192 rows, small models' projections, kept on the

@@ -433,7 +433,7 @@ def test_tile_weight_layout_by_hand():
         fm.tile_weight(jnp.zeros((130, 256), jnp.float8_e4m3fn), 64)
 
 
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", slow_except([1, 4, 16], {1}))  # 4 / 16 `slow` since session 21 (~10 s each)
 def test_tiled_weights_give_the_same_bits(m):
     """The kernel on tiled weights equals the kernel on the checkpoint layout bit for bit (the same
     chunks in the same order), and both equal the float64 formula on an exact problem; two weights in
@@ -491,8 +491,9 @@ def test_tiled_weights_read_whole_or_sliced_or_untiled():
 
 @pytest.mark.parametrize("m, config", [
     (1, None),  # the default config: 64-row programs, each reading half of a 128-row tile
-    (5, DecodeConfig(block_o=128, split_k=2, x_f16=True)),  # whole tiles, two pieces
-    (16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True, x_f16_scaled=True)),
+    pytest.param(5, DecodeConfig(block_o=128, split_k=2, x_f16=True), marks=pytest.mark.slow),  # whole tiles, two pieces
+    pytest.param(16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True, x_f16_scaled=True),
+                 marks=pytest.mark.slow),  # (5 and 16 rows `slow` since session 21: ~5 s each)
     (40, None),  # a batched verify's default (64-row programs)
     (64, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True, num_warps=8)),
     (128, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True, num_warps=8, num_stages=2)),  # tall
@@ -575,8 +576,10 @@ def test_sliced_tiles_lower_for_h200():
 
 @pytest.mark.parametrize("m, x_dtype, config", [
     (40, jnp.bfloat16, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True)),  # verify rows
-    (3, jnp.bfloat16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True)),  # two pieces, x on M
-    (5, jnp.float32, DecodeConfig(block_o=128, split_k=2)),  # bf16 pieces of f32 x
+    # no default reads joined tiles since session 21 (128-row tiles): these two `slow`
+    pytest.param(3, jnp.bfloat16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True),
+                 marks=pytest.mark.slow),  # two pieces, x on M
+    pytest.param(5, jnp.float32, DecodeConfig(block_o=128, split_k=2), marks=pytest.mark.slow),  # bf16 pieces of f32 x
 ])
 def test_decode_programs_join_tiles_of_a_tiled_weight(m, x_dtype, config):
     """block_o 128 on 64-row tiles: each program joins two whole tiles per chunk, one dot; the result
