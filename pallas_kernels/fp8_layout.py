@@ -41,12 +41,6 @@ def tile_rows_for(o: int, i: int) -> int | None:
     return next((rows for rows in (TILE_ROWS, MIN_TILE_ROWS) if o % rows == 0), None)
 
 
-def tileable_shape(o: int, i: int) -> bool:
-    """Whether an [O, I] weight splits into whole tiles (tile_rows_for; qmtp.load and the benches keep
-    any other weight in the checkpoint layout)."""
-    return tile_rows_for(o, i) is not None
-
-
 def tile_weight(w: jax.Array, block_o: int | None = None, block_i: int = BLOCK) -> jax.Array:
     """[O, I] -> [O / block_o, I / block_i, block_o, block_i]: every [block_o, 128] chunk the decode
     kernel reads is one contiguous run of bytes, and a program's run of chunks along I is contiguous

@@ -41,8 +41,8 @@ def test_fp8_and_step_quick_run(tmp_path):
     assert {r["m"] for r in a8} == {1, 5} and all(r["rel_err_a8"] < 1e-5 and r["rel_err"] < 0.1 for r in a8), a8
     fp8 = [r for r in fp8 if r["impl"] != "pallas_a8"]
     from pallas_kernels import fp8_config
-    prefill = fp8_config.DECODE_MAX_ROWS + 8  # the quick run's prefill rows: past the decode kernel's
-    assert {r["m"] for r in fp8 if r["impl"] == "dequant_dot"} == {prefill}  # prefill rows only
+    dequant_rows = {r["m"] for r in fp8 if r["impl"] == "dequant_dot"}  # prefill rows only: past the decode kernel's
+    assert dequant_rows and all(m > fp8_config.DECODE_MAX_ROWS for m in dequant_rows), dequant_rows
     bf16 = [r for r in fp8 if r["impl"] == "pallas_bf16"]
     assert bf16 and all(r["weight_tb_s"] == 2 * r["tb_s"] for r in bf16)  # two bytes per bf16 weight
     assert all(r["rel_err"] < 1e-2 for r in fp8), fp8  # bf16 outputs of the same exact products

@@ -235,7 +235,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         n = 2 if quick else 4 if o * i >= 8 * L2_BYTES else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
         ws, ss = make_weights(o, i, n, seed=si)
         ws_pallas = ws  # what the Pallas rows read (layout)
-        if layout == "tiled" and fp8_layout.tileable_shape(o, i):  # as qmtp.load lays them out
+        if layout == "tiled" and fp8_layout.tile_rows_for(o, i):  # as qmtp.load lays them out
             ws_pallas = tuple(fp8_layout.tile_as_loaded(w) for w in ws)
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
