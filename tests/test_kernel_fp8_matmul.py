@@ -820,7 +820,7 @@ def test_default_config_heuristic():
             for o, i in ((5120, 17408), (2 * 17408, 5120)):
                 c = fm.default_config(m, o, i)
                 assert c == dataclasses.replace(fc.decode_config(64, o, i), num_stages=fc.VERIFY_TALL_STAGES), (m, o)
-        assert fc.VERIFY_TALL_STAGES == 2 and fm.default_config(64, 5120, 17408).num_stages == 3
+        assert fc.VERIFY_TALL_STAGES == 3 and fm.default_config(64, 5120, 17408).num_stages == 3
         assert isinstance(fm.default_config(129, 5120, 17408), PrefillConfig)
     finally:
         fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS = before

@@ -53,13 +53,13 @@ def test_tall_rows_run_the_decode_grid_with_the_tall_stages():
     """65-128 rows run on the decode grid by default (DECODE_MAX_ROWS = DECODE_DOT_MAX_ROWS; 129 is
     refused as a setting, test_bad_settings_are_refused_by_name), where fp8_verify_tall_stages sets the
     pipeline depth and 33-64 rows keep theirs; fp8_decode_max_rows=64 sends them back to the GEMM."""
-    assert fp8_config.DECODE_MAX_ROWS == 128 and fp8_config.VERIFY_TALL_STAGES == 2
-    assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 2
+    assert fp8_config.DECODE_MAX_ROWS == 128 and fp8_config.VERIFY_TALL_STAGES == 3
+    assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 3
     assert isinstance(fp8_matmul.default_config(129, 17408, 5120), fp8_config.PrefillConfig)
-    previous = ops.set_kernel_settings(ops.parse_kernel_settings(["fp8_verify_tall_stages=3"]))
+    previous = ops.set_kernel_settings(ops.parse_kernel_settings(["fp8_verify_tall_stages=2"]))
     try:
-        assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 3
-        assert fp8_matmul.default_config(65, 5120, 17408).num_stages == 3
+        assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 2
+        assert fp8_matmul.default_config(65, 5120, 17408).num_stages == 2
         ops.set_kernel_settings({"fp8_verify_tall_stages": 1})
         assert fp8_matmul.default_config(100, 5120, 6144).num_stages == 1
         assert fp8_matmul.default_config(64, 5120, 6144).num_stages == fp8_config.VERIFY_NARROW_STAGES
@@ -67,7 +67,7 @@ def test_tall_rows_run_the_decode_grid_with_the_tall_stages():
         assert isinstance(fp8_matmul.default_config(65, 17408, 5120), fp8_config.PrefillConfig)
     finally:
         ops.set_kernel_settings(previous)
-    assert fp8_config.VERIFY_TALL_STAGES == 2 and fp8_config.DECODE_MAX_ROWS == 128
+    assert fp8_config.VERIFY_TALL_STAGES == 3 and fp8_config.DECODE_MAX_ROWS == 128
 
 
 def test_narrow_block_o_setting_reaches_narrow_launches_at_1_to_16_rows():
