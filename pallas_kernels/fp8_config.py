@@ -246,7 +246,8 @@ VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at
 # --fp8_launch_ms=96,128`, one lease) the launches of a step by kernel time took 23.5 / 22.3 ms at
 # 96 / 128 rows with 2 stages against 20.1 / 19.4 with 3 (every launch 8-17% faster); batch 32, K=3
 # (128-row verifies): natural 3070 -> 3281 tok/s, profiled 2345 -> 2510, plain 1922 / 1947, tokens
-# equal plain. 128-row programs (8 warps) on 128-row tiles took 28.6 ms at 128 rows (session 21, 2
+# equal plain. 4 stages (160 KB) were slower again: 23.1 against 19.3 ms at 128 rows (gate + up 134 ->
+# 170 us, in_proj 61 -> 81). 128-row programs (8 warps) on 128-row tiles took 28.6 ms at 128 rows (session 21, 2
 # stages), slower than 64-row ones here.
 VERIFY_TALL_STAGES = 3  # ops setting fp8_verify_tall_stages
 VERIFY_TALL_MIN_ROWS = 65
