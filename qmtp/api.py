@@ -129,7 +129,8 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
 def fuse_gate_projections(params: dict, mesh=None) -> dict:
     """The tree with each GDN layer's in_proj_b and in_proj_a [Hv, E] replaced by in_proj_ba [2 Hv, E]
     = [b | a] (ops.FUSE_GATE_PROJECTIONS): one dot for both gate projections, rows unchanged, so each
-    output is the same dot product as before. Under TP each device joins its own rows, so shard s
+    output is the same dot product as before (up to the order in which the backend's dot sums it: on
+    some CPUs the joined dot differs from the two in the last bit). Under TP each device joins its own rows, so shard s
     holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
     (the loader keeps them bf16), are left as they are."""
     layers = params.get("gdn", ())
