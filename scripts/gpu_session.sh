@@ -43,6 +43,8 @@
 #                                           batch 32 K=3 (tall2())
 #   scripts/gpu_session.sh start_defaults21 [SECONDS]  (~24 minutes: follow with `wait` twice) session 21's
 #                                           defaults end to end at batch 1 / 16 / 32, o_proj at split-K 4 (defaults21())
+#   scripts/gpu_session.sh start_gpuall [SECONDS]  (~8 minutes) every `gpu` test of tests/, one job per
+#                                           file, the FP8 kernel's last (gpuall())
 #   scripts/gpu_session.sh start_confirm [SECONDS]  a ~10-minute lease: the 64-layer step against the
 #                                           variant the last change replaced (pallas_gdnxla), TP1 plain +
 #                                           K=3 with a trace of each mode, TP2 plain + K=3 (confirm())
@@ -653,6 +655,17 @@ defaults21() {  # a ~24-minute lease on one GPU (start_defaults21, then wait twi
   job bench27_b1 300 $bench --ks=3 --out=$R/bench27_b1.json
 }
 
+gpuall() {  # every `gpu` test at real sizes (16 at session 22), one job and log per file; the GDN,
+  # conv and paged-attention files first: the FP8 kernel's ran at each of its changes, they last in
+  # sessions 2-8
+  export CUDA_VISIBLE_DEVICES=0
+  local f
+  for f in test_kernel_gdn test_kernel_gdn_conv test_kernel_paged_attention test_bench_device_time \
+           test_kernel_fp8_matmul; do
+    job gpu_$f 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/$f.py
+  done
+}
+
 gputests() {  # a ~3-minute lease on one GPU: the FP8 kernel's `gpu` tests at the 27B shapes (gputests.log)
   export CUDA_VISIBLE_DEVICES=0
   job gputests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_fp8_matmul.py
@@ -675,7 +688,7 @@ quick() {  # a short lease running one job function (start_X: X) in the backgrou
 }
 
 case $cmd in
-  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall|start_tiles128|start_tall2|start_defaults21)
+  start_pieces|start_confirm|start_table|start_rows|start_floor|start_stages|start_oproj|start_gputests|start_tiles|start_tiled|start_xchunk|start_switches|start_midrows|start_narrow|start_stages64|start_batch32|start_tall|start_tiles128|start_tall2|start_defaults21|start_gpuall)
     quick "${cmd#start_}" ;;  # start_X runs the job function X() (see each)
   start)
     rm -rf $R $SRC; mkdir -p $R; cp -r . $SRC
