@@ -240,15 +240,15 @@ VERIFY_NARROW_MIN_ROWS = 33  # from here; 17-32 rows keep the config measured at
 # look: the FP8 launches of a 128-row step took 31.5 ms on the GEMM against 13.4 at 64 rows on the
 # decode grid (session 20), 2.35x for twice the rows; one decode program per 64 weight rows converts
 # each weight chunk to f16 once for all 128 rows, where the GEMM's 64 x 128 tiles convert it once per
-# 64 rows. The depth: a stage holds the [64, 128] FP8 weight chunk and the
-# [128, 128] f16 x slice, 40 KB; 2 stages leave room for 2 programs per SM, 3 for one. One program per
-# SM with a deeper pipeline won: on the H200 (session 22, `pallas_kernels.bench --parts=fp8_launches
+# 64 rows. The depth: a stage holds the [64, 128] FP8 weight chunk and the [128, 128] f16 x slice,
+# 40 KB; 2 stages leave room for 2 programs per SM, 3 for one. One program per SM with a deeper
+# pipeline won: on the H200 (session 22, `pallas_kernels.bench --parts=fp8_launches
 # --fp8_launch_ms=96,128`, one lease) the launches of a step by kernel time took 23.5 / 22.3 ms at
 # 96 / 128 rows with 2 stages against 20.1 / 19.4 with 3 (every launch 8-17% faster); batch 32, K=3
 # (128-row verifies): natural 3070 -> 3281 tok/s, profiled 2345 -> 2510, plain 1922 / 1947, tokens
 # equal plain. 4 stages (160 KB) were slower again: 23.1 against 19.3 ms at 128 rows (gate + up 134 ->
-# 170 us, in_proj 61 -> 81). 128-row programs (8 warps) on 128-row tiles took 28.6 ms at 128 rows (session 21, 2
-# stages), slower than 64-row ones here.
+# 170 us, in_proj 61 -> 81). 128-row programs (8 warps) on 128-row tiles took 28.6 ms at 128 rows
+# (session 21, 2 stages), slower than 64-row ones here.
 VERIFY_TALL_STAGES = 3  # ops setting fp8_verify_tall_stages
 VERIFY_TALL_MIN_ROWS = 65
 # A narrow launch's output rows per program on the decode grid at 33-128 rows (ops setting

@@ -130,8 +130,8 @@ def fuse_gate_projections(params: dict, mesh=None) -> dict:
     """The tree with each GDN layer's in_proj_b and in_proj_a [Hv, E] replaced by in_proj_ba [2 Hv, E]
     = [b | a] (ops.FUSE_GATE_PROJECTIONS): one dot for both gate projections, rows unchanged, so each
     output is the same dot product as before (up to the order in which the backend's dot sums it: on
-    some CPUs the joined dot differs from the two in the last bit). Under TP each device joins its own rows, so shard s
-    holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
+    some CPUs the joined dot differs from the two in the last bit). Under TP each device joins its own
+    rows, so shard s holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
     (the loader keeps them bf16), are left as they are."""
     layers = params.get("gdn", ())
     if not layers or not all("in_proj_b" in p and "in_proj_a" in p for p in layers):

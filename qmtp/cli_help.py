@@ -89,8 +89,8 @@ def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> s
     A verify pass has batch x (K+1) rows. The Pallas FP8 kernels stream the weights for up to
     fp8_config.DECODE_MAX_ROWS rows (128, the decode kernel's limit; --kernels=fp8_decode_max_rows) and
     run GEMM tiles above, which are compute-bound there: on the H200 at 27B shapes a 128-row step's FP8
-    launches took 31.5 ms on the GEMM against 22.2 on the decode kernel, and batch 32 at K=3 gave 1.06x
-    plain on the GEMM against 1.21x on the decode kernel (WORKSPACE, sessions 20-21)."""
+    launches took 31.5 ms on the GEMM against 19.4 on the decode kernel, and batch 32 at K=3 gave 1.06x
+    plain on the GEMM against 1.29x on the decode kernel (WORKSPACE, sessions 20-22)."""
     from pallas_kernels import fp8_config
     rows, limit = batch * (k + 1), fp8_config.DECODE_MAX_ROWS
     if not k or model.impl != "pallas" or model.cfg.quantization is None or rows <= limit:
