@@ -660,9 +660,9 @@ gpuall() {  # every `gpu` test at real sizes (16 at session 22), one job and log
   # sessions 2-8
   export CUDA_VISIBLE_DEVICES=0
   local f
-  for f in test_kernel_gdn test_kernel_gdn_conv test_kernel_paged_attention test_bench_device_time \
-           test_kernel_fp8_matmul; do
-    job gpu_$f 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/$f.py
+  for f in tests/test_kernel_gdn.py tests/test_kernel_gdn_conv.py tests/test_kernel_paged_attention.py \
+           tests/test_bench_device_time.py tests/test_kernel_fp8_matmul.py; do
+    job gpu_$(basename $f .py) 300 python3 -m pytest -q -p no:cacheprovider -m gpu $f
   done
 }
 

@@ -60,3 +60,12 @@ def test_gpu_session_kernel_settings_exist():
             ops.set_kernel_settings(before)
     finally:
         ops.set_kernel_settings(before)
+
+
+def test_scripts_name_test_files_that_exist():
+    """Every tests/....py path the device scripts pass to pytest exists, so a lease does not end on a
+    renamed test file."""
+    named = {path for script in SCRIPTS for path in re.findall(r"tests/[\w/]+\.py", open(script).read())}
+    assert len(named) >= 5
+    missing = sorted(p for p in named if not os.path.isfile(os.path.join(ROOT, p)))
+    assert missing == [], missing
