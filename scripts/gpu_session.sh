@@ -657,7 +657,7 @@ defaults21() {  # a ~24-minute lease on one GPU (start_defaults21, then wait twi
 
 gpuall() {  # every `gpu` test at real sizes (16 at session 22), one job and log per file; the GDN,
   # conv and paged-attention files first: the FP8 kernel's ran at each of its changes, they last in
-  # sessions 2-8
+  # sessions 2, 8 and 12
   export CUDA_VISIBLE_DEVICES=0
   local f
   for f in tests/test_kernel_gdn.py tests/test_kernel_gdn_conv.py tests/test_kernel_paged_attention.py \
