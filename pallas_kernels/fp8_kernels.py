@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_config import BLOCK, DecodeConfig, PrefillConfig, cdiv, next_pow2
+from pallas_kernels.fp8_tiles import BLOCK, DecodeConfig, PrefillConfig, cdiv, next_pow2
 
 
 def _bf16_pieces(x: jax.Array) -> list[jax.Array]:

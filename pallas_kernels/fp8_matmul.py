@@ -9,9 +9,9 @@ the decode kernel reads as contiguous runs), scale [ceil(O/128), ceil(I/128)] f3
 `fp8_matmul` is its Pallas twin (same signature plus `interpret` and `config`): a weight-streaming
 kernel for M <= fp8_config.DECODE_MAX_ROWS rows (decode, verify) and a tiled GEMM for more rows
 (prefill). The kernel bodies and their tiling are in fp8_kernels.py, their launches here; the tile
-configurations and the heuristics that pick them are in fp8_config.py. With `act_quant=True` the decode kernel runs on
-E4M3 activations instead (MODEL_SPEC §5.3, pallas_kernels/fp8_act_quant.py: an approximation of x,
-not this formula): y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] . w[o, g]).
+configurations are in fp8_tiles.py, the heuristics that pick them in fp8_config.py. With
+`act_quant=True` the decode kernel runs on E4M3 activations instead (MODEL_SPEC §5.3,
+pallas_kernels/fp8_act_quant.py: an approximation of x, not this formula): y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] . w[o, g]).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config
+from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config, fp8_tiles
 from pallas_kernels._vma import align
 from pallas_kernels.fp8_layout import tile_weight, untile_weight, weight_shape  # noqa: F401 (re-exported)
 from pallas_kernels.fp8_kernels import X_F16_HI, _decode_kernel, _f16_pieces, _f16_scaled, _prefill_kernel  # noqa: F401
-# the configs and their heuristics (the module switches stay in fp8_config: read them there)
-from pallas_kernels.fp8_config import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
-                                       DecodeConfig, PrefillConfig, cdiv, decode_config, default_config,
-                                       next_pow2, prefill_config)
+# the configs (fp8_tiles) and their heuristics (fp8_config; its module switches: read them there)
+from pallas_kernels.fp8_config import decode_config, default_config, prefill_config  # noqa: F401
+from pallas_kernels.fp8_tiles import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
+                                      DecodeConfig, PrefillConfig, cdiv, next_pow2)
 
 _fp8_dot.install()  # E4M3 x E4M3 dots (act_quant) may use Hopper's FP8 wgmma: see _fp8_dot
 
@@ -157,7 +157,7 @@ def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype
         config = fp8_config.act_quant_config(m, sum(os), i)
     chosen = config is None  # a GEMM then takes each weight's own split (fp8_config.prefill_config)
     config = config or default_config(m, sum(os), i, tile_rows=tile_rows(ws))
-    fp8_config.check_config(config, m)
+    fp8_tiles.check_config(config, m)
     if any(w.ndim == 4 for w in ws):
         ws = _fit_tiles(ws, config)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
@@ -237,7 +237,7 @@ def _fit_tiles(ws, config):
 
 def _chunk_split(i: int, config: DecodeConfig) -> tuple[int, int]:
     """(128-column chunks per split, splits): split_k, fewer where a split would be left empty."""
-    return fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
+    return fp8_tiles.chunk_runs(cdiv(i, BLOCK), config.split_k)
 
 
 def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, out_rows: int, part_dtype,
@@ -311,7 +311,7 @@ def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, interpret:
     """The GEMM of x_args = (x [M, I],) or, with config.x_f16_scaled, (f16 piece [M, I], row scales [M]),
     launched with this weight's own config's warps and stages."""
     (m, i), o = x_args[0].shape, weight_shape(w)[0]
-    cps, split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
+    cps, split = fp8_tiles.chunk_runs(cdiv(i, BLOCK), config.split_k)
     _check_int32(m, o, i, split)
     kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config, chunks_per_split=cps)
     (x_f, w, scale, *row_scale), out = align(x_args[0], w, scale, *x_args[1:])

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_act_quant, fp8_config, fp8_matmul, gdn, gdn_conv, paged_attention
+from pallas_kernels import fp8_act_quant, fp8_config, fp8_matmul, fp8_tiles, gdn, gdn_conv, paged_attention
 from qmtp.fp8 import Fp8Block
 
 IMPLS = ("ref", "pallas")
@@ -173,15 +173,15 @@ _SETTING_SWITCHES = {"shared_projection_launch": ("ops", "SHARED_PROJECTION_LAUN
                      "fp8_x_f16": ("fp8_config", "X_F16", None),
                      "fp8_x_f16_scaled": ("fp8_config", "X_F16_SCALED", None),
                      "fp8_x_chunk_scaled": ("fp8_config", "X_CHUNK_SCALED", None),
-                     "fp8_x_f16_max_rows": ("fp8_config", "X_F16_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS // 2)),
-                     "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS", (1, fp8_config.DECODE_DOT_MAX_ROWS)),
+                     "fp8_x_f16_max_rows": ("fp8_config", "X_F16_MAX_ROWS", (1, fp8_tiles.DECODE_DOT_MAX_ROWS // 2)),
+                     "fp8_decode_max_rows": ("fp8_config", "DECODE_MAX_ROWS", (1, fp8_tiles.DECODE_DOT_MAX_ROWS)),
                      "fp8_decode_programs_per_sm": ("fp8_config", "DECODE_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_x_on_m": ("fp8_config", "NARROW_X_ON_M", None),
                      "fp8_narrow_programs_per_sm": ("fp8_config", "NARROW_PROGRAMS_PER_SM", (1, 64)),
                      "fp8_narrow_num_stages": ("fp8_config", "NARROW_NUM_STAGES", (1, 8)),
                      "fp8_gemm_split_programs": ("fp8_config", "GEMM_SPLIT_PROGRAMS", (0, None)),
                      "fp8_narrow_decode_max_rows": ("fp8_config", "NARROW_DECODE_MAX_ROWS",
-                                                    (0, fp8_config.DECODE_DOT_MAX_ROWS)),
+                                                    (0, fp8_tiles.DECODE_DOT_MAX_ROWS)),
                      "fp8_gemm_x_f16_scaled": ("fp8_config", "GEMM_X_F16_SCALED", None),
                      "fp8_verify_narrow_stages": ("fp8_config", "VERIFY_NARROW_STAGES", (1, 8)),
                      "fp8_verify_narrow_block_o": ("fp8_config", "VERIFY_NARROW_BLOCK_O", (64, 128, POW2)),
@@ -256,7 +256,7 @@ def _parse_setting(name: str, value, bounds):
     lo, hi, *rule = bounds
     if number < lo or (hi is not None and number > hi):
         raise ValueError(f"kernel setting {name}={number}: must be in [{lo}, {hi if hi is not None else 'inf'}]")
-    if rule == [POW2] and not fp8_config.is_pow2(number):
+    if rule == [POW2] and not fp8_tiles.is_pow2(number):
         raise ValueError(f"kernel setting {name}={number}: must be a power of two (a tile's rows)")
     return number
 

@@ -43,11 +43,6 @@ def tile_rows(block: Fp8Block, dim: int | None = None, n: int = 1) -> int | None
     return None if local is None else fp8_layout.tile_rows_for(*local)
 
 
-def tileable(block: Fp8Block, dim: int | None = None, n: int = 1) -> bool:
-    """Whether `block` (split n ways along dim under TP) can take the tiled layout on every device."""
-    return tile_rows(block, dim, n) is not None
-
-
 def tile_fp8_weights(params: dict, mesh=None, donate: bool = True) -> dict:
     """The tree with every tileable Fp8Block's weight tiled (module doc); mesh: the TP mesh, if any;
     donate: free each old weight as its tiled copy is made (False keeps `params` usable)."""

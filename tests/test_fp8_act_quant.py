@@ -16,7 +16,7 @@ from h200_lowering import lower_for_h200, triton_calls
 from marks import slow_except
 from pallas_kernels import fp8_act_quant as aq
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
+from pallas_kernels.fp8_tiles import DecodeConfig, PrefillConfig
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -218,11 +218,11 @@ def test_a8_sweep_candidates_are_valid_and_exact():
     """The bench's E4M3-activation sweep (`--fp8_a8_sweep`): every candidate passes check_config with
     W on the dot's M side; the widest and the most split ones match the reference."""
     from pallas_kernels.bench import fp8 as fp8_bench
-    from pallas_kernels import fp8_config
+    from pallas_kernels import fp8_tiles
     candidates = fp8_bench.a8_candidate_configs()
     assert len(candidates) == len(set(candidates)) == 12
     for c in candidates:
-        fp8_config.check_config(c, 16)
+        fp8_tiles.check_config(c, 16)
         assert c.swap_ab and c.block_o in (64, 128)
     rng = np.random.default_rng(6)
     x, wq, scale = problem(rng, 4, 272, 1100)

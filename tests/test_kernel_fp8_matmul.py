@@ -30,8 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import fp8_config as fc
+from pallas_kernels import fp8_tiles
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
+from pallas_kernels.fp8_tiles import DecodeConfig, PrefillConfig
 from qmtp.fp8 import quantize_np
 from marks import slow_except
 from tolerance import assert_close
@@ -528,8 +529,8 @@ def test_wide_launch_takes_its_tiles_rows_at_verify_rows(monkeypatch):
     on 64-row tiles, a mix of both heights or the checkpoint layout 64-row ones; each bit for bit the
     float64 formula."""
     monkeypatch.setattr(fc, "SM_COUNT", 4)  # 384 rows are 6 blocks of 64: a wide launch on 4 SMs
-    chosen, check = [], fc.check_config
-    monkeypatch.setattr(fc, "check_config", lambda config, m: (chosen.append(config), check(config, m))[1])
+    chosen, check = [], fp8_tiles.check_config
+    monkeypatch.setattr(fp8_tiles, "check_config", lambda config, m: (chosen.append(config), check(config, m))[1])
     rng = np.random.default_rng(40)
     x, w, s = exact_problem(rng, 40, 384, 640)
     _, w2, s2 = exact_problem(rng, 40, 256, 640)

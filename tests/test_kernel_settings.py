@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import fp8_config, fp8_matmul
+from pallas_kernels import fp8_config, fp8_matmul, fp8_tiles
 from pallas_kernels.bench import step
 from qmtp import ops
 from qmtp.fp8 import Fp8Block
@@ -43,7 +43,7 @@ def test_verify_narrow_stages_setting_reaches_the_33_to_64_row_config():
         assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 4
         ops.set_kernel_settings({"fp8_verify_narrow_stages": 2})
         assert fp8_matmul.default_config(48, 5120, 17408).num_stages == 2
-        assert fp8_matmul.default_config(32, 5120, 17408).num_stages == fp8_config.DecodeConfig.num_stages
+        assert fp8_matmul.default_config(32, 5120, 17408).num_stages == fp8_tiles.DecodeConfig.num_stages
     finally:
         ops.set_kernel_settings(previous)
     assert fp8_matmul.default_config(64, 5120, 6144).num_stages == 3
@@ -55,7 +55,7 @@ def test_tall_rows_run_the_decode_grid_with_the_tall_stages():
     pipeline depth and 33-64 rows keep theirs; fp8_decode_max_rows=64 sends them back to the GEMM."""
     assert fp8_config.DECODE_MAX_ROWS == 128 and fp8_config.VERIFY_TALL_STAGES == 3
     assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 3
-    assert isinstance(fp8_matmul.default_config(129, 17408, 5120), fp8_config.PrefillConfig)
+    assert isinstance(fp8_matmul.default_config(129, 17408, 5120), fp8_tiles.PrefillConfig)
     previous = ops.set_kernel_settings(ops.parse_kernel_settings(["fp8_verify_tall_stages=2"]))
     try:
         assert fp8_matmul.default_config(128, 17408, 5120).num_stages == 2
@@ -64,7 +64,7 @@ def test_tall_rows_run_the_decode_grid_with_the_tall_stages():
         assert fp8_matmul.default_config(100, 5120, 6144).num_stages == 1
         assert fp8_matmul.default_config(64, 5120, 6144).num_stages == fp8_config.VERIFY_NARROW_STAGES
         ops.set_kernel_settings({"fp8_decode_max_rows": 64})
-        assert isinstance(fp8_matmul.default_config(65, 17408, 5120), fp8_config.PrefillConfig)
+        assert isinstance(fp8_matmul.default_config(65, 17408, 5120), fp8_tiles.PrefillConfig)
     finally:
         ops.set_kernel_settings(previous)
     assert fp8_config.VERIFY_TALL_STAGES == 3 and fp8_config.DECODE_MAX_ROWS == 128

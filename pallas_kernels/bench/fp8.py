@@ -106,8 +106,8 @@ def _pinned_dequantize(matmul):
 
 def candidate_configs(m: int) -> list:
     """Tile configs the sweep tries besides the default (compile time: a few seconds each)."""
-    from pallas_kernels.fp8_config import (DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, X_F16_SCALED_MIN_ROWS, DecodeConfig,
-                                           PrefillConfig)
+    from pallas_kernels.fp8_config import X_F16_SCALED_MIN_ROWS
+    from pallas_kernels.fp8_tiles import DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, DecodeConfig, PrefillConfig
     if m > 16:
         gemm = [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
                 for bm, bn, nw, ns in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4),
@@ -194,7 +194,7 @@ def a8_candidate_configs() -> list:
     """Tiles the E4M3-activation sweep tries (`a8_sweep`): W on the dot's M side (Triton's FP8 wgmma
     takes 64 rows per warpgroup there), block_o 64 with one warpgroup or 128 with one or two,
     split-K 1-8; without the weight conversion the kernel may want fewer, longer programs."""
-    from pallas_kernels.fp8_config import DecodeConfig
+    from pallas_kernels.fp8_tiles import DecodeConfig
     return [DecodeConfig(block_o=bo, split_k=sk, swap_ab=True, num_warps=nw, num_stages=4, scale_preload=True)
             for bo, nw in ((64, 4), (128, 4), (128, 8)) for sk in (1, 2, 4, 8)]
 

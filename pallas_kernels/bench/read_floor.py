@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_config import cdiv, chunk_runs
+from pallas_kernels.fp8_tiles import cdiv, chunk_runs
 from pallas_kernels.fp8_layout import tile_weight
 
 
