@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""HF transformers' Qwen3_5ForCausalLM logits == qmtp logits on an exported checkpoint (issue 8).
+"""HF transformers' Qwen3_5ForCausalLM logits == qmtp logits on an exported checkpoint (qmtp.train's export).
 
     .venv-oracle/bin/python scripts/check_hf_parity.py --checkpoint=DIR [--text=...] [--tol=1e-4]
 
-Run with the oracle venv (torch + transformers, see scripts/make_oracle_fixtures.sh). The text is
+Run with the oracle venv (torch + transformers, `make oracle-fixtures` builds it). The text is
 tokenized with the checkpoint's tokenizer.json (`tokenizers`, the library both sides share), then:
   * HF: Qwen3_5ForCausalLM.from_pretrained(DIR, float32, eager attention, torch fallback GDN; HF
     ignores mtp.*), loading info must show no missing / unexpected / mismatched keys;

@@ -2,8 +2,9 @@
 """A draft vocabulary from text: the checkpoint's tokenizer counts token ids over the given files and
 the --size most frequent go out as a JSON list, most frequent first (ties: lower id first), with the
 model's end-of-sequence ids (config / generation_config.json) always included. Use it with `--draft_vocab=FILE` on
-generate / bench / server, and measure what it costs in acceptance with
-`scripts/draft_head_acceptance.py --draft_vocab=FILE` on held-out text (not the text counted here).
+generate / bench / server, and measure what it costs in acceptance on held-out text (not the text
+counted here), e.g. `python -m qmtp.bench --checkpoint=DIR --prompt_text=... --draft_vocab=FILE` with and
+without the file (natural acceptance per position).
 
   PYTHONPATH=. python scripts/hot_vocab.py --checkpoint=DIR --size=32768 --out=vocab.json corpus/*.txt
 """

@@ -13,7 +13,7 @@ and their teacher-forced logits and greedy continuations are stored as expected 
                                      tied embeddings, release-style rope_theta / full_attention_interval.
 
 Each dir: config.json, generation_config.json, model.safetensors (float32, incl. random mtp.* tensors that
-HF ignores), expected.npz, meta.json.  Run through scripts/make_oracle_fixtures.sh (creates .venv-oracle).
+HF ignores), expected.npz, meta.json.  Run through `make oracle-fixtures` (creates .venv-oracle).
 Deterministic: fixed seeds, 1 torch thread, torch.use_deterministic_algorithms(True).
 """
 

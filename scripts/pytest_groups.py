@@ -5,7 +5,7 @@
                                     [PYTEST ARGS...]
 
 Why processes: one process running the whole CPU suite got slower as it went. Measured on the
-2-core machine (session 16): tests/test_model.py + tests/test_engine.py took 121 s in a fresh
+2-core machine: tests/test_model.py + tests/test_engine.py took 121 s in a fresh
 process and ~190 s late in the one-process suite, and GC was not it (3.6 s of the 121).
 
 Why J at a time: the suite is mostly XLA compiling tiny programs, and a compile runs on one core, so
