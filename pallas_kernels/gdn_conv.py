@@ -13,31 +13,36 @@ Hv Dv) and the window [conv_state (W-1 rows) | u_0 .. u_{T-1}]:
 for tokens t < n_valid; tokens t >= n_valid are padding: they change neither S nor the conv state
 (a select, so NaN inputs cannot reach either; their o_t is meaningless). The new conv state is
 window[n_valid + i], i < W-1: the last W-1 inputs up to the last valid token, reaching back into the
-old conv state when n_valid < W-1 (qmtp.layers.conv_window_state).
+old conv state when n_valid < W-1.
 
 Shapes: mixed [B, T, C]; conv_state [B, W-1, C]; conv_w [C, W]; a, b [B, T, Hv] (or, instead, the keyword
-ba [B, T, 2 Hv] = [b | a]: the output of one projection through both weights, qmtp.api's in_proj_ba,
-read in place, so no slice of it runs between the projection and the kernel); A_log, dt_bias [Hv];
+ba [B, T, 2 Hv] = [b | a]: the output of one projection through both weights (in_proj_ba), read
+in place, so no slice of it runs between the projection and the kernel); A_log, dt_bias [Hv];
 state [B, Hv, Dk, Dv] f32; n_valid [B] int in [0, T]. Returns (o [B, T, Hv, Dv] f32, state [B, Hv, Dk,
 Dv] f32, conv state [B, W-1, C] in conv_state's dtype). The conv state is rounded to mixed's dtype
-before the conv, as qmtp.layers.causal_conv does.
+before the conv, as the model's causal conv does.
 
-Slotted form (speculative verify, qmtp.ops.GDN_STATE_SLOTS): with slots int [B], state [Ns, B, Hv, Dk,
+Slotted form (speculative verify): with slots int [B], state [Ns, B, Hv, Dk,
 Dv] and conv_state [Ns, B, W-1, C] (Ns >= T + 1) hold Ns states per sequence; row b reads slot
 slots[b] and the states after token t go to slot (slots[b] + 1 + t) mod Ns, so the state after any
 accepted prefix is already stored and the commit is an index (`next_slots`).
 
 - `gdn_conv_recurrence_ref`: the jnp twin, the composition of the unfused pieces (causal conv, split,
-  L2 norms, `gdn.gdn_recurrence_gated_ref`).
+  L2 norms, `gdn.gdn_gates_ref`, the padding mask, `gdn.gdn_recurrence_ref`).
 - `gdn_conv_recurrence`: the Pallas kernel (Triton lowering; `interpret=True` on the CPU). Grid
-  (B, Hv, Dv / BV) as `gdn.gdn_recurrence_gated`: program (b, h, j) holds the f32 state tile
-  S[b, h, :, j BV:(j+1) BV] [Dk, BV] and convolves, for its tokens, the Dk q and Dk k channels of key
-  head h // r and its BV v channels (each from the W-1 conv-state rows and the T raw rows), so the
-  layer runs in_proj -> this kernel -> gated norm -> out_proj with no XLA op between.
+  (B, Hv, Dv / BV): program (b, h, j) holds the f32 state tile S[b, h, :, j BV:(j+1) BV] [Dk, BV] in
+  registers (the Dv columns of S evolve independently) and convolves, for its tokens, the Dk q and Dk k
+  channels of key head h // r and its BV v channels (each from the W-1 conv-state rows and the T raw
+  rows), so the layer runs in_proj -> this kernel -> gated norm -> out_proj with no XLA op between.
+  Each token's state step reads S_{t-1} once for both S^T k and S^T q (independent, side by side):
+  o_t = S_t^T q_t = exp(g_t) S_{t-1}^T q_t + (k_t . q_t) beta_t u_t, u_t = v_t - exp(g_t) S_{t-1}^T k_t.
+  Up to MAX_UNROLLED_TOKENS tokens are unrolled, every token's loads, conv, norms and gates ahead of
+  the state chain; longer inputs loop over the tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -50,6 +55,21 @@ from pallas_kernels._vma import align
 
 F32 = jnp.float32
 L2_EPS = 1e-6  # MODEL_SPEC §3.6 step 6 (FLA convention)
+MAX_UNROLLED_TOKENS = 8  # a decode / verify pass (T <= K+1) is unrolled; longer inputs loop over tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrenceConfig:
+    """The kernel's tile: block_v Dv columns of the state per program (a power of two; shrunk to the
+    largest power of two dividing Dv), num_warps / num_stages Triton launch parameters (no loop to
+    pipeline: one stage). 32 x 4: the fastest of the tile sweep at the 27B shapes."""
+
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+RECURRENCE_CONFIG = RecurrenceConfig()
 
 
 def _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads: int) -> None:
@@ -65,7 +85,12 @@ def _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_
     width = conv_w.shape[1]
     if conv_state.shape != (bsz, width - 1, c):
         raise ValueError(f"gdn conv: conv_state {conv_state.shape} must be [B, W-1, C] = {(bsz, width - 1, c)}")
-    gdn.check_gate_inputs("gdn conv", a, b, a_log, dt_bias, n_valid, bsz, t, hv)
+    if a.shape != (bsz, t, hv) or b.shape != (bsz, t, hv):
+        raise ValueError(f"gdn conv: a {a.shape}, b {b.shape} must be [B, T, Hv] = {(bsz, t, hv)}")
+    if a_log.shape != (hv,) or dt_bias.shape != (hv,):
+        raise ValueError(f"gdn conv: A_log {a_log.shape}, dt_bias {dt_bias.shape} must be [Hv] = {(hv,)}")
+    if n_valid.shape != (bsz,) or not jnp.issubdtype(n_valid.dtype, jnp.integer):
+        raise ValueError(f"gdn conv: n_valid {n_valid.shape} {n_valid.dtype} must be integer [B] = {(bsz,)}")
     for name, x in (("mixed", mixed), ("conv_state", conv_state), ("conv_w", conv_w), ("a", a), ("b", b),
                     ("A_log", a_log), ("dt_bias", dt_bias), ("state", state)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -117,7 +142,7 @@ def _check_slots(state, conv_state, slots, t: int) -> None:
 
 def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *,
                             key_heads: int, scale: float, ba=None, slots=None):
-    """The unfused pieces composed (the same jnp as qmtp.layers.causal_conv / l2_normalize):
+    """The unfused pieces composed (causal conv, split, L2 norms, gates, padding mask, recurrence):
     -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C]). With slots int [B],
     state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C] are slotted (Ns >= T + 1): row b starts
     from slot slots[b] and the state and conv state after its first min(t + 1, n_valid) tokens go to slot
@@ -156,10 +181,14 @@ def _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
     q = _l2(y[..., :key_dim].reshape(bsz, t, key_heads, dk)) * scale  # [B, T, Hk, Dk]
     k = _l2(y[..., key_dim:2 * key_dim].reshape(bsz, t, key_heads, dk))
     v = y[..., 2 * key_dim:].reshape(bsz, t, hv, dv)  # [B, T, Hv, Dv]
+    g, beta = gdn.gdn_gates_ref(a, b, a_log, dt_bias)
+    valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]; padding: g = beta = k = v = 0, an exact identity
+    g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+    k, v = jnp.where(valid[..., None, None], k, 0.0), jnp.where(valid[..., None, None], v, 0.0)
     if not per_token:
-        o, final = gdn.gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid)
+        o, final = gdn.gdn_recurrence_ref(q, k, v, g, beta, state)
         return o, final, conv_after(n_valid), None
-    o, final, states = gdn.gdn_recurrence_gated_ref(q, k, v, a, b, a_log, dt_bias, state, n_valid, return_states=True)
+    o, final, states = gdn.gdn_recurrence_ref(q, k, v, g, beta, state, return_states=True)
     convs = jnp.stack([conv_after(jnp.minimum(n_valid, i + 1)) for i in range(t)], axis=1)  # [B, T, W-1, C]
     return o, final, conv_after(n_valid), (states, convs)
 
@@ -180,7 +209,7 @@ def _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
 
 def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref, slot_ref,
                  o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float,
-                 hoisted: bool = False, n_slots: int = 0):
+                 n_slots: int = 0):
     # mixed_ref [T, C]; conv_ref, conv_out_ref [W-1, C]; w_ref [C, W]; a_ref, b_ref [T]; alog_ref,
     # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV]; o_ref [T, BV]. Slotted (n_slots = Ns > 0):
     # s_ref, s_out_ref [Ns, Dk, BV] and conv_ref, conv_out_ref [Ns, W-1, C], one buffer (aliased); the
@@ -226,13 +255,6 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
     def slot_of(t):
         return (read + 1 + t) % n_slots
 
-    def after_token(t, s, kept=None):
-        """Slotted: token t's state tile (and conv rows, unless stored already) to slot (read + 1 + t) mod Ns."""
-        if n_slots:
-            s_out_ref[slot_of(t)] = s.astype(s_out_ref.dtype)
-            if kept is not None:
-                store_conv(kept, slot_of(t))
-
     def load(t):
         """Token t's raw rows (one [n] per group) and gate logits."""
         return tuple(mixed_ref[t, pl.ds(off, n)].astype(F32) for off, n in groups), a_ref[t], b_ref[t]
@@ -254,82 +276,73 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         # q_t, k_t [Dk], v_t [BV]
         return (_l2(ys[0]) * scale, _l2(ys[1]), ys[2], decay * softplus, beta, valid), tuple(shifted), kept
 
-    def token(t, carry):
-        s, prev, kept = carry  # prev, kept: per group, W-1 rows [n] f32
-        (q_t, k_t, v_t, g_t, beta, valid), prev, kept = inputs(t, load(t), prev, kept)
-        s = jnp.where(valid, gdn._delta_update(s, k_t, v_t, g_t, beta), s)  # padding: old bits
-        o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
-        after_token(t, s, kept)
-        return s, prev, kept
+    def step(t, x, s):
+        """Token t's state step from S_{t-1} (one reduction step: S^T k and S^T q side by side)."""
+        q_t, k_t, v_t, g_t, beta, valid = x
+        gamma = jnp.exp(g_t)
+        sk = jnp.sum(s * k_t[:, None], axis=0)  # [BV]
+        sq = jnp.sum(s * q_t[:, None], axis=0)
+        bu = beta * (v_t - gamma * sk)
+        o_ref[t, :] = (gamma * sq + jnp.sum(q_t * k_t) * bu).astype(o_ref.dtype)
+        s = jnp.where(valid, s * gamma + k_t[:, None] * bu[None, :], s)  # padding: the old bits
+        if n_slots:  # token t's state to slot (read + 1 + t) mod Ns
+            s_out_ref[slot_of(t)] = s.astype(s_out_ref.dtype)
+        return s
 
     s = (s_ref[read] if n_slots else s_ref[...]).astype(F32)
-    if hoisted and n_tokens <= gdn.MAX_UNROLLED_TOKENS:
-        # Every token's loads first, then every token's conv, norms and gates, then the state chain with
-        # one reduction step per token: S^T k_t and S^T q_t both read S_{t-1} (independent, side by side),
-        # and o_t = S_t^T q_t = exp(g_t) S_{t-1}^T q_t + (k_t . q_t) beta_t u_t with u_t = v_t - exp(g_t) S_{t-1}^T k_t
+    prev = kept = prev0  # per group, W-1 rows [n] f32
+    if n_tokens <= MAX_UNROLLED_TOKENS:  # every token's loads, then conv, norms and gates, then the chain
         raws = [load(t) for t in range(n_tokens)]
-        prev = kept = prev0
-        per_token, kept_after = [], []
+        xs, kept_after = [], []
         for t in range(n_tokens):
             x, prev, kept = inputs(t, raws[t], prev, kept)
-            per_token.append(x)
+            xs.append(x)
             kept_after.append(kept)
         if n_slots:  # every token's conv rows before the chain: its steps keep only their state stores
             for t in range(n_tokens):
                 store_conv(kept_after[t], slot_of(t))
-        kq = [jnp.sum(q_t * k_t) for q_t, k_t, *_ in per_token]  # k_t . q_t, scalars
-        for t, (q_t, k_t, v_t, g_t, beta, valid) in enumerate(per_token):
-            gamma = jnp.exp(g_t)
-            sk = jnp.sum(s * k_t[:, None], axis=0)  # [BV]
-            sq = jnp.sum(s * q_t[:, None], axis=0)
-            bu = beta * (v_t - gamma * sk)
-            o_ref[t, :] = (gamma * sq + kq[t] * bu).astype(o_ref.dtype)
-            s = jnp.where(valid, s * gamma + k_t[:, None] * bu[None, :], s)  # padding: old bits
-            after_token(t, s)
+        for t in range(n_tokens):
+            s = step(t, xs[t], s)
     else:
-        carry = (s, prev0, prev0)
-        if n_tokens <= gdn.MAX_UNROLLED_TOKENS:
-            for t in range(n_tokens):
-                carry = token(t, carry)
-        else:
-            carry = jax.lax.fori_loop(0, n_tokens, token, carry)
-        s, _, kept = carry
+        def token(t, carry):
+            s, prev, kept = carry
+            x, prev, kept = inputs(t, load(t), prev, kept)
+            if n_slots:
+                store_conv(kept, slot_of(t))
+            return step(t, x, s), prev, kept
+
+        s, _, kept = jax.lax.fori_loop(0, n_tokens, token, (s, prev, kept))
     if not n_slots:  # slotted, every token's state is out already
         s_out_ref[...] = s.astype(s_out_ref.dtype)
         store_conv(kept)
 
 
-FORMS = ("sequential", "hoisted")
-
-
-def _check_form(form: str) -> None:
-    if form not in FORMS:
-        raise ValueError(f"gdn_conv_recurrence: form {form!r} is not one of {FORMS}")
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
-                        scale: float, interpret: bool = False, config: gdn.RecurrenceConfig | None = None,
+                        scale: float, interpret: bool = False, config: RecurrenceConfig | None = None,
                         in_place: bool = True, ba=None, slots=None):
     """Pallas twin of `gdn_conv_recurrence_ref` -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32,
-    conv state [B, W-1, C]). Dk must be a power of two; the Dv tile BV as in `gdn.gdn_recurrence`.
-    With in_place, the state output aliases the (f32) state input (in place when donated; when the
-    caller still needs the input, XLA copies it first); otherwise the state is written to a new
-    buffer. The conv state is a new buffer (see the kernel). T <= gdn.MAX_UNROLLED_TOKENS is
-    unrolled, longer T loops. With ba (instead of a and b), the kernel reads b and a from its two
-    halves: ba goes in twice, with block index maps h and Hv + h. With slots int [B] (the reference's
+    conv state [B, W-1, C]). Dk must be a power of two; BV = the largest power of two <= config.block_v
+    dividing Dv. With in_place, the state output aliases the (f32) state input (in place when donated;
+    when the caller still needs the input, XLA copies it first); otherwise the state is written to a new
+    buffer. The conv state is a new buffer (see the kernel). With ba (instead of a and b), the kernel
+    reads b and a from its two halves: ba goes in twice, with block index maps h and Hv + h. With slots int [B] (the reference's
     slotted form: state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C], Ns >= T + 1), both are
     updated in place: each program reads its tile of row b's slot slots[b] and writes each token's
     state and conv rows to the slots after it, so a speculative commit is an index (`next_slots`)."""
     return _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots,
                                 key_heads=key_heads, scale=float(scale), interpret=interpret,
-                                config=config or gdn.RECURRENCE_CONFIG, in_place=in_place)
+                                config=config or RECURRENCE_CONFIG, in_place=in_place)
 
 
 # jitted so that the 48 GDN layers of a pass, with the same shapes and settings, trace the kernel once
 # and share one lowered function (see fp8_matmul._decode_launch for the figures)
 @functools.partial(jax.jit, static_argnames=("key_heads", "scale", "interpret", "config", "in_place"))
 def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots, *,
-                         key_heads: int, scale: float, interpret: bool, config: gdn.RecurrenceConfig, in_place: bool):
+                         key_heads: int, scale: float, interpret: bool, config: RecurrenceConfig, in_place: bool):
     slotted_state = slotted_conv = None
     if slots is not None:
         _check_slots(state, conv_state, slots, mixed.shape[1])
@@ -342,12 +355,12 @@ def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
     bsz, t, c = mixed.shape
     hv, dk, dv = state.shape[1:]
     width = conv_w.shape[1]
-    if not gdn._is_pow2(dk):
+    if not _is_pow2(dk):
         raise ValueError(f"gdn_conv_recurrence: Dk = {dk} must be a power of two (Triton tensor sizes)")
-    if not gdn._is_pow2(config.block_v) or config.num_warps < 1 or config.num_stages < 1:
+    if not _is_pow2(config.block_v) or config.num_warps < 1 or config.num_stages < 1:
         raise ValueError(f"gdn_conv_recurrence: bad config {config}: block_v must be a power of two, "
                          "num_warps and num_stages >= 1")
-    bv = gdn._block_v(dv, config)
+    bv = min(config.block_v, dv & -dv)  # the largest power of two <= block_v dividing Dv
     if t == 0:
         if slots is not None:
             return jnp.zeros((bsz, 0, hv, dv), F32), slotted_state, slotted_conv
@@ -372,9 +385,8 @@ def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
         conv_spec = pl.BlockSpec((n_slots, sq, width - 1, c), lambda ib, ih, iv: (0, ib, 0, 0))
         state, conv_state = slotted_state, slotted_conv
         aliases = {1: 2, 8: 1}
-    _check_form(config.form)
     kernel = functools.partial(_conv_kernel, n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv,
-                               scale=float(scale), hoisted=config.form == "hoisted", n_slots=n_slots)
+                               scale=float(scale), n_slots=n_slots)
     if ba is not None:
         a = b = ba
     args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state,

@@ -20,7 +20,7 @@ def rel_err_bound(row: dict) -> float:
 
 
 @pytest.mark.parametrize("module, kernels", [
-    pytest.param(gdn, {"gdn_decode", "gdn_conv_decode", "gdn_prefill"}, marks=pytest.mark.slow),  # ~21 s
+    pytest.param(gdn, {"gdn_conv_decode", "gdn_prefill"}, marks=pytest.mark.slow),  # ~15 s
     (attention, {"paged_attention"})])
 def test_quick_interpret_run(module, kernels):
     rows = []
@@ -44,13 +44,16 @@ def test_quick_interpret_run(module, kernels):
 
 def test_gdn_cases_and_batches_choose_what_runs(monkeypatch):
     calls = []  # (case, batches) of each bench function run() calls (their rows: the quick run above)
-    for name in ("bench_decode", "bench_conv_decode", "bench_prefill"):
+    for name in ("bench_conv_decode", "bench_prefill"):
         monkeypatch.setattr(gdn, name, lambda tb, emit, sz, *a, _n=name, **kw: calls.append((_n, sz.batches)))
     gdn.run(copy_tb_s=1.0, emit=None, quick=False, interpret=True, cases=("conv",), batches=(2,))
-    assert calls == [("bench_conv_decode", (2,))]
+    assert calls == [("bench_conv_decode", (2,))] * 2  # the ref and the first tile, then the rest of the sweep
     calls.clear()
     gdn.run(copy_tb_s=1.0, emit=None, quick=False, interpret=True)
-    assert [c for c, _ in calls] == ["bench_decode", "bench_conv_decode", "bench_prefill", "bench_decode"]
+    assert [c for c, _ in calls] == ["bench_conv_decode", "bench_prefill", "bench_conv_decode"]
     assert calls[0][1] == gdn.Sizes().batches
-    with pytest.raises(ValueError, match="unknown case"):
-        gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, cases=("conv", "verify"))
+    for cases in (("conv", "verify"), ("decode",)):
+        with pytest.raises(ValueError, match="unknown case"):
+            gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, cases=cases)
+    with pytest.raises(ValueError, match="want BVxWARPS"):
+        gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, conv_configs=("32x4:hoisted",))

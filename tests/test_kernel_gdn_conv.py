@@ -1,7 +1,7 @@
-"""pallas_kernels/gdn_conv.py: the conv + recurrence reference against a float64 loop written here and
-against the unfused layer pieces, the Pallas kernel (interpret mode on the CPU) against the reference
-(the new conv state bit for bit), the speculative commit from its replay, its lowering for the H200
-(from the CPU, in CI), and the kernel on the GPU (`gpu` marker).
+"""pallas_kernels/gdn_conv.py: the conv + recurrence reference against a float64 loop written here, the
+Pallas kernel (interpret mode on the CPU) against the float64 loop and the reference (the new conv
+state bit for bit), its slotted form, its lowering for the H200 (from the CPU, in CI), and the kernel
+on the GPU (`gpu` marker).
 
 Shapes are awkward on purpose: Hv = 3 Hk (r = 3, as the 27B's 48 / 16), several Dv tiles per head,
 n_valid < T (including n_valid < W-1, where the new conv state reaches back into the old one, and
@@ -22,13 +22,12 @@ import numpy as np
 import pytest
 
 from h200_lowering import attr_int, lower_for_h200, triton_calls
-from pallas_kernels import gdn, gdn_conv
-from qmtp import layers, model as model_lib
+from pallas_kernels import gdn_conv
 from tolerance import assert_close
 
 F32_UNIT_ROUNDOFF = 2.0 ** -24
 WIDTH = 4
-NARROW = gdn.RecurrenceConfig(block_v=8)  # Dv = 32: four tiles per value head
+NARROW = gdn_conv.RecurrenceConfig(block_v=8)  # Dv = 32: four tiles per value head
 
 
 def conv_tol(t: int, dk: int, implementations: int = 1) -> float:
@@ -143,23 +142,6 @@ def test_ref_matches_float64(b, t, n_valid):
         np.testing.assert_array_equal(bits(conv[i]), bits(args[1][i]))
 
 
-def test_ref_is_the_unfused_layer_pieces():
-    """The twin equals what qmtp.layers.gated_deltanet composes without the switch: causal_conv ->
-    split -> l2_normalize (q scaled) -> gdn_recurrence_gated_ref, bit for bit (both op by op: under
-    jit XLA's fusions may round differently)."""
-    b, t, n_valid = CASES[2]
-    args = make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=4)
-    mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = map(jnp.asarray, args)
-    o, s, conv = map(np.asarray, gdn_conv.gdn_conv_recurrence_ref(*map(jnp.asarray, args), key_heads=HK,
-                                                                  scale=DK ** -0.5))
-    (q, k, v), want_conv, _ = layers.conv_qkv(mixed, conv_state, conv_w, n, HK, DK, DV)
-    want_o, want_s = gdn.gdn_recurrence_gated_ref(q, k, v, a, beta_logit, a_log, dt_bias, s0, n)
-    keep = valid_mask(t, n_valid)
-    np.testing.assert_array_equal(bits(o[keep]), bits(np.asarray(want_o)[keep]))
-    np.testing.assert_array_equal(bits(s), bits(want_s))
-    np.testing.assert_array_equal(bits(conv), bits(want_conv))
-
-
 # ------------------------------------------------------------------------------------------------
 # the kernel (interpret mode) against the reference
 # ------------------------------------------------------------------------------------------------
@@ -182,7 +164,7 @@ def test_kernel_matches_ref_and_ignores_poisoned_padding(b, t, n_valid):
 
 def test_kernel_bf16_inputs_and_an_f32_conv_state():
     """bf16 raw projections (as the model runs them) and an f32 conv state, B = 3, T = 5: the conv
-    state joins the window rounded to bf16 (as qmtp.layers.causal_conv does), so the new conv state,
+    state joins the window rounded to bf16 (as the model's causal conv does), so the new conv state,
     which reaches back into the old one at n_valid = 1 and is the old one at n_valid = 0, matches
     the ref bit for bit."""
     b, t, n_valid = 3, 5, [5, 1, 0]
@@ -203,7 +185,7 @@ def test_kernel_bf16_inputs_and_an_f32_conv_state():
 def test_long_input_uses_the_token_loop_one_key_head_per_value_head_default_tile():
     """T > MAX_UNROLLED_TOKENS (the fori_loop path), r = 1 (Hk = Hv: every program writes its own q/k
     conv state) and the default tile (one Dv tile per head)."""
-    t, n_valid = gdn.MAX_UNROLLED_TOKENS + 2, [gdn.MAX_UNROLLED_TOKENS + 2, 2]
+    t, n_valid = gdn_conv.MAX_UNROLLED_TOKENS + 2, [gdn_conv.MAX_UNROLLED_TOKENS + 2, 2]
     args = make_inputs(2, t, 2, 2, 16, 16, n_valid, seed=9)
     o, s, conv = run_kernel(*args, hk=2, config=None)
     want_o, want_s, want_conv = run_ref(*args, hk=2)
@@ -238,7 +220,7 @@ def test_wrapper_rejects_bad_inputs():
 
 
 def test_joined_gate_projections_read_in_place_give_the_same_bits():
-    """ba = [b | a] (qmtp.api.fuse_gate_projections' one projection): the kernel reads b at head h and a
+    """ba = [b | a] (one projection through both gate weights): the kernel reads b at head h and a
     at Hv + h of it, so its outputs are the a, b form's bit for bit, and so are the reference's; a
     swapped join ([a | b]) must not pass."""
     b, t, n_valid = 3, 4, [4, 2, 0]
@@ -276,50 +258,27 @@ def test_gate_projections_in_exactly_one_form():
 
 
 # ------------------------------------------------------------------------------------------------
-# the speculative commit from the conv kernel's replay
+# the state chain: every token's conv first, then one reduction step per token from S_{t-1}
 # ------------------------------------------------------------------------------------------------
-
-
-def test_commit_runs_the_kernel_again_from_the_old_states_and_ignores_rejected_tokens():
-    """model.commit_gdn with a replay of the conv kernel (raw mixed, the OLD conv state, the conv
-    weight and the raw gates): the conv and ssm state after n_keep tokens, rejected tokens (NaN
-    here) ignored, against the float64 loop over the kept tokens. (The reference twin behind it;
-    the kernel behind it runs in tests/test_speculate.py's conv-in-kernel test.)"""
-    b, t, n_keep = 3, 4, [1, 3, 4]
-    args = make_inputs(b, t, HK, HV, DK, DV, n_keep, seed=12)
-    names = ("mixed", "conv", "conv_w", "a", "b", "A_log", "dt_bias")
-    rep = dict(zip(names, map(jnp.asarray, args[:7])))
-    commit = jax.jit(lambda rep, s0, n: model_lib.commit_gdn((rep,), (s0,), n, impl="ref"))
-    (conv,), (ssm,) = commit(rep, jnp.asarray(args[7]), jnp.asarray(args[8]))
-    _, want_s, want_conv = np_conv_recurrence(*args, hk=HK)
-    assert_close(ssm, want_s, conv_tol(t, DK), "committed ssm")
-    np.testing.assert_array_equal(np.asarray(conv), want_conv.astype(np.float32), "committed conv state")
-
-
-# ------------------------------------------------------------------------------------------------
-# the hoisted form: every token's conv first, then the state chain at one reduction step per token
-# ------------------------------------------------------------------------------------------------
-
-HOISTED = gdn.RecurrenceConfig(block_v=8, form="hoisted")
 
 
 @pytest.mark.parametrize("b,t,n_valid", [(3, 4, [4, 1, 0]), (2, 8, [8, 6])])
-def test_hoisted_form_matches_float64_and_ignores_poisoned_padding(b, t, n_valid):
-    """Against the float64 loop (not the sequential kernel: an error they shared would hide), within
-    one f32 implementation's bound; the conv state bit for bit as the ref's; n_valid = 0 returns the
-    old state's bits."""
+def test_kernel_matches_float64_and_ignores_poisoned_padding(b, t, n_valid):
+    """Against the float64 loop (not the reference: an error they shared would hide), within one f32
+    implementation's bound; the conv state bit for bit as the ref's; n_valid = 0 returns the old
+    state's bits."""
     args = make_inputs(b, t, HK, HV, DK, DV, n_valid, seed=b * 10 + t)
-    o, s, conv = run_kernel(*args, hk=HK, config=HOISTED)
+    o, s, conv = run_kernel(*args, hk=HK)
     want_o, want_s, _ = np_conv_recurrence(*args, hk=HK)
     keep = valid_mask(t, n_valid)
-    assert_close(o[keep], want_o[keep], conv_tol(t, DK), "hoisted o (valid tokens)")
-    assert_close(s, want_s, conv_tol(t, DK), "hoisted state")
-    np.testing.assert_array_equal(bits(conv), bits(run_ref(*args, hk=HK)[2]), "hoisted conv state bits")
+    assert_close(o[keep], want_o[keep], conv_tol(t, DK), "kernel o (valid tokens)")
+    assert_close(s, want_s, conv_tol(t, DK), "kernel state")
+    np.testing.assert_array_equal(bits(conv), bits(run_ref(*args, hk=HK)[2]), "kernel conv state bits")
     for i in np.flatnonzero(np.asarray(n_valid) == 0):
         np.testing.assert_array_equal(bits(s[i]), bits(args[7][i]), "no valid token: state bits")
 
 
-def test_hoisted_form_with_strongly_coupled_tokens():
+def test_state_chain_with_strongly_coupled_tokens():
     """o_t from S_{t-1} (exp(g) S^T q + (k.q) beta u) only differs from S_t^T q when the update is
     large: no decay (a = -30: g ~ 0), beta ~ 1 and nearly parallel keys (each token's raw input the
     previous one's plus a little noise); against the float64 loop."""
@@ -329,21 +288,14 @@ def test_hoisted_form_with_strongly_coupled_tokens():
     mixed = (mixed[:, :1] + 0.05 * np.cumsum(rng.standard_normal(mixed.shape), axis=1)).astype(np.float32)
     a, beta_logit = np.full_like(a, -30.0), np.full_like(beta_logit, 5.0)
     args = (mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n)
-    o, s, _ = run_kernel(*args, hk=HK, config=HOISTED)
+    o, s, _ = run_kernel(*args, hk=HK)
     want_o, want_s, _ = np_conv_recurrence(*args, hk=HK)
-    assert_close(o, want_o, conv_tol(t, DK), "hoisted o (coupled tokens)")
-    assert_close(s, want_s, conv_tol(t, DK), "hoisted state (coupled tokens)")
-
-
-def test_unknown_form_is_refused():
-    args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
-    with pytest.raises(ValueError, match="form 'chunk' is not one of"):
-        gdn_conv.gdn_conv_recurrence(*args, key_heads=1, scale=8 ** -0.5, interpret=True,
-                                     config=gdn.RecurrenceConfig(form="chunk"))
+    assert_close(o, want_o, conv_tol(t, DK), "kernel o (coupled tokens)")
+    assert_close(s, want_s, conv_tol(t, DK), "kernel state (coupled tokens)")
 
 
 # ------------------------------------------------------------------------------------------------
-# slotted state (ops.GDN_STATE_SLOTS): [Ns, B, ...] read from each row's slot, token t's state and
+# slotted state: [Ns, B, ...] read from each row's slot, token t's state and
 # conv state written to slot (read + 1 + t) mod Ns
 # ------------------------------------------------------------------------------------------------
 
@@ -360,16 +312,16 @@ def slotted_inputs(b, t, n_valid, reads, n_slots, seed):
     return args, state, conv, reads
 
 
-@pytest.mark.parametrize("form", ["sequential", "hoisted"])
 @pytest.mark.parametrize("b,t,n_valid,reads,n_slots", [(3, 4, [4, 2, 0], [0, 4, 2], 5),
-                                                       pytest.param(2, 3, [3, 1], [3, 1], 6, marks=pytest.mark.slow)])  # CI time
-def test_slotted_kernel_writes_every_prefix_state(form, b, t, n_valid, reads, n_slots):
+                                                       (2, 10, [10, 7], [3, 10], 11),  # past MAX_UNROLLED_TOKENS: the loop
+                                                       pytest.param(2, 3, [3, 1], [3, 1], 6, marks=pytest.mark.slow)])
+def test_slotted_kernel_writes_every_prefix_state(b, t, n_valid, reads, n_slots):
     """Slot (read + 1 + t) mod Ns holds the state and conv state after min(t + 1, n_valid) tokens, as the
     float64 loop computes them over that prefix; the read slot and the slots past T come back bit for
     bit; o as the one-state kernel's. The kernel (interpret mode) and its ref twin both."""
     args, state, conv, r = slotted_inputs(b, t, n_valid, reads, n_slots, seed=8 + t)
     kw = {"key_heads": HK, "scale": DK ** -0.5, "slots": r}
-    config = gdn.RecurrenceConfig(block_v=8, form=form)
+    config = NARROW
     got = {"kernel": gdn_conv.gdn_conv_recurrence(*args[:1], conv, *args[2:7], state, args[8], interpret=True,
                                                    config=config, **kw),
            "ref": gdn_conv.gdn_conv_recurrence_ref(*args[:1], conv, *args[2:7], state, args[8], **kw)}
@@ -435,20 +387,20 @@ def lower_real(b, t, config=None):
     return lower_for_h200(fn, real_shapes(b, t), donate_argnums=7)
 
 
-@pytest.mark.parametrize("b,t", [(1, 1), (8, 4)])
+@pytest.mark.parametrize("b,t", [(1, 1), (8, 4), (8, 5)])
 def test_kernel_lowers_for_h200(b, t):
     lowered = lower_real(b, t)
     assert "tf.aliasing_output = 1" in lowered.as_text(), "the state input must alias the state output"
     [(cfg, triton_ir)] = triton_calls(lowered)
     grid = tuple(attr_int(cfg, f"grid_{a}") for a in "xyz")
-    assert grid == (b, HV27, DV27 // gdn.RECURRENCE_CONFIG.block_v), grid
+    assert grid == (b, HV27, DV27 // gdn_conv.RECURRENCE_CONFIG.block_v), grid
     assert "tt.func public @gdn_conv_recurrence" in triton_ir
     assert "scf.if" in triton_ir, "one program per key head writes the q/k conv state"
     assert "scf.for" not in triton_ir, "T <= MAX_UNROLLED_TOKENS is unrolled"
 
 
 def test_fresh_state_kernel_writes_a_new_buffer_with_the_same_bits():
-    """in_place=False (ops.GDN_REPLAY_FRESH_STATE, for a verify pass whose input state the commit
+    """in_place=False (for a verify pass whose input state the commit
     still reads): no input aliases an output in the lowering, and the outputs are the in-place
     kernel's bit for bit (interpret mode)."""
     def aliases(in_place):
@@ -463,27 +415,14 @@ def test_fresh_state_kernel_writes_a_new_buffer_with_the_same_bits():
         np.testing.assert_array_equal(bits(np.asarray(x)), bits(np.asarray(y)), name)
 
 
-def test_hoisted_form_lowers_for_h200():
-    """The hoisted form at the 27B shapes, B = 8, T = 5: unrolled, the state in place; past
-    MAX_UNROLLED_TOKENS it falls back to the token loop."""
-    config = gdn.RecurrenceConfig(form="hoisted")
-    lowered = lower_real(8, 5, config)
-    assert "tf.aliasing_output = 1" in lowered.as_text()
-    [(_, triton_ir)] = triton_calls(lowered)
-    assert "scf.for" not in triton_ir
-    [(_, looped_ir)] = triton_calls(lower_real(1, gdn.MAX_UNROLLED_TOKENS + 1, config))
-    assert "scf.for" in looped_ir
-
-
-@pytest.mark.parametrize("t,ns", [(4, 5), (1, 2)])  # the K=3 verify; a plain step (ops.GDN_PLAIN_SLOTS)
+@pytest.mark.parametrize("t,ns", [(4, 5), (1, 2)])  # the K=3 verify; a plain step in two slots
 def test_slotted_kernel_lowers_for_h200(t, ns):
     """The slotted state at the 27B shapes (B = 1, T tokens, Ns slots): state and conv state alias
     their outputs; each token's state goes out from the unrolled chain."""
     shapes = list(real_shapes(1, t))
     shapes[1] = jax.ShapeDtypeStruct((ns,) + shapes[1].shape, shapes[1].dtype)
     shapes[7] = jax.ShapeDtypeStruct((ns,) + shapes[7].shape, jnp.float32)
-    fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a[:9], key_heads=HK27, scale=DK27 ** -0.5, slots=a[9],
-                                                 config=gdn.RecurrenceConfig(form="hoisted"))
+    fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a[:9], key_heads=HK27, scale=DK27 ** -0.5, slots=a[9])
     lowered = lower_for_h200(fn, shapes + [jax.ShapeDtypeStruct((1,), jnp.int32)], donate_argnums=(1, 7))
     text = lowered.as_text()
     assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text
@@ -492,8 +431,9 @@ def test_slotted_kernel_lowers_for_h200(t, ns):
     assert "scf.for" not in triton_ir
 
 
-def test_looped_kernel_lowers_for_h200():
-    [(_, triton_ir)] = triton_calls(lower_real(1, gdn.MAX_UNROLLED_TOKENS + 4))
+@pytest.mark.parametrize("t", [gdn_conv.MAX_UNROLLED_TOKENS + 1, gdn_conv.MAX_UNROLLED_TOKENS + 4])
+def test_looped_kernel_lowers_for_h200(t):
+    [(_, triton_ir)] = triton_calls(lower_real(1, t))
     assert "scf.for" in triton_ir
 
 
@@ -502,19 +442,15 @@ def test_looped_kernel_lowers_for_h200():
 # ------------------------------------------------------------------------------------------------
 
 
-GPU_FORMS = {"sequential": None, "hoisted": gdn.RecurrenceConfig(form="hoisted")}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", list(GPU_FORMS))
 @pytest.mark.parametrize("b,t", [(1, 1), (8, 4)])
-def test_gpu_kernel_matches_ref_real_shapes(b, t, form):
+def test_gpu_kernel_matches_ref_real_shapes(b, t):
     n_valid = np.maximum(t - np.arange(b) % (t + 1), 0).astype(np.int32)  # t, t-1, .., 0, t, ...
     mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, n = make_inputs(
         b, t, HK27, HV27, DK27, DV27, n_valid, seed=b * t)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     args = (bf(mixed), bf(conv_state), bf(conv_w), bf(a), bf(beta_logit), a_log, dt_bias, s0, n)
-    o, s, conv = run_kernel(*args, hk=HK27, interpret=False, config=GPU_FORMS[form])
+    o, s, conv = run_kernel(*args, hk=HK27, interpret=False, config=None)
     want_o, want_s, want_conv = run_ref(*args, hk=HK27)
     keep = valid_mask(t, n_valid)
     assert_close(o[keep], want_o[keep], conv_tol(t, DK27, 2), "gpu kernel o")
@@ -532,7 +468,7 @@ def test_gpu_slotted_kernel_real_shapes():
         2, 4, HK27, HV27, DK27, DV27, [4, 2], seed=3)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     args = (bf(mixed), bf(conv_state), bf(conv_w), bf(a), bf(beta_logit), jnp.asarray(a_log), jnp.asarray(dt_bias))
-    kw = {"key_heads": HK27, "scale": DK27 ** -0.5, "config": gdn.RecurrenceConfig(form="hoisted")}
+    kw = {"key_heads": HK27, "scale": DK27 ** -0.5}
     reads, rows = jnp.asarray([4, 1], jnp.int32), jnp.arange(2)
     state = jnp.zeros((5,) + s0.shape, jnp.float32).at[reads, rows].set(jnp.asarray(s0))
     conv = jnp.zeros((5,) + conv_state.shape, jnp.bfloat16).at[reads, rows].set(args[1])
@@ -546,35 +482,3 @@ def test_gpu_slotted_kernel_real_shapes():
                                                               **kw)
             assert_close(got[slot, row], np.asarray(want)[row], conv_tol(4, DK27, 2), f"row {row} token {t}")
             np.testing.assert_array_equal(bits(got_conv[slot, row]), bits(np.asarray(want_conv)[row]), "conv")
-
-
-@pytest.mark.parametrize("block_v, warps", [(32, 4), (8, 2)])
-def test_engine_tile_setting_reaches_the_kernel(block_v, warps, monkeypatch):
-    """ops.gdn_conv_recurrence launches the conv kernel with the engine's tile settings
-    (gdn_conv_block_v / gdn_conv_num_warps, swept by the step bench's pallas_gdnbv* variants)."""
-    from qmtp import ops
-    seen = []
-    real = gdn_conv.gdn_conv_recurrence
-    monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
-    previous = ops.set_kernel_settings({"gdn_conv_block_v": block_v, "gdn_conv_num_warps": warps})
-    try:
-        args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
-        o, _, _ = ops.gdn_conv_recurrence(*args, impl="pallas")
-    finally:
-        ops.set_kernel_settings(previous)
-    assert seen == [gdn.RecurrenceConfig(block_v=block_v, num_warps=warps, form="hoisted")] and o.shape == (1, 2, 2, 32)
-
-
-def test_engine_hoisted_setting_reaches_the_kernel(monkeypatch):
-    """gdn_conv_hoisted=false gives the kernel form "sequential" (the default is "hoisted")."""
-    from qmtp import ops
-    seen = []
-    real = gdn_conv.gdn_conv_recurrence
-    monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
-    previous = ops.set_kernel_settings({"gdn_conv_hoisted": False})
-    try:
-        args = [jnp.asarray(x) for x in make_inputs(1, 2, 1, 2, 8, 32, [2])]
-        ops.gdn_conv_recurrence(*args, impl="pallas")
-    finally:
-        ops.set_kernel_settings(previous)
-    assert seen[0].form == "sequential"

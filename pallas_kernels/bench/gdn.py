@@ -1,27 +1,21 @@
 """Gated DeltaNet at the Qwen3.5-27B shapes (Hk 16, Hv 48, Dk = Dv = 128): Pallas vs the jnp refs.
 
-Decode / verify (kernel "gdn_decode", B in {1, 8, 16}, T in {1, 4 = K+1 verify for K = 3, 5}):
-`gdn_recurrence_ref` (impl "xla") and the Pallas `gdn_recurrence` (impl "pallas", one row per tile
-config; `config` "BVxWARPS" on the non-default ones), each timed inside one jitted fori_loop that
-updates `layers` distinct states per iteration (48 = one decode step of the 27B model, 144 MiB of
-state per sequence: far more than the 50 MB L2, and no host dispatch per call). s_per_call = median
-wall time / (layers * iters). bytes = 2 * B * Hv * Dk * Dv * 4: the f32 state read and written once
-per call (q, k, v, o are < 1% of it). rel_err = max |x - x_ref| / max |x_ref| over o and the state.
-
-Decode / verify from the raw in_proj output (kernel "gdn_conv_decode", the engine's default path,
-qmtp.ops.GDN_CONV_IN_KERNEL): the Pallas `gdn_conv.gdn_conv_recurrence` (conv, norms, gates and the
-recurrence in one kernel) over the same batches and tokens and `conv_configs` tile configs ("BVxWARPS";
-the first is the engine's, qmtp.ops.GDN_CONV_BLOCK_V x GDN_CONV_NUM_WARPS), against
-`gdn_conv_recurrence_ref` (impl "xla"). bytes as gdn_decode's (the state; the raw inputs are ~1%).
+Decode / verify from the raw in_proj output (kernel "gdn_conv_decode", B in {1, 8, 16}, T in {1, 4 =
+K+1 verify for K = 3, 5}): the Pallas `gdn_conv.gdn_conv_recurrence` (conv, norms, gates and the
+recurrence in one kernel; impl "pallas", one row per tile config "BVxWARPS", the first the default)
+against `gdn_conv_recurrence_ref` (impl "xla"), each timed inside one jitted fori_loop that updates
+`layers` distinct states per iteration (48 = one decode step of the 27B model, 144 MiB of state per
+sequence: far more than the 50 MB L2, and no host dispatch per call). s_per_call = median wall time /
+(layers * iters). bytes = 2 * B * Hv * Dk * Dv * 4: the f32 state read and written once per call (the
+raw inputs and o are ~1% of it). rel_err = max |x - x_ref| / max |x_ref| over o and the state.
 
 Chunked prefill (kernel "gdn_prefill", B = 1, T in {512, 4096}): `gdn_chunked_ref` (impl "xla"; the
-only prefill path, no kernel yet) with `prefill_layers` layers in one jitted program, and the Pallas
-recurrence kernel at the same T (impl "pallas", its token loop; rel_err vs the chunked form).
-bytes = the state read + written, q, k, v, g, beta read and o written (all f32). The argument the
-rows carry: is the chunked form cheap enough for prefill? tokens_per_s (one layer),
-tokens_per_s_48_layers (all GDN layers), and share_of_layer = t_gdn / (t_gdn + t_matmuls), where
-t_matmuls is the same run's time for the bf16 XLA matmuls of one 27B GDN decoder layer (in_proj
-qkv, z, b/a, out_proj, MLP gate/up/down) over the same T tokens.
+prefill path, no kernel) with `prefill_layers` layers in one jitted program. bytes = the state read +
+written, q, k, v, g, beta read and o written (all f32). The argument the rows carry: is the chunked
+form cheap enough for prefill? tokens_per_s (one layer), tokens_per_s_48_layers (all GDN layers), and
+share_of_layer = t_gdn / (t_gdn + t_matmuls), where t_matmuls is the same run's time for the bf16 XLA
+matmuls of one 27B GDN decoder layer (in_proj qkv, z, b/a, out_proj, MLP gate/up/down) over the same
+T tokens.
 """
 
 from __future__ import annotations
@@ -37,19 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import gdn as gdn_kernel
+from pallas_kernels import gdn_conv
 
 HK, HV, DK, DV = 16, 48, 128, 128
 HIDDEN, FFN = 5120, 17408
 GDN_LAYERS = 48
 CHUNK = 64  # gdn_chunked_ref's default chunk
-# Tile configs, block_v x num_warps; the first is the frozen default (gdn_kernel.RECURRENCE_CONFIG).
-CONFIGS = ("32x4", "16x4", "64x4", "32x2", "32x8", "128x8")
-DEFAULT_CONFIG = f"{gdn_kernel.RECURRENCE_CONFIG.block_v}x{gdn_kernel.RECURRENCE_CONFIG.num_warps}"
-# The conv kernel's sweep (the first: the engine's setting). Narrower tiles give more programs (Hv *
-# Dv / BV: 192 at BV = 32, ~1.5 per SM of the H200) for a per-token chain that is latency-bound;
-# each program convolves its key head's q and k channels again. Fewer warps keep the per-token
-# reductions (the L2 norms, S^T k, S^T q) inside a warp (shuffles, no block-wide barrier).
-# ":hoisted" is the form that convolves every token before the state chain (gdn.RecurrenceConfig.form).
+# The conv kernel's tile sweep, block_v x num_warps (the first: the default, gdn_conv.RECURRENCE_CONFIG).
+# Narrower tiles give more programs (Hv * Dv / BV: 192 at BV = 32, ~1.5 per SM of the H200) for a
+# per-token chain that is latency-bound; each program convolves its key head's q and k channels again.
+# Fewer warps keep the per-token reductions (the L2 norms, S^T k, S^T q) inside a warp.
 CONV_CONFIGS = ("32x4", "16x4", "8x4", "16x2", "8x2", "16x1", "8x1", "64x4")
 
 
@@ -57,7 +48,6 @@ CONV_CONFIGS = ("32x4", "16x4", "8x4", "16x2", "8x2", "16x1", "8x1", "64x4")
 class Sizes:
     batches: tuple = (1, 8, 16)
     tokens: tuple = (1, 4, 5)  # decode, K+1 verify for K = 3, the default K = 4
-    configs: tuple = CONFIGS
     conv_configs: tuple = CONV_CONFIGS
     layers: int = GDN_LAYERS  # distinct states per loop iteration (one decode step's worth)
     iters: int = 20
@@ -73,7 +63,7 @@ def sizes(quick: bool, interpret: bool) -> Sizes:
     interpret (CPU smoke test of the code paths): few layers and calls, small layer matmuls."""
     s = Sizes()
     if quick:
-        s = dataclasses.replace(s, batches=(1,), tokens=(1, 5), configs=CONFIGS[:1], conv_configs=CONV_CONFIGS[:1],
+        s = dataclasses.replace(s, batches=(1,), tokens=(1, 5), conv_configs=CONV_CONFIGS[:1],
                                 repeats=3, prefill_tokens=(512,))
     if interpret:
         s = dataclasses.replace(s, layers=2, iters=1, repeats=2, prefill_layers=1, hidden=256, ffn=512,
@@ -126,17 +116,10 @@ def gdn_inputs(key, b: int, t: int):
     return q, k, v, g, beta, state
 
 
-def _kernel_fn(config: str, interpret: bool):
-    cfg = parse_conv_config(config)
-    return functools.partial(gdn_kernel.gdn_recurrence, config=cfg, interpret=interpret)
-
-
 # ---- decode / verify ------------------------------------------------------------------------------
 
-def _decode_time(fn, b: int, t: int, sz: Sizes, inputs=None) -> dict:
-    """fn(*inputs, state) -> (o, state') (inputs: q, k, v, g, beta by default), sz.layers states
-    updated per fori_loop iteration."""
-    inputs = gdn_inputs(jax.random.key(b * 10 + t), b, t)[:5] if inputs is None else inputs
+def _decode_time(fn, b: int, sz: Sizes, inputs) -> dict:
+    """fn(*inputs, state) -> (o, state'), sz.layers states updated per fori_loop iteration."""
     states = tuple(0.5 * jax.random.normal(jax.random.key(1000 + i), (b, HV, DK, DV)) for i in range(sz.layers))
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -157,8 +140,7 @@ def _decode_time(fn, b: int, t: int, sz: Sizes, inputs=None) -> dict:
             "finite": bool(jnp.isfinite(carry[1])), "layers": sz.layers, "iters": sz.iters}
 
 
-def _decode_row(base: dict, nbytes: int, fn, args, want, b: int, t: int, sz: Sizes, copy_tb_s: float,
-                inputs=None) -> dict:
+def _decode_row(base: dict, nbytes: int, fn, args, want, b: int, sz: Sizes, copy_tb_s: float, inputs) -> dict:
     """One decode/verify row: fn's rel_err against want() (the reference's (o, state); None for a
     reference row) on args, then its time (_decode_time); a failure becomes an error row."""
     try:
@@ -168,25 +150,10 @@ def _decode_row(base: dict, nbytes: int, fn, args, want, b: int, t: int, sz: Siz
             o, s = jax.jit(fn)(*args)
             extra = {"rel_err_o": rel_err(o, ref_o), "rel_err_state": rel_err(s, ref_s)}
             extra["rel_err"] = max(extra["rel_err_o"], extra["rel_err_state"])
-        m = _decode_time(fn, b, t, sz, inputs)
+        m = _decode_time(fn, b, sz, inputs)
         return {**base, **_rates(nbytes, m.pop("s_per_call"), copy_tb_s), **extra, **m}
     except Exception as e:
         return _error_row(base, nbytes, e)
-
-
-def bench_decode(copy_tb_s: float, emit, sz: Sizes, configs, with_ref: bool, interpret: bool) -> None:
-    for b in sz.batches:
-        for t in sz.tokens:
-            nbytes = 2 * b * HV * DK * DV * 4
-            args = gdn_inputs(jax.random.key(7), b, t)
-            want = functools.cache(lambda args=args: jax.jit(gdn_kernel.gdn_recurrence_ref)(*args))
-            impls = [("xla", None, gdn_kernel.gdn_recurrence_ref)] if with_ref else []
-            impls += [("pallas", c, _kernel_fn(c, interpret)) for c in configs]
-            for impl, config, fn in impls:
-                base = {"kernel": "gdn_decode", "case": f"B={b} T={t}", "impl": impl, "B": b, "T": t}
-                if config is not None and config != DEFAULT_CONFIG:
-                    base["config"] = config
-                emit(_decode_row(base, nbytes, fn, args, want if config is not None else None, b, t, sz, copy_tb_s))
 
 
 def conv_inputs(key, b: int, t: int):
@@ -204,21 +171,18 @@ def conv_inputs(key, b: int, t: int):
     return mixed, conv, conv_w, a, bb, a_log, dt_bias, jnp.full((b,), t, jnp.int32)
 
 
-def parse_conv_config(config: str) -> gdn_kernel.RecurrenceConfig:
-    """"BVxWARPS[:FORM]" (e.g. "32x4", "16x4:hoisted") -> the kernel's config."""
-    tile, *rest = config.split(":")
+def parse_conv_config(config: str) -> gdn_conv.RecurrenceConfig:
+    """"BVxWARPS" (e.g. "32x4") -> the kernel's config."""
     try:
-        bv, warps = map(int, tile.split("x"))
+        bv, warps = map(int, config.split("x"))
     except ValueError:
-        raise ValueError(f"gdn conv config {config!r}: want BVxWARPS[:FORM], e.g. 32x4:hoisted") from None
-    form = dict(zip(("form",), rest))
-    return gdn_kernel.RecurrenceConfig(block_v=bv, num_warps=warps, **form)
+        raise ValueError(f"gdn conv config {config!r}: want BVxWARPS, e.g. 32x4") from None
+    return gdn_conv.RecurrenceConfig(block_v=bv, num_warps=warps)
 
 
 def _conv_fn(config: str | None, interpret: bool):
     """(conv_inputs..., state) -> (o, state): the conv kernel with a "BVxWARPS" tile config, or the ref
     (None). The state goes last, as _decode_time passes it; the kernel takes it before n_valid."""
-    from pallas_kernels import gdn_conv
     kw = {"key_heads": HK, "scale": DK ** -0.5}
     if config is None:
         return lambda *args: gdn_conv.gdn_conv_recurrence_ref(*args[:-2], args[-1], args[-2], **kw)[:2]
@@ -227,19 +191,19 @@ def _conv_fn(config: str | None, interpret: bool):
                                                       interpret=interpret, **kw)[:2]
 
 
-def bench_conv_decode(copy_tb_s: float, emit, sz: Sizes, configs, interpret: bool) -> None:
+def bench_conv_decode(copy_tb_s: float, emit, sz: Sizes, configs, with_ref: bool, interpret: bool) -> None:
     for b in sz.batches:
         for t in sz.tokens:
             nbytes = 2 * b * HV * DK * DV * 4
             inputs = conv_inputs(jax.random.key(b * 10 + t), b, t)
             args = (*inputs, 0.5 * jax.random.normal(jax.random.key(7), (b, HV, DK, DV)))
             want = functools.cache(lambda args=args: jax.jit(_conv_fn(None, interpret))(*args))
-            for impl, config in [("xla", None)] + [("pallas", c) for c in configs]:
+            for impl, config in [("xla", None)] * with_ref + [("pallas", c) for c in configs]:
                 base = {"kernel": "gdn_conv_decode", "case": f"B={b} T={t}", "impl": impl, "B": b, "T": t}
                 if config is not None:
                     base["config"] = config
                 emit(_decode_row(base, nbytes, _conv_fn(config, interpret), args,
-                                 want if config is not None else None, b, t, sz, copy_tb_s, inputs))
+                                 want if config is not None else None, b, sz, copy_tb_s, inputs))
 
 
 # ---- chunked prefill ------------------------------------------------------------------------------
@@ -302,8 +266,7 @@ def _prefill_time(fn, t: int, sz: Sizes) -> dict:
     return {"s_per_call": med / n, "best_s_per_call": best / n, "first_call_s": first, "layers_per_program": n}
 
 
-def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool) -> None:
-    kernel = _kernel_fn(DEFAULT_CONFIG, interpret)
+def bench_prefill(copy_tb_s: float, emit, sz: Sizes) -> None:
     for t in sz.prefill_tokens:
         nbytes = prefill_bytes(1, t)
         base = lambda impl: {"kernel": "gdn_prefill", "case": f"B=1 T={t}", "impl": impl, "B": 1, "T": t}
@@ -321,30 +284,15 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool) -> None:
             row = _error_row(base("xla"), nbytes, e)
         emit(row)
 
-        try:  # the recurrence kernel's token loop at prefill lengths, for comparison
-            fresh = gdn_inputs(jax.random.key(100), 1, t)
-            o_c, s_c = jax.jit(gdn_kernel.gdn_chunked_ref)(*fresh)
-            o_k, s_k = jax.jit(kernel)(*fresh)
-            err = {"rel_err_o": rel_err(o_k, o_c), "rel_err_state": rel_err(s_k, s_c)}
-            m = _prefill_time(kernel, t, sz)
-            s = m.pop("s_per_call")
-            row = {**base("pallas"), **_rates(nbytes, s, copy_tb_s), **m,
-                   "rel_err": max(err.values()), **err, "tokens_per_s": t / s,
-                   "tokens_per_s_48_layers": t / (GDN_LAYERS * s)}
-            if mm_s is not None:
-                row["share_of_layer"] = s / (s + mm_s)
-        except Exception as e:
-            row = _error_row(base("pallas"), nbytes, e)
-        emit(row)
 
 
-CASES = ("decode", "conv", "prefill")
+CASES = ("conv", "prefill")
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, cases=CASES, batches=(),
         tokens=(), conv_configs=()) -> None:
     """Times the kernels and their XLA/jnp references at the Qwen3.5-27B shapes; calls emit(row) per
-    measured case. cases: a subset of CASES; batches, tokens: the decode and conv cases' B and T (default Sizes');
+    measured case. cases: a subset of CASES; batches, tokens: the conv case's B and T (default Sizes');
     conv_configs: the conv case's configs (parse_conv_config; default CONV_CONFIGS)."""
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -358,13 +306,11 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         for c in conv_configs:
             parse_conv_config(c)  # a typo fails before anything runs
         sz = dataclasses.replace(sz, conv_configs=tuple(conv_configs))
-    # the ref and the default config everywhere, then prefill, then the rest of the config sweep:
+    # the ref and the first config everywhere, then prefill, then the rest of the config sweep:
     # whatever a time limit cuts off, the main figures are already emitted
-    if "decode" in cases:
-        bench_decode(copy_tb_s, emit, sz, sz.configs[:1], with_ref=True, interpret=interpret)
     if "conv" in cases:
-        bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs, interpret=interpret)
+        bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[:1], with_ref=True, interpret=interpret)
     if "prefill" in cases:
-        bench_prefill(copy_tb_s, emit, sz, interpret)
-    if "decode" in cases:
-        bench_decode(copy_tb_s, emit, sz, sz.configs[1:], with_ref=False, interpret=interpret)
+        bench_prefill(copy_tb_s, emit, sz)
+    if "conv" in cases:
+        bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[1:], with_ref=False, interpret=interpret)
