@@ -1,42 +1,35 @@
-"""The FP8 block matmul's Pallas kernel bodies (generic Pallas, Triton lowering; `interpret=True`
-runs them on the CPU); their launches, the checks and the references are in fp8_matmul.py.
+"""The FP8 block matmul's Pallas kernel bodies (generic Pallas, Triton lowering; `interpret=True` runs
+them on the CPU); their launches, the checks and the references are in fp8_matmul.py.
 
-Both regimes walk I in chunks of BLOCK = 128 columns, the width of one scale block, and factor
-the block scale out of each chunk:
+Both kernels walk I in chunks of BLOCK = 128 columns, the width of one scale block, and factor the
+block scale out of each chunk:
 
     y[t, o] = sum_c scale[o // 128, c] * (sum_{i in chunk c} x[t, i] * float(w[o, i]))
 
-The inner sum runs on exact products: an E4M3 value is exact in bf16 (4 significant bits,
-exponents 2^-9 .. 2^8), a bf16 x times it is exact in f32, and an f32 x is split into three
-bf16 pieces (hi + mid + lo = x exactly, 24 significant bits) so tensor-core bf16 dots lose
-nothing. Every tile is a power of two wide (the Triton lowering's rule); ragged O, I and M are
-handled with masked loads whose masked lanes become 0 and masked stores, emitted only where a
-shape is ragged, so the real (128-multiple) shapes run unmasked, fully vectorized loads.
+The inner sum runs on exact products: an E4M3 value is exact in f16 and bf16 (4 significant bits,
+exponents 2^-9 .. 2^8), a 16-bit x times it is exact in f32, and x reaches the dot as pieces that sum
+to it exactly: bf16 x as two f16 pieces (`_f16_pieces`) or one f16 piece per row scaled by a power of
+two (`_f16_scaled`), f32 x as three bf16 pieces (`_bf16_pieces`). Every tile is a power of two wide
+(the Triton lowering's rule); ragged O, I and M use masked loads whose masked lanes become 0 and masked
+stores, emitted only where a shape is ragged, so the real (128-multiple) shapes load unmasked.
 
-Decode (M <= fp8_config.DECODE_MAX_ROWS): grid (cdiv(O, BO), split_k). A program owns BO output rows of W
-(BO divides 128, so one scale row), streams its [BO, I / split_k] FP8 slab in [BO, 128] chunks
-(one scalar scale per chunk), and accumulates [BO, BM] in f32 with either a tensor-core dot
-(rows padded to BM = 16, the dot minimum; `swap_ab` puts W on the dot's M side) or, for up to
-FMA_MAX_ROWS rows, f32 FMAs on the CUDA cores into one [BO, 128] accumulator per row, row-summed
-once at the end (no padding, no layout change of the loaded chunk: the faster path where the
-CUDA cores keep up with HBM).
-With split_k > 1 the programs write f32 partials [split_k, M, O] that XLA sums in a fixed order
-(deterministic, no atomics). With DecodeConfig.x_f16 a bf16 x enters as 2M float16 rows [hi; lo]
-(x = 2^16 hi + lo, see X_F16_HI), the weight chunk converts to f16 instead of bf16, and the
-f32 partials are combined as 2^16 hi + lo by XLA before the one rounding. With
-DecodeConfig.x_chunk_scaled x enters as bf16 and each chunk makes its own f16 piece per row, scaled by
-a power of two that the chunk's product is multiplied back by (`_chunk_scaled`). With act_quant the
-x rows are E4M3 (quantized by XLA, zero-padded to BM rows and whole chunks) and each chunk's dot
-takes both operands unconverted, W on the dot's M side (Hopper's FP8 wgmma: pallas_kernels/_fp8_dot.py),
-its product scaled by the chunk's weight scale times each row's activation scale.
+Decode (M <= fp8_config.DECODE_MAX_ROWS): grid (row blocks of all weights, split_k). A program owns BO
+output rows of one weight (BO divides 128: one scale row), streams its [BO, I / split_k] slab in
+[BO, 128] chunks and accumulates [BM, BO] (or [BO, BM] with swap_ab) in f32 with a tensor-core dot,
+rows padded to BM = max(16, pow2(M)). The partials [split_k, M, O] are summed by XLA in a fixed order
+(no atomics), which also combines the f16 pieces (2^16 hi + lo) or applies the row scales before the
+one rounding. With act_quant the x rows are E4M3 (quantized by XLA, zero-padded to BM rows and whole
+chunks) and each chunk's dot takes both operands unconverted (Hopper's FP8 wgmma: _fp8_dot.py), its
+product scaled by the chunk's weight scale times each row's activation scale.
 
 Prefill: grid (cdiv(M, BM), cdiv(O, BN), split_k), M-blocks fastest so the programs sharing one W tile
-run together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T bf16 dot. With
-split_k > 1 (a grid of few output tiles: a batched verify's 33-256 rows on a narrow weight) each
-program sums a contiguous run of chunks into f32 partials [split_k, M, O] that XLA sums in order.
-With PrefillConfig.x_f16_scaled a bf16 x enters as one f16 piece per row scaled by a power of two (the
-decode path's `_f16_scaled`), each weight chunk converts to f16, and each program multiplies its rows
-back by their scales before its store.
+run together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T dot. split_k > 1
+sums contiguous runs of chunks into f32 partials [split_k, M, O] that XLA sums in order. With
+PrefillConfig.x_f16_scaled each program multiplies its rows back by their scales before its store.
+
+Both read W as the checkpoint's [O, I] or as fp8_layout.tile_weight's [O / tr, I / 128, tr, 128]: a
+program of BO rows reads a slice of one tile (tr a multiple of BO) or joins whole tiles (BO a multiple
+of tr); fp8_matmul._fit_tiles untiles what neither fits.
 """
 
 from __future__ import annotations
@@ -48,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_tiles import BLOCK, DecodeConfig, PrefillConfig, cdiv, next_pow2
+from pallas_kernels.fp8_config import BLOCK, DecodeConfig, PrefillConfig, cdiv, next_pow2
 
 
 def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
@@ -70,9 +63,8 @@ def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
 # bits); lo = x - 2^16 hi is then a multiple of x's ulp (>= 2^-24) under 2^-8, which f16 holds;
 # below 2^-17 lo rounds to the 2^-24 grid (absolute error <= 2^-25), and |x| >= 2^32 overflows hi
 # to inf (the output is then not finite). Each piece times an E4M3 weight is exact in f32.
-# The rounding is explicit f32 arithmetic, never a narrowing convert read back: XLA on the GPU
-# may drop such a round trip (xla_allow_excess_precision, on by default), which made lo 0 and cost
-# x's low bits (relative error ~1e-3 at the 27B shapes on the H200, session 6).
+# The rounding is explicit f32 arithmetic, never a narrowing convert read back: XLA on the GPU may
+# drop such a round trip (xla_allow_excess_precision, on by default), which made lo 0.
 X_F16_HI = 2.0 ** 16
 _X_F16_GRID = 2.0 ** -8  # X_F16_HI times f16's smallest subnormal
 
@@ -86,14 +78,13 @@ def _f16_pieces(x2: jax.Array) -> jax.Array:
     return jnp.stack([hi, lo])
 
 
-# The scaled single piece (DecodeConfig.x_f16_scaled): each row r of x is multiplied by 2^-e_r so its
-# largest |x| lands in [2^14, 2^15), then converted to f16 once. A bf16 value has 8 significant bits
-# and f16 holds 11, so the conversion is exact for every scaled value >= 2^-17 (the f16 subnormals
-# still hold 8 bits there), i.e. for every x within 2^32 of its row's largest; smaller values round
-# to the 2^-24 grid (absolute error <= 2^(e_r - 25), below 2^-39 of the row's largest). The row
-# scales are powers of two, so scaling x and the f32 result back are exact. e_r is clamped to
-# [-100, 100] so 2^-e_r stays a finite f32 (rows whose largest value is below 2^-86 or above 2^114
-# lose their tiniest values or overflow, as their f32 products would anyway). inf / NaN propagate.
+# The scaled single piece (DecodeConfig / PrefillConfig.x_f16_scaled): each row r of x is multiplied by
+# 2^-e_r so its largest |x| lands in [2^14, 2^15), then converted to f16 once. A bf16 value has 8
+# significant bits and f16 holds 11, so the conversion is exact for every scaled value >= 2^-17 (the
+# f16 subnormals still hold 8 bits there), i.e. for every x within 2^32 of its row's largest; smaller
+# values round to the 2^-24 grid (absolute error <= 2^(e_r - 25), below 2^-39 of the row's largest).
+# The row scales are powers of two, so scaling x and the f32 result back are exact. e_r is clamped to
+# [-100, 100] so 2^-e_r stays a finite f32. inf / NaN propagate.
 _F16_SCALED_TOP = 15  # the scaled row's largest |x| < 2^15 (f16's largest finite value is ~2^16)
 _F16_SCALED_CLAMP = 100
 
@@ -105,25 +96,6 @@ def _f16_scaled(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
     _, top = jnp.frexp(jnp.where(jnp.isfinite(amax), amax, 1.0))  # amax < 2^top (0 -> 0)
     e = jnp.clip(top - _F16_SCALED_TOP, -_F16_SCALED_CLAMP, _F16_SCALED_CLAMP)
     return (xf * jnp.ldexp(jnp.float32(1.0), -e)).astype(jnp.float16), jnp.ldexp(jnp.float32(1.0), e)
-
-
-def _chunk_scaled(xc: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inside the kernel: one chunk of bf16 x [R, 128] -> ([R, 128] float16 x * 2^-e, [R] f32 2^e), e per
-    row of the chunk so its largest |x| lands in [2^14, 2^15) (DecodeConfig.x_chunk_scaled): the rule
-    of `_f16_scaled` applied to each row's 128 columns, so every value within 2^32 of its chunk's
-    largest converts exactly. e comes from the bits of the chunk's largest |x| (frexp's exponent: the
-    biased exponent - 126), found as an integer max of the magnitude bits (16 fewer instructions per
-    chunk than an f32 abs + max: 277 against 293, scripts/triton_loop_stats.py), clamped to
-    [-100, 100]; 2^-e and 2^e are built from bits too (exact).
-    Zero rows give e = -100 (their piece stays 0); inf / NaN propagate."""
-    # the largest |x| as bits: a bf16's magnitude bits order as its value (sign bit cleared)
-    mag = jnp.max(jax.lax.bitcast_convert_type(xc, jnp.int16).astype(jnp.int32) & 0x7FFF, axis=1)  # [R]
-    top = ((mag >> 7) & 0xFF) - 126  # the largest |x| < 2^top (bf16: 8 exponent bits above 7 mantissa bits)
-    xf = xc.astype(jnp.float32)
-    e = jnp.clip(top - _F16_SCALED_TOP, -_F16_SCALED_CLAMP, _F16_SCALED_CLAMP)
-    down = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2^-e
-    up = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2^e
-    return (xf * down[:, None]).astype(jnp.float16), up
 
 
 def _dot_sum(a_pieces, b, *, swap: bool) -> jax.Array:
@@ -170,10 +142,9 @@ def _load_w_fp8(ref, rows_ok, cols_ok):
 
 
 def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f16: bool, x_fp8: bool):
-    # refs: x [M, I] (x_f16: M counts the rows of [hi; lo], float16; x_fp8: [BM, I_pad] E4M3, rows
-    # past M and columns past I zero); x_fp8 only: the activation scales [GI, BM] f32 (padding 0);
-    # n weights [O_j, I] fp8 (x_fp8 with ragged I: their uint8 bits); n scale grids [GO_j, GI] f32;
-    # n outputs [split_k, M, O_j].
+    # refs: x [M, I] (x_f16: f16 rows; x_fp8: [BM, I_pad] E4M3, rows past M and columns past I zero);
+    # x_fp8 only: the activation scales [GI, BM] f32 (padding 0); n weights [O_j, I] fp8 (x_fp8 with
+    # ragged I: their uint8 bits); n scale grids [GO_j, GI] f32; n outputs [split_k, M, O_j].
     # The row-block axis of the grid runs over the weights one after another; each program serves
     # the weight its block falls in (one launch for several projections of the same x).
     n = len(os)
@@ -196,11 +167,9 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f
 
 def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split,
                     x_f16: bool, sx_ref=None):
-    # x_ref [M, I]; w_ref [O, I] fp8; s_ref [GO, GI] f32; o_ref [split_k, M, O]; po: row block in w;
-    # sx_ref [GI, BM] (x_fp8: x_ref holds E4M3 activations, sx_ref their scales)
+    # x_ref [M, I]; w_ref [O, I] fp8 or tiled [O / tr, I / 128, tr, 128]; s_ref [GO, GI] f32;
+    # o_ref [split_k, M, O]; po: row block in w; sx_ref [GI, BM] (E4M3 x: its scales)
     bo = cfg.block_o
-    # tiled: w_ref [O / tr, I / 128, tr, 128], one contiguous tile per chunk; bo = tr, whole tiles joined
-    # (bo a multiple of tr, O of bo), or a slice of one tile (tr a multiple of bo: still one contiguous run)
     tiled = len(w_ref.shape) == 4
     tr = w_ref.shape[2] if tiled else bo
     joined = max(bo // tr, 1)  # tiles per program
@@ -210,91 +179,54 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     rows_ok = (o0 + jnp.arange(bo)) < o if o % bo else None
     m_ok = jnp.arange(bm) < m if bm != m else None
     o_major = cfg.swap_ab  # dot accumulator [bo, bm] instead of [bm, bo]
-    c_first = pk * chunks_per_split
+    c0 = pk * chunks_per_split
     if cfg.scale_preload:  # this program's scales [run] in registers, lanes past the row's end 0
-        run = max(next_pow2(chunks_per_split), 2)
-        lanes = jnp.arange(run)
-        s_run = plgpu.load(s_ref.at[srow, pl.ds(c_first, run)], mask=c_first + lanes < n_chunks, other=0.0)
+        lanes = jnp.arange(max(next_pow2(chunks_per_split), 2))
+        s_run = plgpu.load(s_ref.at[srow, pl.ds(c0, lanes.shape[0])], mask=c0 + lanes < n_chunks, other=0.0)
+
+    def load_w(c, k0, cols_ok, dtype):  # chunk c's [bo, 128] weight rows as dtype (None: E4M3, for an FP8 dot)
+        if joined > 1:  # [joined, tr, 128] -> [bo, 128]; no mask: a tiled weight's O and I are whole tiles
+            w = plgpu.load(w_ref.at[pl.ds(po * joined, joined), c]).reshape(bo, BLOCK)
+            return w if dtype is None else w.astype(dtype)
+        if tiled:  # the program's rows of one tile (all of it where bo = tr)
+            tile = w_ref.at[po, c] if tr == bo else w_ref.at[o0 // tr, c, pl.ds(pl.multiple_of(o0 % tr, bo), bo)]
+            return plgpu.load(tile) if dtype is None else _load_w(tile, None, dtype)
+        tile = w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
+        return _load_w_fp8(tile, rows_ok, cols_ok) if dtype is None else _load_w(tile, _mask2(rows_ok, cols_ok), dtype)
 
     def chunk(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
-        wm = _mask2(rows_ok, cols_ok)
-
-        def load_w(dtype):  # this chunk's [bo, 128] weight rows as dtype (None: E4M3, for an FP8 dot)
-            if joined > 1:  # [joined, tr, 128] -> [bo, 128]; no mask: a tiled weight's O and I are whole tiles
-                w = plgpu.load(w_ref.at[pl.ds(po * joined, joined), c]).reshape(bo, BLOCK)
-                return w if dtype is None else w.astype(dtype)
-            if tiled:  # [bo, 128]: the program's rows of one tile (all of it where bo = tr)
-                w_tile = w_ref.at[po, c] if tr == bo else w_ref.at[o0 // tr, c, pl.ds(pl.multiple_of(o0 % tr, bo), bo)]
-            else:
-                w_tile = w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
-            if dtype is None:
-                return plgpu.load(w_tile) if tiled else _load_w_fp8(w_tile, rows_ok, cols_ok)
-            return _load_w(w_tile, wm, dtype)
-
         if cfg.scale_preload:  # exact: a sum of one selected value and zeros
-            s = jnp.sum(jnp.where(lanes == c - c_first, s_run, 0.0))
+            s = jnp.sum(jnp.where(lanes == c - c0, s_run, 0.0))
         else:
             s = s_ref[srow, c]
         if sx_ref is not None:  # E4M3 x E4M3 on the tensor cores; x is zero-padded (no x mask)
             xc = plgpu.load(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)])
-            wc = load_w(None)
+            wc = load_w(c, k0, cols_ok, None)
             sx = plgpu.load(sx_ref.at[c, pl.ds(0, bm)])  # [BM] this chunk's activation scales
             if o_major:
                 return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
             return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
-        if cfg.use_dot and cfg.x_chunk_scaled:  # bf16 x: this chunk's scaled f16 piece, made here
-            xs, up = _chunk_scaled(_load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok)))
-            wc = load_w(jnp.float16)
-            if o_major:
-                return acc + plgpu.dot(wc, xs, trans_b=True) * (up[None, :] * s)
-            return acc + plgpu.dot(xs, wc, trans_b=True) * (up[:, None] * s)
-        if cfg.use_dot:  # x_f16: the rows are f16 pieces (hi rows, then lo rows), the weight goes to f16
-            xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
-            wc = load_w(jnp.float16 if x_f16 else jnp.bfloat16)
-            return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
-        # few rows: elementwise f32 FMAs into one [bo, 128] accumulator per row (the row sums wait
-        # until after the loop); the weight chunk is loaded once for all rows
-        wc = load_w(jnp.float32)  # (never tiled: fp8_matmul._fit_tiles untiles for this path)
-        xm = _mask2(None, cols_ok)
-        return tuple(a + wc * (_load_x(x_ref.at[pl.ds(r, 1), pl.ds(k0, BLOCK)], xm).astype(jnp.float32) * s)
-                     for r, a in enumerate(acc))
+        xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
+        wc = load_w(c, k0, cols_ok, jnp.float16 if x_f16 else jnp.bfloat16)
+        return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
 
-    u = cfg.chunks_per_step
-    c0 = c_first
-    c1 = jnp.minimum(c0 + chunks_per_split, n_chunks)
-    if cfg.use_dot:
-        acc = jnp.zeros((bo, bm) if o_major else (bm, bo), jnp.float32)
-    else:
-        acc = tuple(jnp.zeros((bo, BLOCK), jnp.float32) for _ in range(m))
-    if u > 1:  # u chunks per iteration, then the remainder one at a time
-        def group(g, acc):
-            for j in range(u):
-                acc = chunk(c0 + g * u + j, acc)
-            return acc
-        n_groups = (c1 - c0) // u
-        acc = jax.lax.fori_loop(0, n_groups, group, acc)
-        c0 = c0 + n_groups * u
-    acc = jax.lax.fori_loop(c0, c1, chunk, acc)
-    if not cfg.use_dot:
-        for r, a in enumerate(acc):
-            plgpu.store(o_ref.at[pk, pl.ds(r, 1), pl.ds(o0, bo)], jnp.sum(a, axis=1)[None, :].astype(o_ref.dtype),
-                        mask=_mask2(None, rows_ok))
-        return
+    acc = jnp.zeros((bo, bm) if o_major else (bm, bo), jnp.float32)
+    acc = jax.lax.fori_loop(c0, jnp.minimum(c0 + chunks_per_split, n_chunks), chunk, acc)
     if o_major:
         acc = acc.T
     plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
 
 
 def _prefill_kernel(*refs, m, o, i, cfg: PrefillConfig, chunks_per_split):
-    # x_ref [M, I]; w_ref [O, I] fp8, or tiled [O / tr, I / 128, tr, 128] (fp8_matmul.tile_weight: O a
-    # multiple of block_n and of tr, I of 128); s_ref [GO, GI] f32; with cfg.x_f16_scaled x is the scaled
-    # f16 piece (_f16_scaled) and rs_ref [M] f32 its row scales 2^e; o_ref [split_k, M, O]: program
-    # (pm, pn, pk) sums chunks [pk * chunks_per_split, (pk + 1) * chunks_per_split) of its tile
+    # x_ref [M, I]; w_ref [O, I] fp8, or tiled [O / tr, I / 128, tr, 128] (O a multiple of block_n and
+    # of tr); s_ref [GO, GI] f32; with cfg.x_f16_scaled x is the scaled f16 piece (_f16_scaled) and
+    # rs_ref [M] f32 its row scales 2^e; o_ref [split_k, M, O]: program (pm, pn, pk) sums chunks
+    # [pk * chunks_per_split, (pk + 1) * chunks_per_split) of its tile
     x_ref, w_ref, s_ref = refs[:3]
     rs_ref, o_ref = refs[3:] if cfg.x_f16_scaled else (None, refs[3])
-    w_dtype = jnp.float16 if cfg.x_f16_scaled else jnp.bfloat16  # E4M3 -> f16 is one instruction per 2 weights
+    w_dtype = jnp.float16 if cfg.x_f16_scaled else jnp.bfloat16
     bm, bn = cfg.block_m, cfg.block_n
     pm, pn, pk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = pl.multiple_of(pm * bm, bm)
@@ -316,10 +248,9 @@ def _prefill_kernel(*refs, m, o, i, cfg: PrefillConfig, chunks_per_split):
     def body(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
-        xm, wm = _mask2(m_ok, cols_ok), _mask2(n_ok, cols_ok)
-        xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], xm)
+        xc = _load_x(x_ref.at[pl.ds(m0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
         pieces = [xc] if cfg.x_f16_scaled else _bf16_pieces(xc)
-        return acc + _dot_sum(pieces, w_block(c, k0, wm), swap=False) * s_ref[srow, c]
+        return acc + _dot_sum(pieces, w_block(c, k0, _mask2(n_ok, cols_ok)), swap=False) * s_ref[srow, c]
 
     c0 = pk * chunks_per_split
     c1 = jnp.minimum(c0 + chunks_per_split, cdiv(i, BLOCK))

@@ -1,17 +1,16 @@
 """FP8 E4M3 block-scaled matmul: y[t, o] = sum_i x[t, i] * w[o, i] * scale[o // 128, i // 128].
 
 Layout: w [O, I] float8_e4m3fn as the checkpoint stores it (or fp8_layout.tile_weight's tiles, which
-the decode kernel reads as contiguous runs), scale [ceil(O/128), ceil(I/128)] f32
-(ragged last blocks use their block's scale), x [..., I] bf16 or f32, f32 accumulation, output in
-`out_dtype`.
+the decode kernel reads as contiguous runs), scale [ceil(O/128), ceil(I/128)] f32 (ragged last blocks
+use their block's scale), x [..., I] bf16 or f32, f32 accumulation, output in `out_dtype`.
 
 `fp8_matmul_ref` is the pure-jnp reference (dequantize to f32, einsum at HIGHEST precision);
 `fp8_matmul` is its Pallas twin (same signature plus `interpret` and `config`): a weight-streaming
 kernel for M <= fp8_config.DECODE_MAX_ROWS rows (decode, verify) and a tiled GEMM for more rows
-(prefill). The kernel bodies and their tiling are in fp8_kernels.py, their launches here; the tile
-configurations are in fp8_tiles.py, the heuristics that pick them in fp8_config.py. With
+(prefill); kernel bodies in fp8_kernels.py, tile configs and their heuristics in fp8_config.py. With
 `act_quant=True` the decode kernel runs on E4M3 activations instead (MODEL_SPEC §5.3,
-pallas_kernels/fp8_act_quant.py: an approximation of x, not this formula): y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] . w[o, g]).
+fp8_act_quant.py: an approximation of x, not this formula):
+y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] . w[o, g]).
 """
 
 from __future__ import annotations
@@ -25,14 +24,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config, fp8_tiles
+from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config
 from pallas_kernels._vma import align
-from pallas_kernels.fp8_layout import tile_weight, untile_weight, weight_shape  # noqa: F401 (re-exported)
-from pallas_kernels.fp8_kernels import X_F16_HI, _decode_kernel, _f16_pieces, _f16_scaled, _prefill_kernel  # noqa: F401
-# the configs (fp8_tiles) and their heuristics (fp8_config; its module switches: read them there)
-from pallas_kernels.fp8_config import decode_config, default_config, prefill_config  # noqa: F401
-from pallas_kernels.fp8_tiles import (BLOCK, DECODE_DOT_MAX_ROWS, DOT_MIN, FMA_MAX_ROWS,  # noqa: F401
-                                      DecodeConfig, PrefillConfig, cdiv, next_pow2)
+from pallas_kernels.fp8_config import (BLOCK, DECODE_MAX_ROWS, DOT_MIN, DecodeConfig, PrefillConfig, cdiv,
+                                       default_config, next_pow2)
+from pallas_kernels.fp8_kernels import X_F16_HI, _decode_kernel, _f16_pieces, _f16_scaled, _prefill_kernel
+from pallas_kernels.fp8_layout import untile_weight, weight_shape
 
 _fp8_dot.install()  # E4M3 x E4M3 dots (act_quant) may use Hopper's FP8 wgmma: see _fp8_dot
 
@@ -42,9 +39,26 @@ def _check(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
         raise ValueError(f"fp8_matmul: x {x.shape} and w {w.shape} need x[..., I] and w[O, I] "
                          f"(or tile_weight's [O / bo, I / {BLOCK}, bo, {BLOCK}])")
     o, i = weight_shape(w)
-    grid = (-(-o // BLOCK), -(-i // BLOCK))
+    grid = (cdiv(o, BLOCK), cdiv(i, BLOCK))
     if tuple(scale.shape) != grid:
         raise ValueError(f"fp8_matmul: scale {scale.shape} is not the {BLOCK}x{BLOCK} grid {grid} of w {w.shape}")
+
+
+def _check_dtypes(x, w, scale, out_dtype) -> None:
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"fp8_matmul: x has dtype {x.dtype}; bfloat16 or float32 needed")
+    if w.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; float8_e4m3fn needed")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(f"fp8_matmul: scale has dtype {scale.dtype}; floating point needed")
+    if out_dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"fp8_matmul: out_dtype {out_dtype} is not bfloat16, float16 or float32")
+
+
+def _check_int32(m: int, o: int, i: int, split: int) -> None:
+    if max(m * i, o * i, split * m * o) >= 2**31:
+        raise ValueError(f"fp8_matmul: M={m}, O={o}, I={i}, split_k={split}: the kernels index with int32 "
+                         "offsets; split the call so that M*I, O*I and split_k*M*O stay below 2^31")
 
 
 def dequantize_ref(w: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -57,22 +71,20 @@ def dequantize_ref(w: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Arr
 def fp8_matmul_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
     """Reference: dequantize to f32, then x @ W.T with f32 accumulation (w in either layout)."""
     _check(x, w, scale)
-    w = untile_weight(w)
     out_dtype = out_dtype or x.dtype
-    y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize_ref(w, scale),
+    y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), dequantize_ref(untile_weight(w), scale),
                    precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)
 
 
 def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
-    """Many rows (long prefills): dequantize W once into x's dtype, materialized, then one XLA dot
-    with f32 accumulation. At M = 1024 on the H200 XLA's bf16 dot ran 600-665 TFLOP/s against
-    200-240 for the Pallas FP8 GEMM; dequantizing costs ~5 bytes per weight of extra traffic
-    (read E4M3, write and re-read bf16), small next to 2 M flops per weight once M is large.
+    """Many rows (long prefills): dequantize W once into x's dtype, materialized, then one XLA dot with
+    f32 accumulation (XLA's bf16 dot beats the Pallas GEMM once M is large; dequantizing costs ~5
+    bytes of traffic per weight, small next to 2 M flops per weight).
 
     W_bf16 = round_bf16(float(w) * scale): one bf16 rounding of each weight, the precision of the
-    activations; with f32 x the dequantized weight is exact. The optimization barrier keeps XLA
-    from fusing the dequantize into the dot's operand (that fused form ran at 42-49 TFLOP/s)."""
+    activations; with f32 x the dequantized weight is exact. The optimization barrier keeps XLA from
+    fusing the dequantize into the dot's operand (that fused form ran ~10x slower)."""
     _check(x, w, scale)
     out_dtype = out_dtype or x.dtype
     deq = jax.lax.optimization_barrier(dequantize_ref(untile_weight(w), scale, x.dtype))  # [O, I]
@@ -81,124 +93,75 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
     return y.astype(out_dtype)
 
 
-# The kernel bodies and the tiling they implement: pallas_kernels/fp8_kernels.py
-def _check_dtypes(x, w, scale, out_dtype, weight_dtype=jnp.float8_e4m3fn) -> None:
-    if x.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"fp8_matmul: x has dtype {x.dtype}; bfloat16 or float32 needed")
-    if w.dtype != weight_dtype:
-        raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; {jnp.dtype(weight_dtype).name} needed")
-    if not jnp.issubdtype(scale.dtype, jnp.floating):
-        raise ValueError(f"fp8_matmul: scale has dtype {scale.dtype}; floating point needed")
-    if out_dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise ValueError(f"fp8_matmul: out_dtype {out_dtype} is not bfloat16, float16 or float32")
-
-
 def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, interpret: bool = False,
                config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> jax.Array:
-    """Pallas twin of `fp8_matmul_ref(x, w, scale, out_dtype)`: x [..., I] bf16/f32, w [O, I] E4M3,
-    scale [ceil(O/128), ceil(I/128)] -> [..., O] in out_dtype (default x.dtype), f32 accumulation.
+    """Pallas twin of `fp8_matmul_ref(x, w, scale, out_dtype)`: x [..., I] bf16/f32, w [O, I] E4M3 (or
+    tiled), scale [ceil(O/128), ceil(I/128)] -> [..., O] in out_dtype (default x.dtype).
 
-    Leading dims of x are flattened to M rows; M <= fp8_config.DECODE_MAX_ROWS runs the weight-streaming decode
-    kernel, more rows the GEMM (`default_config`); `config` overrides the choice. Any O, I, M work.
-    act_quant (decode kernel only): x is quantized to E4M3 per row and 128 features
+    Leading dims of x are flattened to M rows; M <= DECODE_MAX_ROWS runs the weight-streaming decode
+    kernel, more rows the GEMM (`fp8_config.default_config`); `config` overrides the choice. Any O, I,
+    M work. act_quant (decode kernel only): x is quantized to E4M3 per row and 128 features
     (fp8_act_quant.quantize_activations) and both operands enter the FP8 tensor cores; twin
     `fp8_act_quant.fp8_matmul_act_ref`."""
     return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config, act_quant=act_quant)[0]
 
 
-def bf16_matmul(x: jax.Array, w: jax.Array, out_dtype=None, *, interpret: bool = False,
-                config: DecodeConfig | None = None) -> jax.Array:
-    """x [..., I] @ w[O, I].T for a bfloat16 weight on the weight-streaming decode kernel (f32
-    accumulation, x in bf16 pieces as for FP8): at most DECODE_DOT_MAX_ROWS rows. The kernel's
-    scale grid is all ones, so each chunk's product is multiplied by 1.0 (exact) and the arithmetic
-    is the FP8 path's. Twin: `bf16_matmul_ref`. Why: one reduction order for 1..16 rows (a row's
-    logits do not depend on whether it is decoded alone or verified with others) and the lm_head
-    streamed like the FP8 weights."""
-    if w.dtype != jnp.bfloat16:
-        raise ValueError(f"bf16_matmul: w has dtype {w.dtype}; bfloat16 needed")
-    m = math.prod(x.shape[:-1])
-    config = config or decode_config(max(m, 1), w.shape[0], w.shape[-1])
-    ones = jnp.ones((cdiv(w.shape[0], BLOCK), cdiv(w.shape[-1], BLOCK)), jnp.float32)
-    return _matmul_many(x, (w,), (ones,), out_dtype, interpret, config, jnp.bfloat16)[0]
-
-
-def bf16_matmul_ref(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """Reference: x @ w.T in f32 (HIGHEST precision), rounded once to out_dtype (default x's)."""
-    out_dtype = out_dtype or x.dtype
-    y = jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-    return y.astype(out_dtype)
-
-
 def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool = False,
                     config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> tuple[jax.Array, ...]:
-    """(fp8_matmul(x, w_j, scale_j) for each j), with the weights sharing one decode launch.
+    """(fp8_matmul(x, w_j, scale_j) for each j), the weights sharing one decode launch.
 
-    Few rows (M <= fp8_config.DECODE_MAX_ROWS): one pallas_call whose row blocks run over all the weights (fewer launches,
-    and small projections such as k/v fill the GPU together with the large ones); the config is
-    chosen for the summed O. Many rows: one GEMM per weight. act_quant: as in `fp8_matmul`."""
-    return _matmul_many(x, ws, scales, out_dtype, interpret, config, jnp.float8_e4m3fn, act_quant)
-
-
-def _matmul_many(x, ws, scales, out_dtype, interpret: bool, config, weight_dtype,
-                 act_quant: bool = False) -> tuple[jax.Array, ...]:
+    Few rows: one pallas_call whose row blocks run over all the weights (fewer launches, and small
+    projections such as k/v fill the GPU together with the large ones); the config is chosen for the
+    summed O. Many rows: one GEMM per weight, each with its own config. act_quant: as in `fp8_matmul`."""
     ws, scales = tuple(ws), tuple(scales)
     if not ws or len(ws) != len(scales):
         raise ValueError(f"fp8_matmul_many: {len(ws)} weights and {len(scales)} scale grids; one of each per projection")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     for w, scale in zip(ws, scales):
         _check(x, w, scale)
-        _check_dtypes(x, w, scale, out_dtype, weight_dtype)
+        _check_dtypes(x, w, scale, out_dtype)
     lead, i, os = x.shape[:-1], x.shape[-1], tuple(weight_shape(w)[0] for w in ws)
     m = math.prod(lead)
     if m == 0 or i == 0 or 0 in os:
         return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
-    if config is None and act_quant and m <= fp8_config.DECODE_MAX_ROWS:
+    if config is None and act_quant and m <= DECODE_MAX_ROWS:
         config = fp8_config.act_quant_config(m, sum(os), i)
     chosen = config is None  # a GEMM then takes each weight's own split (fp8_config.prefill_config)
     config = config or default_config(m, sum(os), i, tile_rows=tile_rows(ws))
-    fp8_tiles.check_config(config, m)
-    if any(w.ndim == 4 for w in ws):
-        ws = _fit_tiles(ws, config)
+    fp8_config.check_config(config, m)
+    ws = _fit_tiles(ws, config)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
-    # f16 pieces only where they can help: bf16 x against FP8 weights (f32 x keeps its exact bf16
-    # pieces, _bf16_pieces)
-    f16_able = x.dtype == jnp.bfloat16 and weight_dtype == jnp.float8_e4m3fn
+    bf16_x = x.dtype == jnp.bfloat16  # f16 pieces for bf16 x; f32 x keeps its exact bf16 pieces
     if isinstance(config, PrefillConfig):
         if act_quant:
-            raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {fp8_config.DECODE_MAX_ROWS} "
-                             f"rows with a DecodeConfig), got M={m} with {config}")
+            raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {DECODE_MAX_ROWS} rows "
+                             f"with a DecodeConfig), got M={m} with {config}")
         configs = [fp8_config.prefill_config(m, o, i) if chosen else config for o in os]
-        configs = [dataclasses.replace(c, x_f16_scaled=c.x_f16_scaled and f16_able) for c in configs]
+        configs = [dataclasses.replace(c, x_f16_scaled=c.x_f16_scaled and bf16_x) for c in configs]
         x_args = (x2,)
         if any(c.x_f16_scaled for c in configs):
             x_f, row_scale = _f16_scaled(x2)  # [M, I] f16, [M, 1] f32, made once for all weights
             x_args = (x_f, row_scale[:, 0])
         return tuple(_prefill_call(x_args if c.x_f16_scaled else (x2,), w, s, out_dtype, c, interpret).reshape(*lead, o)
                      for w, s, c, o in zip(ws, scales, configs, os))
-    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     if act_quant:
-        return _act_quant_call(x2, ws, scales, lead, out_dtype, config, params, interpret, weight_dtype)
-    # x_f16: the kernel multiplies 2M rows [hi; lo] into f32 partials that XLA combines as
-    # 2^16 hi + lo, summed over the splits, before the one rounding to out_dtype.
-    # With x_f16_scaled one f16 piece per row, scaled by a power of two that the sum undoes.
-    x_f16 = config.x_f16 and f16_able
+        return _act_quant_call(x2, ws, scales, lead, out_dtype, config, interpret)
+    # x_f16: the kernel multiplies 2M f16 rows [hi; lo] into f32 partials that XLA combines as
+    # 2^16 hi + lo; x_f16_scaled: M rows of one scaled f16 piece, multiplied back by the row scales
+    x_f16 = config.x_f16 and bf16_x
     scaled = x_f16 and config.x_f16_scaled
-    if config.x_chunk_scaled and not f16_able:
-        config = dataclasses.replace(config, x_chunk_scaled=False)  # f32 x keeps its exact bf16 pieces
     m_k = 2 * m if x_f16 and not scaled else m  # rows the kernel multiplies
-    if m_k > DECODE_DOT_MAX_ROWS:
-        raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_DOT_MAX_ROWS // 2} rows "
-                         f"(two f16 pieces per row; x_f16_scaled takes {DECODE_DOT_MAX_ROWS}), got M={m}")
+    if m_k > DECODE_MAX_ROWS:
+        raise ValueError(f"fp8_matmul: DecodeConfig(x_f16=True) is for M <= {DECODE_MAX_ROWS // 2} rows "
+                         f"(two f16 pieces per row; x_f16_scaled takes {DECODE_MAX_ROWS}), got M={m}")
     if scaled:
         x2, row_scale = _f16_scaled(x2)  # [M, I] f16, [M, 1] f32
     elif x_f16:
         x2 = _f16_pieces(x2).reshape(m_k, i)
-    bm = m_k if not config.use_dot else max(DOT_MIN, next_pow2(m_k))
-    _, split = _chunk_split(i, config)
+    split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)[1]
     part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
-    ys = _decode_call((x2,), ws, scales, m=m_k, i=i, bm=bm, out_rows=m_k, part_dtype=part_dtype, config=config,
-                      params=params, interpret=interpret, x_f16=x_f16, name="fp8_matmul_decode")
+    ys = _decode_call((x2,), ws, scales, m=m_k, i=i, bm=max(DOT_MIN, next_pow2(m_k)), part_dtype=part_dtype,
+                      config=config, interpret=interpret, x_f16=x_f16, name="fp8_matmul_decode")
     if scaled:  # [split, M, O] -> 2^e_r sum_s y_s (exact: a power of two)
         return tuple((jnp.sum(y, axis=0) * row_scale).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
     if x_f16:  # [split, 2M, O] -> sum_s 2^16 hi_s + lo_s
@@ -217,57 +180,44 @@ def tile_rows(ws) -> int | None:
 
 
 def _fit_tiles(ws, config):
-    """Tiled weights as the launch can read them: the tensor-core decode kernel reads block_o rows and
-    the GEMM block_n rows as one tile, as whole tiles joined or as a slice of one tile, so the heights
-    must divide one another, and O must be a multiple of the rows a program reads (no program may run
-    past the last tile). Every other case (the CUDA-core decode path, heights that do not divide, a
-    block that would run past O) gets untile_weight's [O, I], a copy per call."""
-    if isinstance(config, DecodeConfig) and not config.use_dot:
-        return tuple(untile_weight(w) for w in ws)
+    """Tiled weights as the launch can read them: the decode kernel reads block_o rows and the GEMM
+    block_n rows as whole tiles joined or as a slice of one tile, so the heights must divide one
+    another, and O must be a multiple of the rows a program reads (no program may run past the last
+    tile). Any other tiled weight gets untile_weight's [O, I], a copy per call."""
     rows = config.block_o if isinstance(config, DecodeConfig) else config.block_n
 
     def readable(w) -> bool:
-        if w.ndim == 2:
-            return True
-        tr = w.shape[2]
-        return weight_shape(w)[0] % rows == 0 and (rows % tr == 0 or tr % rows == 0)
+        return w.ndim == 2 or (weight_shape(w)[0] % rows == 0 and (rows % w.shape[2] == 0 or w.shape[2] % rows == 0))
 
     return tuple(w if readable(w) else untile_weight(w) for w in ws)
 
 
-def _chunk_split(i: int, config: DecodeConfig) -> tuple[int, int]:
-    """(128-column chunks per split, splits): split_k, fewer where a split would be left empty."""
-    return fp8_tiles.chunk_runs(cdiv(i, BLOCK), config.split_k)
-
-
-def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, out_rows: int, part_dtype,
-                 config: DecodeConfig, params, interpret: bool, x_f16: bool, name: str) -> tuple[jax.Array, ...]:
+def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, part_dtype, config: DecodeConfig,
+                 interpret: bool, x_f16: bool, name: str) -> tuple[jax.Array, ...]:
     """The decode kernel's launch over all weights: x_args are x [M, I] alone, or (x_q, s_x) with E4M3
-    activations (x_fp8); returns the partials [split, out_rows, O_j] per weight."""
-    cps, split = _chunk_split(i, config)
+    activations; returns the partials [split, rows, O_j] per weight (rows: M, or BM for E4M3 x)."""
+    cps, split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
     os = tuple(weight_shape(w)[0] for w in ws)
     x_fp8 = len(x_args) == 2
     # the kernel indexes x's rows up to BM and, with E4M3 x, whole 128-column chunks
     _check_int32(bm if x_fp8 else m, max(os), cdiv(i, BLOCK) * BLOCK if x_fp8 else i, split)
     if config.scale_preload and interpret:
-        # on the GPU the masked lanes of a program's vector of `run` scales are never read; the CPU
+        # on the GPU the masked lanes of a program's vector of scales are never read; the CPU
         # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
         width = (split - 1) * cps + max(next_pow2(cps), 2)
         scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     return _decode_launch(tuple(x_args), tuple(ws), tuple(scales), os=os, m=m, i=i, bm=bm, cps=cps, split=split,
-                          out_rows=out_rows, part_dtype=jnp.dtype(part_dtype), config=config, params=params,
+                          out_rows=bm if x_fp8 else m, part_dtype=jnp.dtype(part_dtype), config=config,
                           interpret=interpret, x_f16=x_f16, name=name)
 
 
-# jitted so that the FP8 launches of a pass with the same shapes and config (the 64 layers' gate/up, ...)
-# trace the kernel once and share one lowered function (JAX reuses a nested jit's lowering): a 64-layer
-# 27B plain loop traced and lowered for the H200 in 25.7 s with a pallas_call per layer, 3.1 s with
-# these and gdn_conv's (CPU, session 14, scripts/lowering_time.py); the persistent compile cache
-# cannot skip that part
+# jitted so that the FP8 launches of a pass with the same shapes and config (the 64 layers' gate / up,
+# ...) trace the kernel once and share one lowered function (JAX reuses a nested jit's lowering): a
+# 64-layer 27B loop lowers ~8x faster; the persistent compile cache cannot skip that part
 @functools.partial(jax.jit, static_argnames=("os", "m", "i", "bm", "cps", "split", "out_rows", "part_dtype", "config",
-                                             "params", "interpret", "x_f16", "name"))
-def _decode_launch(x_args, ws, scales, *, os, m, i, bm, cps, split, out_rows, part_dtype, config, params, interpret,
-                   x_f16, name):
+                                             "interpret", "x_f16", "name"))
+def _decode_launch(x_args, ws, scales, *, os, m, i, bm, cps, split, out_rows, part_dtype, config, interpret, x_f16,
+                   name):
     kernel = functools.partial(_decode_kernel, m=m, os=os, i=i, bm=bm, cfg=config, chunks_per_split=cps,
                                x_f16=x_f16, x_fp8=len(x_args) == 2)
     args, out = align(*x_args, *ws, *scales)
@@ -275,19 +225,16 @@ def _decode_launch(x_args, ws, scales, *, os, m, i, bm, cps, split, out_rows, pa
         kernel,
         out_shape=tuple(out((split, out_rows, o), part_dtype) for o in os),
         grid=(sum(cdiv(o, config.block_o) for o in os), split),
-        compiler_params=params,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=name,
     )(*args)
 
 
-def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, params, interpret: bool, weight_dtype):
+def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, interpret: bool):
     """The decode kernel on E4M3 activations (fp8_act_quant.quantize_activations): x quantized by XLA,
     zero-padded to BM rows and whole 128-column chunks, its scales transposed to [GI, BM] (one
     contiguous row per chunk); the f32 partials [split, BM, O] summed by XLA."""
-    if weight_dtype != jnp.float8_e4m3fn or not config.use_dot:
-        raise ValueError("fp8_matmul: act_quant needs E4M3 weights and DecodeConfig(use_dot=True), got "
-                         f"{jnp.dtype(weight_dtype).name} weights and {config}")
     (m, i), os = x2.shape, tuple(weight_shape(w)[0] for w in ws)
     bm = max(DOT_MIN, next_pow2(m))
     x_q, s_x = fp8_act_quant.quantize_groups(x2)  # [M, GI * 128] (zero past I), [M, GI]
@@ -295,15 +242,9 @@ def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, param
     s_x = jnp.pad(s_x, ((0, bm - m), (0, 0))).T  # [GI, BM]
     if i % BLOCK:  # ragged I: the weights' bits, so the kernel can fill the columns past I with 0
         ws = tuple(jax.lax.bitcast_convert_type(w, jnp.uint8) for w in ws)
-    ys = _decode_call((x_q, s_x), ws, scales, m=m, i=i, bm=bm, out_rows=bm, part_dtype=jnp.float32, config=config,
-                      params=params, interpret=interpret, x_f16=False, name="fp8_matmul_decode_a8")
+    ys = _decode_call((x_q, s_x), ws, scales, m=m, i=i, bm=bm, part_dtype=jnp.float32, config=config,
+                      interpret=interpret, x_f16=False, name="fp8_matmul_decode_a8")
     return tuple(jnp.sum(y[:, :m], axis=0).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
-
-
-def _check_int32(m: int, o: int, i: int, split: int) -> None:
-    if max(m * i, o * i, split * m * o) >= 2**31:
-        raise ValueError(f"fp8_matmul: M={m}, O={o}, I={i}, split_k={split}: the kernels index with int32 "
-                         "offsets; split the call so that M*I, O*I and split_k*M*O stay below 2^31")
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))  # see _decode_launch
@@ -311,7 +252,7 @@ def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, interpret:
     """The GEMM of x_args = (x [M, I],) or, with config.x_f16_scaled, (f16 piece [M, I], row scales [M]),
     launched with this weight's own config's warps and stages."""
     (m, i), o = x_args[0].shape, weight_shape(w)[0]
-    cps, split = fp8_tiles.chunk_runs(cdiv(i, BLOCK), config.split_k)
+    cps, split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
     _check_int32(m, o, i, split)
     kernel = functools.partial(_prefill_kernel, m=m, o=o, i=i, cfg=config, chunks_per_split=cps)
     (x_f, w, scale, *row_scale), out = align(x_args[0], w, scale, *x_args[1:])

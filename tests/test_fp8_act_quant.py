@@ -1,8 +1,7 @@
 """FP8 activations (pallas_kernels/fp8_act_quant.py, MODEL_SPEC §5.3) and the decode kernel on them
 (`fp8_matmul(..., act_quant=True)`): the quantizer and the reference against an independent numpy
 float64 formula (ml_dtypes' E4M3 rounding), the kernel in interpret mode against the reference on
-ragged shapes over its tile options, the lowering for the H200 (both operands of the dot E4M3), and
-the engine switch ops.FP8_ACT_QUANT (greedy MTP still equals greedy plain under it)."""
+ragged shapes over its tile options, and the lowering for the H200 (both operands of the dot E4M3)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from h200_lowering import lower_for_h200, triton_calls
 from marks import slow_except
 from pallas_kernels import fp8_act_quant as aq
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels.fp8_tiles import DecodeConfig, PrefillConfig
+from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -91,7 +90,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", slow_except(CONFIGS, {"default"}))
-def test_kernel_matches_the_reference(name):  # the other tiles slow since session 16 (CI time; E4M3 x is off by default)
+def test_kernel_matches_the_reference(name):  # the other tiles `slow` (CI time)
     """Ragged O and I (the uint8 path fills the columns past I with 0), M padded to the dot's 16
     rows, bf16 and f32 x; NaN in a padding row of x cannot reach the others (rows are independent)."""
     config = CONFIGS[name]
@@ -122,8 +121,6 @@ def test_act_quant_limits():
     x, wq, scale = problem(rng, 2, 64, 256)
     with pytest.raises(ValueError, match="act_quant runs on the decode kernel"):
         fm.fp8_matmul(jnp.asarray(x), wq, scale, interpret=True, config=PrefillConfig(), act_quant=True)
-    with pytest.raises(ValueError, match=r"act_quant needs E4M3 weights and DecodeConfig\(use_dot=True\)"):
-        fm.fp8_matmul(jnp.asarray(x), wq, scale, interpret=True, config=DecodeConfig(use_dot=False), act_quant=True)
 
 
 @pytest.mark.parametrize("i, bitcast", [(5120, False), (300, True)])
@@ -142,61 +139,6 @@ def test_lowers_for_h200_with_e4m3_on_both_sides_of_the_dot(i, bitcast):
     assert "maxNumImpreciseAcc = 128" in dots[0], dots
     assert not [ln for ln in ir_text.splitlines() if "tt.fp_to_fp" in ln and "f8E4M3FN" in ln]  # no conversion
     assert ("tt.bitcast" in ir_text) == bitcast
-
-
-def test_engine_switch_routes_decode_rows_only(monkeypatch):
-    """ops.FP8_ACT_QUANT: decode-sized FP8 projections take act_quant under both impls (the pallas
-    kernel, the jnp reference), longer ones keep exact activations."""
-    from qmtp import ops
-    from qmtp.fp8 import Fp8Block
-    rng = np.random.default_rng(2)
-    x, wq, scale = problem(rng, 136, 130, 300)
-    w = Fp8Block(jnp.asarray(wq), jnp.asarray(scale))
-    monkeypatch.setattr(ops, "FP8_ACT_QUANT", True)
-    for rows in (1, 5):
-        xj = jnp.asarray(x[:rows], jnp.float32)
-        want = aq.fp8_matmul_act_ref(xj, w.weight, w.scale)
-        for impl in ("ref", "pallas"):
-            got = ops.linear(xj, w, impl)
-            assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-5, (rows, impl)
-        (got,) = ops.linear_many(xj, (w,), "pallas")
-        assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-5
-    long = jnp.asarray(x, jnp.float32)  # 136 rows > DECODE_MAX_ROWS: exact activations
-    exact = fm.fp8_matmul_ref(long, w.weight, w.scale)
-    assert float(jnp.max(jnp.abs(ops.linear(long, w, "ref") - exact))) == 0.0
-
-
-@pytest.fixture(scope="module")
-def controlled_fp8(tmp_path_factory):
-    import qmtp
-    from qmtp.tools import make_checkpoint
-    path = make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("a8") / "ckpt"), "tiny_controlled", "fp8", seed=9)
-    # impl="ref": the switch routes the reference path through fp8_matmul_act_ref (the kernel's twin,
-    # tested against it above); the Pallas path under the switch runs in tests/test_tp_model.py (slow)
-    return qmtp.load(path, dtype="bfloat16", impl="ref", page_size=4)
-
-
-@pytest.mark.slow  # ~19 s; E4M3 activations are off by default (ops.FP8_ACT_QUANT)
-def test_greedy_mtp_equals_plain_on_fp8_activations(controlled_fp8):
-    """Under ops.FP8_ACT_QUANT the decode step, the verify pass and the drafts all take E4M3
-    activations (per row: a row's numbers do not depend on the rows beside it); greedy MTP K=3 at
-    batch 2 still gives plain greedy's tokens, and the switch changed the logits."""
-    import qmtp
-    from qmtp import ops
-    prompts = [[5, 17, 99, 3, 250, 7], [42, 8, 300, 11]]
-    exact = qmtp.target_logits(controlled_fp8, prompts[0][:1])
-    jax.clear_caches()
-    before = ops.set_kernel_settings({"fp8_act_quant": True})
-    try:
-        plain = qmtp.generate(controlled_fp8, prompts, max_new_tokens=9, stop_token_ids=[])
-        mtp = qmtp.generate(controlled_fp8, prompts, max_new_tokens=9, stop_token_ids=[], mtp_k=3)
-        a8 = qmtp.target_logits(controlled_fp8, prompts[0][:1])
-    finally:
-        ops.set_kernel_settings(before)
-        jax.clear_caches()
-    assert mtp.tokens == plain.tokens
-    assert mtp.stats["rounds"] < 2 * 8  # drafts were accepted (the controlled head predicts the target)
-    assert not np.array_equal(np.asarray(a8), np.asarray(exact))
 
 
 def test_only_fp8_dots_get_the_imprecise_accumulation():
@@ -218,11 +160,11 @@ def test_a8_sweep_candidates_are_valid_and_exact():
     """The bench's E4M3-activation sweep (`--fp8_a8_sweep`): every candidate passes check_config with
     W on the dot's M side; the widest and the most split ones match the reference."""
     from pallas_kernels.bench import fp8 as fp8_bench
-    from pallas_kernels import fp8_tiles
+    from pallas_kernels import fp8_config
     candidates = fp8_bench.a8_candidate_configs()
     assert len(candidates) == len(set(candidates)) == 12
     for c in candidates:
-        fp8_tiles.check_config(c, 16)
+        fp8_config.check_config(c, 16)
         assert c.swap_ab and c.block_o in (64, 128)
     rng = np.random.default_rng(6)
     x, wq, scale = problem(rng, 4, 272, 1100)

@@ -30,9 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import fp8_config as fc
-from pallas_kernels import fp8_tiles
+from pallas_kernels import fp8_kernels, fp8_layout
 from pallas_kernels import fp8_matmul as fm
-from pallas_kernels.fp8_tiles import DecodeConfig, PrefillConfig
+from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
 from qmtp.fp8 import quantize_np
 from marks import slow_except
 from tolerance import assert_close
@@ -114,7 +114,7 @@ def run_ref(x, wq, scale, x_dtype, out_dtype):
 
 
 SHAPES = [(272, 160), (64, 300), (384, 256), (130, 129)]  # (O, I): ragged rows, columns, both
-ROWS = [1, 3, 16, 24, 40]  # 1..32: decode kernel (24: the batched-verify config), 40: prefill GEMM
+ROWS = [1, 3, 16, 24, 40, 130]  # up to 128: decode kernel (24, 40: a batched verify's configs), 130: the GEMM
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_ref_uses_the_block_of_each_element():
 @pytest.mark.parametrize("o,i", SHAPES)
 @pytest.mark.parametrize("m", ROWS)
 def test_kernel_matches_ref(m, o, i):
-    """Default config (decode kernel for M <= 16, GEMM above), f32 output: tight f32 tolerance. x is
+    """Default config (decode kernel for M <= 128, GEMM above), f32 output: tight f32 tolerance. x is
     bf16 or f32 in a checkerboard over (M, shape), so every M and every shape sees both (each
     interpret-mode compile costs ~0.4 s of CPU; the full product would double the file's time)."""
     x_dtype = (jnp.bfloat16, jnp.float32)[(ROWS.index(m) + SHAPES.index((o, i))) % 2]
@@ -180,24 +180,16 @@ def test_kernel_bf16_output(m, o, i, x_dtype):
 
 CONFIGS = {  # name: (config, rows)
     "decode_default": (None, [1, 16]),
-    "decode_fma_bo16": (DecodeConfig(block_o=16, use_dot=False), [1]),
-    "decode_fma_bo128": (DecodeConfig(block_o=128, use_dot=False, split_k=2), [1]),
-    "decode_dot_one_row": (DecodeConfig(use_dot=True), [1]),
+    "decode_one_row_w_on_m": (DecodeConfig(), [1]),
     "decode_noswap_bo32": (DecodeConfig(block_o=32, swap_ab=False), [1, 2, 16]),
     "decode_split2_bo128": (DecodeConfig(block_o=128, split_k=2), [5]),
     "decode_split3_bo16": (DecodeConfig(block_o=16, split_k=3), [3]),  # uneven chunk runs
     "decode_split8": (DecodeConfig(split_k=8), [4]),  # more splits than chunks: clipped
-    # 3 chunks (I = 300 / 129 -> 3 / 2 chunks): a group of 2 and a remainder of 1, or only a remainder
-    "decode_fma_unroll2": (DecodeConfig(block_o=32, use_dot=False, chunks_per_step=2), [1]),
-    "decode_fma_rows": (DecodeConfig(block_o=16, use_dot=False, chunks_per_step=2, split_k=2), [3, 8]),
-    "decode_dot_unroll2_split2": (DecodeConfig(split_k=2, chunks_per_step=2), [5]),
-    "decode_dot_unroll4": (DecodeConfig(block_o=16, chunks_per_step=4), [2, 16]),
     # a batched verify's rows on the decode grid: BM = 32, 64 and 128, ragged M padded inside the tile
     "decode_dot_verify_rows": (DecodeConfig(split_k=2), [32, 40, 64, 128]),
     # scales loaded once per program as a vector (3 splits of I = 300 -> runs of 1; 2 chunks at 129)
     "decode_dot_scale_preload": (DecodeConfig(split_k=3, scale_preload=True), [1, 5]),
-    "decode_dot_scale_preload_unroll": (DecodeConfig(block_o=16, chunks_per_step=2, scale_preload=True), [2]),
-    "decode_fma_scale_preload": (DecodeConfig(block_o=32, use_dot=False, split_k=2, scale_preload=True), [1, 3]),
+    "decode_dot_scale_preload_bo16": (DecodeConfig(block_o=16, scale_preload=True), [2]),
     # bf16 x as two f16 pieces (f32 x, alternated in, ignores the flag): W on either side of the dot
     "decode_dot_x_f16": (DecodeConfig(split_k=2, x_f16=True, scale_preload=True), [1, 5, 12]),  # 12: BM = 32
     "decode_dot_x_f16_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True), [2, 24]),
@@ -205,9 +197,6 @@ CONFIGS = {  # name: (config, rows)
     "decode_dot_x_f16_scaled": (DecodeConfig(split_k=2, x_f16=True, x_f16_scaled=True, scale_preload=True),
                                 [1, 16, 40, 100]),
     "decode_dot_x_f16_scaled_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_f16=True, x_f16_scaled=True), [5]),
-    # bf16 x as it is, its scaled f16 piece made in the kernel per row and chunk: W on either side
-    "decode_dot_x_chunk_scaled": (DecodeConfig(split_k=2, x_chunk_scaled=True, scale_preload=True), [1, 16, 40]),
-    "decode_dot_x_chunk_scaled_noswap": (DecodeConfig(block_o=32, swap_ab=False, x_chunk_scaled=True), [5]),
     "prefill_16x16": (PrefillConfig(block_m=16, block_n=16), [1, 17]),
     "prefill_32x64": (PrefillConfig(block_m=32, block_n=64), [40]),
     "prefill_default": (None, [17, 130]),
@@ -221,10 +210,8 @@ EXACT_DTYPES = [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]  # (x,
 
 
 # in CI: the tiles the default heuristics choose (decode at 1-16 rows, the x_f16 pieces and the scaled
-# piece, a batched verify's rows, the GEMM, split or not) and uneven chunk runs, and the GEMM's f16
-# piece (off until measured); the other tiles and the in-kernel piece (measured slower, session 18;
-# test_x_chunk_scaled_scales_each_chunk keeps it in CI) are `slow` (CI time, session 16; `make
-# test-all` and the GPU sweeps run them)
+# piece, a batched verify's rows, the GEMM, split or not, with the scaled piece) and uneven chunk runs;
+# the other tiles are `slow` (CI time; `make test-all` and the GPU sweeps run them)
 CI_CONFIGS = {"decode_default", "decode_split3_bo16", "decode_dot_verify_rows", "decode_dot_x_f16",
               "decode_dot_x_f16_scaled", "prefill_default", "prefill_split3", "prefill_x_f16_scaled"}
 
@@ -255,8 +242,8 @@ def test_x_f16_pieces_exact_at_small_and_large_x(x_scale):
     for m, (o, i) in [(1, (272, 300)), (3, (130, 129))]:
         x, wq, scale = exact_problem(rng, m, o, i)
         x = x * x_scale  # exact: integers times a power of two, |x| <= 4 x_scale
-        pieces = np.asarray(fm._f16_pieces(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32), np.float64)
-        np.testing.assert_array_equal(pieces[0] * fm.X_F16_HI + pieces[1], x)
+        pieces = np.asarray(fp8_kernels._f16_pieces(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32), np.float64)
+        np.testing.assert_array_equal(pieces[0] * fp8_kernels.X_F16_HI + pieces[1], x)
         if x_scale < 1:
             assert np.any(pieces[1] != 0), "the lo piece was not exercised"
         got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config)
@@ -268,7 +255,7 @@ def test_x_f16_pieces_never_read_back_a_narrowing_convert():
     by default); lo computed from such a read-back came out 0 on the H200 and the 27B-shape products
     lost ~1e-3. The CPU compiler keeps the rounding, so the exactness tests here cannot see it: the
     split must be built from f32 arithmetic whose f16 results are only ever outputs."""
-    jaxpr = jax.make_jaxpr(fm._f16_pieces)(jnp.zeros((2, 256), jnp.bfloat16)).jaxpr
+    jaxpr = jax.make_jaxpr(fp8_kernels._f16_pieces)(jnp.zeros((2, 256), jnp.bfloat16)).jaxpr
     f16_vars = {v for eqn in jaxpr.eqns if eqn.primitive.name == "convert_element_type"
                 for v in eqn.outvars if v.aval.dtype == jnp.float16}
     readers = [eqn.primitive.name for eqn in jaxpr.eqns if eqn.primitive.name != "concatenate"
@@ -281,8 +268,8 @@ def test_x_f16_pieces_limits():
     """The documented limits of the f16 pieces: below 2^-17 lo rounds to the 2^-24 grid (error <= 2^-25);
     at 2^32 hi overflows (the reconstruction, like the dot, is not finite)."""
     x = jnp.asarray([2.0 ** -17, 3 * 2.0 ** -20, 1.5 * 2.0 ** -24, -(2.0 ** 31) * 1.5, 2.0 ** 32], jnp.bfloat16)
-    hi, lo = (np.asarray(p.astype(jnp.float32), np.float64) for p in fm._f16_pieces(x[None])[:, 0])
-    back = hi * fm.X_F16_HI + lo
+    hi, lo = (np.asarray(p.astype(jnp.float32), np.float64) for p in fp8_kernels._f16_pieces(x[None])[:, 0])
+    back = hi * fp8_kernels.X_F16_HI + lo
     want = np.asarray(x.astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(back[[0, 1, 3]], want[[0, 1, 3]])
     assert abs(back[2] - want[2]) <= 2.0 ** -25 and not np.isfinite(back[4])  # inf - inf
@@ -312,7 +299,7 @@ def test_x_f16_scaled_piece_limits():
     x[0, :4] = [2.0 ** 14 * 1.5, -(2.0 ** -18) * 1.5, 2.0 ** -17 * 1.25, 2.0 ** -17 * (1 + 2.0 ** -7)]
     x[1, :2] = [1.0, 2.0 ** -40 * 1.5]  # a value below 2^-32 of the largest
     x[3, :2] = [np.inf, 1.0]
-    piece, row_scale = fm._f16_scaled(jnp.asarray(x, jnp.bfloat16))
+    piece, row_scale = fp8_kernels._f16_scaled(jnp.asarray(x, jnp.bfloat16))
     back = np.asarray(piece.astype(jnp.float32), np.float64) * np.asarray(row_scale, np.float64)
     want = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(back[0], want[0])
@@ -322,54 +309,6 @@ def test_x_f16_scaled_piece_limits():
     assert piece.dtype == jnp.float16 and row_scale.shape == (4, 1)
 
 
-@pytest.mark.parametrize("swap", [False, True])
-def test_x_chunk_scaled_scales_each_chunk(swap):
-    """DecodeConfig(x_chunk_scaled=True): each row's chunks get their own power of two, so a chunk of
-    values near 2^40 and one near 2^-30 in the same row both convert exactly (one scale per row would
-    flush the small chunk: it lies 2^70 below the row's largest), and the result equals the float64
-    formula bit for bit; a zero row gives zeros, an inf makes its row non-finite, the others stay exact."""
-    rng = np.random.default_rng(7)
-    m, o, i = 4, 130, 300  # ragged: masked rows and columns inside the kernel's chunks
-    _, wq, scale = exact_problem(rng, m, o, i)
-    wq = np.where(np.abs(wq.astype(np.float32)) > 4, np.float32(1), wq.astype(np.float32)).astype(E4M3)
-    scale = np.ones_like(scale)
-    x = rng.integers(-4, 5, (m, i)).astype(np.float32)
-    x[0, :128] *= 2.0 ** 40  # chunk 0 of row 0 large, chunk 1 tiny, chunk 2 as it is
-    x[0, 128:256] *= 2.0 ** -30
-    x[1] = 0.0
-    x[2, 5] = np.inf
-    config = DecodeConfig(split_k=1, swap_ab=swap, x_chunk_scaled=True)
-    got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config)
-    want = f64_formula(np.where(np.isinf(x), 0.0, x), wq, scale)
-    np.testing.assert_array_equal(got[0], want[0].astype(np.float32))
-    np.testing.assert_array_equal(got[1], 0.0)
-    assert not np.all(np.isfinite(got[2]))
-    np.testing.assert_array_equal(got[3], want[3].astype(np.float32))
-    # the tiny chunk matters: without it row 0 would differ (so a flushed chunk would show)
-    assert np.any(f64_formula(np.where(np.abs(x) < 1, 0.0, x)[:1], wq, scale) != want[:1])
-
-
-def test_x_chunk_scaled_config_rules(monkeypatch):
-    rng = np.random.default_rng(0)
-    x, wq, scale = exact_problem(rng, 1, 130, 129)
-    with pytest.raises(ValueError, match=r"x_chunk_scaled=True\) replaces x_f16"):
-        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(x_f16=True, x_chunk_scaled=True))
-    with pytest.raises(ValueError, match=r"x_chunk_scaled=True\) replaces x_f16 \(set it False\) and needs use_dot"):
-        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(use_dot=False, x_chunk_scaled=True))
-    # f32 x keeps its exact bf16 pieces under the flag (the kernel ignores it there)
-    got = run_kernel(x, wq, scale, jnp.float32, jnp.float32, DecodeConfig(x_chunk_scaled=True))
-    np.testing.assert_array_equal(got, f64_formula(x, wq, scale).astype(np.float32))
-    # the switch: every decode row count takes it instead of the XLA-made pieces
-    monkeypatch.setattr(fc, "X_CHUNK_SCALED", True)
-    for m in (1, 4, 9, 16, 32):
-        for o, i in [(17408, 5120), (5120, 6144)]:
-            c = fm.default_config(m, o, i)
-            assert c.x_chunk_scaled and not c.x_f16 and not c.x_f16_scaled, (m, o, i, c)
-    assert not fc.act_quant_config(4, 17408, 5120).x_chunk_scaled
-    # the narrow launches keep x on the dot's M side with M rows (as the scaled piece at 16 rows)
-    assert fm.default_config(16, 5120, 6144).swap_ab is False and fm.default_config(1, 5120, 6144).split_k == 8
-
-
 def test_x_f16_scaled_is_a_form_of_x_f16():
     rng = np.random.default_rng(0)
     x, wq, scale = exact_problem(rng, 1, 130, 129)
@@ -377,23 +316,15 @@ def test_x_f16_scaled_is_a_form_of_x_f16():
         run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(x_f16_scaled=True))
 
 
-def test_x_f16_needs_the_dot():
-    rng = np.random.default_rng(0)
-    x, wq, scale = exact_problem(rng, 1, 130, 129)
-    with pytest.raises(ValueError, match=r"x_f16=True\) needs use_dot=True"):
-        run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, DecodeConfig(use_dot=False, x_f16=True))
-
-
 MANY_CONFIGS = {  # name: (config, rows)
     "default": (None, [1, 4, 16]),
     "x_f16": (DecodeConfig(split_k=2, x_f16=True), [1, 4]),
-    "fma_split2_bo16": (DecodeConfig(block_o=16, use_dot=False, split_k=2), [1, 3]),
-    "dot_bo32_unroll2": (DecodeConfig(block_o=32, chunks_per_step=2), [5]),
+    "bo32_split3": (DecodeConfig(block_o=32, split_k=3), [5]),
     "prefill": (PrefillConfig(block_m=16, block_n=32), [3, 40]),
 }
 
 
-@pytest.mark.parametrize("name", slow_except(MANY_CONFIGS, {"default", "x_f16"}))  # the rest `slow` since session 16
+@pytest.mark.parametrize("name", slow_except(MANY_CONFIGS, {"default", "x_f16"}))  # the rest `slow` (CI time)
 def test_many_weights_in_one_launch_exact(name):
     """Three weights of different ragged heights behind one x (as q/k/v or gate/up are): each output
     is bit-exact against its own float64 formula, so a program that served the wrong weight, read
@@ -423,18 +354,18 @@ def test_tile_weight_layout_by_hand():
     """Element (o, i) of w lands at [o // 64, i // 128, o % 64, i % 128] in 64-row tiles; untile_weight
     inverts it; the default tile is fp8_layout.TILE_ROWS = 128 rows."""
     w = np.arange(128 * 256, dtype=np.float32).reshape(128, 256)
-    assert fm.tile_weight(jnp.asarray(w)).shape == (1, 2, 128, 128)
-    t = np.asarray(fm.tile_weight(jnp.asarray(w), 64))
+    assert fp8_layout.tile_weight(jnp.asarray(w)).shape == (1, 2, 128, 128)
+    t = np.asarray(fp8_layout.tile_weight(jnp.asarray(w), 64))
     assert t.shape == (2, 2, 64, 128)
     for o, i in [(0, 0), (63, 127), (64, 128), (70, 3), (127, 255), (5, 200)]:
         assert t[o // 64, i // 128, o % 64, i % 128] == w[o, i]
-    np.testing.assert_array_equal(np.asarray(fm.untile_weight(jnp.asarray(t))), w)
-    assert fm.weight_shape(jnp.asarray(t)) == (128, 256)
+    np.testing.assert_array_equal(np.asarray(fp8_layout.untile_weight(jnp.asarray(t))), w)
+    assert fp8_layout.weight_shape(jnp.asarray(t)) == (128, 256)
     with pytest.raises(ValueError, match=r"tile_weight: w \(130, 256\) needs O a multiple of 64 and I of 128"):
-        fm.tile_weight(jnp.zeros((130, 256), jnp.float8_e4m3fn), 64)
+        fp8_layout.tile_weight(jnp.zeros((130, 256), jnp.float8_e4m3fn), 64)
 
 
-@pytest.mark.parametrize("m", slow_except([1, 4, 16], {1}))  # 4 / 16 `slow` since session 21 (~10 s each)
+@pytest.mark.parametrize("m", slow_except([1, 4, 16], {1}))  # 4 / 16 `slow` (~10 s each)
 def test_tiled_weights_give_the_same_bits(m):
     """The kernel on tiled weights equals the kernel on the checkpoint layout bit for bit (the same
     chunks in the same order), and both equal the float64 formula on an exact problem; two weights in
@@ -444,7 +375,7 @@ def test_tiled_weights_give_the_same_bits(m):
     _, w1, s1 = exact_problem(rng, m, 128, 384)
     xj = jnp.asarray(x, jnp.bfloat16)
     ws, ss = (jnp.asarray(w0), jnp.asarray(w1)), (jnp.asarray(s0), jnp.asarray(s1))
-    tiled = tuple(fm.tile_weight(w) for w in ws)
+    tiled = tuple(fp8_layout.tile_weight(w) for w in ws)
     many = jax.jit(lambda x, ws, ss: fm.fp8_matmul_many(x, ws, ss, jnp.float32, interpret=True))
     plain, got = many(xj, ws, ss), many(xj, tiled, ss)
     for j, (a, b, w, s) in enumerate(zip(plain, got, ws, ss)):
@@ -472,41 +403,40 @@ def test_tiled_weights_read_whole_or_sliced_or_untiled():
     one that would run past the last tile's rows gets the checkpoint layout (untiled)."""
     rng = np.random.default_rng(0)
     x, w, s = exact_problem(rng, 2, 256, 384)
-    t = fm.tile_weight(jnp.asarray(w), 64)
+    t = fp8_layout.tile_weight(jnp.asarray(w), 64)
     got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), t, jnp.asarray(s), jnp.float32, interpret=True,
                         config=DecodeConfig(block_o=32, x_f16=True))
     np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
     assert fm._fit_tiles((t,), DecodeConfig(block_o=32, x_f16=True))[0] is t  # read in place
     # 3 tiles: no whole number of 128-row blocks, so the launch reads the checkpoint layout (untiled)
     _, w3, s3 = exact_problem(rng, 2, 192, 384)
-    got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fm.tile_weight(jnp.asarray(w3), 64), jnp.asarray(s3),
+    got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fp8_layout.tile_weight(jnp.asarray(w3), 64), jnp.asarray(s3),
                         jnp.float32, interpret=True, config=DecodeConfig(block_o=128, x_f16=True))
     np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w3, s3))
     # (interpret mode pads a read past the last tile, so the rule itself is checked: on the GPU such a
     # program would read past the weight's end)
     cfg = DecodeConfig(block_o=128, x_f16=True)
-    three, four = fm._fit_tiles((fm.tile_weight(jnp.asarray(w3), 64), t), cfg)
+    three, four = fm._fit_tiles((fp8_layout.tile_weight(jnp.asarray(w3), 64), t), cfg)
     assert three.shape == (192, 384) and four.shape == t.shape == (4, 3, 64, 128)
-    assert fm._fit_tiles((t,), DecodeConfig(use_dot=False))[0].shape == (256, 384)  # the CUDA-core path
 
 
 @pytest.mark.parametrize("m, config", [
     (1, None),  # the default config: 64-row programs, each reading half of a 128-row tile
     pytest.param(5, DecodeConfig(block_o=128, split_k=2, x_f16=True), marks=pytest.mark.slow),  # whole tiles, two pieces
     pytest.param(16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True, x_f16_scaled=True),
-                 marks=pytest.mark.slow),  # (5 and 16 rows `slow` since session 21: ~5 s each)
+                 marks=pytest.mark.slow),  # (5 and 16 rows `slow`: ~5 s each)
     (40, None),  # a batched verify's default (64-row programs)
     (64, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True, num_warps=8)),
     (128, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True, num_warps=8, num_stages=2)),  # tall
 ])
 def test_128_row_tiles_give_the_same_bits(m, config):
-    """fp8_tile_rows=128: decode programs of 64 rows read half a tile, of 128 rows a whole one; the
+    """128-row tiles: decode programs of 64 rows read half a tile, of 128 rows a whole one; the
     result equals the checkpoint layout's bit for bit and the float64 formula (and E4M3 activations
     read the tiles the same way)."""
     rng = np.random.default_rng(m + 7)
     x, w, s = exact_problem(rng, m, 384, 640)
     xj = jnp.asarray(x, jnp.bfloat16)
-    tiled = fm.tile_weight(jnp.asarray(w), 128)
+    tiled = fp8_layout.tile_weight(jnp.asarray(w), 128)
     assert tiled.shape == (3, 5, 128, 128)
     got = fm.fp8_matmul(xj, tiled, jnp.asarray(s), jnp.float32, interpret=True, config=config)
     want = fm.fp8_matmul(xj, jnp.asarray(w), jnp.asarray(s), jnp.float32, interpret=True, config=config)
@@ -529,33 +459,20 @@ def test_wide_launch_takes_its_tiles_rows_at_verify_rows(monkeypatch):
     on 64-row tiles, a mix of both heights or the checkpoint layout 64-row ones; each bit for bit the
     float64 formula."""
     monkeypatch.setattr(fc, "SM_COUNT", 4)  # 384 rows are 6 blocks of 64: a wide launch on 4 SMs
-    chosen, check = [], fp8_tiles.check_config
-    monkeypatch.setattr(fp8_tiles, "check_config", lambda config, m: (chosen.append(config), check(config, m))[1])
+    chosen, check = [], fc.check_config
+    monkeypatch.setattr(fc, "check_config", lambda config, m: (chosen.append(config), check(config, m))[1])
     rng = np.random.default_rng(40)
     x, w, s = exact_problem(rng, 40, 384, 640)
     _, w2, s2 = exact_problem(rng, 40, 256, 640)
     xj, wj = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w)
-    for ws, block_o in [((fm.tile_weight(wj, 128), fm.tile_weight(jnp.asarray(w2), 128)), 128),
-                        ((fm.tile_weight(wj, 64), fm.tile_weight(jnp.asarray(w2), 64)), 64),
-                        ((fm.tile_weight(wj, 128), fm.tile_weight(jnp.asarray(w2), 64)), 64),
-                        ((wj, fm.tile_weight(jnp.asarray(w2), 128)), 64)]:
+    for ws, block_o in [((fp8_layout.tile_weight(wj, 128), fp8_layout.tile_weight(jnp.asarray(w2), 128)), 128),
+                        ((fp8_layout.tile_weight(wj, 64), fp8_layout.tile_weight(jnp.asarray(w2), 64)), 64),
+                        ((fp8_layout.tile_weight(wj, 128), fp8_layout.tile_weight(jnp.asarray(w2), 64)), 64),
+                        ((wj, fp8_layout.tile_weight(jnp.asarray(w2), 128)), 64)]:
         got = fm.fp8_matmul_many(xj, ws, (jnp.asarray(s), jnp.asarray(s2)), jnp.float32, interpret=True)
         assert (chosen[-1].block_o, chosen[-1].num_warps) == (block_o, 8 if block_o == 128 else 4), [t.shape for t in ws]
         np.testing.assert_array_equal(np.asarray(got[0]), f64_formula(x, w, s))
         np.testing.assert_array_equal(np.asarray(got[1]), f64_formula(x, w2, s2))
-
-
-def test_tile_rows_setting_reaches_tile_weight():
-    from qmtp import ops
-    w = jnp.zeros((256, 384), jnp.float8_e4m3fn)
-    assert fm.tile_weight(w).shape == (2, 3, 128, 128)
-    previous = ops.set_kernel_settings({"fp8_tile_rows": "64"})
-    try:
-        assert fm.tile_weight(w).shape == (4, 3, 64, 128)
-    finally:
-        ops.set_kernel_settings(previous)
-    with pytest.raises(ValueError, match="fp8_tile_rows=96: must be a power of two"):
-        ops.set_kernel_settings({"fp8_tile_rows": "96"})
 
 
 def test_sliced_tiles_lower_for_h200():
@@ -564,7 +481,7 @@ def test_sliced_tiles_lower_for_h200():
     sds = jax.ShapeDtypeStruct
     o, i = 5120, 6144
     for m in (1, 40):
-        config = fm.default_config(m, o, i)
+        config = fc.default_config(m, o, i)
         args = (sds((m, i), jnp.bfloat16), sds((o // 128, i // 128, 128, 128), jnp.float8_e4m3fn),
                 sds((o // 128, i // 128), jnp.float32))
         [(cfg, ir_text)] = triton_calls(lower_for_h200(
@@ -577,7 +494,7 @@ def test_sliced_tiles_lower_for_h200():
 
 @pytest.mark.parametrize("m, x_dtype, config", [
     (40, jnp.bfloat16, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True)),  # verify rows
-    # no default reads joined tiles since session 21 (128-row tiles): these two `slow`
+    # no default reads joined tiles (128-row tiles): these two `slow`
     pytest.param(3, jnp.bfloat16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True),
                  marks=pytest.mark.slow),  # two pieces, x on M
     pytest.param(5, jnp.float32, DecodeConfig(block_o=128, split_k=2), marks=pytest.mark.slow),  # bf16 pieces of f32 x
@@ -589,7 +506,7 @@ def test_decode_programs_join_tiles_of_a_tiled_weight(m, x_dtype, config):
     rng = np.random.default_rng(m)
     x, w, s = exact_problem(rng, m, 256, 640)
     xj = jnp.asarray(x, x_dtype)
-    tiled = fm.tile_weight(jnp.asarray(w), 64)
+    tiled = fp8_layout.tile_weight(jnp.asarray(w), 64)
     assert tiled.shape[2] == 64
     got = fm.fp8_matmul(xj, tiled, jnp.asarray(s), jnp.float32, interpret=True, config=config)
     want = fm.fp8_matmul(xj, jnp.asarray(w), jnp.asarray(s), jnp.float32, interpret=True, config=config)
@@ -607,7 +524,7 @@ def test_joined_tiles_lower_for_h200():
     on O / 128 row blocks, one unmasked E4M3 load of two tiles per chunk, one f16 dot."""
     sds = jax.ShapeDtypeStruct
     m, o, i = 64, 5120, 17408
-    config = dataclasses.replace(fm.default_config(m, o, i), block_o=128, num_warps=8)
+    config = dataclasses.replace(fc.default_config(m, o, i), block_o=128, num_warps=8)
     args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
             sds((o // 128, i // 128), jnp.float32))
     [(cfg, ir_text)] = triton_calls(lower_for_h200(
@@ -626,7 +543,7 @@ def test_tiled_weights_lower_for_h200():
             sds((o // 128, i // 128), jnp.float32))
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args)
     [(cfg, ir_text)] = triton_calls(lowered)
-    config = fm.default_config(1, o, i)
+    config = fc.default_config(1, o, i)
     assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 64, config.split_k)
     assert attr_int(cfg, "num_stages") == config.num_stages and "scf.for" in ir_text
     w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
@@ -634,7 +551,7 @@ def test_tiled_weights_lower_for_h200():
     # the GEMM (136 rows): its 128-row weight block is two 64-row tiles joined, one dot per chunk
     args = (sds((136, i), jnp.bfloat16),) + args[1:]
     [(cfg, ir_text)] = triton_calls(lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16), args))
-    assert fm.default_config(136, o, i).block_n == 128 and attr_int(cfg, "grid_y") == o // 128
+    assert fc.default_config(136, o, i).block_n == 128 and attr_int(cfg, "grid_y") == o // 128
     assert ir_text.count("tt.dot ") == 1 and "tt.reshape" in ir_text
 
 
@@ -652,7 +569,7 @@ def test_f32_activations_keep_f32_precision():
     """x values that bf16 cannot hold (24-bit mantissas): the three-piece split must reproduce the f32
     result; rounding x to bf16 instead would be off by ~2^-9 relative, far above the tolerance."""
     rng = np.random.default_rng(5)
-    for m, config in [(1, None), (4, None), (1, DecodeConfig(use_dot=True)), (4, DecodeConfig(use_dot=False)), (40, None)]:
+    for m, config in [(1, None), (4, None), (1, DecodeConfig()), (4, DecodeConfig(swap_ab=False)), (40, None)]:
         x, wq, scale = random_problem(rng, m, 130, 300, jnp.float32)
         x = x * (1.0 + 2.0**-12)  # push mantissa bits beyond bf16
         got = run_kernel(x, wq, scale, jnp.float32, jnp.float32, config)
@@ -692,142 +609,54 @@ def test_interpret_mode_poisons_out_of_bounds():
 
 
 def test_default_config_heuristic():
-    assert isinstance(fm.default_config(16, 17408, 5120), DecodeConfig)
-    assert fm.default_config(32, 130, 129).split_k == 1  # two chunks: nothing to split
+    dc, pc = fc.default_config, fc.prefill_config
+    assert dc(32, 130, 129).split_k == 1 and dc(5, 130, 129).split_k == 1  # two chunks: nothing to split
     # every launch of <= 128 rows streams on the decode grid (wide ones too), more rows run the GEMM
     for o in (17408, 2 * 17408, 5120):
-        assert isinstance(fm.default_config(128, o, 5120), DecodeConfig), o
-        assert isinstance(fm.default_config(129, o, 5120), PrefillConfig), o
-    # one row: the tensor-core configuration of M <= 16 (M1_CUDA_CORE off, measured faster in the step)
-    assert fm.default_config(1, 17408, 5120) == fm.default_config(5, 17408, 5120)
-    pre, f16 = fc.SCALE_PRELOAD, fc.X_F16  # preloaded scales and f16 pieces at <= 16 rows (measured per weight)
-    ns = fc.NARROW_NUM_STAGES  # the narrow x-on-M launches' pipeline depth
-    # narrow mlp_down with the f16 pieces: x on the dot's M side, split-K 8 (4 programs per SM)
-    assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, use_dot=True, swap_ab=False,
-                                                             scale_preload=pre, x_f16=True, num_stages=ns)
-    assert fm.default_config(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, use_dot=True, swap_ab=False,
-                                                             scale_preload=pre, x_f16=f16)
-    # narrow O with the f16 pieces (<= 8 rows): 80 row blocks -> split-K 8 -> 640 programs on 132 SMs
-    for m in (1, 5, 8):
-        assert [fm.default_config(m, o, i).split_k for o, i in ((5120, 17408), (5120, 6144), (6144, 5120))] == [8] * 3
-        assert not fm.default_config(m, 5120, 6144).swap_ab
-    assert fm.default_config(1, 5120, 3072).split_k == 4  # 24 chunks (o_proj at TP2): each split keeps >= 4
-    assert fm.default_config(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
-    assert fm.default_config(5, 130, 129).split_k == 1  # two chunks: nothing to split
-    # the wide weights keep split-K 2 (their sweep's best)
-    assert [fm.default_config(1, o, 5120).split_k for o in (17408, 12288, 10240)] == [2, 2, 2]
-    # 9-32 rows (X_F16_SCALED, the default since session 15's measurement): one scaled f16 piece per row
-    assert not fm.default_config(8, 17408, 5120).x_f16_scaled and fm.default_config(8, 17408, 5120).x_f16
-    assert fm.default_config(9, 17408, 5120).x_f16_scaled
-    assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False,
-                                                              scale_preload=pre, x_f16=True, x_f16_scaled=True)
-    # 16 rows fit the dot's minimum in one piece each: the narrow weights put x on the M side (split-K 8)
-    assert fm.default_config(16, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, swap_ab=False,
-                                                              scale_preload=pre, x_f16=True, x_f16_scaled=True,
-                                                              num_stages=ns)
-    # a batched verify of 17-32 rows: the decode grid, split-K 4, W on the dot's M side (the M = 32 sweep)
+        assert isinstance(dc(128, o, 5120), DecodeConfig) and isinstance(dc(129, o, 5120), PrefillConfig), o
+    ns = fc.NARROW_NUM_STAGES
+    # 1-8 rows: two f16 pieces per row on the dot's M side, preloaded scales; wide: split-K 2
+    assert dc(1, 17408, 5120) == dc(5, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False,
+                                                                     scale_preload=True, x_f16=True)
+    assert [dc(1, o, 5120).split_k for o in (17408, 12288, 10240)] == [2, 2, 2]
+    # narrow (80 row blocks): split-K 8 -> 640 programs on 132 SMs (NARROW_PROGRAMS_PER_SM), 3 stages
+    assert dc(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, swap_ab=False, scale_preload=True, x_f16=True,
+                                              num_stages=ns)
+    for m in (1, 5, 8, 16):
+        assert [dc(m, o, i).split_k for o, i in ((5120, 17408), (5120, 6144), (6144, 5120))] == [8] * 3
+    assert dc(1, 5120, 3072).split_k == 4  # 24 chunks (o_proj at TP2): each split keeps >= 4
+    assert dc(1, 1024, 5120).split_k == 8  # k/v projections: 16 row blocks
+    # 9-16 rows: one scaled f16 piece per row
+    assert not dc(8, 17408, 5120).x_f16_scaled and dc(9, 17408, 5120).x_f16_scaled
+    assert dc(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False, scale_preload=True, x_f16=True,
+                                               x_f16_scaled=True)
+    assert dc(16, 5120, 17408) == DecodeConfig(block_o=64, split_k=8, swap_ab=False, scale_preload=True, x_f16=True,
+                                               x_f16_scaled=True, num_stages=ns)
+    # a batched verify of 17-32 rows: split-K 4, W on the dot's M side, scales loaded per chunk
     for m in (17, 32):
-        assert fm.default_config(m, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True, x_f16=True,
-                                                                 x_f16_scaled=True)
-    before = fc.X_F16_SCALED  # the two-piece policy it replaced (fp8_x_f16_scaled=false)
-    try:
-        fc.X_F16_SCALED = False
-        for m in (17, 32):
-            assert fm.default_config(m, 17408, 5120) == DecodeConfig(block_o=64, split_k=4, swap_ab=True)
-        # f16 pieces up to 16 rows (32 piece rows: faster per weight at M = 16), not at 17-32 (slower at M = 32)
-        assert fm.default_config(16, 5120, 6144).x_f16 == f16 and not fm.default_config(17, 5120, 6144).x_f16
-        # 9-16 rows of a narrow weight in two pieces: W stays on the dot's M side (split-K 4, 2 programs per SM)
-        for m in (9, 16):
-            assert fm.default_config(m, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, swap_ab=True,
-                                                                     scale_preload=pre, x_f16=f16)
-        assert fm.default_config(16, 17408, 5120) == DecodeConfig(block_o=64, split_k=2, swap_ab=False,
-                                                                  scale_preload=pre, x_f16=f16)
-        # the explicit argument overrides the switch (the fp8 bench times both forms)
-        assert fc.decode_config(16, 17408, 5120, x_f16_scaled=True).x_f16_scaled
-    finally:
-        fc.X_F16_SCALED = before
-    before = fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM  # the policy before: W on M, split-K 4 (2 per SM)
-    try:
-        fc.NARROW_X_ON_M = False
-        assert fm.default_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=True,
-                                                                 scale_preload=pre, x_f16=f16)
-        fc.DECODE_PROGRAMS_PER_SM = 4  # the occupancy target: 4 programs per SM doubles the narrow grids
-        assert fm.default_config(1, 5120, 17408).split_k == 8 and fm.default_config(1, 5120, 6144).split_k == 8
-    finally:
-        fc.NARROW_X_ON_M, fc.DECODE_PROGRAMS_PER_SM = before
-    before = fc.NARROW_NUM_STAGES  # pipeline depth of the narrow x-on-M launches only
-    try:
-        fc.NARROW_NUM_STAGES = 3
-        for m in (1, 8, 16):
-            assert fm.default_config(m, 5120, 6144).num_stages == 3, m
-            assert fm.default_config(m, 17408, 5120).num_stages == DecodeConfig.num_stages, m  # wide
-        assert fm.default_config(32, 5120, 6144).num_stages == DecodeConfig.num_stages  # W on M at 17-32 rows
-        fc.NARROW_NUM_STAGES = 4
-        assert fm.default_config(1, 5120, 6144).num_stages == 4
-    finally:
-        fc.NARROW_NUM_STAGES = before
-    # the GEMM takes x as one scaled f16 piece per row (GEMM_X_F16_SCALED, on since session 19)
-    assert fm.default_config(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8,
-                                                                x_f16_scaled=True)
-    before = fc.GEMM_X_F16_SCALED
-    try:
-        fc.GEMM_X_F16_SCALED = False
-        assert not fm.default_config(512, 17408, 5120).x_f16_scaled
-        assert not fc.prefill_config(64, 5120, 6144).x_f16_scaled
-    finally:
-        fc.GEMM_X_F16_SCALED = before
-    # the GEMM splits I while its grid has fewer programs than SMs, runs of >= 4 chunks
-    before = fc.GEMM_SPLIT_PROGRAMS
-    try:
-        fc.GEMM_SPLIT_PROGRAMS = 132
-        assert fc.prefill_config(64, 5120, 6144).split_k == 4  # o_proj: 40 tiles -> 160 programs
-        assert fc.prefill_config(64, 1024, 5120).split_k == 8  # k_proj: 8 tiles, 40 chunks -> runs of 5
-        assert fc.prefill_config(64, 17408, 5120).split_k == 1  # gate: 136 tiles
-        assert fc.prefill_config(512, 5120, 6144).split_k == 1  # 4 x 40 tiles
-        assert fc.prefill_config(40, 5120, 17408).split_k == 4
-        assert fc.prefill_config(64, 5120, 384).split_k == 1  # 3 chunks: no run of 4 to split
-        assert fc.prefill_config(4096, 1024, 5120).split_k == 1
-        fc.GEMM_SPLIT_PROGRAMS = 0
-        assert fc.prefill_config(64, 5120, 6144).split_k == 1
-    finally:
-        fc.GEMM_SPLIT_PROGRAMS = before
-    # with fp8_decode_max_rows set below 64, a narrow launch's verify rows stay on the decode grid up to
-    # NARROW_DECODE_MAX_ROWS, a wide one's do not
-    before = fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS
-    try:
-        fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS = 64, 32
-        for m in (33, 48, 64):
-            assert fm.default_config(m, 5120, 6144) == fc.decode_config(m, 5120, 6144), m  # o_proj
-            assert fm.default_config(m, 5120, 17408) == fc.decode_config(m, 5120, 17408), m  # mlp_down
-            assert isinstance(fm.default_config(m, 2 * 17408, 5120), PrefillConfig), m  # gate + up
-            assert isinstance(fm.default_config(m, 12288 + 2 * 1024, 5120), PrefillConfig), m  # q + k + v
-        assert fm.default_config(48, 5120, 6144).x_f16_scaled  # one scaled piece per row: 48 dot rows
-        # 33-64 rows: 3 stages (3 programs per SM at 64 rows' 24 KB a stage), split-K 8 where runs keep
-        # >= 16 chunks (mlp_down's 136), 4 otherwise (o_proj's 48); 17-32 rows keep the M = 32 config
-        for m in (33, 64):
-            assert fm.default_config(m, 5120, 6144).num_stages == fc.VERIFY_NARROW_STAGES == 3, m
-            assert fm.default_config(m, 5120, 6144).split_k == 4, m
-            assert fm.default_config(m, 5120, 17408).split_k == 8, m
-        assert fm.default_config(32, 5120, 17408).num_stages == 4
-        assert fm.default_config(32, 5120, 17408).split_k == 4
-        assert isinstance(fm.default_config(65, 5120, 6144), PrefillConfig)
-        assert isinstance(fm.default_config(64, 132 * 64, 5120), PrefillConfig)  # 132 blocks: not narrow
-        assert isinstance(fm.default_config(64, 131 * 64, 5120), DecodeConfig)
-        fc.NARROW_DECODE_MAX_ROWS = 0
-        assert isinstance(fm.default_config(33, 5120, 6144), PrefillConfig)
-        # raised to 128: 65-128 rows on the decode grid with the 33-64-row tiles and VERIFY_TALL_STAGES
-        fc.DECODE_MAX_ROWS = 128
-        for m in (65, 128):
-            for o, i in ((5120, 17408), (2 * 17408, 5120)):
-                c = fm.default_config(m, o, i)
-                assert c == dataclasses.replace(fc.decode_config(64, o, i), num_stages=fc.VERIFY_TALL_STAGES), (m, o)
-        assert fc.VERIFY_TALL_STAGES == 3 and fm.default_config(64, 5120, 17408).num_stages == 3
-        assert isinstance(fm.default_config(129, 5120, 17408), PrefillConfig)
-    finally:
-        fc.NARROW_DECODE_MAX_ROWS, fc.DECODE_MAX_ROWS = before
-    assert fc.NARROW_DECODE_MAX_ROWS == 64 and fc.DECODE_MAX_ROWS == 128  # 65-128 rows: the decode grid by default
-    assert isinstance(fm.default_config(128, 5120, 6144), DecodeConfig)
-    # E4M3 activations: the decode grid with W on the dot's M side, x as it is, the stages they were measured with
+        for o, i in ((17408, 5120), (5120, 17408)):
+            assert dc(m, o, i) == DecodeConfig(block_o=64, split_k=4, x_f16=True, x_f16_scaled=True), (m, o)
+    # 33-128 rows: VERIFY_STAGES, split-K 8 where runs keep >= 16 chunks (mlp_down's 136), 4 otherwise
+    for m in (33, 64, 65, 128):
+        assert dc(m, 5120, 6144) == DecodeConfig(block_o=64, split_k=4, x_f16=True, x_f16_scaled=True,
+                                                 num_stages=fc.VERIFY_STAGES), m
+        assert dc(m, 5120, 17408).split_k == 8 and dc(m, 2 * 17408, 5120).split_k == 4, m
+    # 128-row programs (8 warps) for a wide launch at 33-64 rows on tiles of a multiple of 128 rows
+    for m, o, tile_rows, block_o in [(40, 2 * 17408, 128, 128), (64, 2 * 17408, 128, 128), (40, 2 * 17408, 64, 64),
+                                     (40, 2 * 17408, None, 64), (65, 2 * 17408, 128, 64), (40, 5120, 128, 64)]:
+        c = dc(m, o, 5120, tile_rows=tile_rows)
+        assert (c.block_o, c.num_warps) == (block_o, 8 if block_o == 128 else 4), (m, o, tile_rows)
+    # the GEMM: one scaled f16 piece per row; split along I while its grid has fewer than 132 programs
+    assert dc(512, 17408, 5120) == PrefillConfig(block_m=128, block_n=128, num_warps=8, x_f16_scaled=True)
+    assert pc(129, 17408, 5120) == PrefillConfig(block_m=64, block_n=128, x_f16_scaled=True)
+    assert pc(64, 5120, 6144).split_k == 4  # o_proj: 40 tiles -> 160 programs
+    assert pc(64, 1024, 5120).split_k == 8  # k_proj: 8 tiles, 40 chunks -> runs of 5
+    assert pc(64, 17408, 5120).split_k == 1  # gate: 136 tiles
+    assert pc(512, 5120, 6144).split_k == 1  # 4 x 40 tiles
+    assert pc(40, 5120, 17408).split_k == 4
+    assert pc(64, 5120, 384).split_k == 1  # 3 chunks: no run of 4 to split
+    assert pc(4096, 1024, 5120).split_k == 1
+    # E4M3 activations: the decode grid with W on the dot's M side, x as it is, 4 stages
     for m in (1, 16, 32):
         c = fc.act_quant_config(m, 5120, 6144)
         assert c.swap_ab and not c.x_f16 and not c.x_f16_scaled and c.num_stages == 4, (m, c)
@@ -851,13 +680,10 @@ def _bad(**kw):
     (dict(out_dtype=jnp.int8), r"out_dtype int8"),
     (dict(config=DecodeConfig(block_o=48)), r"block_o=48 must be a power of two in \[16, 128\]"),
     (dict(config=DecodeConfig(block_o=256)), r"block_o=256"),
-    (dict(x=jnp.zeros((9, 129), jnp.bfloat16), config=DecodeConfig(use_dot=False)),
-     r"use_dot=False\) is for at most 8 rows, got M=9"),
     (dict(config=DecodeConfig(split_k=0)), r"split_k=0"),
     (dict(x=jnp.zeros((65, 129), jnp.bfloat16), config=DecodeConfig(x_f16=True)),
      r"x_f16=True\) is for M <= 64 rows \(two f16 pieces per row; x_f16_scaled takes 128\), got M=65"),
     (dict(config=PrefillConfig(split_k=0)), r"PrefillConfig.split_k=0"),
-    (dict(config=DecodeConfig(chunks_per_step=0)), r"chunks_per_step=0 must be >= 1"),
     (dict(config=PrefillConfig(block_m=8)), r"block_m=8 must be a power of two >= 16"),
     (dict(config=PrefillConfig(block_n=256)), r"block_n=256"),
     (dict(config=PrefillConfig(num_warps=0)), r"num_warps and num_stages must be >= 1"),
@@ -909,56 +735,6 @@ def test_dequant_dot_error_is_one_bf16_rounding_per_weight():
     assert np.max(np.abs(got - want)) > 0  # the rounding is real: the check above is not vacuous
 
 
-def test_linear_sends_many_rows_to_dequant_dot(monkeypatch):
-    from qmtp import ops
-    from qmtp.fp8 import Fp8Block
-    rng = np.random.default_rng(5)
-    x, wq, scale = exact_problem(rng, 6, 130, 129)
-    w = Fp8Block(jnp.asarray(wq), jnp.asarray(scale))
-    calls = []
-    real = fm.fp8_matmul_dequant_dot
-    monkeypatch.setattr(fm, "fp8_matmul_dequant_dot", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    monkeypatch.setattr(ops, "DEQUANT_DOT_MIN_ROWS", 6)
-    xb = jnp.asarray(x, jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(ops.linear(xb, w, "pallas", jnp.float32)), f64_formula(x, wq, scale))
-    ops.linear(xb[:5], w, "pallas")  # 5 rows: the Pallas kernel
-    ops.linear(xb, w, "ref")  # the reference never switches
-    assert calls == [(6, 129)]
-
-
-def test_xla_single_row_switch_routes_only_one_row(monkeypatch):
-    """ops.XLA_SINGLE_ROW (bench: --step_impls=pallas_m1xla): one row goes to XLA's formula, in
-    linear and linear_many; two rows stay on the kernel."""
-    from qmtp import ops
-    from qmtp.fp8 import Fp8Block
-    rng = np.random.default_rng(6)
-    x, wq, scale = exact_problem(rng, 2, 130, 129)
-    w = Fp8Block(jnp.asarray(wq), jnp.asarray(scale))
-    calls = []
-    for name in ("fp8_matmul", "fp8_matmul_many", "fp8_matmul_ref"):
-        real = getattr(fm, name)
-        monkeypatch.setattr(fm, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
-    monkeypatch.setattr(ops, "XLA_SINGLE_ROW", True)
-    xb = jnp.asarray(x, jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(ops.linear(xb[:1], w, "pallas", jnp.float32)), f64_formula(x, wq, scale)[:1])
-    ops.linear_many(xb[:1], (w, w), "pallas")
-    assert calls == ["fp8_matmul_ref"] * 3
-    calls.clear()
-    ops.linear(xb, w, "pallas")
-    ops.linear_many(xb, (w, w), "pallas")
-    assert calls and "fp8_matmul_ref" not in calls  # the kernels (fp8_matmul launches through _many)
-
-
-def test_single_row_path_switch(monkeypatch):
-    """M1_CUDA_CORE picks the single-row path of wide weights (bench: --step_impls=pallas_m1fma)."""
-    assert fm.decode_config(1, 17408, 5120).use_dot and fm.decode_config(1, 17408, 5120).block_o == 64
-    monkeypatch.setattr(fc, "M1_CUDA_CORE", True)
-    pre = fc.SCALE_PRELOAD
-    assert fm.decode_config(1, 17408, 5120) == DecodeConfig(block_o=16, split_k=1, use_dot=False, num_warps=2,
-                                                            num_stages=3, chunks_per_step=4, scale_preload=pre)
-    assert fm.decode_config(1, 5120, 17408) == DecodeConfig(block_o=64, split_k=4, use_dot=False, scale_preload=pre)
-
-
 # ------------------------------------------------------------------------------------------------
 # lowering for the H200 from the CPU (CI)
 # ------------------------------------------------------------------------------------------------
@@ -966,15 +742,8 @@ def test_single_row_path_switch(monkeypatch):
 E, F = 5120, 17408  # Qwen3.5-27B hidden and ffn sizes
 
 
-
-
-
-
-
-
 LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
-    "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 64, 2), 1),  # tensor-core path (the default)
-    "decode_m1_gate_up_fma": (1, F, E, jnp.bfloat16, (F // 16, 1), 0),  # M1_CUDA_CORE on: FMA path
+    "decode_m1_gate_up": (1, F, E, jnp.bfloat16, (F // 64, 2), 1),
     "decode_m5_gate_up": (5, F, E, jnp.bfloat16, (F // 64, 2), 1),
     # 16 rows in one scaled f16 piece each: the narrow x-on-M policy, split-K 8
     "decode_m16_down_splitk": (16, E, F, jnp.bfloat16, (E // 64, 8), 1),
@@ -986,24 +755,20 @@ LOWER_CASES = {  # name: (M, O, I, x dtype, expected grid, tt.dot count)
     "prefill_m64_down": (64, E, F, jnp.bfloat16, (1, E // 128), 1),  # the GEMM at 64 rows: split-K 4
     "verify_m48_down_default": (48, E, F, jnp.bfloat16, (E // 64, 8), 1),  # narrow: the decode grid, split 8
     "ragged_decode": (5, 130, 129, jnp.bfloat16, (3, 1), 1),
-    "ragged_fma": (1, 130, 129, jnp.float32, (3, 1), 0),
+    "ragged_decode_f32_x": (1, 130, 129, jnp.float32, (3, 1), 3),
     "ragged_prefill": (40, 130, 129, jnp.bfloat16, (1, 2), 1),
 }
 
 
-FMA_CASES = {"decode_m1_gate_up_fma", "ragged_fma"}  # lowered with fp8_matmul.M1_CUDA_CORE on
-
-
 @pytest.mark.parametrize("name", list(LOWER_CASES))
-def test_kernel_lowers_for_h200(name, monkeypatch):
+def test_kernel_lowers_for_h200(name):
     m, o, i, x_dtype, grid, n_dots = LOWER_CASES[name]
-    monkeypatch.setattr(fc, "M1_CUDA_CORE", name in FMA_CASES)
     sds = jax.ShapeDtypeStruct
     args = (sds((m, i), x_dtype), sds((o, i), jnp.float8_e4m3fn), sds((-(-o // 128), -(-i // 128)), jnp.float32))
     if "prefill" in name:  # the GEMM, where the default takes the decode grid (<= DECODE_MAX_ROWS rows)
         config = fc.prefill_config(m, o, i)
     else:
-        config = fm.default_config(m, o, i)
+        config = fc.default_config(m, o, i)
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
     split = config.split_k if isinstance(config, PrefillConfig) else 1  # the GEMM's I splits are its grid's z
@@ -1013,27 +778,10 @@ def test_kernel_lowers_for_h200(name, monkeypatch):
     assert ir_text.count("tt.dot ") == n_dots
     assert "tt.fp_to_fp" in ir_text, "E4M3 -> bf16/f32 conversion"
     w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
-    u = getattr(config, "chunks_per_step", 1)
-    assert len(w_loads) == (1 if u == 1 else u + 1)  # u unrolled chunk loads, then the remainder loop's
+    assert len(w_loads) == 1
     aligned = o % 128 == 0 and i % 128 == 0
     # real shapes: the weight loads carry no mask (vectorized 16-byte loads); ragged ones are masked
     assert all((ld.count("%") == 2) == aligned for ld in w_loads), w_loads
-
-
-@pytest.mark.parametrize("m", [1, 16])
-def test_x_chunk_scaled_lowers_for_h200(m):
-    """o_proj's shape with the in-kernel scaled piece: one Triton call that loads x as bf16 and reduces
-    each chunk's rows (tt.reduce) before its one dot; the HLO around it makes no f16 pieces."""
-    sds = jax.ShapeDtypeStruct
-    o, i = 5120, 6144
-    config = dataclasses.replace(fm.default_config(m, o, i), x_f16=False, x_f16_scaled=False, x_chunk_scaled=True)
-    args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
-    lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
-    [(cfg, ir_text)] = triton_calls(lowered)
-    assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 64, config.split_k)
-    assert ir_text.count("tt.dot ") == 1 and "tt.reduce" in ir_text and "scf.for" in ir_text
-    assert any("tt.load" in ln and "bf16" in ln for ln in ir_text.splitlines())
-    assert "xf16>" not in lowered.as_text()  # no f16 tensor anywhere: no piece made before the kernel
 
 
 def test_many_weights_lower_to_one_launch_for_h200():
@@ -1045,7 +793,7 @@ def test_many_weights_lower_to_one_launch_for_h200():
     ss = tuple(sds((o // 128, E // 128), jnp.float32) for o in os)
     lowered = lower_for_h200(lambda x, ws, ss: fm.fp8_matmul_many(x, ws, ss), (sds((4, E), jnp.bfloat16), ws, ss))
     [(cfg, ir_text)] = triton_calls(lowered)
-    config = fm.default_config(4, sum(os), E)
+    config = fc.default_config(4, sum(os), E)
     assert attr_int(cfg, "grid_x") == sum(os) // config.block_o
     assert ir_text.count("scf.if") >= 3
     assert len([ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]) == 3
@@ -1064,7 +812,7 @@ def gpu_required():
 
 @functools.lru_cache(maxsize=None)
 def real_weights(o, i, kind):
-    """Weights at real sizes, made once per session (generating ~90M values costs seconds).
+    """Weights at real sizes, made once per test run (generating ~90M values costs seconds).
     kind "random": random_problem's block-graded gaussians; "exact": E4M3 integers |w| <= 16 with
     scales 1 .. 8 (with |x| <= 2 and I <= 17408 every sum is an integer below 2^22: exact in f32, also
     in the tensor cores' f32 accumulators, in any order)."""
@@ -1110,19 +858,15 @@ GPU_CONFIGS = {  # name: (config, rows)
     "decode_noswap": (DecodeConfig(swap_ab=False), [3, 16]),
     "decode_bo128_split2": (DecodeConfig(block_o=128, split_k=2), [5]),
     "decode_bo32_split4_w8": (DecodeConfig(block_o=32, split_k=4, num_warps=8), [16]),
-    "decode_fma_bo32": (DecodeConfig(use_dot=False, block_o=32), [1]),
     "decode_x_f16": (DecodeConfig(split_k=2, x_f16=True), [1, 4, 16]),
     "decode_x_f16_noswap_verify": (DecodeConfig(split_k=4, swap_ab=False, x_f16=True), [32]),
-    # one scaled f16 piece per row (the default at 9-32 rows since session 15), 3 stages (the narrow default)
+    # one scaled f16 piece per row (the default from 9 rows), 3 stages (the narrow default)
     "decode_x_f16_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_f16=True, x_f16_scaled=True, num_stages=3),
                             [9, 16, 32]),
     "tiled_default": ("tiled", [1, 4, 16, 40, 64, 600]),  # the default configs on fp8_layout.tile_weight's tiles
-    # 65-128 rows on the decode grid (fp8_decode_max_rows raised; fp8_config.VERIFY_TALL_STAGES)
+    # 65-128 rows on the decode grid
     "decode_x_f16_scaled_tall": (DecodeConfig(split_k=4, swap_ab=True, x_f16=True, x_f16_scaled=True, num_stages=2),
                                  [65, 128]),
-    # the in-kernel scaled piece at decode and verify rows, W on either side (fp8_config.X_CHUNK_SCALED)
-    "decode_x_chunk_scaled": (DecodeConfig(split_k=8, swap_ab=False, x_chunk_scaled=True, num_stages=3), [1, 4, 16]),
-    "decode_x_chunk_scaled_verify": (DecodeConfig(split_k=4, swap_ab=True, x_chunk_scaled=True), [32]),
     "prefill_default": (PrefillConfig(), [1, 600]),
     "prefill_128x128_w8": (PrefillConfig(block_m=128, num_warps=8), [40, 600]),
     # the default GEMM of a batched verify: [5120, 17408] (and the ragged shape) split along I at 64 rows
@@ -1145,7 +889,7 @@ def test_gpu_kernel_exact_on_integer_problems(name):
         for m in rows:
             x = rng.integers(-2, 3, (m, i)).astype(np.float32)
             if tiled:
-                got = np.asarray(fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fm.tile_weight(jnp.asarray(wq)),
+                got = np.asarray(fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fp8_layout.tile_weight(jnp.asarray(wq)),
                                                jnp.asarray(scale), jnp.float32))
             else:
                 got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config, interpret=False)
@@ -1161,7 +905,7 @@ def test_gpu_joined_tiles_exact_at_verify_rows():
     rng = np.random.default_rng(11)
     for o, i in [(E, F), (E, 6144)]:
         wq, scale = real_weights(o, i, "exact")
-        tiled = fm.tile_weight(jnp.asarray(wq))
+        tiled = fp8_layout.tile_weight(jnp.asarray(wq))
         for m, sk in [(40, 4), (64, 8)]:
             config = DecodeConfig(block_o=128, split_k=sk, x_f16=True, x_f16_scaled=True, num_warps=8, num_stages=3)
             x = rng.integers(-2, 3, (m, i)).astype(np.float32)
@@ -1172,18 +916,18 @@ def test_gpu_joined_tiles_exact_at_verify_rows():
 
 @pytest.mark.gpu
 def test_gpu_128_row_tiles_exact():
-    """Weights in 128-row tiles (fp8_tile_rows=128) on the device: the default configs (64-row programs
+    """Weights in 128-row tiles on the device: the default configs (64-row programs
     reading halves of a tile) and 128-row programs reading whole tiles at decode and verify rows, bit-
     exact against the ref (o_proj's and mlp_down's shapes)."""
     gpu_required()
     rng = np.random.default_rng(12)
     for o, i in [(E, 6144), (E, F), (F, E)]:  # (F, E): a wide launch, 128-row programs by default at 40 / 64
         wq, scale = real_weights(o, i, "exact")
-        tiled = fm.tile_weight(jnp.asarray(wq), 128)
+        tiled = fp8_layout.tile_weight(jnp.asarray(wq), 128)
         for m in (1, 4, 16, 40, 64):
             x = rng.integers(-2, 3, (m, i)).astype(np.float32)
             want = run_ref(x, wq, scale, jnp.bfloat16, jnp.float32)
-            whole = dataclasses.replace(fm.default_config(m, o, i), block_o=128,
+            whole = dataclasses.replace(fc.default_config(m, o, i), block_o=128,
                                         num_warps=8 if m > 16 else 4)
             for config in (None, whole):
                 got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), tiled, jnp.asarray(scale), jnp.float32,
@@ -1191,70 +935,12 @@ def test_gpu_128_row_tiles_exact():
                 np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"m={m} o={o} i={i} {config}")
 
 
-# ------------------------------------------------------------------------------------------------
-# bf16 weights on the streaming decode kernel (fp8_matmul.bf16_matmul, ops.BF16_STREAMING)
-# ------------------------------------------------------------------------------------------------
-
-_bf16_kernel = jax.jit(fm.bf16_matmul, static_argnums=(2,), static_argnames=("interpret", "config"))
-
-
-@pytest.mark.parametrize("m, x_dtype", [(1, jnp.bfloat16), (5, jnp.float32), (16, jnp.bfloat16), (40, jnp.float32)])
-def test_bf16_matmul_exact_on_integer_problems(m, x_dtype):
-    """Integer x and bf16-exact integer weights, ragged O and I: every partial sum is exact in f32,
-    so the kernel must equal the float64 product bit for bit (40 rows: the decode grid's 64-row tile)."""
-    rng = np.random.default_rng(m)
-    for o, i in [(272, 300), (130, 129)]:
-        x = rng.integers(-4, 5, (m, i)).astype(np.float32)
-        w = rng.integers(-64, 65, (o, i)).astype(np.float32)
-        got = np.asarray(_bf16_kernel(jnp.asarray(x, x_dtype), jnp.asarray(w, jnp.bfloat16), jnp.float32,
-                                      interpret=True))
-        np.testing.assert_array_equal(got, x.astype(np.float64) @ w.astype(np.float64).T, err_msg=f"{m} {o}x{i}")
-        ref = np.asarray(fm.bf16_matmul_ref(jnp.asarray(x, x_dtype), jnp.asarray(w, jnp.bfloat16), jnp.float32))
-        np.testing.assert_array_equal(got, ref)
-
-
-def test_bf16_matmul_rejects_other_weights():
-    with pytest.raises(ValueError, match=r"bf16_matmul: w has dtype float32; bfloat16 needed"):
-        fm.bf16_matmul(jnp.zeros((1, 8), jnp.bfloat16), jnp.zeros((8, 8), jnp.float32))
-
-
-def test_bf16_streaming_switch_routes_decode_rows_only(monkeypatch):
-    """ops.BF16_STREAMING: bf16 weights with <= DECODE_MAX_ROWS rows go to the kernel under
-    impl="pallas"; more rows, f32 weights and impl="ref" stay on XLA's dot."""
-    from qmtp import ops
-    calls = []
-    real = fm.bf16_matmul
-    monkeypatch.setattr(fm, "bf16_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    monkeypatch.setattr(ops, "BF16_STREAMING", True)
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.integers(-4, 5, (fc.DECODE_MAX_ROWS + 1, 129)), jnp.bfloat16)
-    w = jnp.asarray(rng.integers(-64, 65, (130, 129)), jnp.bfloat16)
-    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-    np.testing.assert_array_equal(np.asarray(ops.linear(x[:3], w, "pallas", jnp.float32)), want[:3])
-    ops.linear(x, w, "pallas")  # DECODE_MAX_ROWS + 1 rows
-    ops.linear(x[:3], w.astype(jnp.float32), "pallas")
-    ops.linear(x[:3], w, "ref")
-    assert calls == [(3, 129)]
-
-
-def test_bf16_matmul_lowers_for_h200():
-    """The lm_head shape of the 27B (248320 x 5120 bf16) at one row: one Triton call on the decode grid."""
-    sds = jax.ShapeDtypeStruct
-    o, i = 248320, E
-    lowered = lower_for_h200(lambda x, w: fm.bf16_matmul(x, w, jnp.float32), (sds((1, i), jnp.bfloat16),
-                                                                                sds((o, i), jnp.bfloat16)))
-    [(cfg, ir_text)] = triton_calls(lowered)
-    config = fm.decode_config(1, o, i)
-    assert attr_int(cfg, "grid_x") == o // config.block_o and attr_int(cfg, "grid_y") == config.split_k
-    assert ir_text.count("tt.dot ") == 1 and "f8E4M3FN" not in ir_text
-
-
 @pytest.mark.parametrize("m, o, i", [(1, F, E), (4, E, F)])
 def test_scale_preload_lowers_for_h200(m, o, i):
     """DecodeConfig(scale_preload=True) (the bench sweeps it) compiles for the H200: one Triton call,
     the chunk loop still an scf.for."""
     sds = jax.ShapeDtypeStruct
-    config = dataclasses.replace(fm.decode_config(m, o, i), scale_preload=True)
+    config = dataclasses.replace(fc.decode_config(m, o, i), scale_preload=True)
     args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
@@ -1266,7 +952,7 @@ def test_x_f16_lowers_for_h200(m, o, i):
     """DecodeConfig(x_f16=True) compiles for the H200: one Triton call with one f16 dot per chunk
     over the rows [hi; lo] and the weight converted E4M3 -> f16, not bf16."""
     sds = jax.ShapeDtypeStruct
-    config = dataclasses.replace(fm.decode_config(m, o, i), x_f16=True)
+    config = dataclasses.replace(fc.decode_config(m, o, i), x_f16=True)
     args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
@@ -1275,17 +961,16 @@ def test_x_f16_lowers_for_h200(m, o, i):
     assert converts and all("xf16" in ln and "xbf16" not in ln for ln in converts), converts
 
 
-def test_gemm_x_f16_scaled_lowers_for_h200(monkeypatch):
+def test_gemm_x_f16_scaled_lowers_for_h200():
     """The GEMM's default at a batched verify's 192 rows (48 slots at K=3, past the decode grid's 128)
-    with fp8_gemm_x_f16_scaled compiles for the H200: one f16 dot per chunk, x one f16 piece per row,
-    the weight converted to f16 (no bf16 dot)."""
+    compiles for the H200: one f16 dot per chunk, x one f16 piece per row, the weight converted to f16
+    (no bf16 dot)."""
     sds = jax.ShapeDtypeStruct
     m, o, i = 192, 17408, 5120
-    monkeypatch.setattr(fc, "GEMM_X_F16_SCALED", True)
-    config = fm.default_config(m, o, i)
+    config = fc.default_config(m, o, i)
     assert isinstance(config, PrefillConfig) and config.x_f16_scaled
     args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
-            sds((o // 128, i // 128), jnp.float32))  # on tiled weights, as qmtp.load lays them out
+            sds((o // 128, i // 128), jnp.float32))  # on tiled weights, as the engine lays them out
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)
     [(cfg, ir_text)] = triton_calls(lowered)
     assert ir_text.count("tt.dot ") == 1 and "scf.for" in ir_text
@@ -1297,18 +982,13 @@ def test_gemm_x_f16_scaled_lowers_for_h200(monkeypatch):
 
 
 def test_decode_grid_lowers_for_h200_at_128_rows():
-    """gate's shape at a 128-row verify on the decode grid (fp8_decode_max_rows=128): one Triton call
+    """gate's shape at a 128-row verify on the decode grid: one Triton call
     on O / 64 row blocks with 3 stages, one f16 dot per chunk over all 128 rows (x one [128, 128]
     f16 slice), the weight converted to f16."""
     sds = jax.ShapeDtypeStruct
     m, o, i = 128, F, E
-    before = fc.DECODE_MAX_ROWS
-    try:
-        fc.DECODE_MAX_ROWS = 128
-        config = fm.default_config(m, o, i)
-    finally:
-        fc.DECODE_MAX_ROWS = before
-    assert isinstance(config, DecodeConfig) and config.num_stages == fc.VERIFY_TALL_STAGES and config.x_f16_scaled
+    config = fc.default_config(m, o, i)
+    assert isinstance(config, DecodeConfig) and config.num_stages == fc.VERIFY_STAGES and config.x_f16_scaled
     args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
             sds((o // 128, i // 128), jnp.float32))
     [(cfg, ir_text)] = triton_calls(lower_for_h200(
@@ -1320,15 +1000,10 @@ def test_decode_grid_lowers_for_h200_at_128_rows():
 
 @pytest.mark.parametrize("m, o, i", [(16, F, E), (16, E, F), (32, F, E)])
 def test_x_f16_scaled_lowers_for_h200(m, o, i):
-    """The default configs with ops setting fp8_x_f16_scaled compile for the H200: one f16 dot per
-    chunk over M rows (BM = 16 at 16 rows, not the two pieces' 32), the weight converted to f16."""
+    """The default configs from 9 rows compile for the H200: one f16 dot per chunk over M rows (BM = 16
+    at 16 rows, not the two pieces' 32), the weight converted to f16."""
     sds = jax.ShapeDtypeStruct
-    before = fc.X_F16_SCALED
-    try:
-        fc.X_F16_SCALED = True
-        config = fm.decode_config(m, o, i)
-    finally:
-        fc.X_F16_SCALED = before
+    config = fc.decode_config(m, o, i)
     assert config.x_f16 and config.x_f16_scaled
     args = (sds((m, i), jnp.bfloat16), sds((o, i), jnp.float8_e4m3fn), sds((o // 128, i // 128), jnp.float32))
     lowered = lower_for_h200(lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args)

@@ -1,29 +1,25 @@
 """FP8 block matmul at the Qwen3.5-27B shapes: Pallas kernels vs the XLA paths.
 
-For every FP8 weight shape of the 27B target ([O, I] and how many of it one decode step reads, taken
-from the model's own parameter declarations) and every row count M:
-  - decode rows (1-16: one token, K+1 verify tokens, small batches): one jitted program runs a
+For every FP8 weight shape of the 27B target ([O, I] and how many of it one decode step reads,
+PROJECTIONS) and every row count M:
+  - decode rows (1-128: one token, K+1 verify tokens, batches): one jitted program runs a
     lax.fori_loop of `reps` iterations, each calling the matmul on n distinct weights of that shape
     (n chosen so they hold >= 8x the L2 cache, so no weight is re-read from L2); the outputs feed a
-    tiny update of x, so nothing is hoisted. Figure: fp8_tb_s = O*I bytes / time per matmul, as a
-    share of the copy bandwidth; the same formula for the XLA rows so they compare by time.
-    weight_tb_s counts the bytes the row's weights really have (2 per weight for the bf16 rows).
+    tiny update of x, so nothing is hoisted. Figure: tb_s = O*I bytes / time per matmul, as a share
+    of the copy bandwidth; the same formula for the XLA rows so they compare by time. weight_tb_s
+    counts the bytes the row's weights really have (2 per weight for the bf16 rows).
   - prefill rows (>= 1024): TFLOP/s = 2 M O I / time, against XLA's bf16 matmul on the same shape
     (weights pre-dequantized to bf16: the best XLA can do) and XLA's dequantize-then-matmul.
-impl: pallas (default config, the default with scale_preload and x_f16 flipped, at 9-32 rows the default
-with fp8_config.X_F16_SCALED flipped, plus candidates with `sweep`), xla (fp8_matmul_ref: dequantize +
-einsum), xla_bf16 (bf16 weights, plain einsum), pallas_bf16 (bf16 weights on the streaming decode
-kernel, fp8_matmul.bf16_matmul; decode rows only), dequant_dot (prefill rows only: a materialized bf16
-dequantize, then XLA's dot, fp8_matmul_dequant_dot), pallas_a8 (decode rows: the default tiles on E4M3
-activations, `act_quant=True`: no weight conversion; rel_err_a8 against fp8_act_quant's reference,
-rel_err against exact x as for every row). rel_err: max |y - y_ref| / max |y_ref| of the
-first output. A per-step aggregate weights each shape by its count in a decode step.
+impl: pallas (the default config, plus candidate_configs with `sweep`), pallas_a8 (decode rows: E4M3
+activations, `act_quant=True`; rel_err_a8 against fp8_act_quant's reference), xla (fp8_matmul_ref:
+dequantize + einsum), xla_bf16 (bf16 weights, plain einsum), dequant_dot (prefill rows: a
+materialized bf16 dequantize, then XLA's dot). rel_err: max |y - y_ref| / max |y_ref| of the first
+output against exact x. A per-step aggregate weights each shape by its count in a decode step.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
 
@@ -31,25 +27,24 @@ from pallas_kernels.bench.common import L2_BYTES, timed
 
 DECODE_MS = (1, 4, 5, 16)
 PREFILL_MS = (1024, 4096)
+# The 27B target's FP8 projections per layer kind ([O, I]) and its layers of each kind (the MTP head
+# and the bf16 lm_head aside); tests/test_bench_fp8_launches.py checks them against the model's tree.
+PROJECTIONS = {
+    "gdn": {"in_proj_qkv": (10240, 5120), "in_proj_z": (6144, 5120), "out_proj": (5120, 6144),
+            "mlp_gate": (17408, 5120), "mlp_up": (17408, 5120), "mlp_down": (5120, 17408)},
+    "attn": {"q_proj": (12288, 5120), "k_proj": (1024, 5120), "v_proj": (1024, 5120), "o_proj": (5120, 6144),
+             "mlp_gate": (17408, 5120), "mlp_up": (17408, 5120), "mlp_down": (5120, 17408)},
+}
+LAYERS = {"gdn": 48, "attn": 16}
 
 
 def step_shapes() -> dict[tuple[int, int], list[str]]:
-    """{(O, I): [tensor keys]} of every FP8 weight the 27B target reads per decode step (MTP excluded)."""
-    import jax.numpy as jnp
-
-    from qmtp import config as qc
-    from qmtp import params as qp
-    from qmtp.fp8 import Fp8Block
-    from qmtp.tools import make_checkpoint
-
-    cfg = qc.from_dict(make_checkpoint.build_config("qwen3_5_27b", "fp8", 0, None))
-    tree = qp.abstract_params(cfg, jnp.bfloat16, fp8_linear=True)
+    """{(O, I): [tensor keys, one per weight a decode step reads]} of the 27B target."""
     shapes: dict = collections.defaultdict(list)
-    for group in ("gdn", "attn"):
-        for layer in tree[group]:
-            for key, leaf in layer.items():
-                if isinstance(leaf, Fp8Block):
-                    shapes[leaf.shape].append(f"{group}.{key}")
+    for kind, projections in PROJECTIONS.items():
+        for _ in range(LAYERS[kind]):
+            for key, shape in projections.items():
+                shapes[shape].append(f"{kind}.{key}")
     return dict(shapes)
 
 
@@ -73,7 +68,7 @@ def loop_program(matmul, reps: int, full_sum: bool):
     """jit(x, ws, ss): fori_loop over reps; each iteration y_k = matmul(x, ws[k], ss[k]) for all k.
     Pallas outputs are sliced (XLA cannot narrow a custom call). XLA outputs are reduced in full with
     a max, so XLA can neither shrink the matmul to the columns used nor reassociate it (a sum over
-    the outputs would let it compute x @ (W^T 1), a plain reduction of W: the first runs did)."""
+    the outputs would let it compute x @ (W^T 1), a plain reduction of W)."""
     import jax
     import jax.numpy as jnp
 
@@ -105,96 +100,47 @@ def _pinned_dequantize(matmul):
 
 
 def candidate_configs(m: int) -> list:
-    """Tile configs the sweep tries besides the default (compile time: a few seconds each)."""
-    from pallas_kernels.fp8_config import X_F16_SCALED_MIN_ROWS
-    from pallas_kernels.fp8_tiles import DECODE_DOT_MAX_ROWS, FMA_MAX_ROWS, DecodeConfig, PrefillConfig
+    """Tile configs the sweep tries besides the default (compile time: a few seconds each): around the
+    default's tiles, x form and pipeline depth."""
+    from pallas_kernels.fp8_config import DECODE_MAX_ROWS, X_F16_SCALED_MIN_ROWS, DecodeConfig, PrefillConfig
     if m > 16:
-        gemm = [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-                for bm, bn, nw, ns in [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 64, 4, 4),
-                                       (64, 64, 4, 4), (256, 128, 8, 3), (32, 64, 4, 4), (32, 128, 4, 4)]]
-        # with the scaled f16 piece (PrefillConfig.x_f16_scaled): a lighter loop may want other tiles,
-        # and split-K where a batched verify's tiles leave SMs idle
-        gemm += [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, split_k=sk, x_f16_scaled=True)
-                 for bm, bn, nw, ns, sk in [(64, 128, 4, 3, 1), (64, 128, 4, 4, 1), (64, 128, 8, 3, 1),
-                                            (128, 128, 8, 3, 1), (64, 64, 4, 4, 1), (32, 128, 4, 4, 1),
-                                            (64, 128, 4, 3, 2), (64, 64, 4, 4, 2)]]
-        if m > DECODE_DOT_MAX_ROWS:
+        gemm = [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, split_k=sk, x_f16_scaled=True)
+                for bm, bn, nw, ns, sk in [(64, 128, 4, 3, 1), (64, 128, 4, 4, 1), (64, 128, 8, 3, 1),
+                                           (128, 128, 8, 3, 1), (64, 64, 4, 4, 1), (32, 128, 4, 4, 1),
+                                           (256, 128, 8, 3, 1), (64, 128, 4, 3, 2), (64, 64, 4, 4, 2),
+                                           (64, 128, 4, 3, 4), (64, 128, 4, 3, 8)]]
+        if m > DECODE_MAX_ROWS:
             return gemm
-        # a batched verify: the weight-streaming decode grid (split-K) with the tensor-core dot
-        decode = [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns)
-                  for bo, sk, sw, nw, ns in [(64, 2, True, 4, 4), (64, 4, True, 4, 4), (64, 2, False, 4, 4),
-                                             (32, 4, True, 4, 4), (64, 4, False, 8, 3), (128, 2, False, 8, 3)]]
-        # the narrow launches' default at 33-64 rows takes one scaled f16 piece per row; each program
-        # reads its [rows, 128] x slice per chunk from L2 (at 64 rows twice the bytes of its weight
-        # chunk): fewer, longer programs read less of it, more splits fill the SMs; 128-row programs
-        # (two of the tiled weights' 64-row tiles) read it once per 128 weight rows, as the GEMM does
-        decode += [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, x_f16=True,
-                                x_f16_scaled=True)
-                   for bo, sk, sw, nw, ns in [(64, 8, True, 4, 4), (64, 4, True, 4, 3), (64, 2, True, 4, 4),
-                                              (64, 1, True, 4, 4), (64, 4, False, 4, 4), (64, 2, False, 4, 4),
-                                              (64, 4, True, 8, 4), (64, 8, True, 4, 3), (128, 4, True, 8, 3),
-                                              (128, 8, True, 8, 3), (128, 4, True, 4, 3), (128, 8, True, 8, 2),
-                                              (128, 16, True, 8, 3)]]
-        gemm += [PrefillConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, split_k=sk, x_f16_scaled=True)
-                 for bm, bn, nw, ns, sk in [(64, 128, 4, 3, 4), (64, 128, 4, 4, 4), (64, 64, 4, 4, 4),
-                                            (32, 128, 4, 4, 4), (64, 128, 4, 3, 8)]]
-        return gemm + decode
-    fma = []  # (block_o, split_k, num_warps, num_stages, chunks_per_step)
-    if m == 1:
-        fma = [(16, 1, 2, 3, 4), (16, 1, 2, 3, 8), (16, 1, 1, 3, 8), (16, 1, 2, 2, 8), (32, 1, 4, 3, 8),
-               (32, 1, 2, 3, 4), (16, 2, 2, 3, 4), (16, 1, 4, 3, 4), (64, 1, 4, 2, 8), (16, 1, 2, 4, 2),
-               (32, 2, 4, 3, 4)]
-    elif m <= FMA_MAX_ROWS:
-        fma = [(16, 1, 2, 3, 4), (16, 1, 2, 3, 2), (16, 1, 4, 3, 4), (32, 1, 4, 3, 2), (16, 2, 2, 3, 4),
-               (16, 1, 1, 3, 4), (32, 1, 4, 3, 4), (16, 1, 2, 2, 8)]
-    # (block_o, split_k, swap_ab, num_warps, num_stages, chunks_per_step, scale_preload)
-    dot = [(64, 2, True, 4, 4, 1, False), (64, 4, True, 4, 4, 1, False), (128, 2, True, 8, 4, 1, False),
-           (64, 2, False, 4, 4, 1, False), (32, 2, True, 4, 4, 1, False), (64, 2, True, 4, 5, 1, False),
-           (16, 2, True, 2, 4, 1, False),
-           # more bytes in flight per program once the scale load is off the loop's critical path
-           (64, 2, True, 4, 4, 2, True), (64, 2, False, 4, 4, 2, True), (64, 2, True, 4, 3, 4, True),
-           (64, 4, False, 4, 3, 4, True), (128, 2, False, 8, 3, 2, True), (64, 1, False, 4, 4, 4, True)]
-    # bf16 x as f16 pieces (DecodeConfig.x_f16): with conversions cheaper, the tiles may want more bytes in flight
-    f16 = [(64, 2, False, 4, 4, 1, True), (64, 2, True, 4, 4, 1, True), (64, 4, True, 4, 4, 1, True),
-           (64, 1, False, 4, 4, 1, True), (128, 2, False, 8, 4, 1, True), (128, 2, True, 8, 3, 1, True),
-           (64, 2, False, 4, 6, 1, True), (32, 2, True, 4, 4, 1, True), (64, 2, False, 4, 4, 2, True),
-           # narrow O (80 row blocks): W off the dot's M side with more splits or more bytes per iteration
-           (64, 4, False, 4, 4, 1, True), (64, 4, False, 4, 4, 2, True), (64, 8, False, 4, 4, 1, True),
-           (32, 4, False, 4, 4, 1, True),
-           # verify's 2-8 rows: 128-row programs read each K range of x half as often per weight byte
-           (128, 1, False, 8, 4, 1, True), (128, 2, False, 4, 4, 1, True), (128, 4, False, 8, 4, 1, True),
-           (128, 2, False, 8, 3, 1, True), (128, 4, False, 4, 4, 1, True), (128, 8, False, 8, 4, 1, True),
-           # the narrow weights' ramp (o_proj / out_proj, 31 MB): shorter programs, more of them
-           (64, 16, False, 4, 4, 1, True), (32, 8, False, 4, 4, 1, True), (64, 8, False, 4, 3, 1, True),
-           (64, 8, False, 8, 4, 1, True),
-           # around their 3-stage default (fp8_config.NARROW_NUM_STAGES): program length, width, warps
-           (64, 4, False, 4, 3, 1, True), (64, 16, False, 4, 3, 1, True), (32, 8, False, 4, 3, 1, True),
-           (32, 16, False, 4, 3, 1, True), (64, 8, False, 4, 3, 2, True), (64, 8, False, 8, 3, 1, True),
-           (128, 8, False, 8, 3, 1, True), (64, 8, False, 2, 3, 1, True), (64, 8, False, 4, 3, 1, False),
-           # splits that are no power of two (o_proj's 48 chunks in runs of 8 / 4, 480 or 960 programs
-           # against the default's 640 = 4.85 per SM): how the programs fall on the 132 SMs
-           (64, 6, False, 4, 3, 1, True), (64, 12, False, 4, 3, 1, True), (32, 6, False, 4, 3, 1, True),
-           (128, 12, False, 8, 3, 1, True)]
-    # 9-16 rows: the same f16 tiles with one scaled piece per row (fp8_config.X_F16_SCALED)
-    scaled = f16 if m >= X_F16_SCALED_MIN_ROWS else []
-    return ([DecodeConfig(block_o=bo, split_k=sk, use_dot=False, num_warps=nw, num_stages=ns, chunks_per_step=u)
-             for bo, sk, nw, ns, u in fma]
-            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
-                            scale_preload=pre)
-               for bo, sk, sw, nw, ns, u, pre in dot]
-            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
-                            scale_preload=pre, x_f16=True)
-               for bo, sk, sw, nw, ns, u, pre in f16]
-            + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, chunks_per_step=u,
-                            scale_preload=pre, x_f16=True, x_f16_scaled=True)
-               for bo, sk, sw, nw, ns, u, pre in scaled])
+        # a batched verify on the decode grid: one scaled f16 piece per row; fewer, longer programs read
+        # less of the x slices, more splits fill the SMs, 128-row programs read x once per 128 weight rows
+        return gemm + [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, x_f16=True,
+                                    x_f16_scaled=True)
+                       for bo, sk, sw, nw, ns in [(64, 8, True, 4, 4), (64, 4, True, 4, 3), (64, 2, True, 4, 4),
+                                                  (64, 1, True, 4, 4), (64, 4, False, 4, 4), (64, 4, True, 8, 4),
+                                                  (64, 8, True, 4, 3), (64, 4, True, 4, 2), (128, 4, True, 8, 3),
+                                                  (128, 8, True, 8, 3), (128, 4, True, 4, 3), (128, 8, True, 8, 2),
+                                                  (128, 16, True, 8, 3)]]
+    scaled = m >= X_F16_SCALED_MIN_ROWS
+    # (block_o, split_k, swap_ab, num_warps, num_stages, scale_preload)
+    tiles = [(64, 2, False, 4, 4, True), (64, 2, True, 4, 4, True), (64, 4, True, 4, 4, True),
+             (64, 1, False, 4, 4, True), (128, 2, False, 8, 4, True), (128, 2, True, 8, 3, True),
+             (64, 2, False, 4, 6, True), (32, 2, True, 4, 4, True), (64, 2, False, 4, 4, False),
+             # narrow O (80 row blocks): shorter programs, more of them, around the 3-stage default
+             (64, 4, False, 4, 3, True), (64, 16, False, 4, 3, True), (32, 8, False, 4, 3, True),
+             (32, 16, False, 4, 3, True), (64, 8, False, 8, 3, True), (128, 8, False, 8, 3, True),
+             (64, 8, False, 2, 3, True), (64, 8, False, 4, 4, True), (64, 8, False, 4, 2, True),
+             # splits that are no power of two (o_proj's 48 chunks in runs of 8 / 4): how programs fall on SMs
+             (64, 6, False, 4, 3, True), (64, 12, False, 4, 3, True), (128, 12, False, 8, 3, True)]
+    return [DecodeConfig(block_o=bo, split_k=sk, swap_ab=sw, num_warps=nw, num_stages=ns, scale_preload=pre,
+                         x_f16=True, x_f16_scaled=scaled)
+            for bo, sk, sw, nw, ns, pre in tiles]
 
 
 def a8_candidate_configs() -> list:
     """Tiles the E4M3-activation sweep tries (`a8_sweep`): W on the dot's M side (Triton's FP8 wgmma
     takes 64 rows per warpgroup there), block_o 64 with one warpgroup or 128 with one or two,
     split-K 1-8; without the weight conversion the kernel may want fewer, longer programs."""
-    from pallas_kernels.fp8_tiles import DecodeConfig
+    from pallas_kernels.fp8_config import DecodeConfig
     return [DecodeConfig(block_o=bo, split_k=sk, swap_ab=True, num_warps=nw, num_stages=4, scale_preload=True)
             for bo, nw in ((64, 4), (128, 4), (128, 8)) for sk in (1, 2, 4, 8)]
 
@@ -205,15 +151,14 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     """Emits one row per (shape, M, impl[, config]); returns the per-step aggregate per M (from the
     wall clock, and from the kernels' device time where measured: "kernel_" keys).
 
+    sweep: the Pallas rows also try candidate_configs(M) (only those whose repr contains sweep_match);
     a8_sweep: the E4M3-activation rows also try a8_candidate_configs() (decode rows).
-    layout: "checkpoint" ([O, I]) or "tiled" (fp8_layout.tile_weight's tiles of TILE_ROWS rows, as
-    qmtp.load lays them out; a shape of no whole number of tiles stays [O, I]): the weights the Pallas
-    rows read; the XLA rows read [O, I] either way.
-    device_time: the default Pallas configs also run once under the profiler (GPU only: nothing on
-    the CPU), which adds
-    kernel_s_per_call (the Pallas kernel's own launches: its device time), busy_s_per_call (every
-    kernel of a call, the split-K sum and the x pieces included, without the idle gaps between
-    launches) and their shares of copy, next to the wall-clock s_per_call (trace_events)."""
+    layout: "checkpoint" ([O, I]) or "tiled" (fp8_layout.tile_as_loaded: the engine's tiles; a shape of
+    no whole number of tiles stays [O, I]): the weights the Pallas rows read; the XLA rows read [O, I].
+    device_time: the default Pallas configs also run once under the profiler (GPU only), which adds
+    kernel_s_per_call (the Pallas kernel's own launches), busy_s_per_call (every kernel of a call, the
+    split-K sum and the x pieces included, without the idle gaps between launches) and their shares
+    of copy, next to the wall-clock s_per_call (trace_events)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -231,52 +176,39 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     pallas_default: dict = collections.defaultdict(dict)  # m -> {(o, i): s_per_call}
     pallas_kernel: dict = collections.defaultdict(dict)  # m -> {(o, i): kernel_s_per_call}
     for si, ((o, i), keys) in enumerate(shapes.items()):
-        # weights rotated per call so that none is read from L2; one far past L2 (the lm_head) needs few
+        # weights rotated per call so that none is read from L2; one far past L2 needs few
         n = 2 if quick else 4 if o * i >= 8 * L2_BYTES else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
         ws, ss = make_weights(o, i, n, seed=si)
-        ws_pallas = ws  # what the Pallas rows read (layout)
-        if layout == "tiled" and fp8_layout.tile_rows_for(o, i):  # as qmtp.load lays them out
-            ws_pallas = tuple(fp8_layout.tile_as_loaded(w) for w in ws)
+        tiled = layout == "tiled" and fp8_layout.tile_rows_for(o, i) is not None
+        ws_pallas = tuple(fp8_layout.tile_as_loaded(w) for w in ws) if tiled else ws
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
             want = np.asarray(ref(x, ws[0], ss[0]), np.float64)
-            candidates = [c for c in candidate_configs(m) if sweep_match in repr(c)] if sweep else []
-            runs = [("pallas", None)] + [("pallas", c) for c in candidates]
-            default = fm.default_config(m, o, i, tile_rows=fm.tile_rows(ws_pallas))  # as the model's launch
+            default = fp8_config.default_config(m, o, i, tile_rows=fm.tile_rows(ws_pallas))  # as the model's launch
+            runs = [("pallas", None)]
+            if sweep:
+                runs += [("pallas", c) for c in candidate_configs(m) if sweep_match in repr(c) and c != default]
             a8_default = None
-            if isinstance(default, fm.DecodeConfig):  # always: the default with the other scale loading
-                runs.append(("pallas", dataclasses.replace(default, scale_preload=not default.scale_preload)))
-                if default.use_dot and not default.x_f16_scaled:  # and with x as f16 pieces (fp8_config.X_F16);
-                    # a scaled default's other form is the flip just below
-                    runs.append(("pallas", dataclasses.replace(default, x_f16=not default.x_f16)))
-                if m >= fp8_config.X_F16_SCALED_MIN_ROWS:  # and with x as one scaled f16 piece per row, or not
-                    runs.append(("pallas", fp8_config.decode_config(m, o, i, x_f16_scaled=not default.x_f16_scaled)))
-                if default.use_dot:  # and on E4M3 activations (fp8_act_quant: an approximation of x), with
-                    # W on the dot's M side as fp8_matmul's act_quant default puts it
-                    a8_default = fp8_config.act_quant_config(m, o, i)
-                    runs.append(("pallas_a8", a8_default))
-                    if a8_sweep:
-                        runs += [("pallas_a8", c) for c in a8_candidate_configs() if c != a8_default]
+            if m <= fp8_config.DECODE_MAX_ROWS:  # E4M3 activations (an approximation of x)
+                a8_default = fp8_config.act_quant_config(m, o, i)
+                runs.append(("pallas_a8", a8_default))
+                if a8_sweep:
+                    runs += [("pallas_a8", c) for c in a8_candidate_configs() if c != a8_default]
             if xla:
                 runs += [("xla", None), ("xla_bf16", None)]
-                if m <= fm.DECODE_DOT_MAX_ROWS:
-                    runs += [("pallas_bf16", None)]
             if m > fp8_config.DECODE_MAX_ROWS:
-                runs += [("dequant_dot", None)]  # what qmtp.ops uses from DEQUANT_DOT_MIN_ROWS rows
+                runs += [("dequant_dot", None)]
             for impl, config in runs:
                 row = {"kernel": "fp8_matmul", "case": f"{o}x{i} M={m}", "o": o, "i": i, "m": m, "impl": impl,
                        "tensors": sorted(set(keys)), "count_per_step": len(keys), "n_weights": n,
-                       "layout": "tiled" if ws_pallas is not ws and impl in ("pallas", "pallas_a8") else "checkpoint"}
+                       "layout": "tiled" if tiled and impl.startswith("pallas") else "checkpoint"}
                 try:
-                    if impl == "pallas":
+                    if impl.startswith("pallas"):
+                        a8 = impl == "pallas_a8"
                         cfg = config or default
-                        row.update(config=repr(cfg), default=config is None)
-                        mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret)
-                        prog, args = loop_program(mm, reps, False), (x, ws_pallas, ss)
-                    elif impl == "pallas_a8":
-                        row.update(config=repr(config), default=config == a8_default)
-                        mm = functools.partial(fm.fp8_matmul, config=config, interpret=interpret, act_quant=True)
+                        row.update(config=repr(cfg), default=config is None or config == a8_default)
+                        mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret, act_quant=a8)
                         prog, args = loop_program(mm, reps, False), (x, ws_pallas, ss)
                     elif impl in ("xla", "dequant_dot"):
                         mm = fm.fp8_matmul_ref if impl == "xla" else fm.fp8_matmul_dequant_dot
@@ -285,12 +217,9 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         if bf16 is None:
                             deq = jax.jit(lambda w, s: fm.dequantize_ref(w, s, jnp.bfloat16))
                             bf16 = tuple(deq(w, s) for w, s in zip(ws, ss))
-                        if impl == "pallas_bf16":
-                            mm = lambda x, w, s: fm.bf16_matmul(x, w, interpret=interpret)  # noqa: E731
-                        else:
-                            mm = lambda x, w, s: jnp.einsum("mi,oi->mo", x, w,  # noqa: E731
-                                                            preferred_element_type=jnp.float32)
-                        prog, args = loop_program(mm, reps, impl == "xla_bf16"), (x, bf16, ss)
+                        mm = lambda x, w, s: jnp.einsum("mi,oi->mo", x, w,  # noqa: E731
+                                                        preferred_element_type=jnp.float32)
+                        prog, args = loop_program(mm, reps, True), (x, bf16, ss)
                     got = np.asarray(jax.jit(mm)(x, args[1][0], ss[0]).astype(jnp.float32), np.float64)
                     row["rel_err"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                     if impl == "pallas_a8":  # against its own reference (rel_err above: against exact x)
@@ -298,17 +227,16 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         row["rel_err_a8"] = float(np.max(np.abs(got - want_a8)) / max(np.max(np.abs(want_a8)), 1e-30))
                     med, best = timed(prog, *args, trials=trials)
                     per = med / (reps * n)
-                    weight_bytes = o * i * (2 if impl.endswith("bf16") else 1)
+                    weight_bytes = o * i * (2 if impl == "xla_bf16" else 1)
                     row.update(s_per_call=per, best_s_per_call=best / (reps * n), bytes=o * i,
                                tb_s=o * i / per / 1e12, share_of_copy=o * i / per / 1e12 / copy_tb_s,
                                weight_tb_s=weight_bytes / per / 1e12, tflop_s=2 * m * o * i / per / 1e12)
-                    if device_time and ((impl == "pallas_a8" and row["default"]) or (impl == "pallas" and config is None)):
+                    if device_time and impl.startswith("pallas") and row["default"]:
                         row.update(_device_figures(prog, args, reps * n, o * i, copy_tb_s))
                     if impl == "pallas" and config is None:
                         pallas_default[m][(o, i)] = per
-                        if device_time:
-                            if "kernel_s_per_call" in row:
-                                pallas_kernel[m][(o, i)] = row["kernel_s_per_call"]
+                        if "kernel_s_per_call" in row:
+                            pallas_kernel[m][(o, i)] = row["kernel_s_per_call"]
                 except Exception as e:  # record and go on: one failing config must not hide the others
                     row["error"] = repr(e)[:1000]
                 emit(row)

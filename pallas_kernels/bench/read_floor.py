@@ -1,6 +1,6 @@
 """The read floor of a launch: how fast one kernel launch can stream a given number of bytes at all.
 
-Issue 4 judges each FP8 launch against the copy bandwidth, measured on 4 GiB. A launch of 31 MB
+The FP8 target judges each launch against the copy bandwidth, measured on 4 GiB. A launch of 31 MB
 (o_proj / out_proj of the 27B step) is short enough that its start (programs reaching the SMs,
 the first loads' latency) and its end (the last programs draining) weigh on its time. This kernel
 separates that from the FP8 kernel's own costs: it reads the same number of bytes in one launch
@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_tiles import cdiv, chunk_runs
+from pallas_kernels.fp8_config import cdiv, chunk_runs
 from pallas_kernels.fp8_layout import tile_weight
 
 
