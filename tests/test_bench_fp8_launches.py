@@ -1,5 +1,6 @@
 """The FP8 launch groups of the bench (pallas_kernels/bench/fp8_launches.py): they must be the launches
-the step makes, and the part must run end to end (interpret mode on the CPU; timings mean nothing)."""
+the step makes, over the 27B shapes the model declares, and the part must run end to end (interpret mode
+on the CPU; timings mean nothing)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,27 @@ from pallas_kernels.bench import fp8, fp8_launches
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def test_bench_shapes_are_the_models():
+    """fp8.PROJECTIONS and LAYERS (the bench imports nothing from qmtp) are the FP8 weights of the 27B
+    target's parameter tree, layer kind by layer kind."""
+    import jax.numpy as jnp
+
+    from qmtp import config as qc
+    from qmtp import params as qp
+    from qmtp.fp8 import Fp8Block
+    from qmtp.tools import make_checkpoint
+
+    tree = qp.abstract_params(qc.from_dict(make_checkpoint.build_config("qwen3_5_27b", "fp8", 0, None)),
+                              jnp.bfloat16, fp8_linear=True)
+    for kind, projections in fp8.PROJECTIONS.items():
+        assert len(tree[kind]) == fp8.LAYERS[kind], kind
+        for layer in tree[kind]:
+            assert {k: tuple(v.shape) for k, v in layer.items() if isinstance(v, Fp8Block)} == projections, kind
+
+
 def test_launch_groups_cover_every_fp8_weight_of_the_step_once():
     """Summed over the launches, every FP8 weight shape of the 27B step appears as often as the
-    per-weight bench counts it (fp8.step_shapes, from the parameter tree): nothing missed, nothing twice."""
+    per-weight bench counts it (fp8.step_shapes): nothing missed, nothing twice."""
     counts = collections.Counter()
     for launch in fp8_launches.step_launches():
         for shape in launch["shapes"]:
@@ -74,7 +93,7 @@ def test_quick_run(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--quick", "--interpret",
-                        "--kernels=fp8_x_f16_scaled=false", "--fp8_launch_ms=1,9", "--fp8_launch_layouts=checkpoint",
+                        "--fp8_launch_ms=1,9", "--fp8_launch_layouts=checkpoint",
                         f"--out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -85,25 +104,23 @@ def test_quick_run(tmp_path):
     assert [x["launch"] for x in floors] == ["quick.a+b", "quick.c"] and not [x for x in floors if "error" in x]
     assert floors[0]["bytes"] == 272 * 300 + 130 * 300 and floors[0]["share_of_copy"] > 0
     assert {(x["launch"], x["m"]) for x in rows} == {(n, m) for n in ("quick.a+b", "quick.c") for m in (1, 9)}
-    # --kernels: the defaults the launches ran with (the scaled piece, on by default from 9 rows, off here)
-    assert res["kernel_settings"]["fp8_x_f16_scaled"] is False
-    assert all("x_f16_scaled=False" in x["config"] for x in rows), [x["config"] for x in rows]
-    assert any("x_f16=True" in x["config"] for x in rows if x["m"] == 9)  # two f16 pieces instead
+    # the default configs the launches ran with: two f16 pieces per row at 1 row, one scaled piece at 9
+    assert all("x_f16=True" in x["config"] for x in rows), [x["config"] for x in rows]
+    assert all(("x_f16_scaled=True" in x["config"]) == (x["m"] == 9) for x in rows), [x["config"] for x in rows]
     shared = next(x for x in rows if x["launch"] == "quick.a+b")
     assert shared["bytes"] == 272 * 300 + 130 * 300 and shared["share_of_copy"] > 0
     assert set(res["fp8_launches"]["per_step"]) == {"1", "9"}
     assert "FP8 launches at M=1" in r.stdout and "FP8 launches at M=9" in r.stdout
 
 
-@pytest.mark.parametrize("tile_rows", [64, 128])
-def test_quick_run_tiled_layout(tmp_path, tile_rows):
+def test_quick_run_tiled_layout(tmp_path):
     """--fp8_launch_layouts=checkpoint,tiled: each launch and M timed on both layouts, the tiled ones
-    summed under "M tiled", the read floor over tiled bytes too; with fp8_tile_rows=128 the quick
-    launch's 64-row weight keeps the checkpoint layout beside its tiled 128-row one (as qmtp.load)."""
+    summed under "M tiled", the read floor over tiled bytes too (the quick launch's 128-row weight in a
+    128-row tile, its 64-row one in a 64-row tile, as the engine lays them out); bad flags refused."""
     out = tmp_path / "bench.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--quick", "--interpret",
-                        "--fp8_launch_ms=1", "--fp8_launch_layouts=checkpoint,tiled", f"--kernels=fp8_tile_rows={tile_rows}",
+                        "--fp8_launch_ms=1", "--fp8_launch_layouts=checkpoint,tiled",
                         f"--out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -113,12 +130,13 @@ def test_quick_run_tiled_layout(tmp_path, tile_rows):
     assert set(res["fp8_launches"]["per_step"]) == {"1", "1 tiled"}
     [floor] = [x for x in res["rows"] if x["kernel"] == "read_floor"]
     assert any("tiled=True" in c for c in floor["configs"]) and any("tiled=False" in c for c in floor["configs"])
-    if tile_rows == 128:
-        return
     bad = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches",
                           "--fp8_launch_layouts=rows", f"--out={tmp_path / 'x.json'}"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--fp8_launch_layouts: rows; choose from checkpoint, tiled" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8,step", f"--out={tmp_path / 'x.json'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown part(s) step; choose from fp8, fp8_launches, gdn, attention" in bad.stderr
 
 
 def test_busy_time_sums_per_step(monkeypatch):
@@ -136,11 +154,3 @@ def test_busy_time_sums_per_step(monkeypatch):
     agg = res["per_step"][1]
     assert agg["by"] == "kernel_s_per_call" and agg["s"] == pytest.approx(2 * 2e-6)  # two launches, count 1
     assert agg["busy_s"] == pytest.approx(2 * 3e-6) and agg["busy_share_of_copy"] > 0
-
-
-def test_bad_kernels_flag_is_refused(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "pallas_kernels.bench", "--parts=fp8_launches", "--kernels=nope=1",
-                        f"--out={tmp_path / 'x.json'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 2 and "--kernels" in r.stderr and "nope" in r.stderr

@@ -5,12 +5,12 @@ part the Pallas kernel's time, achieved bandwidth (or TFLOP/s for prefill GEMMs)
 copy bandwidth next to the XLA path on the same shapes, and a summary table at the end. Every row
 is also written to --out as it is measured (a run cut by a time limit keeps what it measured).
 
-Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at 1-16 rows (--fp8_ms), prefill rows against
-XLA's bf16 matmul), fp8_launches (the step's FP8 launches as it makes them, projections of one x
-sharing a launch, at --fp8_launch_ms rows, against issue 4's 80% of copy and each launch's read floor), gdn (decode/verify recurrence at batch 1-16, chunked prefill), attention (paged
-attention for 1..K+1 queries at 1K-32K context), step (the whole 64-layer target decode step,
-impl=pallas vs impl=ref, batch 1, against the roofline). `--quick --interpret` runs a CPU smoke
-test of the harness (no figures mean anything there).
+Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at --fp8_ms rows, prefill rows against
+XLA's bf16 matmul; --fp8_sweep times candidate tile configs), fp8_launches (the step's FP8 launches as
+it makes them, projections of one x sharing a launch, at --fp8_launch_ms rows, against the 80%-of-copy
+target and each launch's read floor), gdn (the conv + recurrence kernel at batch 1-16, chunked prefill),
+attention (paged attention for 1..K+1 queries at 1K-32K context). `--quick --interpret` runs a CPU
+smoke test of the harness (no figures mean anything there).
 
     JAX_PLATFORMS=cuda PYTHONPATH=. python -m pallas_kernels.bench --out=$OUT/bench.json
     JAX_PLATFORMS=cuda PYTHONPATH=. python -m pallas_kernels.bench --parts=fp8 --fp8_sweep
@@ -22,12 +22,11 @@ import json
 import os
 import sys
 
-from absl import flags
+from absl import app, flags
 
-from pallas_kernels.bench.step import VARIANTS
-from qmtp import cli_help
+from pallas_kernels.bench.fp8_launches import LAYOUTS
 
-PARTS = ("fp8", "fp8_launches", "gdn", "attention", "step")
+PARTS = ("fp8", "fp8_launches", "gdn", "attention")
 
 flags.DEFINE_list("parts", list(PARTS), f"Which parts to run, in order: any of {', '.join(PARTS)}.")
 flags.DEFINE_string("out", "bench.json", "JSON file with every row, the copy bandwidth and the versions.")
@@ -35,45 +34,31 @@ flags.DEFINE_bool("quick", False, "Minimal cases and sizes (with --interpret: a 
 flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in interpret mode (CPU; figures are meaningless).")
 flags.DEFINE_bool("fp8_sweep", False, "fp8: also time candidate tile configs (a few seconds of compile each).")
 flags.DEFINE_string("fp8_sweep_match", "", "fp8: with --fp8_sweep, only the candidate configs whose repr contains "
-                    "this text (e.g. 'x_f16=True').")
+                    "this text (e.g. 'num_stages=3').")
 flags.DEFINE_bool("fp8_a8_sweep", False, "fp8: also time the E4M3-activation rows (impl pallas_a8) over "
                   "a8_candidate_configs (W on the dot's M side, block_o 64/128, 4/8 warps, split-K 1-8).")
 flags.DEFINE_bool("xla", True, "fp8: also time the XLA paths (dequantize + matmul, and bf16 weights).")
 flags.DEFINE_list("fp8_ms", ["1", "4", "5", "16"], "fp8: rows (M) of the decode / verify cases.")
-flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; others allowed).")
+flags.DEFINE_list("fp8_shapes", [], "fp8: only these weight shapes, OxI (default: every FP8 shape of the 27B step; "
+                  "others allowed).")
+flags.DEFINE_enum("fp8_layout", "checkpoint", list(LAYOUTS), "fp8: the weight layout the Pallas rows read: "
+                  "checkpoint ([O, I] as stored) or tiled (fp8_layout's tiles, as the engine lays them out).")
+flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
+flags.DEFINE_bool("fp8_device_time", True, "fp8, fp8_launches: also time the default Pallas configs by their device "
+                  "time in a profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle "
+                  "gaps between launches (kernel_* and busy_* keys), next to the wall-clock figure.")
 flags.DEFINE_list("fp8_launch_ms", ["1", "4", "16"], "fp8_launches: rows (M) of each launch.")
 flags.DEFINE_bool("fp8_launch_floor", True, "fp8_launches: also time each launch's read floor (a kernel that only "
                   "reads the same bytes in one launch, read_floor.py) and each launch's share of it.")
 flags.DEFINE_list("fp8_launch_layouts", ["tiled"], "fp8_launches: weight layouts to time each launch on: "
-                  "tiled (fp8_matmul.tile_weight: every [64, 128] chunk one contiguous run; what qmtp.load lays "
-                  "out by default, ops.FP8_TILED_WEIGHTS) and / or checkpoint ([O, I] as stored); with tiled the "
-                  "read floor also times tiled bytes.")
-flags.DEFINE_enum("fp8_layout", "checkpoint", ["checkpoint", "tiled"], "fp8: the weight layout the Pallas rows "
-                  "read: checkpoint ([O, I] as stored) or tiled (fp8_matmul.tile_weight's tiles of fp8_tile_rows rows, "
-                  "as qmtp.load lays them out; a shape of no whole number of tiles stays [O, I]).")
-flags.DEFINE_list("fp8_prefill_ms", ["1024", "4096"], "fp8: rows of the prefill GEMM cases (empty: none).")
-flags.DEFINE_bool("fp8_device_time", True, "fp8: also time the default Pallas configs by their device time in a "
-                  "profiler trace (GPU only): the kernel alone, and every kernel of a call without the idle gaps "
-                  "between launches (kernel_* and busy_* keys), next to the wall-clock figure.")
-flags.DEFINE_list("gdn_cases", ["decode", "conv", "prefill"], "gdn: which cases: decode (the recurrence kernel's "
-                  "tile sweep), conv (the conv + recurrence kernel's, the engine's path), prefill (chunked form).")
-flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the decode and conv cases (default 1, 8, 16).")
-flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the decode and conv cases (default 1, 4, 5).")
-flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS[:FORM] "
-                  "(FORM sequential | hoisted, gdn.RecurrenceConfig; default: a tile sweep of the sequential form).")
-flags.DEFINE_integer("step_layers", None, "step: layers of the 27B-shaped model (default: all 64).")
-flags.DEFINE_integer("step_context", 1024, "step: tokens already in the KV cache of every attention layer.")
-flags.DEFINE_list("step_impls", ["pallas", "pallas_separate", "ref"],
-                  "step: implementations to time: ref (pure XLA), pallas, or a variant of pallas with one kernel "
-                  "setting changed (pallas_kernels/bench/step.py, VARIANTS): "
-                  + "; ".join(f"{k}: {', '.join(f'{n}={v}' for n, v in o.items())}" for k, o in VARIANTS.items() if o)
-                  + ".")
-flags.DEFINE_string("step_hlo_dir", None, "step: also write each impl's compiled decode loop, optimized HLO as "
-                    "gzip text, into this directory (<impl>.hlo.txt.gz: what every fusion of the step holds).")
-flags.DEFINE_string("step_trace_dir", None, "step: also trace one timed run per impl with jax.profiler into this "
-                    "directory (perfetto JSON; summarize with scripts/trace_summary.py).")
+                  "tiled (fp8_layout's tiles, as the engine lays them out) and / or checkpoint ([O, I] as stored); "
+                  "with tiled the read floor also times tiled bytes.")
+flags.DEFINE_list("gdn_cases", ["conv", "prefill"], "gdn: which cases: conv (the conv + recurrence kernel and its "
+                  "tile sweep), prefill (the chunked form).")
+flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the conv case (default 1, 8, 16).")
+flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the conv case (default 1, 4, 5).")
+flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS (default: a tile sweep).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
-cli_help.define_kernels_flag()  # the defaults every part starts from (the step's variants change one more)
 FLAGS = flags.FLAGS
 
 
@@ -82,35 +67,21 @@ def main(argv):
     import jax
 
     from pallas_kernels.bench import common
-    from qmtp import bandwidth
-    from qmtp.bandwidth import copy_bandwidth
 
     unknown = [p for p in FLAGS.parts if p not in PARTS]
     if unknown:
         print(f"error: --parts: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}", file=sys.stderr)
         return 2
-    from pallas_kernels.bench.fp8_launches import LAYOUTS
     bad = [x for x in FLAGS.fp8_launch_layouts if x not in LAYOUTS]
     if bad or not FLAGS.fp8_launch_layouts:
         print(f"error: --fp8_launch_layouts: {', '.join(bad) or 'empty'}; choose from {', '.join(LAYOUTS)}",
               file=sys.stderr)
         return 2
-    unknown = [i for i in FLAGS.step_impls if i not in (*VARIANTS, "ref")]
-    if unknown:  # an unknown variant would time the default pallas path under its name
-        print(f"error: --step_impls: unknown {', '.join(unknown)}; choose from {', '.join((*VARIANTS, 'ref'))}",
-              file=sys.stderr)
-        return 2
-    try:
-        settings = cli_help.apply_kernels_flag()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     rec = common.Recorder(FLAGS.out, {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
                                       "flags": {f: getattr(FLAGS, f) for f in ("parts", "quick", "interpret")},
                                       "xla_flags": os.environ.get("XLA_FLAGS", "")})
-    copy = copy_bandwidth(0.0625 if FLAGS.quick else FLAGS.copy_gib, 3 if FLAGS.quick else 10)
+    copy = common.copy_bandwidth(0.0625 if FLAGS.quick else FLAGS.copy_gib, 3 if FLAGS.quick else 10)
     rec.set("copy", copy)
-    rec.set("kernel_settings", settings)  # --kernels applied: what every part's defaults ran with
     tb = copy["tb_per_s"]
     opts = dict(quick=FLAGS.quick, interpret=FLAGS.interpret)
     launches = None  # the fp8_launches part's result, for its target lines at the end
@@ -138,15 +109,11 @@ def main(argv):
             gdn.run(tb, rec.emit, cases=tuple(FLAGS.gdn_cases), batches=tuple(int(b) for b in FLAGS.gdn_batches),
                     tokens=tuple(int(t) for t in FLAGS.gdn_tokens), conv_configs=tuple(FLAGS.gdn_conv_configs),
                     **opts)
-        elif part == "attention":
+        else:
             from pallas_kernels.bench import attention
             attention.run(tb, rec.emit, **opts)
-        else:
-            from pallas_kernels.bench import step
-            step.run(tb, rec.emit, num_layers=FLAGS.step_layers, context=FLAGS.step_context,
-                     impls=tuple(FLAGS.step_impls), trace_dir=FLAGS.step_trace_dir,
-                     hlo_dir=FLAGS.step_hlo_dir, **opts)
-    print(f"\n{bandwidth.describe(copy)}, {copy['bytes'] / 2**30:.1f} GiB moved per pass")
+    print(f"\ncopy bandwidth {copy['tb_per_s']:.3f} TB/s (fastest of the trials; median "
+          f"{copy['tb_per_s_median']:.3f}), {copy['bytes'] / 2**30:.1f} GiB moved per pass")
     print(common.summary_table(rec.results["rows"]))
     if "fp8_step_aggregate" in rec.results:
         print("fp8 matmuls of one 27B decode step (default configs):",
@@ -158,4 +125,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli_help.run(main, __doc__)
+    app.run(main)

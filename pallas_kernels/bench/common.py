@@ -1,6 +1,6 @@
 """Shared pieces of `python -m pallas_kernels.bench`: timing, the result recorder, the summary table.
 
-Every figure is a ratio to the copy bandwidth measured in the same process (PERFORMANCE.md); small
+Every figure is a ratio to the copy bandwidth measured in the same process (copy_bandwidth); small
 operations are timed inside one jitted program that runs them many times over inputs larger than
 the L2 cache, so neither host dispatch nor cache hits are measured.
 """
@@ -12,6 +12,17 @@ import statistics
 import time
 
 L2_BYTES = 50 * 2**20  # H200 L2 cache
+
+
+def copy_bandwidth(gib: float, trials: int) -> dict:
+    """The ceiling every figure is a share of: bytes moved per second by a jitted x + 1 over `gib` GiB of
+    f32 (read + write), from the fastest of `trials` timed calls (noise only ever lengthens a trial)."""
+    import jax
+    import jax.numpy as jnp
+    n = int(gib * (1 << 28))  # f32 elements
+    med, best = timed(jax.jit(lambda a: a + 1), jnp.zeros((n,), jnp.float32), trials=trials)
+    return {"bytes": 2 * n * 4, "median_s": med, "best_s": best, "tb_per_s": 2 * n * 4 / best / 1e12,
+            "tb_per_s_median": 2 * n * 4 / med / 1e12}
 
 
 def timed(fn, *args, trials: int) -> tuple[float, float]:

@@ -2,22 +2,21 @@
 
 The per-weight rows of fp8.py time each weight shape alone, but the step never launches k_proj or
 v_proj ([1024, 5120], 5 MB) or in_proj_z alone: projections that read the same x share one launch
-(qmtp.ops.linear_many -> fp8_matmul_many, one grid over all of them), which is what the bandwidth
-of a launch has to be judged on. LAUNCH_GROUPS mirrors qmtp/layers.py's calls; `step_launches`
-checks that the groups cover every FP8 weight of the step exactly once, so a model change that
-adds or regroups a projection fails here instead of silently timing the wrong thing.
+(fp8_matmul_many, one grid over all of them), which is what the bandwidth of a launch has to be
+judged on. LAUNCH_GROUPS are the model's shared launches; `step_launches` checks that they cover
+every FP8 projection of fp8.PROJECTIONS exactly once.
 
 Per launch and row count M: one jitted program loops over n distinct weight sets (>= 8x the L2
 cache together, as in fp8.py), calling fp8_matmul_many with the default config; figures per call:
 the wall clock, and on the GPU the Pallas kernel's device time (its own launches) and the busy time
-of every kernel of the call (the split-K sum and the x pieces included; summed per step as busy_s,
-the figure that shows a launch removed around the kernel). share_of_copy = summed
-weight bytes / time / copy bandwidth. `targets` compares the kernel share with issue 4's 80%.
+of every kernel of the call (the split-K sum and the x pieces included; summed per step as busy_s).
+share_of_copy = summed weight bytes / time / copy bandwidth. `target_lines` compares the kernel share
+with TARGET_SHARE.
 
 Per launch also its read floor (read_floor.py, `floor=True`): the fastest a kernel that only reads
 the launch's bytes in one launch of the same kind of grid gets, as a share of copy, and each
-launch's share of that floor (share_of_floor). It tells a launch that is short of 80% because of
-what the FP8 kernel does from one that is short because one launch of that many bytes cannot get
+launch's share of that floor (share_of_floor). It tells a launch that is short of the target because
+of what the FP8 kernel does from one that is short because one launch of that many bytes cannot get
 there.
 """
 
@@ -28,55 +27,41 @@ import math
 
 from pallas_kernels.bench.common import L2_BYTES, timed
 
-# per layer kind: the FP8 projections one launch serves (qmtp/layers.py: attention, gated_deltanet, mlp)
+# per layer kind: the FP8 projections one launch serves (the model's attention, gated_deltanet, mlp)
 LAUNCH_GROUPS = {
     "attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("mlp_gate", "mlp_up"), ("mlp_down",)),
     "gdn": (("in_proj_qkv", "in_proj_z"), ("out_proj",), ("mlp_gate", "mlp_up"), ("mlp_down",)),
 }
-TARGET_SHARE = 0.80  # issue 4: FP8 matmul at 1-16 rows >= 80% of the measured copy bandwidth
+TARGET_SHARE = 0.80  # each FP8 launch at 1-16 rows streams >= 80% of the measured copy bandwidth
 DECODE_MS = (1, 4, 16)
 
 
-def step_launches(preset: str = "qwen3_5_27b") -> list[dict]:
-    """[{name, shapes [(O, I)], count (per step)}] for every FP8 launch of one decode step of `preset`,
-    from the model's parameter declarations; ValueError if LAUNCH_GROUPS misses or repeats a weight."""
-    import collections
+def step_launches() -> list[dict]:
+    """[{name, shapes [(O, I)], count (per step)}] for every FP8 launch of one 27B decode step;
+    ValueError if LAUNCH_GROUPS misses or repeats a projection of fp8.PROJECTIONS."""
+    from pallas_kernels.bench.fp8 import LAYERS, PROJECTIONS
 
-    import jax.numpy as jnp
-
-    from qmtp import config as qc
-    from qmtp import params as qp
-    from qmtp.fp8 import Fp8Block
-    from qmtp.tools import make_checkpoint
-
-    cfg = qc.from_dict(make_checkpoint.build_config(preset, "fp8", 0, None))
-    tree = qp.abstract_params(cfg, jnp.bfloat16, fp8_linear=True)
-    launches: dict = collections.OrderedDict()
+    launches = []
     for kind, groups in LAUNCH_GROUPS.items():
-        for layer in tree[kind]:
-            fp8_keys = {k for k, v in layer.items() if isinstance(v, Fp8Block)}
-            grouped = [k for g in groups for k in g]
-            if sorted(grouped) != sorted(fp8_keys):
-                raise ValueError(f"LAUNCH_GROUPS[{kind!r}] covers {sorted(grouped)}, but the layer's FP8 "
-                                 f"weights are {sorted(fp8_keys)}: update it to match qmtp/layers.py")
-            for group in groups:
-                shapes = tuple(tuple(layer[k].shape) for k in group)
-                key = (f"{kind}.{'+'.join(group)}", shapes)
-                launches[key] = launches.get(key, 0) + 1
-    return [{"name": name, "shapes": list(shapes), "count": n} for (name, shapes), n in launches.items()]
+        grouped = [k for g in groups for k in g]
+        if sorted(grouped) != sorted(PROJECTIONS[kind]):
+            raise ValueError(f"LAUNCH_GROUPS[{kind!r}] covers {sorted(grouped)}, but the layer's FP8 "
+                             f"weights are {sorted(PROJECTIONS[kind])}")
+        for group in groups:
+            launches.append({"name": f"{kind}.{'+'.join(group)}", "count": LAYERS[kind],
+                             "shapes": [PROJECTIONS[kind][k] for k in group]})
+    return launches
 
 
 def launch_output(x, ws, ss, interpret: bool = False):
     """One launch's outputs reduced to [M, 1] for loop_program: the first column of every output,
     summed. Each output must reach the result: a GEMM launch is one pallas_call per weight (the
-    decode grid is one for all), and XLA removes a call whose output is never read. Sessions 18-19
-    concatenated the outputs and loop_program kept the first column, which timed the GEMM groups'
-    first weight alone (gate of gate + up, q of q + k + v, in_proj_qkv of in_proj_qkv + z)."""
+    decode grid is one for all), and XLA removes a call whose output is never read."""
     from pallas_kernels import fp8_matmul as fm
     return sum(y[:, :1].astype("float32") for y in fm.fp8_matmul_many(x, ws, ss, interpret=interpret))
 
 
-LAYOUTS = ("checkpoint", "tiled")  # the weights as the checkpoint stores them, or fp8_matmul.tile_weight's
+LAYOUTS = ("checkpoint", "tiled")  # the weights as the checkpoint stores them, or fp8_layout's tiles
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, decode_ms=DECODE_MS,
@@ -90,7 +75,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import fp8_layout
+    from pallas_kernels import fp8_config, fp8_layout
     from pallas_kernels import fp8_matmul as fm
     from pallas_kernels.bench import read_floor
     from pallas_kernels.bench.fp8 import _device_figures, loop_program, make_weights
@@ -116,7 +101,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         ws = tuple(tuple(s[0][k] for s in sets) for k in range(n))  # n sets of the launch's weights
         ss = tuple(tuple(s[1][k] for s in sets) for k in range(n))
         i_dim = shapes[0][1]
-        tiled_ws = None  # the weights as qmtp.load tiles them, made once per launch (first "tiled" row)
+        tiled_ws = None  # the weights in the engine's tiles, made once per launch (first "tiled" row)
         fl = None
         if floor:
             row = {"kernel": "read_floor", "case": launch["name"], "launch": launch["name"], "impl": "pallas",
@@ -143,12 +128,12 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                    "shapes": [list(s) for s in shapes], "m": m, "impl": "pallas", "count_per_step": launch["count"],
                    "n_weights": n, "bytes": nbytes}
             try:
-                if layout == "tiled" and tiled_ws is None:  # outside the timed programs; as qmtp.load, a
+                if layout == "tiled" and tiled_ws is None:  # outside the timed programs; as the engine, a
                     # weight of no whole number of tiles keeps the checkpoint layout
                     tiled_ws = tuple(tuple(fp8_layout.tile_as_loaded(w) for w in one) for one in ws)
                 w_in = tiled_ws if layout == "tiled" else ws
                 # the config the launch chooses (reported): its weights' tile rows matter at 33-64 rows
-                config = fm.default_config(m, sum(o for o, _ in shapes), i_dim, tile_rows=fm.tile_rows(w_in[0]))
+                config = fp8_config.default_config(m, sum(o for o, _ in shapes), i_dim, tile_rows=fm.tile_rows(w_in[0]))
                 row["config"] = repr(config)
                 prog = loop_program(many, reps, False)
                 med, best = timed(prog, x, w_in, ss, trials=trials)
@@ -183,7 +168,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
 
 
 def target_lines(result: dict) -> list[str]:
-    """Issue 4's FP8 target per row count, met or missed, naming the launches below it."""
+    """The FP8 target (TARGET_SHARE) per row count, met or missed, naming the launches below it."""
     lines = []
     for m, missed in sorted(result["targets"].items(), key=lambda kv: str(kv[0])):
         agg = result["per_step"][m]
