@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmtp import checkpoint, decode, model as model_lib, mtp, ops, speculate
+from qmtp import checkpoint, loop, model as model_lib, mtp
 from qmtp import fp8 as fp8_lib
 from qmtp import tp as tp_lib
 from qmtp.config import ModelConfig
+from qmtp.kernel_config import KernelConfig
 from qmtp.paging import CapacityError, PageAllocator
 from qmtp.state import init_state
 
@@ -39,8 +40,12 @@ class Model:
     dtype: str = "bfloat16"
     page_size: int = 16
     num_pages: int | None = None  # None: exactly what each call needs
-    impl: str = "ref"
+    kernels: KernelConfig = KernelConfig()
     mesh: object | None = None  # jax.sharding.Mesh over the "tp" axis when loaded with tp > 1
+
+    @property
+    def impl(self) -> str:
+        return self.kernels.impl
 
     @property
     def tp(self) -> int:
@@ -73,7 +78,7 @@ class MtpLogits:
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
          impl: str = "ref", progress: bool = True, tp: int = 1, converted_cache: str | None = None,
-         draft_head: str = "auto", draft_vocab=None) -> Model:
+         draft_head: str = "auto", draft_vocab=None, fp8_act_quant: bool = False) -> Model:
     """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory.
 
     tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
@@ -96,12 +101,16 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     draft_vocab: None (drafts choose among the whole vocabulary), a file of token ids or a sequence
     of them (qmtp/draft_vocab.py): drafts choose among those ids only, through the draft head's rows
     for them (FP8 or bf16 as draft_head says), so a draft step reads len(ids) / vocab_size of the
-    head. Tokens are unchanged (the verify pass keeps the full lm_head); acceptance may drop."""
+    head. Tokens are unchanged (the verify pass keeps the full lm_head); acceptance may drop.
+
+    impl and fp8_act_quant make the model's KernelConfig (qmtp/kernel_config.py): "ref" (pure XLA) or
+    "pallas" (the Pallas kernels; FP8 weights are then laid out in the kernels' tiles), and E4M3
+    activations for FP8 projections of few rows."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
         raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
-    ops.check_impl(impl)
+    kernels = KernelConfig(impl, fp8_act_quant)
     if draft_head not in DRAFT_HEADS:
         raise ValueError(f"draft_head={draft_head!r}: supported {DRAFT_HEADS}")
     mesh = tp_lib.make_mesh(tp) if tp != 1 else None
@@ -117,18 +126,18 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
         params = dict(params, mtp=dict(params["mtp"], **_vocab_head(params, cfg, draft_vocab, draft_head, mesh)))
     elif draft_head == "fp8" and "mtp" in params:
         params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(model_lib.lm_head(params), mesh)))
-    if ops.FUSE_GATE_PROJECTIONS:
-        params = fuse_gate_projections(params, mesh)
-    if impl == "pallas" and ops.FP8_TILED_WEIGHTS:  # the kernels' layout (qmtp/weight_layout.py)
+    params = fuse_gate_projections(params, mesh)
+    if kernels.pallas:  # the kernels' layout (qmtp/weight_layout.py)
         from qmtp import weight_layout
         params = weight_layout.tile_fp8_weights(params, mesh)
-    return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, impl,
+    return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, kernels,
                  mesh)
 
 
 def fuse_gate_projections(params: dict, mesh=None) -> dict:
     """The tree with each GDN layer's in_proj_b and in_proj_a [Hv, E] replaced by in_proj_ba [2 Hv, E]
-    = [b | a] (ops.FUSE_GATE_PROJECTIONS): one dot for both gate projections, rows unchanged, so each
+    = [b | a]: one dot for both gate projections (in the 27B verify pass 49 GEMMs instead of 97 and
+    141 us less per pass; the one-row step unchanged), rows unchanged, so each
     output is the same dot product as before (up to the order in which the backend's dot sums it: on
     some CPUs the joined dot differs from the two in the last bit). Under TP each device joins its own
     rows, so shard s holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
@@ -224,7 +233,7 @@ def _call(model: Model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: t
     """fn(*lead, *args, **static) on one device, or as one shard_map over the model's mesh."""
     if model.mesh is None:
         return fn(*lead, *args, **static)
-    return tp_lib.sharded(fn, model.mesh, lead, args, kinds, out_kinds, check_vma=model.impl == "ref", **static)
+    return tp_lib.sharded(fn, model.mesh, lead, args, kinds, out_kinds, check_vma=not model.kernels.pallas, **static)
 
 
 def _prompt_batch(prompt_ids: list[list[int]]):
@@ -260,67 +269,58 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     """Greedy generation for a batch of prompts (text or token-id lists), loop on the device.
 
     mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (same tokens).
-    `accept_cap` (MTP only) caps the accepted drafts per round: an int, or a schedule [R] / [R, B]
-    (round r uses row min(r, R-1)); capping never changes the tokens. Stops each sequence at a stop
-    id (default: generation_config's eos ids) or after `max_new_tokens`. With warmup=True the
-    compiled programs are built first (timed as warmup_s), so ttft_s / decode_s measure execution."""
+    Stops each sequence at a stop id (default: generation_config's eos ids) or after `max_new_tokens`.
+    `accept_cap` (MTP only; how benchmarks impose an acceptance profile, qmtp/bench_profile.py) caps
+    the accepted drafts per round: an int, or a schedule [R] / [R, B] (round r uses row min(r, R-1));
+    capping never changes the tokens. With warmup=True the compiled programs are built first (timed as
+    warmup_s), so ttft_s / decode_s measure execution."""
     _check_sampling(temperature)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    loop.check_k(mtp_k)
     if mtp_k:
-        speculate.SpecConfig(mtp_k, 1, ())  # validates k
         mtp.check_supported(model.cfg)
     prompt_ids = encode(model, prompts)
     batch = len(prompt_ids)
-    stop = tuple(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    # verify writes K+1 positions past the committed length
-    capacities = [len(p) + max_new_tokens + (mtp_k + 1 if mtp_k else 0) for p in prompt_ids]
+    stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)
+    # a round's pass writes K+1 positions past the committed length
+    capacities = [len(p) + max_new_tokens + mtp_k + 1 for p in prompt_ids]
     tokens, n_valid = _prompt_batch(prompt_ids)
-    max_new = jnp.full((batch,), max_new_tokens, jnp.int32)
-    cap = _cap_schedule(accept_cap, batch, mtp_k) if mtp_k else None
+    cap = _cap_schedule(accept_cap, batch, mtp_k) if mtp_k and accept_cap is not None else None
+    statics = (model.cfg, model.kernels)
 
     def run(limit):
         state = _new_state(model, capacities)
+        budget = jnp.full((batch,), limit, jnp.int32)
         t0 = time.perf_counter()
-        args, kinds = (model.params, state, tokens, n_valid), ("params", "state", "rep", "rep")
-        if mtp_k:
-            first, d1, mh, state = _call(model, speculate.prefill, (model.cfg,), args, kinds,
-                                         ("rep", "rep", "rep", "state"), impl=model.impl)
-        else:
-            first, _, state = _call(model, decode.prefill, (model.cfg,), args, kinds, ("rep", "rep", "state"),
-                                    impl=model.impl)
+        first, slots, state = _call(model, loop.prefill, statics + (bool(mtp_k),),
+                                    (model.params, state, tokens, n_valid, budget, stop),
+                                    ("params", "state", "rep", "rep", "rep", "rep"), ("rep", "rep", "state"))
         first.block_until_ready()
         t1 = time.perf_counter()
-        if mtp_k:
-            spec = speculate.SpecConfig(mtp_k, max_new_tokens, stop)
-            out, count, extra, state = _call(
-                model, speculate.spec_loop, (model.cfg, spec),
-                (model.params, state, first, d1, mh, jnp.minimum(max_new, limit), cap),
-                ("params", "state", "rep", "rep", "rep", "rep", "rep"), ("rep", "rep", "rep", "state"), impl=model.impl)
-        else:
-            spec = decode.LoopSpec(max_tokens=max_new_tokens, stop_ids=stop)
-            out, count, steps, state = _call(
-                model, decode.greedy_loop, (model.cfg, spec), (model.params, state, first, jnp.minimum(max_new, limit)),
-                ("params", "state", "rep", "rep"), ("rep", "rep", "rep", "state"), impl=model.impl)
-            extra = {"steps": steps}
+        args, kinds = (model.params, state, slots), ("params", "state", "rep")
+        if cap is not None:
+            args, kinds = args + (cap,), kinds + ("rep",)
+        out, count, stats, _, _ = _call(model, loop.decode, statics + (mtp_k, max_new_tokens), args, kinds,
+                                        ("rep", "rep", "rep", "state", "rep"))
         out.block_until_ready()
-        return out, count, extra, t1 - t0, time.perf_counter() - t1
+        return first, out, count, stats, t1 - t0, time.perf_counter() - t1
 
     warmup_s = 0.0
     if warmup:
         t0 = time.perf_counter()
-        run(1)  # compiles prefill and the loop (the loop's shapes do not depend on the limit)
+        run(1)  # compiles prefill and the loop (their shapes do not depend on the budget)
         warmup_s = time.perf_counter() - t0
-    out, count, extra, ttft, decode_s = run(max_new_tokens)
-    out, count = np.asarray(out), np.asarray(count)
-    new = [out[b, :count[b]].tolist() for b in range(batch)]
-    n_decoded = int(sum(max(c - 1, 0) for c in count))
+    first, out, count, stats, ttft, decode_s = run(max_new_tokens)
+    first, out, count = np.asarray(first), np.asarray(out), np.asarray(count)
+    new = [[int(first[b])] + out[b, :count[b]].tolist() for b in range(batch)]
+    n_decoded = int(count.sum())
     texts = [model.tokenizer.decode(t, skip_special_tokens=True) for t in new] if model.tokenizer else None
-    stats = {"ttft_s": ttft, "decode_s": decode_s, "warmup_s": warmup_s, "new_tokens": int(count.sum()),
-             "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
-             "batch": batch, "mtp_k": mtp_k}
-    stats.update(_mtp_stats(extra, mtp_k) if mtp_k else {"steps": int(extra["steps"])})
-    return GenerationResult(new, texts, [len(p) for p in prompt_ids], stats)
+    stats_out = {"ttft_s": ttft, "decode_s": decode_s, "warmup_s": warmup_s, "new_tokens": n_decoded + batch,
+                 "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
+                 "batch": batch, "mtp_k": mtp_k}
+    stats_out.update(_mtp_stats(stats, mtp_k) if mtp_k else {"steps": int(np.asarray(stats["rounds"]).max(initial=0))})
+    return GenerationResult(new, texts, [len(p) for p in prompt_ids], stats_out)
 
 
 def _mtp_stats(extra: dict, k: int) -> dict:
@@ -338,27 +338,27 @@ def target_logits(model: Model, token_ids) -> np.ndarray:
     (ids,) = encode(model, [list(token_ids)])
     state = _new_state(model, [len(ids)])
     tokens = jnp.asarray([ids], jnp.int32)
-    (logits,) = _call(model, _target_logits, (model.cfg,), (model.params, state, tokens), ("params", "state", "rep"),
-                      ("rep",), impl=model.impl)
+    (logits,) = _call(model, _target_logits, (model.cfg, model.kernels), (model.params, state, tokens),
+                      ("params", "state", "rep"), ("rep",))
     return np.asarray(logits, np.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
-def _target_logits(cfg, params, state, tokens, impl):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
+def _target_logits(cfg, kernels, params, state, tokens):
     n = jnp.asarray([tokens.shape[1]], jnp.int32)
-    hidden, _ = model_lib.forward(cfg, params, state, tokens, n, impl=impl)
-    return (tp_lib.gather_vocab(model_lib.logits_from_hidden(params, hidden[0], impl)),)  # [T, V]
+    hidden, _ = model_lib.forward(cfg, params, state, tokens, n, kernels)
+    return (tp_lib.gather_vocab(model_lib.logits_from_hidden(params, hidden[0], kernels)),)  # [T, V]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
-def _teacher_forced(cfg, params, state, tokens, impl):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
+def _teacher_forced(cfg, kernels, params, state, tokens):
     n = jnp.asarray([tokens.shape[1]], jnp.int32)
-    hidden, state = model_lib.forward(cfg, params, state, tokens, n, impl=impl)
-    target = tp_lib.gather_vocab(model_lib.logits_from_hidden(params, hidden[0], impl))  # [T, V]
+    hidden, state = model_lib.forward(cfg, params, state, tokens, n, kernels)
+    target = tp_lib.gather_vocab(model_lib.logits_from_hidden(params, hidden[0], kernels))  # [T, V]
     # MTP at positions 0..T-2 from (x_{p+1}, h_p)
     mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:], hidden[:, :-1], jnp.zeros((1,), jnp.int32), n - 1,
-                        impl=impl)
-    draft = tp_lib.gather_vocab(model_lib.draft_logits(params, mh[0], impl))  # [T-1, V] or [T-1, Vs']
+                        kernels)
+    draft = tp_lib.gather_vocab(model_lib.draft_logits(params, mh[0], kernels))  # [T-1, V] or [T-1, Vs']
     vocab = params["mtp"].get("draft_vocab")
     if vocab is not None:  # a draft vocabulary: its ids get their logits, every other id -inf
         full = jnp.full((draft.shape[0], target.shape[-1]), -jnp.inf, draft.dtype)
@@ -375,8 +375,8 @@ def mtp_logits(model: Model, token_ids) -> MtpLogits:
     if len(ids) < 2:
         raise ValueError("mtp_logits needs at least 2 tokens")
     state = _new_state(model, [len(ids)])
-    target, draft = _call(model, _teacher_forced, (model.cfg,), (model.params, state, jnp.asarray([ids], jnp.int32)),
-                          ("params", "state", "rep"), ("rep", "rep"), impl=model.impl)
+    target, draft = _call(model, _teacher_forced, (model.cfg, model.kernels),
+                          (model.params, state, jnp.asarray([ids], jnp.int32)), ("params", "state", "rep"), ("rep", "rep"))
     target_next = np.asarray(jnp.argmax(target[1:], axis=-1))
     draft = np.asarray(draft, np.float32)
     draft_argmax = np.argmax(draft, axis=-1)

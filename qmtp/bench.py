@@ -52,10 +52,10 @@ flags.DEFINE_multi_string("prompt_text", [], "Text prompt (repeatable; needs the
                           "measure on these prompts, one sequence each, instead of random tokens; --batch and "
                           "--prompt_lengths are then ignored. Natural acceptance of a trained model depends on it.")
 flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative round alone (target step, verify, "
-                  "draft, commit, all-reduce) for each K of --breakdown_ks, next to the measured round time.")
+                  "draft, all-reduce) for each K of --breakdown_ks, next to the measured round time.")
 flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
-                  "its own verify and commit programs, which takes minutes at 64 layers.")
-cli_help.define_kernels_flag()
+                  "its own verify and draft programs, which takes minutes at 64 layers.")
+cli_help.define_fp8_act_quant_flag()
 cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
 cli_help.define_compile_cache_flag()
@@ -188,7 +188,7 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     import numpy as np
 
     from qmtp import api, bench_report as br
-    from qmtp.speculate import acceptance_schedule
+    from qmtp.bench_profile import acceptance_schedule
     if prompts is None:
         prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)
     ks = [int(k) for k in FLAGS.ks]
@@ -263,7 +263,6 @@ def _run() -> int:
     bad = [e for e in engines if e not in ("pallas", "ref")]
     if bad or not engines:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
-    cli_help.apply_kernels_flag()
     other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
     compile_cache_dir = cli_help.apply_compile_cache_flag()
     if FLAGS.prompt_text:
@@ -276,7 +275,7 @@ def _run() -> int:
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
     model = qmtp.load(path, dtype=FLAGS.dtype, impl=engines[0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache,
-                      draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab)
+                      draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant)
     load_s = time.perf_counter() - t
     resident = memory()
     config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,
@@ -287,7 +286,7 @@ def _run() -> int:
               "draft_vocab_size": (int(model.params["mtp"]["draft_vocab"].shape[0])
                                    if "draft_vocab" in model.params.get("mtp", {}) else None),
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernel_settings": ops.kernel_settings(),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "fp8_act_quant": FLAGS.fp8_act_quant,
               # a warm compilation cache shortens each mode's compile_s
               "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
@@ -300,7 +299,8 @@ def _run() -> int:
         batches, lengths = [len(text_ids)], [max(len(p) for p in text_ids)]
         config["prompt_text"] = FLAGS.prompt_text
     for engine in engines:
-        engine_model = dataclasses.replace(model, impl=engine)  # the same weights, the other kernel path
+        # the same weights, the other kernel path
+        engine_model = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, impl=engine))
         for b in batches:
             for p in lengths:
                 case = bench_case(engine_model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids)

@@ -155,9 +155,9 @@ def plot(result: dict, path: str) -> str | None:
 
 def breakdown_table(breakdown: dict) -> str:
     """Milliseconds per piece of a round, per K (qmtp.bench_breakdown), with the measured round."""
-    names = ["target_step", "verify", "draft", "commit", "all_reduce", "predicted_round", "measured_round",
+    names = ["target_step", "verify", "draft", "all_reduce", "predicted_round", "measured_round",
              "measured_plain_step"]
-    names += [f"device_{n}" for n in names[:6]]  # busy time from a profiler trace (GPU runs)
+    names += [f"device_{n}" for n in names[:5]]  # busy time from a profiler trace (GPU runs)
     present = [n for n in names if any(n in v for v in breakdown.values())]
     rows = [["K"] + present] + [[k] + [f"{v[n] * 1e3:.3f}" if n in v else "-" for n in present]
                                 for k, v in breakdown.items()]

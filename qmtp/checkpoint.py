@@ -240,7 +240,7 @@ def _read_sharded(cfg, table, headers, checkpoint_dir, compute, progress, mesh) 
                                     None if rows is None else _block_rows(rows, entry.name)) if fp8 else None
                     value = _piece(entry, raw, scale, compute)
                     _place(tree, entry, key, jax.tree_util.tree_map(
-                        lambda a: jax.device_put(a, tp.NamedSharding(mesh, tp.P())), value))
+                        lambda a: jax.device_put(a, tp.replicated(mesh)), value))
                     continue
                 length = len(rows) if rows is not None and dim == 0 else h.shape[dim]
                 pieces = []

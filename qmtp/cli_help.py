@@ -16,22 +16,20 @@ def run(main, doc: str) -> None:
         flags.FLAGS(sys.argv[:1])
         print(doc)
         print(flags.FLAGS.main_module_help())
-        if flags.FLAGS.get_key_flags_for_module(__name__):  # flags shared by the entry points (--kernels)
+        if flags.FLAGS.get_key_flags_for_module(__name__):  # flags shared by the entry points
             print(flags.FLAGS.module_help(__name__))
         sys.exit(0)
     app.run(main)
 
 
-def define_kernels_flag() -> None:
-    """--kernels (qmtp.ops.set_kernel_settings from the command line), for generate, bench, server."""
-    from qmtp import ops
-    if "kernels" in flags.FLAGS:  # generate and server may share one process (tests)
+def define_fp8_act_quant_flag() -> None:
+    """--fp8_act_quant (KernelConfig.fp8_act_quant), for generate, bench, server."""
+    if "fp8_act_quant" in flags.FLAGS:  # generate and server may share one process (tests)
         return
-    names = ", ".join(f"{k} (default {v})" for k, v in ops.kernel_settings().items())
-    flags.DEFINE_list("kernels", [], "impl=pallas: kernel switches as name=value, comma-separated, e.g. "
-                      "fp8_scale_preload=true. The defaults are the fastest measured; for experiments. "
-                      "fp8_act_quant=true (E4M3 activations, MODEL_SPEC 5.3) changes the numbers under both "
-                      f"impls. Names: {names}.")
+    flags.DEFINE_boolean("fp8_act_quant", False, "FP8 checkpoints: quantize the activations of projections of up to "
+                         "128 rows (decode, verify) to E4M3 per row and 128 features and multiply on the FP8 tensor "
+                         "cores, as the checkpoints' dynamic activation scheme says (MODEL_SPEC 5.3). Changes the "
+                         "numbers slightly (and so, rarely, a greedy token); off: exact activations.")
 
 
 def define_draft_head_flag() -> None:
@@ -72,31 +70,21 @@ def apply_compile_cache_flag() -> str | None:
     return compile_cache.enable(directory) if directory else None
 
 
-def apply_kernels_flag() -> dict:
-    """Applies --kernels (ValueError naming the flag on a bad item); returns the settings now in force."""
-    from qmtp import ops
-    try:
-        ops.set_kernel_settings(ops.parse_kernel_settings(flags.FLAGS.kernels))
-    except ValueError as e:
-        raise ValueError(f"--kernels: {e}") from None
-    return ops.kernel_settings()
-
-
 def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> str | None:
     """A warning for a run whose MTP verify passes leave the FP8 decode kernel, or None (unit: what the
     batch counts, as the command line calls it).
 
     A verify pass has batch x (K+1) rows. The Pallas FP8 kernels stream the weights for up to
-    fp8_config.DECODE_MAX_ROWS rows (128, the decode kernel's limit; --kernels=fp8_decode_max_rows) and
-    run GEMM tiles above, which are compute-bound there: on the H200 at 27B shapes a 128-row step's FP8
-    launches took 31.5 ms on the GEMM against 19.4 on the decode kernel, and batch 32 at K=3 gave 1.06x
-    plain on the GEMM against 1.29x on the decode kernel (WORKSPACE, sessions 20-22)."""
-    from pallas_kernels import fp8_config
-    rows, limit = batch * (k + 1), fp8_config.DECODE_MAX_ROWS
+    ops.DECODE_MAX_ROWS rows (128, the decode kernel's limit) and run GEMM tiles above, which are
+    compute-bound there: on the H200 at 27B shapes a 128-row step's FP8 launches took 31.5 ms on the
+    GEMM against 19.4 on the decode kernel, and batch 32 at K=3 gave 1.06x plain on the GEMM against
+    1.29x on the decode kernel (WORKSPACE.md)."""
+    from qmtp import ops
+    rows, limit = batch * (k + 1), ops.DECODE_MAX_ROWS
     if not k or model.impl != "pallas" or model.cfg.quantization is None or rows <= limit:
         return None
     fits = max((kk for kk in range(1, k) if batch * (kk + 1) <= limit), default=0)
     advice = f"--mtp_k={fits} keeps them on it" if fits else f"at most {limit // 2} {unit} at K=1 keep them on it"
     return (f"warning: {batch} {unit} x (K+1 = {k + 1}) = {rows} rows per MTP verify pass exceed the FP8 "
-            f"decode kernel's {limit} (fp8_decode_max_rows); they run on GEMM tiles, which are compute-bound at "
+            f"decode kernel's {limit}; they run on GEMM tiles, which are compute-bound at "
             f"that size and may make MTP slower than plain decoding; {advice}")

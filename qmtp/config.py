@@ -58,7 +58,6 @@ class ModelConfig:
     linear_conv_kernel_dim: int  # W
     tie_word_embeddings: bool
     mtp_num_hidden_layers: int | None  # None: not stated in config.json, taken from the tensors
-    ssm_dtype: str  # dtype of the GDN recurrent state ("float32" or "bfloat16")
     max_position_embeddings: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -227,9 +226,8 @@ def _text_config(raw: dict, source: str, where: str, family: str, prefix: str) -
     if hv % hk:
         raise f.fail("linear_num_value_heads", f"must be a multiple of linear_num_key_heads={hk}")
 
-    ssm_dtype = f.opt("mamba_ssm_dtype", str, "float32")
-    if ssm_dtype not in ("float32", "bfloat16"):
-        raise f.fail("mamba_ssm_dtype", "supported: 'float32', 'bfloat16'")
+    if f.opt("mamba_ssm_dtype", str, "float32") != "float32":  # the released checkpoints state float32
+        raise f.fail("mamba_ssm_dtype", "supported: 'float32' (qmtp keeps the GDN recurrent state in float32)")
 
     if family == "qwen3_5":
         mtp = f.opt("mtp_num_hidden_layers", int, 0)
@@ -260,7 +258,6 @@ def _text_config(raw: dict, source: str, where: str, family: str, prefix: str) -
         linear_conv_kernel_dim=f.req("linear_conv_kernel_dim", int),
         tie_word_embeddings=f.opt("tie_word_embeddings", bool, False),
         mtp_num_hidden_layers=mtp,
-        ssm_dtype=ssm_dtype,
         max_position_embeddings=f.opt("max_position_embeddings", int, 262144),
         bos_token_id=f.opt("bos_token_id", int, None),
         eos_token_ids=_as_id_tuple(eos, source, f.name("eos_token_id")),

@@ -36,6 +36,7 @@ import uuid
 import jax
 import jax.numpy as jnp
 
+from qmtp import tp
 from qmtp.config import ModelConfig
 from qmtp.fp8 import Fp8Block
 
@@ -126,17 +127,6 @@ def _leaf_name(i: int) -> str:
     return f"p{i:05d}"
 
 
-def _target_shardings(abstract: dict, mesh):
-    """Sharding of every leaf: NamedSharding(mesh, param_specs) on a mesh, else the default device."""
-    if mesh is None:
-        (device,) = jnp.asarray(0).devices()  # where checkpoint.load's jnp.asarray puts the tree
-        device = jax.sharding.SingleDeviceSharding(device)
-        return jax.tree_util.tree_map(lambda _: device, abstract)
-    from qmtp import tp
-    return jax.tree_util.tree_map(lambda spec: jax.sharding.NamedSharding(mesh, spec), tp.param_specs(abstract),
-                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-
-
 def _file_sizes(root: str) -> dict[str, int]:
     sizes = {}
     for dirpath, _, files in os.walk(root):
@@ -167,7 +157,7 @@ def save(cache_root: str, key: str, cfg: ModelConfig, params: dict, mesh=None) -
         # the cache restores onto param_specs / the default device: refuse to store any other layout
         abstract = _decode(skeleton, _abstract_leaf)
         bad = [want for a, want in zip(jax.tree_util.tree_leaves(params),
-                                       jax.tree_util.tree_leaves(_target_shardings(abstract, mesh)))
+                                       jax.tree_util.tree_leaves(tp.param_shardings(abstract, mesh)))
                if not isinstance(a, jax.Array) or not a.sharding.is_equivalent_to(want, a.ndim)]
         if bad:
             _warn(f"{len(bad)} leaves are not laid out as the cache restores them (e.g. {bad[0]}); not caching")
@@ -232,7 +222,7 @@ def load(cache_root: str, key: str, cfg: ModelConfig, mesh=None):
         names = _decode(meta["skeleton"], lambda s: _leaf_name(s["leaf"]))
         flat = jax.tree_util.tree_leaves  # the three trees share one structure, so their leaves align
         target = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for n, a, sh in
-                  zip(flat(names), flat(abstract), flat(_target_shardings(abstract, mesh)))}
+                  zip(flat(names), flat(abstract), flat(tp.param_shardings(abstract, mesh)))}
         ocp, ckpt = _checkpointer()
         restored = ckpt.restore(state, args=ocp.args.StandardRestore(target))
 

@@ -5,12 +5,12 @@
     exact-prompt snapshot copied in) -> bounded device loop -> tokens out -> finish -> release
 
 The scheduler thread owns the device state: one DecodeState of `batch_slots` rows over a shared KV
-page pool, and the `decode.Slots` carry. Each iteration (a "scheduling point"):
+page pool, and the `loop.Slots` carry. Each iteration (a "scheduling point"):
   1. drops cancelled requests and, while shutting down, aborts what must be aborted;
   2. admits queued requests in FIFO order while a slot is free and the head's pages fit (the head
      waits for pages; a request that could never fit was refused by submit());
-  3. runs `rounds_per_call` MTP rounds (`speculate.spec_rounds`) or plain steps
-     (`decode.greedy_steps`) over all slots; done or empty slots ride along and write nothing;
+  3. runs `rounds_per_call` rounds of the decode loop (`loop.decode`: MTP rounds, or plain steps
+     at K = 0) over all slots; done or empty slots ride along and write nothing;
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
 The device side (the state, the slots carry and every device call) is `engine_device.DeviceBatch`;
 this module is the host side, with admission (step 2 and the first tokens) in `engine_admission`.
@@ -44,7 +44,7 @@ import traceback
 
 import numpy as np
 
-from qmtp import api, speculate
+from qmtp import api, loop
 from qmtp.engine_admission import Active, Admission
 from qmtp.engine_device import DeviceBatch
 from qmtp.paging import PageAllocator
@@ -71,7 +71,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         checks = [(self.batch_slots >= 1, f"--batch_slots={self.batch_slots} must be >= 1"),
-                  (0 <= self.mtp_k <= speculate.MAX_K, f"--mtp_k={self.mtp_k}: supported 0..{speculate.MAX_K}"),
+                  (0 <= self.mtp_k <= loop.MAX_K, f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K}"),
                   (self.rounds_per_call >= 1, f"--rounds_per_call={self.rounds_per_call} must be >= 1"),
                   (self.max_model_len >= 0, f"--max_model_len={self.max_model_len} must be >= 0"),
                   (self.num_pages >= 0, f"--num_pages={self.num_pages} must be >= 0"),

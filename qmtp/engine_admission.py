@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from qmtp import api, decode
+from qmtp import api, loop
 from qmtp.requests import RequestHandle
 from qmtp.snapshots import Snapshot
 from qmtp.textstream import TextStream
@@ -73,7 +73,7 @@ class Admission:
         pages = self.allocator.pages(reservation)
         page_row = np.zeros(self.pages_per_slot, np.int32)
         page_row[:len(pages)] = pages
-        stop_row = np.full(self.config.max_stop_ids, decode.NO_STOP, np.int32)
+        stop_row = np.full(self.config.max_stop_ids, loop.NO_STOP, np.int32)
         stop_row[:len(handle.stop_ids)] = handle.stop_ids
         return page_row, stop_row
 
@@ -98,7 +98,7 @@ class Admission:
         bucket = tokens.shape[1]
         ids = np.full(n, c.batch_slots, np.int32)
         page_rows = np.zeros((n, self.pages_per_slot), np.int32)
-        stop_rows = np.full((n, c.max_stop_ids), decode.NO_STOP, np.int32)
+        stop_rows = np.full((n, c.max_stop_ids), loop.NO_STOP, np.int32)
         remaining = np.ones(n, np.int32)
         for j, (handle, slot, reservation) in enumerate(group):
             self._active[slot] = Active(handle, reservation, self._text_stream(handle))

@@ -1,5 +1,5 @@
 """The serving engine's device side: one DecodeState of B slot rows over a shared KV page pool plus
-the `decode.Slots` carry, and every device call the scheduler (qmtp.engine) makes on them.
+the `loop.Slots` carry, and every device call the scheduler (qmtp.engine) makes on them.
 
 The scheduler decides (which request, which slot, which pages); this class only moves arrays:
 prefill a group of prompts into their slots, copy an exact-prompt snapshot in or out, run a bounded
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmtp import api, decode, slots as slots_lib, speculate
+from qmtp import api, loop, slots as slots_lib
 from qmtp import tp as tp_lib
 from qmtp.snapshots import Snapshot, snapshot_bytes
 from qmtp.state import init_state
@@ -26,16 +26,14 @@ class DeviceBatch:
         self.model, self.k = model, mtp_k
         cfg, dtype = model.cfg, api.DTYPES[model.dtype]
         table = np.zeros((batch_slots, pages_per_slot), np.int32)  # [B, Pmax]
-        # MTP rounds read and write the GDN state in K+2 slots (speculate.slotted_state), plain steps in 2
-        # with ops.GDN_PLAIN_SLOTS (decode.plain_gdn_slots): the engine keeps it slotted between calls, so
-        # no call copies it in and out (~0.6 GB per sequence at 27B, K=3)
-        slots = (speculate.gdn_slots_needed(mtp_k, model.impl, cfg.ssm_dtype) if mtp_k
-                 else decode.plain_gdn_slots(model.impl, cfg.ssm_dtype))
+        # the GDN state stays in the loop's ring of K+2 slots between calls, so no call copies it in
+        # and out (~0.6 GB per sequence at 27B, K=3)
+        slots = loop.ring_size(mtp_k)
         if model.mesh is not None:
             self.state = tp_lib.init_state(cfg, model.mesh, table, num_pages, model.page_size, dtype, gdn_slots=slots)
         else:
             self.state = init_state(cfg, table, num_pages, model.page_size, dtype, gdn_slots=slots)
-        self.slots = decode.Slots.empty(batch_slots, cfg.hidden_size, max_stop_ids, dtype)
+        self.slots = loop.Slots.empty(batch_slots, cfg.hidden_size, max_stop_ids, dtype)
 
     def _call(self, fn, lead, args, kinds, out_kinds, **static):
         return api._call(self.model, fn, lead, args, kinds, out_kinds, **static)
@@ -45,9 +43,9 @@ class DeviceBatch:
         writes nothing) with their page rows [n, Pmax], token budgets [n] and stop rows [n, NS];
         returns each row's first token [n]."""
         first, self.state, self.slots = self._call(
-            slots_lib.prefill_into_slots, (self.model.cfg, bool(self.k)),
+            slots_lib.prefill_into_slots, (self.model.cfg, self.model.kernels, bool(self.k)),
             (self.model.params, self.state, self.slots, ids, page_rows, tokens, n_valid, remaining, stop_rows),
-            ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"), impl=self.model.impl)
+            ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"))
         return np.asarray(first)
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row):
@@ -74,18 +72,11 @@ class DeviceBatch:
     def run(self, n: int):
         """n MTP rounds (or plain steps) over all slots. Returns host arrays (out [B, n (K+1)], count
         [B], done [B]) and the MTP statistics (None for plain decoding)."""
-        cfg = self.model.cfg
-        if self.k:
-            out, count, stats, self.state, self.slots = self._call(
-                speculate.spec_rounds, (cfg, self.k, n), (self.model.params, self.state, self.slots),
-                ("params", "state", "rep"), ("rep", "rep", "rep", "state", "rep"), impl=self.model.impl)
-        else:
-            out, count, self.state, self.slots = self._call(
-                decode.greedy_steps, (cfg, n), (self.model.params, self.state, self.slots),
-                ("params", "state", "rep"), ("rep", "rep", "state", "rep"), impl=self.model.impl)
-            stats = None
+        out, count, stats, self.state, self.slots = self._call(
+            loop.decode, (self.model.cfg, self.model.kernels, self.k, n), (self.model.params, self.state, self.slots),
+            ("params", "state", "rep"), ("rep", "rep", "rep", "state", "rep"))
         out, count, done = jax.device_get((out, count, self.slots.done))
-        return out, count, done, (jax.device_get(stats) if stats is not None else None)
+        return out, count, done, (jax.device_get(stats) if self.k else None)
 
     def retire(self, mask: np.ndarray) -> None:
         """Marks the slots of mask [B] done on the device (released by the host while still live)."""

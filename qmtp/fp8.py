@@ -42,9 +42,9 @@ class Fp8Block:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical [..., O, I] shape, in either layout."""
-        from pallas_kernels.fp8_layout import weight_shape
-        return weight_shape(self.weight)
+        """The logical [O, I] shape, in either layout (tiled: [O / tr, I / 128, tr, 128])."""
+        w = self.weight.shape
+        return (w[0] * w[2], w[1] * w[3]) if self.tiled else tuple(w)
 
 
 def scale_grid(out_features: int, in_features: int, block: int = FP8_BLOCK) -> tuple[int, int]:

@@ -38,10 +38,6 @@ flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of ge
 flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain greedy decoding. "
                      "The tokens are the same either way; MTP needs a checkpoint with mtp.* tensors.",
                      lower_bound=0, upper_bound=4)
-flags.DEFINE_list("accept_profile", None, "MTP only: cap the accepted drafts per round with a seeded schedule "
-                  "reproducing this cumulative per-position acceptance, e.g. 0.85,0.70,0.57 (benchmarking on "
-                  "controlled checkpoints; the tokens do not change).")
-flags.DEFINE_integer("accept_seed", 0, "Seed of the --accept_profile schedule.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature. Only greedy decoding (0) is supported; anything "
                    "else is refused.")
 flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this many devices (each loads only its "
@@ -51,7 +47,7 @@ flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this man
 flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the converted (and sharded) "
                     "parameters: the first load writes it, later loads of the same checkpoint files, dtype and --tp "
                     "restore from it instead of reading the safetensors.")
-cli_help.define_kernels_flag()
+cli_help.define_fp8_act_quant_flag()
 cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
 cli_help.define_compile_cache_flag()
@@ -89,28 +85,17 @@ def run(argv) -> dict:
     if not prompts:
         raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
     stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
-    cap = None
-    if FLAGS.accept_profile:
-        if not FLAGS.mtp_k:
-            raise ValueError("--accept_profile needs --mtp_k >= 1")
-        try:
-            profile = [float(x) for x in FLAGS.accept_profile]
-        except ValueError:
-            raise ValueError(f"--accept_profile={','.join(FLAGS.accept_profile)}: expected numbers") from None
-        from qmtp.speculate import acceptance_schedule
-        cap = acceptance_schedule(profile, FLAGS.mtp_k, FLAGS.max_new_tokens, len(prompts), FLAGS.accept_seed)
-    kernels = cli_help.apply_kernels_flag()
     cli_help.apply_compile_cache_flag()
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
                       converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head,
-                      draft_vocab=FLAGS.draft_vocab)
+                      draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant)
     warning = cli_help.verify_rows_warning(model, len(prompts), FLAGS.mtp_k)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
-                           mtp_k=FLAGS.mtp_k, accept_cap=cap, temperature=FLAGS.temperature,
+                           mtp_k=FLAGS.mtp_k, temperature=FLAGS.temperature,
                            warmup=FLAGS.warmup)
     for i, tokens in enumerate(result.tokens):
         shown = prompts[i] if isinstance(prompts[i], str) else f"ids {prompts[i]}"
@@ -127,7 +112,7 @@ def run(argv) -> dict:
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
-              "draft_head": model.draft_head, "tp": FLAGS.tp, "kernel_settings": kernels,
+              "draft_head": model.draft_head, "tp": FLAGS.tp, "fp8_act_quant": FLAGS.fp8_act_quant,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s}
     if FLAGS.output_json:

@@ -13,8 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from qmtp import ops, tp
+from qmtp.kernel_config import KernelConfig
 
 F32 = jnp.float32
+# Passes of at least this many tokens (prefill) run GDN in the chunked WY form; shorter ones (decode,
+# verify, short prompts) the per-token recurrence, exact per position and cheap for T <= K+1.
+CHUNKED_GDN_MIN_TOKENS = 16
 
 
 # ---- norms (§3.1, §3.2) ------------------------------------------------------------------------
@@ -49,16 +53,16 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
 
 
 # ---- MLP (§3.4) --------------------------------------------------------------------------------
-def mlp(p: dict, x: jax.Array, impl: str) -> jax.Array:
+def mlp(p: dict, x: jax.Array, kernels: KernelConfig) -> jax.Array:
     """SwiGLU: down(silu(x @ gate.T) * (x @ up.T))."""
-    gate, up = ops.linear_many(x, (p["mlp_gate"], p["mlp_up"]), impl)
-    return row_parallel((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], impl)
+    gate, up = ops.linear_many(x, (p["mlp_gate"], p["mlp_up"]), kernels)
+    return row_parallel((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], kernels)
 
 
-def row_parallel(x: jax.Array, w, impl: str) -> jax.Array:
+def row_parallel(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     """x @ W.T for a projection whose input dim may be split across shards: f32 partial sums,
     reduced across shards, rounded once to x's dtype (as one device rounds its accumulator once)."""
-    return tp.all_reduce(ops.linear(x, w, impl, out_dtype=F32)).astype(x.dtype)
+    return tp.all_reduce(ops.linear(x, w, kernels, out_dtype=F32)).astype(x.dtype)
 
 
 # ---- paged KV ----------------------------------------------------------------------------------
@@ -77,14 +81,14 @@ def write_kv(pages: jax.Array, page_table: jax.Array, positions: jax.Array, vali
     out = pages.reshape((n_pages * page_size,) + pages.shape[2:])
     # unique_indices: XLA may write the rows in parallel with plain stores, without ordering the updates
     out = out.at[flat.reshape(-1)].set(new.reshape((-1,) + new.shape[2:]).astype(pages.dtype), mode="drop",
-                                       unique_indices=ops.KV_SCATTER_UNIQUE)
+                                       unique_indices=True)
     return out.reshape(pages.shape)
 
 
 # ---- gated full attention (§3.5) ---------------------------------------------------------------
 def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
               lengths: jax.Array, n_valid: jax.Array, *, eps: float, rotary_dim: int, theta: float,
-              impl: str):
+              kernels: KernelConfig):
     """Gated GQA attention of T new tokens at positions lengths + t over the paged KV.
 
     Returns (out [B, T, E], k_pages', v_pages'). q_proj rows are per head [query | gate]."""
@@ -92,7 +96,7 @@ def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
     d = p["q_norm"].shape[-1]
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
     valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
-    qg, k, v = ops.linear_many(x, (p["q_proj"], p["k_proj"], p["v_proj"]), impl)
+    qg, k, v = ops.linear_many(x, (p["q_proj"], p["k_proj"], p["v_proj"]), kernels)
     qg = qg.reshape(b, t, -1, 2 * d)  # [B, T, Hq, 2D]
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, -1)  # [B, T, Hq, D], [B, T, Hq*D]
     k, v = k.reshape(b, t, -1, d), v.reshape(b, t, -1, d)  # [B, T, Hkv, D]
@@ -101,9 +105,9 @@ def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
     k_pages = write_kv(k_pages, page_table, positions, valid, k)
     v_pages = write_kv(v_pages, page_table, positions, valid, v)
     o = ops.paged_attention_op(q, k_pages, v_pages, page_table, positions, lengths + n_valid,
-                               scale=d ** -0.5, impl=impl)  # [B, T, Hq, D]
+                               scale=d ** -0.5, kernels=kernels)  # [B, T, Hq, D]
     o = (o.reshape(b, t, -1).astype(F32) * jax.nn.sigmoid(gate.astype(F32))).astype(x.dtype)
-    return row_parallel(o, p["o_proj"], impl), k_pages, v_pages
+    return row_parallel(o, p["o_proj"], kernels), k_pages, v_pages
 
 
 # ---- Gated DeltaNet (§3.6) ---------------------------------------------------------------------
@@ -147,63 +151,36 @@ def conv_qkv(mixed: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax
 
 
 def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
-                   n_valid: jax.Array, *, eps: float, impl: str,
-                   chunked: bool, return_replay: bool = False, gdn_slots=None):
-    """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv], or with
-    gdn_slots int [B] both slotted, [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv] (ops.GDN_STATE_SLOTS): row b
-    starts from slot gdn_slots[b] and the state after each token t goes to slot (gdn_slots[b] + 1 + t)
-    mod Ns (pallas_kernels/gdn_conv.py; the conv kernel or, for impl="ref", its jnp twin).
+                   n_valid: jax.Array, *, eps: float, kernels: KernelConfig, gdn_slots=None):
+    """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv] f32, or with
+    gdn_slots int [B] both in the slot ring, [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv]: row b starts from
+    slot gdn_slots[b] and the state after each token t goes to slot (gdn_slots[b] + 1 + t) mod Ns
+    (pallas_kernels/gdn_conv.py: the kernel, or its jnp twin under impl="ref").
 
-    Returns (out [B, T, E], conv_state', ssm_state'[, replay]). `replay` holds what rebuilds the
-    state after any prefix of the T tokens without running the layer again (speculative commit):
-    window [B, W-1+T, C] and the recurrence inputs q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] with g, beta
-    [B, T, Hv] or, when the gates run inside the kernel (ops.GDN_GATES_IN_KERNEL), the raw a, b [B, T, Hv]
-    with A_log and dt_bias [Hv]; when the conv runs inside the kernel as well (ops.GDN_CONV_IN_KERNEL),
-    the kernel's inputs: the raw mixed [B, T, C], the old conv state [B, W-1, C], the conv weight
-    [C, W] and a, b (or ba [B, T, 2 Hv] = [b | a] from in_proj_ba), A_log, dt_bias."""
+    Passes of fewer than CHUNKED_GDN_MIN_TOKENS tokens (decode, verify, short prompts) run conv, norms,
+    gates, padding and the per-token recurrence in one kernel; longer ones (prefill) the chunked WY
+    form. Returns (out [B, T, E], conv_state', ssm_state')."""
     b, t, _ = x.shape
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]
-    key_heads = (p["conv"].shape[0] - hv * dv) // (2 * dk)  # conv channels are q | k | v
-    mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), impl)  # [B, T, C] with C = q | k | v
+    mixed, z = ops.linear_many(x, (p["in_proj_qkv"], p["in_proj_z"]), kernels)  # [B, T, C] with C = q | k | v
     z = z.reshape(b, t, hv, dv)
-    ba = None
-    if "in_proj_ba" in p:  # both gate projections in one (qmtp.api.fuse_gate_projections): one launch, not two
-        ba = ops.linear(x, p["in_proj_ba"], impl)  # [B, T, 2 Hv] = [b | a]
-        b_raw, a_raw = ba[..., :hv], ba[..., hv:]
+    if "in_proj_ba" in p:  # both gate projections joined at load (checkpoint.fuse_gate_projections)
+        ba = ops.linear(x, p["in_proj_ba"], kernels)  # [B, T, 2 Hv] = [b | a]
+    else:  # a tree as a checkpoint or the trainer holds it
+        ba = jnp.concatenate([ops.linear(x, p["in_proj_b"], kernels), ops.linear(x, p["in_proj_a"], kernels)], -1)
+    if gdn_slots is not None or t < CHUNKED_GDN_MIN_TOKENS:
+        # the kernel reads ba's halves in place (slicing it would be two launches per layer on the GPU)
+        o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], ba, p["A_log"], p["dt_bias"],
+                                                   ssm_state, n_valid, kernels, slots=gdn_slots)
     else:
-        b_raw = ops.linear(x, p["in_proj_b"], impl)  # [B, T, Hv]
-        a_raw = ops.linear(x, p["in_proj_a"], impl)
-    raw_gates = {"a": a_raw, "b": b_raw, "A_log": p["A_log"], "dt_bias": p["dt_bias"]}
-    if not chunked and (gdn_slots is not None or ops.gdn_conv_in_kernel(impl)):
-        # conv, norms, gates, padding and recurrence: one kernel (or its jnp twin for a slotted impl="ref"
-        # state); the kernel reads ba's halves in place (slicing it would be two launches per layer on the GPU)
-        gates = {"a": None, "b": None, "ba": ba} if ba is not None else {"a": a_raw, "b": b_raw}
-        o, ssm, new_conv = ops.gdn_conv_recurrence(mixed, conv_state, p["conv"], a_log=p["A_log"],
-                                                   dt_bias=p["dt_bias"], state=ssm_state, n_valid=n_valid,
-                                                   impl=impl, state_kept=return_replay, slots=gdn_slots, **gates)
-        # commit_gdn runs the same kernel from the old conv / ssm state with n_valid = the accepted length
-        # (slotted, every token's state is in its slot already and nothing asks for the replay)
-        replay = {"mixed": mixed, "conv": conv_state, "conv_w": p["conv"], "A_log": p["A_log"],
-                  "dt_bias": p["dt_bias"], **gates}
-    else:
-        (q, k, v), new_conv, window = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
-        if not chunked and ops.gdn_gates_in_kernel(impl):  # gates and the padding select inside the kernel
-            o, ssm = ops.gdn_recurrence_gated(q, k, v, a_raw, b_raw, p["A_log"], p["dt_bias"], ssm_state, n_valid,
-                                              impl=impl)
-            # commit_gdn runs the same kernel with n_valid = the accepted length
-            replay = {"window": window, "q": q, "k": k, "v": v, **raw_gates}
-        else:
-            valid = jnp.arange(t)[None] < n_valid[:, None]  # [B, T]
-            g, beta = ops.gdn_gates(a_raw, b_raw, p["A_log"], p["dt_bias"])  # g: log-decay <= 0
-            beta, g = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
-            # padding must not touch the state even if its inputs are not finite: zero k and v as well
-            k, v = jnp.where(valid[:, :, None, None], k, 0.0), jnp.where(valid[:, :, None, None], v, 0.0)
-            recurrence = ops.gdn_chunked if chunked else ops.gdn_recurrence
-            o, ssm = recurrence(q, k, v, g, beta, ssm_state, impl=impl)
-            replay = {"window": window, "q": q, "k": k, "v": v, "g": g, "beta": beta}
+        key_heads = (p["conv"].shape[0] - hv * dv) // (2 * dk)  # conv channels are q | k | v
+        (q, k, v), new_conv, _ = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
+        valid = (jnp.arange(t)[None] < n_valid[:, None])[..., None]  # [B, T, 1]
+        g, beta = ops.gdn_gates(ba[..., hv:], ba[..., :hv], p["A_log"], p["dt_bias"])  # g: log-decay <= 0
+        beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
+        # padding must not touch the state even if its inputs are not finite: zero k and v as well
+        k, v = jnp.where(valid[..., None], k, 0.0), jnp.where(valid[..., None], v, 0.0)
+        o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state)
     o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
-    result = (row_parallel(o, p["out_proj"], impl), new_conv, ssm.astype(ssm_state.dtype))
-    if return_replay:
-        return result + (replay,)
-    return result
+    return row_parallel(o, p["out_proj"], kernels), new_conv, ssm.astype(ssm_state.dtype)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from qmtp import layers, model, ops, tp
 from qmtp.config import ModelConfig
+from qmtp.kernel_config import KernelConfig
 from qmtp.state import DecodeState
 
 
@@ -33,7 +34,7 @@ def check_supported(cfg: ModelConfig) -> None:
 
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, hidden: jax.Array,
-            start: jax.Array, n_valid: jax.Array, *, impl: str = "ref"):
+            start: jax.Array, n_valid: jax.Array, kernels: KernelConfig):
     """MTP over tokens [B, T] (x_{p+1}) and hiddens [B, T, E] (h_p) at positions start[b] + t.
 
     Tokens t >= n_valid[b] write no KV. Returns (MTP hidden [B, T, E] after mtp.norm, state with
@@ -42,12 +43,12 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     eps = cfg.rms_norm_eps
     e = layers.rms_norm(tp.embed_lookup(params["embed"], tokens), mp["pre_fc_norm_embedding"], eps)  # [B, T, E]
     hh = layers.rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
-    u = ops.linear(jnp.concatenate([e, hh], axis=-1), mp["fc"], impl)  # [B, T, E]
+    u = ops.linear(jnp.concatenate([e, hh], axis=-1), mp["fc"], kernels)  # [B, T, E]
     p = mp["layers"][0]
     mixer = lambda h: layers.attention(p, h, state.mtp_kv.k[0], state.mtp_kv.v[0], state.page_table, start,
                                        n_valid, eps=eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta,
-                                       impl=impl)
-    u, (k_pages, v_pages) = model.decoder_layer(cfg, p, u, mixer, impl)
+                                       kernels=kernels)
+    u, (k_pages, v_pages) = model.decoder_layer(cfg, p, u, mixer, kernels)
     hm = layers.rms_norm(u, mp["norm"], eps)
     return hm, dataclasses.replace(state, mtp_kv=state.mtp_kv.replace_layer(0, k_pages, v_pages))
 

@@ -87,7 +87,7 @@ def define_flags() -> None:
     flags.DEFINE_list("warmup_prompt_lengths", ["1"], "With --warmup: compile the prefill for these prompt lengths' "
                       "buckets (powers of two >= 16), e.g. 16,64,256; other buckets compile on first use.")
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
-    cli_help.define_kernels_flag()
+    cli_help.define_fp8_act_quant_flag()
     cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
 cli_help.define_compile_cache_flag()
@@ -352,11 +352,10 @@ def build(argv) -> tuple:
         stop = None if FLAGS.stop_token_ids is None else tuple(int(t) for t in FLAGS.stop_token_ids if t)
     except ValueError:
         raise ValueError(f"--stop_token_ids={','.join(FLAGS.stop_token_ids)}: expected integers") from None
-    cli_help.apply_kernels_flag()
     cli_help.apply_compile_cache_flag()
     path = resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size, impl=FLAGS.impl, tp=FLAGS.tp,
-                      progress=False, draft_head=FLAGS.draft_head,
+                      fp8_act_quant=FLAGS.fp8_act_quant, progress=False, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab)
     engine = Engine(model, EngineConfig(
         batch_slots=FLAGS.batch_slots, mtp_k=FLAGS.mtp_k, rounds_per_call=FLAGS.rounds_per_call,

@@ -3,7 +3,7 @@
     kv.k, kv.v     La x [P, S, Hkv, D]   paged KV of the target's full-attention layers (compute dtype)
     mtp_kv.k, .v   Lm x [P, S, Hkv, D]   paged KV of the MTP layers (same page table and positions)
     conv           Lg x [B, W-1, C]      last W-1 pre-conv inputs of each GDN layer (compute dtype)
-    ssm            Lg x [B, Hv, Dk, Dv]  GDN recurrent state (cfg.ssm_dtype, float32 by default)
+    ssm            Lg x [B, Hv, Dk, Dv]  GDN recurrent state (float32)
     page_table     [B, Pmax] int32       page ids of each sequence; position p lives in page
                                          page_table[b, p // S], slot p % S
     lengths        [B] int32             committed tokens per sequence (KV beyond is stale)
@@ -63,8 +63,8 @@ def state_shapes(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, p
                  dtype, kv_heads: int | None = None, gdn_slots: int = 0) -> DecodeState:
     """Abstract (ShapeDtypeStruct) state; the one place that states every shape and dtype.
     kv_heads: KV heads of the cache (default the config's; tensor parallelism with fewer KV heads
-    than devices stores each replica). gdn_slots = Ns > 0: the conv and ssm states slotted, [Ns, B, ...]
-    (qmtp.speculate.slotted_state)."""
+    than devices stores each replica). gdn_slots = Ns > 0: the conv and ssm states in the slot ring,
+    [Ns, B, ...] (qmtp/loop.py)."""
     s = jax.ShapeDtypeStruct
     hkv, d = kv_heads or cfg.num_key_value_heads, cfg.head_dim
     pages = lambda layers: tuple(s((num_pages, page_size, hkv, d), dtype) for _ in range(layers))
@@ -75,7 +75,7 @@ def state_shapes(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, p
         mtp_kv=PagedKV(pages(cfg.mtp_layers), pages(cfg.mtp_layers)),
         conv=tuple(s(lead + (batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype) for _ in range(lg)),
         ssm=tuple(s(lead + (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                    jnp.dtype(cfg.ssm_dtype)) for _ in range(lg)),
+                    jnp.float32) for _ in range(lg)),
         page_table=s((batch, pages_per_seq), jnp.int32),
         lengths=s((batch,), jnp.int32),
     )
@@ -93,8 +93,8 @@ def init_state(cfg: ModelConfig, page_table: np.ndarray, num_pages: int, page_si
 
 
 def gdn_slot_count(state: DecodeState) -> int:
-    """Ns when the GDN/conv state is slotted (conv Lg x [Ns, B, W-1, C], ssm Lg x [Ns, B, Hv, Dk, Dv]:
-    qmtp.speculate.slotted_state), else 0."""
+    """Ns when the GDN/conv state is in the slot ring (conv Lg x [Ns, B, W-1, C], ssm Lg x
+    [Ns, B, Hv, Dk, Dv]: qmtp/loop.py), else 0."""
     return state.ssm[0].shape[0] if state.ssm and state.ssm[0].ndim == 5 else 0
 
 

@@ -236,6 +236,24 @@ def map_row_shards(fn, mesh: Mesh):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS, None), out_specs=P(AXIS, None)))
 
 
+def map_split_shards(fn, mesh: Mesh, dim: int | None, in_ndim: int, out_ndim: int, donate: bool = False):
+    """jit(fn) applied to each device's shard of an array split along `dim` (None: replicated) that
+    keeps its split on the same dim of fn's output (e.g. tiling each shard of an FP8 weight in place)."""
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=dim_spec(in_ndim, dim), out_specs=dim_spec(out_ndim, dim))
+    return jax.jit(mapped, donate_argnums=(0,) if donate else ())
+
+
+def param_shardings(abstract: dict, mesh: Mesh | None) -> dict:
+    """The sharding of every leaf of a parameter tree: NamedSharding(mesh, param_specs) on a mesh, else
+    the default device (where checkpoint.load's jnp.asarray puts the tree)."""
+    if mesh is None:
+        (device,) = jnp.asarray(0).devices()
+        device = jax.sharding.SingleDeviceSharding(device)
+        return jax.tree_util.tree_map(lambda _: device, abstract)
+    return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), param_specs(abstract),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
 # ---- the shard_map around an entry point -----------------------------------------------------------
 _SHARDED: dict = {}
 

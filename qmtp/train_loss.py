@@ -19,7 +19,8 @@ teacher-forced acceptance of the first draft (`qmtp.api.mtp_logits().agreement`)
 
 The forward runs over a fresh decode state (`state.init_state`) whose page table gives each
 sequence one page of T slots, so attention, GDN (chunked WY form for T >= 16) and the MTP layer are
-the inference code under impl="ref": pure jnp, differentiable. No second model implementation.
+the inference code under the reference kernels (KernelConfig impl="ref"): pure jnp, differentiable.
+No second model implementation.
 
 Parameters: trained in float32 ("master" weights); `cast_for_compute` rounds every >= 2-D float32
 leaf (embeddings, projections, conv) to the compute dtype for the forward, as `checkpoint.load`
@@ -39,6 +40,7 @@ import optax
 from qmtp import model, mtp
 from qmtp.config import ModelConfig
 from qmtp.fp8 import Fp8Block
+from qmtp.kernel_config import REF
 from qmtp.params import abstract_params
 from qmtp.state import init_state
 
@@ -108,7 +110,7 @@ def mtp_chain(cfg: ModelConfig, params: dict, state, tokens: jax.Array, mh: jax.
     out, h = [], mh
     for d in range(2, depth + 1):
         h, _ = mtp.forward(cfg, params, state, tokens[:, d:-1], h[:, :-1], jnp.zeros((b,), jnp.int32),
-                           jnp.full((b,), t - 1 - d, jnp.int32), impl="ref")
+                           jnp.full((b,), t - 1 - d, jnp.int32), REF)
         out.append(h)
     return out
 
@@ -126,21 +128,21 @@ def losses(cfg: ModelConfig, params: dict, tokens: jax.Array, mtp_mask: jax.Arra
     dtype = params["embed"].dtype
     state = init_state(cfg, np.arange(b)[:, None], num_pages=b, page_size=t, dtype=dtype)  # one page per row
     n_valid = jnp.full((b,), t, jnp.int32)
-    hidden, state = model.forward(cfg, params, state, tokens, n_valid, impl="ref")  # [B, T, E]
+    hidden, state = model.forward(cfg, params, state, tokens, n_valid, REF)  # [B, T, E]
     if mtp_only:
         hidden = jax.lax.stop_gradient(hidden)
-    logits = model.logits_from_hidden(params, hidden[:, :-1], "ref")  # [B, T-1, V] f32: predicts x_{p+1}
+    logits = model.logits_from_hidden(params, hidden[:, :-1], REF)  # [B, T-1, V] f32: predicts x_{p+1}
     main = jnp.mean(_cross_entropy(logits, tokens[:, 1:]))
 
     # MTP at positions p = 0 .. T-3: input token x_{p+1}, hidden h_p; the target's KV pages are unused
     mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:-1], hidden[:, :-2], jnp.zeros((b,), jnp.int32),
-                        n_valid - 2, impl="ref")  # [B, T-2, E]
-    mtp_logits = model.logits_from_hidden(params, mh, "ref")  # [B, T-2, V] f32: predicts x_{p+2}
+                        n_valid - 2, REF)  # [B, T-2, E]
+    mtp_logits = model.logits_from_hidden(params, mh, REF)  # [B, T-2, V] f32: predicts x_{p+2}
     w = jnp.ones((b, t - 2), jnp.float32) if mtp_mask is None else mtp_mask.astype(jnp.float32)
     weighted = lambda ce, wd: jnp.sum(wd * ce) / jnp.maximum(jnp.sum(wd), 1.0)  # noqa: E731
     depth_losses = [weighted(_cross_entropy(mtp_logits, tokens[:, 2:]), w)]
     for d, h in enumerate(mtp_chain(cfg, params, state, tokens, mh, mtp_depth), start=2):
-        ce = _cross_entropy(model.logits_from_hidden(params, h, "ref"), tokens[:, d + 1:])
+        ce = _cross_entropy(model.logits_from_hidden(params, h, REF), tokens[:, d + 1:])
         depth_losses.append(weighted(ce, w[:, d - 1:]))
     mtp_loss = sum(depth_losses) / len(depth_losses)
 

@@ -1,16 +1,16 @@
-"""Speculative and plain greedy loops run directly (speculate.spec_loop / decode.greedy_loop) with a
-forced acceptance cap, returning outputs and final decode states: shared by the speculate tests."""
+"""The decode loop run directly (loop.prefill + loop.decode) with a forced acceptance cap, returning
+the tokens and the final decode state: shared by the speculative-decoding tests."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import qmtp
-from qmtp import decode, ops, speculate
+from qmtp import loop
 from qmtp.api import _new_state, _prompt_batch
+from qmtp.kernel_config import REF
 from qmtp.tools import make_checkpoint
 
-BUFFER = 13  # one output width for every forced-acceptance case: one compiled loop
+BUFFER = 13  # one output width for every forced-acceptance case
 
 
 def load_controlled(tmp_path_factory, name: str):
@@ -21,34 +21,21 @@ def load_controlled(tmp_path_factory, name: str):
                      page_size=4)
 
 
-def run_spec(model, prompts, k, max_new, cap, impl="ref"):
+def run_spec(model, prompts, k, max_new, cap=None, kernels=REF):
+    """(tokens [B, BUFFER] (the first token, then the loop's; PAD_TOKEN after the end), stats, state)
+    of K = k decoding (0: plain) with every round's accepted drafts capped at `cap` (None: no cap)."""
+    b = len(prompts)
     state = _new_state(model, [len(p) + BUFFER + k + 1 for p in prompts])
     tokens, n_valid = _prompt_batch(prompts)
-    first, d1, mh, state = speculate.prefill(model.cfg, model.params, state, tokens, n_valid, impl=impl)
-    spec = speculate.SpecConfig(k, BUFFER, ())
-    cap = jnp.full((1, len(prompts)), cap, jnp.int32)
-    out, count, stats, state = speculate.spec_loop(model.cfg, spec, model.params, state, first, d1, mh,
-                                                   jnp.full((len(prompts),), max_new, jnp.int32), cap, impl=impl)
-    return np.asarray(out), stats, state
+    budget = jnp.full((b,), max_new, jnp.int32)
+    first, slots, state = loop.prefill(model.cfg, kernels, k > 0, model.params, state, tokens, n_valid, budget,
+                                       loop.stop_rows((), b))
+    caps = None if cap is None else jnp.full((1, b), cap, jnp.int32)
+    out, count, stats, state, _ = loop.decode(model.cfg, kernels, k, BUFFER, model.params, state, slots, caps)
+    out = np.concatenate([np.asarray(first)[:, None], np.asarray(out)], axis=1)[:, :BUFFER]
+    return out, stats, state
 
 
-def run_plain(model, prompts, max_new):
-    state = _new_state(model, [len(p) + BUFFER + 4 for p in prompts])
-    tokens, n_valid = _prompt_batch(prompts)
-    first, _, state = decode.prefill(model.cfg, model.params, state, tokens, n_valid)
-    out, _, _, state = decode.greedy_loop(model.cfg, decode.LoopSpec(BUFFER, ()), model.params, state, first,
-                                          jnp.full((len(prompts),), max_new, jnp.int32))
-    return np.asarray(out), state
-
-
-def run_spec_with(settings: dict, model, prompts, k, max_new, cap):
-    """run_spec with impl="pallas" under the kernel settings given (ops.set_kernel_settings), put back
-    after. The jit caches are cleared on both sides: a loop compiled earlier with these shapes keeps
-    the kernels it was traced with."""
-    jax.clear_caches()
-    before = ops.set_kernel_settings(settings)
-    try:
-        return run_spec(model, prompts, k, max_new, cap=cap, impl="pallas")
-    finally:
-        ops.set_kernel_settings(before)
-        jax.clear_caches()
+def run_plain(model, prompts, max_new, kernels=REF):
+    out, _, state = run_spec(model, prompts, 0, max_new, kernels=kernels)
+    return out, state

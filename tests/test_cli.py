@@ -79,7 +79,6 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
     (("--checkpoint=preset:tiny", "--prompt=hello world", "--num_pages=1", "--page_size=4"),
      "error: .* tokens need .* pages of 4, but the KV cache has only 1 pages .*raise --num_pages"),
     (("--checkpoint=preset:tiny", "--prompt_ids=1,x,3"), "error: --prompt_ids='1,x,3': expected comma-separated"),
-    (("--checkpoint=preset:tiny", "--prompt_ids=1", "--kernels=nope=1"), "error: --kernels: unknown kernel setting 'nope'"),
     (("--checkpoint=preset:tiny", "--prompt_ids=1,99999"), r"error: prompt 0: token ids \[99999\] outside"),
     (("--checkpoint=preset:nope", "--prompt=hi"), "error: .*nope"),
     (("--checkpoint=preset:tiny",), "error: give at least one --prompt, --prompt_file or --prompt_ids"),
@@ -110,7 +109,7 @@ def test_help_explains_every_flag(cache):
     assert r.returncode == 0
     for flag in ("checkpoint", "prompt", "prompt_file", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
                  "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "tp",
-                 "converted_cache", "kernels", "draft_head"):
+                 "converted_cache", "fp8_act_quant", "draft_head"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
 
 
@@ -118,7 +117,7 @@ def test_help_explains_every_flag(cache):
     (16, 3, "pallas", True, None),  # 64 rows: on the decode kernel
     (32, 3, "pallas", True, None),  # 128 rows: its limit
     (40, 3, "pallas", True, "40 sequences x (K+1 = 4) = 160 rows per MTP verify pass exceed the FP8 decode "
-                            "kernel's 128 (fp8_decode_max_rows); they run on GEMM tiles"),
+                            "kernel's 128; they run on GEMM tiles"),
     (40, 3, "pallas", True, "--mtp_k=2 keeps them on it"),  # 40 x 3 = 120 rows
     (48, 4, "pallas", True, "--mtp_k=1 keeps them on it"),  # 48 x 3 = 144, 48 x 2 = 96 rows
     (80, 1, "pallas", True, "at most 64 sequences at K=1 keep them on it"),

@@ -75,6 +75,7 @@ def _bad(base, path, value):
     (QWEN35, ["text_config", "linear_num_value_heads"], 5, r"linear_num_value_heads=5"),
     (QWEN35, ["text_config", "hidden_act"], "gelu", r"hidden_act='gelu'"),
     (QWEN35, ["text_config", "mamba_ssm_dtype"], "float16", r"mamba_ssm_dtype='float16'"),
+    (QWEN35, ["text_config", "mamba_ssm_dtype"], "bfloat16", r"mamba_ssm_dtype=.bfloat16.*float32"),
     (QWEN35, ["text_config", "rope_parameters", "mrope_section"], [3, 3, 3], r"mrope_section"),
     (QWEN35, ["model_type"], "llama", r"model_type='llama' is not supported"),
     (NEXT, ["quantization_config"], {"quant_method": "awq"}, r"quant_method='awq'"),

@@ -159,7 +159,7 @@ def np_draft(w, cfg, tokens, hidden, k: int, **kw) -> tuple[list[int], list[floa
     return drafts, margins
 
 
-_forward = jax.jit(model_lib.forward, static_argnames=("cfg", "impl"))
+_forward = jax.jit(model_lib.forward, static_argnames=("cfg", "kernels"))
 
 
 def target_hidden(m: api.Model, ids: list[int]) -> np.ndarray:
@@ -168,7 +168,7 @@ def target_hidden(m: api.Model, ids: list[int]) -> np.ndarray:
     pages = -(-n // page)
     state = init_state(m.cfg, np.arange(pages, dtype=np.int32)[None], pages, page, api.DTYPES[m.dtype])
     hidden, _ = _forward(m.cfg, m.params, state, jnp.asarray([ids], jnp.int32), jnp.asarray([n], jnp.int32),
-                         impl="ref")
+                         m.kernels)
     return np.asarray(hidden[0], np.float64)
 
 

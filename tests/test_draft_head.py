@@ -96,13 +96,14 @@ def test_the_breakdown_times_the_draft_head(controlled):
     zeroed head every draft is id 0 (all logits 0), with the model's own head they are not."""
     from qmtp import bench_breakdown
     from qmtp.api import _new_state
+    from qmtp.kernel_config import REF
     model = qmtp.load(controlled, dtype="float32", progress=False, draft_head="fp8")
     head = model.params["mtp"]["draft_head"]
     zero = dict(model.params, mtp=dict(model.params["mtp"], draft_head=fp8.Fp8Block(jnp.zeros_like(head.weight),
                                                                                       head.scale)))
 
     def drafts(params):
-        tok, _ = bench_breakdown.draft_loop(model.cfg, params, _new_state(model, [16, 16]), jnp.int32(3), impl="ref")
+        tok, _ = bench_breakdown.draft_loop(model.cfg, REF, params, _new_state(model, [16, 16]), jnp.int32(3))
         return np.asarray(tok)
 
     assert np.all(drafts(zero) == 0)

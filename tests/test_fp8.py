@@ -35,7 +35,7 @@ def test_fp8_weights_stay_fp8_with_ragged_scale_grids(fp8_dir):
     assert isinstance(w, Fp8Block) and w.weight.dtype.name == "float8_e4m3fn"
     assert w.weight.shape == (64, 160) and w.scale.shape == (1, 2) and w.scale.dtype == np.float32
     assert isinstance(model.params["mtp"]["layers"][0]["mlp_down"], Fp8Block)
-    # in_proj_b/a stay BF16 (joined at load into in_proj_ba: ops.FUSE_GATE_PROJECTIONS)
+    # in_proj_b/a stay BF16 (qmtp.load joins them into in_proj_ba)
     assert not isinstance(model.params["gdn"][0]["in_proj_ba"], Fp8Block)
 
 
@@ -100,15 +100,11 @@ def test_abstract_params_describe_the_loaded_tree(fp8_dir):
     from qmtp.params import abstract_params
     # the checkpoint's tree: without the FP8 draft head that qmtp.load adds for FP8 checkpoints
     # (draft_head="auto"), a copy of lm_head made after loading, not a checkpoint tensor, and with
-    # in_proj_b / in_proj_a as the checkpoint names them (not joined: ops.FUSE_GATE_PROJECTIONS)
-    from qmtp import ops
-    previous = ops.set_kernel_settings({"fuse_gate_projections": False})
-    try:
-        model = qmtp.load(fp8_dir, dtype="bfloat16", draft_head="bf16")
-    finally:
-        ops.set_kernel_settings(previous)
-    abstract = abstract_params(model.cfg, jnp.bfloat16, fp8_linear=True)
-    got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), model.params)
+    # in_proj_b / in_proj_a as the checkpoint names them (qmtp.load joins them)
+    from qmtp import checkpoint
+    cfg, params = checkpoint.load(fp8_dir, dtype="bfloat16", progress=False)
+    abstract = abstract_params(cfg, jnp.bfloat16, fp8_linear=True)
+    got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params)
     want = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), abstract)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     assert jax.tree_util.tree_leaves(got) == jax.tree_util.tree_leaves(want)

@@ -1,34 +1,33 @@
-"""qmtp.api.fuse_gate_projections (ops.FUSE_GATE_PROJECTIONS, on by default): qmtp.load joins each GDN
+"""qmtp.api.fuse_gate_projections: qmtp.load joins each GDN
 layer's in_proj_b and in_proj_a into in_proj_ba = [b | a], per TP shard [b_s | a_s]; the conv kernel
 reads its halves in place. The joined model must compute what the unjoined one does."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import qmtp
-from qmtp import api, ops, shard_layout
+from qmtp import api, checkpoint, ops, shard_layout
+from qmtp.kernel_config import PALLAS
 
 PROMPTS = [[3, 14, 15, 92], [65, 35]]
 
 
-def load_apart(path, **kw):
-    """qmtp.load with the joining switched off (the tree as the checkpoint names it)."""
-    previous = ops.set_kernel_settings({"fuse_gate_projections": False})
-    try:
-        return qmtp.load(path, dtype="float32", progress=False, **kw)
-    finally:
-        ops.set_kernel_settings(previous)
+def apart_from(model):
+    """`model` with the parameter tree as the checkpoint names it (in_proj_b and in_proj_a apart)."""
+    _, params = checkpoint.load(model.checkpoint_dir, dtype=model.dtype, progress=False)
+    return dataclasses.replace(model, params=params)
 
 
 @pytest.fixture(scope="module")
-def apart(ckpt):
-    return load_apart(ckpt)
+def apart(model):
+    return apart_from(model)
 
 
 def test_load_joins_b_then_a(model, apart):
-    assert ops.FUSE_GATE_PROJECTIONS
     for joined, split in zip(model.params["gdn"], apart.params["gdn"], strict=True):
         assert "in_proj_b" not in joined and "in_proj_a" not in joined
         want = np.concatenate([np.asarray(split["in_proj_b"]), np.asarray(split["in_proj_a"])])
@@ -68,20 +67,20 @@ def test_joined_model_computes_what_the_split_one_does(model, apart):
 
 @pytest.mark.slow
 def test_joined_gates_through_the_pallas_conv_kernel(ckpt):
-    """impl="pallas" (interpret mode): the conv kernel reading ba's halves in place, in the verify pass and
-    the commit's replay, gives the tokens of the split tree, plain and MTP K=3."""
+    """impl="pallas" (interpret mode): the conv kernel reading ba's halves in place gives the tokens of
+    the split tree, plain and MTP K=3."""
     joined = qmtp.load(ckpt, dtype="float32", progress=False, impl="pallas")
-    split = load_apart(ckpt, impl="pallas")
+    split = dataclasses.replace(apart_from(joined), kernels=PALLAS)
     assert "in_proj_ba" in joined.params["gdn"][0] and "in_proj_b" in split.params["gdn"][0]
     for k in (0, 3):
         assert (qmtp.generate(joined, PROMPTS, max_new_tokens=6, mtp_k=k).tokens
                 == qmtp.generate(split, PROMPTS, max_new_tokens=6, mtp_k=k).tokens)
 
 
-def test_small_bf16_weights_as_a_reduce_when_asked():
-    """ops.BF16_REDUCE_MAX_OUT: a bf16 weight of <= that many output rows at 2..16 token rows runs as
-    multiply + f32 sum (no dot in the program); one row, larger weights, and the setting at 0 keep the
-    dot. Same values within one bf16 rounding of the output."""
+def test_small_bf16_weights_as_a_reduce():
+    """ops.BF16_REDUCE_MAX_OUT: under Pallas a bf16 weight of <= that many output rows at 2..128 token
+    rows runs as multiply + f32 sum (no dot in the program); one row and larger weights keep the dot.
+    Same values within one bf16 rounding of the output."""
     import jax
     import jax.numpy as jnp
 
@@ -89,18 +88,14 @@ def test_small_bf16_weights_as_a_reduce_when_asked():
     w = jnp.asarray(rng.standard_normal((96, 320)) / 16, jnp.bfloat16)
     x4 = jnp.asarray(rng.standard_normal((1, 4, 320)), jnp.bfloat16)
 
-    def program(x, weight, max_out):
-        previous = ops.set_kernel_settings({"bf16_reduce_max_out": max_out})
-        try:
-            fn = jax.jit(lambda a, b: ops.linear(a, b, "pallas"))
-            return fn.lower(x, weight).as_text(), np.asarray(fn(x, weight), np.float32)
-        finally:
-            ops.set_kernel_settings(previous)
+    def program(x, weight):
+        fn = jax.jit(lambda a, b: ops.linear(a, b, PALLAS))
+        return fn.lower(x, weight).as_text(), np.asarray(fn(x, weight), np.float32)
 
-    text, got = program(x4, w, 256)
+    text, got = program(x4, w)
     assert "dot_general" not in text and "reduce" in text
     want = np.asarray(x4, np.float32) @ np.asarray(w, np.float32).T
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-2)
-    assert "dot_general" in program(x4, w, 0)[0]  # off
-    assert "dot_general" in program(x4, w, 64)[0]  # 96 output rows > 64
-    assert "dot_general" in program(x4[:, :1], w, 256)[0]  # one row: XLA's own choice
+    wide = jnp.concatenate([w, w, w], axis=0)  # 288 output rows > BF16_REDUCE_MAX_OUT
+    assert "dot_general" in program(x4, wide)[0]
+    assert "dot_general" in program(x4[:, :1], w)[0]  # one row: XLA's own choice

@@ -149,7 +149,7 @@ def test_config_is_released_qwen3_5_layout_and_accepted(ckpts, kind):
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim) == (2, 4, 32, 32, 4)
     assert cfg.rope_theta == 10000.0 and cfg.rms_norm_eps == 1e-6 and cfg.max_position_embeddings == 4096
-    assert cfg.mtp_layers == 1 and cfg.tie_word_embeddings is False and cfg.ssm_dtype == "float32"
+    assert cfg.mtp_layers == 1 and cfg.tie_word_embeddings is False
     assert cfg.bos_token_id == 381 and cfg.eos_token_ids == (383, 381)  # generation_config wins
     if kind == "bf16":
         assert cfg.quantization is None and "quantization_config" not in raw

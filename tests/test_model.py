@@ -4,18 +4,22 @@ alone, page size and pool layout never change results."""
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qmtp
-from qmtp import decode, model as model_lib
+from qmtp import model as model_lib
+from qmtp.kernel_config import REF
 from qmtp.paging import PageAllocator
 from qmtp.state import PagedKV, init_state
 from tolerance import F32_MODEL, assert_close
 
 CKPT = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
 RNG = np.random.default_rng(7)
+# the target over tokens [B, T] -> (hidden [B, T, E], state), jitted as the loop runs it
+forward = jax.jit(model_lib.forward, static_argnames=("cfg", "kernels"))
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +49,15 @@ def test_prefill_then_decode_equals_longer_prefill(tiny, page_size):
     n = 18  # >= 16: the prefill takes the chunked GDN path, decode the per-token path
     cfg, params = tiny.cfg, tiny.params
     full = fresh_state(tiny, [len(ids)], page_size)
-    h_full, full = model_lib.forward(cfg, params, full, jnp.asarray([ids]), jnp.asarray([len(ids)]))
+    h_full, full = forward(cfg, params, full, jnp.asarray([ids]), jnp.asarray([len(ids)]), REF)
     part = fresh_state(tiny, [len(ids)], page_size)
-    _, h_part, part = decode.prefill(cfg, params, part, jnp.asarray([ids[:n]]), jnp.asarray([n]))
+    h_part, part = forward(cfg, params, part, jnp.asarray([ids[:n]]), jnp.asarray([n]), REF)
     steps = []
     for t in ids[n:]:
-        h, part = model_lib.forward(cfg, params, part, jnp.asarray([[t]]), jnp.asarray([1]))
+        h, part = forward(cfg, params, part, jnp.asarray([[t]]), jnp.asarray([1]), REF)
         steps.append(h[:, 0])
     h_inc = jnp.concatenate([h_part, jnp.stack(steps, 1)], axis=1)
-    logits = lambda h: model_lib.logits_from_hidden(params, h, "ref")
+    logits = lambda h: model_lib.logits_from_hidden(params, h, REF)
     assert_close(logits(h_inc), logits(h_full), F32_MODEL, "logits")
     assert_close(np.stack(part.ssm), np.stack(full.ssm), F32_MODEL, "ssm state")
     assert_close(np.stack(part.conv), np.stack(full.conv), F32_MODEL, "conv state")
@@ -83,11 +87,11 @@ def test_page_layout_and_nan_poisoned_pool_do_not_change_logits(tiny):
     ids = RNG.integers(0, 250, 30).tolist()
     cfg, params = tiny.cfg, tiny.params
     base = fresh_state(tiny, [len(ids)], 7)
-    _, h_base, _ = decode.prefill(cfg, params, base, jnp.asarray([ids]), jnp.asarray([len(ids)]))
+    h_base, _ = forward(cfg, params, base, jnp.asarray([ids]), jnp.asarray([len(ids)]), REF)
     poisoned = fresh_state(tiny, [len(ids)], 4, extra_pages=5, shuffle=True)
     nan = lambda: tuple(jnp.full(a.shape, jnp.nan, a.dtype) for a in poisoned.kv.k)
     poisoned = dataclasses.replace(poisoned, kv=PagedKV(nan(), nan()))
-    _, h_pois, _ = decode.prefill(cfg, params, poisoned, jnp.asarray([ids]), jnp.asarray([len(ids)]))
+    h_pois, _ = forward(cfg, params, poisoned, jnp.asarray([ids]), jnp.asarray([len(ids)]), REF)
     assert_close(h_pois, h_base, F32_MODEL, "hidden with NaN pool and shuffled pages")
 
 

@@ -10,12 +10,13 @@ from safetensors.numpy import load_file
 
 import numpy_ref as ref
 import qmtp
-from pallas_kernels import gdn
-from qmtp import model as model_lib, speculate
+from qmtp import model as model_lib
+from qmtp.bench_profile import acceptance_schedule
+from qmtp.kernel_config import REF
 from qmtp.api import _new_state
 from qmtp.tools import make_checkpoint
-from spec_loops import run_plain, run_spec, run_spec_with
-from tolerance import F32_MODEL, F32_RECURRENCE, assert_close
+from spec_loops import run_plain, run_spec
+from tolerance import F32_MODEL, assert_close
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
 RNG = np.random.default_rng(11)
@@ -44,7 +45,7 @@ def controlled(controlled_dir):
     return qmtp.load(controlled_dir, dtype="float32", page_size=4)
 
 
-# CI time (session 15): K = 1 and 3 in the default suite, 2 and 4 `slow`
+# CI time: K = 1 and 3 in the default suite, 2 and 4 `slow`
 @pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_random_checkpoint_mtp_equals_plain(random_ckpt, plain_random, k):
     model = dataclasses.replace(random_ckpt, page_size=PAGE_SIZE_FOR_K[k])
@@ -56,7 +57,7 @@ def test_random_checkpoint_mtp_equals_plain(random_ckpt, plain_random, k):
         assert alone.tokens == plain_random[1:2]
 
 
-# CI time (session 15): K = 4 (every position) in the default suite, 1-3 `slow`
+# CI time: K = 4 (every position) in the default suite, 1-3 `slow`
 @pytest.mark.parametrize("k", [pytest.param(k, marks=pytest.mark.slow) for k in (1, 2, 3)] + [4])
 def test_controlled_checkpoint_accepts_everything_and_equals_plain(controlled, k):
     prompts = [RNG.integers(0, 380, n).tolist() for n in (4, 17, 30)]
@@ -91,48 +92,6 @@ def test_forced_acceptance_length_gives_plain_tokens_and_state(controlled, a):
         assert_close(_kv(state, b, n), _kv(plain_state, b, n), F32_MODEL, f"kv seq {b}")
 
 
-@pytest.mark.slow  # ~18 s; the gated kernel path is off by default (the conv kernel includes the gates)
-def test_gdn_gates_in_kernel_commit_gives_the_plain_state(controlled):
-    """ops.GDN_GATES_IN_KERNEL with impl="pallas": verify and commit run the gated recurrence kernel
-    (gates and padding inside it; the commit with n_valid = the accepted length). One of three drafts
-    accepted per round: the GDN and conv state equal plain decoding's with the reference."""
-    k, rounds, a = 3, 2, 1
-    max_new = 1 + rounds * (a + 1)
-    prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
-    # the conv kernel (the default) includes the gates: off, to run the gated kernel alone
-    out, stats, state = run_spec_with({"gdn_gates_in_kernel": True, "gdn_conv_in_kernel": False,
-                                       "gdn_state_slots": False}, controlled,
-                                      prompts, k, max_new, cap=a)
-    want, plain_state = run_plain(controlled, prompts, max_new)
-    np.testing.assert_array_equal(out, want)
-    assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
-    assert_close(np.stack(state.ssm), np.stack(plain_state.ssm), F32_MODEL, "ssm, gates in the kernel")
-    assert_close(np.stack(state.conv), np.stack(plain_state.conv), F32_MODEL, "conv, gates in the kernel")
-
-
-def test_commit_equals_recurrence_over_committed_tokens_and_ignores_poisoned_rejects():
-    lg, b, t, hk, hv, dk, dv, c, w = 2, 3, 5, 2, 4, 8, 8, 6, 4
-    rnd = lambda *s: RNG.standard_normal(s).astype(np.float32)
-    l2 = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    replay = {"q": l2(rnd(lg, b, t, hk, dk)), "k": l2(rnd(lg, b, t, hk, dk)), "v": rnd(lg, b, t, hv, dv),
-              "g": -np.abs(rnd(lg, b, t, hv)), "beta": 1 / (1 + np.exp(-rnd(lg, b, t, hv))),
-              "window": rnd(lg, b, w - 1 + t, c)}
-    n_keep = np.array([1, 3, 5], np.int32)
-    poisoned = {name: arr.copy() for name, arr in replay.items()}
-    for bi, n in enumerate(n_keep):
-        for name in ("q", "k", "v", "g", "beta"):
-            poisoned[name][:, bi, n:] = np.nan  # rejected positions
-    ssm0 = rnd(lg, b, hv, dk, dv)
-    per_layer = tuple({n: jnp.asarray(a[layer]) for n, a in poisoned.items()} for layer in range(lg))
-    conv, ssm = model_lib.commit_gdn(per_layer, tuple(jnp.asarray(s) for s in ssm0), jnp.asarray(n_keep))
-    for layer in range(lg):
-        for bi, n in enumerate(n_keep):
-            args = [replay[name][layer, bi:bi + 1, :n] for name in ("q", "k", "v", "g", "beta")]
-            _, want = gdn.gdn_recurrence_ref(*map(jnp.asarray, args), jnp.asarray(ssm0[layer, bi:bi + 1]))
-            assert_close(np.asarray(ssm[layer])[bi], np.asarray(want)[0], F32_RECURRENCE, "committed ssm")
-            np.testing.assert_array_equal(np.asarray(conv[layer])[bi], replay["window"][layer, bi, n:n + w - 1])
-
-
 def _numpy_mtp_logits(ckpt_dir, ids, hidden, cfg):
     """MODEL_SPEC §4.1 in float64 numpy from the raw safetensors: draft logits at p = 0..T-2."""
     t = {k: v.astype(np.float64) for k, v in load_file(os.path.join(ckpt_dir, "model.safetensors")).items()}
@@ -165,7 +124,7 @@ def test_mtp_logits_match_an_independent_numpy_mtp(random_ckpt):
     ids = PROMPTS[2]
     state = _new_state(random_ckpt, [len(ids)])
     hidden, _ = model_lib.forward(random_ckpt.cfg, random_ckpt.params, state, jnp.asarray([ids]),
-                                  jnp.asarray([len(ids)]))
+                                  jnp.asarray([len(ids)]), REF)
     want = _numpy_mtp_logits(ORACLE, np.asarray(ids), np.asarray(hidden[0], np.float64), random_ckpt.cfg)
     got = qmtp.mtp_logits(random_ckpt, ids)
     assert_close(got.logits, want, F32_MODEL, "mtp logits")
@@ -199,21 +158,21 @@ def test_bfloat16_controlled_mtp_equals_plain(controlled_dir):
 def test_sampling_and_bad_k_are_refused(random_ckpt):
     with pytest.raises(ValueError, match="only greedy decoding"):
         qmtp.generate(random_ckpt, PROMPTS[:1], temperature=0.7)
-    with pytest.raises(ValueError, match="mtp_k=5: supported 1..4"):
+    with pytest.raises(ValueError, match=r"mtp_k=5: supported 0 \(plain decoding\) .. 4"):
         qmtp.generate(random_ckpt, PROMPTS[:1], mtp_k=5)
     with pytest.raises(ValueError, match=r"accept_cap: expected ints in \[0, 2\]"):
         qmtp.generate(random_ckpt, PROMPTS[:1], mtp_k=2, accept_cap=3)
 
 
 def test_acceptance_schedule_reproduces_the_profile():
-    caps = speculate.acceptance_schedule([0.85, 0.70, 0.57], k=4, rounds=4000, batch=2, seed=1)
+    caps = acceptance_schedule([0.85, 0.70, 0.57], k=4, rounds=4000, batch=2, seed=1)
     share = [(caps >= i).mean() for i in (1, 2, 3, 4)]
     sigma = (0.25 / 8000) ** 0.5  # binomial standard deviation bound
     assert np.allclose(share, [0.85, 0.70, 0.57, 0.0], atol=5 * sigma)
-    assert (speculate.acceptance_schedule([0.5], 2, 10, 1, seed=3) == speculate.acceptance_schedule(
+    assert (acceptance_schedule([0.5], 2, 10, 1, seed=3) == acceptance_schedule(
         [0.5], 2, 10, 1, seed=3)).all()
     with pytest.raises(ValueError, match="non-increasing"):
-        speculate.acceptance_schedule([0.5, 0.9], 2, 10, 1)
+        acceptance_schedule([0.5, 0.9], 2, 10, 1)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -221,10 +180,10 @@ def test_every_prefix_of_the_schedule_is_close_to_the_profile(seed):
     """A run uses only the first rounds of the schedule (about max_new_tokens / accepted length of
     them): every prefix of 20 or more rounds must already show the profile, per sequence, within
     0.055, and of 40 or more within 0.035 (independent draws miss by 0.08 at one standard deviation
-    over 40 rounds; a golden-ratio sequence from a random offset left session 6's 42-round run 0.04
+    over 40 rounds; a golden-ratio sequence from a random offset left a 42-round run 0.04
     under the profile at the first position, which the offset choice now avoids)."""
     profile = [0.85, 0.70, 0.57]
-    caps = speculate.acceptance_schedule(profile, k=3, rounds=128, batch=3, seed=seed)
+    caps = acceptance_schedule(profile, k=3, rounds=128, batch=3, seed=seed)
     for b in range(3):
         for n in range(20, 129):
             share = [(caps[:n, b] >= i).mean() for i in (1, 2, 3)]
@@ -235,39 +194,8 @@ def test_every_prefix_of_the_schedule_is_close_to_the_profile(seed):
 def test_profiled_acceptance_on_the_controlled_checkpoint_keeps_the_tokens(controlled):
     prompts = [RNG.integers(0, 380, 9).tolist()]
     plain = qmtp.generate(controlled, prompts, max_new_tokens=13, stop_token_ids=[])
-    cap = speculate.acceptance_schedule([0.85, 0.70, 0.57], 3, 13, 1, seed=0)
+    cap = acceptance_schedule([0.85, 0.70, 0.57], 3, 13, 1, seed=0)
     spec = qmtp.generate(controlled, prompts, max_new_tokens=13, stop_token_ids=[], mtp_k=3, accept_cap=cap)
     assert spec.tokens == plain.tokens
     rounds = spec.stats["rounds"]
     assert spec.stats["accept_hist"] == np.bincount(cap[:rounds, 0], minlength=4).tolist()
-
-
-# both slow since session 16 (CI time): the default commit (slotted state) is in every MTP test of CI
-@pytest.mark.slow
-@pytest.mark.parametrize("fresh_state", [False, True])
-def test_gdn_conv_in_kernel_commit_gives_the_plain_state(controlled, monkeypatch, fresh_state):
-    """ops.GDN_CONV_IN_KERNEL with impl="pallas": prefill (11 tokens: the kernel's token loop), verify
-    and the commit run the fused conv + recurrence kernel (the commit from the old conv and ssm state
-    with n_valid = the accepted length). One of three drafts accepted per round: the tokens and the
-    GDN and conv state equal plain decoding's with the switch off (the reference path). With
-    ops.GDN_REPLAY_FRESH_STATE, the verify pass (and only it) writes fresh state buffers. Slotted
-    state (the default) needs no replay: off here."""
-    k, rounds, a = 3, 2, 1
-    max_new = 1 + rounds * (a + 1)
-    prompts = [[int(x) for x in RNG.integers(0, 380, 6)], [int(x) for x in RNG.integers(0, 380, 11)]]
-    want, plain_state = run_plain(controlled, prompts, max_new)
-    from pallas_kernels import gdn_conv
-    traced = []  # (tokens, in_place) of every kernel call traced
-    kernel = gdn_conv.gdn_conv_recurrence
-    monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence",
-                        lambda mixed, *a, **kw: traced.append((mixed.shape[1], kw["in_place"])) or kernel(mixed, *a, **kw))
-    out, stats, state = run_spec_with({"gdn_conv_in_kernel": True, "gdn_replay_fresh_state": fresh_state,
-                                       "gdn_state_slots": False},
-                                      controlled, prompts, k, max_new, cap=a)
-    fresh = {tokens for tokens, in_place in traced if not in_place}
-    assert fresh == ({k + 1} if fresh_state else set()), traced  # verify's K+1 tokens, not prefill or commit
-    np.testing.assert_array_equal(out, want)
-    assert np.asarray(stats["accepted"]).tolist() == [rounds * a] * 2
-    np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(plain_state.lengths))
-    assert_close(np.stack(state.ssm), np.stack(plain_state.ssm), F32_MODEL, "ssm, conv in the kernel")
-    assert_close(np.stack(state.conv), np.stack(plain_state.conv), F32_MODEL, "conv, conv in the kernel")

@@ -1,8 +1,10 @@
-"""The FP8 weights in the kernels' tiled layout at load (qmtp/weight_layout.py, ops.FP8_TILED_WEIGHTS):
+"""The FP8 weights in the kernels' tiled layout at load under Pallas (qmtp/weight_layout.py):
 which weights take it, that their values and TP shards are the checkpoint's, and that a model
 with tiled weights gives the same logits, bit for bit, as one without."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 
 import qmtp
 from pallas_kernels.fp8_layout import untile_weight
-from qmtp import ops, weight_layout
+from qmtp import weight_layout
+from qmtp.kernel_config import PALLAS
 from qmtp.fp8 import Fp8Block
 from qmtp.tools import make_checkpoint
 
@@ -28,11 +31,11 @@ def _blocks(params):
 
 
 def _load(path, tiled: bool, **kw):
-    before = ops.set_kernel_settings({"fp8_tiled_weights": tiled})
-    try:
+    """The checkpoint under the Pallas kernels: loaded for them (tiled), or loaded for the reference
+    path (the checkpoint layout, which every kernel also takes) and then run with them."""
+    if tiled:
         return qmtp.load(path, dtype="float32", progress=False, impl="pallas", **kw)
-    finally:
-        ops.set_kernel_settings(before)
+    return dataclasses.replace(qmtp.load(path, dtype="float32", progress=False, **kw), kernels=PALLAS)
 
 
 def _tileable(block, dim=None, n=1) -> bool:
@@ -62,22 +65,6 @@ def test_load_tiles_every_tileable_weight_with_its_values(fp8_dir):
         np.testing.assert_array_equal(np.asarray(blk.scale), np.asarray(a[key].scale), err_msg=key)
     assert sum(x.tiled for x in b.values()) == len(b)  # tiny_tp: all of them
     # the same logits, bit for bit (the kernels read the same chunks in the same order)
-    np.testing.assert_array_equal(np.asarray(qmtp.target_logits(tiled, [1, 2, 3])),
-                                  np.asarray(qmtp.target_logits(plain, [1, 2, 3])))
-
-
-def test_64_row_tiles_at_load_give_the_same_logits(fp8_dir):
-    """fp8_tile_rows=64 (the default until session 21, which made it 128): every weight with O a
-    multiple of 64 takes 64-row tiles; the logits equal the checkpoint layout's bit for bit."""
-    before = ops.set_kernel_settings({"fp8_tile_rows": 64})
-    try:
-        tiled = _load(fp8_dir, True)
-    finally:
-        ops.set_kernel_settings(before)
-    blocks = _blocks(tiled.params)
-    assert all(b.weight.shape[2] == 64 for b in blocks.values() if b.tiled), {k: b.weight.shape for k, b in blocks.items()}
-    assert sum(b.tiled for b in blocks.values()) > 10
-    plain = _load(fp8_dir, False)
     np.testing.assert_array_equal(np.asarray(qmtp.target_logits(tiled, [1, 2, 3])),
                                   np.asarray(qmtp.target_logits(plain, [1, 2, 3])))
 
@@ -123,35 +110,14 @@ def test_tp2_tiled_tokens_equal_tp1(fp8_dir):
         assert a.tokens == b.tokens, (k, a.tokens, b.tokens)
 
 
-def test_tile_rows_setting_is_read_at_each_tiling():
-    """weight_layout.tile_fp8_weights tiles with the fp8_tile_rows in force at the call, also after a
-    tiling of the same shape under another setting in the same process (jax.jit caches the trace of
-    tile_weight per function, so the tile height must be an argument of the traced call)."""
-    import jax.numpy as jnp
-    params = {"w": Fp8Block(jnp.zeros((256, 384), jnp.float8_e4m3fn), jnp.ones((2, 3), jnp.float32))}
-    assert weight_layout.tile_fp8_weights(params, donate=False)["w"].weight.shape == (2, 3, 128, 128)
-    before = ops.set_kernel_settings({"fp8_tile_rows": 64})
-    try:
-        assert weight_layout.tile_fp8_weights(params, donate=False)["w"].weight.shape == (4, 3, 64, 128)
-    finally:
-        ops.set_kernel_settings(before)
-    assert weight_layout.tile_fp8_weights(params, donate=False)["w"].weight.shape == (2, 3, 128, 128)
-
-
 def test_tile_rows_fall_back_to_64():
     """fp8_layout.tile_rows_for: 128-row tiles where O allows, 64-row ones where only 64 divides O (a
-    TP2 shard of 192 rows), the checkpoint layout otherwise; fp8_tile_rows=64 makes every tile 64 rows;
-    tile_as_loaded lays a weight out so."""
-    from pallas_kernels import fp8_layout
+    TP2 shard of 192 rows), the checkpoint layout otherwise; tile_as_loaded lays a weight out so."""
     import jax.numpy as jnp
+
+    from pallas_kernels import fp8_layout
     assert [fp8_layout.tile_rows_for(o, 256) for o in (384, 192, 160)] == [128, 64, None]
     assert fp8_layout.tile_rows_for(384, 160) is None
     assert fp8_layout.tile_as_loaded(jnp.zeros((192, 256), jnp.float8_e4m3fn)).shape == (3, 2, 64, 128)
     assert fp8_layout.tile_as_loaded(jnp.zeros((160, 256), jnp.float8_e4m3fn)).shape == (160, 256)
-    before = ops.set_kernel_settings({"fp8_tile_rows": 64})
-    try:
-        assert fp8_layout.tile_rows_for(384, 256) == 64
-        assert fp8_layout.tile_as_loaded(jnp.zeros((384, 256), jnp.float8_e4m3fn)).shape == (6, 2, 64, 128)
-    finally:
-        ops.set_kernel_settings(before)
     assert fp8_layout.tile_as_loaded(jnp.zeros((384, 256), jnp.float8_e4m3fn)).shape == (3, 2, 128, 128)

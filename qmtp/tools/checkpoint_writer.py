@@ -138,8 +138,8 @@ def quantize_stored(value: np.ndarray | fp8.Fp8Block, scale_dtype: str) -> tuple
     """(E4M3 [O, I], scale grid in the stored dtype). Float values go through `fp8.quantize_np`; with
     bf16 scales the codes are recomputed against the bf16-rounded scales (dequant stays consistent)."""
     if isinstance(value, fp8.Fp8Block):  # either layout (a model loaded for the kernels holds tiles)
-        from pallas_kernels.fp8_layout import untile_weight
-        q, scale = np.asarray(untile_weight(value.weight)), np.asarray(value.scale, np.float32)
+        from qmtp import ops
+        q, scale = np.asarray(ops.untile_weight(value.weight)), np.asarray(value.scale, np.float32)
     else:
         w = np.asarray(value, np.float32)
         q, scale = fp8.quantize_np(w)
