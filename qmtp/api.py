@@ -16,16 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmtp import checkpoint, loop, model as model_lib, mtp
-from qmtp import fp8 as fp8_lib
-from qmtp import tp as tp_lib
-from qmtp.config import ModelConfig
-from qmtp.kernel_config import KernelConfig
-from qmtp.paging import CapacityError, PageAllocator
-from qmtp.state import init_state
+from qmtp.model import fp8 as fp8_lib, load as load_lib, mtp, target as model_lib
+from qmtp.model.config import ModelConfig
+from qmtp.runtime import loop, tp as tp_lib
+from qmtp.runtime.kernel_config import KernelConfig
+from qmtp.runtime.paging import CapacityError, PageAllocator
+from qmtp.runtime.state import init_state
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-DRAFT_HEADS = ("auto", "bf16", "fp8")
 MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two >= this (fewer recompiles)
 
 
@@ -85,7 +83,7 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     call runs as one shard_map over them (same tokens as tp = 1).
 
     converted_cache: a directory for an orbax-checkpoint cache of the converted (and sharded) parameter
-    tree (`qmtp.converted_cache`), one entry per checkpoint files (name, size, mtime) x dtype x tp. A hit
+    tree (`qmtp.model.converted_cache`), one entry per checkpoint files (name, size, mtime) x dtype x tp. A hit
     restores the tree directly onto the devices without reading the safetensors; a miss reads them and
     writes the entry. An unreadable entry is reported on stderr and read again from the checkpoint.
 
@@ -99,11 +97,11 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     (`scripts/draft_head_acceptance.py`): first-draft acceptance 0.6887 -> 0.6868.
 
     draft_vocab: None (drafts choose among the whole vocabulary), a file of token ids or a sequence
-    of them (qmtp/draft_vocab.py): drafts choose among those ids only, through the draft head's rows
+    of them (qmtp/model/draft_vocab.py): drafts choose among those ids only, through the draft head's rows
     for them (FP8 or bf16 as draft_head says), so a draft step reads len(ids) / vocab_size of the
     head. Tokens are unchanged (the verify pass keeps the full lm_head); acceptance may drop.
 
-    impl and fp8_act_quant make the model's KernelConfig (qmtp/kernel_config.py): "ref" (pure XLA) or
+    impl and fp8_act_quant make the model's KernelConfig (qmtp/runtime/kernel_config.py): "ref" (pure XLA) or
     "pallas" (the Pallas kernels; FP8 weights are then laid out in the kernels' tiles), and E4M3
     activations for FP8 projections of few rows."""
     if dtype not in DTYPES:
@@ -111,71 +109,13 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
         raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
     kernels = KernelConfig(impl, fp8_act_quant)
-    if draft_head not in DRAFT_HEADS:
-        raise ValueError(f"draft_head={draft_head!r}: supported {DRAFT_HEADS}")
+    load_lib.check_draft_head(draft_head)
     mesh = tp_lib.make_mesh(tp) if tp != 1 else None
-    if converted_cache is None:
-        cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
-    else:
-        from qmtp import converted_cache as cache_lib
-        cfg, params = cache_lib.load_or_convert(converted_cache, checkpoint_dir, dtype, progress, mesh,
-                                                checkpoint.load)
-    if draft_head == "auto":
-        draft_head = "fp8" if cfg.quantization is not None else "bf16"
-    if draft_vocab is not None and "mtp" in params:
-        params = dict(params, mtp=dict(params["mtp"], **_vocab_head(params, cfg, draft_vocab, draft_head, mesh)))
-    elif draft_head == "fp8" and "mtp" in params:
-        params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(model_lib.lm_head(params), mesh)))
-    params = fuse_gate_projections(params, mesh)
-    if kernels.pallas:  # the kernels' layout (qmtp/weight_layout.py)
-        from qmtp import weight_layout
-        params = weight_layout.tile_fp8_weights(params, mesh)
+    cfg, params = load_lib.load_params(checkpoint_dir, dtype, kernels, mesh, progress=progress,
+                                       converted_cache=converted_cache, draft_head=draft_head,
+                                       draft_vocab=draft_vocab)
     return Model(cfg, params, _load_tokenizer(checkpoint_dir), checkpoint_dir, dtype, page_size, num_pages, kernels,
                  mesh)
-
-
-def fuse_gate_projections(params: dict, mesh=None) -> dict:
-    """The tree with each GDN layer's in_proj_b and in_proj_a [Hv, E] replaced by in_proj_ba [2 Hv, E]
-    = [b | a]: one dot for both gate projections (in the 27B verify pass 49 GEMMs instead of 97 and
-    141 us less per pass; the one-row step unchanged), rows unchanged, so each
-    output is the same dot product as before (up to the order in which the backend's dot sums it: on
-    some CPUs the joined dot differs from the two in the last bit). Under TP each device joins its own
-    rows, so shard s holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
-    (the loader keeps them bf16), are left as they are."""
-    layers = params.get("gdn", ())
-    if not layers or not all("in_proj_b" in p and "in_proj_a" in p for p in layers):
-        return params
-    if any(isinstance(p[n], fp8_lib.Fp8Block) for p in layers for n in ("in_proj_b", "in_proj_a")):
-        return params
-    join = lambda b, a: jnp.concatenate([b, a], axis=0)  # noqa: E731
-    join = jax.jit(join) if mesh is None else tp_lib.map_row_shards(join, mesh)
-    fused = tuple({**{k: v for k, v in p.items() if k not in ("in_proj_b", "in_proj_a")},
-                   "in_proj_ba": join(p["in_proj_b"], p["in_proj_a"])} for p in layers)
-    return dict(params, gdn=fused if isinstance(layers, tuple) else list(fused))
-
-
-def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:
-    """An FP8 block copy of a [V, E] head, made where the head lives. Under TP each device quantizes
-    its own vocabulary rows in their own 128-blocks (its kernels only ever see that piece), so the
-    split need not fall on a 128-row boundary of the full head."""
-    if mesh is None:
-        return jax.jit(fp8_lib.quantize)(w)
-    return tp_lib.map_row_shards(fp8_lib.quantize, mesh)(w)
-
-
-def _vocab_head(params: dict, cfg, draft_vocab, draft_head: str, mesh) -> dict:
-    """{"draft_head": lm_head's rows of the draft vocabulary [Vs', E] (FP8 when draft_head is "fp8"),
-    "draft_vocab": their ids [Vs'] int32}; Vs' pads Vs to a multiple of the TP size (draft_vocab.padded)
-    so the vocabulary-parallel head splits evenly; the ids are replicated."""
-    from qmtp import draft_vocab as vocab_lib
-    ids = (vocab_lib.read(draft_vocab, cfg.vocab_size) if isinstance(draft_vocab, (str, os.PathLike))
-           else vocab_lib.validate(draft_vocab, cfg.vocab_size))
-    ids = vocab_lib.padded(ids, 1 if mesh is None else mesh.size)
-    rows = tp_lib.vocab_rows(mesh)
-    head = jax.jit(lambda w, i: jnp.take(w, i, axis=0), out_shardings=rows)(model_lib.lm_head(params), jnp.asarray(ids))
-    if draft_head == "fp8":
-        head = _fp8_copy(head, mesh)
-    return {"draft_head": head, "draft_vocab": jax.device_put(jnp.asarray(ids), tp_lib.replicated(mesh))}
 
 
 def _load_tokenizer(checkpoint_dir: str):
@@ -270,7 +210,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
 
     mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (same tokens).
     Stops each sequence at a stop id (default: generation_config's eos ids) or after `max_new_tokens`.
-    `accept_cap` (MTP only; how benchmarks impose an acceptance profile, qmtp/bench_profile.py) caps
+    `accept_cap` (MTP only; how benchmarks impose an acceptance profile, qmtp/bench/profile.py) caps
     the accepted drafts per round: an int, or a schedule [R] / [R, B] (round r uses row min(r, R-1));
     capping never changes the tokens. With warmup=True the compiled programs are built first (timed as
     warmup_s), so ttft_s / decode_s measure execution."""

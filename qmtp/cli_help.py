@@ -9,13 +9,14 @@ from absl import app, flags
 HELP_ARGS = ("--help", "-h", "--helpshort")
 
 
-def run(main, doc: str) -> None:
-    """app.run(main), except that a help request prints `doc` and every flag of the main module and
-    exits 0 (absl exits with status 1 after --help; asking for help is not an error)."""
+def run(main, doc: str, module: str | None = None) -> None:
+    """app.run(main), except that a help request prints `doc` and every flag of `module` (the module
+    that defines the command's flags; default: the main module) and exits 0 (absl exits with status 1
+    after --help; asking for help is not an error)."""
     if any(a in HELP_ARGS for a in sys.argv[1:]):
         flags.FLAGS(sys.argv[:1])
         print(doc)
-        print(flags.FLAGS.main_module_help())
+        print(flags.FLAGS.module_help(module) if module else flags.FLAGS.main_module_help())
         if flags.FLAGS.get_key_flags_for_module(__name__):  # flags shared by the entry points
             print(flags.FLAGS.module_help(__name__))
         sys.exit(0)
@@ -53,7 +54,7 @@ def define_draft_vocab_flag() -> None:
 
 
 def define_compile_cache_flag() -> None:
-    """--compile_cache (qmtp.compile_cache), for generate, bench, server."""
+    """--compile_cache (qmtp.runtime.compile_cache), for generate, bench, server."""
     if "compile_cache" in flags.FLAGS:
         return
     flags.DEFINE_string("compile_cache", "auto", "JAX's persistent compilation cache: a later run of the same "
@@ -65,7 +66,7 @@ def define_compile_cache_flag() -> None:
 
 def apply_compile_cache_flag() -> str | None:
     """Turns the cache of --compile_cache on; returns its directory (None when off)."""
-    from qmtp import compile_cache
+    from qmtp.runtime import compile_cache
     directory = compile_cache.resolve(flags.FLAGS.compile_cache)
     return compile_cache.enable(directory) if directory else None
 
@@ -79,7 +80,7 @@ def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> s
     compute-bound there: on the H200 at 27B shapes a 128-row step's FP8 launches took 31.5 ms on the
     GEMM against 19.4 on the decode kernel, and batch 32 at K=3 gave 1.06x plain on the GEMM against
     1.29x on the decode kernel (WORKSPACE.md)."""
-    from qmtp import ops
+    from qmtp.runtime import ops
     rows, limit = batch * (k + 1), ops.DECODE_MAX_ROWS
     if not k or model.impl != "pallas" or model.cfg.quantization is None or rows <= limit:
         return None

@@ -122,8 +122,8 @@ def run(argv) -> dict:
 
 
 def main(argv):
-    from qmtp.checkpoint import CheckpointError
-    from qmtp.config import ConfigError
+    from qmtp.model.checkpoint import CheckpointError
+    from qmtp.model.config import ConfigError
     try:
         run(argv)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:

@@ -46,7 +46,7 @@ def main(argv) -> int:
         print("hot_vocab: give one or more text files to count", file=sys.stderr)
         return 2
     from qmtp import api
-    from qmtp.config import ModelConfig
+    from qmtp.model.config import ModelConfig
     tokenizer = api._load_tokenizer(FLAGS.checkpoint)
     if tokenizer is None:
         print(f"hot_vocab: {FLAGS.checkpoint} has no tokenizer.json", file=sys.stderr)

@@ -6,8 +6,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # The CPU suite is mostly XLA compile time (tiny models, interpreted kernels): XLA's low-effort
-    # settings compile it ~1.4x faster (tests/test_engine.py 172 -> 103 s on the 2-core machine, session
-    # 16) and change no result a test checks (CPU codegen without fast math either way). Environment
+    # settings compile it ~1.4x faster (tests/test_engine.py 172 -> 103 s on the 2-core machine) and change no result a test checks (CPU codegen without fast math either way). Environment
     # variables, so the subprocesses the CLI and server tests start get them too; GPU runs keep XLA's
     # defaults.
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
@@ -73,7 +72,7 @@ def _mapped_regions() -> int:
 
 # Each executable XLA compiles for the CPU holds ~3 memory mappings until its jit cache entry goes,
 # and Linux allows a process 65530 (vm.max_map_count). The whole suite in one process compiles
-# enough (Pallas interpret mode especially) to reach that: session 6's suite died twice with a
+# enough (Pallas interpret mode especially) to reach that: a one-process suite died twice with a
 # segfault inside XLA's compile in the same late test, which passed in every smaller run. Clearing
 # jax's caches between modules once the count is high keeps the suite below the limit; a function
 # shared across modules compiles again, nothing else changes.

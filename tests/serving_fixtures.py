@@ -7,7 +7,7 @@ per call), so the prefill (prompt buckets 16 and 32) and the loop compile once p
 
 from __future__ import annotations
 
-from qmtp.engine import Engine, EngineConfig
+from qmtp.serve.engine import Engine, EngineConfig
 
 SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import qmtp
-from qmtp import loop
 from qmtp.api import _new_state, _prompt_batch
-from qmtp.kernel_config import REF
+from qmtp.runtime import loop
+from qmtp.runtime.kernel_config import REF
 from qmtp.tools import make_checkpoint
 
 BUFFER = 13  # one output width for every forced-acceptance case

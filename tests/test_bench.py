@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from qmtp import bench_report as br
+from qmtp.bench import report as br
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +70,7 @@ def test_help_and_plot_from(tmp_path):
 
 
 def test_table_shows_each_modes_memory_high_water_mark():
-    from qmtp import bench_report as br
+    from qmtp.bench import report as br
     mode = {"name": "plain", "k": 0, "decode_tokens_per_s": {"median": 100.0, "min": 99.0, "max": 101.0},
             "ttft_s": {"median": 0.05}, "share_of_roofline": 0.8, "speedup": 1.0}
     with_stats = dict(mode, memory={"bytes_in_use": 32.4e9, "peak_bytes_in_use": 40.3e9})
@@ -92,10 +92,9 @@ def test_roofline_and_ceiling_arithmetic():
 def test_step_bytes_counts_weights_state_and_kv():
     import jax.numpy as jnp
 
-    from qmtp import params as qp
-    from qmtp.state import state_shapes
+    from qmtp.model import config as qc, params as qp
+    from qmtp.runtime.state import state_shapes
     from qmtp.tools import make_checkpoint
-    from qmtp import config as qc
     cfg = qc.from_dict(make_checkpoint.build_config("tiny", "bf16", 0, None))
     params = qp.abstract_params(cfg, jnp.bfloat16)
     state = state_shapes(cfg, 2, 8, 16, 4, jnp.bfloat16)
@@ -109,7 +108,7 @@ def test_step_bytes_counts_weights_state_and_kv():
     assert b["draft"]["lm_head"] == v * e * 2 and b["batch"] == 2
     # with the FP8 draft head a draft reads it instead: 1 byte per weight + one f32 scale per 128 x 128
     import jax
-    from qmtp import fp8
+    from qmtp.model import fp8
     head = jax.eval_shape(fp8.quantize, jax.ShapeDtypeStruct((v, e), jnp.bfloat16))
     b8 = br.step_bytes(dict(params, mtp=dict(params["mtp"], draft_head=head)), state, context=100)
     assert b8["draft"]["lm_head"] == v * e + -(-v // 128) * -(-e // 128) * 4
@@ -117,7 +116,7 @@ def test_step_bytes_counts_weights_state_and_kv():
 
 
 def test_a_token_mismatch_is_reported():
-    from qmtp import bench
+    from qmtp.bench import harness as bench
     run = lambda toks: types.SimpleNamespace(tokens=toks, stats={  # noqa: E731
         "decode_tokens_per_s": 1.0, "ttft_s": 0.1, "mean_accepted_length": 2.0, "acceptance_rate": 1.0,
         "position_acceptance": [1.0]})
@@ -159,7 +158,7 @@ def test_breakdown_timing_leaves_out_building_the_input(monkeypatch):
     """A piece's time is its loop's alone: building the fresh (donated) state of each call, slow and
     variable at TP2, must not enter the difference of the two trip counts. A fake clock: input
     builds cost 0-50 units at random, the loop costs 1.0 per iteration."""
-    from qmtp import bench_breakdown as bd
+    from qmtp.bench import breakdown as bd
     rng = np.random.default_rng(0)
     clock = [0.0]
     monkeypatch.setattr(bd.time, "perf_counter", lambda: clock[0])
@@ -204,7 +203,7 @@ def test_targets_name_the_pieces_of_a_miss():
 
 
 def test_targets_say_when_a_short_run_missed_its_profile():
-    """Session 13's 128-token K=3 run: 0.83 / 0.69 / 0.57 realized for 0.85 / 0.70 / 0.57 is 0.02 off
+    """A 128-token K=3 run: 0.83 / 0.69 / 0.57 realized for 0.85 / 0.70 / 0.57 is 0.02 off
     at the first position, so its speedup is not the profile's; 1024 tokens realized it."""
     k3 = {"name": "mtp K=3 profiled", "speedup": 2.47, "mean_accepted_length": 3.10,
           "imposed_profile": [0.85, 0.70, 0.57], "position_acceptance": [0.8333, 0.6905, 0.5714]}
@@ -219,12 +218,12 @@ def test_targets_say_when_a_short_run_missed_its_profile():
 
 
 def test_in_program_copy_keeps_every_pass_and_reports_both_clocks():
-    """The in-program copy (qmtp.bandwidth.one_program_passes) really makes `passes` separate passes:
+    """The in-program copy (qmtp.bench.bandwidth.one_program_passes) really makes `passes` separate passes:
     the values count them and the compiled program keeps a loop whose body adds (not one x + n)."""
     import jax
     import jax.numpy as jnp
 
-    from qmtp import bandwidth
+    from qmtp.bench import bandwidth
 
     x = jnp.arange(1024, dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(bandwidth.one_program_passes(x, 5)), np.asarray(x) + 5)
@@ -242,7 +241,7 @@ def _case(tp_rates: dict, breakdown=None) -> dict:
 
 
 def test_compare_checks_tp2_against_tp1_and_names_the_all_reduces():
-    """Session 9's TP2 step: 124.2 vs 108.3 tok/s plain, 8.08 ms per step of which 2.49 ms all-reduces."""
+    """A measured TP2 step: 124.2 vs 108.3 tok/s plain, 8.08 ms per step of which 2.49 ms all-reduces."""
     tp1 = {"config": {"tp": 1, "title": "tp1"}, "cases": [_case({"plain": 108.3, "mtp K=3 profiled": 256.2})]}
     tp2 = _case({"plain": 124.2, "mtp K=3 profiled": 281.2, "mtp K=4 natural": 400.0},
                 {"3": {"measured_plain_step": 0.00808, "all_reduce": 0.00249}})

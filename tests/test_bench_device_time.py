@@ -106,33 +106,33 @@ def test_device_time_of_an_fp8_matmul_on_the_gpu():
 
 
 def test_breakdown_device_piece_per_iteration(monkeypatch):
-    """bench_breakdown's device figure: the busiest device's busy time of one profiled call over its
+    """qmtp.bench.breakdown's device figure: the busiest device's busy time of one profiled call over its
     iterations; a predicted round from the device pieces as from the wall-clock ones."""
-    from qmtp import bench_breakdown as bd
+    from qmtp.bench import breakdown as bd
+    from qmtp.runtime import ops
     calls = []
-    monkeypatch.setattr(trace_events, "device_time", lambda fn, *a, prefix: calls.append(a) or {
+    monkeypatch.setattr(ops, "device_time", lambda fn, *a, prefix: calls.append(a) or {
         "busy_s_per_device": 18e-3, "kernels": {"gdn": {"us": 36.0, "count": 18}}})
     busy, kinds = bd._device_piece(lambda x, n: x, lambda: jnp.zeros(2), n=18)
     assert busy == pytest.approx(1e-3) and kinds == {"gdn": {"us": 2.0, "count": 1.0}}  # per iteration
     assert calls[0][1] == 18  # (input, n): one call of n iterations
-    monkeypatch.setattr(trace_events, "device_time", lambda fn, *a, prefix: None)
+    monkeypatch.setattr(ops, "device_time", lambda fn, *a, prefix: None)
     assert bd._device_piece(lambda x, n: x, lambda: jnp.zeros(2)) is None  # a CPU run: no figure
-    pieces = {"device_draft": 0.5, "device_verify": 10.0, "device_commit": 0.2, "draft": 0.6, "verify": 10.5,
-              "commit": 1.0}
-    assert bd._predicted_round(pieces, 3, "device_") == pytest.approx(3 * 0.5 + 10.0 + 0.2)
-    assert bd._predicted_round(pieces, 3, "") == pytest.approx(3 * 0.6 + 10.5 + 1.0)
+    pieces = {"device_draft": 0.5, "device_verify": 10.0, "draft": 0.6, "verify": 10.5}
+    assert bd._predicted_round(pieces, 3, "device_") == pytest.approx(3 * 0.5 + 10.0)
+    assert bd._predicted_round(pieces, 3, "") == pytest.approx(3 * 0.6 + 10.5)
 
 
 def test_breakdown_table_adds_the_device_columns_when_measured():
-    from qmtp import bench_report as br
-    wall = {"3": {"verify": 0.0105, "draft": 0.0006, "commit": 0.001, "predicted_round": 0.013}}
+    from qmtp.bench import report as br
+    wall = {"3": {"verify": 0.0105, "draft": 0.0006, "predicted_round": 0.0123}}
     assert "device_" not in br.breakdown_table(wall)  # a CPU run
-    header = br.breakdown_table({"3": dict(wall["3"], device_verify=0.0099, device_commit=0.0002)}).splitlines()[1]
-    assert header.split()[-2:] == ["device_verify", "device_commit"]
+    header = br.breakdown_table({"3": dict(wall["3"], device_verify=0.0099, device_draft=0.0005)}).splitlines()[1]
+    assert header.split()[-2:] == ["device_verify", "device_draft"]
 
 
 def test_kernel_diff_table_orders_the_kinds_by_what_verify_adds():
-    from qmtp import bench_report as br
+    from qmtp.bench import report as br
     pieces = {"target_step": {"fp8_matmul_decode": {"us": 7500.0, "count": 401}, "memcpy128": {"us": 0.0, "count": 0},
                               "fusion": {"us": 900.0, "count": 500}},
               "verify": {"fp8_matmul_decode": {"us": 7670.0, "count": 401}, "memcpy128": {"us": 130.0, "count": 48},

@@ -24,9 +24,8 @@ def test_bench_shapes_are_the_models():
     target's parameter tree, layer kind by layer kind."""
     import jax.numpy as jnp
 
-    from qmtp import config as qc
-    from qmtp import params as qp
-    from qmtp.fp8 import Fp8Block
+    from qmtp.model import config as qc, params as qp
+    from qmtp.model.fp8 import Fp8Block
     from qmtp.tools import make_checkpoint
 
     tree = qp.abstract_params(qc.from_dict(make_checkpoint.build_config("qwen3_5_27b", "fp8", 0, None)),

@@ -9,9 +9,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import qmtp
-from qmtp import checkpoint, params as P
-from qmtp.checkpoint import CheckpointError
-from qmtp.config import from_dict
+from qmtp.model import checkpoint, params as P
+from qmtp.model.checkpoint import CheckpointError
+from qmtp.model.config import from_dict
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle")
 PREFIX = "model.language_model."

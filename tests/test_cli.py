@@ -37,7 +37,7 @@ def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
 
 
-@pytest.mark.slow  # CI time (session 16): three CLI runs; the text-prompt run stays in CI
+@pytest.mark.slow  # CI time: three CLI runs; the text-prompt run stays in CI
 def test_prompt_ids_and_prompt_file_match_the_text_prompt(cache, tmp_path):
     from qmtp.tools import make_checkpoint, tiny_tokenizer
     text = "def fibonacci(n):\n    return"  # two lines: the file keeps the newline

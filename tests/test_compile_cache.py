@@ -1,4 +1,4 @@
-"""--compile_cache (qmtp.compile_cache): a second process loads its programs from the cache instead of
+"""--compile_cache (qmtp.runtime.compile_cache): a second process loads its programs from the cache instead of
 compiling them, `off` writes nothing, and a directory that cannot be used is named in the error."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from qmtp import compile_cache
+from qmtp.runtime import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ def test_second_process_loads_the_loops_from_the_cache(tmp_path):
     assert first.stdout.split("\n")[:2] == second.stdout.split("\n")[:2]  # the same text
 
 
-@pytest.mark.slow  # CI time (session 16): the cache's hit across processes stays in CI
+@pytest.mark.slow  # CI time: the cache's hit across processes stays in CI
 def test_off_writes_no_cache(tmp_path):
     r = generate(tmp_path, "--compile_cache=off")
     assert r.returncode == 0, r.stderr[-2000:]

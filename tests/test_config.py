@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from qmtp.config import ConfigError, ModelConfig, from_dict
+from qmtp.model.config import ConfigError, from_dict, ModelConfig
 
 TEXT = {
     "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256,

@@ -28,12 +28,11 @@ from safetensors.numpy import save_file
 
 import numpy_ref as nr
 import qmtp
-from qmtp import api, params
-from qmtp import model as model_lib
-from qmtp.config import ModelConfig, from_dict
-from qmtp.state import init_state
-from qmtp.tools import make_checkpoint as mc
-from qmtp.tools import presets, tiny_tokenizer
+from qmtp import api
+from qmtp.model import params, target as model_lib
+from qmtp.model.config import from_dict, ModelConfig
+from qmtp.runtime.state import init_state
+from qmtp.tools import make_checkpoint as mc, presets, tiny_tokenizer
 
 SEED = 0
 LIVE = tiny_tokenizer.TINY_VOCAB_SIZE  # 384
@@ -377,7 +376,7 @@ def test_engine_mtp_with_swapped_fc_halves_is_always_wrong(ckpts, pi, tmp_path):
     assert r.agreement == 0.0 and np.array_equal(r.draft_argmax, seq[1:])
 
 
-@pytest.mark.slow  # CI time (session 16): test_engine's controlled-checkpoint test stays in CI
+@pytest.mark.slow  # CI time: test_engine's controlled-checkpoint test stays in CI
 @pytest.mark.parametrize("kind", ["bf16"])
 def test_engine_speculative_generation_accepts_everything(models, pi, kind):
     prompt = follow(pi, 9, 20)

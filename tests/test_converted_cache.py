@@ -1,4 +1,4 @@
-"""The converted-parameter cache (`qmtp.load(..., converted_cache=DIR)`, qmtp.converted_cache) on two
+"""The converted-parameter cache (`qmtp.load(..., converted_cache=DIR)`, qmtp.model.converted_cache) on two
 fake CPU devices: the second load restores the tree without reading the safetensors and is bitwise
 equal to an uncached load (FP8 weights and scales included, same shardings for tp = 2); a changed
 checkpoint misses; a corrupt entry falls back to the checkpoint and is rewritten; greedy tokens match.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import checkpoint, converted_cache
-from qmtp.fp8 import Fp8Block
+from qmtp.model import checkpoint, converted_cache
+from qmtp.model.fp8 import Fp8Block
 from qmtp.tools import make_checkpoint
 
 
@@ -39,7 +39,7 @@ def reference(ckpt):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Paths the safetensors reader `qmtp.checkpoint.load` was called with."""
+    """Paths the safetensors reader `qmtp.model.checkpoint.load` was called with."""
     calls, real = [], checkpoint.load
 
     def spy(checkpoint_dir, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""The shipped demo model (models/qmtp-demo, issue 8): what `make demo` promises, checked on the CPU.
+"""The shipped demo model (models/qmtp-demo): what `make demo` promises, checked on the CPU.
 
 Held-out text comes from this machine's own standard library by the training split's rule
 (train_data: packages whose name hashes below eval_fraction were never trained on), tokenized with
@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from qmtp import api, train_data
+from qmtp import api
+from qmtp.train import data as train_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "models", "qmtp-demo")
@@ -32,7 +33,7 @@ def test_shipped_files_fit_the_repository_limits():
         assert name in sizes
 
 
-@pytest.mark.slow  # CI time (session 16): the shipped model's files do not change; its flagfile test stays in CI
+@pytest.mark.slow  # CI time: the shipped model's files do not change; its flagfile test stays in CI
 def test_heldout_teacher_forced_acceptance_reaches_the_issue_bar(demo):
     # the split's hash holds out whole top-level modules / packages; of Python 3.12's stdlib that is
     # webbrowser.py (~7.3k tokens): windows spread over all of it

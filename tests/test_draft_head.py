@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import fp8
+from qmtp.model import fp8
 from qmtp.tools import make_checkpoint
 
 
@@ -67,7 +67,7 @@ def test_the_draft_head_is_what_drafts_use(controlled):
     assert np.all(qmtp.mtp_logits(broken, ids).logits == 0.0)
 
 
-@pytest.mark.slow  # CI time (session 16): the FP8 draft head and TP2 each stay in CI on their own
+@pytest.mark.slow  # CI time: the FP8 draft head and TP2 each stay in CI on their own
 def test_fp8_draft_head_under_tp2(controlled):
     one = qmtp.generate(qmtp.load(controlled, dtype="float32", progress=False), PROMPTS, max_new_tokens=8)
     model = qmtp.load(controlled, dtype="float32", progress=False, draft_head="fp8", tp=2)
@@ -94,9 +94,9 @@ def test_auto_draft_head_follows_the_checkpoint_precision(controlled, tmp_path):
 def test_the_breakdown_times_the_draft_head(controlled):
     """bench_breakdown's draft piece drafts through the draft head, as the spec loop does: with a
     zeroed head every draft is id 0 (all logits 0), with the model's own head they are not."""
-    from qmtp import bench_breakdown
     from qmtp.api import _new_state
-    from qmtp.kernel_config import REF
+    from qmtp.bench import breakdown as bench_breakdown
+    from qmtp.runtime.kernel_config import REF
     model = qmtp.load(controlled, dtype="float32", progress=False, draft_head="fp8")
     head = model.params["mtp"]["draft_head"]
     zero = dict(model.params, mtp=dict(model.params["mtp"], draft_head=fp8.Fp8Block(jnp.zeros_like(head.weight),

@@ -1,4 +1,4 @@
-"""Draft vocabularies (qmtp/draft_vocab.py, `qmtp.load(..., draft_vocab=...)`): the file checks, and on
+"""Draft vocabularies (qmtp/model/draft_vocab.py, `qmtp.load(..., draft_vocab=...)`): the file checks, and on
 the controlled tiny checkpoint (its MTP head predicts the target: 100% acceptance) that a vocabulary
 holding every id drafts exactly as the full head does, that one missing the tokens the target emits
 drafts none of them right, and that the tokens equal plain greedy decoding either way."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import draft_vocab
+from qmtp.model import draft_vocab
 from qmtp.tools import make_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [42, 8, 300, 11]]
@@ -56,7 +56,7 @@ def test_every_id_drafts_as_the_full_head(ckpt, plain):
     assert got.stats["accepted"] == full.stats["accepted"] > 0
 
 
-@pytest.mark.slow  # CI time (session 16): test_every_id_drafts_as_the_full_head stays in CI
+@pytest.mark.slow  # CI time: test_every_id_drafts_as_the_full_head stays in CI
 def test_a_vocabulary_without_the_emitted_tokens_drafts_nothing_right(ckpt, plain, tmp_path):
     model, want = plain
     emitted = {t for row in want.tokens for t in row}

@@ -1,4 +1,4 @@
-"""The continuous-batching engine (qmtp.engine) without HTTP: tokens equal qmtp.generate (plain and
+"""The continuous-batching engine (qmtp.serve.engine) without HTTP: tokens equal qmtp.generate (plain and
 MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, snapshots, batched prefill of waiting
 prompts; nothing leaks.
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp.engine import Engine, EngineConfig
-from qmtp.requests import EngineStopped, QueueFull, RequestError
+from qmtp.serve.engine import Engine, EngineConfig
+from qmtp.serve.requests import EngineStopped, QueueFull, RequestError
 from qmtp.tools import make_checkpoint
 from serving_fixtures import PAGE, SLOTS, assert_all_free, make_engine
 
@@ -211,7 +211,7 @@ def test_snapshots_give_identical_tokens_within_the_byte_budget(model, ckpt, ref
     assert_all_free(engine)
 
 
-@pytest.mark.slow  # CI time (session 16): TP2 == TP1 stays in CI through tests/test_tp_model.py
+@pytest.mark.slow  # CI time: TP2 == TP1 stays in CI through tests/test_tp_model.py
 def test_tp2_engine_equals_tp1_generate(ckpt, model, reference):
     import jax
     assert len(jax.devices()) >= 2, "needs 2 devices (jax_num_cpu_devices=2 in conftest.py)"
@@ -237,7 +237,7 @@ def test_bad_engine_config_names_the_flag(model):
 
 def test_an_idle_engine_wakes_up_for_a_new_request(model):
     """submit() notifies the idle scheduler: no waiting out its idle poll period (IDLE_WAIT_S)."""
-    from qmtp.engine import IDLE_WAIT_S
+    from qmtp.serve.engine import IDLE_WAIT_S
     engine = make_engine(model, 0)
     engine.generate(PROMPTS[0], 2, timeout=60)  # compiled
     time.sleep(0.1)  # the thread is idle now
@@ -248,7 +248,7 @@ def test_an_idle_engine_wakes_up_for_a_new_request(model):
 
 
 def test_text_stream_holds_back_partial_characters_and_stop_strings(model):
-    from qmtp.textstream import TextStream
+    from qmtp.serve.textstream import TextStream
     tok = model.tokenizer
     text = "def fibonacci(n): caf\u00e9 \U0001F642 done"
     ids = tok.encode(text, add_special_tokens=False).ids
@@ -264,7 +264,7 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings(model):
 
 
 def test_controlled_checkpoint_accepts_every_draft_and_metrics_show_it(tmp_path):
-    from qmtp import metrics
+    from qmtp.serve import metrics
     path = make_checkpoint.write_checkpoint(str(tmp_path / "ctl"), "tiny_controlled", "fp32", seed=5)
     controlled = qmtp.load(path, dtype="float32", page_size=PAGE, progress=False)  # same shapes: no new compile
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[5]]

@@ -10,8 +10,8 @@ from safetensors.numpy import load_file, save_file
 
 import numpy_ref
 import qmtp
-from qmtp.checkpoint import CheckpointError
-from qmtp.fp8 import Fp8Block
+from qmtp.model.checkpoint import CheckpointError
+from qmtp.model.fp8 import Fp8Block
 from qmtp.tools import make_checkpoint
 from tolerance import F32_MODEL, assert_close
 
@@ -97,11 +97,11 @@ def test_fp8_embedding_is_rejected(fp8_dir, tmp_path):
 def test_abstract_params_describe_the_loaded_tree(fp8_dir):
     import jax
     import jax.numpy as jnp
-    from qmtp.params import abstract_params
+    from qmtp.model.params import abstract_params
     # the checkpoint's tree: without the FP8 draft head that qmtp.load adds for FP8 checkpoints
     # (draft_head="auto"), a copy of lm_head made after loading, not a checkpoint tensor, and with
     # in_proj_b / in_proj_a as the checkpoint names them (qmtp.load joins them)
-    from qmtp import checkpoint
+    from qmtp.model import checkpoint
     cfg, params = checkpoint.load(fp8_dir, dtype="bfloat16", progress=False)
     abstract = abstract_params(cfg, jnp.bfloat16, fp8_linear=True)
     got = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params)

@@ -1,4 +1,4 @@
-"""qmtp.api.fuse_gate_projections: qmtp.load joins each GDN
+"""qmtp.model.load.fuse_gate_projections: qmtp.load joins each GDN
 layer's in_proj_b and in_proj_a into in_proj_ba = [b | a], per TP shard [b_s | a_s]; the conv kernel
 reads its halves in place. The joined model must compute what the unjoined one does."""
 
@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import api, checkpoint, ops, shard_layout
-from qmtp.kernel_config import PALLAS
+from qmtp import api
+from qmtp.model import checkpoint, load, shard_layout
+from qmtp.runtime import ops
+from qmtp.runtime.kernel_config import PALLAS
 
 PROMPTS = [[3, 14, 15, 92], [65, 35]]
 
@@ -33,7 +35,7 @@ def test_load_joins_b_then_a(model, apart):
         want = np.concatenate([np.asarray(split["in_proj_b"]), np.asarray(split["in_proj_a"])])
         np.testing.assert_array_equal(np.asarray(joined["in_proj_ba"]), want)
     assert isinstance(model.params["gdn"], tuple)
-    assert api.fuse_gate_projections(model.params) is model.params  # joined once only
+    assert load.fuse_gate_projections(model.params) is model.params  # joined once only
 
 
 def test_each_tp_shard_holds_its_own_b_then_a(ckpt, apart):

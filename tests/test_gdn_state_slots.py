@@ -1,5 +1,5 @@
 """The GDN slot ring, the loop's one commit: each GDN layer's conv and ssm state lives in K+2 slots
-with a read slot per row (qmtp/loop.py); the verify pass writes the state after each of its tokens
+with a read slot per row (qmtp/runtime/loop.py); the verify pass writes the state after each of its tokens
 to the slots after the read one, and the commit moves the read slot. Tokens and the final state must
 be those of plain decoding, through the conv kernel (interpret mode) as on the reference path
 (test_speculate's forced acceptance); the serving engine keeps its state in the ring between calls
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp.kernel_config import PALLAS, REF
+from qmtp.runtime.kernel_config import PALLAS, REF
 from serving_fixtures import make_engine
 from spec_loops import load_controlled, run_plain, run_spec
 from tolerance import F32_MODEL, assert_close
@@ -71,8 +71,8 @@ def test_engine_keeps_its_state_in_the_ring(model, k):
 
 
 def test_decode_refuses_a_ring_made_for_another_k(model):
-    from qmtp import loop
     from qmtp.api import _new_state
+    from qmtp.runtime import loop
     state = loop.to_ring(_new_state(model, [16]), loop.ring_size(2))  # K+2 = 4 slots
     slots = loop.Slots.empty(1, model.cfg.hidden_size, 1, jnp.float32)
     with pytest.raises(ValueError, match="4 GDN state slots; K = 3 needs 5"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp.kernel_config import PALLAS, REF, KernelConfig
+from qmtp.runtime.kernel_config import KernelConfig, PALLAS, REF
 from qmtp.tools import make_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -63,7 +63,7 @@ def bf16_attention_tol(q, k_ctx, v_ctx, o_expected, scale, n_keys):
 
 class Case:
     """committed[b] tokens already in the cache, n_valid[b] of the T new queries are real (the rest are
-    padding): q_positions = committed + t, kv_lengths = committed + n_valid (as qmtp.layers.attention)."""
+    padding): q_positions = committed + t, kv_lengths = committed + n_valid (as qmtp.model.layers.attention)."""
 
     def __init__(self, *, b, t, hq, hkv, d, s, committed, n_valid, seed=0, dtype=np.float32, q_gain=1.0,
                  spare_pages=3, poison=POISON):

@@ -7,8 +7,8 @@ import pytest
 
 import numpy_ref as ref
 from pallas_kernels import fp8_matmul, gdn, paged_attention
-from qmtp import layers
-from qmtp.fp8 import quantize_np
+from qmtp.model import layers
+from qmtp.model.fp8 import quantize_np
 from tolerance import F32_OP, F32_RECURRENCE, assert_close
 
 RNG = np.random.default_rng(0)

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from qmtp import params
-from qmtp.config import ModelConfig, from_dict
-from qmtp.fp8 import dequantize_np, quantize_np
-from qmtp.tools import make_checkpoint as mc
-from qmtp.tools import presets, tiny_tokenizer
+from qmtp.model import params
+from qmtp.model.config import from_dict, ModelConfig
+from qmtp.model.fp8 import dequantize_np, quantize_np
+from qmtp.tools import make_checkpoint as mc, presets, tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L, F = "linear_attention", "full_attention"

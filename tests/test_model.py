@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import model as model_lib
-from qmtp.kernel_config import REF
-from qmtp.paging import PageAllocator
-from qmtp.state import PagedKV, init_state
+from qmtp.model import target as model_lib
+from qmtp.runtime.kernel_config import REF
+from qmtp.runtime.paging import PageAllocator
+from qmtp.runtime.state import init_state, PagedKV
 from tolerance import F32_MODEL, assert_close
 
 CKPT = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp.kernel_config import PALLAS
+from qmtp.runtime.kernel_config import PALLAS
 from tolerance import F32_MODEL, assert_close
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from qmtp.paging import CapacityError, PageAllocator
+from qmtp.runtime.paging import CapacityError, PageAllocator
 
 
 def test_reserve_release_and_page_table():

@@ -25,8 +25,8 @@ import openai
 import pytest
 
 import qmtp
-from qmtp.engine import Engine
-from qmtp.server import Server, ServerSettings, create_app
+from qmtp.serve.engine import Engine
+from qmtp.serve.server import create_app, Server, ServerSettings
 from serving_fixtures import assert_all_free, make_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -414,7 +414,7 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
 
 
 def test_chat_template_default_and_errors(tmp_path):
-    from qmtp.chat_template import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError
+    from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError, DEFAULT_TEMPLATE
     bare = ChatTemplate.from_checkpoint(str(tmp_path))  # no tokenizer_config.json: the ChatML default
     assert bare.source == DEFAULT_TEMPLATE
     assert bare.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

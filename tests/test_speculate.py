@@ -10,10 +10,10 @@ from safetensors.numpy import load_file
 
 import numpy_ref as ref
 import qmtp
-from qmtp import model as model_lib
-from qmtp.bench_profile import acceptance_schedule
-from qmtp.kernel_config import REF
 from qmtp.api import _new_state
+from qmtp.bench.profile import acceptance_schedule
+from qmtp.model import target as model_lib
+from qmtp.runtime.kernel_config import REF
 from qmtp.tools import make_checkpoint
 from spec_loops import run_plain, run_spec
 from tolerance import F32_MODEL, assert_close

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from qmtp import tp
-from qmtp.config import ModelConfig
+from qmtp.model.config import ModelConfig
+from qmtp.runtime import tp
 from qmtp.tools import make_checkpoint
 
 
@@ -60,6 +60,6 @@ def test_mesh_and_split_checks_name_the_limit():
     with pytest.raises(ValueError, match=r"FP8 weights need shard boundaries on 128-multiples, but "
                                          r"intermediate_size / tp = 136"):
         tp.check_tp(cfg, 2, fp8=True)
-    from qmtp.config import from_dict
+    from qmtp.model.config import from_dict
     real = from_dict(make_checkpoint.build_config("qwen3_5_27b", "fp8", 0, None))
     tp.check_tp(real, 2, fp8=True)  # the 27B splits in two on 128-blocks (ffn 8704 = 68 x 128 per shard)

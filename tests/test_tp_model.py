@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import checkpoint, params, shard_layout
+from qmtp.model import checkpoint, params, shard_layout
 from marks import slow_except
 from qmtp.tools import make_checkpoint
 
@@ -66,9 +66,9 @@ def _close(a, b, what):
 
 
 # In CI: K=3 at batch 3 on the random checkpoint (plain TP2 == TP1 by logits below); the rest of the
-# product is `slow` (CI time, session 15: each case 18-36 s).
+# product is `slow` (CI time: each case 18-36 s).
 CI_TINY = {(3, 3)}  # (K, batch)
-# none since session 16 (CI time): TP2 == TP1 runs in CI on the random checkpoint (CI_TINY), the
+# none (CI time): TP2 == TP1 runs in CI on the random checkpoint (CI_TINY), the
 # controlled one's full-acceptance case under `make test-all`
 CI_CONTROLLED: set = set()
 
@@ -130,7 +130,7 @@ def test_fp8_with_replicated_kv_head_tp2_equals_tp1(fp8_dir):
 def test_forgotten_psum_is_caught(tiny_pair, monkeypatch):
     """If a row-parallel projection's partial sums were not reduced, shard_map's replication check
     refuses the program (check_vma), so the bug cannot produce silently wrong tokens."""
-    from qmtp import tp
+    from qmtp.runtime import tp
     monkeypatch.setattr(tp, "all_reduce", lambda x: x)
     tp._SHARDED.clear()
     try:
@@ -204,7 +204,8 @@ def test_pallas_kernels_under_tp2(fp8_dir):
 def test_round_breakdown_runs_under_tp2(controlled_pair):
     """qmtp.bench's breakdown at TP2: every piece, the collectives piece included (2L + 1 all-reduces
     and the argmax's all-gather), runs inside the shard_map with check_vma on (impl="ref")."""
-    from qmtp import api, bench_breakdown
+    from qmtp import api
+    from qmtp.bench import breakdown as bench_breakdown
     _, tp2 = controlled_pair
     pieces = bench_breakdown.measure(tp2, lambda: api._new_state(tp2, [48]), 1)
     assert set(pieces) == {"target_step", "verify", "draft", "all_reduce", "predicted_round"}

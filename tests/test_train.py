@@ -1,4 +1,4 @@
-"""qmtp.train, train_data, train_loss and export on the CPU (issue 8), with configs/train_tiny.flags.
+"""qmtp.train, train_data, train_loss and export on the CPU, with configs/train_tiny.flags.
 
 Run A (module fixture) is an uninterrupted 8-step run; the tests read its metrics, checkpoints and
 tokenizer. Resume is checked bitwise: the same jitted step on the same inputs is deterministic on
@@ -16,10 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qmtp import api, checkpoint, export, train, train_checkpoints, train_data, train_loss
-from qmtp import config as qconfig
-from qmtp.params import tensor_table
+from qmtp import api
+from qmtp.model import checkpoint, config as qconfig, load as load_lib
+from qmtp.model.params import tensor_table
 from qmtp.tools import make_checkpoint
+from qmtp.train import checkpoints as train_checkpoints
+from qmtp.train import data as train_data
+from qmtp.train import export
+from qmtp.train import hyper
+from qmtp.train import loss as train_loss
+from qmtp.train import trainer as train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "train_tiny.flags")
@@ -41,7 +47,7 @@ def _restore(run_dir: str):
     cfg = qconfig.from_dict(config)
     with open(os.path.join(run_dir, "run_config.json")) as f:
         rc = json.load(f)
-    hp = train.Hyper(rc["steps"], rc["learning_rate"], rc["warmup_steps"], rc["min_lr_ratio"], rc["weight_decay"],
+    hp = hyper.Hyper(rc["steps"], rc["learning_rate"], rc["warmup_steps"], rc["min_lr_ratio"], rc["weight_decay"],
                      rc["grad_clip"], rc["adam_b1"], rc["adam_b2"], rc["mtp_loss_weight"], rc["compute_dtype"], False)
     fresh = jax.tree_util.tree_map(jnp.asarray, train_loss.init_params(cfg, 0))
     got = train_checkpoints.restore(run_dir, {"params": fresh, "opt_state": hp.optimizer().init(fresh),
@@ -119,9 +125,9 @@ def test_export_round_trips_through_qmtp_load(run_a, tmp_path):
         assert len(shards) > 1 and all(os.path.getsize(os.path.join(out, n)) <= limit + 4096 for n in shards)
         loaded = api.load(out, dtype="float32", progress=False)
         assert loaded.cfg == dataclasses.replace(cfg, eos_token_ids=(511, 509))  # + generation_config's eos
-        # the loader joins the GDN gate projections (api.fuse_gate_projections); one [2 Hv, E] dot may sum
+        # the loader joins the GDN gate projections (load_lib.fuse_gate_projections); one [2 Hv, E] dot may sum
         # in another order than two [Hv, E] ones on some CPUs, so the tree in memory is joined the same way
-        in_memory = api.Model(loaded.cfg, api.fuse_gate_projections(expected_params), tok, out, dtype="float32")
+        in_memory = api.Model(loaded.cfg, load_lib.fuse_gate_projections(expected_params), tok, out, dtype="float32")
         got, want = (jax.tree_util.tree_leaves_with_path(m.params) for m in (loaded, in_memory))
         assert [jax.tree_util.keystr(k) for k, _ in got] == [jax.tree_util.keystr(k) for k, _ in want]
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for (_, x), (_, y) in zip(got, want))
@@ -153,7 +159,7 @@ def _raw_tensors(ckpt_dir: str) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.slow  # CI time (session 16): the export round trip and the tokenizer fixture train in CI
+@pytest.mark.slow  # CI time: the export round trip and the tokenizer fixture train in CI
 def test_train_mtp_only_changes_only_the_mtp_tensors(tmp_path):
     src = make_checkpoint.write_checkpoint(str(tmp_path / "fp8"), "tiny", "fp8", seed=3)
     out = str(tmp_path / "mtp_run")
@@ -222,8 +228,8 @@ def test_held_out_split_keeps_packages_whole():
 
 @pytest.mark.slow  # ~29 s; depth one (the recipes' default) is trained by the default suite
 def test_mtp_depth_two_trains_the_drafting_chain(run_a):
-    from qmtp import model as model_lib, mtp
-    from qmtp.state import init_state
+    from qmtp.model import mtp, target as model_lib
+    from qmtp.runtime.state import init_state
     cfg, _, params, _, _ = _restore(run_a)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 3, (2, 12)), jnp.int32)
     _, one = train_loss.losses(cfg, params, tokens, mtp_depth=1)

@@ -1,4 +1,4 @@
-"""The FP8 weights in the kernels' tiled layout at load under Pallas (qmtp/weight_layout.py):
+"""The FP8 weights in the kernels' tiled layout at load under Pallas (qmtp/model/weight_layout.py):
 which weights take it, that their values and TP shards are the checkpoint's, and that a model
 with tiled weights gives the same logits, bit for bit, as one without."""
 
@@ -12,9 +12,9 @@ import pytest
 
 import qmtp
 from pallas_kernels.fp8_layout import untile_weight
-from qmtp import weight_layout
-from qmtp.kernel_config import PALLAS
-from qmtp.fp8 import Fp8Block
+from qmtp.model import weight_layout
+from qmtp.model.fp8 import Fp8Block
+from qmtp.runtime.kernel_config import PALLAS
 from qmtp.tools import make_checkpoint
 
 
@@ -79,7 +79,7 @@ def test_tp2_tiles_each_shard_in_place(fp8_dir):
     dimension as the [O, I] one (O for column-parallel, I for row-parallel), and each shard's values
     are its [O, I] shard's. A shard of no whole number of 128-row tiles takes 64-row ones: tiny_tp's
     draft head (384 rows, 192 per device)."""
-    from qmtp import shard_layout
+    from qmtp.model import shard_layout
     plain, tiled = _load(fp8_dir, False, tp=2), _load(fp8_dir, True, tp=2)
     a, b = _blocks(plain.params), _blocks(tiled.params)
     dims, short = set(), []

@@ -20,8 +20,7 @@ from typing import BinaryIO, Iterator, Sequence, TextIO
 import ml_dtypes  # registers bfloat16 / float8 with numpy; keep before any safetensors import
 import numpy as np
 
-from qmtp import config as qconfig
-from qmtp import fp8, params
+from qmtp.model import config as qconfig, fp8, params
 from qmtp.tools import presets
 
 # Module names (substrings, as transformers matches them) an FP8 checkpoint keeps unquantized:
@@ -138,7 +137,7 @@ def quantize_stored(value: np.ndarray | fp8.Fp8Block, scale_dtype: str) -> tuple
     """(E4M3 [O, I], scale grid in the stored dtype). Float values go through `fp8.quantize_np`; with
     bf16 scales the codes are recomputed against the bf16-rounded scales (dequant stays consistent)."""
     if isinstance(value, fp8.Fp8Block):  # either layout (a model loaded for the kernels holds tiles)
-        from qmtp import ops
+        from qmtp.runtime import ops
         q, scale = np.asarray(ops.untile_weight(value.weight)), np.asarray(value.scale, np.float32)
     else:
         w = np.asarray(value, np.float32)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 
-from qmtp.fp8 import FP8_BLOCK, FP8_DTYPE, Fp8Block, scale_grid
+from qmtp.model.fp8 import FP8_BLOCK, FP8_DTYPE, Fp8Block, scale_grid
 
 # --------------------------------------------------------------------------------------------------
 # fast draws: splitmix64 counter hash -> 16-bit index -> quantile table

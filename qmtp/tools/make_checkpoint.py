@@ -13,15 +13,15 @@ DIR gets:
   generation_config.json   bos_token_id and eos_token_id [<|im_end|>, <|endoftext|>]
   tokenizer.json, tokenizer_config.json   the tiny byte-level BPE of qmtp.tools.tiny_tokenizer
 
-The tensor list comes only from `qmtp.params.tensor_table` of the config written. Storage per --dtype:
+The tensor list comes only from `qmtp.model.params.tensor_table` of the config written. Storage per --dtype:
   bf16 / fp32: every tensor BF16 / F32.
   fp8: the projections MODEL_SPEC §5.2 quantizes (self_attn q/k/v/o, linear_attn in_proj_qkv /
        in_proj_z / out_proj, mlp gate/up/down, and those of mtp.layers.*) become F8_E4M3 `X.weight`
        plus `X.weight_scale_inv` (F32, or BF16 with --fp8_scale_dtype=bf16; shape
-       qmtp.fp8.scale_grid(out, in)); A_log and dt_bias are F32; everything else (embeddings,
+       qmtp.model.fp8.scale_grid(out, in)); A_log and dt_bias are F32; everything else (embeddings,
        lm_head, norms, conv1d, in_proj_b/a, mtp.fc) BF16.
 The three dtypes of one preset and seed are twins: the same underlying weights (qmtp.tools.presets),
-bf16 == fp32 exactly and fp8 = qmtp.fp8.quantize_np of them.
+bf16 == fp32 exactly and fp8 = qmtp.model.fp8.quantize_np of them.
 
 Files are written tensor by tensor into a temporary directory beside DIR, which is then renamed to
 DIR: a checkpoint directory is either complete or absent. Python API: `write_checkpoint`, and
@@ -41,8 +41,7 @@ from typing import Sequence
 
 from absl import flags
 
-from qmtp import config as qconfig
-from qmtp import fp8
+from qmtp.model import config as qconfig, fp8
 from qmtp.tools import presets, tiny_tokenizer
 from qmtp.tools.checkpoint_writer import (  # noqa: F401 (re-exported: tests and callers use mc.*)
     MODULES_TO_NOT_CONVERT, Progress, StoredTensor, TensorSource, is_fp8_eligible, plan_tensors,

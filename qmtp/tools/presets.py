@@ -1,7 +1,7 @@
 """Presets of the synthetic checkpoint writer: a Qwen3.5 `text_config` plus the weights that go with it.
 
 A preset is a text_config builder (optionally sliced to `num_layers` decoder layers) and a weight
-generator `weights(entry, fp8_eligible) -> value` called once per `qmtp.params.TensorEntry`.
+generator `weights(entry, fp8_eligible) -> value` called once per `qmtp.model.params.TensorEntry`.
 
 The weights (their convention, distributions and the controlled-acceptance construction) come from
 `qmtp.tools.synthetic_weights`: `RandomWeights` for every preset, `ControlledWeights` for the
@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from qmtp import params
-from qmtp.config import FULL, LINEAR, ModelConfig
+from qmtp.model import params
+from qmtp.model.config import FULL, LINEAR, ModelConfig
 from qmtp.tools import tiny_tokenizer
 from qmtp.tools.fast_random import (FAST_CODE_STD, HashedNormal, WeightValue, _hash_words,  # noqa: F401
                                    fast_bf16_normal, fast_fp8_normal)

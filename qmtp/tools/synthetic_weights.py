@@ -5,9 +5,9 @@ Weight convention, shared by every preset (this is what makes the bf16 / fp8 / f
 one preset and seed twins):
   * The generator is called with the table entry only; its value never depends on the storage dtype.
   * A value is a float array whose entries are all exactly representable in bf16 (so bf16 and fp32
-    storage hold the same numbers and an FP8 checkpoint stores `qmtp.fp8.quantize_np` of them), or
+    storage hold the same numbers and an FP8 checkpoint stores `qmtp.model.fp8.quantize_np` of them), or
     an `Fp8Block` (E4M3 codes + f32 block scales) for a tensor that an FP8 checkpoint stores
-    quantized, whose float value `qmtp.fp8.dequantize_np(...)` is bf16-exact and quantizes back to
+    quantized, whose float value `qmtp.model.fp8.dequantize_np(...)` is bf16-exact and quantizes back to
     the same codes and scales, or a `HashedNormal`: either of the two, drawn lazily row block by row
     block (the writer streams it without materializing the whole tensor).
   * Each tensor is drawn from its own stream, keyed by (seed, tensor name): a `--num_layers` slice
@@ -47,10 +47,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-from qmtp import params
-from qmtp.config import ModelConfig
+from qmtp.model import params
+from qmtp.model.config import ModelConfig
 from qmtp.tools import tiny_tokenizer
-from qmtp.tools.fast_random import HashedNormal, WeightValue, _hash_words
+from qmtp.tools.fast_random import _hash_words, HashedNormal, WeightValue
 
 # --------------------------------------------------------------------------------------------------
 # the default random weights

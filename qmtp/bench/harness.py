@@ -1,0 +1,359 @@
+"""The benchmark harness: python -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags
+
+In one process, on the same prompts: the copy bandwidth (the ceiling every share is quoted
+against), plain greedy decoding, MTP K = 1..4 with natural acceptance, and MTP with the accepted
+drafts capped by a seeded acceptance profile (default 0.85 / 0.70 / 0.57 cumulative per position,
+what Qwen 3.x heads show on code). Each mode runs --repeats times after a compile warm-up (compile
+time reported separately); every mode's tokens must equal plain greedy's (a mismatch fails the run,
+exit status 1).
+
+Per mode: decode tokens/s = sum(output_tokens - 1) / sum(wall - TTFT) (median, min, max over the
+repeats), TTFT, mean accepted length, per-position acceptance, speedup over plain, share of the
+bandwidth roofline (`qmtp.bench.report`), peak device memory. Writes one JSON (config, versions,
+device, figures, raw timings) and one PNG plot (tokens/s vs K, natural and profiled, with the
+roofline and the MTP ceilings). `--engine=ref` runs the pure-XLA path, `--engine=pallas` the
+kernels, `--engine=pallas,ref` both on the same loaded weights with a comparison table; on the CPU the tiny presets give a quick smoke run (configs/bench_tiny.flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+from absl import flags
+
+from qmtp import cli_help
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8",
+                    "Checkpoint directory, or preset:NAME[:DTYPE] (a synthetic checkpoint built on first use into "
+                    "the cache; the *_controlled presets give 100% natural acceptance so profiles can be imposed).")
+flags.DEFINE_integer("num_layers", None, "Presets only: build a slice with this many decoder layers (default: all).")
+flags.DEFINE_list("engine", ["pallas"], "Kernel paths, comma-separated: 'pallas' (Pallas kernels), 'ref' (pure XLA); "
+                  "several run the same cases on the same loaded weights, and a comparison table follows.")
+flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices).", lower_bound=1)
+flags.DEFINE_string("converted_cache", None, "Orbax cache of the converted parameters (see qmtp.generate).")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype (FP8 weights stay FP8).")
+flags.DEFINE_list("ks", ["1", "2", "3", "4"], "MTP drafts per round to measure with natural acceptance.")
+flags.DEFINE_list("profile", ["0.85", "0.70", "0.57"],
+                  "Cumulative per-position acceptance imposed by capping accepted drafts (empty: no profiled "
+                  "runs); profiled runs use every K in --ks up to the profile's length.")
+flags.DEFINE_integer("profile_seed", 0, "Seed of the acceptance-cap schedule.")
+flags.DEFINE_list("prompt_lengths", ["64"], "Prompt lengths in tokens (each length is its own table).")
+flags.DEFINE_list("batch", ["1"], "Batch sizes (each its own table).")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per sequence.", lower_bound=2)
+flags.DEFINE_integer("repeats", 3, "Timed runs per mode (median and spread reported).", lower_bound=1)
+flags.DEFINE_integer("prompt_seed", 0, "Seed of the random prompt tokens.")
+flags.DEFINE_multi_string("prompt_text", [], "Text prompt (repeatable; needs the checkpoint's tokenizer.json): "
+                          "measure on these prompts, one sequence each, instead of random tokens; --batch and "
+                          "--prompt_lengths are then ignored. Natural acceptance of a trained model depends on it.")
+flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative round alone (target step, verify, "
+                  "draft, all-reduce) for each K of --breakdown_ks, next to the measured round time.")
+flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
+                  "its own verify and draft programs, which takes minutes at 64 layers.")
+cli_help.define_fp8_act_quant_flag()
+cli_help.define_draft_head_flag()
+cli_help.define_draft_vocab_flag()
+cli_help.define_compile_cache_flag()
+flags.DEFINE_string("trace_dir", None, "Also run each mode once more, after its timed repeats, under the JAX "
+                    "profiler: one perfetto trace per mode in a subdirectory named after it (plain, K3_natural, "
+                    "K3_profiled, ...; summarize with scripts/trace_summary.py). Not part of the figures.")
+flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
+flags.DEFINE_string("compare_to", None, "An earlier bench JSON (e.g. the TP1 table's) to compare with: each mode's "
+                    "tok/s over the same mode's there, for the same engine, batch and prompt length; a TP2 run "
+                    "against a TP1 result also checks the TP2 >= 1.6x TP1 target.")
+flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
+flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
+flags.DEFINE_string("plot_from", None, "Only draw the plot of an existing result JSON (no benchmark).")
+
+
+def random_prompts(model, batch: int, length: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of `length` ids drawn from the tokenizer's ordinary tokens (no specials)."""
+    import numpy as np
+    vocab = model.cfg.vocab_size
+    if model.tokenizer is not None:
+        vocab = min(vocab, model.tokenizer.get_vocab_size(with_added_tokens=False))
+    special = set(model.cfg.eos_token_ids) | {model.cfg.bos_token_id}
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(batch):
+        ids = rng.integers(0, vocab, size=length * 2)
+        out.append([int(i) for i in ids if int(i) not in special][:length])
+    return out
+
+
+def memory() -> dict:
+    """Resident and peak device memory of the first device (None where the backend has no stats)."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"bytes_in_use": stats.get("bytes_in_use"), "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def show(self, what: str) -> None:
+        self.done += 1
+        self.note(what)
+
+    def note(self, what: str) -> None:
+        print(f"[{self.done}/{self.total} {time.perf_counter() - self.t0:.0f}s] {what}", file=sys.stderr, flush=True)
+
+
+def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, label: str) -> dict:
+    """Warm-up (compile), then `repeats` timed generations of one mode."""
+    import qmtp
+    t = time.perf_counter()
+    qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
+                  accept_cap=cap, warmup=True)
+    compile_s = time.perf_counter() - t
+    runs = []
+    for r in range(repeats):
+        res = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
+                            accept_cap=cap)
+        runs.append(res)
+        progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s")
+    # device memory after the mode: in use, and the process's high-water mark through it (the modes run in
+    # the table's order, so a mode that needs more than every one before it raises the mark)
+    out = {"compile_s": compile_s, "runs": runs, "memory": memory()}
+    if FLAGS.trace_dir:  # an untimed run under the profiler (where a round's device time goes)
+        import jax
+        out["trace_dir"] = os.path.join(FLAGS.trace_dir, f"{model.impl}_{trace_name(label)}")
+        with jax.profiler.trace(out["trace_dir"], create_perfetto_trace=True):
+            qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
+                          accept_cap=cap)
+    return out
+
+
+def trace_name(label: str) -> str:
+    """'B=1 P=64 K=3 profiled' -> 'B1_P64_K3_profiled': a mode's trace directory (after the engine)."""
+    return "_".join("".join(c for c in word if c.isalnum()) for word in label.split())
+
+
+def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, bytes_, copy_bps: float) -> dict:
+    from qmtp.bench import report as br
+    runs = mode["runs"]
+    s0 = runs[-1].stats
+    out = {"name": name, "k": k, "acceptance": acceptance, "compile_s": mode["compile_s"],
+           "decode_tokens_per_s": br.spread([r.stats["decode_tokens_per_s"] for r in runs]),
+           "ttft_s": br.spread([r.stats["ttft_s"] for r in runs]),
+           "raw": [{k_: v for k_, v in r.stats.items()} for r in runs], "memory": mode.get("memory")}
+    if mode.get("trace_dir"):
+        out["trace_dir"] = mode["trace_dir"]
+    tokens = runs[-1].tokens
+    out["tokens_match_plain"] = plain_tokens is None or tokens == plain_tokens
+    if not out["tokens_match_plain"]:
+        out["first_mismatch"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                                 for x, y in zip(tokens, plain_tokens)]
+    batch = bytes_["batch"]
+    roof = br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)
+    if k:
+        out.update(mean_accepted_length=s0["mean_accepted_length"], acceptance_rate=s0["acceptance_rate"],
+                   position_acceptance=s0["position_acceptance"])
+        out["ceiling_tok_s"] = br.mtp_ceiling_tok_s(bytes_["target_total"], bytes_["draft_total"],
+                                                    s0["position_acceptance"], batch, copy_bps)
+        out["share_of_ceiling"] = out["decode_tokens_per_s"]["median"] / out["ceiling_tok_s"]
+    out["share_of_roofline"] = out["decode_tokens_per_s"]["median"] / roof
+    return out
+
+
+def breakdown(model, batch: int, length: int, ks: list[int], modes: list[dict], progress: Progress,
+              kernels: dict) -> dict:
+    """Per K: each piece of a round timed alone (qmtp.bench.breakdown) and the measured round time
+    of the natural-acceptance mode (decode time / rounds). On a GPU, kernels[K] receives each
+    piece's launches per iteration by kind."""
+    from qmtp import api
+    from qmtp.bench import breakdown as bd
+    out = {}
+    for k in ks:
+        kernels[str(k)] = {}
+        pieces = bd.measure(model, lambda: api._new_state(model, [length + FLAGS.max_new_tokens + 8] * batch), k,
+                            kernels[str(k)])
+        mode = next(m for m in modes if m["k"] == k and m["acceptance"] == "natural")
+        raw = mode["raw"][-1]
+        pieces["measured_round"] = raw["decode_s"] / max(raw["steps"], 1)
+        plain = next(m for m in modes if m["k"] == 0)["raw"][-1]
+        pieces["measured_plain_step"] = plain["decode_s"] / max(plain["steps"], 1)
+        out[str(k)] = pieces
+        progress.note(f"breakdown K={k}: " + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in pieces.items()))
+    return out
+
+
+def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progress, prompts=None) -> dict:
+    """All modes for one (batch, prompt length): random prompts, or the given token-id prompts."""
+    import numpy as np
+
+    from qmtp import api
+    from qmtp.bench import report as br
+    from qmtp.bench.profile import acceptance_schedule
+    if prompts is None:
+        prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)
+    ks = [int(k) for k in FLAGS.ks]
+    profile = [float(p) for p in FLAGS.profile if p]
+    state = api._new_state(model, [length + FLAGS.max_new_tokens + 5] * batch)
+    bytes_ = br.step_bytes(model.params, state, context=length + FLAGS.max_new_tokens // 2)
+    del state
+    case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
+    plain = run_mode(model, prompts, 0, None, FLAGS.repeats, progress, f"B={batch} P={length} plain")
+    plain_tokens = plain["runs"][-1].tokens
+    case["modes"].append(summarize("plain", 0, "-", plain, None, bytes_, copy_bps))
+    rounds = FLAGS.max_new_tokens + 1
+    for k in ks:
+        # "no cap" as a schedule of the profiled runs' shape: both runs of a K share one compiled loop
+        no_cap = np.full((rounds, batch), k, np.int32)
+        m = run_mode(model, prompts, k, no_cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} natural")
+        case["modes"].append(summarize(f"mtp K={k} natural", k, "natural", m, plain_tokens, bytes_, copy_bps))
+    for k in [k for k in ks if k <= len(profile)]:
+        cap = acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)
+        m = run_mode(model, prompts, k, cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} profiled")
+        s = summarize(f"mtp K={k} profiled", k, "profiled", m, plain_tokens, bytes_, copy_bps)
+        s["imposed_profile"] = profile[:k]
+        case["modes"].append(s)
+    base = case["modes"][0]["decode_tokens_per_s"]["median"]
+    for m in case["modes"]:
+        m["speedup"] = m["decode_tokens_per_s"]["median"] / base
+    case["roofline"] = {"plain_tok_s": br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)}
+    if FLAGS.breakdown:
+        bks = [int(k) for k in FLAGS.breakdown_ks] or ks
+        kernels = {}
+        case["breakdown"] = breakdown(model, batch, length, bks, case["modes"], progress, kernels)
+        if any(kernels.values()):
+            case["breakdown_kernels"] = kernels
+    case["all_tokens_match_plain"] = bool(np.all([m["tokens_match_plain"] for m in case["modes"]]))
+    return case
+
+
+def main(argv):
+    del argv
+    from qmtp.bench import report as br
+    if FLAGS.plot_from:
+        with open(FLAGS.plot_from) as f:
+            result = json.load(f)
+        paths = [br.plot(dict(case, config=result["config"]), _plot_path(FLAGS.plot_from, i, len(result["cases"])))
+                 for i, case in enumerate(result["cases"])]
+        print("\n".join(p or "matplotlib is not installed" for p in paths))
+        return 0
+    try:
+        return _run()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plot_path(out: str, i: int, n: int) -> str:
+    base = FLAGS.plot or os.path.splitext(out)[0] + ".png"
+    return base if n == 1 else f"{os.path.splitext(base)[0]}_{i}.png"
+
+
+def _run() -> int:
+    import jax
+
+    import qmtp
+    from qmtp import api
+    from qmtp.bench import bandwidth, report as br
+    from qmtp.bench.bandwidth import copy_bandwidth
+    from qmtp.runtime import ops
+    batches, lengths = [int(b) for b in FLAGS.batch], [int(p) for p in FLAGS.prompt_lengths]
+    unknown = sorted(set(FLAGS.breakdown_ks) - set(FLAGS.ks), key=int) if FLAGS.breakdown else []
+    if unknown:  # checked before the minutes of loading and compiling (and only for a breakdown that runs)
+        raise ValueError(f"--breakdown_ks={','.join(unknown)} not in --ks={','.join(FLAGS.ks)}")
+    engines = list(dict.fromkeys(FLAGS.engine))
+    bad = [e for e in engines if e not in ("pallas", "ref")]
+    if bad or not engines:
+        raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
+    other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
+    compile_cache_dir = cli_help.apply_compile_cache_flag()
+    if FLAGS.prompt_text:
+        batches, lengths = [len(FLAGS.prompt_text)], [0]
+    n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
+    progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
+    copy = copy_bandwidth(FLAGS.copy_gib, 10)
+    print(bandwidth.describe(copy), file=sys.stderr, flush=True)
+    from qmtp.tools.make_checkpoint import resolve_checkpoint
+    path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
+    t = time.perf_counter()
+    model = qmtp.load(path, dtype=FLAGS.dtype, impl=engines[0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache,
+                      draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant)
+    load_s = time.perf_counter() - t
+    resident = memory()
+    config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,
+              "engine": ",".join(engines), "tp": FLAGS.tp, "dtype": FLAGS.dtype, "ks": FLAGS.ks, "profile": FLAGS.profile,
+              "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats, "batch": FLAGS.batch,
+              "prompt_lengths": FLAGS.prompt_lengths,
+              "draft_head": model.draft_head, "draft_vocab": FLAGS.draft_vocab,
+              "draft_vocab_size": (int(model.params["mtp"]["draft_vocab"].shape[0])
+                                   if "draft_vocab" in model.params.get("mtp", {}) else None),
+              # settings outside the flags that change the figures (collectives, the FP8 single-row path)
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "fp8_act_quant": FLAGS.fp8_act_quant,
+              # a warm compilation cache shortens each mode's compile_s
+              "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,
+              "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
+    result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
+              "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
+              "memory_after_load": resident, "cases": []}
+    ok = True
+    text_ids = api.encode(model, FLAGS.prompt_text) if FLAGS.prompt_text else None
+    if text_ids is not None:
+        batches, lengths = [len(text_ids)], [max(len(p) for p in text_ids)]
+        config["prompt_text"] = FLAGS.prompt_text
+    for engine in engines:
+        # the same weights, the other kernel path
+        engine_model = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, impl=engine))
+        for b in batches:
+            for p in lengths:
+                case = bench_case(engine_model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids)
+                case.update(engine=engine, memory=memory())
+                result["cases"].append(case)
+                ok &= case["all_tokens_match_plain"]
+                with open(FLAGS.out, "w") as f:
+                    json.dump(result, f, indent=2, default=str)
+                print(f"\nengine {engine}, batch {b}, prompt {p} tokens (roofline "
+                      f"{case['roofline']['plain_tok_s']:.1f} tok/s, copy {copy['tb_per_s']:.2f} TB/s):")
+                print(br.table(case["modes"]))
+                if jax.default_backend() == "cpu":  # a 16 MB model sits in the CPU's caches
+                    print("(CPU: the weights of a small model stay in cache, so roofline shares above 100% "
+                          "mean little here; they are a GPU measure)")
+                if case.get("breakdown"):
+                    print(br.breakdown_table(case["breakdown"]))
+                for k, pieces in (case.get("breakdown_kernels") or {}).items():
+                    print(f"K={k}: " + br.kernel_diff_table(pieces))
+                case["targets"] = br.targets(case)
+                comparison = br.compare(case, FLAGS.tp, other) if other else None
+                if comparison:
+                    case["comparison"] = dict(comparison, path=FLAGS.compare_to)
+                    case["targets"] += comparison["targets"]
+                    print(f"against {FLAGS.compare_to}:\n" + br.comparison_table(comparison, FLAGS.tp))
+                elif other:
+                    print(f"{FLAGS.compare_to} has no case with engine {engine}, batch {b}, prompt {p}: not compared")
+                if case["targets"] and jax.default_backend() != "cpu":  # GPU targets (PERFORMANCE.md)
+                    print(br.targets_text(case["targets"]))
+    if len(engines) > 1:
+        result["engine_comparison"] = br.engine_comparison(result["cases"], engines)
+        print(f"\ndecode tok/s by engine ({engines[0]} / {engines[1]}):")
+        print(br.engine_comparison_table(result["engine_comparison"], engines))
+    for i, case in enumerate(result["cases"]):
+        title = f"{os.path.basename(path)} engine={case['engine']} TP{FLAGS.tp}"
+        png = br.plot(dict(case, config=dict(config, title=title)), _plot_path(FLAGS.out, i, len(result["cases"])))
+        case["plot"] = png
+    result["all_tokens_match_plain"] = ok
+    with open(FLAGS.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(f"\nwrote {FLAGS.out}" + "".join(f", {c['plot']}" for c in result["cases"] if c.get("plot")))
+    if not ok:
+        bad = [m["name"] for c in result["cases"] for m in c["modes"] if not m["tokens_match_plain"]]
+        print(f"error: tokens differ from plain greedy in: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cli() -> None:
+    cli_help.run(lambda argv: sys.exit(main(argv)), __doc__, __name__)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,379 @@
+"""Hugging Face safetensors -> parameter tree, strictly.
+
+Conventions stated once here (MODEL_SPEC §2, §5):
+  * names come from `params.tensor_table(cfg)`; `model.visual.*` tensors are ignored, anything
+    else not in the table is an error, as is a missing, duplicated or misshapen tensor;
+  * a weight is FP8 iff its dtype is F8_E4M3 and it has a `weight_scale_inv` sibling (BF16 or F32,
+    shape [ceil(out/128), ceil(in/128)]); it stays an `Fp8Block` (never dequantized at load);
+  * Qwen3-Next `in_proj_qkvz` / `in_proj_ba` rows are permuted once into the Qwen3.5 layout;
+  * `A_log`, `dt_bias` and norm weights are f32; conv [C, 1, W] becomes [C, W];
+  * every other tensor is cast to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from qmtp.model import params as P
+from qmtp.model.config import FP8_BLOCK, ModelConfig
+from qmtp.model.fp8 import Fp8Block, scale_grid
+
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+IGNORED_PREFIXES = ("model.visual.", "visual.")
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message lists every offending tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    file: str
+    dtype: str  # safetensors dtype string, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+
+
+def read_headers(checkpoint_dir: str) -> dict[str, _Header]:
+    """name -> (file, dtype, shape) over the single file or every shard of the index."""
+    index = os.path.join(checkpoint_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"{checkpoint_dir}: no *.safetensors files and no model.safetensors.index.json")
+    headers: dict[str, _Header] = {}
+    duplicated: list[str] = []
+    for name in files:
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{index}: lists {name}, which does not exist")
+        for key, h in _file_headers(path).items():
+            if key in headers:
+                duplicated.append(f"{key} (in {headers[key].file} and {name})")
+            headers[key] = h
+    if duplicated:
+        raise CheckpointError(f"{checkpoint_dir}: duplicated tensors: {', '.join(duplicated)}")
+    if weight_map is not None:
+        wrong = [f"{k} (index: {v}, file: {headers[k].file if k in headers else 'none'})"
+                 for k, v in weight_map.items() if k not in headers or headers[k].file != v]
+        if wrong:
+            raise CheckpointError(f"{index}: index and shards disagree for {', '.join(wrong[:10])}")
+    return headers
+
+
+def _file_headers(path: str) -> dict[str, _Header]:
+    """Header of one safetensors file; also checks the file is as long as its header says."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(n))
+        end = max([v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"], default=0)
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e!r})") from None
+    size = os.path.getsize(path)
+    if size < 8 + n + end:
+        raise CheckpointError(f"{path}: truncated ({size} bytes, header needs {8 + n + end})")
+    return {k: _Header(os.path.basename(path), v["dtype"], tuple(v["shape"]))
+            for k, v in meta.items() if k != "__metadata__"}
+
+
+def count_mtp_layers(headers: dict[str, _Header]) -> int:
+    ids = {int(k.split(".")[2]) for k in headers if k.startswith("mtp.layers.") and k.split(".")[2].isdigit()}
+    return max(ids) + 1 if ids else 0
+
+
+def validate(cfg: ModelConfig, headers: dict[str, _Header], checkpoint_dir: str) -> list[P.TensorEntry]:
+    """Checks names, shapes and FP8 scale grids against the table; raises one error listing all."""
+    table = P.tensor_table(cfg)
+    expected = {e.name: e for e in table}
+    problems: list[str] = []
+    present = {k for k in headers if not k.startswith(IGNORED_PREFIXES) and not k.endswith(SCALE_SUFFIX)}
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}"
+                        + (" ..." if len(missing) > 20 else ""))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}"
+                        + (" ..." if len(unexpected) > 20 else ""))
+    for name, entry in expected.items():
+        h = headers.get(name)
+        if h is None:
+            continue
+        if h.shape != entry.shape:
+            problems.append(f"{name}: shape {list(h.shape)}, expected {list(entry.shape)}")
+            continue
+        scale = headers.get(name + SCALE_SUFFIX)
+        if h.dtype == "F8_E4M3":
+            if entry.role not in (P.LINEAR, P.FUSED_QKVZ, P.FUSED_BA):
+                problems.append(f"{name}: F8_E4M3 is only supported for linear weights (role {entry.role})")
+            elif scale is None:
+                problems.append(f"{name}: F8_E4M3 weight without {name + SCALE_SUFFIX}")
+            elif scale.shape != scale_grid(*entry.shape):
+                problems.append(f"{name + SCALE_SUFFIX}: scale grid {list(scale.shape)}, expected "
+                                f"{list(scale_grid(*entry.shape))} for weight {list(entry.shape)} "
+                                f"in {FP8_BLOCK}x{FP8_BLOCK} blocks")
+            elif scale.dtype not in ("BF16", "F32"):
+                problems.append(f"{name + SCALE_SUFFIX}: dtype {scale.dtype}, expected BF16 or F32")
+        elif scale is not None:
+            problems.append(f"{name + SCALE_SUFFIX}: scale for a {h.dtype} weight (FP8 needs F8_E4M3)")
+        elif h.dtype not in ("BF16", "F16", "F32"):
+            problems.append(f"{name}: dtype {h.dtype} is not supported")
+    orphans = sorted(k for k in headers if k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] not in headers)
+    if orphans:
+        problems.append(f"scales without a weight: {', '.join(orphans)}")
+    if problems:
+        raise CheckpointError(f"{checkpoint_dir} does not match its config.json:\n  " + "\n  ".join(problems))
+    return table
+
+
+class _Progress:
+    """Tensors / bytes loaded, printed to stderr for checkpoints above `min_bytes`."""
+
+    def __init__(self, total_tensors: int, total_bytes: int, enabled: bool, min_bytes: int = 256 << 20):
+        self.n, self.total_n, self.done, self.total = 0, total_tensors, 0, total_bytes
+        self.enabled = enabled and total_bytes >= min_bytes
+        self.last, self.start = 0.0, time.time()
+
+    def step(self, nbytes: int) -> None:
+        self.n += 1
+        self.done += nbytes
+        now = time.time()
+        if self.enabled and (now - self.last > 0.5 or self.n == self.total_n):
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9) / 1e9
+            end = "\n" if self.n == self.total_n else ""
+            print(f"\rloading checkpoint: {self.n}/{self.total_n} tensors, "
+                  f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB ({rate:.2f} GB/s)",
+                  end=end, file=sys.stderr, flush=True)
+
+
+def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True, mesh=None) -> tuple[ModelConfig, dict]:
+    """Reads config.json and the safetensors into (ModelConfig, params) on the default device, or,
+    with a tensor-parallel `mesh`, straight into the TP layout: each device receives only its shard,
+    read as slices of the files (`qmtp.model.shard_layout`), so the host never holds more than one
+    tensor's pieces at a time."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: supported {sorted(_DTYPES)}")
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir}: checkpoint directory not found")
+    cfg = ModelConfig.from_hf(checkpoint_dir)
+    headers = read_headers(checkpoint_dir)
+    if cfg.mtp_num_hidden_layers is None:
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=count_mtp_layers(headers))
+    table = validate(cfg, headers, checkpoint_dir)
+    if mesh is not None and mesh.size > 1:
+        from qmtp.runtime import tp
+        tp.check_tp(cfg, mesh.size, fp8=any(n.endswith(SCALE_SUFFIX) for n in headers))
+        return cfg, _read_sharded(cfg, table, headers, checkpoint_dir, _DTYPES[dtype], progress, mesh)
+    host = _read_host(cfg, table, headers, checkpoint_dir, _DTYPES[dtype], progress)
+    return cfg, _to_device(host)
+
+
+def _read_host(cfg, table, headers, checkpoint_dir, compute, progress) -> dict:
+    sizes = P.group_sizes(cfg)
+    tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
+                  "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
+    names = [e.name for e in table] + [e.name + SCALE_SUFFIX for e in table if e.name + SCALE_SUFFIX in headers]
+    total = sum(_BYTES.get(headers[n].dtype, 4) * int(np.prod(headers[n].shape)) for n in names)
+    bar = _Progress(len(table), total, progress)
+    handles: dict[str, object] = {}
+    try:
+        for entry in table:
+            h = headers[entry.name]
+            raw = _read(handles, checkpoint_dir, h.file, entry.name)
+            scale = None
+            if h.dtype == "F8_E4M3":
+                sh = headers[entry.name + SCALE_SUFFIX]
+                scale = _read(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX).astype(np.float32)
+            for key, value in _convert(cfg, entry, raw, scale, compute):
+                _place(tree, entry, key, value)
+            bar.step(raw.nbytes + (0 if scale is None else scale.nbytes))
+    finally:
+        handles.clear()
+    _check_uniform_fp8(tree)
+    return P.finalize_tree(tree)
+
+
+def _read_sharded(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> dict:
+    """As _read_host, but every split tensor is read shard by shard as slices of its file and put on
+    its device at once; replicated tensors are read whole and put on every device."""
+    from qmtp.model import shard_layout
+    from qmtp.runtime import tp
+    n = mesh.size
+    devices = list(mesh.devices.flat)
+    sizes = P.group_sizes(cfg)
+    tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
+                  "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
+    total = sum(_BYTES.get(headers[e.name].dtype, 4) * int(np.prod(headers[e.name].shape)) for e in table)
+    bar = _Progress(len(table), total, progress)
+    handles: dict[str, object] = {}
+    try:
+        for entry in table:
+            h = headers[entry.name]
+            fp8 = h.dtype == "F8_E4M3"
+            sh = headers[entry.name + SCALE_SUFFIX] if fp8 else None
+            sources = _key_rows(cfg, entry)  # param key -> checkpoint rows (None: all, in order)
+            for key, rows in sources.items():
+                dim = shard_layout.split_dim(key)
+                if dim is None:  # replicated: read once, place everywhere
+                    raw = _select(handles, checkpoint_dir, h.file, entry.name, 0, rows)
+                    scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, 0,
+                                    None if rows is None else _block_rows(rows, entry.name)) if fp8 else None
+                    value = _piece(entry, raw, scale, compute)
+                    _place(tree, entry, key, jax.tree_util.tree_map(
+                        lambda a: jax.device_put(a, tp.replicated(mesh)), value))
+                    continue
+                length = len(rows) if rows is not None and dim == 0 else h.shape[dim]
+                pieces = []
+                for s_i, device in enumerate(devices):
+                    idx = shard_layout.shard_indices(cfg, key, length, n, s_i)
+                    src = [rows[i] for i in idx] if rows is not None and dim == 0 else idx
+                    raw = _select(handles, checkpoint_dir, h.file, entry.name, dim, src)
+                    scale = None
+                    if fp8:
+                        blocks = shard_layout.block_indices(src, f"{entry.name} (shard {s_i} of {n})")
+                        scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, dim, blocks)
+                    pieces.append(jax.device_put(_piece(entry, raw, scale, compute), device))
+                if fp8:
+                    value = Fp8Block(tp.assemble([p.weight for p in pieces], dim, mesh),
+                                     tp.assemble([p.scale for p in pieces], dim, mesh))
+                else:
+                    value = tp.assemble(pieces, dim, mesh)
+                _place(tree, entry, key, value)
+            bar.step(_BYTES.get(h.dtype, 4) * int(np.prod(h.shape)))
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(str(e)) from None
+    finally:
+        handles.clear()
+    _check_uniform_fp8(tree)
+    return P.finalize_tree(tree)
+
+
+def _key_rows(cfg: ModelConfig, entry: P.TensorEntry) -> dict:
+    """Param key(s) an entry fills -> the checkpoint rows each takes (None: all rows, in order)."""
+    if entry.role == P.FUSED_QKVZ:
+        return dict(zip(entry.key.split("+"), P.fused_qkvz_rows(cfg)))
+    if entry.role == P.FUSED_BA:
+        return dict(zip(entry.key.split("+"), P.fused_ba_rows(cfg)))
+    return {entry.key: None}
+
+
+def _piece(entry: P.TensorEntry, raw: np.ndarray, scale, compute):
+    """A parameter (or a selected piece of one) in its final dtype; fused rows are split by the caller."""
+    if entry.role in (P.NORM, P.FP32):
+        return raw.astype(np.float32)
+    if entry.role == P.CONV:
+        return raw[:, 0, :].astype(compute)  # [C, 1, W] -> [C, W]
+    if entry.role == P.EMBED:
+        return raw.astype(compute)
+    return _linear(raw, None if scale is None else scale.astype(np.float32), compute)
+
+
+def _select(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, indices) -> np.ndarray:
+    """The given indices along `dim` of a stored tensor (None: the whole tensor), read as slices of
+    the file: one read per run of consecutive indices."""
+    if indices is None:
+        return _read(handles, checkpoint_dir, file, name)
+    from qmtp.model.shard_layout import ranges
+    parts = [_read_slice(handles, checkpoint_dir, file, name, dim, a, b) for a, b in ranges(list(indices))]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=dim)
+
+
+def _read_slice(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, start: int,
+                stop: int) -> np.ndarray:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, without reading the rest."""
+    path = os.path.join(checkpoint_dir, file)
+    try:
+        if file not in handles:
+            handles[file] = safe_open(path, framework="numpy")
+        view = handles[file].get_slice(name)
+        return view[start:stop] if dim == 0 else view[:, start:stop]
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read {name}[{'' if dim == 0 else ':, '}{start}:{stop}] ({e})") from None
+
+
+def _read(handles: dict, checkpoint_dir: str, file: str, name: str) -> np.ndarray:
+    path = os.path.join(checkpoint_dir, file)
+    try:
+        if file not in handles:
+            handles[file] = safe_open(path, framework="numpy")
+        return handles[file].get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
+
+
+def _convert(cfg: ModelConfig, entry: P.TensorEntry, raw: np.ndarray, scale, compute):
+    """Yields (param key, host value) pairs for one checkpoint tensor."""
+    if entry.role not in (P.FUSED_QKVZ, P.FUSED_BA):
+        yield entry.key, _piece(entry, raw, scale, compute)
+    else:  # fused Qwen3-Next projections: permute rows into the Qwen3.5 layout
+        rows = P.fused_qkvz_rows(cfg) if entry.role == P.FUSED_QKVZ else P.fused_ba_rows(cfg)
+        for key, idx in zip(entry.key.split("+"), rows):
+            if scale is None:
+                yield key, raw[idx].astype(compute)
+            else:
+                yield key, Fp8Block(raw[idx], scale[_block_rows(idx, entry.name)])
+
+
+def _linear(raw: np.ndarray, scale, compute):
+    return raw.astype(compute) if scale is None else Fp8Block(raw, scale)
+
+
+def _block_rows(rows: list[int], name: str) -> list[int]:
+    """Scale-grid rows for a row permutation that moves whole 128-row blocks (else an error)."""
+    blocks = []
+    for start in range(0, len(rows), FP8_BLOCK):
+        chunk = rows[start:start + FP8_BLOCK]
+        if chunk[0] % FP8_BLOCK or chunk != list(range(chunk[0], chunk[0] + len(chunk))) or (
+                len(chunk) < FP8_BLOCK and start + len(chunk) != len(rows)):
+            raise CheckpointError(f"{name}: FP8 rows cannot be permuted into the Qwen3.5 layout because "
+                                  f"the pieces are not whole {FP8_BLOCK}-row blocks")
+        blocks.append(chunk[0] // FP8_BLOCK)
+    return blocks
+
+
+def _place(tree: dict, entry: P.TensorEntry, key: str, value) -> None:
+    """Top-level and MTP glue tensors go in directly; layer tensors into their layer's dict."""
+    if entry.group is None:
+        tree[key] = value
+    elif entry.group == "mtp" and entry.index is None:
+        tree["mtp"][key] = value
+    elif entry.group == "mtp_layers":
+        tree["mtp"]["layers"][entry.index][key] = value
+    else:
+        tree[entry.group][entry.index][key] = value
+
+
+def _check_uniform_fp8(tree: dict) -> None:
+    """Within a layer kind a projection is FP8 in every layer or in none (one compiled layer body)."""
+    for group, layers in (("gdn", tree["gdn"]), ("attn", tree["attn"]), ("mtp.layers", tree["mtp"]["layers"])):
+        for key in (layers[0] if layers else {}):
+            kinds = {isinstance(layer[key], Fp8Block) for layer in layers}
+            if len(kinds) > 1:
+                raise CheckpointError(f"{group} layers mix FP8 and non-FP8 {key} weights")
+
+
+def _to_device(host: dict) -> dict:
+    return jax.tree_util.tree_map(jnp.asarray, host)

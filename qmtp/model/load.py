@@ -1,0 +1,97 @@
+"""The parameter loading pipeline: read (strictly, sharded where a mesh says) -> MTP draft head ->
+join the gate projections -> tile the FP8 weights for the kernels, with an orbax cache of the read tree.
+
+    load_params(checkpoint_dir, dtype, kernels, mesh, ...) -> (ModelConfig, params)
+
+Every step keeps the tree's meaning: the tokens a model gives do not depend on which of the optional
+steps ran (the draft head only changes which drafts are proposed, never the verified tokens).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from qmtp.model import checkpoint, fp8 as fp8_lib, target
+from qmtp.runtime import tp as tp_lib
+from qmtp.runtime.kernel_config import KernelConfig
+
+DRAFT_HEADS = ("auto", "bf16", "fp8")
+
+
+def check_draft_head(draft_head: str) -> None:
+    if draft_head not in DRAFT_HEADS:
+        raise ValueError(f"draft_head={draft_head!r}: supported {DRAFT_HEADS}")
+
+
+def load_params(checkpoint_dir: str, dtype: str, kernels: KernelConfig, mesh=None, *, progress: bool = True,
+                converted_cache: str | None = None, draft_head: str = "auto", draft_vocab=None):
+    """(cfg, params) of a checkpoint as the model runs it (qmtp.load documents each argument):
+    1. read: checkpoint.load, or the converted cache (qmtp/model/converted_cache.py) of its result;
+    2. draft head: an FP8 copy of the lm_head and/or the rows of a draft vocabulary under params["mtp"];
+    3. fuse: each GDN layer's in_proj_b and in_proj_a joined into in_proj_ba;
+    4. tile: under the Pallas kernels, the FP8 weights in their tiled layout (weight_layout.py)."""
+    check_draft_head(draft_head)
+    if converted_cache is None:
+        cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
+    else:
+        from qmtp.model import converted_cache as cache_lib
+        cfg, params = cache_lib.load_or_convert(converted_cache, checkpoint_dir, dtype, progress, mesh,
+                                                checkpoint.load)
+    if draft_head == "auto":
+        draft_head = "fp8" if cfg.quantization is not None else "bf16"
+    if draft_vocab is not None and "mtp" in params:
+        params = dict(params, mtp=dict(params["mtp"], **_vocab_head(params, cfg, draft_vocab, draft_head, mesh)))
+    elif draft_head == "fp8" and "mtp" in params:
+        params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(target.lm_head(params), mesh)))
+    params = fuse_gate_projections(params, mesh)
+    if kernels.pallas:
+        from qmtp.model import weight_layout
+        params = weight_layout.tile_fp8_weights(params, mesh)
+    return cfg, params
+
+
+def fuse_gate_projections(params: dict, mesh=None) -> dict:
+    """The tree with each GDN layer's in_proj_b and in_proj_a [Hv, E] replaced by in_proj_ba [2 Hv, E]
+    = [b | a]: one dot for both gate projections (in the 27B verify pass 49 GEMMs instead of 97 and
+    141 us less per pass; the one-row step unchanged), rows unchanged, so each
+    output is the same dot product as before (up to the order in which the backend's dot sums it: on
+    some CPUs the joined dot differs from the two in the last bit). Under TP each device joins its own
+    rows, so shard s holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
+    (the loader keeps them bf16), are left as they are."""
+    layers = params.get("gdn", ())
+    if not layers or not all("in_proj_b" in p and "in_proj_a" in p for p in layers):
+        return params
+    if any(isinstance(p[n], fp8_lib.Fp8Block) for p in layers for n in ("in_proj_b", "in_proj_a")):
+        return params
+    join = lambda b, a: jnp.concatenate([b, a], axis=0)  # noqa: E731
+    join = jax.jit(join) if mesh is None else tp_lib.map_row_shards(join, mesh)
+    fused = tuple({**{k: v for k, v in p.items() if k not in ("in_proj_b", "in_proj_a")},
+                   "in_proj_ba": join(p["in_proj_b"], p["in_proj_a"])} for p in layers)
+    return dict(params, gdn=fused if isinstance(layers, tuple) else list(fused))
+
+
+def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:
+    """An FP8 block copy of a [V, E] head, made where the head lives. Under TP each device quantizes
+    its own vocabulary rows in their own 128-blocks (its kernels only ever see that piece), so the
+    split need not fall on a 128-row boundary of the full head."""
+    if mesh is None:
+        return jax.jit(fp8_lib.quantize)(w)
+    return tp_lib.map_row_shards(fp8_lib.quantize, mesh)(w)
+
+
+def _vocab_head(params: dict, cfg, draft_vocab, draft_head: str, mesh) -> dict:
+    """{"draft_head": lm_head's rows of the draft vocabulary [Vs', E] (FP8 when draft_head is "fp8"),
+    "draft_vocab": their ids [Vs'] int32}; Vs' pads Vs to a multiple of the TP size (draft_vocab.padded)
+    so the vocabulary-parallel head splits evenly; the ids are replicated."""
+    from qmtp.model import draft_vocab as vocab_lib
+    ids = (vocab_lib.read(draft_vocab, cfg.vocab_size) if isinstance(draft_vocab, (str, os.PathLike))
+           else vocab_lib.validate(draft_vocab, cfg.vocab_size))
+    ids = vocab_lib.padded(ids, 1 if mesh is None else mesh.size)
+    rows = tp_lib.vocab_rows(mesh)
+    head = jax.jit(lambda w, i: jnp.take(w, i, axis=0), out_shardings=rows)(target.lm_head(params), jnp.asarray(ids))
+    if draft_head == "fp8":
+        head = _fp8_copy(head, mesh)
+    return {"draft_head": head, "draft_vocab": jax.device_put(jnp.asarray(ids), tp_lib.replicated(mesh))}

@@ -1,0 +1,102 @@
+"""The target model: B sequences x T new tokens through every decoder layer (MODEL_SPEC §3.3).
+
+    x0 = embed[ids];  per layer: h = x + Mixer(norm_in(x)); x = h + MLP(norm_post(h))
+    hidden = final_norm(x);  logits = hidden @ lm_head.T
+
+The mixer is Gated DeltaNet or gated attention per `cfg.layer_types`; layer params and state are
+per-layer arrays (params["gdn"][j], state.ssm[j], ...), so no layer is sliced out of a stack.
+Token t of sequence b sits at position state.lengths[b] + t; tokens t >= n_valid[b] are padding and
+change nothing (no KV write, no GDN/conv update, no length increment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from qmtp.model import layers
+from qmtp.model.config import LINEAR, ModelConfig
+from qmtp.runtime import ops, tp
+from qmtp.runtime.kernel_config import KernelConfig
+from qmtp.runtime.state import DecodeState, PagedKV
+
+
+def lm_head(params: dict) -> jax.Array:
+    return params["lm_head"] if "lm_head" in params else params["embed"]
+
+
+def logits_from_hidden(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.Array:
+    """[..., E] post-final-norm hidden -> f32 logits [..., V] (f32 accumulation, no rounding)."""
+    return ops.linear(hidden, lm_head(params), kernels, out_dtype=jnp.float32)
+
+
+def draft_logits(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.Array:
+    """Logits of an MTP draft: through params["mtp"]["draft_head"] when the model was loaded with an
+    FP8 draft head (half the bytes of the bf16 lm_head per draft step) or a draft vocabulary (then
+    [..., Vs] over its ids: draft_token maps them), else the shared lm_head. Drafts are only
+    proposals: the verify pass always uses the exact lm_head, so tokens never change."""
+    head = params.get("mtp", {}).get("draft_head")
+    if head is None:
+        return logits_from_hidden(params, hidden, kernels)
+    return ops.linear(hidden, head, kernels, out_dtype=jnp.float32)
+
+
+def draft_token(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.Array:
+    """Greedy draft token ids [...] int32 from MTP hidden [..., E]: the argmax of draft_logits
+    (across the vocabulary shards under TP), mapped through params["mtp"]["draft_vocab"] when the
+    draft head holds only those rows (qmtp/model/draft_vocab.py)."""
+    index = tp.greedy_argmax(draft_logits(params, hidden, kernels))
+    vocab = params.get("mtp", {}).get("draft_vocab")
+    return index if vocab is None else jnp.take(vocab, index)
+
+
+def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: KernelConfig) -> tuple:
+    """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`."""
+    out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps))
+    h = x + out
+    return h + layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps), kernels), new_state
+
+
+def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
+            kernels: KernelConfig, gdn_slots=None):
+    """Runs the target over tokens [B, T] (right-padded to n_valid [B]).
+
+    Returns (hidden [B, T, E] post-final-norm, new state). Logits are taken from the hidden by the
+    caller (`logits_from_hidden`) for the positions it needs. gdn_slots int [B]: state.conv and
+    state.ssm are the slot ring, [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv] per layer (qmtp/runtime/loop.py):
+    each row reads slot gdn_slots[b] and the state after its token t lands in slot
+    (gdn_slots[b] + 1 + t) mod Ns."""
+    x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
+    ks, vs, convs, ssms = [], [], [], []
+    gdn_layer = attn_layer = 0
+    for kind in cfg.layer_types:
+        if kind == LINEAR:
+            p, j = params["gdn"][gdn_layer], gdn_layer
+            gdn_layer += 1
+            mixer = lambda h, p=p, j=j: layers.gated_deltanet(  # noqa: E731
+                p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps, kernels=kernels,
+                gdn_slots=gdn_slots)
+            x, (conv, ssm) = decoder_layer(cfg, p, x, mixer, kernels)
+            convs.append(conv)
+            ssms.append(ssm)
+        else:
+            p, j = params["attn"][attn_layer], attn_layer
+            attn_layer += 1
+            mixer = lambda h, p=p, j=j: layers.attention(  # noqa: E731
+                p, h, state.kv.k[j], state.kv.v[j], state.page_table, state.lengths, n_valid,
+                eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, kernels=kernels)
+            x, (k, v) = decoder_layer(cfg, p, x, mixer, kernels)
+            ks.append(k)
+            vs.append(v)
+    hidden = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    new_state = dataclasses.replace(state, kv=PagedKV(tuple(ks), tuple(vs)), conv=tuple(convs), ssm=tuple(ssms),
+                                    lengths=state.lengths + n_valid)
+    return hidden, new_state
+
+
+def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """x [B, T, ...] -> x[b, n_valid[b] - 1] : [B, ...]."""
+    idx = jnp.maximum(n_valid - 1, 0)
+    return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]

@@ -1,0 +1,261 @@
+"""The decode loop: one prefill, then rounds on the device (`lax.while_loop`); plain decoding is K = 0.
+
+One round, for a sequence whose target has consumed positions < L and whose pending token is t_L
+(ARCHITECTURE.md "The speculative round"):
+  1. draft   d_1 comes from the previous round (or the prefill); d_2..d_K from K-1 MTP steps at
+             positions L .. L+K-2, each fed the previous draft and the previous post-mtp.norm hidden;
+  2. verify  one target pass over [t_L, d_1 .. d_K] at positions L .. L+K -> argmaxes g_0 .. g_K;
+             the GDN/conv state after each of its tokens goes to its own slot of the ring;
+  3. accept  a = leading i with d_{i+1} == g_i (capped by `accept_cap` where given); bonus = g_a;
+  4. commit  lengths += a+1 and the row's read slot moves a+1 slots on: the state after the accepted
+             prefix is already stored, so nothing is recomputed or copied; attention KV past L+a is
+             stale and masked by length; the MTP KV at L .. L+a is refreshed from the target hiddens
+             h_L .. h_{L+a} with the shifted tokens (d_1 .. d_a, bonus) = (g_0 .. g_a), whose output at
+             L+a gives the next d_1;
+  5. emit    g_0 .. g_a (= d_1 .. d_a, bonus), clipped at a stop id and the row's token budget.
+With K = 0 a round is a plain greedy step: the verify pass is one target token, a = 0, no MTP.
+Greedy output with MTP equals plain greedy decoding token for token (tests pin it down).
+
+The slot ring: each GDN layer's conv and ssm state lives in K+2 slots per sequence, [K+2, B, ...],
+with a read slot per row (`Slots.gdn_slot`). A verify pass of K+1 tokens reads one slot and writes
+the state after each token to the next K+1 (pallas_kernels/gdn_conv.py), so the commit is an index.
+It costs K+1 more GDN states per sequence (0.6 GB at 27B, K=3) and replaced a rebuild of the
+accepted state that made the host wait for the verify pass (~0.84 ms per rebuild in a 27B round).
+
+`decode` resumes from a carried `Slots` and runs at most n_rounds rounds: `qmtp.generate` runs it
+once after `prefill`; the serving engine calls it repeatedly, inserting and retiring requests
+between calls (qmtp/serve/slots.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from qmtp.model import mtp, target
+from qmtp.model.config import ModelConfig
+from qmtp.runtime import tp
+from qmtp.runtime.kernel_config import KernelConfig
+from qmtp.runtime.state import DecodeState, gdn_slot_count
+
+MAX_K = 4
+PAD_TOKEN = -1  # fills the output buffer after a sequence's last token
+NO_STOP = -1  # an unused entry of a per-slot stop-id row
+
+
+def check_k(k: int) -> None:
+    if not 0 <= k <= MAX_K:
+        raise ValueError(f"mtp_k={k}: supported 0 (plain decoding) .. {MAX_K}")
+
+
+def ring_size(k: int) -> int:
+    """GDN state slots per sequence for K drafts: the one a verify pass reads and the K+1 it writes."""
+    return k + 2
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+    """argmax over the last axis; ties go to the lowest id (as torch.argmax and HF generate). Under
+    tensor parallelism logits are this shard's vocabulary slice and the argmax is taken across shards."""
+    return tp.greedy_argmax(logits)
+
+
+def is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:
+    """Per-sequence stop ids: tokens [B, ...] against stop [B, NS] (NO_STOP entries match nothing)."""
+    stop = stop.reshape(stop.shape[:1] + (1,) * (tokens.ndim - 1) + stop.shape[1:])  # [B, 1.., NS]
+    return jnp.any((tokens[..., None] == stop) & (stop >= 0), axis=-1)
+
+
+def stop_rows(stop_ids, batch: int) -> jax.Array:
+    """The same stop ids for every row: [batch, max(1, len)] int32, NO_STOP-padded."""
+    row = list(stop_ids) or [NO_STOP]
+    return jnp.asarray([row] * batch, jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """What the loop carries per batch row besides the DecodeState (all replicated under TP).
+
+        pending    [B] int32      the next token the target consumes (t_L: emitted, not yet in the KV)
+        d1         [B] int32      the first draft of the next round (K = 0: unused)
+        mh         [B, E]         the post-mtp.norm hidden that drafted d1 (K = 0: unused)
+        remaining  [B] int32      tokens the row may still emit
+        stop       [B, NS] int32  the row's stop ids, NO_STOP-padded
+        done       [B] bool       finished, retired or empty: rides along with n_valid = 0 (no writes)
+        gdn_slot   [B] int32      the slot of the ring each row's GDN/conv state is read from
+    """
+
+    pending: jax.Array
+    d1: jax.Array
+    mh: jax.Array
+    remaining: jax.Array
+    stop: jax.Array
+    done: jax.Array
+    gdn_slot: jax.Array
+
+    @staticmethod
+    def empty(batch: int, hidden: int, num_stop: int, dtype) -> "Slots":
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return Slots(pending=zeros, d1=zeros, mh=jnp.zeros((batch, hidden), dtype), remaining=zeros,
+                     stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool),
+                     gdn_slot=zeros)
+
+    @staticmethod
+    def started(first, d1, mh, max_tokens, stop) -> "Slots":
+        """Rows whose first token `first` [B] was just emitted by the prefill, with budgets max_tokens
+        [B] (counting that token) and stop ids stop [B, NS]; read slot 0."""
+        remaining = max_tokens - 1
+        return Slots(pending=first, d1=d1, mh=mh, remaining=remaining, stop=stop,
+                     done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
+def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
+            tokens: jax.Array, n_valid: jax.Array, max_tokens: jax.Array, stop: jax.Array):
+    """Target prefill over the prompts tokens [B, T] (n_valid [B] real tokens each), then with MTP the
+    MTP prefill over the shifted prompt (lag-1, MODEL_SPEC §4.2) for the first draft.
+
+    max_tokens [B] >= 1, stop [B, NS]: the rows' budgets and stop ids. Returns (first token x_n [B],
+    Slots.started for the rows, state); the state's GDN/conv rows are not in the ring."""
+    start = state.lengths
+    hidden, state = target.forward(cfg, params, state, tokens, n_valid, kernels)
+    first = greedy(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels))
+    if use_mtp:
+        mh, state = mtp.forward(cfg, params, state, mtp.shift_left(tokens, n_valid, first), hidden, start, n_valid,
+                                kernels)
+        mh = target.last_valid(mh, n_valid)
+        d1 = target.draft_token(params, mh, kernels)
+    else:
+        mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
+    return first, Slots.started(first, d1, mh, max_tokens, stop), state
+
+
+def to_ring(state: DecodeState, n: int) -> DecodeState:
+    """The state with each GDN layer's conv and ssm state copied into n slots [n, B, ...]; read slots 0."""
+    ring = lambda x: jnp.broadcast_to(x, (n,) + x.shape)  # noqa: E731
+    return dataclasses.replace(state, conv=tuple(map(ring, state.conv)), ssm=tuple(map(ring, state.ssm)))
+
+
+def from_ring(state: DecodeState, read: jax.Array) -> DecodeState:
+    """The state with each row's read slot read [B] taken out of the ring."""
+    take = lambda x: x[read, jnp.arange(read.shape[0])]  # noqa: E731
+    return dataclasses.replace(state, conv=tuple(map(take, state.conv)), ssm=tuple(map(take, state.ssm)))
+
+
+def next_slots(read: jax.Array, n_keep: jax.Array, n_slots: int) -> jax.Array:
+    """Read slots after a pass whose rows kept n_keep [B] tokens: each moves n_keep slots on."""
+    return (read + n_keep) % n_slots
+
+
+def accepted_length(drafts: jax.Array, verified: jax.Array) -> jax.Array:
+    """drafts [B, K], the target's argmax verified [B, K+1] -> number of leading drafts equal to it [B]."""
+    match = drafts == verified[:, :-1]
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState, slots: Slots,
+           live: jax.Array, cap: jax.Array):
+    """One round (steps 1-4 of the module doc) for the rows with live [B] = 1; cap [B] caps the
+    accepted drafts. Returns (target argmax g_0..g_K [B, K+1], accepted a [B], state, slots)."""
+    base = state.lengths  # L [B]
+    drafts, h = [slots.d1][:k], slots.mh  # 1. draft d_2 .. d_K
+    for step in range(1, k):
+        hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
+        h = hs[:, 0]
+        drafts.append(target.draft_token(params, h, kernels))
+    tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]  2. verify [t_L, d_1 .. d_K]
+    hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
+    verified = greedy(target.logits_from_hidden(params, hidden, kernels))  # [B, K+1]: g_0 .. g_K
+    a = jnp.minimum(accepted_length(tokens[:, 1:], verified), cap)  # 3. accept
+    n_keep = (a + 1) * live
+    state = dataclasses.replace(state, lengths=base + n_keep)  # 4. commit
+    read = next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
+    d1, mh = slots.d1, slots.mh
+    if k:  # the MTP KV at L .. L+a from the target hiddens; its output at L+a drafts the next d_1
+        mh_all, state = mtp.forward(cfg, params, state, verified, hidden, base, n_keep, kernels)
+        mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
+        d1 = target.draft_token(params, mh, kernels)
+    pending = jnp.take_along_axis(verified, a[:, None], axis=1)[:, 0]
+    return verified, a, state, dataclasses.replace(slots, pending=pending, d1=d1, mh=mh, gdn_slot=read)
+
+
+def _emit(out, count, tokens, n_take, remaining, stop_mask, live):
+    """Writes tokens[b, :n] after count[b], n = n_take clipped at the first stop and at remaining.
+
+    stop_mask [B, T]: which tokens are stop ids. Returns (out, count, done_now)."""
+    b, t = tokens.shape
+    idx = jnp.arange(t)[None]
+    stop = stop_mask & (idx < n_take[:, None])
+    first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, t + 1)
+    n = jnp.minimum(jnp.minimum(n_take, first_stop), remaining - count) * live
+    cols = jnp.where(idx < n[:, None], count[:, None] + idx, out.shape[1])  # out of range: dropped
+    out = out.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
+    count = count + n
+    done_now = live.astype(bool) & ((first_stop <= n) | (count >= remaining))
+    return out, count, done_now
+
+
+def _zero_stats(b: int, k: int) -> dict:
+    zeros = jnp.zeros((b,), jnp.int32)
+    return {"rounds": zeros, "drafted": zeros, "accepted": zeros,
+            "accept_hist": jnp.zeros((k + 1,), jnp.int32), "position_accepts": jnp.zeros((k,), jnp.int32)}
+
+
+def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int) -> dict:
+    """Adds one round (accepted a [B] of the live [B] rows) to the acceptance statistics."""
+    on = live.astype(bool)
+    return {"rounds": stats["rounds"] + live, "drafted": stats["drafted"] + live * k,
+            "accepted": stats["accepted"] + a * live,
+            "accept_hist": stats["accept_hist"] + jnp.sum(jax.nn.one_hot(a, k + 1, dtype=jnp.int32)
+                                                          * live[:, None], axis=0),
+            "position_accepts": stats["position_accepts"] + jnp.sum(
+                ((jnp.arange(k)[None] < a[:, None]) & on[:, None]).astype(jnp.int32), axis=0)}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds"), donate_argnames=("state",))
+def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, params: dict, state: DecodeState,
+           slots: Slots, accept_cap: jax.Array | None = None):
+    """At most n_rounds rounds with K = k drafts (0: plain greedy steps), resumed from `slots`; stops
+    early once every row is done. Each round emits g_0 .. g_a clipped at the row's stop ids and
+    `remaining`. accept_cap [R, B] int32 (a benchmark's acceptance profile) caps the accepted drafts of
+    round r at row min(r, R-1); None: no cap. Capping never changes the tokens.
+
+    A state whose GDN/conv rows are in a ring of K+2 slots (the serving engine keeps it so) stays in
+    it, its read slots in slots.gdn_slot; a state without the ring is put into one for the call and
+    taken out at its end. Returns (tokens [B, n_rounds (k+1)] (PAD_TOKEN after each row's count),
+    counts [B], stats, state, slots); stats: rounds [B], drafted [B], accepted [B], accept_hist [K+1]
+    (rounds that accepted exactly a drafts), position_accepts [K]."""
+    check_k(k)
+    b = slots.done.shape[0]
+    out = jnp.full((b, n_rounds * (k + 1)), PAD_TOKEN, jnp.int32)
+    in_ring = gdn_slot_count(state) > 0
+    if in_ring and gdn_slot_count(state) != ring_size(k):
+        raise ValueError(f"decode: the state has {gdn_slot_count(state)} GDN state slots; K = {k} needs "
+                         f"{ring_size(k)}")
+    entry = slots
+    if not in_ring:
+        state, slots = to_ring(state, ring_size(k)), dataclasses.replace(slots, gdn_slot=jnp.zeros((b,), jnp.int32))
+
+    def cond(carry):
+        slots, r = carry[1], carry[4]
+        return (~jnp.all(slots.done)) & (r < n_rounds)
+
+    def body(carry):
+        state, slots, out, count, r, stats = carry
+        live = (~slots.done).astype(jnp.int32)
+        cap = jnp.full((b,), k, jnp.int32) if accept_cap is None else accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
+        verified, a, state, slots = _round(cfg, kernels, k, params, state, slots, live, cap)
+        out, count, done_now = _emit(out, count, verified, a + 1, entry.remaining, is_stop(verified, slots.stop),
+                                     live)
+        slots = dataclasses.replace(slots, done=slots.done | done_now)
+        return state, slots, out, count, r + 1, _add_stats(stats, a, live, k)
+
+    carry = (state, slots, out, jnp.zeros((b,), jnp.int32), jnp.int32(0), _zero_stats(b, k))
+    state, slots, out, count, _, stats = jax.lax.while_loop(cond, body, carry)
+    if not in_ring:
+        state, slots = from_ring(state, slots.gdn_slot), dataclasses.replace(slots, gdn_slot=entry.gdn_slot)
+    slots = dataclasses.replace(slots, remaining=entry.remaining - count)
+    return out, count, stats, state, slots

@@ -1,0 +1,140 @@
+"""The one door from the model to pallas_kernels: each hot operation, run as the KernelConfig says.
+
+    kernels.impl == "ref"     pure jnp (XLA); runs everywhere, the semantics every kernel is tested against
+    kernels.impl == "pallas"  the Pallas kernels (Triton lowering) on the GPU; on the CPU backend they
+                              run in interpret mode, so the same configuration works in tests (slowly)
+
+Which kernel serves which shape is settled here as plain code; each rule's measured reason is one
+line below and its figure is in WORKSPACE.md. Model code never imports `pallas_kernels` directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul, gdn, gdn_conv, paged_attention
+from pallas_kernels.bench.trace_events import device_time  # noqa: F401  (the model-level benchmarks' profiler)
+from qmtp.model.fp8 import Fp8Block
+from qmtp.runtime.kernel_config import KernelConfig
+
+# The paged-attention kernel holds all G*T query rows of a KV head in one tile: built for decode and
+# verify (T <= K+1); longer passes (prefill) use the reference (a 64-token prefill asked for 384 KiB of
+# shared memory at D = 256).
+PAGED_ATTENTION_MAX_QUERIES = 8
+# FP8 projections of at least this many rows (prefills) dequantize the weight once and use XLA's dot:
+# 1.9-2.5x the Pallas GEMM's TFLOP/s at M = 1024 on the five 27B shapes.
+DEQUANT_DOT_MIN_ROWS = 1024
+# A bf16 weight of at most this many output rows (the joined gate projection in_proj_ba, 2 Hv = 96 at
+# 27B) times 2..DECODE_MAX_ROWS token rows runs as a multiply and an f32 sum, one reduce fusion, not
+# a GEMM: the 27B verify pass 9.797 -> 9.721 ms.
+BF16_REDUCE_MAX_OUT = 256
+# The most rows an FP8 launch streams on the decode kernel; more run GEMM tiles, compute-bound there.
+DECODE_MAX_ROWS = fp8_config.DECODE_MAX_ROWS
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _act_quant(kernels: KernelConfig, rows: int) -> bool:
+    """Whether FP8 projections of `rows` rows run on E4M3 activations (KernelConfig.fp8_act_quant)."""
+    return kernels.fp8_act_quant and 1 <= rows <= DECODE_MAX_ROWS
+
+
+def _precision(dtype):
+    # f32 runs (tests, oracle parity) must not silently drop to TF32 / bf16 passes on the GPU.
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def linear(x: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
+    """y = x @ W.T for W [O, I] in the compute dtype or an Fp8Block; output in `out_dtype` (x's dtype).
+
+    Accumulates in f32 and rounds once at the end."""
+    out_dtype = out_dtype or x.dtype
+    rows = math.prod(x.shape[:-1])
+    pallas = kernels.pallas
+    if isinstance(w, Fp8Block):
+        if _act_quant(kernels, rows):
+            if pallas:
+                return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret(),
+                                             act_quant=True)
+            return fp8_act_quant.fp8_matmul_act_ref(x, w.weight, w.scale, out_dtype=out_dtype)
+        if pallas and rows >= DEQUANT_DOT_MIN_ROWS:
+            return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype)
+        if pallas:
+            return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
+        return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
+    if pallas and w.shape[0] <= BF16_REDUCE_MAX_OUT and 2 <= rows <= DECODE_MAX_ROWS:
+        # y[..., o] = sum_i x[..., i] w[o, i] in f32: a reduce fusion, not a GEMM (BF16_REDUCE_MAX_OUT)
+        y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1)  # [..., O]
+        return y.astype(out_dtype)
+    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                   precision=_precision(x.dtype))
+    return y.astype(out_dtype)
+
+
+def linear_many(x: jax.Array, ws, kernels: KernelConfig) -> tuple[jax.Array, ...]:
+    """(linear(x, w) for w in ws): several projections of the same x. Under Pallas with every weight an
+    Fp8Block they share one kernel launch (the 64-layer 27B step 15.3 -> 14.2 ms); otherwise one each."""
+    rows = math.prod(x.shape[:-1])
+    if kernels.pallas and rows < DEQUANT_DOT_MIN_ROWS and all(isinstance(w, Fp8Block) for w in ws):
+        return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret(),
+                                          act_quant=_act_quant(kernels, rows))
+    return tuple(linear(x, w, kernels) for w in ws)
+
+
+def gdn_gates(a, b, a_log, dt_bias):
+    """(g, beta) [B, T, Hv] f32 from the raw projections a, b and A_log, dt_bias [Hv] (MODEL_SPEC §3.6
+    step 4); XLA under both impls (the decode kernel computes its own)."""
+    return gdn.gdn_gates_ref(a, b, a_log, dt_bias)
+
+
+def gdn_conv_recurrence(mixed, conv_state, conv_w, ba, a_log, dt_bias, state, n_valid, kernels: KernelConfig,
+                        slots=None):
+    """Causal conv + SiLU + q/k L2 norms (q scaled by Dk^-0.5) + gates + the per-token gated delta
+    rule from the raw in_proj_qkv output mixed [B, T, C] (channels q | k | v) and conv_state
+    [B, W-1, C]; ba [B, T, 2 Hv] = [b | a], the raw gate projections. Tokens t >= n_valid [B] change
+    neither state. Returns (o [B, T, Hv, Dv] f32, ssm state, conv state); see
+    pallas_kernels/gdn_conv.py. The key-head count comes from the shapes: C = 2 Hk Dk + Hv Dv with
+    Hv, Dk, Dv from state [..., Hv, Dk, Dv]. slots int [B]: state [Ns, B, Hv, Dk, Dv] and conv_state
+    [Ns, B, W-1, C] are the slot ring: each row reads its slot, and the state after each token t is
+    written to slot (slots[b] + 1 + t) mod Ns, in place."""
+    hv, dk, dv = state.shape[-3:]
+    kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5, "ba": ba, "slots": slots}
+    if kernels.pallas:
+        return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, None, None, a_log, dt_bias, state, n_valid,
+                                            interpret=_interpret(), in_place=True, **kw)
+    return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, None, None, a_log, dt_bias, state, n_valid,
+                                            **kw)
+
+
+def gdn_chunked(q, k, v, g, beta, state):
+    """Chunked gated delta rule for prefill (the WY form; XLA under both impls); same math as the
+    per-token rule."""
+    return gdn.gdn_chunked_ref(q, k, v, g, beta, state)
+
+
+def paged_attention_op(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, kernels: KernelConfig):
+    """Causal GQA attention of T queries over paged KV; see pallas_kernels/paged_attention.py."""
+    if kernels.pallas and q.shape[1] <= PAGED_ATTENTION_MAX_QUERIES:
+        return paged_attention.paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale,
+                                               interpret=_interpret())
+    return paged_attention.paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale)
+
+
+def tile_rows_for(o: int, i: int) -> int | None:
+    """The tile height the Pallas kernels lay an [O, I] FP8 weight out in (None: kept as loaded)."""
+    return fp8_layout.tile_rows_for(o, i)
+
+
+def tile_weight(w: jax.Array, rows: int) -> jax.Array:
+    """An FP8 weight [O, I] in the kernels' layout of `rows`-row tiles (pallas_kernels/fp8_layout.py)."""
+    return fp8_layout.tile_weight(w, block_o=rows)
+
+
+def untile_weight(w: jax.Array) -> jax.Array:
+    """The checkpoint layout [O, I] of a weight in either layout."""
+    return fp8_layout.untile_weight(w)

@@ -1,0 +1,1 @@
+"""Training the MTP head (or a whole demo model) and exporting the result as a checkpoint."""
