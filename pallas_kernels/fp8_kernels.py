@@ -28,8 +28,9 @@ sums contiguous runs of chunks into f32 partials [split_k, M, O] that XLA sums i
 PrefillConfig.x_f16_scaled each program multiplies its rows back by their scales before its store.
 
 Both read W as the checkpoint's [O, I] or as fp8_layout.tile_weight's [O / tr, I / 128, tr, 128]: a
-program of BO rows reads a slice of one tile (tr a multiple of BO) or joins whole tiles (BO a multiple
-of tr); fp8_matmul._fit_tiles untiles what neither fits.
+decode program of BO rows reads a slice of one tile (tr a multiple of BO), a GEMM program of BN rows a
+slice of one tile or whole tiles joined (BN a multiple of tr); fp8_matmul._fit_tiles untiles what does
+not fit.
 """
 
 from __future__ import annotations
@@ -171,8 +172,7 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     # o_ref [split_k, M, O]; po: row block in w; sx_ref [GI, BM] (E4M3 x: its scales)
     bo = cfg.block_o
     tiled = len(w_ref.shape) == 4
-    tr = w_ref.shape[2] if tiled else bo
-    joined = max(bo // tr, 1)  # tiles per program
+    tr = w_ref.shape[2] if tiled else bo  # tiled: tr a multiple of bo (fp8_matmul._fit_tiles)
     o0 = pl.multiple_of(po * bo, bo)
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
     n_chunks = cdiv(i, BLOCK)
@@ -185,10 +185,7 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
         s_run = plgpu.load(s_ref.at[srow, pl.ds(c0, lanes.shape[0])], mask=c0 + lanes < n_chunks, other=0.0)
 
     def load_w(c, k0, cols_ok, dtype):  # chunk c's [bo, 128] weight rows as dtype (None: E4M3, for an FP8 dot)
-        if joined > 1:  # [joined, tr, 128] -> [bo, 128]; no mask: a tiled weight's O and I are whole tiles
-            w = plgpu.load(w_ref.at[pl.ds(po * joined, joined), c]).reshape(bo, BLOCK)
-            return w if dtype is None else w.astype(dtype)
-        if tiled:  # the program's rows of one tile (all of it where bo = tr)
+        if tiled:  # the program's rows of one tile (all of it where bo = tr); no mask: whole tiles
             tile = w_ref.at[po, c] if tr == bo else w_ref.at[o0 // tr, c, pl.ds(pl.multiple_of(o0 % tr, bo), bo)]
             return plgpu.load(tile) if dtype is None else _load_w(tile, None, dtype)
         tile = w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]

@@ -33,7 +33,7 @@ from pallas_kernels import fp8_config as fc
 from pallas_kernels import fp8_kernels, fp8_layout
 from pallas_kernels import fp8_matmul as fm
 from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
-from qmtp.fp8 import quantize_np
+from qmtp.model.fp8 import quantize_np
 from marks import slow_except
 from tolerance import assert_close
 from h200_lowering import H200, lower_for_h200, triton_calls, attr_int
@@ -399,8 +399,9 @@ def test_tiled_weights_give_the_same_bits(m):
 
 
 def test_tiled_weights_read_whole_or_sliced_or_untiled():
-    """A decode program of fewer rows than a tile reads its slice of the tile (one contiguous run);
-    one that would run past the last tile's rows gets the checkpoint layout (untiled)."""
+    """A decode program of fewer rows than a tile reads its slice of the tile (one contiguous run); one
+    of more rows than a tile gets the checkpoint layout (untiled), as does a GEMM program that would run
+    past the last tile's rows."""
     rng = np.random.default_rng(0)
     x, w, s = exact_problem(rng, 2, 256, 384)
     t = fp8_layout.tile_weight(jnp.asarray(w), 64)
@@ -408,15 +409,16 @@ def test_tiled_weights_read_whole_or_sliced_or_untiled():
                         config=DecodeConfig(block_o=32, x_f16=True))
     np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
     assert fm._fit_tiles((t,), DecodeConfig(block_o=32, x_f16=True))[0] is t  # read in place
-    # 3 tiles: no whole number of 128-row blocks, so the launch reads the checkpoint layout (untiled)
-    _, w3, s3 = exact_problem(rng, 2, 192, 384)
-    got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), fp8_layout.tile_weight(jnp.asarray(w3), 64), jnp.asarray(s3),
-                        jnp.float32, interpret=True, config=DecodeConfig(block_o=128, x_f16=True))
-    np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w3, s3))
+    # 128-row programs on 64-row tiles: the checkpoint layout (untiled)
+    got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), t, jnp.asarray(s), jnp.float32, interpret=True,
+                        config=DecodeConfig(block_o=128, x_f16=True))
+    np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
+    assert fm._fit_tiles((t,), DecodeConfig(block_o=128))[0].shape == (256, 384)
+    # the GEMM joins 64-row tiles into its 128-row blocks, but 3 tiles are no whole number of them
     # (interpret mode pads a read past the last tile, so the rule itself is checked: on the GPU such a
     # program would read past the weight's end)
-    cfg = DecodeConfig(block_o=128, x_f16=True)
-    three, four = fm._fit_tiles((fp8_layout.tile_weight(jnp.asarray(w3), 64), t), cfg)
+    _, w3, s3 = exact_problem(rng, 2, 192, 384)
+    three, four = fm._fit_tiles((fp8_layout.tile_weight(jnp.asarray(w3), 64), t), PrefillConfig(block_n=128))
     assert three.shape == (192, 384) and four.shape == t.shape == (4, 3, 64, 128)
 
 
@@ -490,49 +492,6 @@ def test_sliced_tiles_lower_for_h200():
         w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
         assert len(w_loads) == 1 and w_loads[0].count("%") == 2 and "64x128x!tt.ptr<f8E4M3FN>" in w_loads[0], (m, w_loads)
         assert "tt.reshape" not in ir_text.split("scf.for")[1], m
-
-
-@pytest.mark.parametrize("m, x_dtype, config", [
-    (40, jnp.bfloat16, DecodeConfig(block_o=128, split_k=2, x_f16=True, x_f16_scaled=True)),  # verify rows
-    # no default reads joined tiles (128-row tiles): these two `slow`
-    pytest.param(3, jnp.bfloat16, DecodeConfig(block_o=128, split_k=3, swap_ab=False, x_f16=True),
-                 marks=pytest.mark.slow),  # two pieces, x on M
-    pytest.param(5, jnp.float32, DecodeConfig(block_o=128, split_k=2), marks=pytest.mark.slow),  # bf16 pieces of f32 x
-])
-def test_decode_programs_join_tiles_of_a_tiled_weight(m, x_dtype, config):
-    """block_o 128 on 64-row tiles: each program joins two whole tiles per chunk, one dot; the result
-    equals the checkpoint layout's bit for bit and the float64 formula on an exact problem (and E4M3
-    activations join them the same way)."""
-    rng = np.random.default_rng(m)
-    x, w, s = exact_problem(rng, m, 256, 640)
-    xj = jnp.asarray(x, x_dtype)
-    tiled = fp8_layout.tile_weight(jnp.asarray(w), 64)
-    assert tiled.shape[2] == 64
-    got = fm.fp8_matmul(xj, tiled, jnp.asarray(s), jnp.float32, interpret=True, config=config)
-    want = fm.fp8_matmul(xj, jnp.asarray(w), jnp.asarray(s), jnp.float32, interpret=True, config=config)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(got), f64_formula(x, w, s))
-    if m <= fc.DECODE_MAX_ROWS and xj.dtype == jnp.bfloat16:
-        a8 = dataclasses.replace(config, x_f16=False, x_f16_scaled=False, swap_ab=True)
-        quant = [fm.fp8_matmul_many(xj, (ww,), (jnp.asarray(s),), jnp.float32, interpret=True, config=a8,
-                                    act_quant=True)[0] for ww in (tiled, jnp.asarray(w))]
-        np.testing.assert_array_equal(np.asarray(quant[0]), np.asarray(quant[1]))
-
-
-def test_joined_tiles_lower_for_h200():
-    """mlp_down's shape at a batched verify's 64 rows, block_o 128 on tiled weights: one Triton call
-    on O / 128 row blocks, one unmasked E4M3 load of two tiles per chunk, one f16 dot."""
-    sds = jax.ShapeDtypeStruct
-    m, o, i = 64, 5120, 17408
-    config = dataclasses.replace(fc.default_config(m, o, i), block_o=128, num_warps=8)
-    args = (sds((m, i), jnp.bfloat16), sds((o // 64, i // 128, 64, 128), jnp.float8_e4m3fn),
-            sds((o // 128, i // 128), jnp.float32))
-    [(cfg, ir_text)] = triton_calls(lower_for_h200(
-        lambda x, w, s: fm.fp8_matmul(x, w, s, jnp.bfloat16, config=config), args))
-    assert (attr_int(cfg, "grid_x"), attr_int(cfg, "grid_y")) == (o // 128, config.split_k)
-    w_loads = [ln for ln in ir_text.splitlines() if "tt.load" in ln and "f8E4M3FN" in ln]
-    assert len(w_loads) == 1 and w_loads[0].count("%") == 2 and "2x64x128" in w_loads[0], w_loads
-    assert ir_text.count("tt.dot ") == 1
 
 
 def test_tiled_weights_lower_for_h200():
@@ -895,23 +854,6 @@ def test_gpu_kernel_exact_on_integer_problems(name):
                 got = run_kernel(x, wq, scale, jnp.bfloat16, jnp.float32, config, interpret=False)
             np.testing.assert_array_equal(got, run_ref(x, wq, scale, jnp.bfloat16, jnp.float32),
                                           err_msg=f"{name} m={m} o={o} i={i}")
-
-
-@pytest.mark.gpu
-def test_gpu_joined_tiles_exact_at_verify_rows():
-    """block_o 128 programs joining two 64-row tiles of a tiled weight, at a batched verify's rows with
-    the scaled f16 piece: bit-exact against the ref on the device (mlp_down's and o_proj's shapes)."""
-    gpu_required()
-    rng = np.random.default_rng(11)
-    for o, i in [(E, F), (E, 6144)]:
-        wq, scale = real_weights(o, i, "exact")
-        tiled = fp8_layout.tile_weight(jnp.asarray(wq))
-        for m, sk in [(40, 4), (64, 8)]:
-            config = DecodeConfig(block_o=128, split_k=sk, x_f16=True, x_f16_scaled=True, num_warps=8, num_stages=3)
-            x = rng.integers(-2, 3, (m, i)).astype(np.float32)
-            got = fm.fp8_matmul(jnp.asarray(x, jnp.bfloat16), tiled, jnp.asarray(scale), jnp.float32, config=config)
-            np.testing.assert_array_equal(np.asarray(got), run_ref(x, wq, scale, jnp.bfloat16, jnp.float32),
-                                          err_msg=f"joined m={m} o={o} i={i}")
 
 
 @pytest.mark.gpu
