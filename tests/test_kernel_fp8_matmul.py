@@ -36,7 +36,7 @@ from pallas_kernels.fp8_config import DecodeConfig, PrefillConfig
 from qmtp.model.fp8 import quantize_np
 from marks import slow_except
 from tolerance import assert_close
-from h200_lowering import H200, lower_for_h200, triton_calls, attr_int
+from h200_lowering import lower_for_h200, triton_calls, attr_int
 
 E4M3 = ml_dtypes.float8_e4m3fn
 F32_EPS = 2.0**-24  # unit roundoff of f32
