@@ -66,7 +66,7 @@ def test_help_and_plot_from(tmp_path):
     assert r.returncode == 0
     for flag in ("checkpoint", "engine", "tp", "ks", "profile", "prompt_lengths", "batch", "repeats", "out", "plot_from",
                  "fp8_act_quant"):
-        assert f"--{flag}" in r.stdout, flag
+        assert f"--{flag}" in r.stdout or f"--[no]{flag}" in r.stdout, flag
 
 
 def test_table_shows_each_modes_memory_high_water_mark():
