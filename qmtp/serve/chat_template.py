@@ -1,16 +1,10 @@
 """Chat messages -> prompt text through the checkpoint's jinja2 chat template.
 
 The template is `chat_template` of the checkpoint's tokenizer_config.json (a string, or a list of
-{name, template} of which "default" is used), rendered as Hugging Face transformers renders it: a
-sandboxed jinja2 environment with trim_blocks and lstrip_blocks, `raise_exception(msg)`,
-`strftime_now(fmt)` and a `tojson` filter, with variables messages, add_generation_prompt=True,
-bos_token, eos_token (and tools=None). The rendered text is tokenized with special tokens parsed
-(<|im_start|> becomes its id) and no extra BOS/EOS.
-
-A checkpoint without a template (or without tokenizer_config.json) gets DEFAULT_TEMPLATE, ChatML
-(the format of the Qwen family):
-
-    <|im_start|>{role}\n{content}<|im_end|>\n   per message, then   <|im_start|>assistant\n
+{name, template} of which "default" is used), rendered as Hugging Face transformers does: a sandboxed
+jinja2 environment with trim_blocks and lstrip_blocks, `raise_exception(msg)`, `strftime_now(fmt)` and
+a `tojson` filter; variables messages, add_generation_prompt=True, bos_token, eos_token, tools=None.
+Without one, DEFAULT_TEMPLATE: ChatML, the format of the Qwen family.
 """
 
 from __future__ import annotations
@@ -31,12 +25,6 @@ DEFAULT_TEMPLATE = (
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (the template raised, or is not valid jinja2)."""
-
-
-def _token_text(value) -> str | None:
-    if isinstance(value, dict):  # {"content": "<|im_end|>", ...} in some tokenizer configs
-        return value.get("content")
-    return value
 
 
 class ChatTemplate:
@@ -66,9 +54,9 @@ class ChatTemplate:
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates
             source = {t.get("name"): t.get("template") for t in source}.get("default")
-        if not source:
-            return cls(DEFAULT_TEMPLATE, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
-        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")), origin=path)
+        # a token is a string, or {"content": "<|im_end|>", ...} in some tokenizer configs
+        tokens = [t.get("content") if isinstance(t, dict) else t for t in map(config.get, ("bos_token", "eos_token"))]
+        return cls(source, *tokens, origin=path) if source else cls(DEFAULT_TEMPLATE, *tokens)
 
     def render(self, messages: list[dict]) -> str:
         try:

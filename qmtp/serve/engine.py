@@ -1,37 +1,18 @@
 """Continuous-batching engine: a bounded request queue, B batch slots, one scheduler thread.
 
-    submit() -> bounded FIFO queue -> admission into a free slot (pages reserved for
-    prompt + max_tokens + K + 1 through qmtp.runtime.paging.PageAllocator) -> prefill into the slot (or an
-    exact-prompt snapshot copied in) -> bounded device loop -> tokens out -> finish -> release
-
-The scheduler thread owns the device state: one DecodeState of `batch_slots` rows over a shared KV
-page pool, and the `loop.Slots` carry. Each iteration (a "scheduling point"):
-  1. drops cancelled requests and, while shutting down, aborts what must be aborted;
-  2. admits queued requests in FIFO order while a slot is free and the head's pages fit (the head
-     waits for pages; a request that could never fit was refused by submit());
-  3. runs `rounds_per_call` rounds of the decode loop (`loop.decode`: MTP rounds, or plain steps
-     at K = 0) over all slots; done or empty slots ride along and write nothing;
+The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a scheduling point):
+  1. drops cancelled requests and, while shutting down past the deadline, aborts the active ones;
+  2. admits queued requests FIFO while a slot is free and the head's pages (prompt + max_tokens +
+     K+1) fit: each is copied in from an exact-prompt snapshot or prefilled with the others of its
+     prompt bucket in one pass, and its first token emitted;
+  3. runs `rounds_per_call` rounds of `loop.decode` over all slots (done or empty ones write nothing);
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
-The device side (the state, the slots carry and every device call) is `engine_device.DeviceBatch`;
-this module is the host side, with admission (step 2 and the first tokens) in `engine_admission`.
-Compiled programs: one loop; per prompt bucket (powers of two >= 16, as qmtp.generate) a prefill of
-one prompt and one of `prefill_batch` prompts (requests of one bucket admitted at one scheduling
-point share a pass: the weights are read once for all of them); one snapshot copy per page-count
-bucket: slot indices and page rows are traced values.
+Tokens equal qmtp.generate's: the same prefill bucket and loop body; greedy decoding does not see the
+batch composition.
 
-Release exactly once: a slot's record lives in `_active` from admission until `_release` pops it;
-the pop is the only place that returns pages (PageAllocator.release raises on a second release) and
-the slot, so a request that finishes, is cancelled, stopped by a string, or aborted releases once.
-A slot released while still live on the device is marked done there (`slots.retire`) before any
-other device call, so its old pages are never written again.
-
-Tokens equal qmtp.generate's for the same prompt: the same prefill (the same bucket) and the same
-loop body (steps and rounds are shared functions); only the batch composition differs, which
-greedy decoding does not see (float32; the bf16 rule is in WORKSPACE.md).
-
-Shutdown: `shutdown(timeout)` stops admission, aborts queued requests (finish "abort"), lets active
-ones run until `timeout`, then aborts them; `stop(timeout)` also joins the thread, returns whether it
-exited, and can be called again. Everything is released when the thread exits.
+Release exactly once: a slot's record lives in `_active` from admission until `_release` pops it,
+the only place that returns its pages and slot. A slot released while live on the device is retired
+(marked done) there before any other device call, so its old pages are never written again.
 """
 
 from __future__ import annotations
@@ -47,13 +28,13 @@ import numpy as np
 from qmtp import api
 from qmtp.runtime import loop
 from qmtp.runtime.paging import PageAllocator
-from qmtp.serve.admission import Active, Admission
-from qmtp.serve.device import DeviceBatch
-from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestHandle, RequestLimits
-from qmtp.serve.snapshots import SnapshotStore
+from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle
+from qmtp.serve.slots import DeviceBatch
+from qmtp.serve.snapshots import Snapshot, SnapshotStore
 from qmtp.serve.textstream import TextStream
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,38 +52,39 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
 
     def validate(self) -> None:
-        checks = [(self.batch_slots >= 1, f"--batch_slots={self.batch_slots} must be >= 1"),
-                  (0 <= self.mtp_k <= loop.MAX_K, f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K}"),
-                  (self.rounds_per_call >= 1, f"--rounds_per_call={self.rounds_per_call} must be >= 1"),
-                  (self.max_model_len >= 0, f"--max_model_len={self.max_model_len} must be >= 0"),
-                  (self.num_pages >= 0, f"--num_pages={self.num_pages} must be >= 0"),
-                  (self.max_queue >= 1, f"--max_queue={self.max_queue} must be >= 1"),
-                  (self.max_stop_ids >= 1, f"--max_stop_ids={self.max_stop_ids} must be >= 1"),
-                  (self.snapshot_budget_bytes >= 0, f"--snapshot_budget_bytes={self.snapshot_budget_bytes} < 0"),
-                  (self.prefill_batch >= 1, f"--prefill_batch={self.prefill_batch} must be >= 1"),
-                  (self.max_prefill_tokens >= 1, f"--max_prefill_tokens={self.max_prefill_tokens} must be >= 1")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        for name, low in (("batch_slots", 1), ("mtp_k", 0), ("rounds_per_call", 1), ("max_model_len", 0),
+                          ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("snapshot_budget_bytes", 0),
+                          ("prefill_batch", 1), ("max_prefill_tokens", 1)):
+            value = getattr(self, name)
+            if name == "mtp_k" and not 0 <= value <= loop.MAX_K:
+                raise ValueError(f"--mtp_k={value}: supported 0..{loop.MAX_K}")
+            if value < low:
+                raise ValueError(f"--{name}={value} must be >= {low}")
 
 
-class Engine(Admission):
-    """The scheduler (module doc); admission into slots is `engine_admission.Admission`'s."""
+@dataclasses.dataclass
+class Active:
+    """An admitted request's slot record, from admission until its release."""
 
+    handle: RequestHandle
+    reservation: int  # PageAllocator handle
+    stream: TextStream | None
+
+
+class Engine:
     def __init__(self, model: api.Model, config: EngineConfig = EngineConfig()):
         config.validate()
         self.config = config
         self.k = config.mtp_k
         self.extra = self.k + 1 if self.k else 0  # verify writes K+1 positions past the committed length
         self._cv = threading.Condition()
-        self._finish_lock = threading.Lock()
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, Active] = {}
         self._retire_mask = np.zeros(config.batch_slots, bool)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._deadline = float("inf")
-        self._failed: str | None = None
+        self.failed: str | None = None  # why the engine thread died
         self._reload: api.Model | None = None
         self._reload_error: str | None = None
         self._next_id = 0
@@ -112,7 +94,6 @@ class Engine(Admission):
         self.snapshots = SnapshotStore(config.snapshot_budget_bytes)
         self._set_model(model)
 
-    # ---- model and device state --------------------------------------------------------------------
     def _set_model(self, model: api.Model) -> None:
         """Checks the model against the config (ValueError, nothing changed), then builds the state."""
         cfg, c = model.cfg, self.config
@@ -132,8 +113,6 @@ class Engine(Admission):
         self.pages_per_slot = -(-(self.max_model_len + self.extra) // self.page_size)  # Pmax
         num_pages = c.num_pages or model.num_pages or c.batch_slots * self.pages_per_slot
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self.limits = RequestLimits(cfg.vocab_size, self.max_model_len, self.page_size, num_pages, self.extra,
-                                    c.max_stop_ids, model.tokenizer is not None)
         self._device = DeviceBatch(model, c.batch_slots, self.pages_per_slot, num_pages, c.max_stop_ids, self.k)
         self._free_slots = list(range(c.batch_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.snapshots.clear()  # snapshots belong to the weights they were computed with
@@ -152,29 +131,23 @@ class Engine(Admission):
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
-    @property
-    def failed(self) -> str | None:
-        return self._failed
-
     def submit(self, prompt_ids, max_tokens: int, stop_token_ids=None, stop: tuple[str, ...] = (),
                listener=None) -> RequestHandle:
         """Queues a greedy completion of prompt_ids (token ids) for up to max_tokens tokens.
 
-        stop_token_ids: None = the default stop ids (the checkpoint's eos ids), else exactly these;
-        stop: stop strings (need a tokenizer). Raises RequestError (never servable as given),
-        QueueFull, or EngineStopped."""
-        ids = self.limits.check(prompt_ids, max_tokens, stop_token_ids, stop)
+        stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
+        tokenizer). Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
+        ids = self._check(prompt_ids, max_tokens, stop_token_ids, stop)
         stop_ids = self.default_stop_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         with self._cv:
-            if self._stopping or self._failed:
+            if self._stopping or self.failed:
                 self.counters["rejected_shutting_down"] += 1
-                raise EngineStopped(f"the engine is not accepting requests: {self._failed or 'shutting down'}")
+                raise EngineStopped(f"the engine is not accepting requests: {self.failed or 'shutting down'}")
             if len(self._queue) >= self.config.max_queue:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting, --max_queue); "
                                 "retry later")
             handle = RequestHandle(self, self._next_id, ids, max_tokens, stop_ids, tuple(stop), listener)
-            handle.capacity = len(ids) + max_tokens + self.extra
             self._next_id += 1
             self._queue.append(handle)
             self.counters["submitted"] += 1
@@ -189,11 +162,7 @@ class Engine(Admission):
         """Stops admission now, aborts queued requests, gives active ones `timeout` s, then aborts them."""
         with self._cv:
             self._deadline = min(self._deadline, time.monotonic() + timeout)
-            self._stopping = True
-            queued = self._drain_queue()
-            self._cv.notify_all()
-        for handle in queued:  # listeners are never called under the lock
-            self._finish(handle, "abort", error="the server is shutting down")
+        self._end_queue("abort", SHUTTING_DOWN)
 
     def stop(self, timeout: float = 30.0, wait: float | None = None) -> bool:
         """shutdown(timeout), then waits up to `wait` s (default timeout + 10) for the thread to exit.
@@ -215,7 +184,7 @@ class Engine(Admission):
                 return
             self._reload, self._reload_error = model, None
             self._cv.notify_all()
-            if not self._cv.wait_for(lambda: self._reload is None or self._failed, timeout):
+            if not self._cv.wait_for(lambda: self._reload is None or self.failed, timeout):
                 raise TimeoutError(f"reload not done after {timeout} s (active requests still running)")
             if self._reload_error:
                 raise ValueError(self._reload_error)
@@ -230,12 +199,9 @@ class Engine(Admission):
             batched = 2 if self._group_rows(api._bucket(n)) > 1 else 1
             fit = self.allocator.free_pages // self.allocator.pages_for(n + 1 + self.extra)
             for rows in sorted({1, min(batched, fit)}):
-                group = []
-                for _ in range(rows):
-                    handle = RequestHandle(self, -1, [0] * n, 1, (), (), listener=lambda e: None)
-                    handle.capacity = n + 1 + self.extra
-                    group.append((handle, self._free_slots.pop(), self.allocator.reserve(handle.capacity)))
-                self._prefill_group(group)
+                handles = [RequestHandle(self, -1, [0] * n, 1, (), (), listener=lambda e: None) for _ in range(rows)]
+                self._prefill_group([(h, self._free_slots.pop(), self.allocator.reserve(self._capacity(h)))
+                                     for h in handles])  # id -1: no snapshot
                 self._flush_retired()
         self._run_loop()  # every slot is done: compiles, runs no round
         self.counters.clear()
@@ -244,10 +210,49 @@ class Engine(Admission):
     def stats(self) -> dict:
         """Gauges for /metrics and tests."""
         with self._cv:
-            queued = len(self._queue)
-        return {"queued": queued, "active": len(self._active), "free_slots": len(self._free_slots),
-                "batch_slots": self.config.batch_slots, "free_pages": self.allocator.free_pages,
-                "num_pages": self.allocator.num_pages}
+            return {"queued": len(self._queue), "active": len(self._active), "free_slots": len(self._free_slots),
+                    "batch_slots": self.config.batch_slots, "free_pages": self.allocator.free_pages,
+                    "num_pages": self.allocator.num_pages}
+
+    # ---- request limits -----------------------------------------------------------------------------
+    def _check(self, prompt_ids, max_tokens, stop_token_ids, stop) -> list[int]:
+        """The prompt as a list of ints, or RequestError naming the field and the limit."""
+        vocab, limit = self.model.cfg.vocab_size, self.max_model_len
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab})", "prompt")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens={max_tokens} must be an integer >= 1", "max_tokens")
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context limit is max_model_len={limit} "
+                               "tokens (prompt + completion, --max_model_len)", "prompt", "context_length_exceeded")
+        if len(ids) + max_tokens > limit:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+                               f"exceeds the context limit max_model_len={limit} (--max_model_len)",
+                               "max_tokens", "context_length_exceeded")
+        need, have = self.allocator.pages_for(len(ids) + max_tokens + self.extra), self.allocator.num_pages
+        if need > have:
+            raise RequestError(f"the request needs {need} KV pages of {self.page_size} tokens but the cache has "
+                               f"only {have} pages (--num_pages)", "max_tokens", "context_length_exceeded")
+        if stop_token_ids is not None:
+            stop_ids = [int(t) for t in stop_token_ids]
+            if len(stop_ids) > self.config.max_stop_ids:
+                raise RequestError(f"{len(stop_ids)} stop token ids > the limit of {self.config.max_stop_ids} "
+                                   "(--max_stop_ids)", "stop_token_ids")
+            if any(not 0 <= t < vocab for t in stop_ids):
+                raise RequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
+        if stop and self.model.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (the checkpoint has no tokenizer.json)", "stop")
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise RequestError("stop strings must be non-empty strings", "stop")
+        return ids
+
+    def _capacity(self, handle: RequestHandle) -> int:
+        """KV positions a request reserves while active."""
+        return len(handle.prompt_ids) + handle.max_tokens + self.extra
 
     # ---- the scheduler thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -255,18 +260,11 @@ class Engine(Admission):
             while self._iteration():
                 pass
         except Exception as e:  # a device or program failure: fail every request, release everything
-            self._failed = f"{type(e).__name__}: {e}"
+            self.failed = f"{type(e).__name__}: {e}"
             traceback.print_exc()
-            with self._cv:
-                self._stopping = True
-                queued = self._drain_queue()
-                self._cv.notify_all()
-            for handle in queued:
-                self._finish(handle, "error", error=self._failed)
+            self._end_queue("error", self.failed)
             for slot in list(self._active):
-                self._release(slot, "error", error=self._failed)
-            with self._cv:
-                self._cv.notify_all()
+                self._release(slot, "error", error=self.failed)
 
     def _iteration(self) -> bool:
         """One scheduling point; False when the thread should exit."""
@@ -276,21 +274,30 @@ class Engine(Admission):
             expired = self._stopping and time.monotonic() >= self._deadline
             cancelled = [s for s, a in self._active.items() if a.handle.cancel_requested or expired]
         for slot in cancelled:
-            reason = "abort" if expired and not self._active[slot].handle.cancel_requested else "cancelled"
-            self._release(slot, reason, error="the server is shutting down" if reason == "abort" else None)
+            if self._active[slot].handle.cancel_requested:
+                self._release(slot, "cancelled")
+            else:
+                self._release(slot, "abort", error=SHUTTING_DOWN)
         self._flush_retired()
         if self._reload is not None and not self._active:
             self._apply_reload()
-        self._admit_all(self._take_admissions())
+        self._admit()
         if self._active:
             self._run_loop()
         if self._stopping and not self._active:
-            with self._cv:
-                queued = self._drain_queue()  # normally empty: shutdown() drained it
-            for handle in queued:
-                self._finish(handle, "abort", error="the server is shutting down")
+            self._end_queue("abort", SHUTTING_DOWN)  # normally empty: shutdown() drained it
             return False
         return True
+
+    def _end_queue(self, reason: str, error: str) -> None:
+        """Stops admission and finishes every queued request (outside the lock: listeners never run under it)."""
+        with self._cv:
+            self._stopping = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for handle in queued:
+            self._finish(handle, reason, error)
 
     def _apply_reload(self) -> None:
         """Swaps the model (no request is active); queued requests the new limits refuse end in "error"."""
@@ -303,31 +310,111 @@ class Engine(Admission):
         with self._cv:
             for handle in list(self._queue):
                 try:
-                    self.limits.check(handle.prompt_ids, handle.max_tokens, handle.stop_ids, handle.stop_strings)
+                    self._check(handle.prompt_ids, handle.max_tokens, handle.stop_ids, handle.stop_strings)
                 except ValueError as e:
                     self._queue.remove(handle)
                     refused.append((handle, str(e)))
-                handle.capacity = len(handle.prompt_ids) + handle.max_tokens + self.extra
             self._reload, self._reload_error = None, error
             self._cv.notify_all()
         for handle, message in refused:
             self._finish(handle, "error", error=f"after a model reload: {message}")
 
-    def _drain_queue(self) -> list[RequestHandle]:
-        """Empties the queue (caller holds the lock)."""
-        queued = list(self._queue)
-        self._queue.clear()
-        return queued
+    # ---- admission ----------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Pops queued requests into free slots (FIFO; the head waits while its pages do not fit). Snapshot
+        hits are copied in one by one; the rest are prefilled in groups of one prompt bucket (FIFO within
+        a bucket), `_group_rows(bucket)` prompts per pass."""
+        admitted = []
+        with self._cv:
+            while not self._stopping and self._reload is None and self._queue and self._free_slots:
+                capacity = self._capacity(self._queue[0])
+                if self.allocator.pages_for(capacity) > self.allocator.free_pages:
+                    break
+                admitted.append((self._queue.popleft(), self._free_slots.pop(), self.allocator.reserve(capacity)))
+        groups: dict[int, list] = {}
+        for handle, slot, reservation in admitted:
+            snap = self.snapshots.get(tuple(handle.prompt_ids)) if self.snapshots.enabled else None
+            if snap is not None:
+                self._restore(handle, slot, reservation, snap)
+            else:
+                groups.setdefault(api._bucket(len(handle.prompt_ids)), []).append((handle, slot, reservation))
+        for bucket, group in groups.items():
+            rows = self._group_rows(bucket)
+            for i in range(0, len(group), rows):
+                self._prefill_group(group[i:i + rows])
 
+    def _group_rows(self, bucket: int) -> int:
+        """Rows of a batched prefill for this prompt bucket (padding rows fill a smaller group)."""
+        c = self.config
+        return max(1, min(c.prefill_batch, c.batch_slots, c.max_prefill_tokens // bucket))
+
+    def _activate(self, handle: RequestHandle, slot: int, reservation: int):
+        """Records the slot's request; returns its (page row [Pmax], stop row [NS])."""
+        tokenizer = self.model.tokenizer
+        stream = TextStream(tokenizer, handle.stop_strings) if tokenizer is not None else None
+        self._active[slot] = Active(handle, reservation, stream)
+        pages = self.allocator.pages(reservation)
+        page_row = np.zeros(self.pages_per_slot, np.int32)
+        page_row[:len(pages)] = pages
+        stop_row = np.full(self.config.max_stop_ids, loop.NO_STOP, np.int32)
+        stop_row[:len(handle.stop_ids)] = handle.stop_ids
+        return page_row, stop_row
+
+    def _restore(self, handle: RequestHandle, slot: int, reservation: int, snap: Snapshot) -> None:
+        """Copies the exact-prompt snapshot of the request into `slot` and emits its first token."""
+        page_row, stop_row = self._activate(handle, slot, reservation)
+        self._device.restore(snap, slot, page_row, handle.max_tokens, stop_row)
+        handle.snapshot_hit = True
+        self.counters["snapshot_restores"] += 1
+        self._started(handle, slot, int(np.asarray(snap.first)[0]))
+
+    def _prefill_group(self, group: list) -> None:
+        """Prefills the (handle, slot, reservation) of one prompt bucket in one pass and emits their first
+        tokens. One request runs at n = 1; several at n = _group_rows(bucket) (padding rows: slot id B),
+        so each bucket has two compiled prefills. A request with id -1 (warmup) saves no snapshot."""
+        c = self.config
+        prompts = [h.prompt_ids for h, _, _ in group]
+        n = 1 if len(group) == 1 else self._group_rows(api._bucket(max(len(p) for p in prompts)))
+        tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
+        ids = np.full(n, c.batch_slots, np.int32)
+        page_rows = np.zeros((n, self.pages_per_slot), np.int32)
+        stop_rows = np.full((n, c.max_stop_ids), loop.NO_STOP, np.int32)
+        remaining = np.ones(n, np.int32)
+        for j, (handle, slot, reservation) in enumerate(group):
+            ids[j], remaining[j] = slot, handle.max_tokens
+            page_rows[j], stop_rows[j] = self._activate(handle, slot, reservation)
+        first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows)
+        self.counters["prefills"] += 1
+        n_pages = min(self.allocator.pages_for(tokens.shape[1]), self.pages_per_slot)  # a snapshot holds the bucket
+        nbytes = self._snapshot_bytes(n_pages)
+        for handle, slot, _ in group:
+            key = tuple(handle.prompt_ids)
+            if handle.id >= 0 and key not in self.snapshots and self.snapshots.fits(nbytes):
+                prompt_pages = self.allocator.pages_for(len(key))
+                self.snapshots.put(key, self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes))
+        for j, (handle, slot, _) in enumerate(group):
+            self._started(handle, slot, int(first[j]))
+
+    def _started(self, handle: RequestHandle, slot: int, token: int) -> None:
+        """Counts an admitted request and emits its first token (which may also finish it)."""
+        self.counters["admitted"] += 1
+        self.counters["prompt_tokens"] += len(handle.prompt_ids)
+        self._deliver(slot, [token])
+        if slot in self._active and (token in handle.stop_ids or handle.max_tokens == 1):
+            self._release_done(slot)  # done on the device too (the prefill's done flag)
+
+    def _snapshot_bytes(self, n_pages: int) -> int:
+        return self._device.snapshot_bytes(n_pages)
+
+    # ---- decoding and delivery ----------------------------------------------------------------------
     def _run_loop(self) -> None:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
         out, count, done, stats = self._device.run(self.config.rounds_per_call)
         self.counters["loop_calls"] += 1
         if stats is not None:
-            self.counters["mtp_rounds"] += int(stats["rounds"].sum())
-            self.counters["mtp_drafted"] += int(stats["drafted"].sum())
-            self.counters["mtp_accepted"] += int(stats["accepted"].sum())
+            for name in ("rounds", "drafted", "accepted"):
+                self.counters[f"mtp_{name}"] += int(stats[name].sum())
             self.accept_hist += stats["accept_hist"]
             self.position_accepts += stats["position_accepts"]
         for slot in list(self._active):
@@ -335,16 +422,7 @@ class Engine(Admission):
             if tokens:
                 self._deliver(slot, tokens)
             if slot in self._active and done[slot]:
-                active = self._active[slot]
-                active.live_on_device = False
-                last = active.handle.tokens[-1]
-                self._release(slot, "stop" if last in active.handle.stop_ids else "length")
-
-    # ---- per-request bookkeeping (engine thread) ----------------------------------------------------
-    def _text_stream(self, handle: RequestHandle) -> TextStream | None:
-        if self.model.tokenizer is None:
-            return None
-        return TextStream(self.model.tokenizer, handle.stop_strings)
+                self._release_done(slot)
 
     def _deliver(self, slot: int, tokens: list[int]) -> None:
         active = self._active[slot]
@@ -358,11 +436,17 @@ class Engine(Admission):
         if active.stream is not None and active.stream.stopped:
             self._release(slot, "stop")
 
-    def _release(self, slot: int, reason: str, error: str | None = None) -> None:
-        """Finishes the slot's request and returns its pages and the slot: the only place that does."""
+    def _release_done(self, slot: int) -> None:
+        """Releases a slot the device marked done itself (a stop id or max_tokens): nothing to retire."""
+        handle = self._active[slot].handle
+        self._release(slot, "stop" if handle.tokens[-1] in handle.stop_ids else "length", retire=False)
+
+    def _release(self, slot: int, reason: str, error: str | None = None, retire: bool = True) -> None:
+        """Finishes the slot's request and returns its pages and the slot: the only place that does. A slot
+        still live on the device is retired there before the next device call."""
         active = self._active.pop(slot)
         self.allocator.release(active.reservation)
-        if active.live_on_device:
+        if retire:
             self._retire_mask[slot] = True
         tail = active.stream.finish() if active.stream is not None and reason in ("stop", "length") else ""
         with self._cv:
@@ -377,7 +461,7 @@ class Engine(Admission):
             self._retire_mask[:] = False
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, text: str = "") -> None:
-        with self._finish_lock:  # finishing happens on the engine thread and on callers' threads
+        with self._cv:  # finishing happens on the engine thread and on callers' threads
             self.counters[f"finished_{reason}"] += 1
         self._send(handle, Event([], text, reason, error))
 

@@ -1,23 +1,10 @@
-"""Prometheus text exposition (format 0.0.4) of the engine's counters and gauges (GET /metrics).
-
-    qmtp_requests_total{outcome}          finished requests: stop | length | cancelled | abort | error
-    qmtp_requests_rejected_total{reason}  refused at submission: invalid | queue_full | shutting_down
-    qmtp_prompt_tokens_total, qmtp_generation_tokens_total
-    qmtp_mtp_rounds_total, qmtp_mtp_draft_tokens_total, qmtp_mtp_accepted_tokens_total
-    qmtp_mtp_position_accepted_total{position}  rounds whose draft i (1..K) was accepted
-    qmtp_mtp_position_acceptance{position}      the same / rounds
-    qmtp_mtp_rounds_by_accepted_total{accepted}  rounds that accepted exactly a drafts (0..K)
-    qmtp_mtp_acceptance_rate, qmtp_mtp_mean_accepted_length (tokens per round)
-    qmtp_snapshot_lookups_total, qmtp_snapshot_hits_total, qmtp_snapshot_hit_rate,
-    qmtp_snapshot_bytes, qmtp_snapshot_budget_bytes, qmtp_snapshot_evictions_total
-    qmtp_requests_running, qmtp_requests_queued, qmtp_slots_free, qmtp_slots_total,
-    qmtp_kv_pages_free, qmtp_kv_pages_total, qmtp_prefills_total, qmtp_loop_calls_total
-"""
+"""Prometheus text exposition (format 0.0.4) of the engine's counters and gauges (GET /metrics)."""
 
 from __future__ import annotations
 
+from qmtp.serve.requests import FINISH_REASONS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-OUTCOMES = ("stop", "length", "cancelled", "abort", "error")
 
 
 def render(engine, invalid_requests: int = 0) -> str:
@@ -25,54 +12,47 @@ def render(engine, invalid_requests: int = 0) -> str:
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
+        """samples: [(labels, value)], or one unlabelled value."""
+        lines.extend((f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"))
+        for labels, value in samples if isinstance(samples, list) else [({}, samples)]:
             label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-            lines.append(f"{name}{label} {_number(value)}")
+            number = repr(float(value)) if isinstance(value, float) else str(int(value))  # numpy float64 too
+            lines.append(f"{name}{label} {number}")
 
     metric("qmtp_requests_total", "counter", "Finished requests by outcome.",
-           [({"outcome": o}, c[f"finished_{o}"]) for o in OUTCOMES])
+           [({"outcome": o}, c[f"finished_{o}"]) for o in FINISH_REASONS])
     metric("qmtp_requests_rejected_total", "counter", "Requests refused at submission.",
            [({"reason": "invalid"}, invalid_requests), ({"reason": "queue_full"}, c["rejected_queue_full"]),
             ({"reason": "shutting_down"}, c["rejected_shutting_down"])])
-    metric("qmtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [({}, c["prompt_tokens"])])
-    metric("qmtp_generation_tokens_total", "counter", "Generated tokens.", [({}, c["generation_tokens"])])
-    metric("qmtp_prefills_total", "counter", "Prompt prefills run (snapshot hits skip them).", [({}, c["prefills"])])
-    metric("qmtp_loop_calls_total", "counter", "Bounded device loop calls.", [({}, c["loop_calls"])])
+    metric("qmtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c["prompt_tokens"])
+    metric("qmtp_generation_tokens_total", "counter", "Generated tokens.", c["generation_tokens"])
+    metric("qmtp_prefills_total", "counter", "Prompt prefills run (snapshot hits skip them).", c["prefills"])
+    metric("qmtp_loop_calls_total", "counter", "Bounded device loop calls.", c["loop_calls"])
     rounds, drafted, accepted = c["mtp_rounds"], c["mtp_drafted"], c["mtp_accepted"]
-    metric("qmtp_mtp_k", "gauge", "MTP drafts per round (0 = plain decoding).", [({}, engine.k)])
-    metric("qmtp_mtp_rounds_total", "counter", "Speculative rounds (per sequence).", [({}, rounds)])
-    metric("qmtp_mtp_draft_tokens_total", "counter", "Drafted tokens.", [({}, drafted)])
-    metric("qmtp_mtp_accepted_tokens_total", "counter", "Accepted draft tokens.", [({}, accepted)])
-    metric("qmtp_mtp_acceptance_rate", "gauge", "Accepted / drafted tokens.",
-           [({}, accepted / drafted if drafted else 0.0)])
+    metric("qmtp_mtp_k", "gauge", "MTP drafts per round (0 = plain decoding).", engine.k)
+    metric("qmtp_mtp_rounds_total", "counter", "Speculative rounds (per sequence).", rounds)
+    metric("qmtp_mtp_draft_tokens_total", "counter", "Drafted tokens.", drafted)
+    metric("qmtp_mtp_accepted_tokens_total", "counter", "Accepted draft tokens.", accepted)
+    metric("qmtp_mtp_acceptance_rate", "gauge", "Accepted / drafted tokens.", accepted / drafted if drafted else 0.0)
     metric("qmtp_mtp_mean_accepted_length", "gauge", "Tokens emitted per round (accepted drafts + 1).",
-           [({}, (accepted + rounds) / rounds if rounds else 0.0)])
-    positions = [str(i + 1) for i in range(engine.k)]
+           (accepted + rounds) / rounds if rounds else 0.0)
+    positions = [({"position": str(i + 1)}, n) for i, n in enumerate(engine.position_accepts)]  # K entries
     metric("qmtp_mtp_position_accepted_total", "counter", "Rounds whose draft at this position was accepted.",
-           [({"position": p}, int(engine.position_accepts[i])) for i, p in enumerate(positions)])
+           [(p, int(n)) for p, n in positions])
     metric("qmtp_mtp_position_acceptance", "gauge", "Share of rounds whose draft at this position was accepted.",
-           [({"position": p}, engine.position_accepts[i] / rounds if rounds else 0.0)
-            for i, p in enumerate(positions)])
+           [(p, n / rounds if rounds else 0.0) for p, n in positions])
     metric("qmtp_mtp_rounds_by_accepted_total", "counter", "Rounds that accepted exactly this many drafts.",
            [({"accepted": str(a)}, int(n)) for a, n in enumerate(engine.accept_hist)])
-    metric("qmtp_snapshot_lookups_total", "counter", "Exact-prompt snapshot lookups.", [({}, snap.lookups)])
-    metric("qmtp_snapshot_hits_total", "counter", "Exact-prompt snapshot hits (prefill skipped).", [({}, snap.hits)])
-    metric("qmtp_snapshot_hit_rate", "gauge", "Snapshot hits / lookups.", [({}, snap.hit_rate)])
-    metric("qmtp_snapshot_bytes", "gauge", "Bytes held by snapshots.", [({}, snap.bytes)])
-    metric("qmtp_snapshot_budget_bytes", "gauge", "Snapshot byte budget (0 = off).", [({}, snap.budget_bytes)])
-    metric("qmtp_snapshot_evictions_total", "counter", "Snapshots evicted (LRU).", [({}, snap.evicted)])
-    metric("qmtp_requests_running", "gauge", "Requests in batch slots.", [({}, s["active"])])
-    metric("qmtp_requests_queued", "gauge", "Requests waiting for a slot.", [({}, s["queued"])])
-    metric("qmtp_slots_free", "gauge", "Free batch slots.", [({}, s["free_slots"])])
-    metric("qmtp_slots_total", "gauge", "Batch slots.", [({}, s["batch_slots"])])
-    metric("qmtp_kv_pages_free", "gauge", "Free KV pages.", [({}, s["free_pages"])])
-    metric("qmtp_kv_pages_total", "gauge", "KV pages in the pool.", [({}, s["num_pages"])])
+    metric("qmtp_snapshot_lookups_total", "counter", "Exact-prompt snapshot lookups.", snap.lookups)
+    metric("qmtp_snapshot_hits_total", "counter", "Exact-prompt snapshot hits (prefill skipped).", snap.hits)
+    metric("qmtp_snapshot_hit_rate", "gauge", "Snapshot hits / lookups.", snap.hit_rate)
+    metric("qmtp_snapshot_bytes", "gauge", "Bytes held by snapshots.", snap.bytes)
+    metric("qmtp_snapshot_budget_bytes", "gauge", "Snapshot byte budget (0 = off).", snap.budget_bytes)
+    metric("qmtp_snapshot_evictions_total", "counter", "Snapshots evicted (LRU).", snap.evicted)
+    metric("qmtp_requests_running", "gauge", "Requests in batch slots.", s["active"])
+    metric("qmtp_requests_queued", "gauge", "Requests waiting for a slot.", s["queued"])
+    metric("qmtp_slots_free", "gauge", "Free batch slots.", s["free_slots"])
+    metric("qmtp_slots_total", "gauge", "Batch slots.", s["batch_slots"])
+    metric("qmtp_kv_pages_free", "gauge", "Free KV pages.", s["free_pages"])
+    metric("qmtp_kv_pages_total", "gauge", "KV pages in the pool.", s["num_pages"])
     return "\n".join(lines) + "\n"
-
-
-def _number(value) -> str:
-    if isinstance(value, float):  # numpy float64 too
-        return repr(float(value))
-    return str(int(value))

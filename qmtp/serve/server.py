@@ -1,18 +1,15 @@
 """OpenAI-compatible HTTP server: python -m qmtp.server --flagfile=configs/server_tiny.flags
 
-FastAPI + uvicorn in front of one continuous-batching `qmtp.serve.engine.Engine` (greedy decoding, MTP
-speculative decoding with --mtp_k). Listens on 127.0.0.1 unless --host says otherwise.
+FastAPI + uvicorn in front of one continuous-batching engine (qmtp/serve/engine.py; greedy decoding,
+MTP speculative decoding with --mtp_k). Listens on 127.0.0.1 unless --host says otherwise.
 
     POST /v1/completions, /v1/chat/completions   ("stream": true -> server-sent events)
-    GET  /v1/models, /health, /metrics           (/metrics: Prometheus text, qmtp.serve.metrics)
+    GET  /v1/models, /health, /metrics           (/metrics: Prometheus text)
 
-Request fields, error statuses and bodies: qmtp/serve/protocol.py. A client that disconnects
-(mid-stream or while waiting) cancels its request; the engine releases its slot and pages.
-
-Shutdown (SIGINT / SIGTERM): the engine stops admitting, queued requests are aborted (503, or an
-error event when streaming), active ones get --shutdown_timeout_s to finish and are then aborted;
-uvicorn closes the connections and the process exits 0. Bad flags or checkpoints end with one
-`error: ...` line and exit status 2.
+Request fields, error statuses and bodies: qmtp/serve/protocol.py. A client that disconnects cancels
+its request. SIGINT / SIGTERM: queued requests are aborted (503, or an error event when streaming),
+active ones get --shutdown_timeout_s to finish, then the process exits 0. Bad flags or checkpoints
+end with one `error: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 
 from absl import flags
 from fastapi import FastAPI, Request
@@ -53,26 +51,22 @@ def define_flags() -> None:
                          "request (a request then never waits for pages).", lower_bound=0)
     flags.DEFINE_integer("mtp_k", 0, "MTP drafts per round (1-4); 0 = plain greedy decoding. Same tokens either way.",
                          lower_bound=0, upper_bound=4)
-    flags.DEFINE_integer("batch_slots", 4, "Requests decoded together (batch rows of the device loop; every slot, "
-                         "busy or not, is a row of each step). With MTP a round verifies batch_slots x (K+1) rows: "
-                         "up to 128 stream the FP8 weights on the decode kernels (32 slots at K=3, 64 at K=1), more "
-                         "run on GEMM tiles, compute-bound at that size (a warning names the K that fits).",
-                     lower_bound=1)
-    flags.DEFINE_integer("prefill_batch", 4, "Prompts of one length bucket that wait together are prefilled in one "
-                         "pass of at most this many (the weights are read once for all); 1 = one at a time.",
+    flags.DEFINE_integer("batch_slots", 4, "Requests decoded together (every slot, busy or not, is a row of each "
+                         "step). An MTP round verifies batch_slots x (K+1) rows: up to 128 stay on the FP8 decode "
+                         "kernels, more run on compute-bound GEMM tiles (a warning names the K that fits).",
                          lower_bound=1)
+    flags.DEFINE_integer("prefill_batch", 4, "Waiting prompts of one length bucket are prefilled in one pass of at "
+                         "most this many (the weights read once for all); 1 = one at a time.", lower_bound=1)
     flags.DEFINE_integer("max_prefill_tokens", 8192, "Rows x bucket length of one batched prefill at most "
                          "(bounds its activation memory).", lower_bound=1)
     flags.DEFINE_integer("rounds_per_call", 4, "MTP rounds (or plain steps) per device call between scheduling "
                          "points: lower = new requests join sooner, higher = fewer host round trips.", lower_bound=1)
     flags.DEFINE_integer("max_model_len", 4096, "Prompt + completion token limit (sets each slot's page-table "
                          "width); 0 = the model's max_position_embeddings - (K+1).", lower_bound=0)
-    flags.DEFINE_integer("max_tokens_limit", 4096, "Largest max_tokens a request may ask for (400 beyond it).",
-                         lower_bound=1)
+    flags.DEFINE_integer("max_tokens_limit", 4096, "Largest max_tokens a request may ask for.", lower_bound=1)
     flags.DEFINE_integer("default_max_tokens", 256, "max_tokens of a request that gives none (clipped to the context "
                          "left after the prompt).", lower_bound=1)
-    flags.DEFINE_integer("max_queue", 64, "Requests waiting for a slot; beyond this new requests get 429.",
-                         lower_bound=1)
+    flags.DEFINE_integer("max_queue", 64, "Requests waiting for a slot; beyond this: 429.", lower_bound=1)
     flags.DEFINE_integer("max_stop_ids", 8, "Stop token ids per request (the eos ids included).", lower_bound=1)
     flags.DEFINE_integer("snapshot_budget_bytes", 0, "Device bytes for exact-prompt state snapshots (an identical "
                          "prompt skips prefill; LRU eviction); 0 = off.", lower_bound=0)
@@ -81,16 +75,15 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 8000, "TCP port.", lower_bound=0, upper_bound=65535)
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint "
                         "directory's name, or the preset name).")
-    flags.DEFINE_float("shutdown_timeout_s", 30.0, "On SIGINT/SIGTERM, seconds active requests get to finish.",
-                       lower_bound=0.0)
+    flags.DEFINE_float("shutdown_timeout_s", 30.0, "Seconds active requests get on SIGINT/SIGTERM.", lower_bound=0.0)
     flags.DEFINE_boolean("warmup", True, "Compile the prefill and the loop before listening.")
     flags.DEFINE_list("warmup_prompt_lengths", ["1"], "With --warmup: compile the prefill for these prompt lengths' "
                       "buckets (powers of two >= 16), e.g. 16,64,256; other buckets compile on first use.")
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
     cli_help.define_fp8_act_quant_flag()
     cli_help.define_draft_head_flag()
-cli_help.define_draft_vocab_flag()
-cli_help.define_compile_cache_flag()
+    cli_help.define_draft_vocab_flag()
+    cli_help.define_compile_cache_flag()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +97,7 @@ class ServerSettings:
 def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
     """The FastAPI app over `engine`. manage_engine: start it on startup and stop it on shutdown."""
     model = engine.model
-    limits = oai.Limits(settings.model_name, min(settings.max_tokens_limit, engine.max_model_len - 1),
-                        settings.default_max_tokens, engine.max_model_len)
+    limits = settings.model_name, min(settings.max_tokens_limit, engine.max_model_len - 1)  # model, max_tokens
     template = ChatTemplate.from_checkpoint(model.checkpoint_dir)
     invalid = {"count": 0}
 
@@ -118,12 +110,6 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             await asyncio.to_thread(engine.stop, settings.shutdown_timeout_s)
 
     api = FastAPI(title="qmtp", lifespan=lifespan)
-    api.state.engine = engine
-
-    def error(e: oai.APIError) -> JSONResponse:
-        if e.status == 400 or e.status == 404:
-            invalid["count"] += 1
-        return JSONResponse(e.body(), status_code=e.status)
 
     @api.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc):
@@ -148,14 +134,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
     async def prometheus():
         return PlainTextResponse(metrics.render(engine, invalid["count"]), media_type=metrics.CONTENT_TYPE)
 
-    async def read_json(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise oai.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-
     def tokenize(prompt) -> list[int]:
+        """Token ids as given, or the text's (special tokens such as <|im_start|> parsed, no BOS/EOS added)."""
         if isinstance(prompt, list):
             return [int(t) for t in prompt]
         if model.tokenizer is None:
@@ -165,22 +145,24 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
 
     async def serve(request: Request, chat: bool):
         try:
-            body = await read_json(request)
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise oai.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
             if chat:
-                parsed, messages = oai.parse_chat(body, limits)
+                parsed, messages = oai.parse_chat(body, *limits)
                 try:
                     parsed.prompt = template.render(messages)
                 except ChatTemplateError as e:
                     raise oai.APIError(400, str(e), param="messages", code="invalid_value") from None
             else:
-                parsed = oai.parse_completion(body, limits)
+                parsed = oai.parse_completion(body, *limits)
             ids = tokenize(parsed.prompt)
             max_tokens = parsed.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(settings.default_max_tokens, engine.max_model_len - len(ids)))
-            stop_ids = None
-            if parsed.stop_token_ids:
-                stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + parsed.stop_token_ids))
+            extra = parsed.stop_token_ids  # added to the default stop ids
+            stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
             events: asyncio.Queue = asyncio.Queue()
             try:
                 handle = engine.submit(ids, max_tokens, stop_ids, parsed.stop,
@@ -189,12 +171,14 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 raise oai.APIError(400, str(e), param="messages" if chat and e.param == "prompt" else e.param,
                                    code=e.code) from None
         except oai.APIError as e:
-            return error(e)
+            if e.status in (400, 404):
+                invalid["count"] += 1
+            return JSONResponse(e.body(), status_code=e.status)
         except QueueFull as e:
             return JSONResponse(oai.error_body(str(e), "rate_limit_error", None, "queue_full"), status_code=429)
         except EngineStopped as e:
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
-        rid = oai.new_id("chatcmpl" if chat else "cmpl")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if parsed.stream:
             return StreamingResponse(_stream(handle, events, rid, chat, parsed.include_usage, settings.model_name),
                                      media_type="text/event-stream")
@@ -214,10 +198,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
 def _to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
     """An engine listener (called on the engine thread) that hands each event to the request's queue."""
     def listener(event) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed (server gone): nobody listens
             loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed (server gone): nobody is listening
-            pass
     return listener
 
 
@@ -233,12 +215,9 @@ async def _complete(request, handle, events, rid: str, chat: bool, model_name: s
     try:
         next_check = time.monotonic() + DISCONNECT_POLL_S
         while True:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
-                if event.finish_reason is not None:
+            with contextlib.suppress(TimeoutError):
+                if (await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)).finish_reason is not None:
                     break
-            except TimeoutError:
-                pass
             if time.monotonic() >= next_check:  # tokens may arrive more often than the poll period
                 next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
@@ -250,37 +229,37 @@ async def _complete(request, handle, events, rid: str, chat: bool, model_name: s
     if handle.finish_reason not in ("stop", "length"):
         status, body = _engine_error(handle)
         return JSONResponse(body, status_code=status)
-    build = oai.chat_response if chat else oai.completion_response
-    return JSONResponse(build(rid, model_name, handle.text, list(handle.tokens), handle.finish_reason,
-                              len(handle.prompt_ids)))
+    part = {"message": {"role": "assistant", "content": handle.text}} if chat else {"text": handle.text}
+    tokens = list(handle.tokens)
+    return JSONResponse(oai.body(rid, "chat.completion" if chat else "text_completion", model_name, int(time.time()),
+                                 oai.choice(part, tokens, handle.finish_reason),
+                                 oai.usage(len(handle.prompt_ids), len(tokens))))
 
 
 async def _stream(handle, events, rid: str, chat: bool, include_usage: bool, model_name: str):
     """Server-sent events: one chunk per engine event, then usage (if asked) and [DONE]. Leaving early
     (the client disconnected: Starlette cancels this generator) cancels the request."""
-    created = int(time.time())
-    sse = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
+    obj, created = "chat.completion.chunk" if chat else "text_completion", int(time.time())
+
+    def sse(part: dict | None, tokens=(), reason=None, usage=None) -> str:
+        choice = None if part is None else oai.choice(part, list(tokens), reason)
+        return f"data: {json.dumps(oai.body(rid, obj, model_name, created, choice, usage))}\n\n"
+
     try:
         if chat:
-            yield sse(oai.chat_chunk(rid, model_name, created, {"role": "assistant", "content": ""}, [], None))
+            yield sse({"delta": {"role": "assistant", "content": ""}})
         while True:
             event = await events.get()
             reason = event.finish_reason
             if reason in (None, "stop", "length") and (event.text or event.tokens or reason):
-                if chat:
-                    delta = {"content": event.text} if event.text or not reason else {}
-                    yield sse(oai.chat_chunk(rid, model_name, created, delta, event.tokens, reason))
-                else:
-                    yield sse(oai.completion_chunk(rid, model_name, created, event.text, event.tokens, reason))
+                delta = {"content": event.text} if event.text or not reason else {}
+                yield sse({"delta": delta} if chat else {"text": event.text}, event.tokens, reason)
             if reason is None:
                 continue
-            if reason in ("stop", "length"):
-                if include_usage:
-                    obj = "chat.completion.chunk" if chat else "text_completion"
-                    yield sse(oai.usage_chunk(rid, model_name, created, obj, len(handle.prompt_ids),
-                                              len(handle.tokens)))
-            else:
-                yield sse(_engine_error(handle)[1])
+            if reason not in ("stop", "length"):
+                yield f"data: {json.dumps(_engine_error(handle)[1])}\n\n"
+            elif include_usage:
+                yield sse(None, usage=oai.usage(len(handle.prompt_ids), len(handle.tokens)))
             yield "data: [DONE]\n\n"
             return
     finally:
@@ -289,25 +268,22 @@ async def _stream(handle, events, rid: str, chat: bool, include_usage: bool, mod
 
 
 class Server:
-    """uvicorn serving an app in this process; `begin_shutdown()` is what SIGINT/SIGTERM do."""
+    """uvicorn serving an app in this process; `stop()` does what SIGINT/SIGTERM do."""
 
     def __init__(self, app, engine, host: str = "127.0.0.1", port: int = 0, shutdown_timeout_s: float = 30.0,
                  log_level: str = "warning"):
         import uvicorn
 
-        engine_ref, timeout = engine, shutdown_timeout_s
-
         class _Uvicorn(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                engine_ref.shutdown(timeout)  # abort queued now; active ones get `timeout`
+                engine.shutdown(shutdown_timeout_s)  # abort queued now; active ones get the timeout
                 super().handle_exit(sig, frame)
-                # uvicorn re-raises a captured signal after its shutdown (the process then dies of it);
-                # the shutdown is complete and clean here, so main() returns and the exit status is 0
+                # uvicorn re-raises a captured signal after its shutdown (the process would die of it);
+                # the shutdown is clean here, so main() returns and the exit status is 0
                 getattr(self, "_captured_signals", []).clear()
 
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=shutdown_timeout_s + 5.0)
-        self.uvicorn = _Uvicorn(config)
+        self.uvicorn = _Uvicorn(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                               timeout_graceful_shutdown=shutdown_timeout_s + 5.0))
         self.engine, self.shutdown_timeout_s = engine, shutdown_timeout_s
         self._thread: threading.Thread | None = None
 
@@ -315,11 +291,8 @@ class Server:
     def port(self) -> int:
         return self.uvicorn.servers[0].sockets[0].getsockname()[1]
 
-    def run(self) -> None:
-        self.uvicorn.run()
-
     def start_in_thread(self, timeout: float = 60.0) -> "Server":
-        self._thread = threading.Thread(target=self.run, name="qmtp-http", daemon=True)
+        self._thread = threading.Thread(target=self.uvicorn.run, name="qmtp-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.uvicorn.started:
@@ -328,16 +301,12 @@ class Server:
             time.sleep(0.02)
         return self
 
-    def begin_shutdown(self) -> None:
+    def stop(self, timeout: float = 60.0) -> bool:
         self.engine.shutdown(self.shutdown_timeout_s)
         self.uvicorn.should_exit = True
-
-    def stop(self, timeout: float = 60.0) -> bool:
-        self.begin_shutdown()
         if self._thread is not None:
             self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
+        return self._thread is None or not self._thread.is_alive()
 
 
 def build(argv) -> tuple:
@@ -357,11 +326,8 @@ def build(argv) -> tuple:
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size, impl=FLAGS.impl, tp=FLAGS.tp,
                       fp8_act_quant=FLAGS.fp8_act_quant, progress=False, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab)
-    engine = Engine(model, EngineConfig(
-        batch_slots=FLAGS.batch_slots, mtp_k=FLAGS.mtp_k, rounds_per_call=FLAGS.rounds_per_call,
-        max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages, max_queue=FLAGS.max_queue,
-        max_stop_ids=FLAGS.max_stop_ids, snapshot_budget_bytes=FLAGS.snapshot_budget_bytes, stop_token_ids=stop,
-        prefill_batch=FLAGS.prefill_batch, max_prefill_tokens=FLAGS.max_prefill_tokens))
+    same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig) if f.name != "stop_token_ids"}
+    engine = Engine(model, EngineConfig(stop_token_ids=stop, **same_named))
     warning = cli_help.verify_rows_warning(model, FLAGS.batch_slots, FLAGS.mtp_k, unit="batch slots")
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -388,8 +354,7 @@ def main(argv):
         sys.exit(2)
     print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} (mtp_k={engine.k}, "
           f"{engine.config.batch_slots} slots, max_model_len={engine.max_model_len})", flush=True)
-    server = Server(app, engine, FLAGS.host, FLAGS.port, FLAGS.shutdown_timeout_s, FLAGS.log_level)
-    server.run()
+    Server(app, engine, FLAGS.host, FLAGS.port, FLAGS.shutdown_timeout_s, FLAGS.log_level).uvicorn.run()
     if not engine.stop(FLAGS.shutdown_timeout_s):
         print("error: the engine did not stop in time", file=sys.stderr)
         sys.exit(1)
