@@ -25,11 +25,11 @@ def test_second_process_loads_the_loops_from_the_cache(tmp_path):
     first = generate(tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     entries = os.listdir(tmp_path / compile_cache.SUBDIR)
-    assert any(e.startswith("jit_spec_loop-") for e in entries), entries
-    assert "cache hit for 'jit_spec_loop'" not in first.stderr
+    assert any(e.startswith("jit_decode-") for e in entries), entries
+    assert "cache hit for 'jit_decode'" not in first.stderr
     second = generate(tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "cache hit for 'jit_spec_loop'" in second.stderr and "cache hit for 'jit_prefill'" in second.stderr
+    assert "cache hit for 'jit_decode'" in second.stderr and "cache hit for 'jit_prefill'" in second.stderr
     assert first.stdout.split("\n")[:2] == second.stdout.split("\n")[:2]  # the same text
 
 

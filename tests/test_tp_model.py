@@ -128,14 +128,16 @@ def test_fp8_with_replicated_kv_head_tp2_equals_tp1(fp8_dir):
 
 
 def test_forgotten_psum_is_caught(tiny_pair, monkeypatch):
-    """If a row-parallel projection's partial sums were not reduced, shard_map's replication check
-    refuses the program (check_vma), so the bug cannot produce silently wrong tokens."""
+    """If a row-parallel projection's partial sums were not reduced, the hidden state reaching the
+    lm_head varies across the shards and shard_map's replication check (check_vma) refuses the
+    program, plain or MTP, so the bug cannot produce silently wrong tokens."""
     from qmtp.runtime import tp
     monkeypatch.setattr(tp, "all_reduce", lambda x: x)
     tp._SHARDED.clear()
     try:
-        with pytest.raises(ValueError, match="out_specs"):
-            qmtp.generate(tiny_pair[1], PROMPTS[:1], max_new_tokens=2)
+        for k in (0, 1):
+            with pytest.raises(ValueError, match="varies across the tp shards"):
+                qmtp.generate(tiny_pair[1], PROMPTS[:1], max_new_tokens=2, mtp_k=k)
     finally:
         tp._SHARDED.clear()
 

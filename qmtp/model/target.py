@@ -29,6 +29,7 @@ def lm_head(params: dict) -> jax.Array:
 
 def logits_from_hidden(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.Array:
     """[..., E] post-final-norm hidden -> f32 logits [..., V] (f32 accumulation, no rounding)."""
+    hidden = tp.check_replicated(hidden, "the hidden state before the lm_head")
     return ops.linear(hidden, lm_head(params), kernels, out_dtype=jnp.float32)
 
 
@@ -40,7 +41,7 @@ def draft_logits(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.
     head = params.get("mtp", {}).get("draft_head")
     if head is None:
         return logits_from_hidden(params, hidden, kernels)
-    return ops.linear(hidden, head, kernels, out_dtype=jnp.float32)
+    return ops.linear(tp.check_replicated(hidden, "the MTP hidden state"), head, kernels, out_dtype=jnp.float32)
 
 
 def draft_token(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.Array:

@@ -107,6 +107,19 @@ def all_reduce(x: jax.Array) -> jax.Array:
     return jax.lax.psum(x, AXIS) if _bound() else x
 
 
+def check_replicated(x: jax.Array, what: str) -> jax.Array:
+    """x, refused at trace time when shard_map's replication check (check_vma) sees it vary across the
+    TP shards where every shard must hold the same value: a row-parallel partial sum left unreduced
+    would otherwise reach the vocabulary-parallel argmax, whose all-gather makes any input invariant,
+    and give wrong tokens silently."""
+    aval = jax.typeof(x)
+    varying = aval.mat.varying if hasattr(aval, "mat") else getattr(aval, "vma", ())  # jax 0.11: .mat
+    if _bound() and AXIS in varying:
+        raise ValueError(f"{what} varies across the tp shards: a row-parallel partial sum was not reduced "
+                         "(tp.all_reduce)")
+    return x
+
+
 def embed_lookup(embed: jax.Array, ids: jax.Array) -> jax.Array:
     """embed[ids] for a table split by vocabulary rows: [V/n, E] here, ids global -> [..., E]."""
     if not _bound():
