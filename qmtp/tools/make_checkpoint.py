@@ -1,31 +1,11 @@
-"""Writes synthetic Hugging Face-format checkpoints in the released Qwen3.5 layout.
+"""Writes synthetic Hugging Face checkpoints in the released Qwen3.5 layout:
 
     python -m qmtp.tools.make_checkpoint --preset=tiny --dtype=bf16 --seed=0 --out=DIR
 
-DIR gets:
-  config.json              model_type qwen3_5 (VLM wrapper), text fields under text_config; for
-                           --dtype=fp8 also quantization_config (fp8, e4m3, dynamic, [128, 128] blocks);
-                           qmtp_synthetic says how it was made (preset, dtype, seed, layers; controlled
-                           presets add controlled.permutation, see presets.ControlledWeights)
-  model.safetensors        or model-0000i-of-0000N.safetensors + model.safetensors.index.json when
-                           the tensors exceed --max_shard_bytes (HF's layout: metadata.total_size,
-                           weight_map name -> file)
-  generation_config.json   bos_token_id and eos_token_id [<|im_end|>, <|endoftext|>]
-  tokenizer.json, tokenizer_config.json   the tiny byte-level BPE of qmtp.tools.tiny_tokenizer
-
-The tensor list comes only from `qmtp.model.params.tensor_table` of the config written. Storage per --dtype:
-  bf16 / fp32: every tensor BF16 / F32.
-  fp8: the projections MODEL_SPEC §5.2 quantizes (self_attn q/k/v/o, linear_attn in_proj_qkv /
-       in_proj_z / out_proj, mlp gate/up/down, and those of mtp.layers.*) become F8_E4M3 `X.weight`
-       plus `X.weight_scale_inv` (F32, or BF16 with --fp8_scale_dtype=bf16; shape
-       qmtp.model.fp8.scale_grid(out, in)); A_log and dt_bias are F32; everything else (embeddings,
-       lm_head, norms, conv1d, in_proj_b/a, mtp.fc) BF16.
-The three dtypes of one preset and seed are twins: the same underlying weights (qmtp.tools.presets),
-bf16 == fp32 exactly and fp8 = qmtp.model.fp8.quantize_np of them.
-
-Files are written tensor by tensor into a temporary directory beside DIR, which is then renamed to
-DIR: a checkpoint directory is either complete or absent. Python API: `write_checkpoint`, and
-`ensure_preset` for a cached copy under $QMTP_CACHE (default ~/.cache/qmtp).
+DIR gets config.json (qmtp_synthetic says how it was made), model.safetensors (HF's shards + index beyond
+--max_shard_bytes), generation_config.json and the tiny tokenizer's files. bf16 / fp32 store every tensor of
+`params.tensor_table` BF16 / F32; fp8 stores the projections MODEL_SPEC §5.2 quantizes as F8_E4M3 +
+weight_scale_inv, A_log / dt_bias F32, the rest BF16. The dtypes of one preset and seed are twins.
 """
 
 from __future__ import annotations
@@ -43,22 +23,19 @@ from absl import flags
 
 from qmtp.model import config as qconfig, fp8
 from qmtp.tools import presets, tiny_tokenizer
-from qmtp.tools.checkpoint_writer import (  # noqa: F401 (re-exported: tests and callers use mc.*)
-    MODULES_TO_NOT_CONVERT, Progress, StoredTensor, TensorSource, is_fp8_eligible, plan_tensors,
-    shard_file_names, shard_units, write_safetensors)
+from qmtp.tools.checkpoint_writer import (is_fp8_eligible, MODULES_TO_NOT_CONVERT,  # noqa: F401 (tests use mc.*)
+                                          plan_tensors, Progress, shard_file_names, shard_units, TensorSource,
+                                          write_safetensors)
 
 DTYPES = ("bf16", "fp8", "fp32")
 SCALE_DTYPES = ("fp32", "bf16")
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 PROGRESS_MIN_BYTES = 256 * 2**20  # report progress on stderr for checkpoints at least this big
+PRESET_PREFIX = "preset:"  # --checkpoint=preset:NAME[:DTYPE] in the command lines
+
 
 class CheckpointWriteError(ValueError):
     """Bad arguments or an unusable output location; the message is one line."""
-
-
-# --------------------------------------------------------------------------------------------------
-# config files
-# --------------------------------------------------------------------------------------------------
 
 
 def build_config(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, num_layers: int | None = None) -> dict:
@@ -66,37 +43,22 @@ def build_config(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, num_l
     spec = presets.get_preset(preset)
     text = spec.text_config(num_layers)
     text["dtype"] = "float32" if dtype == "fp32" else "bfloat16"
-    config = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "tie_word_embeddings": text["tie_word_embeddings"],
-        "dtype": text["dtype"],
-        "text_config": text,
-        "qmtp_synthetic": {
-            "generator": "qmtp.tools.make_checkpoint", "generator_version": presets.GENERATOR_VERSION,
-            "preset": preset, "dtype": dtype, "seed": seed, "num_layers": text["num_hidden_layers"],
-            "tokenizer_vocab_size": spec.tokenizer_vocab_size,
-            "note": "random weights; text only (no vision tower)",
-        },
-    }
-    config["qmtp_synthetic"].update(spec.metadata(seed))  # e.g. a controlled preset's permutation
+    note = "random weights; text only (no vision tower)"
+    synthetic = {"generator": "qmtp.tools.make_checkpoint", "generator_version": presets.GENERATOR_VERSION,
+                 "preset": preset, "dtype": dtype, "seed": seed, "num_layers": text["num_hidden_layers"],
+                 "tokenizer_vocab_size": spec.tokenizer_vocab_size, "note": note,
+                 **spec.weights_cls.synthetic_metadata(spec.tokenizer_vocab_size, seed)}
     if text["vocab_size"] > spec.tokenizer_vocab_size:
-        config["qmtp_synthetic"]["note"] += (f"; ids >= {spec.tokenizer_vocab_size} are vocabulary padding "
-                                             "(no tokenizer entry, zero lm_head rows)")
+        synthetic["note"] += (f"; ids >= {spec.tokenizer_vocab_size} are vocabulary padding "
+                              "(no tokenizer entry, zero lm_head rows)")
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "tie_word_embeddings": text["tie_word_embeddings"], "dtype": text["dtype"], "text_config": text,
+              "qmtp_synthetic": synthetic}
     if dtype == "fp8":
         config["quantization_config"] = {
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [fp8.FP8_BLOCK, fp8.FP8_BLOCK],
-            "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT),
-        }
+            "weight_block_size": [fp8.FP8_BLOCK, fp8.FP8_BLOCK], "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
     return config
-
-
-def generation_config(vocab_size: int) -> dict:
-    """generation_config.json: Qwen's stop ids [<|im_end|>, <|endoftext|>] of the tiny tokenizer."""
-    bos = tiny_tokenizer.bos_token_id(vocab_size)
-    return {"bos_token_id": bos, "eos_token_id": tiny_tokenizer.eos_token_ids(vocab_size), "pad_token_id": bos,
-            "do_sample": False}
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -105,49 +67,8 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def _write_text_files(tmp: str, config: dict, vocab_size: int) -> None:
-    """config.json, generation_config.json, tokenizer.json, tokenizer_config.json."""
-    _write_json(os.path.join(tmp, "config.json"), config)
-    _write_json(os.path.join(tmp, "generation_config.json"), generation_config(vocab_size))
-    with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-        f.write(tiny_tokenizer.tokenizer_json(vocab_size))
-    max_len = config["text_config"]["max_position_embeddings"]
-    _write_json(os.path.join(tmp, "tokenizer_config.json"), tiny_tokenizer.tokenizer_config(vocab_size, max_len))
-
-
-
-def _write_weights(tmp: str, shards: list[list[StoredTensor]], source: TensorSource, progress: Progress) -> None:
-    """The safetensors file(s) and, for several shards, model.safetensors.index.json."""
-    names = shard_file_names(len(shards))
-    for name, shard in zip(names, shards):
-        write_safetensors(os.path.join(tmp, name), shard, source, progress)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s)},
-                 "weight_map": {t.name: name for name, s in zip(names, shards) for t in s}}
-        _write_json(os.path.join(tmp, "model.safetensors.index.json"), index)
-
-
-# --------------------------------------------------------------------------------------------------
-# the output directory
-# --------------------------------------------------------------------------------------------------
-
-
 def _is_nonempty_dir(path: str) -> bool:
     return os.path.isdir(path) and bool(os.listdir(path))
-
-
-def _check_destination(out_dir: str, overwrite: bool) -> None:
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointWriteError(f"{out_dir} exists and is not a directory")
-    if _is_nonempty_dir(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True / --overwrite)")
-
-
-def _check_disk_space(parent: str, needed: int) -> None:
-    free = shutil.disk_usage(parent).free
-    if free < needed + 64 * 2**20:
-        raise CheckpointWriteError(f"not enough disk space in {parent}: need {needed / 1e9:.2f} GB, "
-                                   f"{free / 1e9:.2f} GB free")
 
 
 def _publish(tmp: str, out_dir: str, overwrite: bool) -> None:
@@ -171,9 +92,14 @@ def _publish(tmp: str, out_dir: str, overwrite: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _validate_args(preset: str, dtype: str, seed: int, num_layers: int | None, max_shard_bytes: int,
-                   fp8_scale_dtype: str) -> None:
-    presets.get_preset(preset)
+def write_checkpoint(out_dir: str, preset: str = "tiny", dtype: str = "bf16", seed: int = 0,
+                     num_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                     overwrite: bool = False, *, fp8_scale_dtype: str = "fp32",
+                     progress: bool | None = None) -> str:
+    """Writes a synthetic checkpoint to `out_dir` atomically (a temp dir beside it, renamed) and returns its
+    absolute path. num_layers: a slice of the preset's decoder layers (None: all); progress: on stderr (None:
+    for checkpoints >= 256 MiB). Refuses a non-empty `out_dir` (FileExistsError) unless `overwrite`."""
+    spec = presets.get_preset(preset)
     if dtype not in DTYPES:
         raise CheckpointWriteError(f"dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
     if fp8_scale_dtype not in SCALE_DTYPES:
@@ -184,42 +110,44 @@ def _validate_args(preset: str, dtype: str, seed: int, num_layers: int | None, m
         raise CheckpointWriteError(f"num_layers={num_layers!r}: must be a positive int (or None)")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise CheckpointWriteError(f"max_shard_bytes={max_shard_bytes!r}: must be a positive int")
-
-
-# --------------------------------------------------------------------------------------------------
-# public API
-# --------------------------------------------------------------------------------------------------
-
-
-def write_checkpoint(out_dir: str, preset: str = "tiny", dtype: str = "bf16", seed: int = 0,
-                     num_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                     overwrite: bool = False, *, fp8_scale_dtype: str = "fp32",
-                     progress: bool | None = None) -> str:
-    """Writes a synthetic checkpoint to `out_dir` atomically and returns its absolute path.
-
-    preset: a name of `presets.PRESETS`; dtype: 'bf16' | 'fp8' | 'fp32'; num_layers: a slice of the
-    preset's decoder layers (None: all); fp8_scale_dtype: 'fp32' | 'bf16' (weight_scale_inv);
-    progress: stderr progress (None: only for checkpoints >= 256 MiB). Refuses an existing
-    non-empty `out_dir` (FileExistsError) unless `overwrite`.
-    """
-    _validate_args(preset, dtype, seed, num_layers, max_shard_bytes, fp8_scale_dtype)
-    spec = presets.get_preset(preset)
     config = build_config(preset, dtype, seed, num_layers)
     cfg = qconfig.from_dict(config, source=f"preset {preset}")
     shards = shard_units(plan_tensors(cfg, dtype, fp8_scale_dtype), max_shard_bytes)
     total = sum(t.nbytes for s in shards for t in s)
 
     out_dir = os.path.abspath(out_dir)
-    _check_destination(out_dir, overwrite)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointWriteError(f"{out_dir} exists and is not a directory")
+    if _is_nonempty_dir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True / --overwrite)")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    _check_disk_space(parent, total)
+    free = shutil.disk_usage(parent).free
+    if free < total + 64 * 2**20:
+        raise CheckpointWriteError(f"not enough disk space in {parent}: need {total / 1e9:.2f} GB, "
+                                   f"{free / 1e9:.2f} GB free")
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        _write_text_files(tmp, config, spec.tokenizer_vocab_size)
-        show = total >= PROGRESS_MIN_BYTES if progress is None else progress
+        vocab = spec.tokenizer_vocab_size
+        ids = tiny_tokenizer.special_token_ids(vocab)
+        eot, im_end = ids[tiny_tokenizer.ENDOFTEXT], ids[tiny_tokenizer.IM_END]
+        _write_json(os.path.join(tmp, "config.json"), config)
+        _write_json(os.path.join(tmp, "generation_config.json"),  # Qwen's stop ids, bos = pad = <|endoftext|>
+                    {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot, "do_sample": False})
+        with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+            f.write(tiny_tokenizer.tokenizer_json(vocab))
+        _write_json(os.path.join(tmp, "tokenizer_config.json"),
+                    tiny_tokenizer.tokenizer_config(vocab, config["text_config"]["max_position_embeddings"]))
         source = TensorSource(spec.weights(cfg, seed), fp8_scale_dtype)
-        _write_weights(tmp, shards, source, Progress(total, sum(map(len, shards)), show))
+        show = total >= PROGRESS_MIN_BYTES if progress is None else progress
+        bar = Progress(total, sum(map(len, shards))) if show else None
+        names = shard_file_names(len(shards))
+        for name, shard in zip(names, shards):
+            write_safetensors(os.path.join(tmp, name), shard, source, bar)
+        if len(shards) > 1:
+            _write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                        {"metadata": {"total_size": total},
+                         "weight_map": {t.name: name for name, s in zip(names, shards) for t in s}})
         _publish(tmp, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -232,21 +160,14 @@ def default_cache_dir() -> str:
     return os.environ.get("QMTP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qmtp")
 
 
-def preset_dir_name(preset: str, dtype: str, seed: int, num_layers: int | None = None) -> str:
-    """Cache subdirectory name: preset, dtype, seed, layer slice and generator version."""
-    layers = f"-L{num_layers}" if num_layers is not None else ""
-    return f"{preset}-{dtype}-seed{seed}{layers}-gen{presets.GENERATOR_VERSION}"
-
-
 def ensure_preset(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, cache_dir: str | None = None,
                   num_layers: int | None = None) -> str:
-    """The cached checkpoint directory of (preset, dtype, seed[, num_layers]), written on first use.
-
-    Cache: `cache_dir` or `default_cache_dir()`, subdir checkpoints/<preset_dir_name>. Never touches
-    the network. Safe against concurrent callers (the loser of the final rename reuses the winner's).
-    """
+    """The cached checkpoint directory of (preset, dtype, seed[, num_layers]), under
+    `cache_dir or default_cache_dir()`/checkpoints, written on first use (never touches the network).
+    Safe against concurrent callers: the loser of the final rename reuses the winner's."""
+    layers = f"-L{num_layers}" if num_layers is not None else ""
     path = os.path.join(cache_dir or default_cache_dir(), "checkpoints",
-                        preset_dir_name(preset, dtype, seed, num_layers))
+                        f"{preset}-{dtype}-seed{seed}{layers}-gen{presets.GENERATOR_VERSION}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     try:
@@ -255,9 +176,6 @@ def ensure_preset(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, cach
         if os.path.isfile(os.path.join(path, "config.json")):
             return path
         raise
-
-
-PRESET_PREFIX = "preset:"  # --checkpoint=preset:NAME[:DTYPE] in the command lines
 
 
 def resolve_checkpoint(spec: str, num_layers: int | None = None) -> str:
@@ -269,14 +187,8 @@ def resolve_checkpoint(spec: str, num_layers: int | None = None) -> str:
     parts = spec[len(PRESET_PREFIX):].split(":")
     if len(parts) > 2 or not parts[0]:
         raise ValueError(f"--checkpoint={spec!r}: expected preset:NAME or preset:NAME:DTYPE")
-    return ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16",
-                                         num_layers=num_layers)
+    return ensure_preset(parts[0], dtype=parts[1] if len(parts) == 2 else "bf16", num_layers=num_layers)
 
-
-
-# --------------------------------------------------------------------------------------------------
-# command line
-# --------------------------------------------------------------------------------------------------
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -293,35 +205,22 @@ def parse_size(text: str) -> int:
 
 def define_flags(fv: flags.FlagValues) -> None:
     """The CLI flags, on a private FlagValues (importing this module defines no global flags)."""
-    flags.DEFINE_enum("preset", "tiny", list(presets.PRESETS),
-                      "Model to write. " + "; ".join(f"{p.name}: {p.description}" for p in presets.PRESETS.values()),
-                      flag_values=fv)
+    kw = {"flag_values": fv}
+    flags.DEFINE_enum("preset", "tiny", list(presets.PRESETS), "Model to write. " + "; ".join(
+        f"{p.name}: {p.description}" for p in presets.PRESETS.values()), **kw)
     flags.DEFINE_enum("dtype", "bf16", list(DTYPES),
                       "Storage: bf16 (all BF16), fp8 (block-FP8 E4M3 projections + weight_scale_inv, rest BF16, "
-                      "A_log/dt_bias F32), fp32 (all F32, for tests). Same seed = same underlying weights.",
-                      flag_values=fv)
-    flags.DEFINE_integer("seed", 0, "Seed of the random weights (non-negative).", lower_bound=0, flag_values=fv)
-    flags.DEFINE_string("out", None, "Output directory (required); written atomically via a temp dir beside it.",
-                        flag_values=fv)
+                      "A_log/dt_bias F32), fp32 (all F32, for tests). Same seed = same underlying weights.", **kw)
+    flags.DEFINE_integer("seed", 0, "Seed of the random weights (non-negative).", lower_bound=0, **kw)
+    flags.DEFINE_string("out", None, "Output directory (required); written atomically via a temp dir beside it.", **kw)
     flags.DEFINE_integer("num_layers", None, "Keep only the first N decoder layers' pattern: interval pattern of "
                          "the preset, or [linear]*(N-1)+[full] when N is below the interval. Default: all.",
-                         lower_bound=1, flag_values=fv)
+                         lower_bound=1, **kw)
     flags.DEFINE_string("max_shard_bytes", "4GiB", "Largest safetensors file before sharding into "
-                        "model-0000i-of-0000N.safetensors + index.json; bytes or with a unit (4GiB, 500MB).",
-                        flag_values=fv)
+                        "model-0000i-of-0000N.safetensors + index.json; bytes or with a unit (4GiB, 500MB).", **kw)
     flags.DEFINE_enum("fp8_scale_dtype", "fp32", list(SCALE_DTYPES),
-                      "Dtype of weight_scale_inv in --dtype=fp8 checkpoints.", flag_values=fv)
-    flags.DEFINE_bool("overwrite", False, "Replace --out if it exists and is not empty (otherwise an error).",
-                      flag_values=fv)
-
-
-_HELP_ARGS = ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?")
-
-
-def _usage(fv: flags.FlagValues) -> str:
-    return (f"usage: python -m qmtp.tools.make_checkpoint --out=DIR [flags]\n\n"
-            f"Writes a synthetic Qwen3.5-layout Hugging Face checkpoint (config, safetensors, tokenizer).\n\n"
-            f"flags:\n{fv.get_help(prefix='  ', include_special_flags=False)}\n")
+                      "Dtype of weight_scale_inv in --dtype=fp8 checkpoints.", **kw)
+    flags.DEFINE_bool("overwrite", False, "Replace --out if it exists and is not empty (otherwise an error).", **kw)
 
 
 def _fail(message: str) -> int:
@@ -335,8 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     fv = flags.FlagValues()
     define_flags(fv)
     args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
-    if any(a in _HELP_ARGS for a in args):
-        print(_usage(fv))
+    if any(a in ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?") for a in args):
+        print(f"usage: python -m qmtp.tools.make_checkpoint --out=DIR [flags]\n\n"
+              f"Writes a synthetic Qwen3.5-layout Hugging Face checkpoint (config, safetensors, tokenizer).\n\n"
+              f"flags:\n{fv.get_help(prefix='  ', include_special_flags=False)}\n")
         return 0
     try:
         rest = fv(argv)
@@ -347,21 +248,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not fv.out:
         return _fail("--out is required (the checkpoint directory to write)")
     try:
-        shard_bytes = parse_size(fv.max_shard_bytes)
         start = time.monotonic()
-        path = write_checkpoint(fv.out, fv.preset, fv.dtype, fv.seed, fv.num_layers, shard_bytes, fv.overwrite,
-                                fp8_scale_dtype=fv.fp8_scale_dtype)
+        path = write_checkpoint(fv.out, fv.preset, fv.dtype, fv.seed, fv.num_layers, parse_size(fv.max_shard_bytes),
+                                fv.overwrite, fp8_scale_dtype=fv.fp8_scale_dtype)
     except (ValueError, FileExistsError) as e:
         return _fail(str(e).splitlines()[0])
     except OSError as e:
         print(f"make_checkpoint: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {path} ({_dir_bytes(path) / 1e9:.3f} GB) in {time.monotonic() - start:.1f} s")
+    size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    print(f"wrote {path} ({size / 1e9:.3f} GB) in {time.monotonic() - start:.1f} s")
     return 0
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,5 @@
-"""Presets of the synthetic checkpoint writer: a Qwen3.5 `text_config` plus the weights that go with it.
-
-A preset is a text_config builder (optionally sliced to `num_layers` decoder layers) and a weight
-generator `weights(entry, fp8_eligible) -> value` called once per `qmtp.model.params.TensorEntry`.
-
-The weights (their convention, distributions and the controlled-acceptance construction) come from
-`qmtp.tools.synthetic_weights`: `RandomWeights` for every preset, `ControlledWeights` for the
-controlled-acceptance ones (`tiny_controlled`, `qwen3_5_27b_controlled`: the target's greedy next
-token after x is `controlled_permutation(preset, seed)[x]` in any context, and the MTP head drafts
-the same).
-"""
+"""Presets of the synthetic checkpoint writer: a Qwen3.5 `text_config` builder (optionally sliced to
+`num_layers` decoder layers) and the weight generator of `qmtp.tools.synthetic_weights` that goes with it."""
 
 from __future__ import annotations
 
@@ -22,19 +13,12 @@ import numpy as np
 from qmtp.model import params
 from qmtp.model.config import FULL, LINEAR, ModelConfig
 from qmtp.tools import tiny_tokenizer
-from qmtp.tools.fast_random import (FAST_CODE_STD, HashedNormal, WeightValue, _hash_words,  # noqa: F401
-                                   fast_bf16_normal, fast_fp8_normal)
-# the weight generators, also reachable from here (presets.RandomWeights, presets.ControlledWeights, ...)
-from qmtp.tools.synthetic_weights import (ControlledWeights, PinnedRows, RandomWeights,  # noqa: F401
-                                          seeded_permutation)
+from qmtp.tools.synthetic_weights import (ControlledWeights, fast_fp8_normal, HashedNormal,  # noqa: F401
+                                          PinnedRows, RandomWeights, seeded_permutation, WeightValue)
 
 GENERATOR_VERSION = 1  # bump whenever a preset's config or weights change (part of the cache key)
 
-WeightFn = Callable[[params.TensorEntry, bool], "WeightValue"]
-
-# --------------------------------------------------------------------------------------------------
-# text configs
-# --------------------------------------------------------------------------------------------------
+WeightFn = Callable[[params.TensorEntry, bool], WeightValue]
 
 
 def layer_types(num_layers: int, interval: int) -> list[str]:
@@ -47,87 +31,59 @@ def layer_types(num_layers: int, interval: int) -> list[str]:
     return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
 
 
-def mrope_section(rotary_dim: int) -> list[int]:
-    """Splits rotary_dim/2 frequency slots over (t, h, w) like Qwen3.5's [11, 11, 10] for 64."""
-    half = rotary_dim // 2
-    return [half // 3 + (1 if i < half % 3 else 0) for i in range(3)]
-
-
 def text_config(*, hidden: int, ffn: int, num_layers: int, interval: int, heads: int, kv_heads: int,
-                 head_dim: int, partial_rotary: float, rope_theta: float, gdn_k_heads: int,
-                 gdn_v_heads: int, gdn_k_dim: int, gdn_v_dim: int, conv: int, vocab: int, tie: bool,
-                 max_positions: int) -> dict:
+                head_dim: int, partial_rotary: float, rope_theta: float, gdn_k_heads: int,
+                gdn_v_heads: int, gdn_k_dim: int, gdn_v_dim: int, conv: int, vocab: int, tie: bool,
+                max_positions: int) -> dict:
     """A Qwen3.5 `text_config` (model_type qwen3_5_text) with the released models' fixed fields."""
-    rotary_dim = int(head_dim * partial_rotary)
+    half = int(head_dim * partial_rotary) // 2  # rotary frequency slots, split over (t, h, w): 64 -> [11, 11, 10]
     eot = tiny_tokenizer.bos_token_id(tiny_tokenizer.TINY_VOCAB_SIZE)  # config bos = eos = <|endoftext|>
     return {
-        "model_type": "qwen3_5_text",
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "num_hidden_layers": num_layers,
-        "layer_types": layer_types(num_layers, interval),
-        "full_attention_interval": interval,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "attn_output_gate": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
+        "model_type": "qwen3_5_text", "hidden_size": hidden, "intermediate_size": ffn,
+        "num_hidden_layers": num_layers, "layer_types": layer_types(num_layers, interval),
+        "full_attention_interval": interval, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "attn_output_gate": True, "attention_bias": False, "attention_dropout": 0.0,
         "partial_rotary_factor": partial_rotary,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta,
-                            "partial_rotary_factor": partial_rotary,
-                            "mrope_section": mrope_section(rotary_dim), "mrope_interleaved": True},
-        "rms_norm_eps": 1e-6,
-        "linear_num_key_heads": gdn_k_heads,
-        "linear_num_value_heads": gdn_v_heads,
-        "linear_key_head_dim": gdn_k_dim,
-        "linear_value_head_dim": gdn_v_dim,
-        "linear_conv_kernel_dim": conv,
-        "hidden_act": "silu",
-        "output_gate_type": "swish",
-        "mamba_ssm_dtype": "float32",
-        "vocab_size": vocab,
-        "tie_word_embeddings": tie,
-        "max_position_embeddings": max_positions,
-        "mtp_num_hidden_layers": 1,
-        "mtp_use_dedicated_embeddings": False,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "dtype": "bfloat16",
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": partial_rotary,
+                            "mrope_section": [half // 3 + (1 if i < half % 3 else 0) for i in range(3)],
+                            "mrope_interleaved": True},
+        "rms_norm_eps": 1e-6, "linear_num_key_heads": gdn_k_heads, "linear_num_value_heads": gdn_v_heads,
+        "linear_key_head_dim": gdn_k_dim, "linear_value_head_dim": gdn_v_dim, "linear_conv_kernel_dim": conv,
+        "hidden_act": "silu", "output_gate_type": "swish", "mamba_ssm_dtype": "float32",
+        "vocab_size": vocab, "tie_word_embeddings": tie, "max_position_embeddings": max_positions,
+        "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "bos_token_id": eot,
+        "eos_token_id": eot, "initializer_range": 0.02, "use_cache": True, "dtype": "bfloat16",
     }
+
+
+_SMALL = dict(interval=2, heads=4, partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, conv=4,
+              vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
 
 
 def tiny_text_config(num_layers: int | None = None) -> dict:
     """CPU-sized model; dims 160 / 272 / 64 are not multiples of 128 (ragged FP8 blocks)."""
-    n = 4 if num_layers is None else num_layers
-    return text_config(hidden=160, ffn=272, num_layers=n, interval=2, heads=4, kv_heads=2, head_dim=32,
-                        partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=32,
-                        gdn_v_dim=32, conv=4, vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
+    return text_config(hidden=160, ffn=272, num_layers=4 if num_layers is None else num_layers, kv_heads=2,
+                       head_dim=32, gdn_k_dim=32, gdn_v_dim=32, **_SMALL)
 
 
 def tiny_tp_text_config(num_layers: int | None = None) -> dict:
     """CPU model for tensor-parallel tests: every split dim of its FP8 weights is a whole number of
     128-blocks at TP2, and it has a single KV head (replicated across shards)."""
-    n = 4 if num_layers is None else num_layers
-    return text_config(hidden=256, ffn=512, num_layers=n, interval=2, heads=4, kv_heads=1, head_dim=128,
-                        partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=128,
-                        gdn_v_dim=128, conv=4, vocab=tiny_tokenizer.TINY_VOCAB_SIZE, tie=False, max_positions=4096)
+    return text_config(hidden=256, ffn=512, num_layers=4 if num_layers is None else num_layers, kv_heads=1,
+                       head_dim=128, gdn_k_dim=128, gdn_v_dim=128, **_SMALL)
 
 
 def qwen3_5_27b_text_config(num_layers: int | None = None) -> dict:
     """Qwen3.5-27B shapes (MODEL_SPEC §1.3); vocab 248320 of which the tokenizer uses the first 384."""
-    n = 64 if num_layers is None else num_layers
-    return text_config(hidden=5120, ffn=17408, num_layers=n, interval=4, heads=24, kv_heads=4, head_dim=256,
-                        partial_rotary=0.25, rope_theta=1e7, gdn_k_heads=16, gdn_v_heads=48, gdn_k_dim=128,
-                        gdn_v_dim=128, conv=4, vocab=248320, tie=False, max_positions=262144)
+    return text_config(hidden=5120, ffn=17408, num_layers=64 if num_layers is None else num_layers, interval=4,
+                       heads=24, kv_heads=4, head_dim=256, partial_rotary=0.25, rope_theta=1e7, gdn_k_heads=16,
+                       gdn_v_heads=48, gdn_k_dim=128, gdn_v_dim=128, conv=4, vocab=248320, tie=False,
+                       max_positions=262144)
 
 
 def controlled_permutation(preset_name: str, seed: int) -> np.ndarray:
-    """pi of a controlled preset (int64 [tokenizer vocab size], a copy): for checkpoints of
-    `preset_name` and `seed` the target's greedy next token after x is pi[x] in any context, and the
-    MTP head drafts it. Depends only on the seed and the live vocab (not on --num_layers or dtype)."""
+    """pi (int64 [tokenizer vocab size], a copy): in checkpoints of a controlled preset and `seed` the target's
+    greedy next token after x is pi[x] in any context, and the MTP head drafts it (any layers and dtype)."""
     spec = get_preset(preset_name)
     if not issubclass(spec.weights_cls, ControlledWeights):
         raise ValueError(f"preset {preset_name!r} is not a controlled-acceptance preset")
@@ -149,11 +105,6 @@ def read_controlled_permutation(config_or_dir: str | dict) -> np.ndarray:
     return np.asarray(controlled["permutation"], np.int64)
 
 
-# --------------------------------------------------------------------------------------------------
-# the preset registry
-# --------------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """A named synthetic model: its text_config builder and its weight generator."""
@@ -163,15 +114,11 @@ class Preset:
     text_config: Callable[[int | None], dict]  # num_layers (None: the preset's own) -> text_config
     fast_weights: bool  # draw 2-D tensors with `HashedNormal` (real shapes) instead of exact normals
     tokenizer_vocab_size: int = tiny_tokenizer.TINY_VOCAB_SIZE
-    weights_cls: type[RandomWeights] = RandomWeights  # the hook for presets that pin tensors
+    weights_cls: type[RandomWeights] = RandomWeights
 
     def weights(self, cfg: ModelConfig, seed: int) -> WeightFn:
         """The per-tensor weight generator for a config of this preset."""
         return self.weights_cls(cfg, seed, fast=self.fast_weights, live_vocab=self.tokenizer_vocab_size)
-
-    def metadata(self, seed: int) -> dict:
-        """Extra keys of config.json's `qmtp_synthetic` block for this preset and seed."""
-        return self.weights_cls.synthetic_metadata(self.tokenizer_vocab_size, seed)
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (

@@ -1,17 +1,6 @@
-"""A tiny deterministic byte-level BPE tokenizer for synthetic checkpoints.
-
-`build_tokenizer(vocab_size)` trains a Qwen-style byte-level BPE (Qwen2 pre-tokenizer regex, no
-normalizer, ByteLevel decoder) on `CORPUS`, a few KB of Python-like code and English text embedded in
-this module, so every machine builds the same `tokenizer.json` without reading any file. Id layout:
-
-    [0, 256)                       the 256 byte symbols (ByteLevel alphabet), so every byte string
-                                   and every UTF-8 text round-trips through encode/decode
-    [256, vocab_size - 3)          learned merges
-    vocab_size - 3, - 2, - 1       <|endoftext|>, <|im_start|>, <|im_end|> (Qwen's order)
-
-The default `TINY_VOCAB_SIZE` (384) is the tiny preset's vocab_size; real-shape presets reuse the
-same tokenizer and treat their larger vocab as padding. Stopping follows Qwen: eos ids
-[<|im_end|>, <|endoftext|>], bos = pad = <|endoftext|>.
+"""A tiny deterministic byte-level BPE tokenizer for synthetic checkpoints: a Qwen-style BPE trained on the
+embedded `CORPUS`. Ids: [0, 256) the byte symbols (every UTF-8 text round-trips), learned merges, then
+<|endoftext|>, <|im_start|>, <|im_end|>. Qwen's stops: eos [<|im_end|>, <|endoftext|>], bos = pad = <|endoftext|>.
 """
 
 from __future__ import annotations
@@ -30,11 +19,9 @@ _SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # ChatML, as Qwen's tokenizer_config.json (without tools / thinking handling).
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CHAT_TEMPLATE = ("{%- for message in messages %}"
+                 "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+                 "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 CORPUS = '''\
 def fibonacci(n):
@@ -180,10 +167,8 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
         raise ValueError(f"vocab_size={vocab_size} is too small: need > {BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)} "
                          "(256 byte symbols + at least one merge + 3 special tokens)")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=n_learned, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
@@ -201,12 +186,6 @@ def special_token_ids(vocab_size: int = TINY_VOCAB_SIZE) -> dict[str, int]:
     return {name: first + i for i, name in enumerate(SPECIAL_TOKENS)}
 
 
-def eos_token_ids(vocab_size: int = TINY_VOCAB_SIZE) -> list[int]:
-    """generation_config's stop ids, Qwen order: [<|im_end|>, <|endoftext|>]."""
-    ids = special_token_ids(vocab_size)
-    return [ids[IM_END], ids[ENDOFTEXT]]
-
-
 def bos_token_id(vocab_size: int = TINY_VOCAB_SIZE) -> int:
     """bos (= config eos = pad) id, as Qwen3.5 uses <|endoftext|>."""
     return special_token_ids(vocab_size)[ENDOFTEXT]
@@ -217,21 +196,10 @@ def tokenizer_config(vocab_size: int = TINY_VOCAB_SIZE, model_max_length: int = 
     added = {str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
                       "single_word": False, "special": True}
              for name, i in special_token_ids(vocab_size).items()}
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": IM_END,
-        "errors": "replace",
-        "model_max_length": model_max_length,
-        "pad_token": ENDOFTEXT,
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
+    return {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added, "bos_token": None,
+            "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "eos_token": IM_END,
+            "errors": "replace", "model_max_length": model_max_length, "pad_token": ENDOFTEXT,
+            "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
 
 
 def tokenizer_json(vocab_size: int = TINY_VOCAB_SIZE) -> str:
