@@ -184,43 +184,17 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True, me
     if mesh is not None and mesh.size > 1:
         from qmtp.runtime import tp
         tp.check_tp(cfg, mesh.size, fp8=any(n.endswith(SCALE_SUFFIX) for n in headers))
-        return cfg, _read_sharded(cfg, table, headers, checkpoint_dir, _DTYPES[dtype], progress, mesh)
-    host = _read_host(cfg, table, headers, checkpoint_dir, _DTYPES[dtype], progress)
-    return cfg, _to_device(host)
+    else:
+        mesh = None
+    return cfg, _read_tree(cfg, table, headers, checkpoint_dir, _DTYPES[dtype], progress, mesh)
 
 
-def _read_host(cfg, table, headers, checkpoint_dir, compute, progress) -> dict:
-    sizes = P.group_sizes(cfg)
-    tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
-                  "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
-    names = [e.name for e in table] + [e.name + SCALE_SUFFIX for e in table if e.name + SCALE_SUFFIX in headers]
-    total = sum(_BYTES.get(headers[n].dtype, 4) * int(np.prod(headers[n].shape)) for n in names)
-    bar = _Progress(len(table), total, progress)
-    handles: dict[str, object] = {}
-    try:
-        for entry in table:
-            h = headers[entry.name]
-            raw = _read(handles, checkpoint_dir, h.file, entry.name)
-            scale = None
-            if h.dtype == "F8_E4M3":
-                sh = headers[entry.name + SCALE_SUFFIX]
-                scale = _read(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX).astype(np.float32)
-            for key, value in _convert(cfg, entry, raw, scale, compute):
-                _place(tree, entry, key, value)
-            bar.step(raw.nbytes + (0 if scale is None else scale.nbytes))
-    finally:
-        handles.clear()
-    _check_uniform_fp8(tree)
-    return P.finalize_tree(tree)
-
-
-def _read_sharded(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> dict:
-    """As _read_host, but every split tensor is read shard by shard as slices of its file and put on
-    its device at once; replicated tensors are read whole and put on every device."""
+def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> dict:
+    """The parameter tree on the default device or, with a mesh, in the TP layout: every split
+    tensor is read shard by shard as slices of its file and put on its device at once; replicated
+    tensors are read whole and put on every device."""
     from qmtp.model import shard_layout
     from qmtp.runtime import tp
-    n = mesh.size
-    devices = list(mesh.devices.flat)
     sizes = P.group_sizes(cfg)
     tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
                   "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
@@ -234,24 +208,23 @@ def _read_sharded(cfg, table, headers, checkpoint_dir, compute, progress, mesh) 
             sh = headers[entry.name + SCALE_SUFFIX] if fp8 else None
             sources = _key_rows(cfg, entry)  # param key -> checkpoint rows (None: all, in order)
             for key, rows in sources.items():
-                dim = shard_layout.split_dim(key)
-                if dim is None:  # replicated: read once, place everywhere
+                dim = None if mesh is None else shard_layout.split_dim(key)
+                if dim is None:  # whole: read once, place on the device (every device under TP)
                     raw = _select(handles, checkpoint_dir, h.file, entry.name, 0, rows)
                     scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, 0,
                                     None if rows is None else _block_rows(rows, entry.name)) if fp8 else None
-                    value = _piece(entry, raw, scale, compute)
-                    _place(tree, entry, key, jax.tree_util.tree_map(
-                        lambda a: jax.device_put(a, tp.replicated(mesh)), value))
+                    place = jnp.asarray if mesh is None else lambda a: jax.device_put(a, tp.replicated(mesh))
+                    _place(tree, entry, key, jax.tree_util.tree_map(place, _piece(entry, raw, scale, compute)))
                     continue
                 length = len(rows) if rows is not None and dim == 0 else h.shape[dim]
                 pieces = []
-                for s_i, device in enumerate(devices):
-                    idx = shard_layout.shard_indices(cfg, key, length, n, s_i)
+                for s_i, device in enumerate(mesh.devices.flat):
+                    idx = shard_layout.shard_indices(cfg, key, length, mesh.size, s_i)
                     src = [rows[i] for i in idx] if rows is not None and dim == 0 else idx
                     raw = _select(handles, checkpoint_dir, h.file, entry.name, dim, src)
                     scale = None
                     if fp8:
-                        blocks = shard_layout.block_indices(src, f"{entry.name} (shard {s_i} of {n})")
+                        blocks = shard_layout.block_indices(src, f"{entry.name} (shard {s_i} of {mesh.size})")
                         scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, dim, blocks)
                     pieces.append(jax.device_put(_piece(entry, raw, scale, compute), device))
                 if fp8:
@@ -324,19 +297,6 @@ def _read(handles: dict, checkpoint_dir: str, file: str, name: str) -> np.ndarra
         raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
 
 
-def _convert(cfg: ModelConfig, entry: P.TensorEntry, raw: np.ndarray, scale, compute):
-    """Yields (param key, host value) pairs for one checkpoint tensor."""
-    if entry.role not in (P.FUSED_QKVZ, P.FUSED_BA):
-        yield entry.key, _piece(entry, raw, scale, compute)
-    else:  # fused Qwen3-Next projections: permute rows into the Qwen3.5 layout
-        rows = P.fused_qkvz_rows(cfg) if entry.role == P.FUSED_QKVZ else P.fused_ba_rows(cfg)
-        for key, idx in zip(entry.key.split("+"), rows):
-            if scale is None:
-                yield key, raw[idx].astype(compute)
-            else:
-                yield key, Fp8Block(raw[idx], scale[_block_rows(idx, entry.name)])
-
-
 def _linear(raw: np.ndarray, scale, compute):
     return raw.astype(compute) if scale is None else Fp8Block(raw, scale)
 
@@ -373,7 +333,3 @@ def _check_uniform_fp8(tree: dict) -> None:
             kinds = {isinstance(layer[key], Fp8Block) for layer in layers}
             if len(kinds) > 1:
                 raise CheckpointError(f"{group} layers mix FP8 and non-FP8 {key} weights")
-
-
-def _to_device(host: dict) -> dict:
-    return jax.tree_util.tree_map(jnp.asarray, host)

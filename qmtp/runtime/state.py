@@ -96,10 +96,3 @@ def gdn_slot_count(state: DecodeState) -> int:
     """Ns when the GDN/conv state is in the slot ring (conv Lg x [Ns, B, W-1, C], ssm Lg x
     [Ns, B, Hv, Dk, Dv]: qmtp/runtime/loop.py), else 0."""
     return state.ssm[0].shape[0] if state.ssm and state.ssm[0].ndim == 5 else 0
-
-
-def state_bytes(state: DecodeState) -> dict[str, int]:
-    """Bytes of each part of the state (for reports)."""
-    size = lambda tree: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-                            for a in jax.tree_util.tree_leaves(tree))
-    return {"kv": size(state.kv), "mtp_kv": size(state.mtp_kv), "conv": size(state.conv), "ssm": size(state.ssm)}

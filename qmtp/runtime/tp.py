@@ -12,7 +12,7 @@ code outside shard_map), so one model implementation serves every N:
 
 `sharded(fn, ...)` runs a jitted entry point (prefill, the greedy or speculative while_loop) as one
 shard_map over the mesh, with PartitionSpecs derived from the parameter keys
-(`qmtp.model.shard_layout`) and the decode state's layout; `shard_params` places a host parameter tree.
+(`qmtp.model.shard_layout`) and the decode state's layout.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from qmtp.model import shard_layout
 from qmtp.model.config import FP8_BLOCK, ModelConfig
-from qmtp.model.fp8 import Fp8Block
-from qmtp.runtime.state import DecodeState, gdn_slot_count, PagedKV, state_shapes
+from qmtp.runtime.state import DecodeState, PagedKV, gdn_slot_count, state_shapes
 
 AXIS = "tp"
 
@@ -196,30 +195,6 @@ def init_state(cfg: ModelConfig, mesh: Mesh, page_table: np.ndarray, num_pages: 
                     out_shardings=shardings)()
     table = jax.device_put(page_table, NamedSharding(mesh, P()))
     return dataclasses.replace(zeros, page_table=table)
-
-
-def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
-    """Places a host (numpy) parameter tree on the mesh in the TP layout: each device receives only
-    its pieces (`shard_layout`), assembled into TP-global arrays."""
-    n = mesh.size
-
-    def place(path, leaf):
-        key = leaf_key(path)
-        dim = shard_layout.split_dim(key)
-        if dim is None:
-            return jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, P())), leaf)
-        w = np.asarray(leaf.weight if isinstance(leaf, Fp8Block) else leaf)
-        pieces_w, pieces_s = [], []
-        for s in range(n):
-            idx = shard_layout.shard_indices(cfg, key, w.shape[dim], n, s)
-            pieces_w.append(np.take(w, idx, axis=dim))
-            if isinstance(leaf, Fp8Block):
-                pieces_s.append(np.take(np.asarray(leaf.scale), shard_layout.block_indices(idx, key), axis=dim))
-        if isinstance(leaf, Fp8Block):
-            return Fp8Block(assemble(pieces_w, dim, mesh), assemble(pieces_s, dim, mesh))
-        return assemble(pieces_w, dim, mesh)
-
-    return jax.tree_util.tree_map_with_path(place, params, is_leaf=lambda x: isinstance(x, Fp8Block))
 
 
 def assemble(pieces: list, dim: int, mesh: Mesh) -> jax.Array:
