@@ -274,10 +274,8 @@ class Engine:
             expired = self._stopping and time.monotonic() >= self._deadline
             cancelled = [s for s, a in self._active.items() if a.handle.cancel_requested or expired]
         for slot in cancelled:
-            if self._active[slot].handle.cancel_requested:
-                self._release(slot, "cancelled")
-            else:
-                self._release(slot, "abort", error=SHUTTING_DOWN)
+            by_caller = self._active[slot].handle.cancel_requested
+            self._release(slot, "cancelled" if by_caller else "abort", None if by_caller else SHUTTING_DOWN)
         self._flush_retired()
         if self._reload is not None and not self._active:
             self._apply_reload()
