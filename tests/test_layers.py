@@ -86,7 +86,7 @@ def test_masked_gdn_tokens_leave_state_unchanged():
 def test_causal_conv_with_state_and_ragged_valid():
     u, st, w = randn(2, 6, 10), randn(2, 3, 10), randn(10, 4, scale=0.5)
     n_valid = np.array([6, 4], np.int32)
-    y, new, _ = layers.causal_conv(jnp.asarray(u), jnp.asarray(st), jnp.asarray(w), jnp.asarray(n_valid))
+    y, new = layers.causal_conv(jnp.asarray(u), jnp.asarray(st), jnp.asarray(w), jnp.asarray(n_valid))
     for b in range(2):
         n = n_valid[b]
         want_y, want_state = ref.causal_conv(u[b, :n], st[b], w)

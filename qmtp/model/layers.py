@@ -116,20 +116,14 @@ def causal_conv(u: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax.
     w [C, W] (tap W-1 multiplies the current token).
 
     y_t[c] = silu(sum_i w[c, i] * u_{t-W+1+i}[c]); returns (y [B, T, C] f32, new state = the last W-1
-    inputs up to each sequence's last valid token, window [B, W-1+T, C] = [state | u])."""
-    width = w.shape[1]
-    t = u.shape[1]
+    inputs up to each sequence's last valid token: window[b, n_valid + (0 .. W-2)] of the window
+    [state | u], reaching back into the old state)."""
+    width, t = w.shape[1], u.shape[1]
     window = jnp.concatenate([conv_state.astype(u.dtype), u], axis=1)  # [B, W-1+T, C]
     w32 = w.astype(F32)
     acc = sum(window[:, i:i + t].astype(F32) * w32[:, i] for i in range(width))
-    return jax.nn.silu(acc), conv_window_state(window, n_valid, width).astype(conv_state.dtype), window
-
-
-def conv_window_state(window: jax.Array, n_keep: jax.Array, width: int) -> jax.Array:
-    """Conv state after the first n_keep [B] new tokens: window[b, n_keep + (0 .. W-2)] (inputs
-    n_keep-W+1 .. n_keep-1 of the new tokens, reaching back into the old state)."""
-    idx = n_keep[:, None] + jnp.arange(width - 1)[None]  # [B, W-1]
-    return jnp.take_along_axis(window, idx[:, :, None], axis=1)
+    idx = n_valid[:, None] + jnp.arange(width - 1)[None]  # [B, W-1]
+    return jax.nn.silu(acc), jnp.take_along_axis(window, idx[:, :, None], axis=1).astype(conv_state.dtype)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -140,14 +134,14 @@ def conv_qkv(mixed: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax
              dk: int, dv: int):
     """causal_conv of the raw in_proj_qkv output mixed [B, T, C] and its split into the recurrence
     inputs: ((q, k [B, T, Hk, Dk] L2-normalised, q scaled by Dk^-0.5; v [B, T, Hv, Dv]) f32, new conv
-    state, window)."""
+    state)."""
     b, t, _ = mixed.shape
     key_dim = key_heads * dk
-    y, new_conv, window = causal_conv(mixed, conv_state, w, n_valid)  # y f32 [B, T, C]
+    y, new_conv = causal_conv(mixed, conv_state, w, n_valid)  # y f32 [B, T, C]
     q = l2_normalize(y[..., :key_dim].reshape(b, t, key_heads, dk)) * dk ** -0.5
     k = l2_normalize(y[..., key_dim:2 * key_dim].reshape(b, t, key_heads, dk))
     v = y[..., 2 * key_dim:].reshape(b, t, -1, dv)
-    return (q, k, v), new_conv, window
+    return (q, k, v), new_conv
 
 
 def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
@@ -175,7 +169,7 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
                                                    ssm_state, n_valid, kernels, slots=gdn_slots)
     else:
         key_heads = (p["conv"].shape[0] - hv * dv) // (2 * dk)  # conv channels are q | k | v
-        (q, k, v), new_conv, _ = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
+        (q, k, v), new_conv = conv_qkv(mixed, conv_state, p["conv"], n_valid, key_heads, dk, dv)
         valid = (jnp.arange(t)[None] < n_valid[:, None])[..., None]  # [B, T, 1]
         g, beta = ops.gdn_gates(ba[..., hv:], ba[..., :hv], p["A_log"], p["dt_bias"])  # g: log-decay <= 0
         beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
