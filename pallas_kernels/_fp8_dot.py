@@ -1,19 +1,9 @@
-"""E4M3 x E4M3 dots that may use Hopper's FP8 warpgroup MMA from Pallas' Triton lowering.
-
-Triton uses its MMAv3 (`wgmma`) instructions for an FP8 dot only when the dot allows some products to
-be summed in the tensor core's reduced-precision accumulator (`maxNumImpreciseAcc` >= 32); otherwise
-it converts both operands to f16 and runs the older `mma.sync` path, which is what the FP8 decode
-kernel set out to avoid (scripts/triton_loop_stats.py: 245 instructions per chunk with the
-conversions, against 184 for the f16-pieces kernel). Pallas builds `tt.dot` without the attribute,
-so `install()` (called when pallas_kernels.fp8_matmul is imported) wraps the lowering module's
-dialect handle: an FP8 x FP8 `tt.dot` then carries maxNumImpreciseAcc = K, the dot's whole K (one
-128-feature chunk in the decode kernel, whose f32 accumulation across chunks happens outside the
-dot, as DeepSeek-V3 promotes every 128 products). Every other dot is built as before; the wrap has
-to stay in place because Pallas lowers a kernel when the enclosing jit is lowered, not where the
-pallas_call is traced.
-
-This reaches into `jax._src.pallas.triton.lowering` (jax 0.11.2, pinned): if that module no longer
-has `tt_dialect`, nothing is wrapped and FP8 dots keep Triton's default (correct, slower).
+"""E4M3 x E4M3 dots on Hopper's FP8 warpgroup MMA: Triton emits `wgmma` for an FP8 dot only with
+`maxNumImpreciseAcc` >= 32 (else f16 conversions and `mma.sync`), which Pallas never sets. `install()` (run
+on importing fp8_matmul; it stays: Pallas lowers a kernel when the enclosing jit is lowered) wraps the
+lowering's dialect so an FP8 x FP8 `tt.dot` gets its whole K (one 128-feature chunk; the f32 sum across
+chunks is outside the dot, as DeepSeek-V3 promotes every 128 products). Reaches into jax._src (0.11.2,
+pinned); without `tt_dialect` nothing is wrapped (Triton's default: correct, slower).
 """
 
 from __future__ import annotations

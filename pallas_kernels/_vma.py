@@ -1,10 +1,6 @@
-"""Output types of a pallas_call inside shard_map.
-
-With `check_vma=True`, shard_map types every value as invariant or varying across the mesh axes,
-and a pallas_call must state its outputs' type. The kernels know nothing of meshes: an output
-varies across every axis that any input varies across (a kernel of a sharded weight and a replicated
-activation produces a sharded result), and each input is first cast to that type, as the type
-rules ask of operands. Outside shard_map this is the plain ShapeDtypeStruct and a no-op.
+"""Output types of a pallas_call inside shard_map (check_vma=True): an output varies across every mesh axis
+that any input varies across (sharded weight x replicated activation -> sharded), each input first cast to
+that type as the type rules ask; outside shard_map the plain ShapeDtypeStruct. Kernels know no meshes.
 """
 
 from __future__ import annotations

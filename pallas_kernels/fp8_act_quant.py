@@ -1,7 +1,5 @@
-"""Dynamic FP8 activation quantization (MODEL_SPEC §5.3: DeepSeek-V3's "1x128" scheme, the
-`activation_scheme: "dynamic"` of the FP8 checkpoints' quantization_config) and the reference of
-the FP8 x FP8 matmul it feeds (`fp8_matmul(..., act_quant=True)`: both operands straight into the
-FP8 tensor cores, no weight conversion).
+"""Dynamic FP8 activation quantization (MODEL_SPEC §5.3: DeepSeek-V3's "1x128", the checkpoints'
+`activation_scheme: "dynamic"`) and the reference of fp8_matmul's act_quant path.
 
 Per token row t and group g of 128 input features (the last group may be short):
 
@@ -9,9 +7,8 @@ Per token row t and group g of 128 input features (the last group may be short):
     x_q[t, i] = e4m3(clamp(x[t, i] / s_x[t, i // 128], -448, 448))          (round to nearest even)
     y[t, o]   = sum_g s_x[t, g] * s_w[o // 128, g] * sum_{i in g} x_q[t, i] * w_q[o, i]
 
-Each product x_q * w_q is exact in f32 (4 significant bits times 4); the group sums round in f32.
-Against the exact-activation path (`fp8_matmul_ref`) the error is x's quantization: a relative
-2^-4 per element at most (E4M3's 3 mantissa bits), smaller for elements near their group's max.
+Products x_q * w_q are exact in f32, group sums round in f32: against `fp8_matmul_ref` the error is x's
+quantization, at most a relative 2^-4 per element (E4M3's 3 mantissa bits).
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ def quantize_activations(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_groups(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """quantize_activations with x_q left in whole groups: [M, G * 128], zeros past I (the decode
-    kernel's layout: every 128-column chunk loads unmasked)."""
+    """quantize_activations with x_q in whole groups [M, G * 128], zeros past I (the decode kernel's layout)."""
     m, i = x2.shape
     groups = -(-i // GROUP)
     xf = jnp.pad(x2.astype(jnp.float32), ((0, 0), (0, groups * GROUP - i))).reshape(m, groups, GROUP)
@@ -44,9 +40,7 @@ def quantize_groups(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def fp8_matmul_act_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
-    """y = x @ W.T with x quantized per row and 128-group (quantize_activations) and W an E4M3 weight
-    [O, I] with its block scales [ceil(O/128), ceil(I/128)]: per group an exact f32 product sum,
-    scaled by s_x * s_w and summed in f32; rounded once to out_dtype (default x's dtype)."""
+    """The module's y for x [..., I], W [O, I] E4M3 (either layout), scale grid; rounded once to out_dtype."""
     out_dtype = out_dtype or x.dtype
     lead, i = x.shape[:-1], x.shape[-1]
     w = untile_weight(w)  # either layout (fp8_layout)

@@ -1,36 +1,20 @@
-"""The FP8 block matmul's Pallas kernel bodies (generic Pallas, Triton lowering; `interpret=True` runs
-them on the CPU); their launches, the checks and the references are in fp8_matmul.py.
-
-Both kernels walk I in chunks of BLOCK = 128 columns, the width of one scale block, and factor the
-block scale out of each chunk:
+"""The FP8 block matmul's Pallas kernel bodies (Triton lowering; `interpret=True` on the CPU), launched and
+checked by fp8_matmul.py. Both walk I in chunks of BLOCK = 128 columns, factoring out the block scale:
 
     y[t, o] = sum_c scale[o // 128, c] * (sum_{i in chunk c} x[t, i] * float(w[o, i]))
 
-The inner sum runs on exact products: an E4M3 value is exact in f16 and bf16 (4 significant bits,
-exponents 2^-9 .. 2^8), a 16-bit x times it is exact in f32, and x reaches the dot as pieces that sum
-to it exactly: bf16 x as two f16 pieces (`_f16_pieces`) or one f16 piece per row scaled by a power of
-two (`_f16_scaled`), f32 x as three bf16 pieces (`_bf16_pieces`). Every tile is a power of two wide
-(the Triton lowering's rule); ragged O, I and M use masked loads whose masked lanes become 0 and masked
-stores, emitted only where a shape is ragged, so the real (128-multiple) shapes load unmasked.
+Products are exact: E4M3 is exact in f16 and bf16, a 16-bit x times it is exact in f32, and x enters as
+pieces summing to it exactly (bf16 x: `_f16_pieces` or `_f16_scaled`; f32 x: `_bf16_pieces`). Tiles are
+powers of two (Triton); ragged O, I, M get masked loads (lanes 0) and stores only where a shape is ragged.
 
-Decode (M <= fp8_config.DECODE_MAX_ROWS): grid (row blocks of all weights, split_k). A program owns BO
-output rows of one weight (BO divides 128: one scale row), streams its [BO, I / split_k] slab in
-[BO, 128] chunks and accumulates [BM, BO] (or [BO, BM] with swap_ab) in f32 with a tensor-core dot,
-rows padded to BM = max(16, pow2(M)). The partials [split_k, M, O] are summed by XLA in a fixed order
-(no atomics), which also combines the f16 pieces (2^16 hi + lo) or applies the row scales before the
-one rounding. With act_quant the x rows are E4M3 (quantized by XLA, zero-padded to BM rows and whole
-chunks) and each chunk's dot takes both operands unconverted (Hopper's FP8 wgmma: _fp8_dot.py), its
-product scaled by the chunk's weight scale times each row's activation scale.
-
-Prefill: grid (cdiv(M, BM), cdiv(O, BN), split_k), M-blocks fastest so the programs sharing one W tile
-run together and W is read from HBM about once; per chunk a [BM, 128] x [BN, 128]^T dot. split_k > 1
-sums contiguous runs of chunks into f32 partials [split_k, M, O] that XLA sums in order. With
-PrefillConfig.x_f16_scaled each program multiplies its rows back by their scales before its store.
-
-Both read W as the checkpoint's [O, I] or as fp8_layout.tile_weight's [O / tr, I / 128, tr, 128]: a
-decode program of BO rows reads a slice of one tile (tr a multiple of BO), a GEMM program of BN rows a
-slice of one tile or whole tiles joined (BN a multiple of tr); fp8_matmul._fit_tiles untiles what does
-not fit.
+Decode (M <= DECODE_MAX_ROWS): grid (row blocks of all weights, split_k); a program streams BO rows of one
+weight (BO divides 128: one scale row) in [BO, 128] chunks into an f32 [BM, BO] ([BO, BM] with swap_ab)
+accumulator, BM = max(16, pow2(M)). XLA sums the partials [split_k, M, O] in a fixed order (no atomics),
+combining f16 pieces or row scales before the one rounding. act_quant: E4M3 x (zero-padded to BM rows and
+whole chunks) and W enter the dot unconverted (FP8 wgmma, _fp8_dot.py), scaled by W's and x's scales.
+Prefill: grid (cdiv(M, BM), cdiv(O, BN), split_k), M-blocks fastest so programs sharing a W tile run together
+(W read from HBM about once). W is [O, I] or tile_weight's [O / tr, I / 128, tr, 128]: a program reads a
+slice of one tile (tr a multiple of BO or BN) or, in the GEMM, whole tiles joined (BN a multiple of tr).
 """
 
 from __future__ import annotations
@@ -58,14 +42,8 @@ def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
     return pieces
 
 
-# x = X_F16_HI * hi + lo with hi, lo float16 (DecodeConfig.x_f16). Exact for every bf16 x with
-# 2^-17 <= |x| < 2^32 (and 0): 2^16 hi is x rounded to a multiple of 2^-8 (the grid of f16's
-# smallest subnormal, 2^-24, scaled by 2^16), which changes nothing once |x| >= 4 (8 significant
-# bits); lo = x - 2^16 hi is then a multiple of x's ulp (>= 2^-24) under 2^-8, which f16 holds;
-# below 2^-17 lo rounds to the 2^-24 grid (absolute error <= 2^-25), and |x| >= 2^32 overflows hi
-# to inf (the output is then not finite). Each piece times an E4M3 weight is exact in f32.
-# The rounding is explicit f32 arithmetic, never a narrowing convert read back: XLA on the GPU may
-# drop such a round trip (xla_allow_excess_precision, on by default), which made lo 0.
+# x = X_F16_HI * hi + lo (f16 hi, lo; 2^16 hi: x rounded to the 2^-8 grid), exact for bf16 2^-17 <= |x| < 2^32.
+# Rounded by explicit f32 arithmetic: XLA on the GPU may drop a narrowing convert read back, which made lo 0.
 X_F16_HI = 2.0 ** 16
 _X_F16_GRID = 2.0 ** -8  # X_F16_HI times f16's smallest subnormal
 
@@ -79,13 +57,8 @@ def _f16_pieces(x2: jax.Array) -> jax.Array:
     return jnp.stack([hi, lo])
 
 
-# The scaled single piece (DecodeConfig / PrefillConfig.x_f16_scaled): each row r of x is multiplied by
-# 2^-e_r so its largest |x| lands in [2^14, 2^15), then converted to f16 once. A bf16 value has 8
-# significant bits and f16 holds 11, so the conversion is exact for every scaled value >= 2^-17 (the
-# f16 subnormals still hold 8 bits there), i.e. for every x within 2^32 of its row's largest; smaller
-# values round to the 2^-24 grid (absolute error <= 2^(e_r - 25), below 2^-39 of the row's largest).
-# The row scales are powers of two, so scaling x and the f32 result back are exact. e_r is clamped to
-# [-100, 100] so 2^-e_r stays a finite f32. inf / NaN propagate.
+# The scaled piece: row r times 2^-e_r (largest |x| in [2^14, 2^15)) converts to f16 exactly for every x within
+# 2^32 of its row's largest; e_r is clamped to [-100, 100] (2^-e_r finite); inf / NaN propagate.
 _F16_SCALED_TOP = 15  # the scaled row's largest |x| < 2^15 (f16's largest finite value is ~2^16)
 _F16_SCALED_CLAMP = 100
 
@@ -133,9 +106,8 @@ def _load_w(ref, mask, dtype):
 
 
 def _load_w_fp8(ref, rows_ok, cols_ok):
-    """FP8 weight tile for an FP8 dot, not converted. Rows past O may hold anything (their outputs
-    are never stored); columns past I must be 0 (x's padding is 0, and 0 * NaN is not): those
-    tiles come as uint8 bits (the wrapper's bitcast), loaded with 0 as the fill and bitcast back."""
+    """FP8 weight tile for an FP8 dot, not converted. Rows past O may hold anything (never stored); columns
+    past I must be 0 (0 * NaN is not): those tiles come as uint8 bits, loaded with fill 0 and bitcast back."""
     if cols_ok is None:
         return plgpu.load(ref) if rows_ok is None else plgpu.load(ref, mask=rows_ok[:, None])
     bits = plgpu.load(ref, mask=_mask2(rows_ok, cols_ok), other=0)
@@ -143,11 +115,8 @@ def _load_w_fp8(ref, rows_ok, cols_ok):
 
 
 def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f16: bool, x_fp8: bool):
-    # refs: x [M, I] (x_f16: f16 rows; x_fp8: [BM, I_pad] E4M3, rows past M and columns past I zero);
-    # x_fp8 only: the activation scales [GI, BM] f32 (padding 0); n weights [O_j, I] fp8 (x_fp8 with
-    # ragged I: their uint8 bits); n scale grids [GO_j, GI] f32; n outputs [split_k, M, O_j].
-    # The row-block axis of the grid runs over the weights one after another; each program serves
-    # the weight its block falls in (one launch for several projections of the same x).
+    # refs: x [M, I] (x_fp8: [BM, I_pad], zero-padded, then its scales [GI, BM]); n weights [O_j, I] (x_fp8,
+    # ragged I: uint8 bits); n scale grids [GO_j, GI]; n outputs [split_k, M, O_j]; row blocks run over the n.
     n = len(os)
     x_ref, refs = refs[0], refs[1:]
     sx_ref, refs = (refs[0], refs[1:]) if x_fp8 else (None, refs)
@@ -168,8 +137,7 @@ def _decode_kernel(*refs, m, os, i, bm, cfg: DecodeConfig, chunks_per_split, x_f
 
 def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: DecodeConfig, chunks_per_split,
                     x_f16: bool, sx_ref=None):
-    # x_ref [M, I]; w_ref [O, I] fp8 or tiled [O / tr, I / 128, tr, 128]; s_ref [GO, GI] f32;
-    # o_ref [split_k, M, O]; po: row block in w; sx_ref [GI, BM] (E4M3 x: its scales)
+    # x_ref [M, I]; w_ref [O, I] or tiled; s_ref [GO, GI]; o_ref [split_k, M, O]; po: row block; sx_ref [GI, BM]
     bo = cfg.block_o
     tiled = len(w_ref.shape) == 4
     tr = w_ref.shape[2] if tiled else bo  # tiled: tr a multiple of bo (fp8_matmul._fit_tiles)
@@ -217,10 +185,7 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
 
 
 def _prefill_kernel(*refs, m, o, i, cfg: PrefillConfig, chunks_per_split):
-    # x_ref [M, I]; w_ref [O, I] fp8, or tiled [O / tr, I / 128, tr, 128] (O a multiple of block_n and
-    # of tr); s_ref [GO, GI] f32; with cfg.x_f16_scaled x is the scaled f16 piece (_f16_scaled) and
-    # rs_ref [M] f32 its row scales 2^e; o_ref [split_k, M, O]: program (pm, pn, pk) sums chunks
-    # [pk * chunks_per_split, (pk + 1) * chunks_per_split) of its tile
+    # x_ref [M, I] (x_f16_scaled: the f16 piece; rs_ref [M] its row scales); w_ref; s_ref; o_ref [split_k, M, O]
     x_ref, w_ref, s_ref = refs[:3]
     rs_ref, o_ref = refs[3:] if cfg.x_f16_scaled else (None, refs[3])
     w_dtype = jnp.float16 if cfg.x_f16_scaled else jnp.bfloat16

@@ -1,16 +1,9 @@
 """FP8 E4M3 block-scaled matmul: y[t, o] = sum_i x[t, i] * w[o, i] * scale[o // 128, i // 128].
 
-Layout: w [O, I] float8_e4m3fn as the checkpoint stores it (or fp8_layout.tile_weight's tiles, which
-the decode kernel reads as contiguous runs), scale [ceil(O/128), ceil(I/128)] f32 (ragged last blocks
-use their block's scale), x [..., I] bf16 or f32, f32 accumulation, output in `out_dtype`.
-
-`fp8_matmul_ref` is the pure-jnp reference (dequantize to f32, einsum at HIGHEST precision);
-`fp8_matmul` is its Pallas twin (same signature plus `interpret` and `config`): a weight-streaming
-kernel for M <= fp8_config.DECODE_MAX_ROWS rows (decode, verify) and a tiled GEMM for more rows
-(prefill); kernel bodies in fp8_kernels.py, tile configs and their heuristics in fp8_config.py. With
-`act_quant=True` the decode kernel runs on E4M3 activations instead (MODEL_SPEC §5.3,
-fp8_act_quant.py: an approximation of x, not this formula):
-y[t, o] = sum_g s_x[t, g] * scale[o // 128, g] * (x_q[t, g] . w[o, g]).
+w [O, I] float8_e4m3fn (or fp8_layout.tile_weight's tiles), scale [ceil(O/128), ceil(I/128)] f32 (ragged
+last blocks use their block's scale), x [..., I] bf16 or f32, f32 accumulation, output in `out_dtype`.
+`fp8_matmul_ref` is the jnp reference; `fp8_matmul` its Pallas twin (kernels in fp8_kernels.py, configs in
+fp8_config.py); act_quant=True runs on E4M3 activations (fp8_act_quant.py: an approximation of x).
 """
 
 from __future__ import annotations
@@ -78,13 +71,9 @@ def fp8_matmul_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None)
 
 
 def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
-    """Many rows (long prefills): dequantize W once into x's dtype, materialized, then one XLA dot with
-    f32 accumulation (XLA's bf16 dot beats the Pallas GEMM once M is large; dequantizing costs ~5
-    bytes of traffic per weight, small next to 2 M flops per weight).
-
-    W_bf16 = round_bf16(float(w) * scale): one bf16 rounding of each weight, the precision of the
-    activations; with f32 x the dequantized weight is exact. The optimization barrier keeps XLA from
-    fusing the dequantize into the dot's operand (that fused form ran ~10x slower)."""
+    """Many rows (long prefills): W dequantized once into x's dtype (one rounding per weight; exact for f32
+    x), then one XLA dot with f32 accumulation (XLA's bf16 dot beats the Pallas GEMM at large M). The
+    optimization barrier keeps XLA from fusing the dequantize into the dot (that ran ~10x slower)."""
     _check(x, w, scale)
     out_dtype = out_dtype or x.dtype
     deq = jax.lax.optimization_barrier(dequantize_ref(untile_weight(w), scale, x.dtype))  # [O, I]
@@ -95,24 +84,15 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 
 def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, interpret: bool = False,
                config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> jax.Array:
-    """Pallas twin of `fp8_matmul_ref(x, w, scale, out_dtype)`: x [..., I] bf16/f32, w [O, I] E4M3 (or
-    tiled), scale [ceil(O/128), ceil(I/128)] -> [..., O] in out_dtype (default x.dtype).
-
-    Leading dims of x are flattened to M rows; M <= DECODE_MAX_ROWS runs the weight-streaming decode
-    kernel, more rows the GEMM (`fp8_config.default_config`); `config` overrides the choice. Any O, I,
-    M work. act_quant (decode kernel only): x is quantized to E4M3 per row and 128 features
-    (fp8_act_quant.quantize_activations) and both operands enter the FP8 tensor cores; twin
-    `fp8_act_quant.fp8_matmul_act_ref`."""
+    """Pallas twin of `fp8_matmul_ref` (x's leading dims flattened to M rows; any O, I, M); `config` overrides
+    fp8_config.default_config; act_quant: the decode kernel on E4M3 x (twin fp8_act_quant.fp8_matmul_act_ref)."""
     return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config, act_quant=act_quant)[0]
 
 
 def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool = False,
                     config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> tuple[jax.Array, ...]:
-    """(fp8_matmul(x, w_j, scale_j) for each j), the weights sharing one decode launch.
-
-    Few rows: one pallas_call whose row blocks run over all the weights (fewer launches, and small
-    projections such as k/v fill the GPU together with the large ones); the config is chosen for the
-    summed O. Many rows: one GEMM per weight, each with its own config. act_quant: as in `fp8_matmul`."""
+    """(fp8_matmul(x, w_j, scale_j) for each j). Few rows: one launch over all the weights (small projections
+    fill the GPU with the large ones), configured for the summed O. Many rows: one GEMM per weight."""
     ws, scales = tuple(ws), tuple(scales)
     if not ws or len(ws) != len(scales):
         raise ValueError(f"fp8_matmul_many: {len(ws)} weights and {len(scales)} scale grids; one of each per projection")
@@ -146,8 +126,7 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
                      for w, s, c, o in zip(ws, scales, configs, os))
     if act_quant:
         return _act_quant_call(x2, ws, scales, lead, out_dtype, config, interpret)
-    # x_f16: the kernel multiplies 2M f16 rows [hi; lo] into f32 partials that XLA combines as
-    # 2^16 hi + lo; x_f16_scaled: M rows of one scaled f16 piece, multiplied back by the row scales
+    # x_f16: 2M f16 rows [hi; lo], combined by XLA as 2^16 hi + lo; x_f16_scaled: M rows, scaled back
     x_f16 = config.x_f16 and bf16_x
     scaled = x_f16 and config.x_f16_scaled
     m_k = 2 * m if x_f16 and not scaled else m  # rows the kernel multiplies
@@ -172,18 +151,15 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
 
 
 def tile_rows(ws) -> int | None:
-    """The rows of the tiles that every weight of a launch reads whole (the fewest among tiled weights
-    of different heights); None where any weight is in the checkpoint's [O, I]."""
+    """The tile height every weight of a launch reads whole (the smallest); None if any weight is [O, I]."""
     if any(w.ndim != 4 for w in ws):
         return None
     return min(w.shape[2] for w in ws)
 
 
 def _fit_tiles(ws, config):
-    """Tiled weights as the launch can read them: a decode program reads its block_o rows as a slice of
-    one tile (joining tiles per chunk ran 2.2x slower), a GEMM program its block_n rows as a slice of
-    one tile or as whole tiles joined, and O must be a multiple of the rows a program reads (no program
-    may run past the last tile). Any other tiled weight gets untile_weight's [O, I], a copy per call."""
+    """Tiled weights the launch can read (decode: slices of one tile, joining tiles ran 2.2x slower; GEMM: a
+    slice of one tile or whole tiles, O a multiple of block_n); others untiled to [O, I], a copy per call."""
     decode = isinstance(config, DecodeConfig)
     rows = config.block_o if decode else config.block_n
 
@@ -206,8 +182,7 @@ def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, part_dty
     # the kernel indexes x's rows up to BM and, with E4M3 x, whole 128-column chunks
     _check_int32(bm if x_fp8 else m, max(os), cdiv(i, BLOCK) * BLOCK if x_fp8 else i, split)
     if config.scale_preload and interpret:
-        # on the GPU the masked lanes of a program's vector of scales are never read; the CPU
-        # interpreter clamps a slice that runs past the row, so there the rows are padded to fit
+        # the CPU interpreter clamps a slice past the row (the GPU never reads those masked lanes): pad
         width = (split - 1) * cps + max(next_pow2(cps), 2)
         scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     return _decode_launch(tuple(x_args), tuple(ws), tuple(scales), os=os, m=m, i=i, bm=bm, cps=cps, split=split,
@@ -215,9 +190,7 @@ def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, part_dty
                           interpret=interpret, x_f16=x_f16, name=name)
 
 
-# jitted so that the FP8 launches of a pass with the same shapes and config (the 64 layers' gate / up,
-# ...) trace the kernel once and share one lowered function (JAX reuses a nested jit's lowering): a
-# 64-layer 27B loop lowers ~8x faster; the persistent compile cache cannot skip that part
+# jitted: a pass's launches of one shape and config (64 layers' gate / up, ...) trace and lower once (~8x faster)
 @functools.partial(jax.jit, static_argnames=("os", "m", "i", "bm", "cps", "split", "out_rows", "part_dtype", "config",
                                              "interpret", "x_f16", "name"))
 def _decode_launch(x_args, ws, scales, *, os, m, i, bm, cps, split, out_rows, part_dtype, config, interpret, x_f16,
@@ -236,9 +209,8 @@ def _decode_launch(x_args, ws, scales, *, os, m, i, bm, cps, split, out_rows, pa
 
 
 def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, interpret: bool):
-    """The decode kernel on E4M3 activations (fp8_act_quant.quantize_activations): x quantized by XLA,
-    zero-padded to BM rows and whole 128-column chunks, its scales transposed to [GI, BM] (one
-    contiguous row per chunk); the f32 partials [split, BM, O] summed by XLA."""
+    """The decode kernel on E4M3 x, quantized by XLA, zero-padded to BM rows and whole chunks, its scales
+    transposed to [GI, BM] (one contiguous row per chunk); the f32 partials [split, BM, O] summed by XLA."""
     (m, i), os = x2.shape, tuple(weight_shape(w)[0] for w in ws)
     bm = max(DOT_MIN, next_pow2(m))
     x_q, s_x = fp8_act_quant.quantize_groups(x2)  # [M, GI * 128] (zero past I), [M, GI]
@@ -253,8 +225,7 @@ def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, inter
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))  # see _decode_launch
 def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, interpret: bool) -> jax.Array:
-    """The GEMM of x_args = (x [M, I],) or, with config.x_f16_scaled, (f16 piece [M, I], row scales [M]),
-    launched with this weight's own config's warps and stages."""
+    """The GEMM of x_args = (x [M, I],) or, x_f16_scaled, (f16 piece, row scales [M]), with this weight's config."""
     (m, i), o = x_args[0].shape, weight_shape(w)[0]
     cps, split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)
     _check_int32(m, o, i, split)
