@@ -7,16 +7,10 @@ Per value head h (key head h // r, r = Hv / Hk), state S in R^{Dk x Dv} (f32), p
     S   <- S + k_t (beta_t * u)^T         (rank-1 update)
     o_t  = S^T q_t                        (read with the updated state)
 
-Inputs (already conv'd, L2-normalised, q scaled by Dk^-0.5): q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
-g (log-decay <= 0), beta [B, T, Hv] f32; state [B, Hv, Dk, Dv] f32. A token with g = 0 and beta = 0
-leaves the state unchanged (how callers mask padding). Outputs o [B, T, Hv, Dv] f32 and the final
-state; `gdn_recurrence_ref(..., return_states=True)` also returns the state after every token
-[B, T, Hv, Dk, Dv].
-
-`gdn_chunked_ref` computes the same with the chunked WY form (chunk C, sequential over chunks,
-parallel inside): the prefill path. `gdn_gates_ref` makes g and beta from the raw projections (step 4).
-The decode / verify kernel, from the raw in_proj output through conv, norms, gates and this
-recurrence, is gdn_conv.py's.
+Inputs (conv'd, L2-normalised, q scaled by Dk^-0.5): q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (log-decay
+<= 0), beta [B, T, Hv] f32; state [B, Hv, Dk, Dv] f32. A token with g = beta = 0 leaves the state unchanged
+(how callers mask padding). Outputs o [B, T, Hv, Dv] f32, the final state and, with return_states, the
+state after every token [B, T, Hv, Dk, Dv]. The fused decode / verify kernel is gdn_conv.py's.
 """
 
 from __future__ import annotations
@@ -65,7 +59,8 @@ def gdn_recurrence_ref(q, k, v, g, beta, state, return_states: bool = False):
 
 
 def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
-    """Chunked WY form. Per chunk (local i, j), gamma = cumsum(g), Gam_ij = exp(gamma_i - gamma_j):
+    """Chunked WY form (the prefill path: sequential over chunks, parallel inside). Per chunk (local i, j),
+    gamma = cumsum(g), Gam_ij = exp(gamma_i - gamma_j):
 
         L   = strict_lower(beta_i k_i.k_j Gam_ij);  Tm = (I + L)^-1
         U   = Tm diag(beta) V;                      W = Tm diag(beta exp(gamma)) K
@@ -73,8 +68,7 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
         O   = (Q * exp(gamma)) S + ((Q K^T) * Gam * [i >= j]) Vn
         S  <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T Vn
 
-    T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged.
-    """
+    T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged."""
     _check(q, k, v, g, beta, state)
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -118,8 +112,8 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
 
 
 def gdn_gates_ref(a, b, a_log, dt_bias):
-    """beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias): a, b [B, T, Hv] (any float dtype), A_log,
-    dt_bias [Hv] -> (g, beta) [B, T, Hv] f32."""
+    """Step 4: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias): a, b [B, T, Hv] (any float dtype),
+    A_log, dt_bias [Hv] -> (g, beta) [B, T, Hv] f32."""
     f32 = lambda x: x.astype(jnp.float32)
     beta = jax.nn.sigmoid(f32(b))
     g = -jnp.exp(f32(a_log)) * jax.nn.softplus(f32(a) + f32(dt_bias))

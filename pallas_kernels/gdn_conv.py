@@ -1,8 +1,6 @@
-"""Gated DeltaNet decode / verify from the raw in_proj_qkv output: causal conv, SiLU, q/k L2 norm,
-gates, padding and the gated delta rule in one kernel (MODEL_SPEC §3.6 steps 2-7).
-
-Per sequence, with u_t = mixed[t] (the raw in_proj_qkv output, channels q | k | v, C = 2 Hk Dk +
-Hv Dv) and the window [conv_state (W-1 rows) | u_0 .. u_{T-1}]:
+"""Gated DeltaNet decode / verify from the raw in_proj_qkv output: causal conv, SiLU, q/k L2 norm, gates,
+padding and the gated delta rule in one kernel (MODEL_SPEC §3.6 steps 2-7). Per sequence, with u_t =
+mixed[t] (channels q | k | v, C = 2 Hk Dk + Hv Dv) and the window [conv_state (W-1 rows) | u_0 .. u_{T-1}]:
 
     y_t[c] = silu( sum_{i<W} w[c, i] * window[t + i][c] )       (tap W-1 multiplies u_t)
     q_t = l2(y_t[q channels of key head]) * scale,   k_t = l2(y_t[k channels]),   l2(x) = x rsqrt(x.x + 1e-6)
@@ -10,34 +8,20 @@ Hv Dv) and the window [conv_state (W-1 rows) | u_0 .. u_{T-1}]:
     beta_t = sigmoid(b_t),  g_t = -exp(A_log) softplus(a_t + dt_bias)
     S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t      (value head h, key head h // r)
 
-for tokens t < n_valid; tokens t >= n_valid are padding: they change neither S nor the conv state
-(a select, so NaN inputs cannot reach either; their o_t is meaningless). The new conv state is
-window[n_valid + i], i < W-1: the last W-1 inputs up to the last valid token, reaching back into the
-old conv state when n_valid < W-1.
+for tokens t < n_valid; padding tokens (t >= n_valid) keep S and the conv state by a select (NaN cannot reach
+them; their o_t is meaningless). The new conv state is window[n_valid + i], i < W-1.
 
-Shapes: mixed [B, T, C]; conv_state [B, W-1, C]; conv_w [C, W]; a, b [B, T, Hv] (or, instead, the keyword
-ba [B, T, 2 Hv] = [b | a]: the output of one projection through both weights (in_proj_ba), read
-in place, so no slice of it runs between the projection and the kernel); A_log, dt_bias [Hv];
-state [B, Hv, Dk, Dv] f32; n_valid [B] int in [0, T]. Returns (o [B, T, Hv, Dv] f32, state [B, Hv, Dk,
-Dv] f32, conv state [B, W-1, C] in conv_state's dtype). The conv state is rounded to mixed's dtype
-before the conv, as the model's causal conv does.
+Shapes: mixed [B, T, C]; conv_state [B, W-1, C] (rounded to mixed's dtype before the conv, as the model's);
+conv_w [C, W]; a, b [B, T, Hv] or ba [B, T, 2 Hv] = [b | a] (in_proj_ba's output read in place: no slice
+between the projection and the kernel); A_log, dt_bias [Hv]; state [B, Hv, Dk, Dv] f32; n_valid [B] int in
+[0, T] -> (o [B, T, Hv, Dv] f32, state f32, conv state in conv_state's dtype). Slotted (speculative verify):
+slots int [B], state [Ns, B, Hv, Dk, Dv] and conv_state [Ns, B, W-1, C] (Ns >= T + 1); row b reads slot
+slots[b], the states after token t go to slot (slots[b] + 1 + t) mod Ns: a commit is an index (`next_slots`).
 
-Slotted form (speculative verify): with slots int [B], state [Ns, B, Hv, Dk,
-Dv] and conv_state [Ns, B, W-1, C] (Ns >= T + 1) hold Ns states per sequence; row b reads slot
-slots[b] and the states after token t go to slot (slots[b] + 1 + t) mod Ns, so the state after any
-accepted prefix is already stored and the commit is an index (`next_slots`).
-
-- `gdn_conv_recurrence_ref`: the jnp twin, the composition of the unfused pieces (causal conv, split,
-  L2 norms, `gdn.gdn_gates_ref`, the padding mask, `gdn.gdn_recurrence_ref`).
-- `gdn_conv_recurrence`: the Pallas kernel (Triton lowering; `interpret=True` on the CPU). Grid
-  (B, Hv, Dv / BV): program (b, h, j) holds the f32 state tile S[b, h, :, j BV:(j+1) BV] [Dk, BV] in
-  registers (the Dv columns of S evolve independently) and convolves, for its tokens, the Dk q and Dk k
-  channels of key head h // r and its BV v channels (each from the W-1 conv-state rows and the T raw
-  rows), so the layer runs in_proj -> this kernel -> gated norm -> out_proj with no XLA op between.
-  Each token's state step reads S_{t-1} once for both S^T k and S^T q (independent, side by side):
-  o_t = S_t^T q_t = exp(g_t) S_{t-1}^T q_t + (k_t . q_t) beta_t u_t, u_t = v_t - exp(g_t) S_{t-1}^T k_t.
-  Up to MAX_UNROLLED_TOKENS tokens are unrolled, every token's loads, conv, norms and gates ahead of
-  the state chain; longer inputs loop over the tokens.
+Kernel grid (B, Hv, Dv / BV): program (b, h, j) keeps the f32 tile S[b, h, :, j BV:(j+1) BV] in registers
+(S's Dv columns evolve independently) and convolves its own q, k (key head h // r) and BV v channels, so the
+layer runs in_proj -> this kernel -> gated norm -> out_proj. A state step reads S_{t-1} once for S^T k and
+S^T q side by side: o_t = exp(g_t) S_{t-1}^T q_t + (k_t . q_t) beta_t u_t, u_t = v_t - exp(g_t) S_{t-1}^T k_t.
 """
 
 from __future__ import annotations
@@ -52,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gdn
 from pallas_kernels._vma import align
+from pallas_kernels.fp8_config import is_pow2
 
 F32 = jnp.float32
 L2_EPS = 1e-6  # MODEL_SPEC §3.6 step 6 (FLA convention)
@@ -60,9 +45,8 @@ MAX_UNROLLED_TOKENS = 8  # a decode / verify pass (T <= K+1) is unrolled; longer
 
 @dataclasses.dataclass(frozen=True)
 class RecurrenceConfig:
-    """The kernel's tile: block_v Dv columns of the state per program (a power of two; shrunk to the
-    largest power of two dividing Dv), num_warps / num_stages Triton launch parameters (no loop to
-    pipeline: one stage). 32 x 4: the fastest of the tile sweep at the 27B shapes."""
+    """block_v Dv columns of the state per program (a power of two, shrunk to divide Dv); one stage: no loop to
+    pipeline. 32 x 4: the fastest of the tile sweep at the 27B shapes."""
 
     block_v: int = 32
     num_warps: int = 4
@@ -123,8 +107,7 @@ def write_slots(slotted: jax.Array, slots: jax.Array, value: jax.Array) -> jax.A
 
 
 def next_slots(slots: jax.Array, n_keep: jax.Array, n_slots: int) -> jax.Array:
-    """The slot holding each row's state after its first n_keep [B] tokens of a slotted call that read
-    slots [B] (token t's state goes to slot (slots + 1 + t) mod Ns; n_keep = 0 keeps the read slot)."""
+    """The slot of each row's state after its first n_keep [B] tokens of a slotted call that read `slots`."""
     return ((slots + n_keep) % n_slots).astype(jnp.int32)
 
 
@@ -142,13 +125,9 @@ def _check_slots(state, conv_state, slots, t: int) -> None:
 
 def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *,
                             key_heads: int, scale: float, ba=None, slots=None):
-    """The unfused pieces composed (causal conv, split, L2 norms, gates, padding mask, recurrence):
-    -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32, conv state [B, W-1, C]). With slots int [B],
-    state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C] are slotted (Ns >= T + 1): row b starts
-    from slot slots[b] and the state and conv state after its first min(t + 1, n_valid) tokens go to slot
-    (slots[b] + 1 + t) mod Ns, t < T (the other slots as they were); so the state after any accepted
-    prefix n_keep is already in slot (slots + n_keep) mod Ns (`next_slots`) and nothing is rebuilt.
-    The per-token states are the recurrence's own (padding tokens leave the state exactly as it was)."""
+    """The unfused pieces composed (causal conv, split, L2 norms, `gdn.gdn_gates_ref`, padding mask,
+    `gdn.gdn_recurrence_ref`). Slotted: the states after the first min(t + 1, n_valid) tokens go to slot
+    (slots[b] + 1 + t) mod Ns, t < T; the other slots stay as they were."""
     if slots is None:
         o, final, new_conv, _ = _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid,
                                                      key_heads=key_heads, scale=scale, ba=ba)
@@ -165,8 +144,7 @@ def gdn_conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, sta
 
 def _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
                          scale: float, ba=None, per_token: bool = False):
-    """(o, final state, conv state, per-token (states [B, T, Hv, Dk, Dv], conv states [B, T, W-1, C]) or
-    None) of one state per sequence; see gdn_conv_recurrence_ref."""
+    """(o, state, conv state, per_token: (states [B, T, Hv, Dk, Dv], convs [B, T, W-1, C]), else None)."""
     a, b = _gates(a, b, ba, state.shape[1] if state.ndim == 4 else 0)
     _check(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, key_heads)
     bsz, t, _ = mixed.shape
@@ -193,28 +171,13 @@ def _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
     return o, final, conv_after(n_valid), (states, convs)
 
 
-# ----------------------------------------------------------------------------------------------
-# Pallas kernel. mixed, conv_state, conv_w and the conv-state output are passed whole along C (one
-# block per sequence); each program reads and writes only its channel slices with pl.ds offsets
-# from its program ids (q: (h // r) Dk, k: Hk Dk + (h // r) Dk, v: 2 Hk Dk + h Dv + j BV), one
-# [Dk] or [BV] row at a time (Triton tensors must have power-of-two sizes; W-1 = 3 rows are not).
-#
-# The conv runs as a sliding window carried through the token loop: `prev` holds the W-1 inputs
-# before token t, token t appends u_t, convolves, drops the oldest row. After a valid token t the
-# window's last W-1 rows are the conv state after t+1 tokens, so `kept` takes them with the same
-# select as the state tile (t < n_valid): after the loop it is the conv state after n_valid tokens
-# (the old conv state when n_valid = 0), and padding rows (NaN or not) are never selected.
-# ----------------------------------------------------------------------------------------------
-
-
 def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref, slot_ref,
                  o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float,
                  n_slots: int = 0):
-    # mixed_ref [T, C]; conv_ref, conv_out_ref [W-1, C]; w_ref [C, W]; a_ref, b_ref [T]; alog_ref,
-    # dtb_ref, n_ref scalars; s_ref, s_out_ref [Dk, BV]; o_ref [T, BV]. Slotted (n_slots = Ns > 0):
-    # s_ref, s_out_ref [Ns, Dk, BV] and conv_ref, conv_out_ref [Ns, W-1, C], one buffer (aliased); the
-    # program reads slot slot_ref[()] and writes token t's state and conv rows to slot
-    # (slot + 1 + t) mod Ns, never the read slot (Ns >= T + 1), so no program reads what another wrote.
+    # mixed_ref [T, C], conv refs [W-1, C], w_ref [C, W] come whole along C: a program reads and writes its
+    # channel slices one [Dk] or [BV] row at a time (Triton tensors are powers of two; W-1 = 3 rows are not).
+    # a_ref, b_ref [T]; s refs [Dk, BV]; o_ref [T, BV]. Slotted: [Ns, ...], aliased; never writing the read slot,
+    # no program reads what another wrote. `prev`: the W-1 inputs before token t; `kept`: selected as the state.
     dk, bv = s_ref.shape[-2:]
     width = w_ref.shape[1]
     ih, iv = pl.program_id(1), pl.program_id(2)
@@ -229,10 +192,8 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
     decay = -jnp.exp(alog_ref[()].astype(F32))
     dt_bias = dtb_ref[()].astype(F32)
     n_valid = n_ref[()]
-    # q and k conv rows of key head h // r: convolved by all r * Dv / BV programs of that key head with
-    # identical results; exactly one of them (h % r == 0, j == 0) stores them, so no two programs store to
-    # one address (no reliance on racing stores of equal bytes). Unslotted, the conv-state output must
-    # therefore not alias conv_state: a program of the key head that starts later still reads the old rows.
+    # the q and k conv rows of a key head: all its programs compute them, one (h % r == 0, j == 0) stores them
+    # (no racing stores); so, unslotted, the conv-state output must not alias conv_state (later programs read it).
     owns_qk = (ih % r == 0) & (iv == 0)
 
     def store_conv(kept, slot=None):
@@ -260,7 +221,7 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         return tuple(mixed_ref[t, pl.ds(off, n)].astype(F32) for off, n in groups), a_ref[t], b_ref[t]
 
     def inputs(t, raw, prev, kept):
-        """Token t's conv, norms and gates (no state): ((q_t, k_t, v_t, g_t, beta_t, valid), prev, kept)."""
+        """Token t's conv, norms and gates: ((q_t, k_t [Dk], v_t [BV], g_t, beta_t, valid), prev, kept)."""
         rows_t, a_t, b_t = raw
         ys, shifted = [], []
         for w, rows, u in zip(taps, prev, rows_t):
@@ -273,7 +234,6 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         x = a_t.astype(F32) + dt_bias
         softplus = jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
         beta = 1.0 / (1.0 + jnp.exp(-b_t.astype(F32)))
-        # q_t, k_t [Dk], v_t [BV]
         return (_l2(ys[0]) * scale, _l2(ys[1]), ys[2], decay * softplus, beta, valid), tuple(shifted), kept
 
     def step(t, x, s):
@@ -317,29 +277,18 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
         store_conv(kept)
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
                         scale: float, interpret: bool = False, config: RecurrenceConfig | None = None,
                         in_place: bool = True, ba=None, slots=None):
-    """Pallas twin of `gdn_conv_recurrence_ref` -> (o [B, T, Hv, Dv] f32, state [B, Hv, Dk, Dv] f32,
-    conv state [B, W-1, C]). Dk must be a power of two; BV = the largest power of two <= config.block_v
-    dividing Dv. With in_place, the state output aliases the (f32) state input (in place when donated;
-    when the caller still needs the input, XLA copies it first); otherwise the state is written to a new
-    buffer. The conv state is a new buffer (see the kernel). With ba (instead of a and b), the kernel
-    reads b and a from its two halves: ba goes in twice, with block index maps h and Hv + h. With slots int [B] (the reference's
-    slotted form: state [Ns, B, Hv, Dk, Dv] f32 and conv_state [Ns, B, W-1, C], Ns >= T + 1), both are
-    updated in place: each program reads its tile of row b's slot slots[b] and writes each token's
-    state and conv rows to the slots after it, so a speculative commit is an index (`next_slots`)."""
+    """Pallas twin of `gdn_conv_recurrence_ref`; Dk a power of two. in_place: the state output aliases the f32
+    state input (XLA copies it where the caller still needs it); the conv state is a new buffer (see the
+    kernel). ba goes in twice (block index maps h and Hv + h). Slotted (f32, in_place): both in place."""
     return _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots,
                                 key_heads=key_heads, scale=float(scale), interpret=interpret,
                                 config=config or RECURRENCE_CONFIG, in_place=in_place)
 
 
-# jitted so that the 48 GDN layers of a pass, with the same shapes and settings, trace the kernel once
-# and share one lowered function (see fp8_matmul._decode_launch for the figures)
+# jitted: the 48 GDN layers of a pass trace and lower the kernel once (as fp8_matmul._decode_launch)
 @functools.partial(jax.jit, static_argnames=("key_heads", "scale", "interpret", "config", "in_place"))
 def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots, *,
                          key_heads: int, scale: float, interpret: bool, config: RecurrenceConfig, in_place: bool):
@@ -355,9 +304,9 @@ def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
     bsz, t, c = mixed.shape
     hv, dk, dv = state.shape[1:]
     width = conv_w.shape[1]
-    if not _is_pow2(dk):
+    if not is_pow2(dk):
         raise ValueError(f"gdn_conv_recurrence: Dk = {dk} must be a power of two (Triton tensor sizes)")
-    if not _is_pow2(config.block_v) or config.num_warps < 1 or config.num_stages < 1:
+    if not is_pow2(config.block_v) or config.num_warps < 1 or config.num_stages < 1:
         raise ValueError(f"gdn_conv_recurrence: bad config {config}: block_v must be a power of two, "
                          "num_warps and num_stages >= 1")
     bv = min(config.block_v, dv & -dv)  # the largest power of two <= block_v dividing Dv
