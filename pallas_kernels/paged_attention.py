@@ -3,33 +3,19 @@
     o[b, t, h] = sum_j softmax_j(q[b, t, h] . k_j * scale) v_j     over key positions j with
                  j < kv_lengths[b] and j <= q_positions[b, t]
 
-where key position j of sequence b lives in page page_table[b, j // S], slot j % S, and query head
-h reads KV head h // (Hq / Hkv). Shapes: q [B, T, Hq, D]; k_pages, v_pages [P, S, Hkv, D];
-page_table [B, Pmax] int32; q_positions [B, T] int32; kv_lengths [B] int32 -> o [B, T, Hq, D].
-Slots outside the mask may hold anything (NaN included): they never reach the output.
-A row with no valid key outputs 0. Softmax in f32; output in q's dtype.
+Key j of sequence b lives in page page_table[b, j // S], slot j % S; query head h reads KV head h // (Hq/Hkv).
+q [B, T, Hq, D]; k_pages, v_pages [P, S, Hkv, D]; page_table [B, Pmax], q_positions [B, T], kv_lengths [B]
+int32 -> o [B, T, Hq, D] in q's dtype, softmax in f32. Masked slots may hold anything (NaN included); a row
+with no valid key outputs 0. `paged_attention_ref` gathers the pages into a contiguous context.
 
-`paged_attention_ref` is the pure-jnp reference (gathers the pages into a contiguous context).
-`paged_attention` is the Pallas kernel (generic Pallas, Triton lowering; `interpret=True` on CPU):
-
-  grid (B, Hkv, NS). Program (b, h, s) processes the R = pow2(max(16, G*T)) query rows of kv head h
-  (row r = t*G + g, query head h*G + g, G = Hq/Hkv; rows >= G*T are padding), so each key/value
-  row is read once per kv head. Split s owns keys [s*L, min((s+1)*L, n)) with n = min(kv_lengths[b],
-  Pmax*S) and L = round_up(cdiv(n, NS), BK): the loop bound is dynamic, keys past the length are
-  never read, and the work is spread over the splits whatever the table capacity. Each step
-  gathers BK keys (page ids read from the page table inside the loop, clamped to [0, P)), so any
-  page size S works (1, 3, 16, 64, ...). Online softmax in base 2 (scores * scale * log2 e);
-  scores outside the mask are set to -inf with `where`, and K/V loads are masked (never read) past
-  the length, so NaN/Inf in unused slots cannot reach the output. Per split the kernel writes the
-  unnormalised f32 accumulator, its running max m and sum l; a small jnp step combines the splits
-  (exp2(m_s - max_s m_s) weights) and sets rows with no valid key to 0.
-  MMA dtype: q is cast to the KV dtype; bf16/f16 KV use tensor-core dots with f32 accumulation
-  (probabilities rounded to the KV dtype for P @ V, as in flash attention); f32 KV uses IEEE f32
-  dots (precision HIGHEST), so f32 results match the reference to rounding.
-  Limits: D a power of two >= 16 (Triton tile and dot sizes); page ids of the pages below the
-  length must lie in [0, P) (out-of-range ids are clamped; the reference's gather clamps/wraps).
-  The Triton lowering has no scalar prefetch, so every load indexes whole-array refs with index
-  arrays (a gather; the interpret mode cannot mix index arrays with slices).
+Kernel grid (B, Hkv, NS): program (b, h, s) takes kv head h's R = pow2(max(16, G*T)) query rows (r = t*G + g,
+G = Hq/Hkv) so each K/V row is read once per kv head, and keys [s*L, min((s+1)*L, n)), n = min(kv_lengths[b],
+Pmax*S), L = round_up(cdiv(n, NS), BK): keys past the length are never read and every split gets work. Each
+step gathers BK keys by page id (clamped to [0, P)), so any page size works; online softmax in base 2, masked
+scores -inf by `where`, masked K/V never loaded. A jnp step combines the splits (weights exp2(m_s - max m)).
+q is cast to the KV dtype: bf16/f16 KV take tensor-core dots (P rounded to it for P @ V, as flash attention),
+f32 KV IEEE f32 dots (HIGHEST). D: a power of two >= 16. Loads gather with index arrays (the Triton lowering
+has no scalar prefetch; interpret mode cannot mix index arrays with slices).
 """
 
 from __future__ import annotations
@@ -45,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._vma import align
+from pallas_kernels.fp8_config import next_pow2
 
 
 def _check(q, k_pages, v_pages, page_table, q_positions, kv_lengths) -> None:
@@ -80,7 +67,6 @@ def paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-# ---- Pallas kernel -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionConfig:
     """Tile config. block_k: keys per inner step (power of two >= 16). The number of key splits is
@@ -111,10 +97,6 @@ class PagedAttentionConfig:
 
 DEFAULT_CONFIG = PagedAttentionConfig()
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _pow2_at_least(n: int, lo: int) -> int:
-    return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, qpos_ref, len_ref, acc_ref, m_ref, l_ref, *,
@@ -211,7 +193,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
     b, t, hq, d = q.shape
     n_pages, page_size, hkv, _ = k_pages.shape
     g = hq // hkv
-    rows = _pow2_at_least(g * t, 16)
+    rows = max(16, next_pow2(g * t))
     n_ctx = page_table.shape[1] * page_size
     n_splits = config.num_splits(b, hkv, n_ctx)
     block_k = config.keys_per_step(d, jnp.dtype(k_pages.dtype).itemsize)
