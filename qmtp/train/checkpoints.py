@@ -1,6 +1,5 @@
-"""Orbax checkpoints of a qmtp.train run directory: the checkpoint manager, restoring a step,
-early stopping (the best held-out evaluation's parameters under OUT_DIR/best).
-"""
+"""Orbax checkpoints of a qmtp.train run directory: the manager, restoring a step, and early
+stopping (the best held-out evaluation's parameters under OUT_DIR/best)."""
 
 from __future__ import annotations
 
@@ -19,12 +18,12 @@ def manager(run_dir: str, keep: int = 2, sub: str = CKPT_DIR):
                                                                            enable_async_checkpointing=False))
 
 
-def restore(run_dir: str, target: dict, step: int | None = None) -> dict:
+def restore(run_dir: str, target: dict, step: int | None = None, sub: str = CKPT_DIR) -> dict:
     """{"params", "opt_state", "step"} of the checkpoint `step` (default latest), shaped like `target`."""
-    ocp, mngr = manager(run_dir)
+    ocp, mngr = manager(run_dir, sub=sub)
     step = mngr.latest_step() if step is None else step
     if step is None:
-        raise ValueError(f"{run_dir}: no orbax checkpoint under {CKPT_DIR}/")
+        raise ValueError(f"{run_dir}: no orbax checkpoint under {sub}/")
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
     out = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
     mngr.close()
@@ -32,9 +31,8 @@ def restore(run_dir: str, target: dict, step: int | None = None) -> dict:
 
 
 class Best:
-    """Early stopping: the parameters of the evaluation with the lowest held-out loss, as a host
-    copy and as an orbax checkpoint under OUT_DIR/best (so --resume keeps it); best.json holds
-    its step and loss."""
+    """Early stopping: the parameters of the evaluation with the lowest held-out loss, as a host copy
+    and as an orbax checkpoint under OUT_DIR/best (kept across --resume); best.json: its step and loss."""
 
     def __init__(self, run_dir: str, like: dict, resume: bool):
         self.ocp, self.mngr = manager(run_dir, 1, BEST_DIR)
@@ -43,8 +41,7 @@ class Best:
         if resume and os.path.isfile(self.meta_path) and self.mngr.latest_step() is not None:
             with open(self.meta_path) as f:
                 meta = json.load(f)
-            abstract = jax.tree_util.tree_map(self.ocp.utils.to_shape_dtype_struct, {"params": like})
-            got = self.mngr.restore(self.mngr.latest_step(), args=self.ocp.args.StandardRestore(abstract))
+            got = restore(run_dir, {"params": like}, sub=BEST_DIR)
             self.step, self.loss, self.params = meta["step"], meta["loss"], jax.device_get(got["params"])
 
     def offer(self, row: dict, params) -> None:

@@ -1,29 +1,14 @@
 """Offline training text and its tokenizer for `qmtp.train`.
 
-Corpus: the `*.py` files of one or more directories (a comma-separated list), by default the Python
-standard library of the running interpreter (`stdlib` = `sysconfig.get_paths()["stdlib"]`,
-present on every machine, no download); `site-packages` names the interpreter's installed packages
-(`purelib`), which on a machine with a large Python stack is many times the standard library. Below
-each directory, site-packages / dist-packages / __pycache__ subdirectories are skipped. A file is
-named `<directory label>/<relative path>`; files are ordered by sha256(name), a deterministic
-shuffle. Held out for evaluation: whole top-level packages (and top-level modules), those whose
-sha256(`<label>/<first path component>`), as a fraction in [0, 1), is below `eval_fraction`, so
-that near-copies inside one package (common in installed packages) cannot leak across the split. Files that are not UTF-8 are skipped. `max_bytes` caps the text read
-(train gets (1 - eval_fraction) of it, eval the rest): files are taken in hash order, skipping any
-that would overshoot the cap.
+Corpus: the `*.py` files below a comma-separated list of directories (default: the standard library),
+named `<directory label>/<relative path>` and ordered by sha256(name). Held out: whole top-level
+packages, those whose sha256(`<label>/<first path component>`) as a fraction in [0, 1) is below
+`eval_fraction` (near-copies inside a package cannot leak across the split).
 
-Tokenizer: a byte-level BPE trained with `tokenizers` on the training files only (the first
-`tokenizer_max_bytes` of them in hash order), with Qwen's
-pre-tokenizer split and id layout of `qmtp.tools.tiny_tokenizer`:
-
-    [0, 256)              the 256 byte symbols (every UTF-8 text round-trips)
-    [256, V - 3)          learned merges
-    V - 3, V - 2, V - 1   <|endoftext|>, <|im_start|>, <|im_end|>
-
-Token streams: each document's ids followed by <|endoftext|>, concatenated: train [N] and eval
-[M] (uint16 when V <= 65536). Batches are windows of T tokens: the training batch of step s is a
-pure function of (seed, s), so a resumed run sees exactly the batches of an uninterrupted one;
-the eval batches are fixed (non-overlapping windows from the start of the eval stream).
+Tokenizer: byte-level BPE trained on the training files with the id layout of
+`qmtp.tools.tiny_tokenizer`: [0, 256) bytes, [256, V - 3) merges, <|endoftext|>, <|im_start|>, <|im_end|>.
+Token streams: each document's ids then <|endoftext|>, concatenated. The training batch of step s is
+a pure function of (seed, s) (bit-exact resume); the eval batches are fixed windows.
 """
 
 from __future__ import annotations
@@ -41,52 +26,27 @@ from qmtp.tools import tiny_tokenizer
 
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 TEST_DIRS = ("test", "tests", "idle_test")
-
-
 DIR_KEYWORDS = {"stdlib": "stdlib", "site-packages": "purelib"}  # --corpus_dir words -> sysconfig paths
 
 
-def default_corpus_dir() -> str:
-    return sysconfig.get_paths()["stdlib"]
-
-
 def corpus_roots(spec: str | None) -> list[tuple[str, str]]:
-    """'stdlib,site-packages,/some/dir' -> [(label, directory)]; empty -> the standard library.
-    Labels keep the names of files from different directories apart (and so their hashes)."""
+    """'stdlib,site-packages,/some/dir' -> [(label, directory)]; empty -> the standard library."""
     out = []
     for i, item in enumerate(x.strip() for x in (spec or "stdlib").split(",")):
         if not item:
             continue
         path = sysconfig.get_paths()[DIR_KEYWORDS[item]] if item in DIR_KEYWORDS else item
-        label = item if item in DIR_KEYWORDS else f"dir{i}"
         if not os.path.isdir(path):
             raise ValueError(f"corpus directory {item!r} ({path}) does not exist")
-        out.append((label, path))
+        out.append((item if item in DIR_KEYWORDS else f"dir{i}", path))
     if not out:
         raise ValueError(f"--corpus_dir={spec!r} names no directory")
     return out
 
 
-def _hash_fraction(relpath: str) -> float:
-    """sha256 of the path as a number in [0, 1): the deterministic shuffle key and holdout test."""
-    return int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:8], "big") / 2.0**64
-
-
-def _holdout_hash(name: str) -> float:
-    """The split key of a corpus file `label/top/...`: the hash of `label/top` (module doc)."""
-    return _hash_fraction("/".join(name.split("/")[:2]))
-
-
-def corpus_files(root: str, suffix: str = ".py", include_tests: bool = True) -> list[str]:
-    """Relative paths of the corpus files under `root`, in hash order (module doc)."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        parts = () if rel_dir == "." else tuple(rel_dir.split(os.sep))
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS
-                             and (include_tests or d not in TEST_DIRS))
-        out += [os.path.join(*parts, f) for f in filenames if f.endswith(suffix)]
-    return sorted(out, key=lambda p: (_hash_fraction(p), p))
+def _hash_fraction(name: str) -> float:
+    """sha256 of the name as a number in [0, 1)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2.0**64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +63,13 @@ class Corpus:
                 "train_bytes": size(self.train_texts), "eval_bytes": size(self.eval_texts)}
 
 
-def _read(roots: dict[str, str], files: list[str], max_bytes: int) -> tuple[list[str], list[str]]:
+def _read(roots: dict[str, str], files: list[str], max_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     kept, texts, total = [], [], 0
     for rel in files:
         label, _, inner = rel.partition("/")
         path = os.path.join(roots[label], inner)
         if max_bytes and total + os.path.getsize(path) > max_bytes:
-            continue  # would overshoot the cap: smaller files later in the order may still fit
+            continue  # smaller files later in the order may still fit
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
@@ -119,28 +79,30 @@ def _read(roots: dict[str, str], files: list[str], max_bytes: int) -> tuple[list
             kept.append(rel)
             texts.append(text)
             total += len(text.encode())
-    return kept, texts
+    return tuple(kept), tuple(texts)
 
 
 def load_corpus(root: str | None = None, eval_fraction: float = 0.02, max_bytes: int = 0,
                 include_tests: bool = True, suffix: str = ".py") -> Corpus:
-    """Reads the corpus (module doc) of `root`, a directory or a comma-separated list of them
-    (see `corpus_roots`). max_bytes = 0: everything."""
-    roots = dict(corpus_roots(root))
-    files = sorted((f"{label}/{rel}" for label, path in roots.items()
-                    for rel in corpus_files(path, suffix, include_tests)), key=lambda p: (_hash_fraction(p), p))
-    held = [f for f in files if _holdout_hash(f) < eval_fraction]
-    train = [f for f in files if _holdout_hash(f) >= eval_fraction]
-    train_files, train_texts = _read(roots, train, int(max_bytes * (1 - eval_fraction)))
-    eval_files, eval_texts = _read(roots, held, int(max_bytes * eval_fraction))
+    """The corpus (module doc) of `root` (see corpus_roots). Skipped: non-UTF-8 files, site-packages /
+    dist-packages / __pycache__ below the roots, and files that would overshoot max_bytes (0: all;
+    training gets (1 - eval_fraction) of it)."""
+    roots, files = dict(corpus_roots(root)), []
+    for label, path in roots.items():
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS and (include_tests or d not in TEST_DIRS)]
+            rel_dir = os.path.relpath(dirpath, path)
+            files += [os.path.normpath(os.path.join(label, rel_dir, f)) for f in filenames if f.endswith(suffix)]
+    files.sort(key=lambda p: (_hash_fraction(p), p))
+    held = {f for f in files if _hash_fraction("/".join(f.split("/")[:2])) < eval_fraction}
+    train_files, train_texts = _read(roots, [f for f in files if f not in held], int(max_bytes * (1 - eval_fraction)))
+    eval_files, eval_texts = _read(roots, [f for f in files if f in held], int(max_bytes * eval_fraction))
     root = ",".join(f"{label}={path}" for label, path in roots.items())
     if not train_texts or not eval_texts:
         raise ValueError(f"corpus {root!r}: {len(train_texts)} training and {len(eval_texts)} held-out "
                          f"{suffix} files; need at least one of each (raise --corpus_max_bytes or --eval_fraction)")
-    return Corpus(root, tuple(train_files), tuple(eval_files), tuple(train_texts), tuple(eval_texts))
+    return Corpus(root, train_files, eval_files, train_texts, eval_texts)
 
-
-# ---- tokenizer -----------------------------------------------------------------------------------
 
 def first_bytes(texts, max_bytes: int) -> list[str]:
     """The leading texts whose UTF-8 sizes sum to at most max_bytes (0: all; at least one text)."""
@@ -187,13 +149,9 @@ def encode_stream(tokenizer: Tokenizer, texts) -> np.ndarray:
     """Each document's ids then <|endoftext|>, concatenated: [N] uint16 (V <= 65536) or int32."""
     eot = special_ids(tokenizer)[tiny_tokenizer.ENDOFTEXT]
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 65536 else np.int32
-    parts = []
-    for enc in tokenizer.encode_batch(list(texts), add_special_tokens=False):
-        parts += [np.asarray(enc.ids, dtype), np.asarray([eot], dtype)]
-    return np.concatenate(parts)
+    encoded = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    return np.concatenate([np.asarray(enc.ids + [eot], dtype) for enc in encoded])
 
-
-# ---- the cached prepared data of a run -----------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Data:
@@ -206,9 +164,9 @@ class Data:
 def prepare(data_dir: str, *, vocab_size: int | None, tokenizer: Tokenizer | None = None, corpus_dir: str | None = None,
             eval_fraction: float = 0.02, max_bytes: int = 0, include_tests: bool = True, tokenizer_max_bytes: int = 0,
             log=print) -> Data:
-    """The run's tokenizer and token streams, built once into `data_dir` (tokenizer.json,
-    train.npy, eval.npy, meta.json) and read back from there on later calls (--resume).
-    `tokenizer` given (a checkpoint's): used as is; otherwise one of `vocab_size` ids is trained."""
+    """The run's tokenizer and token streams, built once into `data_dir` (tokenizer.json, train.npy,
+    eval.npy, meta.json) and read back on later calls. `tokenizer` given: used as is; otherwise one
+    of `vocab_size` ids is trained."""
     paths = {n: os.path.join(data_dir, n) for n in ("tokenizer.json", "train.npy", "eval.npy", "meta.json")}
     if all(os.path.isfile(p) for p in paths.values()):
         with open(paths["meta.json"]) as f:
@@ -219,13 +177,12 @@ def prepare(data_dir: str, *, vocab_size: int | None, tokenizer: Tokenizer | Non
     meta = {"corpus": corpus.describe(), "eval_fraction": eval_fraction, "max_bytes": max_bytes,
             "include_tests": include_tests}
     log(f"corpus: {meta['corpus']}")
+    how = "given"
     if tokenizer is None:
         sample = first_bytes(corpus.train_texts, tokenizer_max_bytes)
         tokenizer = train_tokenizer(sample, vocab_size)
-        meta["tokenizer"] = (f"byte-level BPE trained here on {len(sample)} of {len(corpus.train_texts)} training "
-                             f"files, {tokenizer.get_vocab_size()} ids")
-    else:
-        meta["tokenizer"] = f"given, {tokenizer.get_vocab_size()} ids"
+        how = f"byte-level BPE trained here on {len(sample)} of {len(corpus.train_texts)} training files"
+    meta["tokenizer"] = f"{how}, {tokenizer.get_vocab_size()} ids"
     train, held = encode_stream(tokenizer, corpus.train_texts), encode_stream(tokenizer, corpus.eval_texts)
     meta.update(train_tokens=int(train.size), eval_tokens=int(held.size))
     log(f"tokens: {train.size} train, {held.size} eval ({meta['tokenizer']})")

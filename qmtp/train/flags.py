@@ -1,23 +1,42 @@
-"""The flags of `python -m qmtp.train` (model shape, data, optimization, schedule, checkpointing,
-export, MTP-only training), defined on a given FlagValues so that the CLI, its --help and the tests
-each build their own set, and the flags a --resume may change."""
+"""The flags of `python -m qmtp.train`, defined on a given FlagValues (each CLI call and test builds
+its own set), the flags a --resume may change, and the command-line wrapper of qmtp.train's CLIs."""
 
 from __future__ import annotations
 
 import functools
+import sys
 
 from absl import flags
 
 # flags that may differ between a run and its --resume (everything else must match)
-RESUME_FREE = {"out_dir", "resume", "stop_at_step", "export_dir", "export_dtype", "export_max_shard_bytes", "final_eval_windows",
-               "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "flagfile"}
+RESUME_FREE = {"out_dir", "resume", "stop_at_step", "export_dir", "export_dtype", "export_max_shard_bytes",
+               "final_eval_windows", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "flagfile"}
+HELP_ARGS = ("-h", "-help", "--help", "--helpshort", "--helpfull", "-?")
+
+
+def cli(argv, define, usage: str, name: str, body) -> int:
+    """A command line over a fresh FlagValues filled by `define`: help prints `usage` and the flags; else
+    prints `body(fv)` (status 0), or `NAME: error: ...` for bad flags or input (status 2)."""
+    argv = list(sys.argv if argv is None else argv)
+    fv = flags.FlagValues()
+    define(fv)
+    if any(a in HELP_ARGS for a in argv[1:]):
+        print(f"{usage}\nflags:\n{fv.get_help(prefix='  ', include_special_flags=False)}")
+        return 0
+    try:
+        rest = fv(argv)
+        if len(rest) > 1:
+            raise ValueError(f"unexpected arguments: {' '.join(rest[1:])}")
+        print(body(fv))
+        return 0
+    except (flags.Error, ValueError, FileExistsError) as e:
+        print(f"{name}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    d = functools.partial
-    s, i, f, b = (d(flags.DEFINE_string, flag_values=fv), d(flags.DEFINE_integer, flag_values=fv),
-                  d(flags.DEFINE_float, flag_values=fv), d(flags.DEFINE_bool, flag_values=fv))
-    e = d(flags.DEFINE_enum, flag_values=fv)
+    s, i, f, b, e = (functools.partial(define, flag_values=fv) for define in (
+        flags.DEFINE_string, flags.DEFINE_integer, flags.DEFINE_float, flags.DEFINE_bool, flags.DEFINE_enum))
     # run
     s("out_dir", None, "Run directory (required): data, orbax checkpoints, metrics, loss.png, export/.")
     b("resume", False, "Continue the run in --out_dir from its latest checkpoint (flags must match the run's).")
@@ -27,11 +46,9 @@ def define_flags(fv: flags.FlagValues) -> None:
     s("corpus_dir", "", "Comma-separated directories of *.py training text; the words 'stdlib' and 'site-packages' "
       "name this interpreter's standard library and installed packages; empty = stdlib.")
     i("corpus_max_bytes", 0, "Read at most this many bytes of text (0 = all), in hash order.", lower_bound=0)
-    i("tokenizer_max_bytes", 0, "Train the BPE tokenizer on at most this many bytes of the training text (0 = all).",
-      lower_bound=0)
+    i("tokenizer_max_bytes", 0, "Train the tokenizer on at most this many bytes of text (0 = all).", lower_bound=0)
     b("corpus_include_tests", True, "Include test/ and tests/ directories of the corpus.")
-    f("eval_fraction", 0.02, "Share of the files held out for evaluation (by path hash).", lower_bound=0.0,
-      upper_bound=0.5)
+    f("eval_fraction", 0.02, "Share of the files held out (by path hash).", lower_bound=0.0, upper_bound=0.5)
     i("vocab_size", 4096, "Ids of the byte-level BPE tokenizer trained on the corpus = the model's vocab_size "
       "(last three: <|endoftext|>, <|im_start|>, <|im_end|>).", lower_bound=260)
     # model (Qwen3.5 text_config fields)
@@ -70,8 +87,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     e("compute_dtype", "bfloat16", ["bfloat16", "float32"], "Dtype of the forward (weights are float32 masters).")
     # logging / checkpoints
     i("log_every", 10, "Progress line and metrics row every N steps.", lower_bound=1)
-    i("eval_every", 200, "Held-out losses and MTP acceptance every N steps (0 = only at start and end).",
-      lower_bound=0)
+    i("eval_every", 200, "Held-out losses and MTP acceptance every N steps (0 = at start and end).", lower_bound=0)
     i("eval_batches", 4, "Batches of held-out windows per evaluation.", lower_bound=1)
     i("checkpoint_every", 500, "Orbax checkpoint every N steps (and at the end).", lower_bound=1)
     i("keep_checkpoints", 2, "Orbax checkpoints kept.", lower_bound=1)

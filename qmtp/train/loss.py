@@ -9,22 +9,11 @@ For a window of tokens x_0 .. x_{T-1} (one row of `tokens` [B, T]):
     L       = L_main + lambda * L_mtp                                 (joint; lambda = mtp_weight, DeepSeek-V3 0.3)
     L       = L_mtp, h_p under stop_gradient                           (mtp_only: the target is frozen)
 
-The MTP alignment is MODEL_SPEC §4.1-4.2 exactly as inference runs it (and as `qmtp.mtp_logits`
-measures it): MTP position p reads the post-final-norm hidden h_p and the embedding of x_{p+1},
-writes its KV at position p (lag-1), and its logits predict x_{p+2}. `w_p` (default 1) masks
-label positions, e.g. to train only on a target's own greedy continuation.
-
-Also reported: `accept` = mean_p [argmax(m_p @ lm_head.T) == argmax(h_{p+1} @ lm_head.T)], the
-teacher-forced acceptance of the first draft (`qmtp.api.mtp_logits().agreement`), p = 0 .. T-3.
-
-The forward runs over a fresh decode state (`state.init_state`) whose page table gives each
-sequence one page of T slots, so attention, GDN (chunked WY form for T >= 16) and the MTP layer are
-the inference code under the reference kernels (KernelConfig impl="ref"): pure jnp, differentiable.
-No second model implementation.
-
-Parameters: trained in float32 ("master" weights); `cast_for_compute` rounds every >= 2-D float32
-leaf (embeddings, projections, conv) to the compute dtype for the forward, as `checkpoint.load`
-stores them; 1-D leaves (norms, A_log, dt_bias) stay float32; FP8 blocks are left alone.
+The MTP alignment is MODEL_SPEC §4.1-4.2 as inference runs it (KV at position p, lag-1); `w_p`
+(default 1) masks labels. `accept` = mean_p [argmax(m_p @ lm_head.T) == argmax(h_{p+1} @ lm_head.T)],
+the teacher-forced first-draft acceptance (`qmtp.api.mtp_logits().agreement`).
+The forward is the inference code under the reference kernels (pure jnp, differentiable) over a fresh
+decode state of one T-slot page per sequence; float32 masters are cast by `cast_for_compute`.
 """
 
 from __future__ import annotations
@@ -47,10 +36,6 @@ from qmtp.runtime.state import init_state
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "mlp_down")  # residual-branch outputs: init scaled by 1/sqrt(2 L)
 
 
-def _leaf_name(path) -> str:
-    return str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
-
-
 def init_params(cfg: ModelConfig, seed: int, std: float = 0.02) -> dict:
     """Fresh float32 parameters (host numpy arrays) with the tree of `params.abstract_params(cfg)`.
 
@@ -61,7 +46,7 @@ def init_params(cfg: ModelConfig, seed: int, std: float = 0.02) -> dict:
     scaled_std = std / math.sqrt(2 * cfg.num_hidden_layers)
 
     def init(path, leaf):
-        name = _leaf_name(path)
+        name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
         rng = np.random.default_rng([seed, zlib.crc32(jax.tree_util.keystr(path).encode())])
         shape = leaf.shape
         if name == "gdn_norm":
@@ -100,16 +85,18 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
 
 
-def mtp_chain(cfg: ModelConfig, params: dict, state, tokens: jax.Array, mh: jax.Array, depth: int) -> list:
-    """The MTP outputs of depths 2..depth over tokens [B, T], from the depth-1 outputs mh [B, T-2, E].
+def mtp_chain(cfg: ModelConfig, params: dict, state, tokens: jax.Array, mh: jax.Array, depth: int,
+              first: int = 2) -> list:
+    """The MTP outputs of depths first..depth over tokens [B, T], from the depth first-1 outputs mh
+    (depth 1: [B, T-2, E]; for first=1, the target hiddens [B, T, E]).
 
     Depth d at index p takes the token x_{p+d} and the depth d-1 output at index p (what drafting
     feeds the MTP layer after its first draft) and predicts x_{p+d+1}: [B, T-1-d, E]. Each depth is
     its own causal pass over the sequence (positions from 0, its own MTP KV entries)."""
     b, t = tokens.shape
     out, h = [], mh
-    for d in range(2, depth + 1):
-        h, _ = mtp.forward(cfg, params, state, tokens[:, d:-1], h[:, :-1], jnp.zeros((b,), jnp.int32),
+    for d in range(first, depth + 1):
+        h, _ = mtp.forward(cfg, params, state, tokens[:, d:-1], h[:, :t - 1 - d], jnp.zeros((b,), jnp.int32),
                            jnp.full((b,), t - 1 - d, jnp.int32), REF)
         out.append(h)
     return out
@@ -118,36 +105,26 @@ def mtp_chain(cfg: ModelConfig, params: dict, state, tokens: jax.Array, mh: jax.
 def losses(cfg: ModelConfig, params: dict, tokens: jax.Array, mtp_mask: jax.Array | None = None, *,
            mtp_weight: float = 0.3, mtp_only: bool = False, mtp_depth: int = 1) -> tuple[jax.Array, dict]:
     """(L, {"loss", "main", "mtp", "accept"[, "mtp1" .. "mtpD"]}) for tokens [B, T] (T >= mtp_depth + 2);
-    params in the compute dtype.
-
-    mtp_mask: [B, T-2] weights of the MTP label positions (label x_{p+2} at index p); None = all 1.
-    mtp_depth D > 1 also trains the chain that drafting K >= 2 runs: depth d takes the token
-    x_{p+d} and the MTP's own depth d-1 output at index p, and predicts x_{p+d+1} (teacher-forced
-    tokens; the one MTP layer is shared by all depths, as in Qwen3.5). L_mtp is the mean over depths."""
+    params in the compute dtype. mtp_mask: [B, T-2] weights of the labels x_{p+2} (None = all 1).
+    mtp_depth D > 1 also trains the chain of `mtp_chain` (one shared MTP layer, teacher-forced
+    tokens); L_mtp is then the mean over depths."""
     b, t = tokens.shape
-    dtype = params["embed"].dtype
-    state = init_state(cfg, np.arange(b)[:, None], num_pages=b, page_size=t, dtype=dtype)  # one page per row
-    n_valid = jnp.full((b,), t, jnp.int32)
-    hidden, state = target.forward(cfg, params, state, tokens, n_valid, REF)  # [B, T, E]
+    state = init_state(cfg, np.arange(b)[:, None], num_pages=b, page_size=t, dtype=params["embed"].dtype)
+    hidden, state = target.forward(cfg, params, state, tokens, jnp.full((b,), t, jnp.int32), REF)  # [B, T, E]
     if mtp_only:
         hidden = jax.lax.stop_gradient(hidden)
     logits = target.logits_from_hidden(params, hidden[:, :-1], REF)  # [B, T-1, V] f32: predicts x_{p+1}
     main = jnp.mean(_cross_entropy(logits, tokens[:, 1:]))
 
-    # MTP at positions p = 0 .. T-3: input token x_{p+1}, hidden h_p; the target's KV pages are unused
-    mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:-1], hidden[:, :-2], jnp.zeros((b,), jnp.int32),
-                        n_valid - 2, REF)  # [B, T-2, E]
-    mtp_logits = target.logits_from_hidden(params, mh, REF)  # [B, T-2, V] f32: predicts x_{p+2}
+    # MTP depth d over the target's state (its KV pages unused): [B, T-1-d, V] f32 logits predicting x_{p+d+1}
+    mtp_logits = [target.logits_from_hidden(params, h, REF)
+                  for h in mtp_chain(cfg, params, state, tokens, hidden, mtp_depth, first=1)]
     w = jnp.ones((b, t - 2), jnp.float32) if mtp_mask is None else mtp_mask.astype(jnp.float32)
-    weighted = lambda ce, wd: jnp.sum(wd * ce) / jnp.maximum(jnp.sum(wd), 1.0)  # noqa: E731
-    depth_losses = [weighted(_cross_entropy(mtp_logits, tokens[:, 2:]), w)]
-    for d, h in enumerate(mtp_chain(cfg, params, state, tokens, mh, mtp_depth), start=2):
-        ce = _cross_entropy(target.logits_from_hidden(params, h, REF), tokens[:, d + 1:])
-        depth_losses.append(weighted(ce, w[:, d - 1:]))
+    weighted = lambda x, wd: jnp.sum(wd * x) / jnp.maximum(jnp.sum(wd), 1.0)  # noqa: E731
+    depth_losses = [weighted(_cross_entropy(lg, tokens[:, d + 1:]), w[:, d - 1:]) for d, lg in enumerate(mtp_logits, 1)]
     mtp_loss = sum(depth_losses) / len(depth_losses)
 
-    hits = jnp.argmax(mtp_logits, -1) == jnp.argmax(logits[:, 1:], -1)  # [B, T-2]: draft == target at p+1
-    accept = jnp.sum(w * hits) / jnp.maximum(jnp.sum(w), 1.0)
+    accept = weighted(jnp.argmax(mtp_logits[0], -1) == jnp.argmax(logits[:, 1:], -1), w)  # draft == target at p+1
     total = mtp_loss if mtp_only else main + mtp_weight * mtp_loss
     metrics = {"loss": total, "main": main, "mtp": mtp_loss, "accept": accept}
     if mtp_depth > 1:
