@@ -229,6 +229,7 @@ def test_held_out_split_keeps_packages_whole():
 @pytest.mark.slow  # ~29 s; depth one (the recipes' default) is trained by the default suite
 def test_mtp_depth_two_trains_the_drafting_chain(run_a):
     from qmtp.model import mtp, target as model_lib
+    from qmtp.runtime.kernel_config import REF
     from qmtp.runtime.state import init_state
     cfg, _, params, _, _ = _restore(run_a)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 3, (2, 12)), jnp.int32)
@@ -239,12 +240,12 @@ def test_mtp_depth_two_trains_the_drafting_chain(run_a):
     # index 0 of depth 2 is one drafting step: token x_2, the depth-1 output at index 0, an empty cache
     state = init_state(cfg, np.arange(2)[:, None], num_pages=2, page_size=12, dtype=jnp.float32)
     n = jnp.full((2,), 12, jnp.int32)
-    hidden, state = model_lib.forward(cfg, params, state, tokens, n)
-    mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:-1], hidden[:, :-2], jnp.zeros((2,), jnp.int32), n - 2)
+    hidden, state = model_lib.forward(cfg, params, state, tokens, n, REF)
+    mh, _ = mtp.forward(cfg, params, state, tokens[:, 1:-1], hidden[:, :-2], jnp.zeros((2,), jnp.int32), n - 2, REF)
     (h2,) = train_loss.mtp_chain(cfg, params, state, tokens, mh, 2)
     assert h2.shape == (2, 9, cfg.hidden_size)
     step, _ = mtp.forward(cfg, params, state, tokens[:, 2:3], mh[:, :1], jnp.zeros((2,), jnp.int32),
-                          jnp.ones((2,), jnp.int32))
+                          jnp.ones((2,), jnp.int32), REF)
     np.testing.assert_allclose(np.asarray(h2[:, 0]), np.asarray(step[:, 0]), rtol=1e-5, atol=1e-5)
 
 
