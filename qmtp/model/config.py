@@ -1,13 +1,9 @@
 """Model configuration read from a Hugging Face `config.json`, validated once at load.
 
-Two layouts are accepted (MODEL_SPEC §1.1):
-  * Qwen3.5 (`model_type: qwen3_5`): text fields nested under `text_config`, weights under
-    `model.language_model.`; a text-only export (`model_type: qwen3_5_text`) is flat with `model.`.
-  * Qwen3-Next (`model_type: qwen3_next`): flat, weights under `model.`, fused GDN projections.
-
-Everything the engine cannot run (MoE layers, unknown layer kinds, rope scaling, sigmoid output
-gates, ...) raises `ConfigError` here, naming the field and its value, so nothing unsupported ever
-reaches a jitted function.
+Layouts (MODEL_SPEC §1.1): Qwen3.5 (`qwen3_5`: fields under `text_config`, weights under
+`model.language_model.`; the text-only `qwen3_5_text` is flat with `model.`) and Qwen3-Next
+(`qwen3_next`: flat, `model.`, fused GDN projections). Everything the engine cannot run (MoE, unknown
+layer kinds, rope scaling, ...) raises `ConfigError` naming the field and value, before any jit.
 """
 
 from __future__ import annotations
@@ -106,28 +102,20 @@ class ModelConfig:
         path = os.path.join(checkpoint_dir, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: not found (is {checkpoint_dir!r} a Hugging Face checkpoint dir?)")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        cfg = from_dict(raw, source=path)
-        eos = _generation_eos(checkpoint_dir)
-        if eos is not None:
+        cfg = from_dict(_read_json(path), source=path)
+        gen = os.path.join(checkpoint_dir, "generation_config.json")
+        if os.path.isfile(gen):
+            eos = _as_id_tuple(_read_json(gen).get("eos_token_id"), gen, "eos_token_id")
             cfg = dataclasses.replace(cfg, eos_token_ids=eos)
         return cfg
 
 
-def _generation_eos(checkpoint_dir: str) -> tuple[int, ...] | None:
-    path = os.path.join(checkpoint_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return None
+def _read_json(path: str) -> Any:
     with open(path) as f:
         try:
-            gen = json.load(f)
+            return json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    return _as_id_tuple(gen.get("eos_token_id"), path, "eos_token_id")
 
 
 def _as_id_tuple(value: Any, source: str, field: str) -> tuple[int, ...]:
@@ -152,14 +140,18 @@ class _Fields:
         return ConfigError(f"{self.source}: {self.name(field)}={self.raw.get(field)!r}: {why}")
 
     def req(self, field: str, kind: type) -> Any:
-        if field not in self.raw or self.raw[field] is None:
+        if self.raw.get(field) is None:
             raise ConfigError(f"{self.source}: required field {self.name(field)} is missing")
         return self._typed(field, self.raw[field], kind)
 
     def opt(self, field: str, kind: type, default: Any) -> Any:
-        if field not in self.raw or self.raw[field] is None:
-            return default
-        return self._typed(field, self.raw[field], kind)
+        return default if self.raw.get(field) is None else self._typed(field, self.raw[field], kind)
+
+    def only(self, checks: tuple) -> None:
+        """Refuses each (field, default, allowed values, why) whose value is not allowed."""
+        for field, default, allowed, why in checks:
+            if self.opt(field, type(default), default) not in allowed:
+                raise self.fail(field, why)
 
     def _typed(self, field: str, value: Any, kind: type) -> Any:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -173,6 +165,14 @@ class _Fields:
 
 _ZERO_OK = {"mtp_num_hidden_layers", "num_nextn_predict_layers", "num_experts", "bos_token_id",
             "eos_token_id", "pad_token_id"}
+_ONLY = (  # what the engine runs, checked before the geometry
+    ("hidden_act", "silu", ("silu",), "only 'silu' is supported"),
+    ("attn_output_gate", True, (True,), "only gated attention (true) is supported"),
+    ("output_gate_type", "swish", ("swish", "silu"), "only 'swish' (SiLU) is supported for the GDN gated norm"),
+    ("attention_bias", False, (False,), "attention biases are not supported"),
+    ("mamba_ssm_dtype", "float32", ("float32",),  # as the released checkpoints state
+     "supported: 'float32' (qmtp keeps the GDN recurrent state in float32)"),
+)
 
 
 def from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
@@ -187,10 +187,8 @@ def from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
             if text.get(field) is None and raw.get(field) is not None:
                 text[field] = raw[field]
         return _text_config(text, source, "text_config.", family="qwen3_5", prefix="model.language_model.")
-    if model_type == "qwen3_5_text":
-        return _text_config(raw, source, "", family="qwen3_5", prefix="model.")
-    if model_type == "qwen3_next":
-        return _text_config(raw, source, "", family="qwen3_next", prefix="model.")
+    if model_type in ("qwen3_5_text", "qwen3_next"):
+        return _text_config(raw, source, "", family=model_type.removesuffix("_text"), prefix="model.")
     raise ConfigError(
         f"{source}: model_type={model_type!r} is not supported "
         "(qmtp runs 'qwen3_5', 'qwen3_5_text' and 'qwen3_next' dense models)")
@@ -201,17 +199,7 @@ def _text_config(raw: dict, source: str, where: str, family: str, prefix: str) -
     n_layers = f.req("num_hidden_layers", int)
     layer_types = _layer_types(f, n_layers)
     _refuse_moe(f, layer_types)
-
-    act = f.opt("hidden_act", str, "silu")
-    if act != "silu":
-        raise f.fail("hidden_act", "only 'silu' is supported")
-    if f.opt("attn_output_gate", bool, True) is not True:
-        raise f.fail("attn_output_gate", "only gated attention (true) is supported")
-    gate_act = f.opt("output_gate_type", str, "swish")
-    if gate_act not in ("swish", "silu"):
-        raise f.fail("output_gate_type", "only 'swish' (SiLU) is supported for the GDN gated norm")
-    if f.opt("attention_bias", bool, False):
-        raise f.fail("attention_bias", "attention biases are not supported")
+    f.only(_ONLY)
 
     head_dim = f.req("head_dim", int)
     theta, partial = _rope(f, head_dim)
@@ -225,9 +213,6 @@ def _text_config(raw: dict, source: str, where: str, family: str, prefix: str) -
     hk, hv = f.req("linear_num_key_heads", int), f.req("linear_num_value_heads", int)
     if hv % hk:
         raise f.fail("linear_num_value_heads", f"must be a multiple of linear_num_key_heads={hk}")
-
-    if f.opt("mamba_ssm_dtype", str, "float32") != "float32":  # the released checkpoints state float32
-        raise f.fail("mamba_ssm_dtype", "supported: 'float32' (qmtp keeps the GDN recurrent state in float32)")
 
     if family == "qwen3_5":
         mtp = f.opt("mtp_num_hidden_layers", int, 0)
@@ -283,8 +268,7 @@ def _layer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
 def _refuse_moe(f: _Fields, layer_types: tuple[str, ...]) -> None:
     """Dense models only: a layer is MoE iff it is not in mlp_only_layers, num_experts > 0 and
     (i+1) % decoder_sparse_step == 0 (MODEL_SPEC §1.2)."""
-    n_experts = f.opt("num_experts", int, 0)
-    if n_experts == 0:
+    if f.opt("num_experts", int, 0) == 0:
         return
     step = f.opt("decoder_sparse_step", int, 1)
     dense_only = set(f.opt("mlp_only_layers", list, []))
@@ -301,9 +285,7 @@ def _rope(f: _Fields, head_dim: int) -> tuple[float, float]:
         if not isinstance(params, dict):
             raise f.fail("rope_parameters", "expected an object")
         p = _Fields(params, f.source, f.name("rope_parameters."))
-        rope_type = p.opt("rope_type", str, "default")
-        if rope_type != "default":
-            raise p.fail("rope_type", "only 'default' rope is supported (no rope scaling)")
+        p.only((("rope_type", "default", ("default",), "only 'default' rope is supported (no rope scaling)"),))
         theta = p.req("rope_theta", float)
         partial = p.opt("partial_rotary_factor", float, f.opt("partial_rotary_factor", float, 1.0))
         section = params.get("mrope_section")
@@ -324,17 +306,10 @@ def _quantization(f: _Fields) -> Fp8Quantization | None:
     if q is None:
         return None
     p = _Fields(q, f.source, f.name("quantization_config."))
-    method = p.req("quant_method", str)
-    if method != "fp8":
+    if p.req("quant_method", str) != "fp8":
         raise p.fail("quant_method", "only 'fp8' block quantization is supported")
-    fmt = p.opt("fmt", str, "e4m3")
-    if fmt != "e4m3":
-        raise p.fail("fmt", "only 'e4m3' is supported")
-    block = q.get("weight_block_size")
-    if block != [FP8_BLOCK, FP8_BLOCK]:
+    p.only((("fmt", "e4m3", ("e4m3",), "only 'e4m3' is supported"),
+            ("activation_scheme", "dynamic", ("dynamic",), "only 'dynamic' is supported")))
+    if q.get("weight_block_size") != [FP8_BLOCK, FP8_BLOCK]:
         raise p.fail("weight_block_size", f"only [{FP8_BLOCK}, {FP8_BLOCK}] blocks are supported")
-    scheme = p.opt("activation_scheme", str, "dynamic")
-    if scheme != "dynamic":
-        raise p.fail("activation_scheme", "only 'dynamic' is supported")
-    skip = tuple(p.opt("modules_to_not_convert", list, []) or [])
-    return Fp8Quantization(block=(FP8_BLOCK, FP8_BLOCK), modules_to_not_convert=skip)
+    return Fp8Quantization(modules_to_not_convert=tuple(p.opt("modules_to_not_convert", list, [])))
