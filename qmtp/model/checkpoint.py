@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from qmtp.model import params as P
+from qmtp.model import params as P, shard_layout
 from qmtp.model.config import FP8_BLOCK, ModelConfig
 from qmtp.model.fp8 import Fp8Block, scale_grid
 
@@ -107,14 +107,10 @@ def validate(cfg: ModelConfig, headers: dict[str, _Header], checkpoint_dir: str)
     expected = {e.name: e for e in table}
     problems: list[str] = []
     present = {k for k in headers if not k.startswith(IGNORED_PREFIXES) and not k.endswith(SCALE_SUFFIX)}
-    missing = sorted(set(expected) - present)
-    unexpected = sorted(present - set(expected))
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}"
-                        + (" ..." if len(missing) > 20 else ""))
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}"
-                        + (" ..." if len(unexpected) > 20 else ""))
+    for what, names in (("missing", set(expected) - present), ("unexpected", present - set(expected))):
+        if names:
+            problems.append(f"{what} tensors ({len(names)}): {', '.join(sorted(names)[:20])}"
+                            + (" ..." if len(names) > 20 else ""))
     for name, entry in expected.items():
         h = headers.get(name)
         if h is None:
@@ -147,11 +143,11 @@ def validate(cfg: ModelConfig, headers: dict[str, _Header], checkpoint_dir: str)
 
 
 class _Progress:
-    """Tensors / bytes loaded, printed to stderr for checkpoints above `min_bytes`."""
+    """Tensors / bytes loaded, printed to stderr for checkpoints of 256 MiB and more."""
 
-    def __init__(self, total_tensors: int, total_bytes: int, enabled: bool, min_bytes: int = 256 << 20):
+    def __init__(self, total_tensors: int, total_bytes: int, enabled: bool):
         self.n, self.total_n, self.done, self.total = 0, total_tensors, 0, total_bytes
-        self.enabled = enabled and total_bytes >= min_bytes
+        self.enabled = enabled and total_bytes >= 256 << 20
         self.last, self.start = 0.0, time.time()
 
     def step(self, nbytes: int) -> None:
@@ -168,10 +164,9 @@ class _Progress:
 
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True, mesh=None) -> tuple[ModelConfig, dict]:
-    """Reads config.json and the safetensors into (ModelConfig, params) on the default device, or,
-    with a tensor-parallel `mesh`, straight into the TP layout: each device receives only its shard,
-    read as slices of the files (`qmtp.model.shard_layout`), so the host never holds more than one
-    tensor's pieces at a time."""
+    """Reads config.json and the safetensors into (ModelConfig, params) on the default device, or with
+    a tensor-parallel `mesh` straight into the TP layout (`shard_layout`), each device's shard read as
+    slices of the files, so the host never holds more than one tensor's pieces at a time."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(_DTYPES)}")
     if not os.path.isdir(checkpoint_dir):
@@ -190,14 +185,10 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", progress: bool = True, me
 
 
 def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> dict:
-    """The parameter tree on the default device or, with a mesh, in the TP layout: every split
-    tensor is read shard by shard as slices of its file and put on its device at once; replicated
-    tensors are read whole and put on every device."""
-    from qmtp.model import shard_layout
+    """The tree: split tensors read shard by shard and put on their device at once; the others read
+    whole and put on the default device (every device under a mesh)."""
     from qmtp.runtime import tp
-    sizes = P.group_sizes(cfg)
-    tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
-                  "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
+    tree = P.empty_tree(cfg)
     total = sum(_BYTES.get(headers[e.name].dtype, 4) * int(np.prod(headers[e.name].shape)) for e in table)
     bar = _Progress(len(table), total, progress)
     handles: dict[str, object] = {}
@@ -206,15 +197,14 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
             h = headers[entry.name]
             fp8 = h.dtype == "F8_E4M3"
             sh = headers[entry.name + SCALE_SUFFIX] if fp8 else None
-            sources = _key_rows(cfg, entry)  # param key -> checkpoint rows (None: all, in order)
-            for key, rows in sources.items():
+            for key, rows in _key_rows(cfg, entry).items():
                 dim = None if mesh is None else shard_layout.split_dim(key)
                 if dim is None:  # whole: read once, place on the device (every device under TP)
                     raw = _select(handles, checkpoint_dir, h.file, entry.name, 0, rows)
                     scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, 0,
                                     None if rows is None else _block_rows(rows, entry.name)) if fp8 else None
                     place = jnp.asarray if mesh is None else lambda a: jax.device_put(a, tp.replicated(mesh))
-                    _place(tree, entry, key, jax.tree_util.tree_map(place, _piece(entry, raw, scale, compute)))
+                    P.place(tree, entry, key, jax.tree_util.tree_map(place, _piece(entry, raw, scale, compute)))
                     continue
                 length = len(rows) if rows is not None and dim == 0 else h.shape[dim]
                 pieces = []
@@ -227,12 +217,8 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
                         blocks = shard_layout.block_indices(src, f"{entry.name} (shard {s_i} of {mesh.size})")
                         scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, dim, blocks)
                     pieces.append(jax.device_put(_piece(entry, raw, scale, compute), device))
-                if fp8:
-                    value = Fp8Block(tp.assemble([p.weight for p in pieces], dim, mesh),
-                                     tp.assemble([p.scale for p in pieces], dim, mesh))
-                else:
-                    value = tp.assemble(pieces, dim, mesh)
-                _place(tree, entry, key, value)
+                P.place(tree, entry, key, jax.tree_util.tree_map(  # an Fp8Block: weight, then scale
+                    lambda *xs: tp.assemble(list(xs), dim, mesh), *pieces))
             bar.step(_BYTES.get(h.dtype, 4) * int(np.prod(h.shape)))
     except ValueError as e:
         if isinstance(e, CheckpointError):
@@ -246,22 +232,17 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
 
 def _key_rows(cfg: ModelConfig, entry: P.TensorEntry) -> dict:
     """Param key(s) an entry fills -> the checkpoint rows each takes (None: all rows, in order)."""
-    if entry.role == P.FUSED_QKVZ:
-        return dict(zip(entry.key.split("+"), P.fused_qkvz_rows(cfg)))
-    if entry.role == P.FUSED_BA:
-        return dict(zip(entry.key.split("+"), P.fused_ba_rows(cfg)))
-    return {entry.key: None}
+    rows = {P.FUSED_QKVZ: P.fused_qkvz_rows, P.FUSED_BA: P.fused_ba_rows}.get(entry.role)
+    return {entry.key: None} if rows is None else dict(zip(entry.key.split("+"), rows(cfg)))
 
 
 def _piece(entry: P.TensorEntry, raw: np.ndarray, scale, compute):
-    """A parameter (or a selected piece of one) in its final dtype; fused rows are split by the caller."""
+    """A parameter (or a selected piece of one) in its final dtype (validate keeps FP8 to LINEAR roles)."""
     if entry.role in (P.NORM, P.FP32):
         return raw.astype(np.float32)
     if entry.role == P.CONV:
         return raw[:, 0, :].astype(compute)  # [C, 1, W] -> [C, W]
-    if entry.role == P.EMBED:
-        return raw.astype(compute)
-    return _linear(raw, None if scale is None else scale.astype(np.float32), compute)
+    return raw.astype(compute) if scale is None else Fp8Block(raw, scale.astype(np.float32))
 
 
 def _select(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, indices) -> np.ndarray:
@@ -269,61 +250,42 @@ def _select(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, 
     the file: one read per run of consecutive indices."""
     if indices is None:
         return _read(handles, checkpoint_dir, file, name)
-    from qmtp.model.shard_layout import ranges
-    parts = [_read_slice(handles, checkpoint_dir, file, name, dim, a, b) for a, b in ranges(list(indices))]
+    parts = [_read_slice(handles, checkpoint_dir, file, name, dim, a, b)
+             for a, b in shard_layout.ranges(list(indices))]
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=dim)
 
 
 def _read_slice(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, start: int,
                 stop: int) -> np.ndarray:
     """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, without reading the rest."""
-    path = os.path.join(checkpoint_dir, file)
-    try:
-        if file not in handles:
-            handles[file] = safe_open(path, framework="numpy")
-        view = handles[file].get_slice(name)
+    def get(f):
+        view = f.get_slice(name)
         return view[start:stop] if dim == 0 else view[:, start:stop]
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read {name}[{'' if dim == 0 else ':, '}{start}:{stop}] ({e})") from None
+    return _get(handles, checkpoint_dir, file, f"{name}[{'' if dim == 0 else ':, '}{start}:{stop}]", get)
 
 
 def _read(handles: dict, checkpoint_dir: str, file: str, name: str) -> np.ndarray:
+    return _get(handles, checkpoint_dir, file, f"tensor {name}", lambda f: f.get_tensor(name))
+
+
+def _get(handles: dict, checkpoint_dir: str, file: str, what: str, get) -> np.ndarray:
+    """get(the file's safe_open handle, opened once per load), with errors naming the file."""
     path = os.path.join(checkpoint_dir, file)
     try:
         if file not in handles:
             handles[file] = safe_open(path, framework="numpy")
-        return handles[file].get_tensor(name)
+        return get(handles[file])
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
-
-
-def _linear(raw: np.ndarray, scale, compute):
-    return raw.astype(compute) if scale is None else Fp8Block(raw, scale)
+        raise CheckpointError(f"{path}: cannot read {what} ({e})") from None
 
 
 def _block_rows(rows: list[int], name: str) -> list[int]:
     """Scale-grid rows for a row permutation that moves whole 128-row blocks (else an error)."""
-    blocks = []
-    for start in range(0, len(rows), FP8_BLOCK):
-        chunk = rows[start:start + FP8_BLOCK]
-        if chunk[0] % FP8_BLOCK or chunk != list(range(chunk[0], chunk[0] + len(chunk))) or (
-                len(chunk) < FP8_BLOCK and start + len(chunk) != len(rows)):
-            raise CheckpointError(f"{name}: FP8 rows cannot be permuted into the Qwen3.5 layout because "
-                                  f"the pieces are not whole {FP8_BLOCK}-row blocks")
-        blocks.append(chunk[0] // FP8_BLOCK)
-    return blocks
-
-
-def _place(tree: dict, entry: P.TensorEntry, key: str, value) -> None:
-    """Top-level and MTP glue tensors go in directly; layer tensors into their layer's dict."""
-    if entry.group is None:
-        tree[key] = value
-    elif entry.group == "mtp" and entry.index is None:
-        tree["mtp"][key] = value
-    elif entry.group == "mtp_layers":
-        tree["mtp"]["layers"][entry.index][key] = value
-    else:
-        tree[entry.group][entry.index][key] = value
+    try:
+        return shard_layout.block_indices(rows, name)
+    except ValueError:
+        raise CheckpointError(f"{name}: FP8 rows cannot be permuted into the Qwen3.5 layout because "
+                              f"the pieces are not whole {FP8_BLOCK}-row blocks") from None
 
 
 def _check_uniform_fp8(tree: dict) -> None:

@@ -1,23 +1,16 @@
-"""An orbax-checkpoint cache of the converted (and, with tp > 1, sharded) parameter tree.
-
-Reading a Hugging Face checkpoint converts every tensor (dtype casts, FP8 scale grids, Qwen3-Next
-row permutations, the per-shard TP layout); the cache stores the result so the next load of the
-same model restores it directly, each device reading only its own shards.
+"""An orbax-checkpoint cache of the converted (and, with tp > 1, sharded) parameter tree, so the next
+load of the same model restores it directly, each device reading only its own shards.
 
     root/<key>/state/      orbax StandardCheckpointHandler output: a flat dict {"p00000": leaf, ...}
-    root/<key>/meta.json   format version, key, cfg digest, the tree's skeleton (dicts, tuples,
+    root/<key>/meta.json   format version, key, tp, cfg digest, the tree's skeleton (dicts, tuples,
                            Fp8Block nodes; each leaf's shape and dtype) and every file's size
 
-`cache_key` digests the checkpoint's files (name, size, mtime_ns), the dtype, the tp degree and
-FORMAT_VERSION, so a changed checkpoint or layout is a miss. An entry is written under a temporary
-name and renamed into place when complete, so a half-written entry is never seen. A missing or
-resized file inside an entry, or any restore error, is reported on stderr and treated as a miss
-(orbax may add tracebacks of its abandoned read tasks on stderr); the next save replaces the entry.
-Bit flips inside a data file are not detected: OCDBT checksums its index nodes, not the array data.
-
-The restore target is rebuilt from meta.json alone: ShapeDtypeStructs placed as
-NamedSharding(mesh, spec) with spec from `qmtp.runtime.tp.param_specs` of the rebuilt tree (tp > 1), or on
-the default device (tp = 1).
+`cache_key` digests the checkpoint's files (name, size, mtime_ns), dtype, tp and FORMAT_VERSION, so a
+changed checkpoint or layout is a miss. An entry is written under a temporary name and renamed into
+place when complete. A missing or resized file, or any restore error, is reported on stderr and is a
+miss (the next save replaces the entry); bit flips in data files are not detected (OCDBT checksums
+its index, not the arrays). The restore target is rebuilt from meta.json alone, placed by
+`tp.param_shardings` (NamedSharding of `param_specs` under a mesh, else the default device).
 """
 
 from __future__ import annotations
@@ -45,12 +38,6 @@ _META = "meta.json"
 _STATE = "state"
 
 
-def _checkpoint_files(checkpoint_dir: str) -> list[str]:
-    names = os.listdir(checkpoint_dir)
-    return sorted(n for n in names if n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
-                  or n == "config.json")
-
-
 def cache_key(checkpoint_dir: str, dtype: str, tp: int) -> str:
     """Hex digest over the absolute path, each *.safetensors / index / config.json file's name, size
     and mtime_ns, the dtype, the tp degree and FORMAT_VERSION."""
@@ -58,7 +45,8 @@ def cache_key(checkpoint_dir: str, dtype: str, tp: int) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"format_version": FORMAT_VERSION, "path": checkpoint_dir, "dtype": dtype,
                          "tp": int(tp)}, sort_keys=True).encode())
-    for name in _checkpoint_files(checkpoint_dir):
+    for name in sorted(n for n in os.listdir(checkpoint_dir)
+                       if n.endswith((".safetensors", ".safetensors.index.json")) or n == "config.json"):
         st = os.stat(os.path.join(checkpoint_dir, name))
         h.update(f"\0{name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()[:40]
@@ -74,8 +62,10 @@ def read_config(checkpoint_dir: str) -> ModelConfig:
     return cfg
 
 
-def _cfg_digest(cfg: ModelConfig) -> str:
-    return hashlib.sha256(repr(cfg).encode()).hexdigest()
+def _identity(key: str, cfg: ModelConfig, mesh) -> dict:
+    """The meta.json fields an entry must match to be restored."""
+    return {"format_version": FORMAT_VERSION, "key": key, "tp": 1 if mesh is None else mesh.size,
+            "cfg_sha256": hashlib.sha256(repr(cfg).encode()).hexdigest()}
 
 
 def _warn(msg: str) -> None:
@@ -128,12 +118,8 @@ def _leaf_name(i: int) -> str:
 
 
 def _file_sizes(root: str) -> dict[str, int]:
-    sizes = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            sizes[os.path.relpath(p, root)] = os.path.getsize(p)
-    return sizes
+    paths = [os.path.join(dirpath, f) for dirpath, _, files in os.walk(root) for f in files]
+    return {os.path.relpath(p, root): os.path.getsize(p) for p in paths}
 
 
 def _checkpointer():
@@ -166,8 +152,7 @@ def save(cache_root: str, key: str, cfg: ModelConfig, params: dict, mesh=None) -
         os.makedirs(tmp)
         ckpt.save(os.path.join(tmp, _STATE), args=ocp.args.StandardSave(
             {_leaf_name(i): a for i, a in enumerate(leaves)}))
-        meta = {"format_version": FORMAT_VERSION, "key": key, "tp": 1 if mesh is None else mesh.size,
-                "cfg_sha256": _cfg_digest(cfg), "skeleton": skeleton, "files": _file_sizes(tmp)}
+        meta = {**_identity(key, cfg, mesh), "skeleton": skeleton, "files": _file_sizes(tmp)}
         with open(os.path.join(tmp, _META), "w") as f:
             json.dump(meta, f)
         if os.path.lexists(final):  # a stale or unreadable entry (a hit never reaches save)
@@ -204,14 +189,10 @@ def load(cache_root: str, key: str, cfg: ModelConfig, mesh=None):
     try:
         with open(os.path.join(path, _META)) as f:
             meta = json.load(f)
-        if meta.get("format_version") != FORMAT_VERSION or meta.get("key") != key:
-            raise ValueError(f"format {meta.get('format_version')} / key {meta.get('key')} "
-                             f"(expected {FORMAT_VERSION} / {key})")
-        n = 1 if mesh is None else mesh.size
-        if meta.get("tp") != n:
-            raise ValueError(f"written for tp={meta.get('tp')}, loading with tp={n}")
-        if meta.get("cfg_sha256") != _cfg_digest(cfg):
-            raise ValueError("written for a different model config")
+        wrong = [f"{k}={meta.get(k)!r} (expected {v!r})" for k, v in _identity(key, cfg, mesh).items()
+                 if meta.get(k) != v]
+        if wrong:
+            raise ValueError(f"written for a different {', '.join(wrong)}")
         state = os.path.join(path, _STATE)
         sizes = _file_sizes(state)
         recorded = {k[len(_STATE) + 1:]: v for k, v in meta["files"].items() if k.startswith(_STATE + os.sep)}

@@ -10,16 +10,10 @@ Parameter tree (dicts of arrays; one dict per layer, in per-kind tuples):
     mtp/fc, mtp/pre_fc_norm_embedding, mtp/pre_fc_norm_hidden, mtp/norm
     mtp/layers[j]/...  the MTP decoder layers (full attention)
 
-Layers are separate arrays, not [L, ...] stacks: on the GPU, XLA copies a layer sliced out of a
-stack before each matmul (scripts/gpu_layout_probe.py measured 0.80 TB/s for stacked slices vs
-3.42 TB/s for per-layer arrays at 27B MLP shapes).
-
-Linear weights keep the checkpoint's [out, in] layout (y = x @ W.T); a linear weight is either an
-array in the compute dtype or an `Fp8Block` (E4M3 weight + f32 scale grid). Norm weights, A_log and
-dt_bias are f32; the depthwise conv weight [C, 1, W] is stored as [C, W].
-
-`tensor_table(cfg)` lists every checkpoint tensor (target and `mtp.*`) with its HF name, its place in
-the tree, its HF shape and its role. The loader and the synthetic checkpoint writer both use it.
+Layers are separate arrays, not [L, ...] stacks: XLA copies a layer sliced out of a stack before
+each matmul on the GPU. Linear weights keep the checkpoint's [out, in] layout (y = x @ W.T), in the
+compute dtype or as an `Fp8Block`; norm weights, A_log and dt_bias are f32; conv [C, 1, W] is held
+as [C, W]. `tensor_table(cfg)` maps every checkpoint tensor to its place in the tree.
 """
 
 from __future__ import annotations
@@ -98,10 +92,9 @@ def gdn_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...],
     return table
 
 
-def tensor_table(cfg: ModelConfig, mtp_layers: int | None = None) -> list[TensorEntry]:
+def tensor_table(cfg: ModelConfig) -> list[TensorEntry]:
     """Every tensor a checkpoint of `cfg` must hold (FP8 scale siblings are not listed)."""
     e, v, p = cfg.hidden_size, cfg.vocab_size, cfg.weight_prefix
-    n_mtp = cfg.mtp_layers if mtp_layers is None else mtp_layers
     out = [TensorEntry(p + "embed_tokens.weight", None, None, "embed", (v, e), EMBED),
            TensorEntry(p + "norm.weight", None, None, "final_norm", (e,), NORM)]
     if not cfg.tie_word_embeddings:
@@ -114,64 +107,67 @@ def tensor_table(cfg: ModelConfig, mtp_layers: int | None = None) -> list[Tensor
         counters[group] += 1
         for suffix, (key, shape, role) in table.items():
             out.append(TensorEntry(f"{p}layers.{i}.{suffix}", group, j, key, shape, role))
-    if n_mtp:
+    if cfg.mtp_layers:
         out += [TensorEntry("mtp.fc.weight", "mtp", None, "fc", (e, 2 * e), LINEAR),
                 TensorEntry("mtp.pre_fc_norm_embedding.weight", "mtp", None, "pre_fc_norm_embedding", (e,), NORM),
                 TensorEntry("mtp.pre_fc_norm_hidden.weight", "mtp", None, "pre_fc_norm_hidden", (e,), NORM),
                 TensorEntry("mtp.norm.weight", "mtp", None, "norm", (e,), NORM)]
-        for j in range(n_mtp):
+        for j in range(cfg.mtp_layers):
             for suffix, (key, shape, role) in attention_layer_tensors(cfg).items():
                 out.append(TensorEntry(f"mtp.layers.{j}.{suffix}", "mtp_layers", j, key, shape, role))
     return out
 
 
-def group_sizes(cfg: ModelConfig, mtp_layers: int | None = None) -> dict[str, int]:
-    return {"gdn": cfg.num_linear_layers, "attn": cfg.num_full_layers,
-            "mtp_layers": cfg.mtp_layers if mtp_layers is None else mtp_layers}
+def empty_tree(cfg: ModelConfig) -> dict:
+    """The tree's skeleton with empty layer dicts, for `place` to fill and `finalize_tree` to close."""
+    return {"gdn": [{} for _ in cfg.linear_layer_ids], "attn": [{} for _ in cfg.full_layer_ids],
+            "mtp": {"layers": [{} for _ in range(cfg.mtp_layers)]}}
+
+
+def place(tree: dict, entry: TensorEntry, key: str, value) -> None:
+    """Top-level and MTP glue tensors go in directly; layer tensors into their layer's dict."""
+    if entry.group is None:
+        tree[key] = value
+    elif entry.group == "mtp":
+        tree["mtp"][key] = value
+    elif entry.group == "mtp_layers":
+        tree["mtp"]["layers"][entry.index][key] = value
+    else:
+        tree[entry.group][entry.index][key] = value
+
+
+def _per_key_head(hk: int, *sizes: int) -> list[list[int]]:
+    """Rows of each piece when the rows are grouped by key head g as [piece_0 | piece_1 | ...] of `sizes`."""
+    starts = [sum(sizes[:n]) for n in range(len(sizes))]
+    return [[g * sum(sizes) + a + j for g in range(hk) for j in range(n)] for a, n in zip(starts, sizes)]
 
 
 def fused_qkvz_rows(cfg: ModelConfig) -> tuple[list[int], list[int]]:
-    """Row indices of Qwen3-Next's in_proj_qkvz that give the Qwen3.5 logical (qkv rows, z rows).
-
-    The fused rows are grouped by key head g (MODEL_SPEC §2.4): [q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)].
-    """
-    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    r = cfg.linear_num_value_heads // hk
-    group = 2 * dk + 2 * r * dv
-    q, k, v, z = [], [], [], []
-    for g in range(hk):
-        base = g * group
-        q += range(base, base + dk)
-        k += range(base + dk, base + 2 * dk)
-        v += range(base + 2 * dk, base + 2 * dk + r * dv)
-        z += range(base + 2 * dk + r * dv, base + group)
+    """Row indices of Qwen3-Next's in_proj_qkvz giving the Qwen3.5 (qkv rows, z rows); its rows are
+    grouped by key head g (MODEL_SPEC §2.4): [q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)]."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    rdv = cfg.linear_num_value_heads // hk * cfg.linear_value_head_dim
+    q, k, v, z = _per_key_head(hk, dk, dk, rdv, rdv)
     return q + k + v, z
 
 
 def fused_ba_rows(cfg: ModelConfig) -> tuple[list[int], list[int]]:
     """Row indices of Qwen3-Next's in_proj_ba giving (b rows, a rows): per key head [b_g (r) | a_g (r)]."""
-    hk = cfg.linear_num_key_heads
-    r = cfg.linear_num_value_heads // hk
-    b, a = [], []
-    for g in range(hk):
-        b += range(g * 2 * r, g * 2 * r + r)
-        a += range(g * 2 * r + r, (g + 1) * 2 * r)
+    r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    b, a = _per_key_head(cfg.linear_num_key_heads, r, r)
     return b, a
 
 
 def abstract_params(cfg: ModelConfig, dtype, fp8_linear: bool = False) -> dict:
-    """The parameter tree as jax.ShapeDtypeStructs, as `checkpoint.load` would build it.
-
-    `fp8_linear`: every LINEAR weight except in_proj_b/a and mtp.fc (MODEL_SPEC §5.2) is an Fp8Block.
-    For memory planning and abstract evaluation (jax.eval_shape) without reading any weights."""
+    """The parameter tree as jax.ShapeDtypeStructs, as `checkpoint.load` would build it (for memory
+    planning and jax.eval_shape). `fp8_linear`: every LINEAR weight except in_proj_b/a and mtp.fc
+    (MODEL_SPEC §5.2) is an Fp8Block."""
     import jax
     import jax.numpy as jnp
 
     from qmtp.model.fp8 import Fp8Block, scale_grid
 
-    sizes = group_sizes(cfg)
-    tree: dict = {"gdn": [{} for _ in range(sizes["gdn"])], "attn": [{} for _ in range(sizes["attn"])],
-                  "mtp": {"layers": [{} for _ in range(sizes["mtp_layers"])]}}
+    tree = empty_tree(cfg)
     keep_bf16 = {"in_proj_b", "in_proj_a", "fc"}
 
     def leaf(key, shape, role):
@@ -185,20 +181,12 @@ def abstract_params(cfg: ModelConfig, dtype, fp8_linear: bool = False) -> dict:
         return jax.ShapeDtypeStruct(shape, dtype)
 
     for e in tensor_table(cfg):
-        if e.group is None:
-            node = tree
-        elif e.group == "mtp":
-            node = tree["mtp"]
-        elif e.group == "mtp_layers":
-            node = tree["mtp"]["layers"][e.index]
-        else:
-            node = tree[e.group][e.index]
         if e.role in (FUSED_QKVZ, FUSED_BA):  # split into the two Qwen3.5 projections
             out_a = cfg.conv_dim if e.role == FUSED_QKVZ else cfg.linear_num_value_heads
             for key, rows in zip(e.key.split("+"), (out_a, e.shape[0] - out_a)):
-                node[key] = leaf(key, (rows, e.shape[1]), LINEAR)
+                place(tree, e, key, leaf(key, (rows, e.shape[1]), LINEAR))
         else:
-            node[e.key] = leaf(e.key, e.shape, e.role)
+            place(tree, e, e.key, leaf(e.key, e.shape, e.role))
     return finalize_tree(tree)
 
 
