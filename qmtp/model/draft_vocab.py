@@ -1,15 +1,9 @@
 """A draft vocabulary: MTP drafts choose among a subset of token ids (SGLang's "speculative token
-map"; FR-Spec's frequency-ranked draft vocabulary).
-
-A draft step's cost at 27B is mostly its head: [V = 248320, E] read for one row (1.27 GB in FP8, ~0.3
-ms of a ~0.5 ms draft). With a vocabulary of the Vs most frequent ids the head is `lm_head[ids]`
-([Vs, E], FP8 when the draft head is), the draft is ids[argmax(logits over the subset)], and a
-draft step reads Vs / V of the head. The verify pass keeps the full lm_head, so the generated
-tokens never change; only acceptance may (a token outside the subset is never drafted).
-`scripts/hot_vocab.py` builds a vocabulary from text; `scripts/draft_head_acceptance.py` measures
-what it costs in acceptance.
-
-File format: a JSON list of token ids, or text with ids separated by whitespace or commas.
+map"; FR-Spec's frequency-ranked draft vocabulary). The draft head is `lm_head[ids]` ([Vs, E], FP8
+when the draft head is) and a draft is ids[argmax(logits over the subset)], so a draft step reads
+Vs / V of the head. The verify pass keeps the full lm_head: tokens never change, only acceptance may.
+`scripts/hot_vocab.py` builds one from text. File format: a JSON list of token ids, or text with ids
+separated by whitespace or commas.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ if not hasattr(np, "float8_e4m3fn"):
 @dataclasses.dataclass(frozen=True)
 class Fp8Block:
     """A block-quantized linear weight. weight: [..., O, I] float8_e4m3fn, or for the Pallas kernels
-    tiled as [O / 64, I / 128, 64, 128] (qmtp.model.weight_layout, pallas_kernels.fp8_layout.tile_weight);
-    scale: [..., ceil(O/128), ceil(I/128)] f32."""
+    tiled as [O / tr, I / 128, tr, 128] with tr = 128 (64 where O is no multiple of 128;
+    qmtp.model.weight_layout); scale: [..., ceil(O/128), ceil(I/128)] f32."""
 
     weight: jax.Array
     scale: jax.Array
@@ -42,7 +42,7 @@ class Fp8Block:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical [O, I] shape, in either layout (tiled: [O / tr, I / 128, tr, 128])."""
+        """The logical [O, I] shape, in either layout."""
         w = self.weight.shape
         return (w[0] * w[2], w[1] * w[3]) if self.tiled else tuple(w)
 
@@ -52,37 +52,31 @@ def scale_grid(out_features: int, in_features: int, block: int = FP8_BLOCK) -> t
     return (-(-out_features // block), -(-in_features // block))
 
 
-def _expand_np(scale: np.ndarray, out_features: int, in_features: int, block: int) -> np.ndarray:
-    return np.repeat(np.repeat(scale, block, axis=-2), block, axis=-1)[..., :out_features, :in_features]
+def _expand_np(scale: np.ndarray, out_features: int, in_features: int, block: int, xp=np) -> np.ndarray:
+    return xp.repeat(xp.repeat(scale, block, axis=-2), block, axis=-1)[..., :out_features, :in_features]
+
+
+def _quantize(w, block: int, xp):
+    o, i = w.shape
+    go, gi = scale_grid(o, i, block)
+    w32 = xp.asarray(w, xp.float32)
+    amax = xp.pad(xp.abs(w32), ((0, go * block - o), (0, gi * block - i))).reshape(go, block, gi, block)
+    amax = amax.max(axis=(1, 3))
+    scale = xp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(xp.float32)
+    q = xp.clip(w32 / _expand_np(scale, o, i, block, xp), -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
+    return q, scale
 
 
 def quantize_np(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """[O, I] float -> (E4M3 weight [O, I], f32 scale grid) with amax/448 per block (exact for zeros)."""
-    w = np.asarray(w, np.float32)
-    o, i = w.shape
-    go, gi = scale_grid(o, i, block)
-    padded = np.zeros((go * block, gi * block), np.float32)
-    padded[:o, :i] = np.abs(w)
-    amax = padded.reshape(go, block, gi, block).max(axis=(1, 3))
-    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
-    q = np.clip(w / _expand_np(scale, o, i, block), -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPE)
-    return q, scale
+    return _quantize(w, block, np)
 
 
 def quantize(w: jax.Array, block: int = FP8_BLOCK) -> Fp8Block:
-    """`quantize_np` on the device: [O, I] -> Fp8Block, the same formula (XLA's f32 division may
-    round 1 ulp away from numpy's, so scales can differ in the last bit). Runs where w lives; a
-    weight split along O on 128-multiples stays split (blocks never straddle the split)."""
+    """`quantize_np` on the device, where w lives (XLA's f32 division may round 1 ulp away from
+    numpy's); a weight split along O on 128-multiples stays split (blocks never straddle it)."""
     import jax.numpy as jnp
-    o, i = w.shape
-    go, gi = scale_grid(o, i, block)
-    w32 = w.astype(jnp.float32)
-    padded = jnp.pad(jnp.abs(w32), ((0, go * block - o), (0, gi * block - i)))
-    amax = padded.reshape(go, block, gi, block).max(axis=(1, 3))
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
-    full = jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)[:o, :i]
-    q = jnp.clip(w32 / full, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return Fp8Block(q, scale)
+    return Fp8Block(*_quantize(w, block, jnp))
 
 
 def dequantize_np(q: np.ndarray, scale: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:

@@ -1,10 +1,9 @@
 """Pure layer functions of the Qwen3.5 / Qwen3-Next decoder (MODEL_SPEC §3).
 
-All functions take B sequences of T new tokens: x [B, T, E] in the compute dtype, `n_valid` [B]
-(tokens t >= n_valid[b] are right-padding: they change no state), and the per-layer params / state
-slices. Head counts are read from array shapes, never from the config, so the same functions run
-on one device and on a tensor-parallel shard (local heads); row-parallel projections (o_proj,
-out_proj, mlp_down) return f32 partial sums that `tp.all_reduce` adds (identity on one device).
+B sequences of T new tokens: x [B, T, E] in the compute dtype, `n_valid` [B] (tokens t >= n_valid[b]
+are right-padding and change no state), per-layer params / state. Head counts come from array shapes,
+so the same code runs on a tensor-parallel shard; row-parallel projections (o_proj, out_proj, mlp_down)
+are summed across shards by `tp.all_reduce` (identity on one device).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from qmtp.runtime import ops, tp
 from qmtp.runtime.kernel_config import KernelConfig
 
 F32 = jnp.float32
-# Passes of at least this many tokens (prefill) run GDN in the chunked WY form; shorter ones (decode,
-# verify, short prompts) the per-token recurrence, exact per position and cheap for T <= K+1.
+# Passes of at least this many tokens (prefill) run GDN in the chunked WY form; shorter ones the
+# per-token recurrence (exact per position, cheap for T <= K+1).
 CHUNKED_GDN_MIN_TOKENS = 16
 
 
@@ -68,9 +67,8 @@ def row_parallel(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
 # ---- paged KV ----------------------------------------------------------------------------------
 def write_kv(pages: jax.Array, page_table: jax.Array, positions: jax.Array, valid: jax.Array,
              new: jax.Array) -> jax.Array:
-    """Scatters new [B, T, Hkv, D] into pages [P, S, Hkv, D] at `positions` [B, T] where `valid`.
-
-    Invalid tokens, and positions beyond the page table, are dropped (never written)."""
+    """Scatters new [B, T, Hkv, D] into pages [P, S, Hkv, D] at `positions` [B, T] where `valid`;
+    invalid tokens and positions beyond the page table are dropped (never written)."""
     n_pages, page_size = pages.shape[:2]
     slot = positions // page_size
     in_table = slot < page_table.shape[1]
@@ -89,9 +87,8 @@ def write_kv(pages: jax.Array, page_table: jax.Array, positions: jax.Array, vali
 def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
               lengths: jax.Array, n_valid: jax.Array, *, eps: float, rotary_dim: int, theta: float,
               kernels: KernelConfig):
-    """Gated GQA attention of T new tokens at positions lengths + t over the paged KV.
-
-    Returns (out [B, T, E], k_pages', v_pages'). q_proj rows are per head [query | gate]."""
+    """Gated GQA attention of T new tokens at positions lengths + t over the paged KV -> (out [B, T, E],
+    k_pages', v_pages'). q_proj rows are per head [query | gate]."""
     b, t, _ = x.shape
     d = p["q_norm"].shape[-1]
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
@@ -112,12 +109,9 @@ def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
 
 # ---- Gated DeltaNet (§3.6) ---------------------------------------------------------------------
 def causal_conv(u: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax.Array):
-    """Depthwise causal conv + SiLU over time. u [B, T, C]; conv_state [B, W-1, C] (previous inputs);
-    w [C, W] (tap W-1 multiplies the current token).
-
-    y_t[c] = silu(sum_i w[c, i] * u_{t-W+1+i}[c]); returns (y [B, T, C] f32, new state = the last W-1
-    inputs up to each sequence's last valid token: window[b, n_valid + (0 .. W-2)] of the window
-    [state | u], reaching back into the old state)."""
+    """Depthwise causal conv + SiLU: u [B, T, C], conv_state [B, W-1, C] (previous inputs), w [C, W]
+    (tap W-1 on the current token); y_t[c] = silu(sum_i w[c, i] * u_{t-W+1+i}[c]). Returns (y [B, T, C]
+    f32, new state = window[b, n_valid + (0 .. W-2)] of the window [state | u])."""
     width, t = w.shape[1], u.shape[1]
     window = jnp.concatenate([conv_state.astype(u.dtype), u], axis=1)  # [B, W-1+T, C]
     w32 = w.astype(F32)
@@ -132,9 +126,8 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 def conv_qkv(mixed: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax.Array, key_heads: int,
              dk: int, dv: int):
-    """causal_conv of the raw in_proj_qkv output mixed [B, T, C] and its split into the recurrence
-    inputs: ((q, k [B, T, Hk, Dk] L2-normalised, q scaled by Dk^-0.5; v [B, T, Hv, Dv]) f32, new conv
-    state)."""
+    """causal_conv of in_proj_qkv's output mixed [B, T, C], split: ((q, k [B, T, Hk, Dk] L2-normalised,
+    q scaled by Dk^-0.5; v [B, T, Hv, Dv]) f32, new conv state)."""
     b, t, _ = mixed.shape
     key_dim = key_heads * dk
     y, new_conv = causal_conv(mixed, conv_state, w, n_valid)  # y f32 [B, T, C]
@@ -146,14 +139,11 @@ def conv_qkv(mixed: jax.Array, conv_state: jax.Array, w: jax.Array, n_valid: jax
 
 def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array,
                    n_valid: jax.Array, *, eps: float, kernels: KernelConfig, gdn_slots=None):
-    """Gated DeltaNet mixer. x [B, T, E]; conv_state [B, W-1, C]; ssm_state [B, Hv, Dk, Dv] f32, or with
-    gdn_slots int [B] both in the slot ring, [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv]: row b starts from
-    slot gdn_slots[b] and the state after each token t goes to slot (gdn_slots[b] + 1 + t) mod Ns
-    (pallas_kernels/gdn_conv.py: the kernel, or its jnp twin under impl="ref").
-
-    Passes of fewer than CHUNKED_GDN_MIN_TOKENS tokens (decode, verify, short prompts) run conv, norms,
-    gates, padding and the per-token recurrence in one kernel; longer ones (prefill) the chunked WY
-    form. Returns (out [B, T, E], conv_state', ssm_state')."""
+    """Gated DeltaNet mixer -> (out [B, T, E], conv_state', ssm_state'). x [B, T, E]; conv_state
+    [B, W-1, C]; ssm_state [B, Hv, Dk, Dv] f32, or with gdn_slots int [B] both in the slot ring,
+    [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv]: row b starts from slot gdn_slots[b] and the state after
+    token t goes to slot (gdn_slots[b] + 1 + t) mod Ns. Passes shorter than CHUNKED_GDN_MIN_TOKENS
+    run conv, norms, gates and the per-token recurrence in one kernel (ops.gdn_conv_recurrence)."""
     b, t, _ = x.shape
     hv = p["A_log"].shape[-1]
     dk, dv = ssm_state.shape[-2:]

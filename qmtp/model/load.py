@@ -1,10 +1,6 @@
-"""The parameter loading pipeline: read (strictly, sharded where a mesh says) -> MTP draft head ->
-join the gate projections -> tile the FP8 weights for the kernels, with an orbax cache of the read tree.
-
-    load_params(checkpoint_dir, dtype, kernels, mesh, ...) -> (ModelConfig, params)
-
-Every step keeps the tree's meaning: the tokens a model gives do not depend on which of the optional
-steps ran (the draft head only changes which drafts are proposed, never the verified tokens).
+"""The parameter loading pipeline, `load_params`: read (strictly, sharded where a mesh says; or from
+the converted cache) -> MTP draft head -> join the gate projections -> tile the FP8 weights. No
+optional step changes the tokens (the draft head only changes which drafts are proposed).
 """
 
 from __future__ import annotations
@@ -28,11 +24,9 @@ def check_draft_head(draft_head: str) -> None:
 
 def load_params(checkpoint_dir: str, dtype: str, kernels: KernelConfig, mesh=None, *, progress: bool = True,
                 converted_cache: str | None = None, draft_head: str = "auto", draft_vocab=None):
-    """(cfg, params) of a checkpoint as the model runs it (qmtp.load documents each argument):
-    1. read: checkpoint.load, or the converted cache (qmtp/model/converted_cache.py) of its result;
-    2. draft head: an FP8 copy of the lm_head and/or the rows of a draft vocabulary under params["mtp"];
-    3. fuse: each GDN layer's in_proj_b and in_proj_a joined into in_proj_ba;
-    4. tile: under the Pallas kernels, the FP8 weights in their tiled layout (weight_layout.py)."""
+    """(cfg, params) of a checkpoint as the model runs it (qmtp.load documents each argument): read,
+    draft head (an FP8 copy of the lm_head and/or a draft vocabulary's rows, under params["mtp"]),
+    in_proj_b and in_proj_a joined into in_proj_ba, FP8 weights tiled under the Pallas kernels."""
     check_draft_head(draft_head)
     if converted_cache is None:
         cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
@@ -55,12 +49,9 @@ def load_params(checkpoint_dir: str, dtype: str, kernels: KernelConfig, mesh=Non
 
 def fuse_gate_projections(params: dict, mesh=None) -> dict:
     """The tree with each GDN layer's in_proj_b and in_proj_a [Hv, E] replaced by in_proj_ba [2 Hv, E]
-    = [b | a]: one dot for both gate projections (in the 27B verify pass 49 GEMMs instead of 97 and
-    141 us less per pass; the one-row step unchanged), rows unchanged, so each
-    output is the same dot product as before (up to the order in which the backend's dot sums it: on
-    some CPUs the joined dot differs from the two in the last bit). Under TP each device joins its own
-    rows, so shard s holds [b_s | a_s] (shard_layout's in_proj_ba). Layers already joined, or with FP8 gate weights
-    (the loader keeps them bf16), are left as they are."""
+    = [b | a]: one dot for both gate projections, each output the same dot product (on some CPUs the
+    joined dot sums in another order: last-bit differences). Under TP shard s holds [b_s | a_s].
+    Layers already joined, or with FP8 gate weights (the loader keeps them bf16), stay as they are."""
     layers = params.get("gdn", ())
     if not layers or not all("in_proj_b" in p and "in_proj_a" in p for p in layers):
         return params
@@ -74,18 +65,14 @@ def fuse_gate_projections(params: dict, mesh=None) -> dict:
 
 
 def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:
-    """An FP8 block copy of a [V, E] head, made where the head lives. Under TP each device quantizes
-    its own vocabulary rows in their own 128-blocks (its kernels only ever see that piece), so the
-    split need not fall on a 128-row boundary of the full head."""
-    if mesh is None:
-        return jax.jit(fp8_lib.quantize)(w)
-    return tp_lib.map_row_shards(fp8_lib.quantize, mesh)(w)
+    """An FP8 block copy of a [V, E] head, made where it lives; under TP each device quantizes its own
+    rows in their own 128-blocks (so the split need not fall on a 128-row boundary)."""
+    return (jax.jit(fp8_lib.quantize) if mesh is None else tp_lib.map_row_shards(fp8_lib.quantize, mesh))(w)
 
 
 def _vocab_head(params: dict, cfg, draft_vocab, draft_head: str, mesh) -> dict:
     """{"draft_head": lm_head's rows of the draft vocabulary [Vs', E] (FP8 when draft_head is "fp8"),
-    "draft_vocab": their ids [Vs'] int32}; Vs' pads Vs to a multiple of the TP size (draft_vocab.padded)
-    so the vocabulary-parallel head splits evenly; the ids are replicated."""
+    "draft_vocab": their ids [Vs'] int32, replicated}; Vs' = Vs padded to a multiple of the TP size."""
     from qmtp.model import draft_vocab as vocab_lib
     ids = (vocab_lib.read(draft_vocab, cfg.vocab_size) if isinstance(draft_vocab, (str, os.PathLike))
            else vocab_lib.validate(draft_vocab, cfg.vocab_size))

@@ -36,10 +36,9 @@ def check_supported(cfg: ModelConfig) -> None:
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, hidden: jax.Array,
             start: jax.Array, n_valid: jax.Array, kernels: KernelConfig):
-    """MTP over tokens [B, T] (x_{p+1}) and hiddens [B, T, E] (h_p) at positions start[b] + t.
-
-    Tokens t >= n_valid[b] write no KV. Returns (MTP hidden [B, T, E] after mtp.norm, state with
-    mtp_kv updated); lengths are not touched (the target owns them)."""
+    """MTP over tokens [B, T] (x_{p+1}) and hiddens [B, T, E] (h_p) at positions start[b] + t ->
+    (MTP hidden [B, T, E] after mtp.norm, state with mtp_kv updated; lengths are the target's).
+    Tokens t >= n_valid[b] write no KV."""
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
     e = layers.rms_norm(tp.embed_lookup(params["embed"], tokens), mp["pre_fc_norm_embedding"], eps)  # [B, T, E]

@@ -1,9 +1,8 @@
 """Which rows or columns of each parameter shard s of n holds (tensor parallelism).
 
-Pure index arithmetic over the model config; no meshes, no devices (qmtp/runtime/tp.py places the pieces).
-A parameter is either replicated or split along one dim; shard s holds `shard_indices(...)` of that
-dim, in that order, and the TP-global array is the shards' pieces concatenated along the dim (so a
-contiguous split of the global array gives each device exactly its piece):
+Pure index arithmetic (tp.py places the pieces). A parameter is replicated or split along one dim;
+shard s holds `shard_indices(...)` of that dim, in that order, and the TP-global array is the pieces
+concatenated along the dim (so its contiguous split gives each device exactly its piece):
 
     embed, lm_head          [V, E]     dim 0, contiguous (vocabulary-parallel)
     mtp.draft_head          [V, E]     dim 0, contiguous (the optional FP8 copy of lm_head for drafts,
@@ -20,14 +19,12 @@ contiguous split of the global array gives each device exactly its piece):
                                        heads; the TP layout permutes them (conv channels identically)
     in_proj_z               [HvDv, E]  dim 0, contiguous
     in_proj_b, in_proj_a, A_log, dt_bias   [Hv, ...] dim 0, contiguous
-    in_proj_ba              [2Hv, E]   dim 0, per shard [b_s | a_s]: in_proj_b and in_proj_a joined at load
-                                       (qmtp.model.load.fuse_gate_projections), each shard's halves side by side
+    in_proj_ba              [2Hv, E]   dim 0, per shard [b_s | a_s] (load.fuse_gate_projections)
     out_proj                [E, HvDv]  dim 1, contiguous (row-parallel)
     norms, mtp.fc           replicated
 
-Key and value heads of a GDN layer split together (value head j uses key head j // (Hv / Hk)), so a
-shard's value heads find their key heads on the same shard. With n = 1 every index list is the
-identity, so the TP layout of one shard is the checkpoint layout.
+GDN key and value heads split together (value head j uses key head j // (Hv / Hk)). With n = 1 every
+index list is the identity: one shard's TP layout is the checkpoint layout.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ from __future__ import annotations
 from qmtp.model.config import FP8_BLOCK, ModelConfig
 
 REPLICATED = None
-_CONTIGUOUS_0 = {"embed", "lm_head", "draft_head", "q_proj", "mlp_gate", "mlp_up", "in_proj_z", "in_proj_b", "in_proj_a",
-                 "A_log", "dt_bias"}
+_CONTIGUOUS_0 = {"embed", "lm_head", "draft_head", "q_proj", "mlp_gate", "mlp_up", "in_proj_z", "in_proj_b",
+                 "in_proj_a", "A_log", "dt_bias"}
 _CONTIGUOUS_1 = {"o_proj", "mlp_down", "out_proj"}
 _KV_HEADS = {"k_proj", "v_proj"}
 _QKV = {"in_proj_qkv", "conv"}

@@ -3,10 +3,9 @@
     x0 = embed[ids];  per layer: h = x + Mixer(norm_in(x)); x = h + MLP(norm_post(h))
     hidden = final_norm(x);  logits = hidden @ lm_head.T
 
-The mixer is Gated DeltaNet or gated attention per `cfg.layer_types`; layer params and state are
-per-layer arrays (params["gdn"][j], state.ssm[j], ...), so no layer is sliced out of a stack.
-Token t of sequence b sits at position state.lengths[b] + t; tokens t >= n_valid[b] are padding and
-change nothing (no KV write, no GDN/conv update, no length increment).
+The mixer is Gated DeltaNet or gated attention per `cfg.layer_types`, with per-layer params and
+state (params["gdn"][j], state.ssm[j], ...). Token t of sequence b sits at position state.lengths[b] + t;
+tokens t >= n_valid[b] are padding and change nothing (no KV write, no GDN/conv update, no length increment).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from qmtp.model import layers
-from qmtp.model.config import LINEAR, ModelConfig
+from qmtp.model.config import FULL, LINEAR, ModelConfig
 from qmtp.runtime import ops, tp
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.state import DecodeState, PagedKV
@@ -34,10 +33,9 @@ def logits_from_hidden(params: dict, hidden: jax.Array, kernels: KernelConfig) -
 
 
 def draft_logits(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.Array:
-    """Logits of an MTP draft: through params["mtp"]["draft_head"] when the model was loaded with an
-    FP8 draft head (half the bytes of the bf16 lm_head per draft step) or a draft vocabulary (then
-    [..., Vs] over its ids: draft_token maps them), else the shared lm_head. Drafts are only
-    proposals: the verify pass always uses the exact lm_head, so tokens never change."""
+    """Logits of an MTP draft: through params["mtp"]["draft_head"] (an FP8 copy of the lm_head, or its
+    rows of a draft vocabulary: [..., Vs]) where loaded, else the lm_head. Only drafts use it: the
+    verify pass keeps the exact lm_head, so tokens never change."""
     head = params.get("mtp", {}).get("draft_head")
     if head is None:
         return logits_from_hidden(params, hidden, kernels)
@@ -45,9 +43,8 @@ def draft_logits(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.
 
 
 def draft_token(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.Array:
-    """Greedy draft token ids [...] int32 from MTP hidden [..., E]: the argmax of draft_logits
-    (across the vocabulary shards under TP), mapped through params["mtp"]["draft_vocab"] when the
-    draft head holds only those rows (qmtp/model/draft_vocab.py)."""
+    """Greedy draft token ids [...] int32 from MTP hidden [..., E]: the argmax of draft_logits (across
+    vocabulary shards under TP), mapped through params["mtp"]["draft_vocab"] where the head has its rows."""
     index = tp.greedy_argmax(draft_logits(params, hidden, kernels))
     vocab = params.get("mtp", {}).get("draft_vocab")
     return index if vocab is None else jnp.take(vocab, index)
@@ -62,38 +59,27 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: Kerne
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
             kernels: KernelConfig, gdn_slots=None):
-    """Runs the target over tokens [B, T] (right-padded to n_valid [B]).
-
-    Returns (hidden [B, T, E] post-final-norm, new state). Logits are taken from the hidden by the
-    caller (`logits_from_hidden`) for the positions it needs. gdn_slots int [B]: state.conv and
-    state.ssm are the slot ring, [Ns, B, W-1, C] and [Ns, B, Hv, Dk, Dv] per layer (qmtp/runtime/loop.py):
-    each row reads slot gdn_slots[b] and the state after its token t lands in slot
-    (gdn_slots[b] + 1 + t) mod Ns."""
+    """Runs the target over tokens [B, T] (right-padded to n_valid [B]) -> (hidden [B, T, E]
+    post-final-norm, new state); the caller takes logits (`logits_from_hidden`) where it needs them.
+    gdn_slots int [B]: state.conv / state.ssm are the slot ring (layers.gated_deltanet)."""
     x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
-    ks, vs, convs, ssms = [], [], [], []
-    gdn_layer = attn_layer = 0
+    eps, new = cfg.rms_norm_eps, {LINEAR: [], FULL: []}  # per kind, each layer's new (conv, ssm) / (k, v)
     for kind in cfg.layer_types:
+        j = len(new[kind])
         if kind == LINEAR:
-            p, j = params["gdn"][gdn_layer], gdn_layer
-            gdn_layer += 1
-            mixer = lambda h, p=p, j=j: layers.gated_deltanet(  # noqa: E731
-                p, h, state.conv[j], state.ssm[j], n_valid, eps=cfg.rms_norm_eps, kernels=kernels,
-                gdn_slots=gdn_slots)
-            x, (conv, ssm) = decoder_layer(cfg, p, x, mixer, kernels)
-            convs.append(conv)
-            ssms.append(ssm)
+            p = params["gdn"][j]
+            mixer = lambda h: layers.gated_deltanet(  # noqa: E731
+                p, h, state.conv[j], state.ssm[j], n_valid, eps=eps, kernels=kernels, gdn_slots=gdn_slots)
         else:
-            p, j = params["attn"][attn_layer], attn_layer
-            attn_layer += 1
-            mixer = lambda h, p=p, j=j: layers.attention(  # noqa: E731
+            p = params["attn"][j]
+            mixer = lambda h: layers.attention(  # noqa: E731
                 p, h, state.kv.k[j], state.kv.v[j], state.page_table, state.lengths, n_valid,
-                eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, kernels=kernels)
-            x, (k, v) = decoder_layer(cfg, p, x, mixer, kernels)
-            ks.append(k)
-            vs.append(v)
-    hidden = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    new_state = dataclasses.replace(state, kv=PagedKV(tuple(ks), tuple(vs)), conv=tuple(convs), ssm=tuple(ssms),
-                                    lengths=state.lengths + n_valid)
+                eps=eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, kernels=kernels)
+        x, layer_state = decoder_layer(cfg, p, x, mixer, kernels)
+        new[kind].append(layer_state)
+    hidden = layers.rms_norm(x, params["final_norm"], eps)
+    (convs, ssms), (ks, vs) = (tuple(zip(*new[kind])) or ((), ()) for kind in (LINEAR, FULL))
+    new_state = dataclasses.replace(state, kv=PagedKV(ks, vs), conv=convs, ssm=ssms, lengths=state.lengths + n_valid)
     return hidden, new_state
 
 
