@@ -82,28 +82,18 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
     call runs as one shard_map over them (same tokens as tp = 1).
 
-    converted_cache: a directory for an orbax-checkpoint cache of the converted (and sharded) parameter
-    tree (`qmtp.model.converted_cache`), one entry per checkpoint files (name, size, mtime) x dtype x tp. A hit
-    restores the tree directly onto the devices without reading the safetensors; a miss reads them and
-    writes the entry. An unreadable entry is reported on stderr and read again from the checkpoint.
+    converted_cache: a directory for an orbax cache of the read (and sharded) parameter tree
+    (qmtp/model/converted_cache.py), keyed by the checkpoint files x dtype x tp: a hit skips the
+    safetensors; an unreadable entry is reported and read again from the checkpoint.
 
-    draft_head: "bf16" (MTP drafts use the shared lm_head), "fp8" (drafts use an FP8 128x128-block
-    copy of it made at load: half the bytes per draft step, for 1.27 GB more memory at 27B; the
-    verify pass keeps the exact lm_head, so the tokens are the same) or "auto" (the default: "fp8"
-    when the checkpoint's weights are FP8, else "bf16"). Why FP8 for FP8 checkpoints: at the 27B
-    shapes a draft reads 3.02 GB with the bf16 head against 27.25 GB for a target step, so three
-    drafts cost a third of a step and cap K=3 at ~2.3x plain at the default acceptance profile; the
-    FP8 head reads 1.75 GB. Its cost in acceptance, on the demo model's held-out text
-    (`scripts/draft_head_acceptance.py`): first-draft acceptance 0.6887 -> 0.6868.
+    draft_head: "bf16" (drafts use the shared lm_head), "fp8" (an FP8 128x128-block copy made at load:
+    half the bytes per draft step, 1.27 GB more memory at 27B) or "auto" ("fp8" for FP8 checkpoints).
+    draft_vocab: None, or token ids (a file or a sequence; qmtp/model/draft_vocab.py) that drafts
+    choose among, through the head's rows for them. Neither changes tokens (the verify pass keeps the
+    exact lm_head); acceptance may drop.
 
-    draft_vocab: None (drafts choose among the whole vocabulary), a file of token ids or a sequence
-    of them (qmtp/model/draft_vocab.py): drafts choose among those ids only, through the draft head's rows
-    for them (FP8 or bf16 as draft_head says), so a draft step reads len(ids) / vocab_size of the
-    head. Tokens are unchanged (the verify pass keeps the full lm_head); acceptance may drop.
-
-    impl and fp8_act_quant make the model's KernelConfig (qmtp/runtime/kernel_config.py): "ref" (pure XLA) or
-    "pallas" (the Pallas kernels; FP8 weights are then laid out in the kernels' tiles), and E4M3
-    activations for FP8 projections of few rows."""
+    impl and fp8_act_quant make the model's KernelConfig (qmtp/runtime/kernel_config.py): "ref" (pure
+    XLA) or "pallas" (the Pallas kernels, FP8 weights in their tiles), and E4M3 activations."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
@@ -169,11 +159,11 @@ def _new_state(model: Model, capacities: list[int]):
     return init_state(model.cfg, table, allocator.num_pages, model.page_size, DTYPES[model.dtype])
 
 
-def _call(model: Model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, **static):
-    """fn(*lead, *args, **static) on one device, or as one shard_map over the model's mesh."""
+def _call(model: Model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple):
+    """fn(*lead, *args) on one device, or as one shard_map over the model's mesh (tp.sharded)."""
     if model.mesh is None:
-        return fn(*lead, *args, **static)
-    return tp_lib.sharded(fn, model.mesh, lead, args, kinds, out_kinds, check_vma=not model.kernels.pallas, **static)
+        return fn(*lead, *args)
+    return tp_lib.sharded(fn, model.mesh, lead, args, kinds, out_kinds, check_vma=not model.kernels.pallas)
 
 
 def _prompt_batch(prompt_ids: list[list[int]]):

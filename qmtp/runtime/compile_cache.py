@@ -1,15 +1,11 @@
 """JAX's persistent compilation cache for qmtp's command lines (generate, bench, server).
 
-A process compiles its prefill and decode loops before the first token; at the Qwen3.5-27B shapes
-a speculative loop takes ~100 s (every Pallas kernel is a Triton compile; H200). With
-the cache on, a later process that builds the same program loads the executable from disk instead.
-JAX keys an entry by the whole program (the HLO, which embeds every Pallas kernel), the JAX and
-jaxlib versions, the device kind, the compile options and XLA_FLAGS: a changed kernel, kernel
-setting, shape or flag compiles afresh, so a stale entry cannot be run. Only programs that took at
-least MIN_COMPILE_S to compile are written (small helper programs are not worth the files), and the
-directory is kept under MAX_BYTES by evicting the least recently used entries (JAX's LRU). JAX's
-environment variables JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and JAX_COMPILATION_CACHE_MAX_SIZE
-override both.
+At the Qwen3.5-27B shapes a speculative loop compiles in ~100 s (every Pallas kernel is a Triton
+compile); with the cache, a later process that builds the same program loads it from disk. JAX keys
+an entry by the whole program, the JAX version, the device, the compile options and XLA_FLAGS, so a
+changed kernel, shape or flag compiles afresh. Programs that compiled in under MIN_COMPILE_S are not
+written; the directory stays under MAX_BYTES (JAX's LRU; JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+and JAX_COMPILATION_CACHE_MAX_SIZE override both).
 
 Directory: `--compile_cache` (default "auto": $QMTP_CACHE/jax_compile, $QMTP_CACHE defaulting to
 ~/.cache/qmtp; "off" turns the cache off; anything else is a directory). The Python API leaves

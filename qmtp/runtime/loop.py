@@ -18,9 +18,8 @@ Greedy output with MTP equals plain greedy decoding token for token (tests pin i
 
 The slot ring: each GDN layer's conv and ssm state lives in K+2 slots per sequence, [K+2, B, ...],
 with a read slot per row (`Slots.gdn_slot`). A verify pass of K+1 tokens reads one slot and writes
-the state after each token to the next K+1 (pallas_kernels/gdn_conv.py), so the commit is an index.
-It costs K+1 more GDN states per sequence (0.6 GB at 27B, K=3) and replaced a rebuild of the
-accepted state that made the host wait for the verify pass (~0.84 ms per rebuild in a 27B round).
+the state after each token to the next K+1 (pallas_kernels/gdn_conv.py), so the commit is an index
+(K+1 more GDN states per sequence; WORKSPACE.md has the figures).
 
 `decode` resumes from a carried `Slots` and runs at most n_rounds rounds: `qmtp.generate` runs it
 once after `prefill`; the serving engine calls it repeatedly, inserting and retiring requests

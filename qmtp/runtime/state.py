@@ -8,10 +8,8 @@
                                          page_table[b, p // S], slot p % S
     lengths        [B] int32             committed tokens per sequence (KV beyond is stale)
 
-Per-layer state is a tuple of arrays, one per layer, not one stacked array: a layer then reads and
-updates its own buffer in place (the loop carry is donated), where slicing a stack and re-stacking
-would copy every layer's state each step (measured for weights: scripts/gpu_layout_probe.py).
-The conv state is time-major ([W-1, C] per sequence) so a new chunk is appended along time.
+Per-layer state is a tuple of arrays, not one stack: each layer updates its own donated buffer in
+place, where slicing a stack would copy every layer's state each step. The conv state is time-major.
 Everything is zero-initialised (MODEL_SPEC §7.8): stale memory never reaches live positions.
 """
 

@@ -10,8 +10,7 @@ code outside shard_map), so one model implementation serves every N:
     greedy_argmax(l)     vocabulary-parallel argmax over logits [..., V/n] (ties: lowest id)
     gather_vocab(l)      the full logits [..., V] (API calls that return logits)
 
-`sharded(fn, ...)` runs a jitted entry point (prefill, the greedy or speculative while_loop) as one
-shard_map over the mesh, with PartitionSpecs derived from the parameter keys
+`sharded(fn, ...)` runs a jitted entry point (prefill, the decode loop) as one shard_map over the mesh, with PartitionSpecs derived from the parameter keys
 (`qmtp.model.shard_layout`) and the decode state's layout.
 """
 
@@ -254,23 +253,14 @@ def _specs(kind: str, value):
     return P()  # replicated: a prefix spec for the whole argument
 
 
-def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True,
-            **static):
-    """fn(*lead, *args, **static) as one jitted shard_map over `mesh` (see `sharded_fn`)."""
-    return sharded_fn(fn, mesh, lead, args, kinds, out_kinds, check_vma, **static)(*args)
-
-
-def sharded_fn(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True,
-               **static):
-    """The jitted shard_map of fn(*lead, *args, **static) for arguments shaped like `args` (arrays or
-    ShapeDtypeStructs: `.lower(*args)` works on abstract ones).
-
-    fn is a jitted entry point (its Python body is taken from __wrapped__); lead and static are its
-    static arguments (cfg, spec, impl); kinds name each arg ("params", "state" or "rep") and each
-    output ("state" or "rep"). The state argument is donated, as the single-device entry points do."""
+def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True):
+    """fn(*lead, *args) as one jitted shard_map over `mesh`: fn is a jitted entry point (its Python
+    body is taken from __wrapped__), lead its static arguments (cfg, kernels, ...); kinds name each
+    arg ("params", "state" or "rep") and each output ("state", "rows_state" or "rep"). The state
+    argument is donated, as the single-device entry points do."""
     state_arg = args[kinds.index("state")] if "state" in kinds else None
-    key = (fn, mesh, lead, tuple(sorted(static.items())), kinds, out_kinds, check_vma,
-           jax.tree_util.tree_structure(args), gdn_slot_count(state_arg) if state_arg is not None else 0)
+    key = (fn, mesh, lead, kinds, out_kinds, check_vma, jax.tree_util.tree_structure(args),
+           gdn_slot_count(state_arg) if state_arg is not None else 0)
     if key not in _SHARDED:
         in_specs = tuple(_specs(k, a) for k, a in zip(kinds, args))
         # output "state" j is shaped as input "state" j (the first when there are fewer); "rows_state":
@@ -279,12 +269,12 @@ def sharded_fn(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds
         out_state = iter(state_args + [state_arg] * len(out_kinds))
         out_specs = tuple(state_specs(next(out_state)) if k == "state" else
                           state_specs(state_arg, rows=True) if k == "rows_state" else P() for k in out_kinds)
-        body = functools.partial(_call_wrapped, fn.__wrapped__, lead, static)
+        body = functools.partial(_call_wrapped, fn.__wrapped__, lead)
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
         donate = tuple(i for i, k in enumerate(kinds) if k == "state")
         _SHARDED[key] = jax.jit(mapped, donate_argnums=donate)
-    return _SHARDED[key]
+    return _SHARDED[key](*args)
 
 
-def _call_wrapped(raw_fn, lead, static, *args):
-    return tuple(raw_fn(*lead, *args, **dict(static)))
+def _call_wrapped(raw_fn, lead, *args):
+    return tuple(raw_fn(*lead, *args))

@@ -70,7 +70,7 @@ def _atomic_dir(out_dir: str, overwrite: bool):
 
 
 def hf_value(tree: dict, entry: P.TensorEntry) -> np.ndarray:
-    """float32 [HF shape] of one tensor_table entry (the inverse of checkpoint._place): params keep the
+    """float32 [HF shape] of one tensor_table entry (the inverse of params.place): params keep the
     HF layout except conv [C, W] -> [C, 1, W]."""
     if entry.role in (P.FUSED_QKVZ, P.FUSED_BA):
         raise ValueError(f"{entry.name}: exporting fused Qwen3-Next projections is not supported")
