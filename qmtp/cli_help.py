@@ -72,14 +72,9 @@ def apply_compile_cache_flag() -> str | None:
 
 
 def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> str | None:
-    """A warning for a run whose MTP verify passes leave the FP8 decode kernel, or None (unit: what the
-    batch counts, as the command line calls it).
-
-    A verify pass has batch x (K+1) rows. The Pallas FP8 kernels stream the weights for up to
-    ops.DECODE_MAX_ROWS rows (128, the decode kernel's limit) and run GEMM tiles above, which are
-    compute-bound there: on the H200 at 27B shapes a 128-row step's FP8 launches took 31.5 ms on the
-    GEMM against 19.4 on the decode kernel, and batch 32 at K=3 gave 1.06x plain on the GEMM against
-    1.29x on the decode kernel (WORKSPACE.md)."""
+    """A warning when MTP verify passes (batch x (K+1) rows) leave the FP8 decode kernel (more than
+    ops.DECODE_MAX_ROWS rows run compute-bound GEMM tiles: WORKSPACE.md), else None; unit: what the
+    batch counts, as the command line calls it."""
     from qmtp.runtime import ops
     rows, limit = batch * (k + 1), ops.DECODE_MAX_ROWS
     if not k or model.impl != "pallas" or model.cfg.quantization is None or rows <= limit:

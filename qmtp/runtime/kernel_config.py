@@ -1,9 +1,7 @@
 """KernelConfig: how the model's hot operations run, chosen once and passed down as a static argument.
 
-Every jitted function of the model takes it (hashable, frozen), so two models loaded with different
-configurations run side by side in one process, each with its own compiled kernels. Everything that
-was measured and settled (tile heuristics, which kernel serves which row count, the weight layout)
-is plain code in qmtp/runtime/ops.py and pallas_kernels/, with its figure in WORKSPACE.md.
+Hashable and frozen, so two models with different configurations run side by side in one process,
+each with its own compiled kernels. Settled choices are plain code (runtime/ops.py, pallas_kernels/).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def build_config(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, num_l
     return config
 
 
-def _write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: dict) -> None:
+    """JSON as every HF file qmtp writes it: indented, sorted keys, a final newline."""
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -131,12 +132,12 @@ def write_checkpoint(out_dir: str, preset: str = "tiny", dtype: str = "bf16", se
         vocab = spec.tokenizer_vocab_size
         ids = tiny_tokenizer.special_token_ids(vocab)
         eot, im_end = ids[tiny_tokenizer.ENDOFTEXT], ids[tiny_tokenizer.IM_END]
-        _write_json(os.path.join(tmp, "config.json"), config)
-        _write_json(os.path.join(tmp, "generation_config.json"),  # Qwen's stop ids, bos = pad = <|endoftext|>
+        write_json(os.path.join(tmp, "config.json"), config)
+        write_json(os.path.join(tmp, "generation_config.json"),  # Qwen's stop ids, bos = pad = <|endoftext|>
                     {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot, "do_sample": False})
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             f.write(tiny_tokenizer.tokenizer_json(vocab))
-        _write_json(os.path.join(tmp, "tokenizer_config.json"),
+        write_json(os.path.join(tmp, "tokenizer_config.json"),
                     tiny_tokenizer.tokenizer_config(vocab, config["text_config"]["max_position_embeddings"]))
         source = TensorSource(spec.weights(cfg, seed), fp8_scale_dtype)
         show = total >= PROGRESS_MIN_BYTES if progress is None else progress
@@ -145,7 +146,7 @@ def write_checkpoint(out_dir: str, preset: str = "tiny", dtype: str = "bf16", se
         for name, shard in zip(names, shards):
             write_safetensors(os.path.join(tmp, name), shard, source, bar)
         if len(shards) > 1:
-            _write_json(os.path.join(tmp, "model.safetensors.index.json"),
+            write_json(os.path.join(tmp, "model.safetensors.index.json"),
                         {"metadata": {"total_size": total},
                          "weight_map": {t.name: name for name, s in zip(names, shards) for t in s}})
         _publish(tmp, out_dir, overwrite)

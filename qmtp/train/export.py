@@ -33,7 +33,7 @@ from absl import flags
 
 from qmtp.model import checkpoint, config as qconfig, params as P
 from qmtp.tools import checkpoint_writer, tiny_tokenizer
-from qmtp.tools.make_checkpoint import parse_size
+from qmtp.tools.make_checkpoint import parse_size, write_json
 from qmtp.train import loss as train_loss
 from qmtp.train.checkpoints import DATA_DIR, restore
 from qmtp.train.data import prepare, special_ids
@@ -43,12 +43,6 @@ from qmtp.train.hyper import float_tree, Hyper
 DTYPES = {"bf16": "BF16", "fp32": "F32"}
 _NP = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
 DEFAULT_MAX_SHARD_BYTES = 14 * 10**6
-
-
-def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 @contextlib.contextmanager
@@ -107,16 +101,16 @@ def export_checkpoint(out_dir: str, config: dict, params: dict, tokenizer, dtype
     def chunks(t: checkpoint_writer.StoredTensor) -> list[np.ndarray]:  # a TensorSource: one chunk per tensor
         return [np.ascontiguousarray(hf_value(params, t.entry).astype(_NP[t.dtype]))]
     with _atomic_dir(out_dir, overwrite) as tmp:
-        _write_json(os.path.join(tmp, "config.json"), config)
+        write_json(os.path.join(tmp, "config.json"), config)
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-        _write_json(os.path.join(tmp, "tokenizer_config.json"),
+        write_json(os.path.join(tmp, "tokenizer_config.json"),
                     tiny_tokenizer.tokenizer_config(vocab, config["text_config"]["max_position_embeddings"]))
-        _write_json(os.path.join(tmp, "generation_config.json"),
+        write_json(os.path.join(tmp, "generation_config.json"),
                     {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot, "do_sample": False})
         for name, shard in zip(names, shards):
             checkpoint_writer.write_safetensors(os.path.join(tmp, name), shard, types.SimpleNamespace(chunks=chunks))
         if len(shards) > 1:
-            _write_json(os.path.join(tmp, "model.safetensors.index.json"),
+            write_json(os.path.join(tmp, "model.safetensors.index.json"),
                         {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s)},
                          "weight_map": {t.name: n for n, s in zip(names, shards) for t in s}})
     return os.path.abspath(out_dir)
