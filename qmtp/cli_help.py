@@ -12,7 +12,8 @@ HELP_ARGS = ("--help", "-h", "--helpshort")
 def run(main, doc: str, module: str | None = None) -> None:
     """app.run(main), except that a help request prints `doc` and every flag of `module` (the module
     that defines the command's flags; default: the main module) and exits 0 (absl exits with status 1
-    after --help; asking for help is not an error)."""
+    after --help; asking for help is not an error), and that a bad flag (unknown, malformed, out of
+    range) ends with one `error: ...` line and exit status 2, as every other bad input does."""
     if any(a in HELP_ARGS for a in sys.argv[1:]):
         flags.FLAGS(sys.argv[:1])
         print(doc)
@@ -20,7 +21,12 @@ def run(main, doc: str, module: str | None = None) -> None:
         if flags.FLAGS.get_key_flags_for_module(__name__):  # flags shared by the entry points
             print(flags.FLAGS.module_help(__name__))
         sys.exit(0)
-    app.run(main)
+    try:
+        argv = flags.FLAGS(sys.argv)
+    except flags.Error as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    app.run(main, flags_parser=lambda _: argv)  # parsed once: a second parse would repeat multi-flags
 
 
 def define_fp8_act_quant_flag() -> None:

@@ -98,10 +98,14 @@ def test_bad_input_gives_one_error_line(cache, args, message):
 @pytest.mark.parametrize("args,message", [
     (("--checkpoint=preset:tiny", "--no_such_flag=1"), "Unknown command line flag 'no_such_flag'"),
     (("--checkpoint=preset:tiny", "--dtype=float16"), "value should be one of"),
+    (("--checkpoint=preset:tiny", "--mtp_k=9"), "mtp_k"),
+    (("--checkpoint=preset:tiny", "--max_new_tokens=0"), "max_new_tokens"),
 ])
-def test_flag_errors_are_rejected(cache, args, message):
+def test_flag_errors_are_one_error_line_and_status_2(cache, args, message):
+    """A bad flag keeps the promise every bad input keeps: one `error: ...` line, exit status 2."""
     r = run(*args, cache=cache)
-    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
 
 
 def test_help_explains_every_flag(cache):

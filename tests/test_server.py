@@ -426,3 +426,34 @@ def test_chat_template_default_and_errors(tmp_path):
     assert custom.render([{"role": "user", "content": "a\"b"}]) == '[user] "a\\"b"</s>'
     with pytest.raises(ChatTemplateError, match="no tools"):
         custom.render([{"role": "tool", "content": "x"}])
+
+
+def test_the_shipped_model_serves_with_mtp_by_default(tmp_path):
+    """`python -m qmtp.server --checkpoint=models/qmtp-demo --mtp_k=3` starts with the default context
+    limit: min(4096, max_position_embeddings - (K+1)) = 4092 for the demo's 4096 positions."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(tmp_path), PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "qmtp.server", "--checkpoint=models/qmtp-demo", "--mtp_k=3",
+                             f"--port={port}", "--nowarmup", "--log_level=warning"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # the startup lines, until the one that says it serves (or the exit)
+            lines.append(line)
+            if line.startswith("serving"):
+                break
+        assert lines and lines[-1].startswith("serving") and "max_model_len=4092" in lines[-1], "".join(lines)
+        deadline = time.monotonic() + 60
+        while True:  # SIGTERM is a clean stop once uvicorn listens
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -34,6 +34,7 @@ from qmtp.serve.snapshots import Snapshot, SnapshotStore
 from qmtp.serve.textstream import TextStream
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
+DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -42,7 +43,7 @@ class EngineConfig:
     batch_slots: int = 4  # B: requests decoded together
     mtp_k: int = 0  # drafts per round, 0 (plain) .. 4
     rounds_per_call: int = 4  # MTP rounds (or plain steps) per device call between scheduling points
-    max_model_len: int = 0  # prompt + max_tokens limit; 0 = max_position_embeddings - (K+1)
+    max_model_len: int = 0  # prompt + max_tokens limit; 0 = min(4096, max_position_embeddings - (K+1))
     num_pages: int = 0  # KV pages in the pool; 0 = every slot can hold a max_model_len request
     max_queue: int = 64  # queued (not yet admitted) requests beyond which submit() raises QueueFull
     max_stop_ids: int = 8  # stop token ids per request (device-side, NS)
@@ -108,7 +109,7 @@ class Engine:
         if len(stop_ids) > c.max_stop_ids:
             raise ValueError(f"{len(stop_ids)} default stop ids > --max_stop_ids={c.max_stop_ids}")
         self.model, self.default_stop_ids = model, stop_ids
-        self.max_model_len = c.max_model_len or limit
+        self.max_model_len = c.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit)
         self.page_size = model.page_size
         self.pages_per_slot = -(-(self.max_model_len + self.extra) // self.page_size)  # Pmax
         num_pages = c.num_pages or model.num_pages or c.batch_slots * self.pages_per_slot

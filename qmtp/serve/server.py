@@ -61,8 +61,9 @@ def define_flags() -> None:
                          "(bounds its activation memory).", lower_bound=1)
     flags.DEFINE_integer("rounds_per_call", 4, "MTP rounds (or plain steps) per device call between scheduling "
                          "points: lower = new requests join sooner, higher = fewer host round trips.", lower_bound=1)
-    flags.DEFINE_integer("max_model_len", 4096, "Prompt + completion token limit (sets each slot's page-table "
-                         "width); 0 = the model's max_position_embeddings - (K+1).", lower_bound=0)
+    flags.DEFINE_integer("max_model_len", 0, "Prompt + completion token limit (sets each slot's page-table "
+                         "width); 0 = 4096, or the model's max_position_embeddings - (K+1) where that is less "
+                         "(so the default works with every --mtp_k).", lower_bound=0)
     flags.DEFINE_integer("max_tokens_limit", 4096, "Largest max_tokens a request may ask for.", lower_bound=1)
     flags.DEFINE_integer("default_max_tokens", 256, "max_tokens of a request that gives none (clipped to the context "
                          "left after the prompt).", lower_bound=1)
