@@ -377,6 +377,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(proc, port: int, timeout_s: float) -> None:
+    """Polls /health of a server process until it answers 200 (the process must stay alive)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
 def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(tmp_path), PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
     h = subprocess.run([sys.executable, "-m", "qmtp.server", "--help"], cwd=ROOT, env=env, capture_output=True,
@@ -393,16 +407,7 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
                              f"--port={port}", "--nowarmup", "--mtp_k=1", "--log_level=warning"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        _wait_healthy(proc, port, 120)
         r = client(f"http://127.0.0.1:{port}").completions.create(model="tiny", prompt="def fibonacci(", max_tokens=3)
         assert len(r.choices[0].token_ids) == 3
         proc.send_signal(signal.SIGTERM)
@@ -443,15 +448,7 @@ def test_the_shipped_model_serves_with_mtp_by_default(tmp_path):
             if line.startswith("serving"):
                 break
         assert lines and lines[-1].startswith("serving") and "max_model_len=4092" in lines[-1], "".join(lines)
-        deadline = time.monotonic() + 60
-        while True:  # SIGTERM is a clean stop once uvicorn listens
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        _wait_healthy(proc, port, 60)  # SIGTERM is a clean stop once uvicorn listens
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
