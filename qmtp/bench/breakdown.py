@@ -57,7 +57,7 @@ def target_loop(cfg: ModelConfig, kernels: KernelConfig, t: int, params, state, 
         tokens = jnp.broadcast_to(tok[:, None], (b, t))
         hidden, state = model_lib.forward(cfg, params, _reset(state, lengths), tokens, jnp.full((b,), t), kernels,
                                           gdn_slots=read)
-        read = loop.next_slots(read, jnp.ones_like(read), loop.ring_size(t - 1))
+        read = ops.next_slots(read, jnp.ones_like(read), loop.ring_size(t - 1))
         nxt = loop.greedy(model_lib.logits_from_hidden(params, hidden, kernels))  # [B, T]
         return state, nxt[:, -1], read
 

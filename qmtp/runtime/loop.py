@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import tp
+from qmtp.runtime import ops, tp
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.state import DecodeState, gdn_slot_count
 
@@ -140,13 +140,8 @@ def to_ring(state: DecodeState, n: int) -> DecodeState:
 
 def from_ring(state: DecodeState, read: jax.Array) -> DecodeState:
     """The state with each row's read slot read [B] taken out of the ring."""
-    take = lambda x: x[read, jnp.arange(read.shape[0])]  # noqa: E731
+    take = lambda x: ops.read_slot(x, read)  # noqa: E731
     return dataclasses.replace(state, conv=tuple(map(take, state.conv)), ssm=tuple(map(take, state.ssm)))
-
-
-def next_slots(read: jax.Array, n_keep: jax.Array, n_slots: int) -> jax.Array:
-    """Read slots after a pass whose rows kept n_keep [B] tokens: each moves n_keep slots on."""
-    return (read + n_keep) % n_slots
 
 
 def accepted_length(drafts: jax.Array, verified: jax.Array) -> jax.Array:
@@ -171,7 +166,7 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
     a = jnp.minimum(accepted_length(tokens[:, 1:], verified), cap)  # 3. accept
     n_keep = (a + 1) * live
     state = dataclasses.replace(state, lengths=base + n_keep)  # 4. commit
-    read = next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
+    read = ops.next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
     d1, mh = slots.d1, slots.mh
     if k:  # the MTP KV at L .. L+a from the target hiddens; its output at L+a drafts the next d_1
         mh_all, state = mtp.forward(cfg, params, state, verified, hidden, base, n_keep, kernels)

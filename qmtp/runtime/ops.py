@@ -111,6 +111,16 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, ba, a_log, dt_bias, state, n_
                                             **kw)
 
 
+def read_slot(ring: jax.Array, read: jax.Array) -> jax.Array:
+    """ring [Ns, B, ...] -> [B, ...]: each row's read slot (the slot convention of gdn_conv)."""
+    return gdn_conv.read_slot(ring, read)
+
+
+def next_slots(read: jax.Array, n_keep: jax.Array, n_slots: int) -> jax.Array:
+    """Read slots after a ring pass whose rows kept n_keep [B] tokens (gdn_conv.next_slots)."""
+    return gdn_conv.next_slots(read, n_keep, n_slots)
+
+
 def gdn_chunked(q, k, v, g, beta, state):
     """Chunked gated delta rule for prefill (the WY form; XLA under both impls); same math as the
     per-token rule."""
