@@ -1,4 +1,5 @@
-"""The one absl entry-point wrapper of qmtp's command lines (generate, bench, server)."""
+"""The one absl entry-point wrapper of qmtp's command lines (generate, bench, server, train) and the
+flag helpers they share."""
 
 from __future__ import annotations
 
@@ -90,3 +91,38 @@ def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> s
     return (f"warning: {batch} {unit} x (K+1 = {k + 1}) = {rows} rows per MTP verify pass exceed the FP8 "
             f"decode kernel's {limit}; they run on GEMM tiles, which are compute-bound at "
             f"that size and may make MTP slower than plain decoding; {advice}")
+
+
+def check_output_file(flag: str, path: str | None) -> None:
+    """Raises ValueError naming --flag unless `path` can be written: its directory exists and is
+    writable, and the path is not a directory. Called before any loading, so a long run does not end
+    in a write that was bound to fail."""
+    import os
+    if not path:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag}={path}: is a directory, expected a file path")
+    if not os.path.isdir(directory):
+        raise ValueError(f"--{flag}={path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"--{flag}={path}: directory {directory} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"--{flag}={path}: the file exists and is not writable")
+
+
+def check_output_dir(flag: str, path: str | None) -> None:
+    """Raises ValueError naming --flag unless `path` is a writable directory or can be created (its
+    nearest existing ancestor is a writable directory). Creates nothing."""
+    import os
+    if not path:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--{flag}={path}: exists and is not a directory")
+    ancestor = os.path.abspath(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"--{flag}={path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK):
+        raise ValueError(f"--{flag}={path}: {ancestor} is not writable")
