@@ -195,7 +195,7 @@ def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
 
 
 def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int = 0,
-             accept_cap=None, temperature: float = 0.0, warmup: bool = False) -> GenerationResult:
+             accept_cap=None, temperature: float = 0.0, warmup: bool = False, progress=None) -> GenerationResult:
     """Greedy generation for a batch of prompts (text or token-id lists), loop on the device.
 
     mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (same tokens).
@@ -203,7 +203,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     `accept_cap` (MTP only; how benchmarks impose an acceptance profile, qmtp/bench/profile.py) caps
     the accepted drafts per round: an int, or a schedule [R] / [R, B] (round r uses row min(r, R-1));
     capping never changes the tokens. With warmup=True the compiled programs are built first (timed as
-    warmup_s), so ttft_s / decode_s measure execution."""
+    warmup_s), so ttft_s / decode_s measure execution. `progress`: None, or a callable that is handed a
+    line as each phase (compiling, generating) starts (qmtp.cli_progress.Phases prints them)."""
     _check_sampling(temperature)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -236,11 +237,17 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         out.block_until_ready()
         return first, out, count, stats, t1 - t0, time.perf_counter() - t1
 
+    progress = progress or (lambda line: None)
+    loop_name = f"the MTP K={mtp_k} decode loop" if mtp_k else "the plain decode loop"
+    compiling = f"compiling prefill (batch {batch}, prompt bucket {tokens.shape[1]}) and {loop_name}"
     warmup_s = 0.0
     if warmup:
+        progress(compiling)
         t0 = time.perf_counter()
         run(1)  # compiles prefill and the loop (their shapes do not depend on the budget)
         warmup_s = time.perf_counter() - t0
+    progress(f"generating up to {max_new_tokens} tokens for {batch} prompt{'s' if batch > 1 else ''}"
+             if warmup else f"{compiling}, then generating")
     first, out, count, stats, ttft, decode_s = run(max_new_tokens)
     first, out, count = np.asarray(first), np.asarray(out), np.asarray(count)
     new = [[int(first[b])] + out[b, :count[b]].tolist() for b in range(batch)]

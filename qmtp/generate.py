@@ -2,8 +2,10 @@
 
 Loads a checkpoint (or builds a synthetic preset on first use with --checkpoint=preset:NAME),
 runs greedy decoding (plain, or MTP speculative with --mtp_k) with the loop on the device, prints
-the text, tokens/s and MTP acceptance statistics, and optionally
-writes everything to --output_json. Bad input ends with one line on stderr and exit status 2.
+the text, tokens/s and MTP acceptance statistics (with --compare_plain, plain decoding's tokens/s
+from the same run beside them), and optionally writes everything to --output_json. What it is doing
+(loading, compiling, generating, with seconds) goes to stderr. Bad input ends with one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 from absl import flags
 
-from qmtp import cli_help
+from qmtp import cli_help, cli_progress
 
 
 FLAGS = flags.FLAGS
@@ -52,6 +54,8 @@ cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
 cli_help.define_compile_cache_flag()
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
+flags.DEFINE_boolean("compare_plain", False, "With --mtp_k: also decode the prompts plainly (K = 0) in the same run, "
+                     "then print both speeds, the speed-up, and whether the tokens are identical.")
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
 
@@ -85,7 +89,12 @@ def run(argv) -> dict:
     if not prompts:
         raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
     stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
+    cli_help.check_output_file("output_json", FLAGS.output_json)
+    if FLAGS.compare_plain and not FLAGS.mtp_k:
+        raise ValueError("--compare_plain compares MTP with plain decoding: give --mtp_k too")
     cli_help.apply_compile_cache_flag()
+    phases = cli_progress.Phases("generate")
+    phases(f"loading {FLAGS.checkpoint}", tick=False)  # the reader shows its own progress on large checkpoints
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
@@ -94,9 +103,13 @@ def run(argv) -> dict:
     warning = cli_help.verify_rows_warning(model, len(prompts), FLAGS.mtp_k)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    result = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop,
-                           mtp_k=FLAGS.mtp_k, temperature=FLAGS.temperature,
-                           warmup=FLAGS.warmup)
+    def generate(k):
+        return qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop, mtp_k=k,
+                             temperature=FLAGS.temperature, warmup=FLAGS.warmup, progress=phases)
+
+    plain = generate(0) if FLAGS.compare_plain else None
+    result = generate(FLAGS.mtp_k)
+    phases.done()
     for i, tokens in enumerate(result.tokens):
         shown = prompts[i] if isinstance(prompts[i], str) else f"ids {prompts[i]}"
         print(f"[{i}] prompt: {shown!r}")
@@ -111,10 +124,18 @@ def run(argv) -> dict:
         print(f"MTP K={FLAGS.mtp_k}: {s['rounds']} rounds, {s['accepted']}/{s['drafted']} drafts accepted "
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
+    if plain is not None:
+        p = plain.stats
+        same = plain.tokens == result.tokens
+        print(f"plain {p['decode_tokens_per_s']:.1f} tok/s, MTP K={FLAGS.mtp_k} {s['decode_tokens_per_s']:.1f} tok/s: "
+              f"{s['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x; "
+              f"tokens {'identical' if same else 'DIFFERENT'} (same prompts, same run)")
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
               "draft_head": model.draft_head, "tp": FLAGS.tp, "fp8_act_quant": FLAGS.fp8_act_quant,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s}
+    if plain is not None:
+        report["plain"] = {"tokens": plain.tokens, "stats": plain.stats, "tokens_identical": plain.tokens == result.tokens}
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(report, f, indent=2)

@@ -25,14 +25,24 @@ def cache(tmp_path_factory):
 
 def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     out = tmp_path / "out.json"
-    r = run("--flagfile=configs/tiny.flags", "--max_new_tokens=5", f"--output_json={out}", cache=cache)
+    r = run("--flagfile=configs/tiny.flags", "--max_new_tokens=5", f"--output_json={out}", "--compare_plain",
+            cache=cache)
     assert r.returncode == 0, r.stderr
     assert "[0] text:" in r.stdout and "tok/s" in r.stdout
+    # what it is doing goes to stderr, phase by phase, with the seconds each took
+    for line in ("generate: loading preset:tiny", "generate: compiling prefill (batch 2, prompt bucket 16) and the "
+                 "plain decode loop", "generate: compiling prefill (batch 2, prompt bucket 16) and the MTP K=3 "
+                 "decode loop", "generate: generating up to 5 tokens for 2 prompts"):
+        assert line in r.stderr, r.stderr
+    assert r.stderr.count("generate:   done in ") == 5, r.stderr
+    # --compare_plain: plain decoding of the same prompts in the same run, beside MTP
+    assert re.search(r"plain [\d.]+ tok/s, MTP K=3 [\d.]+ tok/s: [\d.]+x; tokens identical", r.stdout), r.stdout
     report = json.loads(out.read_text())
     assert report["prompts"] == ["def fibonacci(", "The quick brown fox"]
     assert all(1 <= len(t) <= 5 for t in report["tokens"]) and len(report["texts"]) == 2
     assert report["stats"]["decode_tokens_per_s"] > 0
     assert report["mtp_k"] == 3 and "MTP K=3:" in r.stdout and report["stats"]["drafted"] > 0
+    assert report["plain"]["tokens_identical"] and report["plain"]["tokens"] == report["tokens"]
     # the preset was built into the cache on first use
     assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
 
@@ -86,6 +96,10 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
      r"error: --prompt_file=/nonexistent/p.txt: .*No such file"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--temperature=0.8"),
      "error: temperature=0.8: only greedy decoding .* is supported"),
+    # checked before anything is loaded: the bad checkpoint is never reached
+    (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--output_json=/nonexistent_dir/out.json"),
+     "error: --output_json=/nonexistent_dir/out.json: directory /nonexistent_dir does not exist"),
+    (("--checkpoint=preset:tiny", "--prompt=hi", "--compare_plain"), "error: --compare_plain .* give --mtp_k"),
 ])
 def test_bad_input_gives_one_error_line(cache, args, message):
     r = run(*args, cache=cache)
