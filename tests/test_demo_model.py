@@ -6,6 +6,7 @@ the checkpoint's tokenizer. An untrained or wrongly exported head scores near 0 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,7 +48,7 @@ def test_heldout_teacher_forced_acceptance_reaches_the_issue_bar(demo):
 
 def test_make_demo_flagfile_writes_the_plain_greedy_code_with_mtp(demo, tmp_path):
     """`make demo`'s command (configs/demo.flags, MTP K=3) in a child process: the plain greedy
-    tokens, Python-like text, acceptance statistics printed."""
+    tokens, Python-like text, acceptance statistics and plain-vs-MTP speeds from the one run printed."""
     out = tmp_path / "demo.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "qmtp.generate", "--flagfile=configs/demo.flags", "--max_new_tokens=48",
@@ -55,6 +56,7 @@ def test_make_demo_flagfile_writes_the_plain_greedy_code_with_mtp(demo, tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mtp_k"] == 3 and "MTP K=3:" in r.stdout and "per-position acceptance" in r.stdout
+    assert re.search(r"^plain [\d.]+ tok/s, MTP K=3 [\d.]+ tok/s: [\d.]+x; tokens identical", r.stdout, re.M), r.stdout
     plain = api.generate(demo, report["prompts"], max_new_tokens=48)
     assert report["tokens"] == plain.tokens
     assert all("return" in t or "if " in t for t in report["texts"]), report["texts"]  # code, not noise
