@@ -218,6 +218,24 @@ def test_bad_requests_through_the_openai_client(mtp_server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("param,value", [("top_p", 0.9), ("seed", 1)])
+def test_top_p_and_seed_are_refused_not_ignored(mtp_server, route, param, value):
+    """Greedy decoding has no sampling to apply them to: refused as temperature != 0 is; their neutral
+    values (top_p 1, seed null) are accepted."""
+    server, url = mtp_server
+    body = {"model": NAME, "max_tokens": 2, **({"prompt": "x"} if route == "/v1/completions" else
+                                               {"messages": [{"role": "user", "content": "x"}]})}
+    r = httpx.post(url + route, json={**body, param: value}, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "unsupported_value" and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(f"{param}={value}: ") and "greedy" in err["message"], err
+    ok = httpx.post(url + route, json={**body, "top_p": 1, "seed": None, "temperature": 0}, timeout=120)
+    assert ok.status_code == 200, ok.text
+    assert_all_free(server.engine, internals=False)
+
+
 def test_client_disconnect_mid_stream_cancels_the_request(model, mtp_server, monkeypatch):
     server, url = mtp_server
     engine = server.engine

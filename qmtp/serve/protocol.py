@@ -5,8 +5,9 @@ Requests (JSON bodies; unknown fields are ignored):
                         max_tokens, stop, stop_token_ids (extension), stream, stream_options
   /v1/chat/completions  model, messages [{role, content: string | [{type: "text", text}]}],
                         max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options
-Greedy decoding only: temperature absent or 0, n / best_of absent or 1; logprobs, echo, suffix,
-logit_bias, penalties and tools are refused.
+Greedy decoding only: temperature absent or 0, top_p absent or 1, seed absent or null, n / best_of
+absent or 1; logprobs, echo, suffix, logit_bias, penalties and tools are refused. A sampling option
+the server cannot honour is refused rather than ignored: the client would believe it sampled.
 
 Errors are {"error": {"message", "type", "param", "code"}} with these statuses:
   400 invalid_request_error   malformed JSON, wrong types, unsupported options, max_tokens beyond
@@ -122,6 +123,10 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     _refuse(("n", req.n not in (None, 1), f"n={req.n}: only n = 1 is supported (greedy decoding gives one answer)"),
             ("temperature", req.temperature not in (None, 0),
              f"temperature={req.temperature}: only greedy decoding (temperature 0) is supported"),
+            ("top_p", req.top_p not in (None, 1),
+             f"top_p={req.top_p}: only greedy decoding (top_p 1) is supported; sampling is not implemented"),
+            ("seed", req.seed is not None,
+             f"seed={req.seed}: sampling is not implemented; greedy decoding is deterministic without a seed"),
             ("presence_penalty", req.presence_penalty, "presence_penalty is not supported (greedy decoding only)"),
             ("frequency_penalty", req.frequency_penalty, "frequency_penalty is not supported (greedy decoding only)"),
             ("logit_bias", req.logit_bias, "logit_bias is not supported"),
