@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -255,3 +257,33 @@ def test_a_depth_two_run_lowers_both_depths_losses(tmp_path):
     _train(f"--out_dir={out}", "--mtp_depth=2", "--final_eval_windows=0")
     evals = [r for r in _rows(out) if r["kind"] == "eval"]
     assert evals[-1]["mtp2"] < evals[0]["mtp2"] - 0.2 and evals[-1]["mtp1"] < evals[0]["mtp1"] - 0.2
+
+
+def test_train_rejects_an_unwritable_out_dir_before_reading_anything(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-m", "qmtp.train", f"--flagfile={TINY}", f"--out_dir={blocker}/run"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [f"train: error: --out_dir={blocker}/run: {blocker} is a file, not a directory"]
+
+
+def test_train_and_export_reject_unwritable_outputs_before_reading_anything(run_a, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = tmp_path / "run"
+    assert train.main(["train", f"--flagfile={TINY}", f"--out_dir={out}", f"--export_dir={blocker}/x"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"train: error: --export_dir={blocker}/x: {blocker} is a file, "
+                                                    "not a directory"]
+    assert not out.exists()  # nothing written
+    assert export.main(["export", f"--run_dir={run_a}", f"--out={blocker}/x"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"export: error: --out={blocker}/x: {blocker} is a file, "
+                                                    "not a directory"]
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    assert export.main(["export", f"--run_dir={run_a}", f"--out={existing}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"export: error: --out={existing} exists (pass --overwrite to "
+                                                    "replace it)"]
+    assert export.main(["export", f"--run_dir={tmp_path / 'no_run'}", f"--out={tmp_path / 'x'}"]) == 2
+    assert "no_run is not a qmtp.train run directory" in capsys.readouterr().err

@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 from absl import flags
 
+from qmtp.cli_help import check_output_dir
 from qmtp.model import checkpoint, config as qconfig, params as P
 from qmtp.tools import checkpoint_writer, tiny_tokenizer
 from qmtp.tools.make_checkpoint import parse_size, write_json
@@ -188,6 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body(fv) -> str:
         if not fv.run_dir or not fv.out:
             raise ValueError("--run_dir and --out are required")
+        check_output_dir("out", fv.out)  # before the checkpoint is restored: the write comes last
+        if os.path.exists(fv.out) and not fv.overwrite:
+            raise ValueError(f"--out={fv.out} exists (pass --overwrite to replace it)")
+        if not os.path.isfile(os.path.join(fv.run_dir, "run_config.json")):
+            raise ValueError(f"--run_dir={fv.run_dir}: {fv.run_dir} is not a qmtp.train run directory "
+                             "(no run_config.json)")
         return "wrote " + export_run(fv.run_dir, fv.out, step=fv.step, dtype=fv.dtype,
                                      max_shard_bytes=parse_size(fv.max_shard_bytes), overwrite=fv.overwrite)
     usage = f"usage: python -m qmtp.train.export --run_dir=RUN --out=DIR [flags]\n\n{main.__doc__}\n"

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qmtp import api
+from qmtp import api, cli_help
 from qmtp.model import checkpoint, config as qconfig, mtp
 from qmtp.tools import presets, tiny_tokenizer
 from qmtp.tools.make_checkpoint import parse_size
@@ -192,6 +192,8 @@ def _check_run_dir(fv, flag_dict: dict) -> None:
 
 def run(fv) -> dict:
     """The whole run for parsed flags; returns the summary dict."""
+    cli_help.check_output_dir("out_dir", fv.out_dir)  # before anything is read, built or written
+    cli_help.check_output_dir("export_dir", fv.export_dir)
     if fv.train_mtp_only and not fv.init_checkpoint:
         raise ValueError("--train_mtp_only needs --init_checkpoint")
     if fv.seq_len < fv.mtp_depth + 2:
