@@ -7,7 +7,9 @@ the CPU, so a run stopped at step 4 and resumed must hold exactly run A's parame
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -25,6 +27,7 @@ from qmtp.tools import make_checkpoint
 from qmtp.train import checkpoints as train_checkpoints
 from qmtp.train import data as train_data
 from qmtp.train import export
+from qmtp.train import health
 from qmtp.train import hyper
 from qmtp.train import loss as train_loss
 from qmtp.train import trainer as train
@@ -59,8 +62,15 @@ def _restore(run_dir: str):
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory) -> str:
+    """The tiny preset's 8-step run (its final acceptance on 2 held-out windows); its stdout and stderr
+    are kept in OUT.stdout and OUT.stderr."""
     out = str(tmp_path_factory.mktemp("train") / "a")
-    _train(f"--out_dir={out}", "--final_eval_windows=0")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        _train(f"--out_dir={out}")
+    for name, text in (("stdout", stdout), ("stderr", stderr)):
+        with open(f"{out}.{name}", "w") as f:
+            f.write(text.getvalue())
     return out
 
 
@@ -102,7 +112,11 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(run_a, tmp_path):
         assert json.load(f)["step"] == 0  # the only evaluation before the stop
     _train(f"--out_dir={out}", "--resume", "--final_eval_windows=0", "--export_best")
     with open(os.path.join(out, "summary.json")) as f:
-        assert json.load(f)["export"]["step"] == 8  # the loss fell: the last evaluation is the best
+        summary = json.load(f)
+    assert summary["export"]["step"] == 8  # the loss fell: the last evaluation is the best
+    # no final acceptance (--final_eval_windows=0): the verdict is the exported step's evaluation's
+    assert summary["degenerate"] and summary["degenerate"] == [r for r in _rows(out) if r["kind"] == "eval"][-1][
+        "degenerate"]
     *_, params_a, opt_a, step_a = _restore(run_a)
     *_, params_b, opt_b, step_b = _restore(out)
     assert step_a == step_b == 8
@@ -259,6 +273,62 @@ def test_a_depth_two_run_lowers_both_depths_losses(tmp_path):
     assert evals[-1]["mtp2"] < evals[0]["mtp2"] - 0.2 and evals[-1]["mtp1"] < evals[0]["mtp1"] - 0.2
 
 
+def test_the_tiny_preset_collapses_and_its_report_says_so_instead_of_its_acceptance(run_a):
+    # 8 steps of the tiny preset learn the token frequencies at best: the greedy target emits ' ' everywhere,
+    # which its MTP head predicts as well, so the teacher-forced acceptance reads 1.000
+    with open(os.path.join(run_a, "summary.json")) as f:
+        summary = json.load(f)
+    final = summary["heldout_check"]
+    assert final["loss"] >= final["unigram"] and final["top_share"] > health.TOP_SHARE_LIMIT, final
+    assert final["top_token_text"] == "' '"
+    assert summary["degenerate"] == final["degenerate"] and len(final["degenerate"]) == 2
+    assert summary["heldout_mtp_acceptance"]["meaningful"] is False
+    with open(f"{run_a}.stderr") as f:
+        lines = [line for line in f.read().splitlines() if "MTP acceptance" in line]
+    assert len(lines) == 1 and lines[0].startswith("train: DEGENERATE MODEL: held-out loss "), lines
+    assert "greedy predictions are token " in lines[0] and lines[0].endswith("is not meaningful"), lines
+    # the printed result and every held-out evaluation row carry the verdict next to the number
+    with open(f"{run_a}.stdout") as f:
+        printed = json.loads(f.read().strip().splitlines()[-1])
+    assert printed["degenerate"].startswith("DEGENERATE MODEL: ") and "accept" not in printed["last_eval"]
+    last = [r for r in _rows(run_a) if r["kind"] == "eval"][-1]
+    assert last["degenerate"] and last["top_share"] > health.TOP_SHARE_LIMIT and last["main"] >= last["unigram"]
+
+
+def test_health_criteria_on_held_out_text(run_a):
+    """check() against predictors built from the held-out stream itself: a bigram table passes; token
+    frequencies (the best context-free predictor) and a constant prediction fail, each for its reason."""
+    data = train_data.prepare(os.path.join(run_a, "data"), vocab_size=None)
+    stream, v = data.eval.astype(np.int64), data.tokenizer.get_vocab_size()
+    labels, context = stream[1:], stream[:-1]
+    bigram = np.full((v, v), 0.01)
+    np.add.at(bigram, (context, labels), 1.0)
+    bigram /= bigram.sum(1, keepdims=True)
+    ok = health.check(float(np.mean(-np.log(bigram[context, labels]))), labels, bigram[context].argmax(1), stream,
+                      data.tokenizer)
+    assert ok["degenerate"] is None and ok["loss"] < ok["unigram"] - 1.0 and ok["top_share"] < 0.5, ok
+    assert "DEGENERATE" not in health.describe(ok, 0.4) and health.describe(ok, 0.4).endswith("MTP acceptance 0.400")
+
+    train_freq = np.bincount(data.train, minlength=v) + 0.5
+    train_freq /= train_freq.sum()  # the training frequencies: what a model that learned only them predicts
+    unigram = health.check(float(np.mean(-np.log(train_freq[labels]))), labels,
+                           np.full(labels.shape, train_freq.argmax()), stream, data.tokenizer)
+    assert len(unigram["degenerate"]) == 2 and "no better than token frequencies" in unigram["degenerate"][0]
+    assert unigram["unigram"] == pytest.approx(health.unigram_loss(stream, labels))
+
+    # a better-than-frequencies loss with one token everywhere is still degenerate, and the other way round
+    collapsed = health.check(ok["loss"], labels, np.full(labels.shape, 220), stream, data.tokenizer)
+    assert collapsed["degenerate"] == ["100% of greedy predictions are token 220 (' ')"]
+    line = health.describe(collapsed, 1.0)
+    assert line.startswith("DEGENERATE MODEL: 100% of greedy predictions are token 220 (' ')")
+    assert line.endswith("its MTP acceptance (1.000) is not meaningful")
+    varied = health.check(unigram["unigram"] + 0.01, labels, bigram[context].argmax(1), stream)
+    assert len(varied["degenerate"]) == 1 and varied["degenerate"][0].startswith("held-out loss ")
+    assert health.check(float("nan"), labels, labels, stream)["degenerate"]  # NaN is no improvement
+    assert health.check(ok["loss"], labels, np.where(np.arange(labels.size) % 10, 220, labels), stream)[
+        "degenerate"] is None  # 90% one token: under the limit
+
+
 def test_train_rejects_an_unwritable_out_dir_before_reading_anything(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -287,3 +357,14 @@ def test_train_and_export_reject_unwritable_outputs_before_reading_anything(run_
                                                     "replace it)"]
     assert export.main(["export", f"--run_dir={tmp_path / 'no_run'}", f"--out={tmp_path / 'x'}"]) == 2
     assert "no_run is not a qmtp.train run directory" in capsys.readouterr().err
+
+
+def test_the_shipped_demo_model_is_not_flagged():
+    """A model that learned something: models/qmtp-demo (configs/train_demo.flags) on held-out standard
+    library text, through the check the trainer runs on its export."""
+    import types
+    demo = api.load(os.path.join(REPO, "models", "qmtp-demo"), dtype="float32", progress=False)
+    stream = train_data.encode_stream(demo.tokenizer, train_data.load_corpus("stdlib", eval_fraction=0.02).eval_texts)
+    windows = np.stack([stream[a:a + 128] for a in np.linspace(0, stream.size - 128, 4).astype(int)]).astype(np.int32)
+    check = train._export_check(demo, windows, types.SimpleNamespace(eval=stream, tokenizer=demo.tokenizer))
+    assert check["degenerate"] is None and check["loss"] < check["unigram"] - 1.0 and check["top_share"] < 0.5, check

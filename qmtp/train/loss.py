@@ -103,11 +103,13 @@ def mtp_chain(cfg: ModelConfig, params: dict, state, tokens: jax.Array, mh: jax.
 
 
 def losses(cfg: ModelConfig, params: dict, tokens: jax.Array, mtp_mask: jax.Array | None = None, *,
-           mtp_weight: float = 0.3, mtp_only: bool = False, mtp_depth: int = 1) -> tuple[jax.Array, dict]:
+           mtp_weight: float = 0.3, mtp_only: bool = False, mtp_depth: int = 1,
+           predictions: bool = False) -> tuple[jax.Array, dict]:
     """(L, {"loss", "main", "mtp", "accept"[, "mtp1" .. "mtpD"]}) for tokens [B, T] (T >= mtp_depth + 2);
     params in the compute dtype. mtp_mask: [B, T-2] weights of the labels x_{p+2} (None = all 1).
     mtp_depth D > 1 also trains the chain of `mtp_chain` (one shared MTP layer, teacher-forced
-    tokens); L_mtp is then the mean over depths."""
+    tokens); L_mtp is then the mean over depths. predictions: also "predictions", the target's greedy
+    next tokens [B, T-1] int32 (for qmtp.train.health)."""
     b, t = tokens.shape
     state = init_state(cfg, np.arange(b)[:, None], num_pages=b, page_size=t, dtype=params["embed"].dtype)
     hidden, state = target.forward(cfg, params, state, tokens, jnp.full((b,), t, jnp.int32), REF)  # [B, T, E]
@@ -129,4 +131,6 @@ def losses(cfg: ModelConfig, params: dict, tokens: jax.Array, mtp_mask: jax.Arra
     metrics = {"loss": total, "main": main, "mtp": mtp_loss, "accept": accept}
     if mtp_depth > 1:
         metrics.update({f"mtp{d + 1}": x for d, x in enumerate(depth_losses)})
+    if predictions:
+        metrics["predictions"] = jnp.argmax(logits, -1).astype(jnp.int32)
     return total, metrics

@@ -14,7 +14,13 @@ The run directory (--out_dir):
     best/                --export_best: the parameters of the lowest held-out loss, best.json
     metrics.jsonl        one row per log / eval step        loss.png   target and MTP loss curves
     export/              the HF-format checkpoint (qmtp.train.export), written when the run reaches --steps
-    summary.json         parameter count, export size, final losses, held-out MTP acceptance, timings
+    summary.json         parameter count, export size, final losses, held-out MTP acceptance, timings,
+                         and "degenerate": why the model is degenerate (qmtp.train.health), or null
+
+Every held-out evaluation also checks the model for collapse (qmtp.train.health: no better than the
+held-out token frequencies, or one greedy token almost everywhere). A degenerate model's MTP acceptance
+is trivially high (a target that always emits one token agrees with its own MTP head): the report then
+says DEGENERATE MODEL and marks the acceptance as not meaningful.
 
 --resume continues bit for bit (the batch of step s is a function of (--seed, s); the optimizer state
 is restored); --stop_at_step ends a run early after checkpointing.
@@ -38,17 +44,17 @@ from qmtp import api, cli_help
 from qmtp.model import checkpoint, config as qconfig, mtp
 from qmtp.tools import presets, tiny_tokenizer
 from qmtp.tools.make_checkpoint import parse_size
-from qmtp.train import data as train_data, export, loss as train_loss
+from qmtp.train import data as train_data, export, health, loss as train_loss
 from qmtp.train.checkpoints import Best, CKPT_DIR, DATA_DIR, manager, restore
 from qmtp.train.flags import cli, define_flags, RESUME_FREE
 from qmtp.train.hyper import float_tree, Hyper
 
 
-def _losses(cfg, hp: Hyper, trainable, frozen, tokens, mtp_mask):
+def _losses(cfg, hp: Hyper, trainable, frozen, tokens, mtp_mask, predictions: bool = False):
     """The objective of the full tree in the compute dtype: trainable (all, or {"mtp": ...}) over frozen."""
     params = train_loss.cast_for_compute(dict(frozen, **trainable), jnp.dtype(hp.compute_dtype))
     return train_loss.losses(cfg, params, tokens, mtp_mask, mtp_weight=hp.mtp_loss_weight, mtp_only=hp.mtp_only,
-                             mtp_depth=hp.mtp_depth)
+                             mtp_depth=hp.mtp_depth, predictions=predictions)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "hp"), donate_argnames=("trainable", "opt_state"))
@@ -61,7 +67,8 @@ def train_step(cfg, hp: Hyper, trainable, frozen, opt_state, tokens, mtp_mask):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "hp"))
 def eval_step(cfg, hp: Hyper, trainable, frozen, tokens):
-    return _losses(cfg, hp, trainable, frozen, tokens, None)[1]
+    """The losses of held-out tokens [B, T] and the target's greedy predictions [B, T-1]."""
+    return _losses(cfg, hp, trainable, frozen, tokens, None, predictions=True)[1]
 
 
 def _log(msg: str) -> None:
@@ -97,6 +104,10 @@ def _plot_curves(rows: list[dict], path: str) -> None:
             ax.plot(steps, [x[key] for x in r], style, label=f"{label}, {kind}", color=color,
                     alpha=0.8 if kind == "train" else 1.0)
         ax2.plot(steps, [x["accept"] for x in r], style, label=kind, color="C2" if kind == "eval" else "C7")
+    ref = [x for x in rows if x["kind"] == "eval" and "unigram" in x]
+    if ref:  # below this line the target has learned more than token frequencies (qmtp.train.health)
+        ax.plot([x["step"] for x in ref], [x["unigram"] for x in ref], ":", color="k", alpha=0.6,
+                label="held-out token frequencies (unigram)")
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title="losses")
     ax2.set(xlabel="step", ylabel="share", title="teacher-forced first-draft acceptance", ylim=(0, 1))
     for a in (ax, ax2):
@@ -236,9 +247,15 @@ def run(fv) -> dict:
         if best is not None and row["kind"] == "eval":
             best.offer(row, trainable)
 
+    eval_labels = np.concatenate(evals)[:, 1:]
+
     def evaluate(step):
         ms = [jax.device_get(eval_step(cfg, hp, trainable, frozen, jnp.asarray(x))) for x in evals]
-        record(dict(step=step, kind="eval", **{k: float(np.mean([m[k] for m in ms])) for k in ms[0]}))
+        predictions = np.concatenate([m.pop("predictions") for m in ms])
+        row = dict(step=step, kind="eval", **{k: float(np.mean([m[k] for m in ms])) for k in ms[0]})
+        check = health.check(row["main"], eval_labels, predictions, data.eval, data.tokenizer)
+        row.update({k: check[k] for k in ("unigram", "top_token", "top_share", "degenerate")})
+        record(row)
 
     if step == 0:
         evaluate(0)
@@ -308,12 +325,39 @@ def run(fv) -> dict:
             model = api.load(path, dtype=fv.compute_dtype, progress=False)
             win = train_data.eval_windows(data.eval, fv.final_eval_windows, fv.seq_len)
             acceptance = float(np.mean([api.mtp_logits(model, w.tolist()).agreement for w in win]))
+            check = summary["heldout_check"] = _export_check(model, win, data)
             summary["heldout_mtp_acceptance"] = {"windows": len(win), "tokens_per_window": fv.seq_len,
-                                                 "acceptance": acceptance, "dtype": fv.compute_dtype}
-            _log(f"held-out teacher-forced MTP acceptance (qmtp.mtp_logits on the export): {acceptance:.3f}")
+                                                 "acceptance": acceptance, "dtype": fv.compute_dtype,
+                                                 "meaningful": not check["degenerate"]}
+            if check["degenerate"]:
+                _log(health.describe(check, acceptance))
+            else:
+                _log(f"held-out teacher-forced MTP acceptance (qmtp.mtp_logits on the export): {acceptance:.3f} "
+                     f"({health.describe(check)})")
+    if "heldout_check" in summary:  # the verdict on the export
+        summary["degenerate"] = summary["heldout_check"]["degenerate"]
+    else:  # no final acceptance: the verdict of the evaluation of the exported (or last) parameters
+        exported = summary.get("export", {}).get("step", step)
+        row = next((r for r in reversed(evals_done) if r["step"] == exported), evals_done[-1] if evals_done else {})
+        summary["degenerate"] = row.get("degenerate")
+        if summary["degenerate"]:
+            _log(f"{health.describe(row, row['accept'])} (held-out evaluation of step {row['step']})")
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
     return summary
+
+
+def _export_check(model: api.Model, windows: np.ndarray, data: train_data.Data) -> dict:
+    """health.check of a loaded checkpoint's target (qmtp.target_logits) over held-out windows [N, T]."""
+    losses, predictions = [], []
+    for w in windows:
+        logits = api.target_logits(model, w.tolist())[:-1].astype(np.float64)  # [T-1, V]: predicts w[1:]
+        top = logits.max(-1)
+        log_z = top + np.log(np.exp(logits - top[:, None]).sum(-1))
+        losses.append(log_z - logits[np.arange(len(w) - 1), w[1:]])
+        predictions.append(logits.argmax(-1))
+    return health.check(float(np.mean(np.concatenate(losses))), windows[:, 1:], np.concatenate(predictions),
+                        data.eval, data.tokenizer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -322,7 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not fv.out_dir:
             raise ValueError("--out_dir is required")
         summary = run(fv)
-        return json.dumps({k: summary[k] for k in ("step", "trained_parameters", "last_eval") if k in summary}
-                          | ({"export": summary["export"]["dir"]} if "export" in summary else {}))
+        printed = {k: summary[k] for k in ("step", "trained_parameters", "last_eval") if k in summary}
+        if summary["degenerate"]:  # the acceptance of a collapsed model is no result (qmtp.train.health)
+            printed["degenerate"] = health.describe(summary)
+            if printed.get("last_eval"):
+                printed["last_eval"] = {k: v for k, v in printed["last_eval"].items() if k != "accept"}
+        return json.dumps(printed | ({"export": summary["export"]["dir"]} if "export" in summary else {}))
     usage = f"usage: python -m qmtp.train --out_dir=RUN [flags]   (or --flagfile=configs/train_demo.flags)\n\n{__doc__}"
     return cli(argv, define_flags, usage, "train", body)
