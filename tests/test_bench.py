@@ -50,7 +50,10 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     assert res["config"]["draft_head"] == "fp8"  # drafts through the FP8 copy: acceptance unchanged here
     for pieces in case["breakdown"].values():
         assert {"target_step", "verify", "draft", "predicted_round", "measured_round"} <= set(pieces)
-    assert "mtp K=3 profiled" in r.stdout and "roofline" in r.stdout and "per piece of a round" in r.stdout
+    assert "mtp K=3 profiled" in r.stdout and "per piece of a round" in r.stdout
+    # a CPU run: the copy bandwidth is no ceiling there (the weights stay in cache), and the report says
+    # so instead of quoting shares of a roofline
+    assert res["platform"] == "cpu" and "not a ceiling" in r.stdout and "roofline" not in r.stdout
     assert "[1/3" in r.stderr  # progress
     # --trace_dir: one profiler trace per mode, named after it, readable as scripts/trace_summary.py reads it
     from pallas_kernels.bench import trace_events
@@ -271,3 +274,43 @@ def test_compare_to_names_a_bad_file(tmp_path):
     bad.write_text('{"cases": []}')
     with pytest.raises(ValueError, match="not a qmtp.bench result"):
         br.load_comparison(str(bad))
+
+
+def _plot_case(**extra) -> dict:
+    """One case as qmtp.bench plots it: plain, K=1/2 natural and profiled, their ceilings, the roofline."""
+    mode = lambda name, k, acc, tps, ceil=None: {  # noqa: E731
+        "name": name, "k": k, "acceptance": acc, "decode_tokens_per_s": {"median": tps}, "ceiling_tok_s": ceil}
+    modes = [mode("plain", 0, "-", 100.0), mode("mtp K=1 natural", 1, "natural", 180.0, 150.0),
+             mode("mtp K=2 natural", 2, "natural", 240.0, 190.0), mode("mtp K=1 profiled", 1, "profiled", 160.0, 140.0),
+             mode("mtp K=2 profiled", 2, "profiled", 200.0, 170.0)]
+    return {"batch": 1, "prompt_length": 16, "modes": modes, "roofline": {"plain_tok_s": 90.0},
+            "config": {"title": "tiny engine=ref TP1"}, **extra}
+
+
+def _drawn(case: dict) -> tuple[list[str], str]:
+    """The labels of the lines figure(case) draws, and its title."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = br.figure(case)
+    try:
+        (ax,) = fig.axes
+        return [line.get_label() for line in ax.get_lines()], ax.get_title()
+    finally:
+        plt.close(fig)
+
+
+def test_plot_draws_the_bandwidth_ceilings_on_a_gpu_only():
+    """On a CPU the copy bandwidth is no ceiling (a small model's weights stay in cache and decode runs
+    above it): the roofline and the MTP ceilings are left out and the title says why; on a GPU they
+    are drawn. A result from before the platform was recorded is told by its device names."""
+    gpu, gpu_title = _drawn(_plot_case(platform="gpu"))
+    assert gpu == ["qmtp, natural acceptance", "bandwidth ceiling, natural", "qmtp, profiled acceptance",
+                   "bandwidth ceiling, profiled", "plain roofline 90 tok/s"]
+    assert "cache" not in gpu_title
+    for case in (_plot_case(platform="cpu"), _plot_case(device=["cpu:0"])):
+        cpu, cpu_title = _drawn(case)
+        assert cpu == ["qmtp, natural acceptance", "qmtp, profiled acceptance"], cpu
+        assert cpu_title.startswith("tiny engine=ref TP1") and "not a ceiling" in cpu_title and "cache" in cpu_title
+    assert _drawn(_plot_case(device=["cuda:0", "cuda:1"]))[0] == gpu
+

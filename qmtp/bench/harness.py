@@ -10,8 +10,10 @@ exit status 1).
 Per mode: decode tokens/s = sum(output_tokens - 1) / sum(wall - TTFT) (median, min, max over the
 repeats), TTFT, mean accepted length, per-position acceptance, speedup over plain, share of the
 bandwidth roofline (`qmtp.bench.report`), peak device memory. Writes one JSON (config, versions,
-device, figures, raw timings) and one PNG plot (tokens/s vs K, natural and profiled, with the
-roofline and the MTP ceilings). `--engine=ref` runs the pure-XLA path, `--engine=pallas` the
+platform, device, figures, raw timings) and one PNG plot (tokens/s vs K, natural and profiled, with the
+roofline and the MTP ceilings on a GPU; on a CPU the copy bandwidth is no ceiling, since a small
+model's weights stay in cache, and neither plot nor table quotes one).
+`--engine=ref` runs the pure-XLA path, `--engine=pallas` the
 kernels, `--engine=pallas,ref` both on the same loaded weights with a comparison table; on the CPU the tiny presets give a quick smoke run (configs/bench_tiny.flags).
 """
 
@@ -234,7 +236,9 @@ def main(argv):
     if FLAGS.plot_from:
         with open(FLAGS.plot_from) as f:
             result = json.load(f)
-        paths = [br.plot(dict(case, config=result["config"]), _plot_path(FLAGS.plot_from, i, len(result["cases"])))
+        where = br.platform_of(result)
+        paths = [br.plot(dict(case, config=result["config"], platform=where),
+                         _plot_path(FLAGS.plot_from, i, len(result["cases"])))
                  for i, case in enumerate(result["cases"])]
         print("\n".join(p or "matplotlib is not installed" for p in paths))
         return 0
@@ -294,8 +298,8 @@ def _run() -> int:
               "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
-              "device": [str(d) for d in jax.devices()], "copy": copy, "load_s": load_s,
-              "memory_after_load": resident, "cases": []}
+              "platform": jax.default_backend(), "device": [str(d) for d in jax.devices()], "copy": copy,
+              "load_s": load_s, "memory_after_load": resident, "cases": []}
     ok = True
     text_ids = api.encode(model, FLAGS.prompt_text) if FLAGS.prompt_text else None
     if text_ids is not None:
@@ -312,12 +316,8 @@ def _run() -> int:
                 ok &= case["all_tokens_match_plain"]
                 with open(FLAGS.out, "w") as f:
                     json.dump(result, f, indent=2, default=str)
-                print(f"\nengine {engine}, batch {b}, prompt {p} tokens (roofline "
-                      f"{case['roofline']['plain_tok_s']:.1f} tok/s, copy {copy['tb_per_s']:.2f} TB/s):")
-                print(br.table(case["modes"]))
-                if jax.default_backend() == "cpu":  # a 16 MB model sits in the CPU's caches
-                    print("(CPU: the weights of a small model stay in cache, so roofline shares above 100% "
-                          "mean little here; they are a GPU measure)")
+                print("\n" + br.heading(case, copy["tb_per_s"], result["platform"]))
+                print(br.table(case["modes"], shares=br.has_ceiling(result["platform"])))
                 if case.get("breakdown"):
                     print(br.breakdown_table(case["breakdown"]))
                 for k, pieces in (case.get("breakdown_kernels") or {}).items():
@@ -338,7 +338,8 @@ def _run() -> int:
         print(br.engine_comparison_table(result["engine_comparison"], engines))
     for i, case in enumerate(result["cases"]):
         title = f"{os.path.basename(path)} engine={case['engine']} TP{FLAGS.tp}"
-        png = br.plot(dict(case, config=dict(config, title=title)), _plot_path(FLAGS.out, i, len(result["cases"])))
+        png = br.plot(dict(case, config=dict(config, title=title), platform=result["platform"]),
+                      _plot_path(FLAGS.out, i, len(result["cases"])))
         case["plot"] = png
     result["all_tokens_match_plain"] = ok
     with open(FLAGS.out, "w") as f:

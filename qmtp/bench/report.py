@@ -11,7 +11,9 @@ Roofline (PERFORMANCE.md), from the actual parameter tree and decode state:
         tokens per round = 1 + sum_i p_i;  bytes per round = target_bytes + K * draft_bytes
         (K-1 draft steps, the verify pass, the draft refresh after the commit)
         ceiling          = (1 + sum_i p_i) / (bytes per round / copy_bandwidth)          tok/s
-All bandwidth figures are the copy bandwidth measured in the same run.
+All bandwidth figures are the copy bandwidth measured in the same run. On a CPU that bandwidth is no
+ceiling (a small model's weights stay in cache, and decoding runs above it): the plot leaves the
+roofline and the ceilings out and the printed table the shares (the JSON keeps every figure).
 """
 
 from __future__ import annotations
@@ -77,9 +79,37 @@ def aligned(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def table(modes: list[dict]) -> str:
-    """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share, and the
-    device memory's high-water mark through the mode (GB; "-" where the backend keeps no statistics)."""
+def platform_of(result: dict) -> str | None:
+    """The platform a result was measured on ("cpu", "gpu", ...): its `platform`, or for a result
+    that does not record it, the kind of its first device ("cpu:0", "cuda:0"); None when unknown."""
+    if result.get("platform"):
+        return result["platform"]
+    device = (result.get("device") or [""])[0].lower()
+    kinds = {"cpu": "cpu", "tfrt_cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+    return next((v for k, v in kinds.items() if device.startswith(k)), None)
+
+
+def has_ceiling(platform: str | None) -> bool:
+    """Whether the copy bandwidth bounds decoding on this platform: not on a CPU, where the weights of
+    a small model stay in cache (an unknown platform counts as a GPU)."""
+    return platform != "cpu"
+
+
+NO_CEILING = "not a ceiling on a CPU, where the weights fit in cache"
+
+
+def heading(case: dict, copy_tb_s: float, platform: str | None) -> str:
+    """The line above a case's table: engine, batch, prompt, and the roofline where it is one."""
+    what = f"engine {case['engine']}, batch {case['batch']}, prompt {case['prompt_length']} tokens"
+    if has_ceiling(platform):
+        return f"{what} (roofline {case['roofline']['plain_tok_s']:.1f} tok/s, copy {copy_tb_s:.2f} TB/s):"
+    return f"{what} (copy {copy_tb_s:.2f} TB/s, {NO_CEILING}: no shares of it):"
+
+
+def table(modes: list[dict], shares: bool = True) -> str:
+    """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share (unless
+    `shares` is False: a CPU run), and the device memory's high-water mark through the mode (GB; "-"
+    where the backend keeps no statistics)."""
     head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "acc.len", "per-position", "roofline", "peak GB"]
     rows = [head]
     for m in modes:
@@ -91,6 +121,9 @@ def table(modes: list[dict]) -> str:
                      "/".join(f"{p:.2f}" for p in m.get("position_acceptance", [])) or "-",
                      f"{m['share_of_roofline']:.0%}" if m.get("share_of_roofline") is not None else "-",
                      f"{peak / 1e9:.1f}" if peak is not None else "-"])
+    if not shares:
+        i = head.index("roofline")
+        rows = [r[:i] + r[i + 1:] for r in rows]
     return aligned(rows)
 
 
@@ -118,16 +151,28 @@ def engine_comparison_table(rows: list[dict], engines: list[str]) -> str:
 
 
 def plot(result: dict, path: str) -> str | None:
-    """tokens/s vs K for natural and profiled acceptance, with the plain roofline and the MTP
-    ceilings drawn; returns the path, or None when matplotlib is missing (the JSON has everything:
-    `python -m qmtp.bench --plot_from=result.json` draws it later on any machine)."""
+    """Writes figure(result) to `path` as a PNG; returns the path, or None when matplotlib is missing
+    (the JSON has everything: `python -m qmtp.bench --plot_from=result.json` draws it later on any
+    machine)."""
     try:
         import matplotlib
-        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = figure(result)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def figure(result: dict):
+    """tokens/s vs K for natural and profiled acceptance, with the plain roofline and the MTP
+    ceilings drawn where the copy bandwidth is a ceiling (has_ceiling: not on a CPU, where the title
+    says so instead): a matplotlib Figure (one axes); the caller saves and closes it."""
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    ceilings = has_ceiling(platform_of(result))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kind, marker in (("natural", "o"), ("profiled", "s")):
         pts = sorted((m["k"], m["decode_tokens_per_s"]["median"]) for m in result["modes"]
@@ -136,21 +181,20 @@ def plot(result: dict, path: str) -> str | None:
             ax.plot(*zip(*pts), marker=marker, label=f"qmtp, {kind} acceptance")
         ceil = sorted((m["k"], m["ceiling_tok_s"]) for m in result["modes"]
                       if m["k"] and m["acceptance"] == kind and m.get("ceiling_tok_s"))
-        if ceil:
+        if ceil and ceilings:
             ax.plot(*zip(*ceil), linestyle=":", marker=marker, alpha=0.6, label=f"bandwidth ceiling, {kind}")
     roof = result.get("roofline", {}).get("plain_tok_s")
-    if roof:
+    if roof and ceilings:
         ax.axhline(roof, color="gray", linestyle="--", label=f"plain roofline {roof:.0f} tok/s")
     ax.set_xlabel("MTP drafts per round K (0 = plain)")
     ax.set_ylabel(f"decode tokens/s (batch {result.get('batch', 1)})")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_title(result["config"].get("title", "qmtp decode throughput"), fontsize=9)
+    title = result["config"].get("title", "qmtp decode throughput")
+    ax.set_title(title if ceilings else f"{title}\n(copy bandwidth {NO_CEILING}: no ceilings drawn)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def breakdown_table(breakdown: dict) -> str:
