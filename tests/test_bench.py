@@ -314,3 +314,44 @@ def test_plot_draws_the_bandwidth_ceilings_on_a_gpu_only():
         assert cpu_title.startswith("tiny engine=ref TP1") and "not a ceiling" in cpu_title and "cache" in cpu_title
     assert _drawn(_plot_case(device=["cuda:0", "cuda:1"]))[0] == gpu
 
+
+def _refused_at_once(r, flag: str, tmp_path) -> None:
+    """Exit status 2 with one `error: --flag=...` line, before anything ran (no progress, no bandwidth
+    figure, no checkpoint built into the cache)."""
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --{flag}="), r.stderr[-3000:]
+    assert not (tmp_path / "cache").exists()
+
+
+QUICK = ("--repeats=1", "--ks=1", "--profile=", "--breakdown=false", "--max_new_tokens=4")
+
+
+def test_outputs_are_checked_before_the_run(tmp_path):
+    """--out, --plot and --trace_dir that cannot be written are refused before the copy bandwidth is
+    measured or the model loaded, not after the run."""
+    flagfile = f"--flagfile={ROOT}/configs/bench_tiny.flags"
+    missing = tmp_path / "missing"
+    r = run_bench(flagfile, *QUICK, f"--out={missing / 'r.json'}", tmp_path=tmp_path, cache=tmp_path / "cache")
+    _refused_at_once(r, "out", tmp_path)
+    assert f"directory {missing} does not exist" in r.stderr
+    r = run_bench(flagfile, *QUICK, f"--out={tmp_path / 'r.json'}", f"--plot={missing / 'r.png'}", tmp_path=tmp_path,
+                  cache=tmp_path / "cache")
+    _refused_at_once(r, "plot", tmp_path)
+    (tmp_path / "r.png").mkdir()  # the default plot path, beside --out, is a directory
+    r = run_bench(flagfile, *QUICK, f"--out={tmp_path / 'r.json'}", tmp_path=tmp_path, cache=tmp_path / "cache")
+    _refused_at_once(r, "plot", tmp_path)
+    assert "is a directory" in r.stderr
+    (tmp_path / "file").write_text("")
+    r = run_bench(flagfile, *QUICK, f"--out={tmp_path / 'x.json'}", f"--trace_dir={tmp_path / 'file' / 'traces'}",
+                  tmp_path=tmp_path, cache=tmp_path / "cache")
+    _refused_at_once(r, "trace_dir", tmp_path)
+    assert not (tmp_path / "x.json").exists()
+    # --plot_from: its plot's path too, and an unreadable result is named
+    src = tmp_path / "src.json"
+    src.write_text(json.dumps({"config": {}, "cases": [{k: v for k, v in _plot_case().items() if k != "config"}]}))
+    r = run_bench(f"--plot_from={src}", f"--plot={missing / 'p.png'}", tmp_path=tmp_path, cache=tmp_path / "cache")
+    _refused_at_once(r, "plot", tmp_path)
+    r = run_bench(f"--plot_from={tmp_path / 'nope.json'}", tmp_path=tmp_path, cache=tmp_path / "cache")
+    _refused_at_once(r, "plot_from", tmp_path)
+

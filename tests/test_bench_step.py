@@ -60,3 +60,13 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 }
 """
     assert count_launches(hlo) == {"fusion": 2, "custom-call": 1, "all-reduce": 1, "copy": 1, "total": 5}
+
+
+def test_step_bench_checks_its_output_before_the_run(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "qmtp.bench.step", "--quick", f"--out={tmp_path / 'missing' / 's.json'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --out=") and "does not exist" in lines[0], r.stderr[-3000:]
+    assert "pallas:" not in r.stdout  # nothing was timed

@@ -12,8 +12,8 @@ repeats), TTFT, mean accepted length, per-position acceptance, speedup over plai
 bandwidth roofline (`qmtp.bench.report`), peak device memory. Writes one JSON (config, versions,
 platform, device, figures, raw timings) and one PNG plot (tokens/s vs K, natural and profiled, with the
 roofline and the MTP ceilings on a GPU; on a CPU the copy bandwidth is no ceiling, since a small
-model's weights stay in cache, and neither plot nor table quotes one).
-`--engine=ref` runs the pure-XLA path, `--engine=pallas` the
+model's weights stay in cache, and neither plot nor table quotes one). Output paths are checked
+before anything runs. `--engine=ref` runs the pure-XLA path, `--engine=pallas` the
 kernels, `--engine=pallas,ref` both on the same loaded weights with a comparison table; on the CPU the tiny presets give a quick smoke run (configs/bench_tiny.flags).
 """
 
@@ -232,26 +232,45 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
 
 def main(argv):
     del argv
-    from qmtp.bench import report as br
-    if FLAGS.plot_from:
-        with open(FLAGS.plot_from) as f:
-            result = json.load(f)
-        where = br.platform_of(result)
-        paths = [br.plot(dict(case, config=result["config"], platform=where),
-                         _plot_path(FLAGS.plot_from, i, len(result["cases"])))
-                 for i, case in enumerate(result["cases"])]
-        print("\n".join(p or "matplotlib is not installed" for p in paths))
-        return 0
     try:
-        return _run()
+        return _plot_from(FLAGS.plot_from) if FLAGS.plot_from else _run()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
+def _plot_from(src: str) -> int:
+    """--plot_from: the plot of each case of an earlier result, nothing run."""
+    from qmtp.bench import report as br
+    try:
+        with open(src) as f:
+            result = json.load(f)
+        cases = result["cases"]
+    except OSError as e:
+        raise ValueError(f"--plot_from={src}: cannot read it ({e.strerror})") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--plot_from={src}: not a qmtp.bench result ({e!r})") from None
+    paths = [_plot_path(src, i, len(cases)) for i in range(len(cases))]
+    for path in paths:
+        cli_help.check_output_file("plot", path)
+    where = br.platform_of(result)
+    drawn = [br.plot(dict(case, config=result.get("config") or {}, platform=where), path)
+             for case, path in zip(cases, paths)]
+    print("\n".join(p or "matplotlib is not installed" for p in drawn))
+    return 0
+
+
 def _plot_path(out: str, i: int, n: int) -> str:
     base = FLAGS.plot or os.path.splitext(out)[0] + ".png"
     return base if n == 1 else f"{os.path.splitext(base)[0]}_{i}.png"
+
+
+def check_outputs(n_cases: int) -> None:
+    """ValueError naming the flag unless --out, every plot path and --trace_dir can be written."""
+    cli_help.check_output_file("out", FLAGS.out)
+    for i in range(n_cases):
+        cli_help.check_output_file("plot", _plot_path(FLAGS.out, i, n_cases))
+    cli_help.check_output_dir("trace_dir", FLAGS.trace_dir)
 
 
 def _run() -> int:
@@ -271,9 +290,10 @@ def _run() -> int:
     if bad or not engines:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
     other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
-    compile_cache_dir = cli_help.apply_compile_cache_flag()
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
+    check_outputs(len(engines) * len(batches) * len(lengths))
+    compile_cache_dir = cli_help.apply_compile_cache_flag()
     n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
     progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)

@@ -137,6 +137,11 @@ def main(argv) -> int:
     if bad or not FLAGS.impls:
         print(f"error: --impls={','.join(FLAGS.impls)}: expected pallas and/or ref", file=sys.stderr)
         return 2
+    try:  # before the minutes of building and timing
+        cli_help.check_output_file("out", FLAGS.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     preset, layers, context, n_short, n_long, trials = ("qwen3_5_27b", FLAGS.num_layers, FLAGS.context,
                                                         FLAGS.n_short, FLAGS.n_long, FLAGS.trials)
     if FLAGS.quick:
