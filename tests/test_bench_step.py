@@ -4,6 +4,7 @@ its rows (the timings mean nothing on the CPU), and the launch count skips what 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,9 @@ def test_quick_run_writes_both_paths(tmp_path):
     for row in rows.values():
         parts = row["bytes_by_part"]
         assert row["bytes"] == sum(parts.values()) and parts["weights"] > parts["kv"] > 0
-        assert row["roofline_s"] > 0 and row["steps_timed"] == 4 and row["s_per_step"] > 0
+        assert row["roofline_s"] > 0 and row["steps_timed"] == 4
+        # a difference of two timings: on a loaded CPU it can come out <= 0, so only its presence is checked
+        assert math.isfinite(row["s_per_step"])
         assert row["launches_per_step"]["fusion"] > 0 and row["launches_per_step"]["total"] > 0
     assert "pallas:" in r.stdout and "of the roofline" in r.stdout
 
