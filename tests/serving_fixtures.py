@@ -2,7 +2,8 @@
 checkpoint `ckpt` and its `model`, and `single_threaded_cpu_blas`, live in tests/conftest.py).
 
 Every engine of both files has these shapes (3 slots, page size 8, max_model_len 48, 12 pages, 2 rounds
-per call), so the prefill (prompt buckets 16 and 32) and the loop compile once per K for both files.
+per call), so the prefill (prompt buckets 16 and 32) and the loop compile once per K for both files
+(the warm-up tests add bucket 64, the largest these limits admit, at K=0).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from qmtp.serve.engine import Engine, EngineConfig
 SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
 
 
-def make_engine(model, k, start=True, **kw) -> Engine:
-    """An engine of the shared shapes with mtp_k=k; **kw overrides or adds EngineConfig fields."""
+def make_engine(model, k, start=True, log=None, **kw) -> Engine:
+    """An engine of the shared shapes with mtp_k=k; **kw overrides or adds EngineConfig fields; log: the
+    engine's log-line callback (None: its default, stdout)."""
     cfg = dict(batch_slots=SLOTS, mtp_k=k, rounds_per_call=ROUNDS, max_model_len=MAX_LEN, num_pages=PAGES)
     cfg.update(kw)
-    engine = Engine(model, EngineConfig(**cfg))
+    engine = Engine(model, EngineConfig(**cfg), log=log)
     return engine.start() if start else engine
 
 

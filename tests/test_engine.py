@@ -1,6 +1,6 @@
 """The continuous-batching engine (qmtp.serve.engine) without HTTP: tokens equal qmtp.generate (plain and
 MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, snapshots, batched prefill of waiting
-prompts; nothing leaks.
+prompts, the warm-up of every prompt bucket; nothing leaks.
 
 Compile budget: every engine here has the shapes of tests/serving_fixtures.py (3 slots, page size 8,
 max_model_len 48, 12 pages, 2 rounds per call), so the prefill (prompt buckets 16 and 32) and the loop
@@ -10,9 +10,12 @@ compile once per K. Prompts are at most 32 tokens; requests make at most 14 toke
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -334,3 +337,65 @@ def test_one_prompt_per_pass_when_asked_and_first_token_finishes(model, referenc
     assert [h.result(300).tokens for h in rest] == reference[SLOTS:]
     assert batched.stop(5)
     assert_all_free(batched)
+
+
+# ---- warm-up: every prompt bucket compiles before serving; a compile while serving is logged
+
+@contextlib.contextmanager
+def backend_compiles():
+    """Yields a list that receives (function name, seconds) of every XLA compile (or compile-cache load)
+    in the process during the block: JAX's own monitoring event, independent of the engine's log."""
+    seen = []
+
+    def listener(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append((kw.get("fun_name"), seconds))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_warmup_compiles_every_prompt_bucket_so_no_request_compiles(model):
+    """Prompts of up to 47 tokens: buckets 16, 32 and 64. No other test here sends a bucket-64 prompt, so
+    JAX's in-process cache holds no bucket-64 program when this test starts: the first engine, not warmed
+    up, compiles one while serving and says so; the second, warmed up, compiles nothing while serving."""
+    lines = []
+    cold = make_engine(model, 0, log=lines.append)
+    assert cold.prompt_buckets() == [16, 32, 64]
+    long = [list(range(2, 2 + n)) for n in (35, 33, 36)]  # bucket 64
+    with backend_compiles() as compiles:
+        assert len(cold.generate(long[0], 2, timeout=300).tokens) == 2
+    assert any("prefill_into_slots" in name for name, _ in compiles), compiles
+    assert [line for line in lines if line.startswith("compiled while serving: prompt bucket 64: prefill x 1 row: ")]
+    assert cold.counters["serving_compiles"] >= 1
+    assert cold.stop(5)
+
+    lines.clear()
+    warm = make_engine(model, 0, start=False, log=lines.append, snapshot_budget_bytes=1 << 24)
+    assert warm.warmup() > 0  # every bucket
+    steps = [line for line in lines if line.startswith("warm-up [")]
+    for bucket in (16, 32, 64):
+        for what in ("prefill x 1 row", f"prefill x {SLOTS} rows", "snapshot copy-out and copy-in"):
+            assert any(f"] prompt bucket {bucket}: {what}" in line for line in steps), (bucket, what, lines)
+    assert any("] decode loop" in line for line in steps)
+    assert all(re.search(r": \d+\.\d\d s$", line) for line in steps), steps
+    assert re.fullmatch(rf"warm-up done: {len(steps)} programs in \d+\.\d s", lines[-1]), lines
+    assert_all_free(warm)
+    # 3 slots and 12 pages of 8 tokens, all free again at each scheduling point (2 tokens a request), so
+    # the prefill passes are: two bucket-64 prompts together and one of 16; two of 32 and one of 64; one
+    # of 32 and two of 16; then PROMPTS[0] again, copied from its snapshot
+    order = [long[0], long[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], long[2], PROMPTS[6], PROMPTS[1], PROMPTS[7],
+             PROMPTS[0]]
+    handles = [warm.submit(p, 2) for p in order]
+    lines.clear()
+    with backend_compiles() as compiles:
+        warm.start()
+        results = [h.result(300) for h in handles]
+    assert compiles == [] and lines == []
+    assert warm.counters["prefills"] == 6 and warm.counters["snapshot_restores"] == 1
+    assert results[-1].tokens == results[2].tokens and results[-1].snapshot_hit
+    assert warm.stop(5)
+    assert_all_free(warm)

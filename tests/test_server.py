@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -310,6 +311,47 @@ def test_full_queue_gets_429_and_a_stopped_engine_503(model):
         assert server.stop(30)
 
 
+def test_health_and_requests_answer_503_until_the_warmup_ends(model):
+    """The server listens while the engine thread warms up (server.main: engine.start(warmup_buckets)
+    before uvicorn runs); the warm-up's last program, the decode loop, is held here until the test has
+    seen /health and a request refused."""
+    lines, hold = [], threading.Event()
+    engine = make_engine(model, 0, start=False, log=lines.append)
+    loop_call = engine._run_loop
+    engine._run_loop = lambda: (hold.wait(60), loop_call())[1]
+    engine.start(warmup_buckets=[16])
+    server = Server(create_app(engine, ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT)), engine,
+                    port=0).start_in_thread()
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        body = {"model": NAME, "prompt": [1, 2], "max_tokens": 2}
+        deadline = time.monotonic() + 120
+        while (health := httpx.get(url + "/health")).json().get("programs_done") != 2:
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.05)
+        # bucket 16: prefill x 1 row and x 3 rows are done; the loop is held
+        assert health.status_code == 503 and health.json() == {"status": "warming up", "programs_done": 2,
+                                                               "programs": 3}
+        early = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert early.status_code == 503 and early.json()["error"]["code"] == "warming_up", early.text
+        assert "warming up" in early.json()["error"]["message"]
+        hold.set()
+        while (health := httpx.get(url + "/health")).status_code != 200:
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.05)
+        assert health.json() == {"status": "ok"}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert lines[0] == "warm-up: 3 programs to compile (prompt buckets 16; the decode loop)"
+        assert [line.split(":")[0] for line in lines[1:4]] == [
+            "warm-up [1/3] prompt bucket 16", "warm-up [2/3] prompt bucket 16", "warm-up [3/3] decode loop (2 steps "
+            "per call)"]
+        assert lines[4].startswith("warm-up done: 3 programs in ")
+        assert_all_free(engine, internals=False)
+    finally:
+        hold.set()
+        assert server.stop(30)
+
+
 def test_shutdown_with_active_and_queued_requests(model):
     server, url = serve(model, 2, shutdown_timeout_s=0.5)
     engine = server.engine
@@ -395,14 +437,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(proc, port: int, timeout_s: float) -> None:
-    """Polls /health of a server process until it answers 200 (the process must stay alive)."""
-    deadline = time.monotonic() + timeout_s
+def _wait_healthy(proc, port: int, timeout_s: float) -> list[str]:
+    """Polls /health of a server process until it answers 200 (the process must stay alive); returns the
+    statuses of the 503 answers before that."""
+    deadline, statuses = time.monotonic() + timeout_s, []
     while True:
         assert proc.poll() is None, proc.stdout.read()
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            if r.status_code == 200:
+                return statuses
+            statuses.append(r.json()["status"])
         except httpx.HTTPError:
             pass
         assert time.monotonic() < deadline
@@ -415,22 +460,39 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
                        text=True, timeout=120)
     assert h.returncode == 0
     for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
-                 "max_queue", "snapshot_budget_bytes", "host", "port", "tp", "shutdown_timeout_s"):
+                 "max_queue", "snapshot_budget_bytes", "host", "port", "tp", "shutdown_timeout_s", "warmup_buckets"):
         assert f"--{flag}" in h.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: /nonexistent")
     port = _free_port()
+    # the warm-up compiles every prompt bucket (16 and 32 for prompts of up to 23 tokens) before /health
+    # says ok; then prompts of new lengths compile nothing ("compiled while serving" would say so). One
+    # prompt per prefill (CI time: tests/test_engine.py warms up and serves batched prefills too)
     proc = subprocess.Popen([sys.executable, "-m", "qmtp.server", "--flagfile=configs/server_tiny.flags",
-                             f"--port={port}", "--nowarmup", "--mtp_k=1", "--log_level=warning"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             f"--port={port}", "--max_model_len=24", "--prefill_batch=1", "--mtp_k=1",
+                             "--log_level=warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_healthy(proc, port, 120)
-        r = client(f"http://127.0.0.1:{port}").completions.create(model="tiny", prompt="def fibonacci(", max_tokens=3)
-        assert len(r.choices[0].token_ids) == 3
+        assert "warming up" in _wait_healthy(proc, port, 240)
+        c = client(f"http://127.0.0.1:{port}")
+        for _ in range(2):  # the second one from its snapshot
+            r = c.completions.create(model="tiny", prompt="def fibonacci(", max_tokens=3)
+            assert len(r.choices[0].token_ids) == 3
+        r = c.completions.create(model="tiny", prompt=list(range(1, 21)), max_tokens=2)  # bucket 32
+        assert len(r.choices[0].token_ids) == 2
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert _metric(metrics, "qmtp_snapshot_hits_total") == 1
+        assert _metric(metrics, "qmtp_compiles_while_serving_total") == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert "serving" in proc.stdout.read()
+        out = proc.stdout.read()
+        steps = [line for line in out.splitlines() if line.startswith("warm-up [")]
+        for bucket in (16, 32):
+            assert [line.split(": ")[1] for line in steps if f"] prompt bucket {bucket}: " in line] == [
+                "prefill x 1 row", "snapshot copy-out and copy-in"], out
+        assert re.search(rf"^warm-up done: {len(steps)} programs in \d+\.\d s", out, re.M), out
+        assert "serving" in out and "compiled while serving" not in out, out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -13,11 +13,19 @@ batch composition.
 Release exactly once: a slot's record lives in `_active` from admission until `_release` pops it,
 the only place that returns its pages and slot. A slot released while live on the device is retired
 (marked done) there before any other device call, so its old pages are never written again.
+
+Compiles: a device call whose shape has no compiled program compiles inside the scheduling point and
+stalls every slot. `warmup()` (or `start(warmup_buckets=...)`, on the thread, before the first
+scheduling point) runs every program of the chosen prompt buckets and the loop first
+(qmtp/serve/warmup.py), one log line each; until it is done `warming` holds its progress and submit()
+refuses requests (WarmingUp). Any compile after it, a shape it did not cover, is logged with its
+seconds ("compiled while serving: ...", counted in counters["serving_compiles"]).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -28,10 +36,12 @@ import numpy as np
 from qmtp import api
 from qmtp.runtime import loop
 from qmtp.runtime.paging import PageAllocator
-from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle
+from qmtp.serve import compile_watch
+from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.snapshots import Snapshot, SnapshotStore
 from qmtp.serve.textstream import TextStream
+from qmtp.serve.warmup import Step, plan as warmup_plan
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
 DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
@@ -72,10 +82,17 @@ class Active:
     stream: TextStream | None
 
 
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
 class Engine:
-    def __init__(self, model: api.Model, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: api.Model, config: EngineConfig = EngineConfig(), log=None):
+        """log(line): where the warm-up's progress and compiles while serving are reported (default: stdout)."""
         config.validate()
         self.config = config
+        self._log = log or _print_line
+        self.warming: tuple[int, int] | None = None  # (programs done, programs) while warming up
         self.k = config.mtp_k
         self.extra = self.k + 1 if self.k else 0  # verify writes K+1 positions past the committed length
         self._cv = threading.Condition()
@@ -119,12 +136,19 @@ class Engine:
         self.snapshots.clear()  # snapshots belong to the weights they were computed with
 
     # ---- public API ---------------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self, warmup_buckets=None) -> "Engine":
+        """Starts the scheduler thread (no-op once started). warmup_buckets: prompt lengths or buckets (e.g.
+        prompt_buckets()) whose programs the thread compiles first, with the loop, as warmup() does; until
+        then `warming` is set and submit() raises WarmingUp. ValueError (nothing started) for a bucket no
+        request can reach."""
+        steps = None if warmup_buckets is None else warmup_plan(self, warmup_buckets)
         with self._cv:
             if self._stopping:
                 raise EngineStopped("the engine was stopped; create a new one")
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="qmtp-engine", daemon=True)
+                if steps is not None:
+                    self.warming = (0, len(steps))
+                self._thread = threading.Thread(target=self._loop, args=(steps,), name="qmtp-engine", daemon=True)
                 self._thread.start()
         return self
 
@@ -144,6 +168,11 @@ class Engine:
             if self._stopping or self.failed:
                 self.counters["rejected_shutting_down"] += 1
                 raise EngineStopped(f"the engine is not accepting requests: {self.failed or 'shutting down'}")
+            warming = self.warming
+            if warming is not None:
+                self.counters["rejected_warming_up"] += 1
+                raise WarmingUp(f"the server is warming up: {warming[0]} of {warming[1]} programs compiled; retry "
+                                "when GET /health answers 200")
             if len(self._queue) >= self.config.max_queue:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting, --max_queue); "
@@ -176,7 +205,8 @@ class Engine:
 
     def reload(self, model: api.Model, timeout: float | None = None) -> None:
         """Swaps in another model between requests: admission pauses, active requests finish, the state
-        is rebuilt and every snapshot dropped. Blocks until done (TimeoutError after `timeout`)."""
+        is rebuilt and every snapshot dropped. Blocks until done (TimeoutError after `timeout`). No
+        warm-up: the new model's programs compile on first use (each logged as a compile while serving)."""
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
                 if self._active:
@@ -190,23 +220,26 @@ class Engine:
             if self._reload_error:
                 raise ValueError(self._reload_error)
 
-    def warmup(self, prompt_lengths=(1,)) -> float:
-        """Compiles the prefill for these prompt lengths' buckets and the loop before start(); seconds."""
+    def warmup(self, buckets=None) -> float:
+        """Compiles, before start(), every program of these prompt lengths or buckets (None: all of
+        prompt_buckets()) and the loop: one log line per program (its seconds), then a total. Returns the
+        seconds. ValueError for a bucket no request can reach."""
         if self._thread is not None:
             raise RuntimeError("warmup() must run before start()")
-        t0 = time.perf_counter()
-        for n in prompt_lengths:
-            # the single prefill, and the batched one (two requests are padded to _group_rows rows)
-            batched = 2 if self._group_rows(api._bucket(n)) > 1 else 1
-            fit = self.allocator.free_pages // self.allocator.pages_for(n + 1 + self.extra)
-            for rows in sorted({1, min(batched, fit)}):
-                handles = [RequestHandle(self, -1, [0] * n, 1, (), (), listener=lambda e: None) for _ in range(rows)]
-                self._prefill_group([(h, self._free_slots.pop(), self.allocator.reserve(self._capacity(h)))
-                                     for h in handles])  # id -1: no snapshot
-                self._flush_retired()
-        self._run_loop()  # every slot is done: compiles, runs no round
-        self.counters.clear()
-        return time.perf_counter() - t0
+        return self._warmup(warmup_plan(self, self.prompt_buckets() if buckets is None else buckets))
+
+    def longest_prompt(self) -> int:
+        """The most prompt tokens a request can have: one token of completion must fit in max_model_len
+        and, with the K+1 verify positions, in the page pool."""
+        return min(self.max_model_len - 1, self.allocator.num_pages * self.page_size - 1 - self.extra)
+
+    def prompt_buckets(self) -> list[int]:
+        """Every bucket a servable prompt is padded to (powers of two from api.MIN_PROMPT_BUCKET)."""
+        top, b, out = api._bucket(self.longest_prompt()), api.MIN_PROMPT_BUCKET, []
+        while b <= top:
+            out.append(b)
+            b *= 2
+        return out
 
     def stats(self) -> dict:
         """Gauges for /metrics and tests."""
@@ -255,9 +288,53 @@ class Engine:
         """KV positions a request reserves while active."""
         return len(handle.prompt_ids) + handle.max_tokens + self.extra
 
+    # ---- warm-up and compiles ------------------------------------------------------------------------
+    def _warmup(self, steps: list[Step]) -> float:
+        """Runs the warm-up steps (stopping early when shut down), logging each; then clears the counters
+        they moved (refused requests stay counted). Returns the seconds."""
+        t0, total = time.perf_counter(), len(steps)
+        buckets = sorted({s.bucket for s in steps if s.bucket is not None})
+        self.warming = (0, total)
+        self._log(f"warm-up: {total} programs to compile (prompt buckets {', '.join(map(str, buckets)) or 'none'}; "
+                  "the decode loop)")
+        for i, step in enumerate(steps, 1):
+            if self._stopping:
+                self._log(f"warm-up stopped after {i - 1} of {total} programs: shutting down")
+                break
+            t = time.perf_counter()
+            step.run()
+            self.warming = (i, total)
+            self._log(f"warm-up [{i}/{total}] {step.name}: {time.perf_counter() - t:.2f} s")
+        else:
+            self._log(f"warm-up done: {total} programs in {time.perf_counter() - t0:.1f} s")
+        with self._cv:
+            refused = {k: v for k, v in self.counters.items() if k.startswith("rejected_")}
+            self.counters.clear()
+            self.counters.update(refused)
+            self.warming = None
+        return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _watch(self, program: str):
+        """Logs a compile (or compile-cache load) inside the block with its seconds, once warm-up is over
+        (the warm-up logs its own lines). program: what the log line calls the device call."""
+        if self.warming is not None:
+            yield
+            return
+        t0 = time.perf_counter()
+        with compile_watch.watch() as compiles:
+            yield
+        if compiles:
+            self.counters["serving_compiles"] += 1
+            xla = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in compiles)
+            self._log(f"compiled while serving: {program}: {time.perf_counter() - t0:.2f} s (XLA: {xla}); the "
+                      "warm-up did not cover it (--warmup_buckets)")
+
     # ---- the scheduler thread -----------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, warmup_steps: list[Step] | None = None) -> None:
         try:
+            if warmup_steps is not None:
+                self._warmup(warmup_steps)
             while self._iteration():
                 pass
         except Exception as e:  # a device or program failure: fail every request, release everything
@@ -362,7 +439,8 @@ class Engine:
     def _restore(self, handle: RequestHandle, slot: int, reservation: int, snap: Snapshot) -> None:
         """Copies the exact-prompt snapshot of the request into `slot` and emits its first token."""
         page_row, stop_row = self._activate(handle, slot, reservation)
-        self._device.restore(snap, slot, page_row, handle.max_tokens, stop_row)
+        with self._watch(f"snapshot copy-in of {snap.state.page_table.shape[1]} pages"):
+            self._device.restore(snap, slot, page_row, handle.max_tokens, stop_row)
         handle.snapshot_hit = True
         self.counters["snapshot_restores"] += 1
         self._started(handle, slot, int(np.asarray(snap.first)[0]))
@@ -373,8 +451,8 @@ class Engine:
         so each bucket has two compiled prefills. A request with id -1 (warmup) saves no snapshot."""
         c = self.config
         prompts = [h.prompt_ids for h, _, _ in group]
-        n = 1 if len(group) == 1 else self._group_rows(api._bucket(max(len(p) for p in prompts)))
-        tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
+        bucket = api._bucket(max(len(p) for p in prompts))
+        n = 1 if len(group) == 1 else self._group_rows(bucket)
         ids = np.full(n, c.batch_slots, np.int32)
         page_rows = np.zeros((n, self.pages_per_slot), np.int32)
         stop_rows = np.full((n, c.max_stop_ids), loop.NO_STOP, np.int32)
@@ -382,15 +460,19 @@ class Engine:
         for j, (handle, slot, reservation) in enumerate(group):
             ids[j], remaining[j] = slot, handle.max_tokens
             page_rows[j], stop_rows[j] = self._activate(handle, slot, reservation)
-        first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows)
+        with self._watch(f"prompt bucket {bucket}: prefill x {n} row{'s' if n > 1 else ''}"):
+            tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
+            first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows)
         self.counters["prefills"] += 1
-        n_pages = min(self.allocator.pages_for(tokens.shape[1]), self.pages_per_slot)  # a snapshot holds the bucket
+        n_pages = self._snapshot_pages(bucket)
         nbytes = self._snapshot_bytes(n_pages)
         for handle, slot, _ in group:
             key = tuple(handle.prompt_ids)
             if handle.id >= 0 and key not in self.snapshots and self.snapshots.fits(nbytes):
                 prompt_pages = self.allocator.pages_for(len(key))
-                self.snapshots.put(key, self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes))
+                with self._watch(f"prompt bucket {bucket}: snapshot copy-out"):
+                    snap = self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes)
+                self.snapshots.put(key, snap)
         for j, (handle, slot, _) in enumerate(group):
             self._started(handle, slot, int(first[j]))
 
@@ -405,11 +487,16 @@ class Engine:
     def _snapshot_bytes(self, n_pages: int) -> int:
         return self._device.snapshot_bytes(n_pages)
 
+    def _snapshot_pages(self, bucket: int) -> int:
+        """Pages of a snapshot of a prompt of this bucket (it holds the whole padded bucket)."""
+        return min(self.allocator.pages_for(bucket), self.pages_per_slot)
+
     # ---- decoding and delivery ----------------------------------------------------------------------
     def _run_loop(self) -> None:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
-        out, count, done, stats = self._device.run(self.config.rounds_per_call)
+        with self._watch("decode loop"):
+            out, count, done, stats = self._device.run(self.config.rounds_per_call)
         self.counters["loop_calls"] += 1
         if stats is not None:
             for name in ("rounds", "drafted", "accepted"):
@@ -456,7 +543,8 @@ class Engine:
 
     def _flush_retired(self) -> None:
         if self._retire_mask.any():
-            self._device.retire(self._retire_mask)
+            with self._watch("slot retire"):
+                self._device.retire(self._retire_mask)
             self._retire_mask[:] = False
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None, text: str = "") -> None:

@@ -23,7 +23,10 @@ def render(engine, invalid_requests: int = 0) -> str:
            [({"outcome": o}, c[f"finished_{o}"]) for o in FINISH_REASONS])
     metric("qmtp_requests_rejected_total", "counter", "Requests refused at submission.",
            [({"reason": "invalid"}, invalid_requests), ({"reason": "queue_full"}, c["rejected_queue_full"]),
-            ({"reason": "shutting_down"}, c["rejected_shutting_down"])])
+            ({"reason": "shutting_down"}, c["rejected_shutting_down"]), ({"reason": "warming_up"},
+                                                                         c["rejected_warming_up"])])
+    metric("qmtp_compiles_while_serving_total", "counter", "Device calls that compiled after the warm-up (a shape "
+           "it did not cover; each stalled every slot).", c["serving_compiles"])
     metric("qmtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c["prompt_tokens"])
     metric("qmtp_generation_tokens_total", "counter", "Generated tokens.", c["generation_tokens"])
     metric("qmtp_prefills_total", "counter", "Prompt prefills run (snapshot hits skip them).", c["prefills"])

@@ -14,7 +14,8 @@ Errors are {"error": {"message", "type", "param", "code"}} with these statuses:
                               --max_tokens_limit (max_tokens_exceeded), context_length_exceeded
   404 invalid_request_error   unknown model (code model_not_found); unknown route
   429 rate_limit_error        the request queue is full (code queue_full)
-  503 service_unavailable     shutting down (code shutting_down); a non-streamed request aborted by shutdown
+  503 service_unavailable     warming up: compiling before serving (code warming_up); shutting down (code
+                              shutting_down); a non-streamed request aborted by shutdown
   500 server_error            the engine failed (code engine_failed)
 A streamed request aborted or failed after its 200 header ends with `data: {"error": {...}}` (the
 openai client raises APIError on it) and `data: [DONE]`. Each choice carries `token_ids` (an extension).

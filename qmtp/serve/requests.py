@@ -33,6 +33,10 @@ class EngineStopped(RuntimeError):
     """The engine is shutting down, stopped, or failed (HTTP 503)."""
 
 
+class WarmingUp(RuntimeError):
+    """The engine is still compiling its programs before serving (HTTP 503): retry once /health is ok."""
+
+
 @dataclasses.dataclass
 class Event:
     tokens: list[int]  # new token ids

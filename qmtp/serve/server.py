@@ -7,9 +7,17 @@ MTP speculative decoding with --mtp_k). Listens on 127.0.0.1 unless --host says 
     GET  /v1/models, /health, /metrics           (/metrics: Prometheus text)
 
 Request fields, error statuses and bodies: qmtp/serve/protocol.py. A client that disconnects cancels
-its request. SIGINT / SIGTERM: queued requests are aborted (503, or an error event when streaming),
-active ones get --shutdown_timeout_s to finish, then the process exits 0. Bad flags or checkpoints
-end with one `error: ...` line and exit status 2.
+its request.
+
+Start-up: the server listens at once and the engine thread compiles every program a request can call
+(each prompt bucket's prefills and snapshot copies, then the decode loop: --warmup_buckets), one log
+line per program with its seconds and a total line; meanwhile /health answers 503 {"status": "warming
+up", "programs_done", "programs"} and requests 503 (code warming_up). A compile after that (a bucket
+left out of --warmup_buckets) is logged as "compiled while serving: ..." with its seconds.
+
+SIGINT / SIGTERM: queued requests are aborted (503, or an error event when streaming), active ones
+get --shutdown_timeout_s to finish (a warm-up stops after its current program), then the process
+exits 0. Bad flags or checkpoints end with one `error: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qmtp import cli_help
 from qmtp.serve import metrics, protocol as oai
 from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError
-from qmtp.serve.requests import EngineStopped, QueueFull, RequestError
+from qmtp.serve.requests import EngineStopped, QueueFull, RequestError, WarmingUp
 from qmtp.tools.make_checkpoint import PRESET_PREFIX, resolve_checkpoint
 
 FLAGS = flags.FLAGS
@@ -77,9 +85,18 @@ def define_flags() -> None:
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint "
                         "directory's name, or the preset name).")
     flags.DEFINE_float("shutdown_timeout_s", 30.0, "Seconds active requests get on SIGINT/SIGTERM.", lower_bound=0.0)
-    flags.DEFINE_boolean("warmup", True, "Compile the prefill and the loop before listening.")
-    flags.DEFINE_list("warmup_prompt_lengths", ["1"], "With --warmup: compile the prefill for these prompt lengths' "
-                      "buckets (powers of two >= 16), e.g. 16,64,256; other buckets compile on first use.")
+    flags.DEFINE_boolean("warmup", True, "Compile before serving: the programs of --warmup_buckets and the decode "
+                         "loop, one log line each (seconds) and a total line; until then GET /health answers 503 "
+                         "{\"status\": \"warming up\"} and requests 503 (code warming_up). --nowarmup: each "
+                         "program compiles inside the first request that needs it (logged as 'compiled while "
+                         "serving').")
+    flags.DEFINE_list("warmup_buckets", ["all"], "With --warmup: the prompt buckets to compile (prompts are padded to "
+                      "a power of two >= 16 tokens; each bucket is a 1-row prefill, a --prefill_batch-row prefill and, "
+                      "with snapshots, their copy programs). 'all' (default): every bucket up to max_model_len, so "
+                      "no request compiles; at 27B shapes this takes minutes (--compile_cache makes a later start "
+                      "load them from disk). Or a list such as 16,32,64 (a number is rounded up to its bucket) for "
+                      "a quicker start: a prompt of another bucket then compiles in its first request, logged with "
+                      "its seconds.")
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
     cli_help.define_fp8_act_quant_flag()
     cli_help.define_draft_head_flag()
@@ -122,6 +139,10 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
     async def health():
         if engine.failed:
             return JSONResponse({"status": "failed", "error": engine.failed}, status_code=503)
+        warming = engine.warming
+        if warming is not None:
+            return JSONResponse({"status": "warming up", "programs_done": warming[0], "programs": warming[1]},
+                                status_code=503)
         if not engine.running:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
@@ -177,6 +198,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             return JSONResponse(e.body(), status_code=e.status)
         except QueueFull as e:
             return JSONResponse(oai.error_body(str(e), "rate_limit_error", None, "queue_full"), status_code=429)
+        except WarmingUp as e:
+            return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "warming_up"), status_code=503)
         except EngineStopped as e:
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -338,23 +361,39 @@ def build(argv) -> tuple:
     return model, engine, create_app(engine, settings)
 
 
+def warmup_buckets(engine, values: list[str]) -> list[int]:
+    """The prompt buckets --warmup_buckets names: 'all' = engine.prompt_buckets(), else positive integers;
+    ValueError for other text or a bucket no request can reach (before anything starts)."""
+    from qmtp.serve.warmup import plan
+    if [v.strip().lower() for v in values] == ["all"]:
+        return engine.prompt_buckets()
+    try:
+        buckets = [int(v) for v in values]
+    except ValueError:
+        buckets = [0]
+    if not buckets or min(buckets) < 1:
+        raise ValueError(f"--warmup_buckets={','.join(values)}: expected 'all' or positive integers such as 16,32,64")
+    plan(engine, buckets)
+    return buckets
+
+
 def main(argv):
     from qmtp.model.checkpoint import CheckpointError
     from qmtp.model.config import ConfigError
+    from qmtp.runtime import compile_cache
     try:
         _, engine, app = build(argv)
-        if FLAGS.warmup:
-            try:
-                lengths = [int(n) for n in FLAGS.warmup_prompt_lengths]
-            except ValueError:
-                raise ValueError(f"--warmup_prompt_lengths={','.join(FLAGS.warmup_prompt_lengths)}: expected "
-                                 "integers") from None
-            print(f"compiling (warm-up) ... {engine.warmup(lengths):.1f} s", flush=True)
+        buckets = warmup_buckets(engine, FLAGS.warmup_buckets) if FLAGS.warmup else None
+        cache = compile_cache.resolve(FLAGS.compile_cache)
+        print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} (mtp_k={engine.k}, "
+              f"{engine.config.batch_slots} slots, max_model_len={engine.max_model_len}); compile cache: "
+              f"{cache or 'off'}", flush=True)
+        # the engine thread warms up while uvicorn starts: /health answers 503 "warming up" meanwhile (the
+        # app's lifespan start() is then a no-op)
+        engine.start(warmup_buckets=buckets)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} (mtp_k={engine.k}, "
-          f"{engine.config.batch_slots} slots, max_model_len={engine.max_model_len})", flush=True)
     Server(app, engine, FLAGS.host, FLAGS.port, FLAGS.shutdown_timeout_s, FLAGS.log_level).uvicorn.run()
     if not engine.stop(FLAGS.shutdown_timeout_s):
         print("error: the engine did not stop in time", file=sys.stderr)

@@ -1,0 +1,86 @@
+"""The serving engine's warm-up plan: every program a request can call, as steps run before serving.
+
+Why: a program first called inside a scheduling point compiles there, and every slot waits for it
+(the tiny test model on the CPU, after a warm-up of bucket 16 only: a 20-token prompt took 7.6 s, 6.5 s
+of it compiling its prefill; at 27B shapes a compile takes tens of seconds). Prompts are right-padded
+to power-of-two buckets (api._bucket, >= 16 tokens) up to the bucket of the longest prompt the limits
+admit (Engine.prompt_buckets), and each bucket has its own programs (qmtp/serve/slots.py): a prefill
+of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prompts fit in the page
+pool together; with exact-prompt snapshots on, a snapshot copy-out and copy-in of its page count when
+such a snapshot fits the budget. Then one decode loop (and the slot-retire op of a cancelled request).
+
+Each step drives the engine's own admission code on dummy requests (id -1: no snapshot is kept;
+max_tokens 1: the first token finishes them), so the shapes are exactly those of serving; this module
+reaches into Engine's private methods for that reason. The seconds a step logs are its compile (or its
+load from JAX's persistent compilation cache, --compile_cache) and one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import numpy as np
+
+from qmtp import api
+from qmtp.serve.requests import RequestHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str  # the program, as the log line names it: "prompt bucket 64: prefill x 4 rows"
+    run: Callable[[], None]
+    bucket: int | None = None  # None: the decode loop
+
+
+def plan(engine, buckets) -> list[Step]:
+    """The steps for these prompt lengths or buckets (each rounded up to its bucket), then the decode
+    loop. ValueError for a bucket no request can reach (beyond engine.prompt_buckets())."""
+    reachable = engine.prompt_buckets()
+    chosen = sorted({api._bucket(int(n)) for n in buckets})
+    beyond = [b for b in chosen if b > reachable[-1]]
+    if beyond:
+        raise ValueError(f"prompt bucket {beyond[0]} (--warmup_buckets) is beyond the largest a request can reach: "
+                         f"{reachable[-1]} (prompts of at most {engine.longest_prompt()} tokens, --max_model_len="
+                         f"{engine.max_model_len})")
+    steps = []
+    for b in chosen:
+        n = 1 if b == api.MIN_PROMPT_BUCKET else b // 2 + 1  # the bucket's shortest prompt: the fewest pages
+        steps.append(Step(f"prompt bucket {b}: prefill x 1 row", functools.partial(_prefill, engine, n, 1), b))
+        rows = engine._group_rows(b)
+        if rows > 1 and 2 * engine.allocator.pages_for(n + 1 + engine.extra) <= engine.allocator.num_pages:
+            steps.append(Step(f"prompt bucket {b}: prefill x {rows} rows", functools.partial(_prefill, engine, n, 2),
+                              b))
+        if engine.snapshots.fits(engine._snapshot_bytes(engine._snapshot_pages(b))):
+            steps.append(Step(f"prompt bucket {b}: snapshot copy-out and copy-in", functools.partial(
+                _snapshot, engine, n), b))
+    unit = f"MTP rounds per call, K={engine.k}" if engine.k else "steps per call"
+    steps.append(Step(f"decode loop ({engine.config.rounds_per_call} {unit})", functools.partial(_loop, engine)))
+    return steps
+
+
+def _request(engine, n: int) -> tuple:
+    """A dummy request of n tokens with its slot and pages, as admission hands them out."""
+    handle = RequestHandle(engine, -1, [0] * n, 1, (), (), listener=lambda event: None)
+    return handle, engine._free_slots.pop(), engine.allocator.reserve(engine._capacity(handle))
+
+
+def _prefill(engine, n: int, count: int) -> None:
+    """count requests of n tokens prefilled together: 1 row, or the bucket's batched row count."""
+    engine._prefill_group([_request(engine, n) for _ in range(count)])
+    engine._flush_retired()
+
+
+def _snapshot(engine, n: int) -> None:
+    """A snapshot of slot 0 (whatever it holds: only the shapes matter) taken and copied into a request."""
+    n_pages = engine._snapshot_pages(api._bucket(n))
+    snap = engine._device.take_snapshot(0, n_pages, engine.allocator.pages_for(n), engine._snapshot_bytes(n_pages))
+    engine._restore(*_request(engine, n), snap)
+    engine._flush_retired()
+
+
+def _loop(engine) -> None:
+    """One decode call with every slot done (it compiles and runs no round), and the retire op."""
+    engine._run_loop()
+    engine._device.retire(np.zeros(engine.config.batch_slots, bool))
