@@ -4,7 +4,7 @@
         --prompt_tokens=32,512 --max_tokens=64 [--stream] [--output_json=load.json]
 
 `concurrency` clients each send requests one after another until `requests` were sent or
-`duration_s` passed (whichever first). Prompts are random token-id lists (lengths uniform in the
+`duration_s` passed (whichever first), once GET /health answers 200. Prompts are random token-id lists (lengths uniform in the
 --prompt_tokens range, seeded), so no tokenizer is needed and every prompt is distinct (no
 snapshot hits unless --repeat_prompts). Reports requests/s, generated tokens/s, latency percentiles
 (p50/p90/p99 of the whole request; with --stream also of the time to first token), and the errors by
@@ -38,6 +38,8 @@ def parse_args(argv=None):
                    "(0 = every prompt distinct)")
     p.add_argument("--stream", action="store_true", help="stream (SSE) and measure time to first token")
     p.add_argument("--timeout_s", type=float, default=600.0, help="per-request timeout (default %(default)s)")
+    p.add_argument("--wait_ready_s", type=float, default=600.0, help="wait up to this long for GET /health to "
+                   "answer 200 (a server warming up answers 503) before sending (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_json", default=None, help="also write the report here")
     args = p.parse_args(argv)
@@ -87,6 +89,22 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
     return {"ok": True, "latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens}
 
 
+async def wait_ready(client: httpx.AsyncClient, limit_s: float) -> None:
+    """Polls GET /health until it answers 200 (the server has compiled its programs)."""
+    deadline, last = time.perf_counter() + limit_s, None
+    while time.perf_counter() < deadline:
+        try:
+            r = await client.get("/health")
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last = type(e).__name__
+        await asyncio.sleep(1.0)
+    raise SystemExit(f"error: {client.base_url}/health did not answer 200 within --wait_ready_s={limit_s:g} "
+                     f"(last: {last})")
+
+
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     pool = None
@@ -95,6 +113,7 @@ async def run(args) -> dict:
                 for _ in range(args.repeat_prompts)]
     limits = httpx.Limits(max_connections=args.concurrency + 2)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
+        await wait_ready(client, args.wait_ready_s)
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         sent, results = 0, []
         start = time.perf_counter()

@@ -431,6 +431,16 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     assert h.returncode == 0 and "--concurrency" in h.stdout and "p50/p90/p99" in h.stdout
 
 
+def test_load_script_waits_for_health_before_sending():
+    """Against a server that is not (yet) ready, the load test waits for /health, then says so; it
+    sends nothing that a warming-up server would refuse."""
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    r = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={url}", "--wait_ready_s=2"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "/health did not answer 200 within --wait_ready_s=2" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
