@@ -26,6 +26,7 @@ def cache(tmp_path_factory):
 def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     out = tmp_path / "out.json"
     r = run("--flagfile=configs/tiny.flags", "--max_new_tokens=5", f"--output_json={out}", "--compare_plain",
+            "--repeats=2",
             cache=cache)
     assert r.returncode == 0, r.stderr
     assert "[0] text:" in r.stdout and "tok/s" in r.stdout
@@ -34,7 +35,8 @@ def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
                  "plain decode loop", "generate: compiling prefill (batch 2, prompt bucket 16) and the MTP K=3 "
                  "decode loop", "generate: generating up to 5 tokens for 2 prompts"):
         assert line in r.stderr, r.stderr
-    assert r.stderr.count("generate:   done in ") == 5, r.stderr
+    assert r.stderr.count("generate:   done in ") == 7, r.stderr  # load; compile + run of each mode; a repeat each
+    assert "the median of 2 runs" in r.stdout
     # --compare_plain: plain decoding of the same prompts in the same run, beside MTP
     assert re.search(r"plain [\d.]+ tok/s, MTP K=3 [\d.]+ tok/s: [\d.]+x; tokens identical", r.stdout), r.stdout
     report = json.loads(out.read_text())
@@ -43,6 +45,7 @@ def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     assert report["stats"]["decode_tokens_per_s"] > 0
     assert report["mtp_k"] == 3 and "MTP K=3:" in r.stdout and report["stats"]["drafted"] > 0
     assert report["plain"]["tokens_identical"] and report["plain"]["tokens"] == report["tokens"]
+    assert len(report["decode_tokens_per_s_runs"]) == len(report["plain"]["decode_tokens_per_s_runs"]) == 2
     # the preset was built into the cache on first use
     assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
 
