@@ -21,18 +21,22 @@ from absl import flags
 from qmtp import cli_help, cli_progress
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", "models/qmtp-demo", "Checkpoint directory or preset:NAME[:DTYPE] (needs mtp.* "
-                    "tensors for --ks).")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
-flags.DEFINE_enum("impl", "ref", ["ref", "pallas"], "Kernel implementation (pallas: interpret mode on a CPU).")
-flags.DEFINE_integer("prompts", 12, "Number of prompts.", lower_bound=1)
-flags.DEFINE_integer("prompt_tokens", 32, "Tokens per prompt.", lower_bound=1)
-flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt (no stop token: every mode runs the full "
-                     "length).", lower_bound=1)
-flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
-flags.DEFINE_list("ks", ["1", "2", "3", "4"], "MTP drafts per round to compare (plain decoding always runs).")
-flags.DEFINE_list("page_sizes", ["16"], "KV-cache page sizes.")
-flags.DEFINE_string("out", None, "Write every mode's tokens and first differences to this JSON file.")
+
+
+def define_flags() -> None:
+    """The command's flags (defined on use, so importing the module defines none)."""
+    flags.DEFINE_string("checkpoint", "models/qmtp-demo", "Checkpoint directory or preset:NAME[:DTYPE] (needs mtp.* "
+                        "tensors for --ks).")
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
+    flags.DEFINE_enum("impl", "ref", ["ref", "pallas"], "Kernel implementation (pallas: interpret mode on a CPU).")
+    flags.DEFINE_integer("prompts", 12, "Number of prompts.", lower_bound=1)
+    flags.DEFINE_integer("prompt_tokens", 32, "Tokens per prompt.", lower_bound=1)
+    flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt (no stop token: every mode runs the full "
+                         "length).", lower_bound=1)
+    flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
+    flags.DEFINE_list("ks", ["1", "2", "3", "4"], "MTP drafts per round to compare (plain decoding always runs).")
+    flags.DEFINE_list("page_sizes", ["16"], "KV-cache page sizes.")
+    flags.DEFINE_string("out", None, "Write every mode's tokens and first differences to this JSON file.")
 
 
 def source_prompts(tokenizer, vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -58,6 +62,13 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), -1 if len(a) == len(b) else min(len(a), len(b)))
 
 
+def positive_ints(flag: str) -> list[int]:
+    values = FLAGS[flag].value
+    if not values or not all(v.isdigit() and int(v) > 0 for v in values):
+        raise ValueError(f"--{flag}={','.join(values)}: expected comma-separated positive integers")
+    return [int(v) for v in values]
+
+
 def decode_all(model, prompts, batch: int, k: int) -> list[list[int]]:
     import qmtp
     tokens = []
@@ -71,7 +82,7 @@ def decode_all(model, prompts, batch: int, k: int) -> list[list[int]]:
 def run() -> int:
     import qmtp
     from qmtp.tools import make_checkpoint
-    batches, ks, pages = ([int(x) for x in v] for v in (FLAGS.batch, FLAGS.ks, FLAGS.page_sizes))
+    batches, ks, pages = (positive_ints(name) for name in ("batch", "ks", "page_sizes"))
     cli_help.check_output_file("out", FLAGS.out)
     path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
     phases = cli_progress.Phases("exactness")
@@ -117,4 +128,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli_help.run(main, __doc__)
