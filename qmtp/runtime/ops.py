@@ -55,6 +55,13 @@ def linear(x: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
     Accumulates in f32 and rounds once at the end."""
     out_dtype = out_dtype or x.dtype
     rows = math.prod(x.shape[:-1])
+    if rows == 1 and _interpret():
+        # XLA's CPU dot runs a one-row product as a matrix-vector kernel that sums in another order than
+        # its GEMM of 2..128 rows (which agree bit for bit): a plain decode row would not equal the same
+        # row of a verify pass or a batch. Two copies of the row take the GEMM's order (concatenated: XLA
+        # folds a broadcast row back into a one-row product).
+        pair = jnp.concatenate([x.reshape(1, -1)] * 2)
+        return linear(pair, w, kernels, out_dtype)[:1].reshape(*x.shape[:-1], -1)
     pallas = kernels.pallas
     if isinstance(w, Fp8Block):
         if _act_quant(kernels, rows):
