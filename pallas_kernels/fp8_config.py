@@ -35,7 +35,8 @@ class DecodeConfig:
     summing a contiguous run of chunks (f32 partials summed by XLA in a fixed order); swap_ab: dot(W, x^T)
     not dot(x, W^T); scale_preload: the run's scales as one vector before the loop (the pipeliner does not
     prefetch scalar loads); x_f16 (bf16 x): two f16 pieces per row, so W converts E4M3 -> f16 (one instruction
-    per two weights, not ~3 per weight to bf16); x_f16_scaled (with x_f16): one scaled f16 piece per row."""
+    per two weights, not ~3 per weight to bf16); x_f16_scaled (with x_f16): one scaled f16 piece per row;
+    row_groups: x's rows enter as DOT_MIN-row dots, one per group (the same dot, so the same sums, at every M)."""
 
     block_o: int = 64
     split_k: int = 1
@@ -45,6 +46,7 @@ class DecodeConfig:
     scale_preload: bool = False
     x_f16: bool = False
     x_f16_scaled: bool = False
+    row_groups: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +148,15 @@ def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
         split *= 2
     return PrefillConfig(block_m=block_m, block_n=BLOCK, num_warps=warps, num_stages=3, split_k=split,
                          x_f16_scaled=True)
+
+
+def row_invariant_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
+    """A config that is the same at every M of its kernel, so a row's sums do not depend on M: decode_config's
+    16-row tile (its split-K depends on O and I only) with x in DOT_MIN-row groups, one dot per group, up to
+    DECODE_MAX_ROWS; above, the GEMM on fixed 64 x 128 tiles, one program per output tile (no split-K)."""
+    if m <= DECODE_MAX_ROWS:
+        return dataclasses.replace(decode_config(DOT_MIN, o, i), row_groups=True)
+    return PrefillConfig(block_m=64, block_n=BLOCK, num_warps=4, num_stages=3, split_k=1, x_f16_scaled=True)
 
 
 def default_config(m: int, o: int, i: int, tile_rows: int | None = None) -> DecodeConfig | PrefillConfig:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_config import BLOCK, DecodeConfig, PrefillConfig, cdiv, next_pow2
+from pallas_kernels.fp8_config import BLOCK, DOT_MIN, DecodeConfig, PrefillConfig, cdiv, next_pow2
 
 
 def _bf16_pieces(x: jax.Array) -> list[jax.Array]:
@@ -145,8 +145,13 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
     srow = po // (BLOCK // bo)  # bo divides 128: the program's rows share one scale row
     n_chunks = cdiv(i, BLOCK)
     rows_ok = (o0 + jnp.arange(bo)) < o if o % bo else None
-    m_ok = jnp.arange(bm) < m if bm != m else None
-    o_major = cfg.swap_ab  # dot accumulator [bo, bm] instead of [bm, bo]
+    groups = bm // DOT_MIN if cfg.row_groups and sx_ref is None else 1
+    gm = bm // groups  # x rows per dot
+
+    def group(g):  # (rows, validity or None) of x's row group g
+        return pl.ds(g * gm, gm), (g * gm + jnp.arange(gm)) < m if (g + 1) * gm > m else None
+
+    o_major = cfg.swap_ab  # dot accumulators [bo, gm] instead of [gm, bo]
     c0 = pk * chunks_per_split
     if cfg.scale_preload:  # this program's scales [run] in registers, lanes past the row's end 0
         lanes = jnp.arange(max(next_pow2(chunks_per_split), 2))
@@ -159,7 +164,7 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
         tile = w_ref.at[pl.ds(o0, bo), pl.ds(k0, BLOCK)]
         return _load_w_fp8(tile, rows_ok, cols_ok) if dtype is None else _load_w(tile, _mask2(rows_ok, cols_ok), dtype)
 
-    def chunk(c, acc):
+    def chunk(c, accs):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         if cfg.scale_preload:  # exact: a sum of one selected value and zeros
@@ -171,17 +176,22 @@ def _decode_program(x_ref, w_ref, s_ref, o_ref, po, pk, *, m, o, i, bm, cfg: Dec
             wc = load_w(c, k0, cols_ok, None)
             sx = plgpu.load(sx_ref.at[c, pl.ds(0, bm)])  # [BM] this chunk's activation scales
             if o_major:
-                return acc + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s)
-            return acc + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s)
-        xc = _load_x(x_ref.at[pl.ds(0, bm), pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
+                return (accs[0] + plgpu.dot(wc, xc, trans_b=True) * (sx[None, :] * s),)
+            return (accs[0] + plgpu.dot(xc, wc, trans_b=True) * (sx[:, None] * s),)
         wc = load_w(c, k0, cols_ok, jnp.float16 if x_f16 else jnp.bfloat16)
-        return acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s
+        out = []
+        for g, acc in enumerate(accs):
+            rows, m_ok = group(g)
+            xc = _load_x(x_ref.at[rows, pl.ds(k0, BLOCK)], _mask2(m_ok, cols_ok))
+            out.append(acc + _dot_sum([xc] if x_f16 else _bf16_pieces(xc), wc, swap=o_major) * s)
+        return tuple(out)
 
-    acc = jnp.zeros((bo, bm) if o_major else (bm, bo), jnp.float32)
-    acc = jax.lax.fori_loop(c0, jnp.minimum(c0 + chunks_per_split, n_chunks), chunk, acc)
-    if o_major:
-        acc = acc.T
-    plgpu.store(o_ref.at[pk, pl.ds(0, bm), pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
+    accs = tuple(jnp.zeros((bo, gm) if o_major else (gm, bo), jnp.float32) for _ in range(groups))
+    accs = jax.lax.fori_loop(c0, jnp.minimum(c0 + chunks_per_split, n_chunks), chunk, accs)
+    for g, acc in enumerate(accs):
+        rows, m_ok = group(g)
+        acc = acc.T if o_major else acc
+        plgpu.store(o_ref.at[pk, rows, pl.ds(o0, bo)], acc.astype(o_ref.dtype), mask=_mask2(m_ok, rows_ok))
 
 
 def _prefill_kernel(*refs, m, o, i, cfg: PrefillConfig, chunks_per_split):

@@ -4,6 +4,11 @@ w [O, I] float8_e4m3fn (or fp8_layout.tile_weight's tiles), scale [ceil(O/128), 
 last blocks use their block's scale), x [..., I] bf16 or f32, f32 accumulation, output in `out_dtype`.
 `fp8_matmul_ref` is the jnp reference; `fp8_matmul` its Pallas twin (kernels in fp8_kernels.py, configs in
 fp8_config.py); act_quant=True runs on E4M3 activations (fp8_act_quant.py: an approximation of x).
+`bf16_matmul` runs bf16 weights on the same kernels (unit scales).
+
+row_invariant=True: a row's output does not depend on how many rows share the call (fp8_config.
+row_invariant_config: one tile config per weight shape at every M, the decode kernel's rows in DOT_MIN-row
+dots), so a token decoded alone, inside a verify pass or inside a batch gets the same bits.
 """
 
 from __future__ import annotations
@@ -37,11 +42,11 @@ def _check(x: jax.Array, w: jax.Array, scale: jax.Array) -> None:
         raise ValueError(f"fp8_matmul: scale {scale.shape} is not the {BLOCK}x{BLOCK} grid {grid} of w {w.shape}")
 
 
-def _check_dtypes(x, w, scale, out_dtype) -> None:
+def _check_dtypes(x, w, scale, out_dtype, w_dtype=jnp.float8_e4m3fn) -> None:
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"fp8_matmul: x has dtype {x.dtype}; bfloat16 or float32 needed")
-    if w.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; float8_e4m3fn needed")
+    if w.dtype != w_dtype:
+        raise ValueError(f"fp8_matmul: w has dtype {w.dtype}; {jnp.dtype(w_dtype).name} needed")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"fp8_matmul: scale has dtype {scale.dtype}; floating point needed")
     if out_dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
@@ -83,40 +88,68 @@ def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dty
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *, interpret: bool = False,
-               config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> jax.Array:
+               config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False,
+               row_invariant: bool = False) -> jax.Array:
     """Pallas twin of `fp8_matmul_ref` (x's leading dims flattened to M rows; any O, I, M); `config` overrides
-    fp8_config.default_config; act_quant: the decode kernel on E4M3 x (twin fp8_act_quant.fp8_matmul_act_ref)."""
-    return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config, act_quant=act_quant)[0]
+    fp8_config.default_config (row_invariant_config with row_invariant); act_quant: the decode kernel on E4M3
+    x (twin fp8_act_quant.fp8_matmul_act_ref)."""
+    return fp8_matmul_many(x, (w,), (scale,), out_dtype, interpret=interpret, config=config, act_quant=act_quant,
+                           row_invariant=row_invariant)[0]
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array, out_dtype=None, *, interpret: bool = False,
+                config: DecodeConfig | PrefillConfig | None = None, row_invariant: bool = False) -> jax.Array:
+    """y = x @ w.T for bf16 w [O, I] on fp8_matmul's kernels (every scale 1; W enters the dot as it is),
+    f32 accumulation; its twin is XLA's dot with f32 accumulation."""
+    if w.ndim != 2:
+        raise ValueError(f"bf16_matmul: w {w.shape}: an [O, I] weight needed")
+    ones = jnp.ones((cdiv(w.shape[0], BLOCK), cdiv(w.shape[1], BLOCK)), jnp.float32)
+    return _matmul_many(x, (w,), (ones,), out_dtype, interpret=interpret, config=config, act_quant=False,
+                        row_invariant=row_invariant, w_dtype=jnp.bfloat16)[0]
 
 
 def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool = False,
-                    config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False) -> tuple[jax.Array, ...]:
+                    config: DecodeConfig | PrefillConfig | None = None, act_quant: bool = False,
+                    row_invariant: bool = False) -> tuple[jax.Array, ...]:
     """(fp8_matmul(x, w_j, scale_j) for each j). Few rows: one launch over all the weights (small projections
     fill the GPU with the large ones), configured for the summed O. Many rows: one GEMM per weight."""
+    return _matmul_many(x, ws, scales, out_dtype, interpret=interpret, config=config, act_quant=act_quant,
+                        row_invariant=row_invariant, w_dtype=jnp.float8_e4m3fn)
+
+
+def _matmul_many(x, ws, scales, out_dtype, *, interpret, config, act_quant, row_invariant, w_dtype):
+    """fp8_matmul_many for weights of w_dtype: E4M3, or bf16 (bf16_matmul: every scale 1)."""
     ws, scales = tuple(ws), tuple(scales)
     if not ws or len(ws) != len(scales):
         raise ValueError(f"fp8_matmul_many: {len(ws)} weights and {len(scales)} scale grids; one of each per projection")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     for w, scale in zip(ws, scales):
         _check(x, w, scale)
-        _check_dtypes(x, w, scale, out_dtype)
+        _check_dtypes(x, w, scale, out_dtype, w_dtype)
     lead, i, os = x.shape[:-1], x.shape[-1], tuple(weight_shape(w)[0] for w in ws)
     m = math.prod(lead)
     if m == 0 or i == 0 or 0 in os:
         return tuple(jnp.zeros((*lead, o), out_dtype) for o in os)
+    fp8_w = w_dtype == jnp.float8_e4m3fn
+    if row_invariant and act_quant:
+        raise ValueError("fp8_matmul: row_invariant has no act_quant form")
     if config is None and act_quant and m <= DECODE_MAX_ROWS:
         config = fp8_config.act_quant_config(m, sum(os), i)
-    chosen = config is None  # a GEMM then takes each weight's own split (fp8_config.prefill_config)
-    config = config or default_config(m, sum(os), i, tile_rows=tile_rows(ws))
+    chosen = config is None  # a GEMM then takes each weight's own config
+    gemm_config = fp8_config.row_invariant_config if row_invariant else fp8_config.prefill_config
+    if config is None:
+        config = (fp8_config.row_invariant_config(m, sum(os), i) if row_invariant
+                  else default_config(m, sum(os), i, tile_rows=tile_rows(ws)))
     fp8_config.check_config(config, m)
     ws = _fit_tiles(ws, config)
     x2, scales = x.reshape(m, i), tuple(s.astype(jnp.float32) for s in scales)
-    bf16_x = x.dtype == jnp.bfloat16  # f16 pieces for bf16 x; f32 x keeps its exact bf16 pieces
+    # f16 pieces for bf16 x times E4M3 w (exact in f16); f32 x, or bf16 w, keep exact bf16 pieces
+    bf16_x = x.dtype == jnp.bfloat16 and fp8_w
     if isinstance(config, PrefillConfig):
         if act_quant:
             raise ValueError(f"fp8_matmul: act_quant runs on the decode kernel (M <= {DECODE_MAX_ROWS} rows "
                              f"with a DecodeConfig), got M={m} with {config}")
-        configs = [fp8_config.prefill_config(m, o, i) if chosen else config for o in os]
+        configs = [gemm_config(m, o, i) if chosen else config for o in os]
         configs = [dataclasses.replace(c, x_f16_scaled=c.x_f16_scaled and bf16_x) for c in configs]
         x_args = (x2,)
         if any(c.x_f16_scaled for c in configs):
@@ -139,15 +172,23 @@ def fp8_matmul_many(x: jax.Array, ws, scales, out_dtype=None, *, interpret: bool
         x2 = _f16_pieces(x2).reshape(m_k, i)
     split = fp8_config.chunk_runs(cdiv(i, BLOCK), config.split_k)[1]
     part_dtype = out_dtype if split == 1 and not x_f16 else jnp.float32
-    ys = _decode_call((x2,), ws, scales, m=m_k, i=i, bm=max(DOT_MIN, next_pow2(m_k)), part_dtype=part_dtype,
+    bm = cdiv(m_k, DOT_MIN) * DOT_MIN if config.row_groups else max(DOT_MIN, next_pow2(m_k))
+    if config.row_groups:  # whole groups of rows in and out (zeros past M)
+        x2 = jnp.pad(x2, ((0, bm - m_k), (0, 0)))
+    ys = _decode_call((x2,), ws, scales, m=m_k, i=i, bm=bm, part_dtype=part_dtype,
                       config=config, interpret=interpret, x_f16=x_f16, name="fp8_matmul_decode")
+    ys = tuple(y[:, :m_k] for y in ys)
     if scaled:  # [split, M, O] -> 2^e_r sum_s y_s (exact: a power of two)
-        return tuple((jnp.sum(y, axis=0) * row_scale).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
+        return tuple((_split_sum(y) * row_scale).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
     if x_f16:  # [split, 2M, O] -> sum_s 2^16 hi_s + lo_s
-        return tuple(jnp.sum(y[:, :m] * X_F16_HI + y[:, m:], axis=0).astype(out_dtype).reshape(*lead, o)
+        return tuple(_split_sum(y[:, :m] * X_F16_HI + y[:, m:]).astype(out_dtype).reshape(*lead, o)
                      for y, o in zip(ys, os))
-    return tuple((y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)).reshape(*lead, o)
-                 for y, o in zip(ys, os))
+    return tuple(_split_sum(y).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
+
+
+def _split_sum(y: jax.Array) -> jax.Array:
+    """[split, ...] partials -> their sum, added in split order (one fixed order, whatever the shape)."""
+    return functools.reduce(jnp.add, [y[s] for s in range(y.shape[0])])
 
 
 def tile_rows(ws) -> int | None:
@@ -186,7 +227,7 @@ def _decode_call(x_args: tuple, ws, scales, *, m: int, i: int, bm: int, part_dty
         width = (split - 1) * cps + max(next_pow2(cps), 2)
         scales = tuple(jnp.pad(s, ((0, 0), (0, max(width - s.shape[1], 0)))) for s in scales)
     return _decode_launch(tuple(x_args), tuple(ws), tuple(scales), os=os, m=m, i=i, bm=bm, cps=cps, split=split,
-                          out_rows=bm if x_fp8 else m, part_dtype=jnp.dtype(part_dtype), config=config,
+                          out_rows=bm if x_fp8 or config.row_groups else m, part_dtype=jnp.dtype(part_dtype), config=config,
                           interpret=interpret, x_f16=x_f16, name=name)
 
 
@@ -220,7 +261,7 @@ def _act_quant_call(x2, ws, scales, lead, out_dtype, config: DecodeConfig, inter
         ws = tuple(jax.lax.bitcast_convert_type(w, jnp.uint8) for w in ws)
     ys = _decode_call((x_q, s_x), ws, scales, m=m, i=i, bm=bm, part_dtype=jnp.float32, config=config,
                       interpret=interpret, x_f16=False, name="fp8_matmul_decode_a8")
-    return tuple(jnp.sum(y[:, :m], axis=0).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
+    return tuple(_split_sum(y[:, :m]).astype(out_dtype).reshape(*lead, o) for y, o in zip(ys, os))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))  # see _decode_launch
@@ -239,4 +280,4 @@ def _prefill_call(x_args, w, scale, out_dtype, config: PrefillConfig, interpret:
         interpret=interpret,
         name="fp8_matmul_prefill",
     )(x_f, w, scale, *row_scale)
-    return y[0] if split == 1 else jnp.sum(y, axis=0).astype(out_dtype)
+    return _split_sum(y).astype(out_dtype)
