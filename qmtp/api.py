@@ -76,7 +76,8 @@ class MtpLogits:
 
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
          impl: str = "ref", progress: bool = True, tp: int = 1, converted_cache: str | None = None,
-         draft_head: str = "auto", draft_vocab=None, fp8_act_quant: bool = False) -> Model:
+         draft_head: str = "auto", draft_vocab=None, fp8_act_quant: bool = False,
+         deterministic: bool = False) -> Model:
     """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory.
 
     tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
@@ -92,13 +93,14 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     choose among, through the head's rows for them. Neither changes tokens (the verify pass keeps the
     exact lm_head); acceptance may drop.
 
-    impl and fp8_act_quant make the model's KernelConfig (qmtp/runtime/kernel_config.py): "ref" (pure
-    XLA) or "pallas" (the Pallas kernels, FP8 weights in their tiles), and E4M3 activations."""
+    impl, fp8_act_quant and deterministic make the model's KernelConfig (qmtp/runtime/kernel_config.py):
+    "ref" (pure XLA) or "pallas" (the Pallas kernels, FP8 weights in their tiles), E4M3 activations, and
+    row-invariant projections (tokens independent of K and of the batch)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
         raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
-    kernels = KernelConfig(impl, fp8_act_quant)
+    kernels = KernelConfig(impl, fp8_act_quant, deterministic)
     load_lib.check_draft_head(draft_head)
     mesh = tp_lib.make_mesh(tp) if tp != 1 else None
     cfg, params = load_lib.load_params(checkpoint_dir, dtype, kernels, mesh, progress=progress,

@@ -40,6 +40,16 @@ def define_fp8_act_quant_flag() -> None:
                          "numbers slightly (and so, rarely, a greedy token); off: exact activations.")
 
 
+def define_deterministic_flag() -> None:
+    """--deterministic (KernelConfig.deterministic), for generate, server and the exactness check."""
+    if "deterministic" in flags.FLAGS:
+        return
+    flags.DEFINE_boolean("deterministic", False, "With --impl=pallas: run every bf16 and FP8 projection with one "
+                         "tile config per weight shape at every row count, so a sequence's greedy tokens do not "
+                         "depend on --mtp_k or on the other sequences of its batch, in bfloat16 too. Costs decode "
+                         "speed at some batch sizes and prefill speed (README: Exactness).")
+
+
 def define_draft_head_flag() -> None:
     """--draft_head (qmtp.load's draft_head), for generate, bench, server."""
     if "draft_head" in flags.FLAGS:

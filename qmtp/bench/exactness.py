@@ -29,6 +29,9 @@ def define_flags() -> None:
                         "tensors for --ks).")
     flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
     flags.DEFINE_enum("impl", "ref", ["ref", "pallas"], "Kernel implementation (pallas: interpret mode on a CPU).")
+    cli_help.define_deterministic_flag()
+    flags.DEFINE_integer("num_layers", None, "Presets only: a slice with this many decoder layers (default: all).",
+                         lower_bound=1)
     flags.DEFINE_integer("prompts", 12, "Number of prompts.", lower_bound=1)
     flags.DEFINE_integer("prompt_tokens", 32, "Tokens per prompt.", lower_bound=1)
     flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt (no stop token: every mode runs the full "
@@ -84,12 +87,14 @@ def run() -> int:
     from qmtp.tools import make_checkpoint
     batches, ks, pages = (positive_ints(name) for name in ("batch", "ks", "page_sizes"))
     cli_help.check_output_file("out", FLAGS.out)
-    path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint)
+    path = make_checkpoint.resolve_checkpoint(FLAGS.checkpoint, num_layers=FLAGS.num_layers)
     phases = cli_progress.Phases("exactness")
     reference, rows = None, []
+    engine = f"{FLAGS.impl}{' deterministic' if FLAGS.deterministic else ''}"
     for page in pages:
-        phases(f"loading {FLAGS.checkpoint} ({FLAGS.dtype}, {FLAGS.impl}, page size {page})", tick=False)
-        model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.impl, page_size=page, progress=False)
+        phases(f"loading {FLAGS.checkpoint} ({FLAGS.dtype}, {engine}, page size {page})", tick=False)
+        model = qmtp.load(path, dtype=FLAGS.dtype, impl=FLAGS.impl, page_size=page, progress=False,
+                          deterministic=FLAGS.deterministic)
         prompts = source_prompts(model.tokenizer, model.cfg.vocab_size, FLAGS.prompts, FLAGS.prompt_tokens)
         for batch in batches:
             for k in [0] + ks:
@@ -101,7 +106,7 @@ def run() -> int:
                 rows.append({"page_size": page, "batch": batch, "k": k, "first_difference": diffs, "tokens": tokens})
     phases.done()
     n_bad = 0
-    print(f"{FLAGS.checkpoint}, {FLAGS.dtype}, {FLAGS.impl}: {FLAGS.prompts} prompts x {FLAGS.max_new_tokens} tokens, "
+    print(f"{FLAGS.checkpoint}, {FLAGS.dtype}, {engine}: {FLAGS.prompts} prompts x {FLAGS.max_new_tokens} tokens, "
           f"each against plain decoding at batch 1, page size {pages[0]}")
     for row in rows:
         differ = [(i, d) for i, d in enumerate(row["first_difference"]) if d >= 0]
@@ -111,7 +116,8 @@ def run() -> int:
         print(f"page {row['page_size']:3d}  batch {row['batch']:2d}  {mode:9s}  {len(differ):2d} differ: {where}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump({"checkpoint": FLAGS.checkpoint, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "rows": rows}, f)
+            json.dump({"checkpoint": FLAGS.checkpoint, "dtype": FLAGS.dtype, "impl": FLAGS.impl,
+                       "deterministic": FLAGS.deterministic, "rows": rows}, f)
     print("EXACT: every mode gives plain batch-1 tokens" if not n_bad else f"NOT EXACT: {n_bad} modes differ")
     return 1 if n_bad else 0
 

@@ -31,12 +31,16 @@ from absl import flags
 from qmtp import cli_help
 
 FLAGS = flags.FLAGS
+# --engine values: (KernelConfig.impl, KernelConfig.deterministic)
+ENGINES = {"pallas": ("pallas", False), "ref": ("ref", False), "deterministic": ("pallas", True)}
 flags.DEFINE_string("checkpoint", "preset:qwen3_5_27b_controlled:fp8",
                     "Checkpoint directory, or preset:NAME[:DTYPE] (a synthetic checkpoint built on first use into "
                     "the cache; the *_controlled presets give 100% natural acceptance so profiles can be imposed).")
 flags.DEFINE_integer("num_layers", None, "Presets only: build a slice with this many decoder layers (default: all).")
-flags.DEFINE_list("engine", ["pallas"], "Kernel paths, comma-separated: 'pallas' (Pallas kernels), 'ref' (pure XLA); "
-                  "several run the same cases on the same loaded weights, and a comparison table follows.")
+flags.DEFINE_list("engine", ["pallas"], "Kernel paths, comma-separated: 'pallas' (Pallas kernels), 'ref' (pure XLA), "
+                  "'deterministic' (the Pallas kernels with row-invariant projections, --deterministic of "
+                  "qmtp.generate); several run the same cases on the same loaded weights, and a comparison table "
+                  "follows.")
 flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices).", lower_bound=1)
 flags.DEFINE_string("converted_cache", None, "Orbax cache of the converted parameters (see qmtp.generate).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype (FP8 weights stay FP8).")
@@ -125,11 +129,16 @@ def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, labe
     out = {"compile_s": compile_s, "runs": runs, "memory": memory()}
     if FLAGS.trace_dir:  # an untimed run under the profiler (where a round's device time goes)
         import jax
-        out["trace_dir"] = os.path.join(FLAGS.trace_dir, f"{model.impl}_{trace_name(label)}")
+        out["trace_dir"] = os.path.join(FLAGS.trace_dir, f"{engine_name(model)}_{trace_name(label)}")
         with jax.profiler.trace(out["trace_dir"], create_perfetto_trace=True):
             qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
                           accept_cap=cap)
     return out
+
+
+def engine_name(model) -> str:
+    """The --engine value of a model's KernelConfig."""
+    return next(name for name, kc in ENGINES.items() if kc == (model.impl, model.kernels.deterministic))
 
 
 def trace_name(label: str) -> str:
@@ -286,9 +295,9 @@ def _run() -> int:
     if unknown:  # checked before the minutes of loading and compiling (and only for a breakdown that runs)
         raise ValueError(f"--breakdown_ks={','.join(unknown)} not in --ks={','.join(FLAGS.ks)}")
     engines = list(dict.fromkeys(FLAGS.engine))
-    bad = [e for e in engines if e not in ("pallas", "ref")]
+    bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
-        raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected pallas and/or ref")
+        raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected one or more of {', '.join(ENGINES)}")
     other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
@@ -301,7 +310,7 @@ def _run() -> int:
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
-    model = qmtp.load(path, dtype=FLAGS.dtype, impl=engines[0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache,
+    model = qmtp.load(path, dtype=FLAGS.dtype, impl=ENGINES[engines[0]][0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache,
                       draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant)
     load_s = time.perf_counter() - t
     resident = memory()
@@ -327,7 +336,9 @@ def _run() -> int:
         config["prompt_text"] = FLAGS.prompt_text
     for engine in engines:
         # the same weights, the other kernel path
-        engine_model = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, impl=engine))
+        impl, deterministic = ENGINES[engine]
+        engine_model = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, impl=impl,
+                                                                              deterministic=deterministic))
         for b in batches:
             for p in lengths:
                 case = bench_case(engine_model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids)

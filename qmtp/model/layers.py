@@ -21,15 +21,22 @@ CHUNKED_GDN_MIN_TOKENS = 16
 
 
 # ---- norms (§3.1, §3.2) ------------------------------------------------------------------------
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Zero-centred RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), in f32, cast back to x's dtype."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, kernels: KernelConfig | None = None) -> jax.Array:
+    """Zero-centred RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), in f32, cast back to x's dtype.
+    kernels.deterministic: each row summed in one order at every row count (ops.rms_norm_rows)."""
+    if kernels is not None and kernels.deterministic:
+        return ops.rms_norm_rows(x, w, eps, plus_one=True)
     x32 = x.astype(F32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * (1.0 + w.astype(F32))).astype(x.dtype)
 
 
-def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """GDN output norm (plain weight, not 1 + w): x / sqrt(mean(x^2) + eps) * w * silu(z), in f32."""
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float,
+                   kernels: KernelConfig | None = None) -> jax.Array:
+    """GDN output norm (plain weight, not 1 + w): x / sqrt(mean(x^2) + eps) * w * silu(z), in f32.
+    kernels.deterministic: as rms_norm's."""
+    if kernels is not None and kernels.deterministic:
+        return ops.rms_norm_rows(x, w, eps, plus_one=False, z=z, out_dtype=F32)
     x32 = x.astype(F32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return y * w.astype(F32) * jax.nn.silu(z.astype(F32))
@@ -97,8 +104,8 @@ def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
     qg = qg.reshape(b, t, -1, 2 * d)  # [B, T, Hq, 2D]
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, -1)  # [B, T, Hq, D], [B, T, Hq*D]
     k, v = k.reshape(b, t, -1, d), v.reshape(b, t, -1, d)  # [B, T, Hkv, D]
-    q = rope(rms_norm(q, p["q_norm"], eps), positions, rotary_dim, theta)
-    k = rope(rms_norm(k, p["k_norm"], eps), positions, rotary_dim, theta)
+    q = rope(rms_norm(q, p["q_norm"], eps, kernels), positions, rotary_dim, theta)
+    k = rope(rms_norm(k, p["k_norm"], eps, kernels), positions, rotary_dim, theta)
     k_pages = write_kv(k_pages, page_table, positions, valid, k)
     v_pages = write_kv(v_pages, page_table, positions, valid, v)
     o = ops.paged_attention_op(q, k_pages, v_pages, page_table, positions, lengths + n_valid,
@@ -166,5 +173,5 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
         # padding must not touch the state even if its inputs are not finite: zero k and v as well
         k, v = jnp.where(valid[..., None], k, 0.0), jnp.where(valid[..., None], v, 0.0)
         o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state)
-    o = gated_rms_norm(o, z, p["gdn_norm"], eps).astype(x.dtype).reshape(b, t, hv * dv)
+    o = gated_rms_norm(o, z, p["gdn_norm"], eps, kernels).astype(x.dtype).reshape(b, t, hv * dv)
     return row_parallel(o, p["out_proj"], kernels), new_conv, ssm.astype(ssm_state.dtype)

@@ -41,15 +41,15 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     Tokens t >= n_valid[b] write no KV."""
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
-    e = layers.rms_norm(tp.embed_lookup(params["embed"], tokens), mp["pre_fc_norm_embedding"], eps)  # [B, T, E]
-    hh = layers.rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
+    e = layers.rms_norm(tp.embed_lookup(params["embed"], tokens), mp["pre_fc_norm_embedding"], eps, kernels)  # [B, T, E]
+    hh = layers.rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps, kernels)
     u = ops.linear(jnp.concatenate([e, hh], axis=-1), mp["fc"], kernels)  # [B, T, E]
     p = mp["layers"][0]
     mixer = lambda h: layers.attention(p, h, state.mtp_kv.k[0], state.mtp_kv.v[0], state.page_table, start,
                                        n_valid, eps=eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta,
                                        kernels=kernels)
     u, (k_pages, v_pages) = target.decoder_layer(cfg, p, u, mixer, kernels)
-    hm = layers.rms_norm(u, mp["norm"], eps)
+    hm = layers.rms_norm(u, mp["norm"], eps, kernels)
     return hm, dataclasses.replace(state, mtp_kv=state.mtp_kv.replace_layer(0, k_pages, v_pages))
 
 

@@ -52,9 +52,9 @@ def draft_token(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.A
 
 def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: KernelConfig) -> tuple:
     """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`."""
-    out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps))
+    out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps, kernels))
     h = x + out
-    return h + layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps), kernels), new_state
+    return h + layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps, kernels), kernels), new_state
 
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
@@ -77,7 +77,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
                 eps=eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, kernels=kernels)
         x, layer_state = decoder_layer(cfg, p, x, mixer, kernels)
         new[kind].append(layer_state)
-    hidden = layers.rms_norm(x, params["final_norm"], eps)
+    hidden = layers.rms_norm(x, params["final_norm"], eps, kernels)
     (convs, ssms), (ks, vs) = (tuple(zip(*new[kind])) or ((), ()) for kind in (LINEAR, FULL))
     new_state = dataclasses.replace(state, kv=PagedKV(ks, vs), conv=convs, ssm=ssms, lengths=state.lengths + n_valid)
     return hidden, new_state

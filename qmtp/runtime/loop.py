@@ -118,7 +118,29 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
     MTP prefill over the shifted prompt (lag-1, MODEL_SPEC §4.2) for the first draft.
 
     max_tokens [B] >= 1, stop [B, NS]: the rows' budgets and stop ids. Returns (first token x_n [B],
-    Slots.started for the rows, state); the state's GDN/conv rows are not in the ring."""
+    Slots.started for the rows, state); the state's GDN/conv rows are not in the ring.
+
+    kernels.deterministic: one prompt at a time (a lax.scan over the rows, at every batch size, one
+    included), so each XLA op of the prefill (attention and GDN over the prompt, norms, reductions) has
+    the shapes of a batch of one and a row's numbers do not depend on the other prompts of its batch."""
+    if kernels.deterministic:
+        return _prefill_rows(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop)
+    return _prefill_batch(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop)
+
+
+def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop):
+    def one(state, row):
+        b, tok, nv, mt, st = row
+        first, slots, sub = _prefill_batch(cfg, kernels, use_mtp, params, state.row(b), tok[None], nv[None],
+                                           mt[None], st[None])
+        return state.with_row(b, sub), (first[0], jax.tree_util.tree_map(lambda x: x[0], slots))
+
+    rows = (jnp.arange(tokens.shape[0]), tokens, n_valid, max_tokens, stop)
+    state, (first, slots) = jax.lax.scan(one, state, rows)
+    return first, slots, state
+
+
+def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop):
     start = state.lengths
     hidden, state = target.forward(cfg, params, state, tokens, n_valid, kernels)
     first = greedy(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels))

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul, gdn, gdn_conv, paged_attention
+from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul, gdn, gdn_conv, paged_attention, rms_norm
 from pallas_kernels.bench.trace_events import device_time  # noqa: F401  (the model-level benchmarks' profiler)
 from qmtp.model.fp8 import Fp8Block
 from qmtp.runtime.kernel_config import KernelConfig
@@ -55,6 +55,12 @@ def linear(x: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
     Accumulates in f32 and rounds once at the end."""
     out_dtype = out_dtype or x.dtype
     rows = math.prod(x.shape[:-1])
+    if kernels.deterministic and (isinstance(w, Fp8Block) or w.dtype == jnp.bfloat16):
+        # one tile config per weight shape at every row count (KernelConfig.deterministic)
+        if isinstance(w, Fp8Block):
+            return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret(),
+                                         row_invariant=True)
+        return fp8_matmul.bf16_matmul(x, w, out_dtype=out_dtype, interpret=_interpret(), row_invariant=True)
     if rows == 1 and _interpret():
         # XLA's CPU dot runs a one-row product as a matrix-vector kernel that sums in another order than
         # its GEMM of 2..128 rows (which agree bit for bit): a plain decode row would not equal the same
@@ -87,10 +93,19 @@ def linear_many(x: jax.Array, ws, kernels: KernelConfig) -> tuple[jax.Array, ...
     """(linear(x, w) for w in ws): several projections of the same x. Under Pallas with every weight an
     Fp8Block they share one kernel launch (the 64-layer 27B step 15.3 -> 14.2 ms); otherwise one each."""
     rows = math.prod(x.shape[:-1])
+    if kernels.deterministic and all(isinstance(w, Fp8Block) for w in ws):
+        return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret(),
+                                          row_invariant=True)
     if kernels.pallas and rows < DEQUANT_DOT_MIN_ROWS and all(isinstance(w, Fp8Block) for w in ws):
         return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret(),
                                           act_quant=_act_quant(kernels, rows))
     return tuple(linear(x, w, kernels) for w in ws)
+
+
+def rms_norm_rows(x, w, eps, *, plus_one: bool, z=None, out_dtype=None):
+    """RMSNorm with each row summed in one order at every row count (KernelConfig.deterministic): XLA's
+    own reduction changes a row's bits with the number of rows on the H200 (from 33 rows at D = 5120)."""
+    return rms_norm.rms_norm_rows(x, w, eps, plus_one=plus_one, z=z, out_dtype=out_dtype, interpret=_interpret())
 
 
 def gdn_gates(a, b, a_log, dt_bias):

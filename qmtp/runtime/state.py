@@ -56,6 +56,19 @@ class DecodeState:
     def batch(self) -> int:
         return self.lengths.shape[0]
 
+    def row(self, b: jax.Array) -> "DecodeState":
+        """Sequence b alone (a batch of one; b may be traced): its GDN/conv rows (not in the slot ring),
+        page-table row and length; the KV pages are shared by all rows."""
+        one = lambda x: jax.lax.dynamic_slice_in_dim(x, b, 1, axis=0)  # noqa: E731
+        return dataclasses.replace(self, conv=tuple(map(one, self.conv)), ssm=tuple(map(one, self.ssm)),
+                                   page_table=one(self.page_table), lengths=one(self.lengths))
+
+    def with_row(self, b: jax.Array, one: "DecodeState") -> "DecodeState":
+        """This state with sequence b (and the KV pages) taken from `one`, a row(b) that has run."""
+        put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, b, axis=0)  # noqa: E731
+        return dataclasses.replace(self, kv=one.kv, mtp_kv=one.mtp_kv, conv=tuple(map(put, self.conv, one.conv)),
+                                   ssm=tuple(map(put, self.ssm, one.ssm)), lengths=put(self.lengths, one.lengths))
+
 
 def state_shapes(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
                  dtype, kv_heads: int | None = None, gdn_slots: int = 0) -> DecodeState:
