@@ -139,22 +139,24 @@ def test_breakdown_ks_must_be_among_ks(tmp_path):
     assert off.returncode == 2 and "--engine=bogus" in off.stderr and "breakdown_ks" not in off.stderr
 
 
-@pytest.mark.slow  # ~20 s (the Pallas engine in interpret mode)
+@pytest.mark.slow  # ~40 s (the Pallas engines in interpret mode)
 def test_two_engines_share_the_weights_and_are_compared(tmp_path):
+    """--engine=pallas,deterministic: the default kernels and the row-invariant ones on the same weights."""
     out = tmp_path / "e.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--repeats=1", "--ks=1",
-                  "--profile=", "--breakdown=false", "--max_new_tokens=4", "--engine=ref,pallas",
+                  "--profile=", "--breakdown=false", "--max_new_tokens=4", "--engine=pallas,deterministic",
                   "--prompt_text=def fibonacci(", "--prompt_text=import os", tmp_path=tmp_path, cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert [c["engine"] for c in res["cases"]] == ["ref", "pallas"] and res["config"]["engine"] == "ref,pallas"
+    assert [c["engine"] for c in res["cases"]] == ["pallas", "deterministic"]
+    assert res["config"]["engine"] == "pallas,deterministic"
     assert [c["batch"] for c in res["cases"]] == [2, 2]  # two text prompts: one sequence each
     assert [row["mode"] for row in res["engine_comparison"]] == ["plain", "mtp K=1 natural"]
     assert all(row["ratio"] > 0 for row in res["engine_comparison"])
-    assert "decode tok/s by engine (ref / pallas)" in r.stdout
+    assert "decode tok/s by engine (pallas / deterministic)" in r.stdout
     bad = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", f"--out={out}", "--engine=xla",
                     tmp_path=tmp_path, cache=tmp_path / "cache")
-    assert bad.returncode == 2 and "--engine=xla: expected pallas and/or ref" in bad.stderr
+    assert bad.returncode == 2 and "--engine=xla: expected one or more of pallas, ref, deterministic" in bad.stderr
 
 
 def test_breakdown_timing_leaves_out_building_the_input(monkeypatch):

@@ -103,6 +103,7 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
     (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--output_json=/nonexistent_dir/out.json"),
      "error: --output_json=/nonexistent_dir/out.json: directory /nonexistent_dir does not exist"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--compare_plain"), "error: --compare_plain .* give --mtp_k"),
+    (("--checkpoint=preset:tiny", "--prompt=hi", "--deterministic"), "error: deterministic=True needs impl='pallas'"),
 ])
 def test_bad_input_gives_one_error_line(cache, args, message):
     r = run(*args, cache=cache)
