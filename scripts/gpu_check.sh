@@ -2,11 +2,12 @@
 # The GPU checks of qmtp on an H200 machine: the `gpu`-marked kernel tests and the benchmark table
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
-#   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness bench_b1 bench_b16 (default: all)
+#   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
+#                                             (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
-# $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), exactness's JSON files, and the bench JSON files
-# $OUT/bench_tp1_b1.json / bench_tp1_b16.json (the README's table). Each step has its own time
+# $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
+# bench JSON files $OUT/bench_tp1_b1.json / bench_tp1_b16.json (the README's table). Each step has its own time
 # limit (seconds; override with LIMIT_<step>=N) so a slow one cannot eat the others. The first bench
 # on a fresh machine also writes the ~30 GB checkpoint into the cache (~45 s). A device call
 # limited to 10 minutes holds one step at these limits: name the steps one call at a time.
@@ -19,7 +20,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness bench_b1 bench_b16)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -38,16 +39,17 @@ for s in "${steps[@]}"; do
   case $s in
     kernel_tests) run_step kernel_tests 540 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_*.py \
                     tests/test_row_invariance.py ;;
-    # greedy tokens in bfloat16 with --deterministic: the demo on 32 code prompts (batch 1 / 8 / 32, K = 1..4),
-    # then the random 27B-shaped FP8 preset (8 layers) on 4 prompts, two page sizes
-    exactness) run_step exactness 580 bash -c "$PY -m qmtp.bench.exactness --impl=pallas --deterministic --prompts=32 \
-                 --batch=1,8,32 --out=$OUT/exactness_demo.json; a=\$?; $PY -m qmtp.bench.exactness \
-                 --checkpoint=preset:qwen3_5_27b:fp8 --num_layers=8 --impl=pallas --deterministic --prompts=4 \
-                 --max_new_tokens=128 --batch=1,4 --ks=1,3 --page_sizes=16,64 --out=$OUT/exactness_27b.json; exit \$((a | \$?))" ;;
+    # greedy tokens in bfloat16 with --deterministic: the demo on 32 code prompts (batch 1 / 8 / 32, K = 1..4)
+    exactness_demo) run_step exactness_demo 580 "$PY" -m qmtp.bench.exactness --impl=pallas --deterministic \
+                      --prompts=32 --batch=1,8,32 --out="$OUT/exactness_demo.json" ;;
+    # ... and the random (flat-logit) 27B-shaped FP8 preset, 8 layers, 4 prompts x 128 tokens
+    exactness_27b) run_step exactness_27b 580 "$PY" -m qmtp.bench.exactness --checkpoint=preset:qwen3_5_27b:fp8 \
+                     --num_layers=8 --impl=pallas --deterministic --prompts=4 --max_new_tokens=128 --batch=1,4 \
+                     --ks=3 --out="$OUT/exactness_27b.json" ;;
     bench_b1) run_step bench_b1 580 "${BENCH[@]}" --out="$OUT/bench_tp1_b1.json" "${EXTRA[@]}" ;;
     bench_b16) run_step bench_b16 420 "${BENCH[@]}" --batch=16 --max_new_tokens=256 --ks=3 \
                  --out="$OUT/bench_tp1_b16.json" "${EXTRA[@]}" ;;
-    *) echo "unknown step '$s' (kernel_tests exactness bench_b1 bench_b16)"; exit 2 ;;
+    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
