@@ -19,7 +19,7 @@ import numpy as np
 from qmtp.model import fp8 as fp8_lib, load as load_lib, mtp, target as model_lib
 from qmtp.model.config import ModelConfig
 from qmtp.runtime import loop, tp as tp_lib
-from qmtp.runtime.kernel_config import KernelConfig
+from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
 from qmtp.runtime.state import init_state
 
@@ -77,7 +77,7 @@ class MtpLogits:
 def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_pages: int | None = None,
          impl: str = "ref", progress: bool = True, tp: int = 1, converted_cache: str | None = None,
          draft_head: str = "auto", draft_vocab=None, fp8_act_quant: bool = False,
-         deterministic: bool = False) -> Model:
+         deterministic: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Model:
     """Loads config, weights (strictly) and tokenizer from a Hugging Face checkpoint directory.
 
     tp > 1: tensor parallelism over the first `tp` devices; each device loads only its shard and every
@@ -93,14 +93,15 @@ def load(checkpoint_dir: str, dtype: str = "bfloat16", page_size: int = 16, num_
     choose among, through the head's rows for them. Neither changes tokens (the verify pass keeps the
     exact lm_head); acceptance may drop.
 
-    impl, fp8_act_quant and deterministic make the model's KernelConfig (qmtp/runtime/kernel_config.py):
-    "ref" (pure XLA) or "pallas" (the Pallas kernels, FP8 weights in their tiles), E4M3 activations, and
-    row-invariant projections (tokens independent of K and of the batch)."""
+    impl, fp8_act_quant, deterministic and prefill_chunk make the model's KernelConfig
+    (qmtp/runtime/kernel_config.py): "ref" (pure XLA) or "pallas" (the Pallas kernels, FP8 weights in their
+    tiles), E4M3 activations, row-invariant numerics (tokens independent of K and of the batch), and the
+    prompt chunk a longer prompt is prefilled in."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: supported {sorted(DTYPES)}")
     if page_size <= 0 or (num_pages is not None and num_pages <= 0):
         raise ValueError(f"page_size={page_size} and num_pages={num_pages} must be positive")
-    kernels = KernelConfig(impl, fp8_act_quant, deterministic)
+    kernels = KernelConfig(impl, fp8_act_quant, deterministic, prefill_chunk)
     load_lib.check_draft_head(draft_head)
     mesh = tp_lib.make_mesh(tp) if tp != 1 else None
     cfg, params = load_lib.load_params(checkpoint_dir, dtype, kernels, mesh, progress=progress,

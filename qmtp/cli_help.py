@@ -50,6 +50,16 @@ def define_deterministic_flag() -> None:
                          "speed at some batch sizes and prefill speed (README: Exactness).")
 
 
+def define_prefill_chunk_flag() -> None:
+    """--prefill_chunk (KernelConfig.prefill_chunk), for generate, bench, server."""
+    if "prefill_chunk" in flags.FLAGS:
+        return
+    from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK
+    flags.DEFINE_integer("prefill_chunk", DEFAULT_PREFILL_CHUNK, "Prompts longer than this many tokens (a power of "
+                         "two >= 16) are prefilled in chunks of it, each after the KV and GDN state the one before "
+                         "left: prefill memory grows linearly with the prompt, not with its square.")
+
+
 def define_draft_head_flag() -> None:
     """--draft_head (qmtp.load's draft_head), for generate, bench, server."""
     if "draft_head" in flags.FLAGS:

@@ -51,6 +51,7 @@ flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the
                     "restore from it instead of reading the safetensors.")
 cli_help.define_fp8_act_quant_flag()
 cli_help.define_deterministic_flag()
+cli_help.define_prefill_chunk_flag()
 cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
 cli_help.define_compile_cache_flag()
@@ -108,7 +109,7 @@ def run(argv) -> dict:
                       num_pages=FLAGS.num_pages or None, impl=FLAGS.impl, tp=FLAGS.tp,
                       converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant,
-                      deterministic=FLAGS.deterministic)
+                      deterministic=FLAGS.deterministic, prefill_chunk=FLAGS.prefill_chunk)
     warning = cli_help.verify_rows_warning(model, len(prompts), FLAGS.mtp_k)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -147,7 +148,7 @@ def run(argv) -> dict:
               f"tokens {'identical' if same else 'DIFFERENT'} (same prompts, same run)")
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
               "draft_head": model.draft_head, "tp": FLAGS.tp, "fp8_act_quant": FLAGS.fp8_act_quant,
-              "deterministic": FLAGS.deterministic,
+              "deterministic": FLAGS.deterministic, "prefill_chunk": FLAGS.prefill_chunk,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s, "repeats": FLAGS.repeats,
               "decode_tokens_per_s_runs": [r.stats["decode_tokens_per_s"] for r in runs[FLAGS.mtp_k]]}

@@ -104,6 +104,7 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
      "error: --output_json=/nonexistent_dir/out.json: directory /nonexistent_dir does not exist"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--compare_plain"), "error: --compare_plain .* give --mtp_k"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--deterministic"), "error: deterministic=True needs impl='pallas'"),
+    (("--checkpoint=preset:tiny", "--prompt=hi", "--prefill_chunk=24"), "error: prefill_chunk=24: a power of two"),
 ])
 def test_bad_input_gives_one_error_line(cache, args, message):
     r = run(*args, cache=cache)

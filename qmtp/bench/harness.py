@@ -62,6 +62,7 @@ flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative roun
 flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
                   "its own verify and draft programs, which takes minutes at 64 layers.")
 cli_help.define_fp8_act_quant_flag()
+cli_help.define_prefill_chunk_flag()
 cli_help.define_draft_head_flag()
 cli_help.define_draft_vocab_flag()
 cli_help.define_compile_cache_flag()
@@ -311,7 +312,8 @@ def _run() -> int:
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     t = time.perf_counter()
     model = qmtp.load(path, dtype=FLAGS.dtype, impl=ENGINES[engines[0]][0], tp=FLAGS.tp, converted_cache=FLAGS.converted_cache,
-                      draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant)
+                      draft_head=FLAGS.draft_head, draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant,
+                      prefill_chunk=FLAGS.prefill_chunk)
     load_s = time.perf_counter() - t
     resident = memory()
     config = {"checkpoint": path, "checkpoint_flag": FLAGS.checkpoint, "num_layers": model.cfg.num_hidden_layers,
@@ -323,6 +325,7 @@ def _run() -> int:
                                    if "draft_vocab" in model.params.get("mtp", {}) else None),
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "fp8_act_quant": FLAGS.fp8_act_quant,
+              "prefill_chunk": FLAGS.prefill_chunk,
               # a warm compilation cache shortens each mode's compile_s
               "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}

@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 IMPLS = ("ref", "pallas")
+MIN_PREFILL_CHUNK = 16  # the shortest prompt bucket: a longer bucket is a whole number of chunks
+# Until the prefill is measured at long context: the scores of a 2048-token chunk against a 131,072-token
+# context are 2048 x 131072 x 4 B = 1 GiB per query head.
+DEFAULT_PREFILL_CHUNK = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,15 +30,23 @@ class KernelConfig:
     the Pallas block-matmul kernels with one tile config per weight shape (fp8_matmul's row_invariant), so
     a row's numbers do not depend on how many rows share the launch: greedy tokens do not depend on K or
     on the other sequences of a batch (the attention and GDN kernels already compute each row alone).
-    Needs impl="pallas" and excludes fp8_act_quant."""
+    Needs impl="pallas" and excludes fp8_act_quant.
+
+    prefill_chunk: a prompt longer than this many tokens (a power of two >= 16) is prefilled in chunks of
+    it, each after the KV pages and GDN/conv state the previous one left, so prefill memory grows with
+    the context, not with its square (the attention scores are [chunk, context] per head)."""
 
     impl: str = "ref"
     fp8_act_quant: bool = False
     deterministic: bool = False
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r}: supported {IMPLS}")
+        c = self.prefill_chunk
+        if c < MIN_PREFILL_CHUNK or c & (c - 1):
+            raise ValueError(f"prefill_chunk={c}: a power of two >= {MIN_PREFILL_CHUNK} needed")
         if self.deterministic and (self.impl != "pallas" or self.fp8_act_quant):
             raise ValueError(f"deterministic=True needs impl='pallas' without fp8_act_quant, got impl={self.impl!r}, "
                              f"fp8_act_quant={self.fp8_act_quant}")

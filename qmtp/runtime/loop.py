@@ -142,16 +142,45 @@ def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_v
 
 def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop):
     start = state.lengths
-    hidden, state = target.forward(cfg, params, state, tokens, n_valid, kernels)
+    hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
+                             kernels.prefill_chunk, state, tokens, n_valid, hidden=None)
     first = greedy(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels))
     if use_mtp:
-        mh, state = mtp.forward(cfg, params, state, mtp.shift_left(tokens, n_valid, first), hidden, start, n_valid,
-                                kernels)
+        def mtp_pass(st, tok, nv, h, offset):  # a chunk's MTP positions start `offset` tokens into the prompt
+            return mtp.forward(cfg, params, st, tok, h, start + jnp.minimum(offset, n_valid), nv, kernels)
+
+        mh, state = _chunked(mtp_pass, kernels.prefill_chunk, state, mtp.shift_left(tokens, n_valid, first),
+                             n_valid, hidden=hidden)
         mh = target.last_valid(mh, n_valid)
         d1 = target.draft_token(params, mh, kernels)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
     return first, Slots.started(first, d1, mh, max_tokens, stop), state
+
+
+def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden):
+    """run over the prompt tokens [B, T] in chunks of `chunk` tokens (one pass if T <= chunk), each chunk
+    after the KV and GDN/conv state the one before left: a lax.scan, so the program holds one chunk's
+    pass and its attention scores. run(state, tokens [B, C], n_valid [B], hidden [B, C, E] | None,
+    offset) -> (out [B, C, E], state), offset: the chunk's first token; hidden (for the MTP pass) is cut
+    into the same chunks. Returns (out [B, T, E], state)."""
+    b, t = tokens.shape
+    if t <= chunk:
+        return run(state, tokens, n_valid, hidden, 0)
+    n = t // chunk  # T and chunk are powers of two
+    offsets = jnp.arange(n, dtype=jnp.int32) * chunk
+    xs = {"tokens": tokens.reshape(b, n, chunk).swapaxes(0, 1),  # [n, B, C]
+          "n_valid": jnp.clip(n_valid[None] - offsets[:, None], 0, chunk),  # [n, B] each chunk's real tokens
+          "offset": offsets}
+    if hidden is not None:
+        xs["hidden"] = hidden.reshape(b, n, chunk, -1).swapaxes(0, 1)  # [n, B, C, E]
+
+    def one(state, x):
+        out, state = run(state, x["tokens"], x["n_valid"], x.get("hidden"), x["offset"])
+        return state, out
+
+    state, outs = jax.lax.scan(one, state, xs)  # [n, B, C, E]
+    return outs.swapaxes(0, 1).reshape(b, t, -1), state
 
 
 def to_ring(state: DecodeState, n: int) -> DecodeState:

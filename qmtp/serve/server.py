@@ -100,6 +100,7 @@ def define_flags() -> None:
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
     cli_help.define_fp8_act_quant_flag()
     cli_help.define_deterministic_flag()
+    cli_help.define_prefill_chunk_flag()
     cli_help.define_draft_head_flag()
     cli_help.define_draft_vocab_flag()
     cli_help.define_compile_cache_flag()
@@ -349,7 +350,8 @@ def build(argv) -> tuple:
     cli_help.apply_compile_cache_flag()
     path = resolve_checkpoint(FLAGS.checkpoint)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size, impl=FLAGS.impl, tp=FLAGS.tp,
-                      fp8_act_quant=FLAGS.fp8_act_quant, deterministic=FLAGS.deterministic, progress=False, draft_head=FLAGS.draft_head,
+                      fp8_act_quant=FLAGS.fp8_act_quant, deterministic=FLAGS.deterministic,
+                      prefill_chunk=FLAGS.prefill_chunk, progress=False, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab)
     same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig) if f.name != "stop_token_ids"}
     engine = Engine(model, EngineConfig(stop_token_ids=stop, **same_named))

@@ -1,0 +1,68 @@
+"""KernelConfig.prefill_chunk: a prompt longer than the chunk is prefilled in chunks, each after the KV
+pages and GDN/conv state the one before left; it must give what one pass gives (float32 tolerance)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp.api import _new_state, _prompt_batch
+from qmtp.runtime import loop
+from qmtp.runtime.kernel_config import KernelConfig
+from qmtp.tools.make_checkpoint import resolve_checkpoint
+from tolerance import F32_RECURRENCE, assert_close
+
+LENGTHS = (50, 37, 3)  # one bucket of 64: rows end inside the last chunk, mid-way, and in the first
+
+
+def _prefill(model, prompts):
+    state = _new_state(model, [len(p) + 8 for p in prompts])
+    tokens, n_valid = _prompt_batch(prompts)
+    b = len(prompts)
+    return loop.prefill(model.cfg, model.kernels, True, model.params, state, tokens, n_valid,
+                        jnp.full((b,), 8, jnp.int32), loop.stop_rows((), b))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return resolve_checkpoint("preset:tiny")
+
+
+# chunk boundaries on page edges (8), inside pages (24), and a chunk of two pages (32 over 16)
+@pytest.mark.parametrize("chunk,page_size", [(16, 8), (16, 24), (32, 16)])
+def test_chunked_prefill_state_equals_one_pass(tiny, chunk, page_size):
+    one = qmtp.load(tiny, dtype="float32", page_size=page_size, progress=False)
+    chunked = dataclasses.replace(one, kernels=dataclasses.replace(one.kernels, prefill_chunk=chunk))
+    rng = np.random.default_rng(chunk + page_size)
+    prompts = [rng.integers(0, one.cfg.vocab_size, n).tolist() for n in LENGTHS]
+    (first_a, slots_a, state_a), (first_b, slots_b, state_b) = _prefill(one, prompts), _prefill(chunked, prompts)
+    np.testing.assert_array_equal(np.asarray(first_a), np.asarray(first_b))
+    np.testing.assert_array_equal(np.asarray(slots_a.d1), np.asarray(slots_b.d1))
+    np.testing.assert_array_equal(np.asarray(state_a.lengths), np.asarray(state_b.lengths))
+    assert_close(slots_b.mh, slots_a.mh, F32_RECURRENCE, "MTP hidden of the last token")
+    parts = ("ssm", "conv", "kv.k", "kv.v", "mtp_kv.k", "mtp_kv.v")
+    for name, a, b in zip(parts, _parts(state_a), _parts(state_b)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            assert_close(y, x, F32_RECURRENCE, f"{name}[{j}]")
+
+
+def _parts(state):
+    return state.ssm, state.conv, state.kv.k, state.kv.v, state.mtp_kv.k, state.mtp_kv.v
+
+
+def test_chunked_prefill_keeps_greedy_and_mtp_tokens(tiny):
+    one = qmtp.load(tiny, dtype="float32", page_size=8, progress=False)
+    chunked = dataclasses.replace(one, kernels=dataclasses.replace(one.kernels, prefill_chunk=16))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, one.cfg.vocab_size, n).tolist() for n in LENGTHS]
+    for k in (0, 2):
+        want = qmtp.generate(one, prompts, max_new_tokens=10, stop_token_ids=[], mtp_k=k).tokens
+        assert qmtp.generate(chunked, prompts, max_new_tokens=10, stop_token_ids=[], mtp_k=k).tokens == want
+
+
+@pytest.mark.parametrize("chunk", [0, 8, 48])
+def test_prefill_chunk_must_be_a_power_of_two_of_16_or_more(chunk):
+    with pytest.raises(ValueError, match=f"prefill_chunk={chunk}: a power of two >= 16"):
+        KernelConfig(prefill_chunk=chunk)
