@@ -8,9 +8,11 @@ q [B, T, Hq, D]; k_pages, v_pages [P, S, Hkv, D]; page_table [B, Pmax], q_positi
 int32 -> o [B, T, Hq, D] in q's dtype, softmax in f32. Masked slots may hold anything (NaN included); a row
 with no valid key outputs 0. `paged_attention_ref` gathers the pages into a contiguous context.
 
-Kernel grid (B, Hkv, NS): program (b, h, s) takes kv head h's R = pow2(max(16, G*T)) query rows (r = t*G + g,
-G = Hq/Hkv) so each K/V row is read once per kv head, and keys [s*L, min((s+1)*L, n)), n = min(kv_lengths[b],
-Pmax*S), L = round_up(cdiv(n, NS), BK): keys past the length are never read and every split gets work. Each
+Kernel grid (B, Hkv, NQ*NS): program (b, h, q, s) takes kv head h's R = pow2(max(16, G*TB)) query rows (r =
+t*G + g, G = Hq/Hkv) of TB tokens (TB = T up to max_block_queries; a prefill's NQ blocks of prefill_rows // G
+tokens, NS = 1) so each K/V row is read once per kv head and block, and keys [s*L, min((s+1)*L, n)), n =
+min(kv_lengths[b], Pmax*S, the block's last position + 1), L = round_up(cdiv(n, NS), BK): keys past the
+length or the block's causal limit are never read and every split gets work. Each
 step gathers BK keys by page id (clamped to [0, P)), so any page size works; online softmax in base 2, masked
 scores -inf by `where`, masked K/V never loaded. A jnp step combines the splits (weights exp2(m_s - max m)).
 q is cast to the KV dtype: bf16/f16 KV take tensor-core dots (P rounded to it for P @ V, as flash attention),
@@ -78,6 +80,10 @@ class PagedAttentionConfig:
     min_keys_per_split: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    # More than max_block_queries query tokens (a prefill) run in blocks of prefill_rows // G tokens per
+    # program (G query heads share a KV head), one program per block and KV head, no key splits.
+    max_block_queries: int = 8
+    prefill_rows: int = 32  # the tile of a K=4 verify at G = 6 (30 rows), the shape measured on the H200
 
     def __post_init__(self):
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
@@ -100,15 +106,17 @@ _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, qpos_ref, len_ref, acc_ref, m_ref, l_ref, *,
-            g: int, t: int, rows: int, page_size: int, n_pages: int, n_ctx: int, n_splits: int,
+            g: int, t: int, t_block: int, rows: int, page_size: int, n_pages: int, n_ctx: int, n_splits: int,
             block_k: int, scale_log2: float, precision):
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h = pl.program_id(0), pl.program_id(1)
+    qb, s = jax.lax.div(pl.program_id(2), n_splits), jax.lax.rem(pl.program_id(2), n_splits)
     d = q_ref.shape[-1]
     kv_dtype = k_ref.dtype
 
     r = jax.lax.iota(jnp.int32, rows)
-    row_ok = r < g * t
-    r_t = jnp.where(row_ok, jax.lax.div(r, g), 0)
+    r_t = qb * t_block + jax.lax.div(r, g)  # the row's query token
+    row_ok = (r < g * t_block) & (r_t < t)
+    r_t = jnp.where(row_ok, r_t, 0)
     r_h = h * g + jax.lax.rem(r, g)
     col = jax.lax.iota(jnp.int32, d)[None, :]  # gathers index every axis with arrays (interpret mode
     row_ok2 = jnp.broadcast_to(row_ok[:, None], (rows, d))  # cannot mix array indices and slices)
@@ -116,7 +124,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, qpos_ref, len_ref, acc_ref, m_ref, l_re
     q_pos = plgpu.load(qpos_ref.at[b, r_t], mask=row_ok, other=-1)  # [R]; padding rows see no key
 
     cdiv = lambda a, c: jax.lax.div(a + (c - 1), c)  # a >= 0
-    n = jnp.clip(len_ref[b], 0, n_ctx)  # keys [0, n) of this sequence
+    # keys [0, n) of this sequence, none past the block's last query (causal)
+    n = jnp.minimum(jnp.clip(len_ref[b], 0, n_ctx), jnp.max(q_pos) + 1)
     split_len = cdiv(cdiv(n, n_splits), block_k) * block_k
     start = s * split_len
     end = jnp.minimum(start + split_len, n)
@@ -193,31 +202,38 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
     b, t, hq, d = q.shape
     n_pages, page_size, hkv, _ = k_pages.shape
     g = hq // hkv
-    rows = max(16, next_pow2(g * t))
+    t_block = t if t <= config.max_block_queries else min(t, max(1, config.prefill_rows // g))  # per program
+    n_qblocks = -(-t // t_block)
+    rows = max(16, next_pow2(g * t_block))
     n_ctx = page_table.shape[1] * page_size
-    n_splits = config.num_splits(b, hkv, n_ctx)
+    n_splits = config.num_splits(b, hkv, n_ctx) if n_qblocks == 1 else 1
     block_k = config.keys_per_step(d, jnp.dtype(k_pages.dtype).itemsize)
     f32 = jnp.dtype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(k_pages.dtype) == f32 else None
     kernel = functools.partial(
-        _kernel, g=g, t=t, rows=rows, page_size=page_size, n_pages=n_pages, n_ctx=n_ctx, n_splits=n_splits,
+        _kernel, g=g, t=t, t_block=t_block, rows=rows, page_size=page_size, n_pages=n_pages, n_ctx=n_ctx, n_splits=n_splits,
         block_k=block_k, scale_log2=scale * math.log2(math.e), precision=precision)
     full = lambda a: pl.BlockSpec(a.shape, lambda i, j, k: (0,) * a.ndim)  # the whole array, indexed inside
     (q, k_pages, v_pages, page_table, q_positions, kv_lengths), out = align(
         q, k_pages, v_pages, page_table, q_positions, kv_lengths)
     acc, m, l = pl.pallas_call(
         kernel,
-        grid=(b, hkv, n_splits),
+        grid=(b, hkv, n_qblocks * n_splits),
         in_specs=[full(q), full(k_pages), full(v_pages), full(page_table), full(q_positions), full(kv_lengths)],
         out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, j, k: (i, j, k, 0, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0))],
-        out_shape=[out((b, hkv, n_splits, rows, d), jnp.float32), out((b, hkv, n_splits, rows), jnp.float32),
-                   out((b, hkv, n_splits, rows), jnp.float32)],
+        out_shape=[out((b, hkv, n_qblocks * n_splits, rows, d), jnp.float32),
+                   out((b, hkv, n_qblocks * n_splits, rows), jnp.float32),
+                   out((b, hkv, n_qblocks * n_splits, rows), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="paged_attention",
     )(q, k_pages, v_pages, page_table, q_positions, kv_lengths)
+    if n_qblocks > 1:  # [B, Hkv, NQ, R, ...] (one split each) -> the query blocks' rows in token order
+        o = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)[:, :, :, :g * t_block]
+        o = o.reshape(b, hkv, n_qblocks * t_block, g, d)[:, :, :t].transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+        return o.astype(q.dtype)
     # Combine the splits: weights exp2(m_s - max_s m_s); empty splits have m = -inf -> weight 0.
     m_max = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [B, Hkv, NS, R]

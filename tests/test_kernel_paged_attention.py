@@ -138,6 +138,7 @@ def case_f64(c: Case):
 # ------------------------------------------------------------------------------------------------
 
 SPLIT = pa.PagedAttentionConfig(block_k=16, min_keys_per_split=16, target_programs=64)  # many splits
+PREFILL_BLOCKS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16)
 
 CASES = {
     "b1_t1_mha_s1": (dict(b=1, t=1, hq=2, hkv=2, d=16, s=1, committed=[6], n_valid=[1]), None),
@@ -151,6 +152,10 @@ CASES = {
                             SPLIT),
     "b3_t1_gqa_s16_splits": (dict(b=3, t=1, hq=6, hkv=2, d=32, s=16, committed=[70, 100, 16], n_valid=[1, 1, 0]),
                              SPLIT),
+    # prefills: query blocks of 5 tokens x 3 heads (a ragged last block), after cached tokens and not
+    "b2_t40_gqa_s16_prefill_blocks": (dict(b=2, t=40, hq=6, hkv=2, d=32, s=16, committed=[0, 13], n_valid=[40, 29]),
+                                      PREFILL_BLOCKS),
+    "b1_t24_mha_s3_prefill_one_block": (dict(b=1, t=24, hq=2, hkv=2, d=16, s=3, committed=[21], n_valid=[24]), None),
 }
 
 
@@ -304,6 +309,18 @@ def test_kernel_lowers_for_h200(b, t, dtype):
     bk = cfg0.keys_per_step(REAL["d"], jnp.dtype(dtype).itemsize)
     el = "bf16" if dtype == jnp.bfloat16 else "f32"
     assert f"tensor<{rows}x{REAL['d']}x{el}> * tensor<{REAL['d']}x{bk}x{el}>" in ir_text, "Q.K^T tile shapes"
+
+
+def test_prefill_lowers_for_h200_in_query_blocks():
+    """A 2048-token prefill at the 27B shapes: prefill_rows // G tokens per program, one program per query
+    block and KV head (no key splits), [64, D] query tiles: no score matrix in memory."""
+    cfg0, t = pa.DEFAULT_CONFIG, 2048
+    lowered = lower_for_h200(lambda *a: pa.paged_attention(*a, REAL["d"] ** -0.5), real_shapes(1, t, jnp.bfloat16))
+    [(cfg, ir_text)] = triton_calls(lowered)
+    t_block = cfg0.prefill_rows // (REAL["hq"] // REAL["hkv"])
+    grid = [attr_int(cfg, f"grid_{a}") for a in "xyz"]
+    assert math.prod(grid) == REAL["hkv"] * -(-t // t_block), grid
+    assert f"tensor<{cfg0.prefill_rows}x{REAL['d']}xbf16> * tensor<{REAL['d']}x" in ir_text, "Q.K^T tile shapes"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,10 +20,6 @@ from pallas_kernels.bench.trace_events import device_time  # noqa: F401  (the mo
 from qmtp.model.fp8 import Fp8Block
 from qmtp.runtime.kernel_config import KernelConfig
 
-# The paged-attention kernel holds all G*T query rows of a KV head in one tile: built for decode and
-# verify (T <= K+1); longer passes (prefill) use the reference (a 64-token prefill asked for 384 KiB of
-# shared memory at D = 256).
-PAGED_ATTENTION_MAX_QUERIES = 8
 # FP8 projections of at least this many rows (prefills) dequantize the weight once and use XLA's dot:
 # 1.9-2.5x the Pallas GEMM's TFLOP/s at M = 1024 on the five 27B shapes.
 DEQUANT_DOT_MIN_ROWS = 1024
@@ -150,8 +146,9 @@ def gdn_chunked(q, k, v, g, beta, state):
 
 
 def paged_attention_op(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, kernels: KernelConfig):
-    """Causal GQA attention of T queries over paged KV; see pallas_kernels/paged_attention.py."""
-    if kernels.pallas and q.shape[1] <= PAGED_ATTENTION_MAX_QUERIES:
+    """Causal GQA attention of T queries over paged KV; see pallas_kernels/paged_attention.py. Under Pallas a
+    prefill (T > 8) runs the kernel in query blocks of a verify's tile (32 rows): no [T, context] scores."""
+    if kernels.pallas:
         return paged_attention.paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale,
                                                interpret=_interpret())
     return paged_attention.paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale)
