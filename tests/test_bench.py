@@ -38,6 +38,8 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
     assert names == ["plain", "mtp K=3 natural", "mtp K=3 profiled"]  # one K: CI time
     for m in case["modes"]:
         assert m["decode_tokens_per_s"]["median"] > 0 and m["ttft_s"]["n"] == 1 and m["share_of_roofline"] > 0
+        prompt_tokens = case["batch"] * case["prompt_length"]
+        assert m["prefill_tokens_per_s"] == pytest.approx(prompt_tokens / m["ttft_s"]["median"])
         assert set(m["memory"]) == {"bytes_in_use", "peak_bytes_in_use"}  # per mode (None on the CPU)
     natural3 = case["modes"][1]
     assert natural3["position_acceptance"] == [1.0, 1.0, 1.0] and natural3["mean_accepted_length"] == 4.0

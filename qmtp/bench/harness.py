@@ -147,7 +147,10 @@ def trace_name(label: str) -> str:
     return "_".join("".join(c for c in word if c.isalnum()) for word in label.split())
 
 
-def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, bytes_, copy_bps: float) -> dict:
+def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, bytes_, copy_bps: float,
+              prompt_tokens: int | None = None) -> dict:
+    """A mode's figures; prompt_tokens (the batch's prompt tokens) adds the prefill rate, those tokens over
+    the median TTFT."""
     from qmtp.bench import report as br
     runs = mode["runs"]
     s0 = runs[-1].stats
@@ -155,6 +158,8 @@ def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, byte
            "decode_tokens_per_s": br.spread([r.stats["decode_tokens_per_s"] for r in runs]),
            "ttft_s": br.spread([r.stats["ttft_s"] for r in runs]),
            "raw": [{k_: v for k_, v in r.stats.items()} for r in runs], "memory": mode.get("memory")}
+    if prompt_tokens:
+        out["prefill_tokens_per_s"] = prompt_tokens / out["ttft_s"]["median"]
     if mode.get("trace_dir"):
         out["trace_dir"] = mode["trace_dir"]
     tokens = runs[-1].tokens
@@ -213,17 +218,19 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
     plain = run_mode(model, prompts, 0, None, FLAGS.repeats, progress, f"B={batch} P={length} plain")
     plain_tokens = plain["runs"][-1].tokens
-    case["modes"].append(summarize("plain", 0, "-", plain, None, bytes_, copy_bps))
+    n_prompt = sum(len(p) for p in prompts)
+    case["modes"].append(summarize("plain", 0, "-", plain, None, bytes_, copy_bps, n_prompt))
     rounds = FLAGS.max_new_tokens + 1
     for k in ks:
         # "no cap" as a schedule of the profiled runs' shape: both runs of a K share one compiled loop
         no_cap = np.full((rounds, batch), k, np.int32)
         m = run_mode(model, prompts, k, no_cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} natural")
-        case["modes"].append(summarize(f"mtp K={k} natural", k, "natural", m, plain_tokens, bytes_, copy_bps))
+        case["modes"].append(summarize(f"mtp K={k} natural", k, "natural", m, plain_tokens, bytes_, copy_bps,
+                                       n_prompt))
     for k in [k for k in ks if k <= len(profile)]:
         cap = acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)
         m = run_mode(model, prompts, k, cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} profiled")
-        s = summarize(f"mtp K={k} profiled", k, "profiled", m, plain_tokens, bytes_, copy_bps)
+        s = summarize(f"mtp K={k} profiled", k, "profiled", m, plain_tokens, bytes_, copy_bps, n_prompt)
         s["imposed_profile"] = profile[:k]
         case["modes"].append(s)
     base = case["modes"][0]["decode_tokens_per_s"]["median"]

@@ -110,13 +110,15 @@ def table(modes: list[dict], shares: bool = True) -> str:
     """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share (unless
     `shares` is False: a CPU run), and the device memory's high-water mark through the mode (GB; "-"
     where the backend keeps no statistics)."""
-    head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "acc.len", "per-position", "roofline", "peak GB"]
+    head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "prefill tok/s", "acc.len", "per-position",
+            "roofline", "peak GB"]
     rows = [head]
     for m in modes:
         tps = m["decode_tokens_per_s"]
         peak = (m.get("memory") or {}).get("peak_bytes_in_use")
         rows.append([m["name"], str(m["k"]), f"{tps['median']:.1f}", f"{tps['min']:.1f}-{tps['max']:.1f}",
                      f"{m.get('speedup', float('nan')):.2f}x", f"{m['ttft_s']['median'] * 1e3:.1f}",
+                     f"{m['prefill_tokens_per_s']:.0f}" if m.get("prefill_tokens_per_s") else "-",
                      f"{m['mean_accepted_length']:.2f}" if m["k"] else "-",
                      "/".join(f"{p:.2f}" for p in m.get("position_acceptance", [])) or "-",
                      f"{m['share_of_roofline']:.0%}" if m.get("share_of_roofline") is not None else "-",
