@@ -85,6 +85,10 @@ MROPE_SECTION = [2, 1, 1]  # sums to ROTARY_DIM // 2 = 4 (release: [11, 11, 10] 
 assert sum(MROPE_SECTION) == ROTARY_DIM // 2
 
 PROMPT_LENS = [5, 19, 70]  # 70 > 64: chunked GDN prefill with a ragged last chunk (64 + 6)
+# A long prompt (drawn after the seed is chosen, so the arrays above do not change): qmtp prefills it in
+# several chunks; its teacher-forced logits are kept every LONG_EVERY positions and at the last 4.
+LONG_PROMPT_LEN = 2100
+LONG_EVERY = 100
 GREEDY_PROMPTS = [0, 1]
 MAX_NEW_TOKENS = 12
 MIN_GAP = 1e-3  # required top-2 logit gap at every greedy step
@@ -695,6 +699,7 @@ def build_fixture(kind: str, base_seed: int) -> dict:
         arrays[f"logits_{i}"] = lg.numpy().astype(np.float32)
     for i in GREEDY_PROMPTS:
         arrays[f"greedy_{i}"] = np.asarray(r["greedy"][i], dtype=np.int32)
+    arrays.update(long_prompt_arrays(model, seed))
     np.savez(out_dir / "expected.npz", **arrays)
 
     tf_gaps = [min(top2_gap(row) for row in lg) for lg in logits]
@@ -763,6 +768,8 @@ def build_fixture(kind: str, base_seed: int) -> dict:
         "eos_token_id_generation_config": gen_eos,
         "eos_check": "eos ids 254/255 appear in no prompt and in no expected greedy output",
         "prompt_lens": PROMPT_LENS,
+        "long_prompt": {"len": LONG_PROMPT_LEN, "logits_every": LONG_EVERY, "generator_seed": seed + 13,
+                        "note": "long_logits = the one-forward logits at long_positions; long_greedy as greedy_i"},
         "greedy_prompts": GREEDY_PROMPTS,
         "max_new_tokens": MAX_NEW_TOKENS,
         "greedy_cache_equals_nocache_argmax_loop": {str(i): r["greedy"][i] == r["greedy_nc"][i] for i in GREEDY_PROMPTS},
@@ -788,6 +795,21 @@ def build_fixture(kind: str, base_seed: int) -> dict:
     for f in sorted(out_dir.iterdir()):
         log(f"  wrote {f.relative_to(REPO)} ({f.stat().st_size} bytes)")
     return meta
+
+
+@torch.no_grad()
+def long_prompt_arrays(model, seed: int) -> dict:
+    """long_prompt (LONG_PROMPT_LEN ids), long_positions, long_logits (the teacher-forced logits there, one
+    forward) and long_greedy (MAX_NEW_TOKENS new tokens, cached generate)."""
+    gen = torch.Generator().manual_seed(seed + 13)
+    ids = torch.randint(0, PROMPT_VOCAB_HI, (LONG_PROMPT_LEN,), generator=gen).tolist()
+    logits = full_logits(model, ids)
+    positions = sorted(set(range(0, LONG_PROMPT_LEN, LONG_EVERY)) | set(range(LONG_PROMPT_LEN - 4, LONG_PROMPT_LEN)))
+    greedy, _ = greedy_generate(model, ids, MAX_NEW_TOKENS)
+    assert EOS_ID not in greedy and EXTRA_EOS_ID not in greedy, greedy
+    log(f"  long prompt: {LONG_PROMPT_LEN} tokens, greedy {greedy}")
+    return {"long_prompt": np.asarray(ids, np.int32), "long_positions": np.asarray(positions, np.int32),
+            "long_logits": logits[positions].numpy().astype(np.float32), "long_greedy": np.asarray(greedy, np.int32)}
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ Qwen3.5 in the released nested layout (untied) and Qwen3-Next with fused GDN pro
 float32, with HF's teacher-forced logits and greedy continuations.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -36,3 +37,16 @@ def test_greedy_continuation_matches_hf_generate(oracle):
     result = qmtp.generate(model, prompts, max_new_tokens=12, stop_token_ids=[])
     for i in range(2):
         assert result.tokens[i] == expected[f"greedy_{i}"].tolist(), f"{name} prompt {i}"
+
+
+def test_long_prompt_matches_hf_in_one_pass_and_in_chunks(oracle):
+    """A 2,100-token prompt: the one-pass logits at every 100th position and the last 4, and the greedy
+    continuation after a prefill in 512-token chunks (8 of them over the 4,096-token bucket), plain and MTP."""
+    name, model, expected = oracle
+    ids = expected["long_prompt"].tolist()
+    logits = qmtp.target_logits(model, ids)
+    assert_close(logits[expected["long_positions"]], expected["long_logits"], F32_MODEL, f"{name} long prompt logits")
+    chunked = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=512))
+    for k in (0, 2):
+        tokens = qmtp.generate(chunked, [ids], max_new_tokens=12, stop_token_ids=[], mtp_k=k).tokens[0]
+        assert tokens == expected["long_greedy"].tolist(), f"{name} long prompt, K={k}"
