@@ -3,7 +3,7 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
-#                                             (default: all)
+#                                             bench_long (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
@@ -20,7 +20,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -49,7 +49,10 @@ for s in "${steps[@]}"; do
     bench_b1) run_step bench_b1 580 "${BENCH[@]}" --out="$OUT/bench_tp1_b1.json" "${EXTRA[@]}" ;;
     bench_b16) run_step bench_b16 420 "${BENCH[@]}" --batch=16 --max_new_tokens=256 --ks=3 \
                  --out="$OUT/bench_tp1_b16.json" "${EXTRA[@]}" ;;
-    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16)"; exit 2 ;;
+    # long prompts: TTFT and prefill rate at 8k and 32k (chunked prefill), decode after them, K=3 profiled
+    bench_long) run_step bench_long 580 "${BENCH[@]}" --prompt_lengths=8192,32768 --ks=3 --repeats=1 \
+                  --breakdown=false --max_new_tokens=256 --out="$OUT/bench_tp1_long.json" "${EXTRA[@]}" ;;
+    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
