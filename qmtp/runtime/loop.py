@@ -161,7 +161,8 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
 def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden):
     """run over the prompt tokens [B, T] in chunks of `chunk` tokens (one pass if T <= chunk), each chunk
     after the KV and GDN/conv state the one before left: a lax.scan, so the program holds one chunk's
-    pass and its attention scores. run(state, tokens [B, C], n_valid [B], hidden [B, C, E] | None,
+    pass and its attention scores; a chunk of padding only (past every row's prompt) is skipped.
+    run(state, tokens [B, C], n_valid [B], hidden [B, C, E] | None,
     offset) -> (out [B, C, E], state), offset: the chunk's first token; hidden (for the MTP pass) is cut
     into the same chunks. Returns (out [B, T, E], state)."""
     b, t = tokens.shape
@@ -176,8 +177,15 @@ def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden):
         xs["hidden"] = hidden.reshape(b, n, chunk, -1).swapaxes(0, 1)  # [n, B, C, E]
 
     def one(state, x):
-        out, state = run(state, x["tokens"], x["n_valid"], x.get("hidden"), x["offset"])
-        return state, out
+        def pass_(state):
+            out, state = run(state, x["tokens"], x["n_valid"], x.get("hidden"), x["offset"])
+            return state, out
+
+        def skip(state):  # every row's prompt ended before this chunk (the bucket's padding): no pass
+            out = jax.eval_shape(pass_, state)[1]
+            return state, jnp.zeros(out.shape, out.dtype)
+
+        return jax.lax.cond(jnp.any(x["n_valid"] > 0), pass_, skip, state)
 
     state, outs = jax.lax.scan(one, state, xs)  # [n, B, C, E]
     return outs.swapaxes(0, 1).reshape(b, t, -1), state
