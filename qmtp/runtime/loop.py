@@ -129,6 +129,7 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
 
 
 def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop):
+    """_prefill_batch on one row at a time (DecodeState.row / with_row), results stacked as the batch's."""
     def one(state, row):
         b, tok, nv, mt, st = row
         first, slots, sub = _prefill_batch(cfg, kernels, use_mtp, params, state.row(b), tok[None], nv[None],
@@ -162,9 +163,9 @@ def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden):
     """run over the prompt tokens [B, T] in chunks of `chunk` tokens (one pass if T <= chunk), each chunk
     after the KV and GDN/conv state the one before left: a lax.scan, so the program holds one chunk's
     pass and its attention scores; a chunk of padding only (past every row's prompt) is skipped.
-    run(state, tokens [B, C], n_valid [B], hidden [B, C, E] | None,
-    offset) -> (out [B, C, E], state), offset: the chunk's first token; hidden (for the MTP pass) is cut
-    into the same chunks. Returns (out [B, T, E], state)."""
+    run(state, tokens [B, C], n_valid [B], hidden [B, C, E] | None, offset) -> (out [B, C, E], state), with
+    offset the chunk's first token; hidden (for the MTP pass) is cut into the same chunks.
+    Returns (out [B, T, E], state)."""
     b, t = tokens.shape
     if t <= chunk:
         return run(state, tokens, n_valid, hidden, 0)
