@@ -40,7 +40,9 @@ def test_tiny_smoke_run_writes_json_and_plot(tmp_path):
         assert m["decode_tokens_per_s"]["median"] > 0 and m["ttft_s"]["n"] == 1 and m["share_of_roofline"] > 0
         prompt_tokens = case["batch"] * case["prompt_length"]
         assert m["prefill_tokens_per_s"] == pytest.approx(prompt_tokens / m["ttft_s"]["median"])
+        assert m["prefill_share_of_floor"] == pytest.approx(case["prefill_floor_s"] / m["ttft_s"]["median"])
         assert set(m["memory"]) == {"bytes_in_use", "peak_bytes_in_use"}  # per mode (None on the CPU)
+    assert res["matmul"]["tflop_per_s"] > 0 and res["matmul"]["shape"] == [256, 256, 256]  # the CPU's small shape
     natural3 = case["modes"][1]
     assert natural3["position_acceptance"] == [1.0, 1.0, 1.0] and natural3["mean_accepted_length"] == 4.0
     assert case["modes"][2]["imposed_profile"] == [0.85, 0.70, 0.57]
@@ -359,3 +361,21 @@ def test_outputs_are_checked_before_the_run(tmp_path):
     r = run_bench(f"--plot_from={tmp_path / 'nope.json'}", tmp_path=tmp_path, cache=tmp_path / "cache")
     _refused_at_once(r, "plot_from", tmp_path)
 
+
+
+def test_prefill_floor_counts_the_decoder_projections():
+    """compute.projection_weights: every FP8 block (its [O, I], tiled or not) and 2-D weight of the decoder
+    layers, not the embedding, lm_head, norms or MTP head; the floor is 2 x tokens x that / the rate."""
+    import qmtp
+    from qmtp.bench import compute
+    from qmtp.tools.make_checkpoint import resolve_checkpoint
+    model = qmtp.load(resolve_checkpoint("preset:tiny:fp8"), dtype="bfloat16", impl="pallas", progress=False)
+    cfg, p = model.cfg, model.params
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    want = 0
+    for layer in (*p["gdn"], *p["attn"]):
+        want += sum(int(np.prod(v.shape)) for k, v in layer.items() if getattr(v, "ndim", 0) == 2)
+        want += sum(int(np.prod(v.weight.shape)) for v in layer.values() if hasattr(v, "scale"))
+    assert compute.projection_weights(p) == want
+    assert want >= cfg.num_hidden_layers * 3 * e * f  # at least every layer's MLP
+    assert compute.prefill_floor_s(p, 1000, 2.0) == pytest.approx(2 * 1000 * want / 2e12)

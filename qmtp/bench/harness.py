@@ -201,7 +201,8 @@ def breakdown(model, batch: int, length: int, ks: list[int], modes: list[dict], 
     return out
 
 
-def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progress, prompts=None) -> dict:
+def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progress, prompts=None,
+               matmul_tflops: float | None = None) -> dict:
     """All modes for one (batch, prompt length): random prompts, or the given token-id prompts."""
     import numpy as np
 
@@ -236,6 +237,11 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     base = case["modes"][0]["decode_tokens_per_s"]["median"]
     for m in case["modes"]:
         m["speedup"] = m["decode_tokens_per_s"]["median"] / base
+    if matmul_tflops:  # the prefill's compute floor at the FP8 matmul rate measured in this run
+        from qmtp.bench.compute import prefill_floor_s
+        case["prefill_floor_s"] = prefill_floor_s(model.params, n_prompt, matmul_tflops)
+        for m in case["modes"]:
+            m["prefill_share_of_floor"] = case["prefill_floor_s"] / m["ttft_s"]["median"]
     case["roofline"] = {"plain_tok_s": br.roofline_tok_s(bytes_["target_total"], batch, copy_bps)}
     if FLAGS.breakdown:
         bks = [int(k) for k in FLAGS.breakdown_ks] or ks
@@ -314,6 +320,9 @@ def _run() -> int:
     n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
     progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
+    from qmtp.bench import compute
+    matmul = compute.matmul_rate(compute.GPU_SHAPE if br.has_ceiling(jax.default_backend()) else compute.CPU_SHAPE)
+    print(f"FP8 matmul {matmul['tflop_per_s']:.1f} TFLOP/s at {matmul['shape']}", file=sys.stderr, flush=True)
     print(bandwidth.describe(copy), file=sys.stderr, flush=True)
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
@@ -338,6 +347,7 @@ def _run() -> int:
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
     result = {"config": config, "versions": {"jax": jax.__version__, "python": platform.python_version()},
               "platform": jax.default_backend(), "device": [str(d) for d in jax.devices()], "copy": copy,
+              "matmul": matmul,
               "load_s": load_s, "memory_after_load": resident, "cases": []}
     ok = True
     text_ids = api.encode(model, FLAGS.prompt_text) if FLAGS.prompt_text else None
@@ -351,7 +361,8 @@ def _run() -> int:
                                                                               deterministic=deterministic))
         for b in batches:
             for p in lengths:
-                case = bench_case(engine_model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids)
+                case = bench_case(engine_model, b, p, copy["tb_per_s"] * 1e12, progress, prompts=text_ids,
+                                  matmul_tflops=matmul["tflop_per_s"])
                 case.update(engine=engine, memory=memory())
                 result["cases"].append(case)
                 ok &= case["all_tokens_match_plain"]

@@ -110,8 +110,8 @@ def table(modes: list[dict], shares: bool = True) -> str:
     """One line per mode: tok/s (median, min-max), speedup, TTFT, acceptance, roofline share (unless
     `shares` is False: a CPU run), and the device memory's high-water mark through the mode (GB; "-"
     where the backend keeps no statistics)."""
-    head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "prefill tok/s", "acc.len", "per-position",
-            "roofline", "peak GB"]
+    head = ["mode", "K", "tok/s", "min-max", "speedup", "TTFT ms", "prefill tok/s", "floor", "acc.len",
+            "per-position", "roofline", "peak GB"]
     rows = [head]
     for m in modes:
         tps = m["decode_tokens_per_s"]
@@ -119,13 +119,14 @@ def table(modes: list[dict], shares: bool = True) -> str:
         rows.append([m["name"], str(m["k"]), f"{tps['median']:.1f}", f"{tps['min']:.1f}-{tps['max']:.1f}",
                      f"{m.get('speedup', float('nan')):.2f}x", f"{m['ttft_s']['median'] * 1e3:.1f}",
                      f"{m['prefill_tokens_per_s']:.0f}" if m.get("prefill_tokens_per_s") else "-",
+                     f"{m['prefill_share_of_floor']:.0%}" if m.get("prefill_share_of_floor") else "-",
                      f"{m['mean_accepted_length']:.2f}" if m["k"] else "-",
                      "/".join(f"{p:.2f}" for p in m.get("position_acceptance", [])) or "-",
                      f"{m['share_of_roofline']:.0%}" if m.get("share_of_roofline") is not None else "-",
                      f"{peak / 1e9:.1f}" if peak is not None else "-"])
-    if not shares:
-        i = head.index("roofline")
-        rows = [r[:i] + r[i + 1:] for r in rows]
+    if not shares:  # no ceilings on a CPU: neither the roofline nor the matmul floor
+        cut = {head.index("roofline"), head.index("floor")}
+        rows = [[v for c, v in enumerate(r) if c not in cut] for r in rows]
     return aligned(rows)
 
 
