@@ -30,65 +30,64 @@ def run(main, doc: str, module: str | None = None) -> None:
     app.run(main, flags_parser=lambda _: argv)  # parsed once: a second parse would repeat multi-flags
 
 
+def _define_once(define, name: str, *args, **kw) -> None:
+    """define(name, *args, **kw) unless the flag exists: generate, bench and server share these flags and
+    may share one process (tests)."""
+    if name not in flags.FLAGS:
+        define(name, *args, **kw)
+
+
 def define_fp8_act_quant_flag() -> None:
     """--fp8_act_quant (KernelConfig.fp8_act_quant), for generate, bench, server."""
-    if "fp8_act_quant" in flags.FLAGS:  # generate and server may share one process (tests)
-        return
-    flags.DEFINE_boolean("fp8_act_quant", False, "FP8 checkpoints: quantize the activations of projections of up to "
-                         "128 rows (decode, verify) to E4M3 per row and 128 features and multiply on the FP8 tensor "
-                         "cores, as the checkpoints' dynamic activation scheme says (MODEL_SPEC 5.3). Changes the "
-                         "numbers slightly (and so, rarely, a greedy token); off: exact activations.")
+    _define_once(flags.DEFINE_boolean, "fp8_act_quant", False,
+                 "FP8 checkpoints: quantize the activations of projections of up to 128 rows (decode, verify) to E4M3"
+                 " per row and 128 features and multiply on the FP8 tensor cores, as the checkpoints' dynamic "
+                 "activation scheme says (MODEL_SPEC 5.3). Changes the numbers slightly (and so, rarely, a greedy "
+                 "token); off: exact activations.")
 
 
 def define_deterministic_flag() -> None:
     """--deterministic (KernelConfig.deterministic), for generate, server and the exactness check."""
-    if "deterministic" in flags.FLAGS:
-        return
-    flags.DEFINE_boolean("deterministic", False, "With --impl=pallas: run every bf16 and FP8 projection with one "
-                         "tile config per weight shape at every row count, so a sequence's greedy tokens do not "
-                         "depend on --mtp_k or on the other sequences of its batch, in bfloat16 too. Costs decode "
-                         "speed at some batch sizes and prefill speed (README: Exactness).")
+    _define_once(flags.DEFINE_boolean, "deterministic", False,
+                 "With --impl=pallas: run every bf16 and FP8 projection with one tile config per weight shape at "
+                 "every row count, so a sequence's greedy tokens do not depend on --mtp_k or on the other sequences "
+                 "of its batch, in bfloat16 too. Costs decode speed at some batch sizes and prefill speed (README: "
+                 "Exactness).")
 
 
 def define_prefill_chunk_flag() -> None:
     """--prefill_chunk (KernelConfig.prefill_chunk), for generate, bench, server."""
-    if "prefill_chunk" in flags.FLAGS:
-        return
     from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK
-    flags.DEFINE_integer("prefill_chunk", DEFAULT_PREFILL_CHUNK, "Prompts longer than this many tokens (a power of "
-                         "two >= 16) are prefilled in chunks of it, each after the KV and GDN state the one before "
-                         "left: prefill memory grows linearly with the prompt, not with its square.")
+    _define_once(flags.DEFINE_integer, "prefill_chunk", DEFAULT_PREFILL_CHUNK,
+                 "Prompts longer than this many tokens (a power of two >= 16) are prefilled in chunks of it, each "
+                 "after the KV and GDN state the one before left: prefill memory grows linearly with the prompt, not "
+                 "with its square.")
 
 
 def define_draft_head_flag() -> None:
     """--draft_head (qmtp.load's draft_head), for generate, bench, server."""
-    if "draft_head" in flags.FLAGS:
-        return
-    flags.DEFINE_enum("draft_head", "auto", ["auto", "bf16", "fp8"], "MTP drafts: 'bf16' uses the shared lm_head; "
-                      "'fp8' an FP8 128x128-block copy of it made at load (half the bytes per draft step, 1.27 GB "
-                      "more memory at 27B); 'auto': 'fp8' for FP8 checkpoints, else 'bf16'. The verify pass keeps "
-                      "the exact lm_head: the tokens do not change, only how many drafts are accepted may.")
+    _define_once(flags.DEFINE_enum, "draft_head", "auto", ["auto", "bf16", "fp8"],
+                 "MTP drafts: 'bf16' uses the shared lm_head; 'fp8' an FP8 128x128-block copy of it made at load "
+                 "(half the bytes per draft step, 1.27 GB more memory at 27B); 'auto': 'fp8' for FP8 checkpoints, "
+                 "else 'bf16'. The verify pass keeps the exact lm_head: the tokens do not change, only how many "
+                 "drafts are accepted may.")
 
 
 def define_draft_vocab_flag() -> None:
     """--draft_vocab (qmtp.load's draft_vocab), for generate, bench, server."""
-    if "draft_vocab" in flags.FLAGS:
-        return
-    flags.DEFINE_string("draft_vocab", None, "MTP drafts choose among these token ids only (a file: a JSON list or "
-                        "whitespace-separated ids; scripts/hot_vocab.py builds one from text): the draft head reads "
-                        "just their rows. Tokens are unchanged; acceptance may drop "
-                        "(scripts/draft_head_acceptance.py --draft_vocab measures it).")
+    _define_once(flags.DEFINE_string, "draft_vocab", None,
+                 "MTP drafts choose among these token ids only (a file: a JSON list or whitespace-separated ids; "
+                 "scripts/hot_vocab.py builds one from text): the draft head reads just their rows. Tokens are "
+                 "unchanged; acceptance may drop (scripts/draft_head_acceptance.py --draft_vocab measures it).")
 
 
 def define_compile_cache_flag() -> None:
     """--compile_cache (qmtp.runtime.compile_cache), for generate, bench, server."""
-    if "compile_cache" in flags.FLAGS:
-        return
-    flags.DEFINE_string("compile_cache", "auto", "JAX's persistent compilation cache: a later run of the same "
-                        "programs loads them from disk instead of compiling (~100 s per speculative loop at 27B). "
-                        "'auto': $QMTP_CACHE/jax_compile ($QMTP_CACHE defaults to ~/.cache/qmtp); 'off': no "
-                        "cache; otherwise a directory. Entries are keyed by the whole program, versions, device "
-                        "and XLA_FLAGS, so changed code or settings compile afresh.")
+    _define_once(flags.DEFINE_string, "compile_cache", "auto",
+                 "JAX's persistent compilation cache: a later run of the same programs loads them from disk instead "
+                 "of compiling (~100 s per speculative loop at 27B). 'auto': $QMTP_CACHE/jax_compile ($QMTP_CACHE "
+                 "defaults to ~/.cache/qmtp); 'off': no cache; otherwise a directory. Entries are keyed by the whole "
+                 "program, versions, device and XLA_FLAGS, so changed code or settings compile afresh.")
 
 
 def apply_compile_cache_flag() -> str | None:
