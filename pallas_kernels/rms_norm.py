@@ -22,16 +22,17 @@ from jax.experimental.pallas import triton as plgpu
 F32 = jnp.float32
 
 
-def _gain(w: jax.Array, z, plus_one: bool) -> jax.Array:
-    g = 1.0 + w.astype(F32) if plus_one else w.astype(F32)
-    return g if z is None else g * jax.nn.silu(z.astype(F32))
+def _scaled(y: jax.Array, w: jax.Array, z, plus_one: bool) -> jax.Array:
+    """y * (1 + w | w) [* silu(z)], in that order."""
+    y = y * (1.0 + w.astype(F32) if plus_one else w.astype(F32))
+    return y if z is None else y * jax.nn.silu(z.astype(F32))
 
 
 def rms_norm_rows_ref(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool, z=None, out_dtype=None):
     """x / sqrt(mean(x^2) + eps) * (1 + w | w) [* silu(z)] in f32, as XLA reduces it."""
     x32 = x.astype(F32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * _gain(w, z, plus_one)).astype(out_dtype or x.dtype)
+    return _scaled(y, w, z, plus_one).astype(out_dtype or x.dtype)
 
 
 def rms_norm_rows(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool, z=None, out_dtype=None,
@@ -77,4 +78,4 @@ def _kernel(*refs, d, eps, plus_one, gated):
     x = plgpu.load(x_ref.at[r]).astype(F32)  # [block]
     y = x * jax.lax.rsqrt(jnp.sum(x * x) / d + eps)
     z = plgpu.load(z_ref.at[r]) if gated else None
-    plgpu.store(o_ref.at[r], (y * _gain(plgpu.load(w_ref.at[:]), z, plus_one)).astype(o_ref.dtype))
+    plgpu.store(o_ref.at[r], _scaled(y, plgpu.load(w_ref.at[:]), z, plus_one).astype(o_ref.dtype))

@@ -22,24 +22,15 @@ CHUNKED_GDN_MIN_TOKENS = 16
 
 # ---- norms (§3.1, §3.2) ------------------------------------------------------------------------
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, kernels: KernelConfig | None = None) -> jax.Array:
-    """Zero-centred RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), in f32, cast back to x's dtype.
-    kernels.deterministic: each row summed in one order at every row count (ops.rms_norm_rows)."""
-    if kernels is not None and kernels.deterministic:
-        return ops.rms_norm_rows(x, w, eps, plus_one=True)
-    x32 = x.astype(F32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+    """Zero-centred RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), in f32, cast back to x's dtype
+    (ops.rms_norm: row-invariant under kernels.deterministic)."""
+    return ops.rms_norm(x, w, eps, kernels, plus_one=True)
 
 
 def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float,
                    kernels: KernelConfig | None = None) -> jax.Array:
-    """GDN output norm (plain weight, not 1 + w): x / sqrt(mean(x^2) + eps) * w * silu(z), in f32.
-    kernels.deterministic: as rms_norm's."""
-    if kernels is not None and kernels.deterministic:
-        return ops.rms_norm_rows(x, w, eps, plus_one=False, z=z, out_dtype=F32)
-    x32 = x.astype(F32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return y * w.astype(F32) * jax.nn.silu(z.astype(F32))
+    """GDN output norm (plain weight, not 1 + w): x / sqrt(mean(x^2) + eps) * w * silu(z), in f32."""
+    return ops.rms_norm(x, w, eps, kernels, plus_one=False, z=z, out_dtype=F32)
 
 
 # ---- rotary embedding (§3.5) -------------------------------------------------------------------

@@ -15,7 +15,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul, gdn, gdn_conv, paged_attention, rms_norm
+from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul, gdn, gdn_conv, paged_attention
+from pallas_kernels import rms_norm as rms_norm_kernels
 from pallas_kernels.bench.trace_events import device_time  # noqa: F401  (the model-level benchmarks' profiler)
 from qmtp.model.fp8 import Fp8Block
 from qmtp.runtime.kernel_config import KernelConfig
@@ -98,10 +99,14 @@ def linear_many(x: jax.Array, ws, kernels: KernelConfig) -> tuple[jax.Array, ...
     return tuple(linear(x, w, kernels) for w in ws)
 
 
-def rms_norm_rows(x, w, eps, *, plus_one: bool, z=None, out_dtype=None):
-    """RMSNorm with each row summed in one order at every row count (KernelConfig.deterministic): XLA's
-    own reduction changes a row's bits with the number of rows on the H200 (from 33 rows at D = 5120)."""
-    return rms_norm.rms_norm_rows(x, w, eps, plus_one=plus_one, z=z, out_dtype=out_dtype, interpret=_interpret())
+def rms_norm(x, w, eps, kernels: KernelConfig | None, *, plus_one: bool, z=None, out_dtype=None):
+    """RMSNorm (pallas_kernels/rms_norm.py), XLA's fused reduction; under KernelConfig.deterministic one Pallas
+    program per row, summed in one order at every row count: XLA's own reduction changes a row's bits with
+    the number of rows on the H200 (from 33 rows at D = 5120)."""
+    if kernels is not None and kernels.deterministic:
+        return rms_norm_kernels.rms_norm_rows(x, w, eps, plus_one=plus_one, z=z, out_dtype=out_dtype,
+                                              interpret=_interpret())
+    return rms_norm_kernels.rms_norm_rows_ref(x, w, eps, plus_one=plus_one, z=z, out_dtype=out_dtype)
 
 
 def gdn_gates(a, b, a_log, dt_bias):
