@@ -143,15 +143,16 @@ def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_v
 
 def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop):
     start = state.lengths
+    width = (cfg.hidden_size, params["embed"].dtype)  # a pass's output [B, T, E] is in the embedding's dtype
     hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
-                             kernels.prefill_chunk, state, tokens, n_valid, hidden=None)
+                             kernels.prefill_chunk, state, tokens, n_valid, None, width)
     first = greedy(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels))
     if use_mtp:
         def mtp_pass(st, tok, nv, h, offset):  # a chunk's MTP positions start `offset` tokens into the prompt
             return mtp.forward(cfg, params, st, tok, h, start + jnp.minimum(offset, n_valid), nv, kernels)
 
         mh, state = _chunked(mtp_pass, kernels.prefill_chunk, state, mtp.shift_left(tokens, n_valid, first),
-                             n_valid, hidden=hidden)
+                             n_valid, hidden, width)
         mh = target.last_valid(mh, n_valid)
         d1 = target.draft_token(params, mh, kernels)
     else:
@@ -159,13 +160,13 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
     return first, Slots.started(first, d1, mh, max_tokens, stop), state
 
 
-def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden):
+def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden, out: tuple):
     """run over the prompt tokens [B, T] in chunks of `chunk` tokens (one pass if T <= chunk), each chunk
     after the KV and GDN/conv state the one before left: a lax.scan, so the program holds one chunk's
     pass and its attention scores; a chunk of padding only (past every row's prompt) is skipped.
     run(state, tokens [B, C], n_valid [B], hidden [B, C, E] | None, offset) -> (out [B, C, E], state), with
-    offset the chunk's first token; hidden (for the MTP pass) is cut into the same chunks.
-    Returns (out [B, T, E], state)."""
+    offset the chunk's first token; hidden (for the MTP pass) is cut into the same chunks; out = (E, dtype)
+    of run's output. Returns (out [B, T, E], state)."""
     b, t = tokens.shape
     if t <= chunk:
         return run(state, tokens, n_valid, hidden, 0)
@@ -183,8 +184,7 @@ def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden):
             return state, out
 
         def skip(state):  # every row's prompt ended before this chunk (the bucket's padding): no pass
-            out = jax.eval_shape(pass_, state)[1]
-            return state, jnp.zeros(out.shape, out.dtype)
+            return state, jnp.zeros((b, chunk, out[0]), out[1])
 
         return jax.lax.cond(jnp.any(x["n_valid"] > 0), pass_, skip, state)
 
