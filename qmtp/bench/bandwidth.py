@@ -32,10 +32,10 @@ def copy_bandwidth(gib: float = 4.0, trials: int = 10) -> dict:
     n = int(gib * (1 << 28))  # f32 elements
     x = jnp.zeros((n,), jnp.float32)
     nbytes = 2 * n * 4
-    med, best = _median_and_fastest(jax.jit(lambda a: a + 1), x, trials, passes=1)
+    med, best = median_and_fastest(jax.jit(lambda a: a + 1), x, trials, passes=1)
     # the same copy timed with one dispatch per IN_PROGRAM_PASSES passes (recorded next to the
     # host-timed ceiling, to compare how steady the two are)
-    loop_med, loop_best = _median_and_fastest(jax.jit(one_program_passes, static_argnums=1), x, trials,
+    loop_med, loop_best = median_and_fastest(jax.jit(one_program_passes, static_argnums=1), x, trials,
                                               passes=IN_PROGRAM_PASSES)
     return {"bytes": nbytes, "median_s": med, "best_s": best, "tb_per_s": nbytes / best / 1e12,
             "tb_per_s_median": nbytes / med / 1e12, "in_program": {
@@ -43,7 +43,7 @@ def copy_bandwidth(gib: float = 4.0, trials: int = 10) -> dict:
                 "tb_per_s_median": nbytes / loop_med / 1e12, "tb_per_s_best": nbytes / loop_best / 1e12}}
 
 
-def _median_and_fastest(f, x: jax.Array, trials: int, passes: int) -> tuple[float, float]:
+def median_and_fastest(f, x: jax.Array, trials: int, passes: int) -> tuple[float, float]:
     """Seconds per pass of f(x) (or f(x, passes) when passes > 1), median and fastest of `trials`
     timed calls after one warm-up call."""
     call = (lambda: f(x)) if passes == 1 else (lambda: f(x, passes))

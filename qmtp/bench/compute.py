@@ -8,11 +8,10 @@ share stays below 1). On a CPU the rate is measured at a small shape and is no c
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 
+from qmtp.bench.bandwidth import median_and_fastest
 from qmtp.model.fp8 import Fp8Block
 
 # The 27B MLP's gate projection at a prefill of 8192 tokens: [M, K] x [K, N]
@@ -26,13 +25,8 @@ def matmul_rate(shape=GPU_SHAPE, trials: int = 5) -> dict:
     m, k, n = shape
     a = jnp.ones((m, k), jnp.float8_e4m3fn)  # the values do not change the time
     b = jnp.ones((k, n), jnp.float8_e4m3fn)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
+    f = jax.jit(lambda ab: jnp.dot(ab[0], ab[1], preferred_element_type=jnp.float32))
+    _, best = median_and_fastest(f, (a, b), trials, passes=1)
     return {"shape": list(shape), "dtype": "float8_e4m3fn", "best_s": best, "tflop_per_s": 2 * m * k * n / best / 1e12}
 
 
