@@ -364,18 +364,19 @@ def test_outputs_are_checked_before_the_run(tmp_path):
 
 
 def test_prefill_floor_counts_the_decoder_projections():
-    """compute.projection_weights: every FP8 block (its [O, I], tiled or not) and 2-D weight of the decoder
-    layers, not the embedding, lm_head, norms or MTP head; the floor is 2 x tokens x that / the rate."""
+    """compute.projection_weights: every FP8 block and 2-D weight of the decoder layers (projections, MLP,
+    the GDN conv), not the embedding, lm_head, norms or MTP head, counted here from the config's dims; the
+    floor is 2 x tokens x that / the rate."""
     import qmtp
     from qmtp.bench import compute
     from qmtp.tools.make_checkpoint import resolve_checkpoint
     model = qmtp.load(resolve_checkpoint("preset:tiny:fp8"), dtype="bfloat16", impl="pallas", progress=False)
-    cfg, p = model.cfg, model.params
-    e, f = cfg.hidden_size, cfg.intermediate_size
-    want = 0
-    for layer in (*p["gdn"], *p["attn"]):
-        want += sum(int(np.prod(v.shape)) for k, v in layer.items() if getattr(v, "ndim", 0) == 2)
-        want += sum(int(np.prod(v.weight.shape)) for v in layer.values() if hasattr(v, "scale"))
-    assert compute.projection_weights(p) == want
-    assert want >= cfg.num_hidden_layers * 3 * e * f  # at least every layer's MLP
-    assert compute.prefill_floor_s(p, 1000, 2.0) == pytest.approx(2 * 1000 * want / 2e12)
+    c = model.cfg
+    e, mlp = c.hidden_size, 3 * c.hidden_size * c.intermediate_size
+    hv = c.linear_num_value_heads
+    gdn = (c.conv_dim + c.value_dim + 2 * hv) * e + e * c.value_dim + c.conv_dim * c.linear_conv_kernel_dim + mlp
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn = (2 * q_dim + 2 * kv_dim) * e + e * q_dim + mlp  # q_proj holds query and gate
+    want = c.num_linear_layers * gdn + c.num_full_layers * attn
+    assert compute.projection_weights(model.params) == want
+    assert compute.prefill_floor_s(model.params, 1000, 2.0) == pytest.approx(2 * 1000 * want / 2e12)
