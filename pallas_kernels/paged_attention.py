@@ -15,6 +15,13 @@ min(kv_lengths[b], Pmax*S, the block's last position + 1), L = round_up(cdiv(n, 
 length or the block's causal limit are never read and every split gets work. Each
 step gathers BK keys by page id (clamped to [0, P)), so any page size works; online softmax in base 2, masked
 scores -inf by `where`, masked K/V never loaded. A jnp step combines the splits (weights exp2(m_s - max m)).
+
+Row-invariant form (PagedAttentionConfig.split_keys = L fixed, ROW_INVARIANT_CONFIG): split s covers keys
+[s*L, (s+1)*L) whatever B, T or n, NS = cdiv(Pmax*S, L), and the splits are added in one fixed order
+(left to right in groups of COMBINE_GROUP, then the groups left to right). A query's keys then fall in
+the same splits and BK steps alone, in a verify or in a batch; keys past it (a later query of its block)
+add exact zeros (weight exp2(-inf) = 0, rescale exp2(0) = 1), and so do the empty trailing splits of a
+wider page table. The default form picks NS from B and L from n, so a row's sum order moves with both.
 q is cast to the KV dtype: bf16/f16 KV take tensor-core dots (P rounded to it for P @ V, as flash attention),
 f32 KV IEEE f32 dots (HIGHEST). D: a power of two >= 16. Loads gather with index arrays (the Triton lowering
 has no scalar prefetch; interpret mode cannot mix index arrays with slices).
@@ -84,30 +91,41 @@ class PagedAttentionConfig:
     # program (G query heads share a KV head), one program per block and KV head, no key splits.
     max_block_queries: int = 8
     prefill_rows: int = 32  # the tile of a K=4 verify at G = 6 (30 rows), the shape measured on the H200
+    # Keys per split, fixed (a multiple of every block_k: a power of two >= 64), for row-invariant
+    # results; None: NS from target_programs and the split length from the sequence length.
+    split_keys: int | None = None
 
     def __post_init__(self):
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"PagedAttentionConfig: block_k={self.block_k} must be a power of two >= 16")
         if self.target_programs < 1 or self.min_keys_per_split < 1:
             raise ValueError(f"PagedAttentionConfig: target_programs and min_keys_per_split must be >= 1: {self}")
+        if self.split_keys is not None and (self.split_keys < self.block_k or self.split_keys & (self.split_keys - 1)):
+            raise ValueError(f"PagedAttentionConfig: split_keys={self.split_keys} must be a power of two >= "
+                             f"block_k={self.block_k}")
 
     def keys_per_step(self, d: int, itemsize: int) -> int:
         fit = self.max_tile_bytes // (2 * d * itemsize)
         return max(16, min(self.block_k, 1 << max(0, fit.bit_length() - 1)))
 
     def num_splits(self, b: int, hkv: int, n_ctx: int) -> int:
+        if self.split_keys is not None:
+            return -(-n_ctx // self.split_keys)
         want = -(-self.target_programs // (b * hkv))
         cap = -(-n_ctx // self.min_keys_per_split)
         return max(1, min(want, cap))
 
 
 DEFAULT_CONFIG = PagedAttentionConfig()
+# 512 keys per split: a 4k context is 8 splits per KV head, 32k is 64 (256 programs at Hkv = 4, B = 1).
+ROW_INVARIANT_CONFIG = PagedAttentionConfig(split_keys=512)
+COMBINE_GROUP = 16  # splits added left to right per group; the groups then left to right
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, qpos_ref, len_ref, acc_ref, m_ref, l_ref, *,
             g: int, t: int, t_block: int, rows: int, page_size: int, n_pages: int, n_ctx: int, n_splits: int,
-            block_k: int, scale_log2: float, precision):
+            split_keys: int | None, block_k: int, scale_log2: float, precision):
     b, h = pl.program_id(0), pl.program_id(1)
     qb, s = jax.lax.div(pl.program_id(2), n_splits), jax.lax.rem(pl.program_id(2), n_splits)
     d = q_ref.shape[-1]
@@ -126,7 +144,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, qpos_ref, len_ref, acc_ref, m_ref, l_re
     cdiv = lambda a, c: jax.lax.div(a + (c - 1), c)  # a >= 0
     # keys [0, n) of this sequence, none past the block's last query (causal)
     n = jnp.minimum(jnp.clip(len_ref[b], 0, n_ctx), jnp.max(q_pos) + 1)
-    split_len = cdiv(cdiv(n, n_splits), block_k) * block_k
+    split_len = split_keys if split_keys is not None else cdiv(cdiv(n, n_splits), block_k) * block_k
     start = s * split_len
     end = jnp.minimum(start + split_len, n)
     n_blocks = cdiv(jnp.maximum(end - start, 0), block_k)  # dynamic: 0 for splits past the length
@@ -212,7 +230,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(k_pages.dtype) == f32 else None
     kernel = functools.partial(
         _kernel, g=g, t=t, t_block=t_block, rows=rows, page_size=page_size, n_pages=n_pages, n_ctx=n_ctx, n_splits=n_splits,
-        block_k=block_k, scale_log2=scale * math.log2(math.e), precision=precision)
+        split_keys=config.split_keys if n_qblocks == 1 else None, block_k=block_k, scale_log2=scale * math.log2(math.e), precision=precision)
     full = lambda a: pl.BlockSpec(a.shape, lambda i, j, k: (0,) * a.ndim)  # the whole array, indexed inside
     (q, k_pages, v_pages, page_table, q_positions, kv_lengths), out = align(
         q, k_pages, v_pages, page_table, q_positions, kv_lengths)
@@ -237,8 +255,30 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
     # Combine the splits: weights exp2(m_s - max_s m_s); empty splits have m = -inf -> weight 0.
     m_max = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [B, Hkv, NS, R]
-    l_tot = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
-    acc_tot = jnp.sum(w[..., None] * acc, axis=2)  # [B, Hkv, R, D]
+    if config.split_keys is None:
+        l_tot = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
+        acc_tot = jnp.sum(w[..., None] * acc, axis=2)  # [B, Hkv, R, D]
+    else:
+        l_tot, acc_tot = _sum_splits_in_order(w * l), _sum_splits_in_order(w[..., None] * acc)
     o = jnp.where(l_tot[..., None] > 0, acc_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
     o = o[:, :, :g * t].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
     return o.astype(q.dtype)
+
+
+def _sum_splits_in_order(x: jax.Array) -> jax.Array:
+    """Sum over axis 2 (the splits) of x [B, Hkv, NS, ...] in an order fixed by position alone: left to
+    right within groups of COMBINE_GROUP splits, then the group sums left to right. Splits appended as
+    zeros leave every sum's bits unchanged, so the result does not depend on NS (XLA's reduce picks its
+    order from the shape)."""
+    ns = x.shape[2]
+    n_groups = -(-ns // COMBINE_GROUP)
+    pad = [(0, 0)] * x.ndim
+    pad[2] = (0, n_groups * COMBINE_GROUP - ns)
+    x = jnp.pad(x, pad).reshape(x.shape[:2] + (n_groups, COMBINE_GROUP) + x.shape[3:])
+    groups = x[:, :, :, 0]
+    for i in range(1, COMBINE_GROUP):  # [B, Hkv, NG, ...]
+        groups = groups + x[:, :, :, i]
+    total = groups[:, :, 0]
+    for i in range(1, n_groups):
+        total = total + groups[:, :, i]
+    return total

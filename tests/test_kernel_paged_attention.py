@@ -237,6 +237,41 @@ def test_kernel_split_count_does_not_change_result():
     assert_close(many, one, tol, "many splits vs one")
 
 
+INVARIANT = pa.PagedAttentionConfig(block_k=16, split_keys=32)  # the row-invariant form at test scale
+
+
+@pytest.mark.parametrize("config, invariant", [(INVARIANT, True), (SPLIT, False)], ids=["fixed_splits", "default"])
+def test_a_query_alone_equals_the_query_in_a_verify_of_a_batch(config, invariant):
+    """Under split_keys a query decoded alone (B = 1, T = 1, a wider page table) gives the bits it gets as
+    token 1 of a 4-token verify in a batch of 3: its keys fall in the same splits and steps, the later
+    tokens' keys and the extra splits add exact zeros. The default form moves the split edges with the
+    batch and the length, and its bits differ here (the control)."""
+    c = Case(b=3, t=4, hq=6, hkv=2, d=16, s=3, committed=[150, 90, 200], n_valid=[4, 4, 4], seed=7)
+    verify = run_kernel(c, config)[0, 1]  # sequence 0, token 1: position 151
+    q, k_pages, v_pages, table, _, _, scale = c.args()
+    wide = jnp.concatenate([table[:1], jnp.full((1, table.shape[1]), -7, jnp.int32)], axis=1)
+    alone = pa.paged_attention(q[:1, 1:2], k_pages, v_pages, wide, jnp.array([[151]]), jnp.array([152]), scale,
+                               interpret=True, config=config)
+    alone = np.asarray(alone).astype(np.float64)[0, 0]
+    assert config.num_splits(1, 2, wide.shape[1] * 3) != config.num_splits(3, 2, table.shape[1] * 3)
+    if invariant:
+        np.testing.assert_array_equal(alone, verify)
+    else:
+        assert not np.array_equal(alone, verify)
+    tol = f32_attention_tol(c.q, c.k_ctx, c.v_ctx, verify, c.scale, c.n_keys, implementations=2)
+    assert_close(alone, case_f64(c)[0, 1], tol, "alone vs float64")
+
+
+def test_sum_splits_in_order_ignores_trailing_zero_splits():
+    """The fixed combine order: appending zero splits (a wider page table) keeps every bit."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2, 3, 21, 5)) * 10.0 ** rng.integers(-6, 7, (2, 3, 21, 5)), jnp.float32)
+    wider = jnp.concatenate([x, jnp.zeros((2, 3, 30, 5), jnp.float32)], axis=2)
+    np.testing.assert_array_equal(pa._sum_splits_in_order(x), pa._sum_splits_in_order(wider))
+    np.testing.assert_allclose(pa._sum_splits_in_order(x), np.sum(np.asarray(x, np.float64), axis=2), rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(x))))
+
+
 def test_config_rules():
     cfg = pa.DEFAULT_CONFIG
     assert cfg.keys_per_step(256, 2) == 64  # bf16, D 256: 64 keys of K and V = 64 KiB per step
@@ -245,6 +280,12 @@ def test_config_rules():
     assert cfg.num_splits(8, 4, 64) == 1
     with pytest.raises(ValueError, match="power of two"):
         pa.PagedAttentionConfig(block_k=48)
+    fixed = pa.ROW_INVARIANT_CONFIG  # splits of 512 keys whatever the batch
+    assert fixed.num_splits(1, 4, 4096) == fixed.num_splits(32, 4, 4096) == 8
+    assert fixed.num_splits(1, 4, 4097) == 9
+    for bad in (32, 96):
+        with pytest.raises(ValueError, match="split_keys"):
+            pa.PagedAttentionConfig(split_keys=bad)
 
 
 @pytest.mark.parametrize("mutate, match", [
@@ -285,12 +326,6 @@ def real_shapes(b, t, dtype=jnp.bfloat16):
             sds((b, pmax), jnp.int32), sds((b, t), jnp.int32), sds((b,), jnp.int32))
 
 
-
-
-
-
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("b", [1, 8])
@@ -309,6 +344,17 @@ def test_kernel_lowers_for_h200(b, t, dtype):
     bk = cfg0.keys_per_step(REAL["d"], jnp.dtype(dtype).itemsize)
     el = "bf16" if dtype == jnp.bfloat16 else "f32"
     assert f"tensor<{rows}x{REAL['d']}x{el}> * tensor<{REAL['d']}x{bk}x{el}>" in ir_text, "Q.K^T tile shapes"
+
+
+@pytest.mark.parametrize("b, t", [(1, 1), (8, 5)])
+def test_fixed_splits_lower_for_h200(b, t):
+    """ROW_INVARIANT_CONFIG at the 27B shapes: cdiv(context, 512) splits per KV head at every batch."""
+    cfg0 = pa.ROW_INVARIANT_CONFIG
+    lowered = lower_for_h200(lambda *a: pa.paged_attention(*a, REAL["d"] ** -0.5, config=cfg0),
+                             real_shapes(b, t, jnp.bfloat16))
+    [(cfg, _)] = triton_calls(lowered)
+    grid = [attr_int(cfg, f"grid_{a}") for a in "xyz"]
+    assert math.prod(grid) == b * REAL["hkv"] * -(-REAL["context"] // cfg0.split_keys), grid
 
 
 def test_prefill_lowers_for_h200_in_query_blocks():
@@ -384,3 +430,22 @@ def test_gpu_kernel_ignores_poison():
     outs.append(run_kernel(c, interpret=False))
     assert np.all(np.isfinite(outs[0]))
     np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [2, 5])
+def test_gpu_fixed_splits_query_alone_equals_query_in_a_verify_of_a_batch(t):
+    """ROW_INVARIANT_CONFIG on the H200 at the 27B shapes, bf16 KV: every token of a T-token verify in a batch
+    of 8 gives the bits it gets decoded alone (B = 1, T = 1)."""
+    gpu_required()
+    config = pa.ROW_INVARIANT_CONFIG
+    c = real_case(8, t, jnp.bfloat16, seed=40 + t)
+    c_args = c.args()
+    verify = np.asarray(pa.paged_attention(*c_args[:-1], c.scale, config=config))
+    q, k_pages, v_pages, table, positions, lengths, scale = c_args
+    for b in range(8):
+        for i in range(int(c.kv_lengths[b] - c.q_positions[b, 0])):  # the sequence's real tokens
+            pos = int(c.q_positions[b, i])
+            alone = pa.paged_attention(q[b:b + 1, i:i + 1], k_pages, v_pages, table[b:b + 1], jnp.array([[pos]]),
+                                       jnp.array([pos + 1]), scale, config=config)
+            np.testing.assert_array_equal(np.asarray(alone)[0, 0], verify[b, i], err_msg=f"sequence {b} token {i}")
