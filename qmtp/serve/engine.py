@@ -4,8 +4,12 @@ The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a
   1. drops cancelled requests and, while shutting down past the deadline, aborts the active ones;
   2. admits queued requests FIFO while a slot is free and the head's pages (prompt + max_tokens +
      K+1) fit: each is copied in from an exact-prompt snapshot or prefilled with the others of its
-     prompt bucket in one pass, and its first token emitted;
-  3. runs `rounds_per_call` rounds of `loop.decode` over all slots (done or empty ones write nothing);
+     prompt bucket in one pass, and its first token emitted; a prompt longer than the model's
+     prefill_chunk is prefilled piece by piece instead, one piece of prefill_chunk tokens per scheduling
+     point (FIFO), so a long prompt holds the running streams up by one piece at a time, not its whole
+     prefill;
+  3. runs `rounds_per_call` rounds of `loop.decode` over all slots (done or empty ones write nothing;
+     a slot between pieces is done on the device);
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
 Tokens equal qmtp.generate's: the same prefill bucket and loop body; greedy decoding does not see the
 batch composition.
@@ -41,7 +45,7 @@ from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, R
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.snapshots import Snapshot, SnapshotStore
 from qmtp.serve.textstream import TextStream
-from qmtp.serve.warmup import Step, plan as warmup_plan
+from qmtp.serve.warmup import LONG_PROMPTS, Step, plan as warmup_plan
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
 DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
@@ -74,6 +78,16 @@ class EngineConfig:
 
 
 @dataclasses.dataclass
+class Pieces:
+    """A long prompt's prefill in progress: its slot's page and stop rows, and the next piece's offset."""
+
+    handle: RequestHandle
+    page_row: np.ndarray  # [Pmax]
+    stop_row: np.ndarray  # [NS]
+    offset: int = 0
+
+
+@dataclasses.dataclass
 class Active:
     """An admitted request's slot record, from admission until its release."""
 
@@ -98,6 +112,7 @@ class Engine:
         self._cv = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, Active] = {}
+        self._pieces: dict[int, Pieces] = {}  # slot -> its long prompt's prefill, FIFO
         self._retire_mask = np.zeros(config.batch_slots, bool)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -126,6 +141,7 @@ class Engine:
         if len(stop_ids) > c.max_stop_ids:
             raise ValueError(f"{len(stop_ids)} default stop ids > --max_stop_ids={c.max_stop_ids}")
         self.model, self.default_stop_ids = model, stop_ids
+        self.piece = model.kernels.prefill_chunk  # longer prompts are prefilled piece by piece
         self.max_model_len = c.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit)
         self.page_size = model.page_size
         self.pages_per_slot = -(-(self.max_model_len + self.extra) // self.page_size)  # Pmax
@@ -234,7 +250,8 @@ class Engine:
         return min(self.max_model_len - 1, self.allocator.num_pages * self.page_size - 1 - self.extra)
 
     def prompt_buckets(self) -> list[int]:
-        """Every bucket a servable prompt is padded to (powers of two from api.MIN_PROMPT_BUCKET)."""
+        """Every bucket a servable prompt length rounds up to (powers of two from api.MIN_PROMPT_BUCKET); those
+        above the model's prefill_chunk share one program, the piece prefill."""
         top, b, out = api._bucket(self.longest_prompt()), api.MIN_PROMPT_BUCKET, []
         while b <= top:
             out.append(b)
@@ -294,9 +311,10 @@ class Engine:
         they moved (refused requests stay counted). Returns the seconds."""
         t0, total = time.perf_counter(), len(steps)
         buckets = sorted({s.bucket for s in steps if s.bucket is not None})
+        long = any(s.bucket is None and s.name.startswith(LONG_PROMPTS) for s in steps)
         self.warming = (0, total)
         self._log(f"warm-up: {total} programs to compile (prompt buckets {', '.join(map(str, buckets)) or 'none'}; "
-                  "the decode loop)")
+                  + (f"longer prompts in pieces of {self.piece} tokens; " if long else "") + "the decode loop)")
         for i, step in enumerate(steps, 1):
             if self._stopping:
                 self._log(f"warm-up stopped after {i - 1} of {total} programs: shutting down")
@@ -358,7 +376,9 @@ class Engine:
         if self._reload is not None and not self._active:
             self._apply_reload()
         self._admit()
-        if self._active:
+        if self._pieces:
+            self._prefill_piece()
+        if any(slot not in self._pieces for slot in self._active):
             self._run_loop()
         if self._stopping and not self._active:
             self._end_queue("abort", SHUTTING_DOWN)  # normally empty: shutdown() drained it
@@ -412,6 +432,8 @@ class Engine:
             snap = self.snapshots.get(tuple(handle.prompt_ids)) if self.snapshots.enabled else None
             if snap is not None:
                 self._restore(handle, slot, reservation, snap)
+            elif len(handle.prompt_ids) > self.piece:
+                self._start_pieces(handle, slot, reservation)
             else:
                 groups.setdefault(api._bucket(len(handle.prompt_ids)), []).append((handle, slot, reservation))
         for bucket, group in groups.items():
@@ -425,7 +447,9 @@ class Engine:
         return max(1, min(c.prefill_batch, c.batch_slots, c.max_prefill_tokens // bucket))
 
     def _activate(self, handle: RequestHandle, slot: int, reservation: int):
-        """Records the slot's request; returns its (page row [Pmax], stop row [NS])."""
+        """Records and counts the slot's request; returns its (page row [Pmax], stop row [NS])."""
+        self.counters["admitted"] += 1
+        self.counters["prompt_tokens"] += len(handle.prompt_ids)
         tokenizer = self.model.tokenizer
         stream = TextStream(tokenizer, handle.stop_strings) if tokenizer is not None else None
         self._active[slot] = Active(handle, reservation, stream)
@@ -476,10 +500,34 @@ class Engine:
         for j, (handle, slot, _) in enumerate(group):
             self._started(handle, slot, int(first[j]))
 
+    def _start_pieces(self, handle: RequestHandle, slot: int, reservation: int) -> int:
+        """Queues a long prompt's prefill, piece by piece, into `slot`; returns the slot."""
+        self._pieces[slot] = Pieces(handle, *self._activate(handle, slot, reservation))
+        return slot
+
+    def _prefill_piece(self) -> None:
+        """The next piece of the first long prompt in progress; after its last piece the request starts."""
+        self._flush_retired()
+        slot, p = next(iter(self._pieces.items()))
+        ids, c = p.handle.prompt_ids, self.piece
+        tokens, next_tokens = np.zeros((1, c), np.int32), np.zeros((1, c), np.int32)  # [1, C]
+        piece = ids[p.offset:p.offset + c]
+        tokens[0, :len(piece)] = piece
+        ahead = ids[p.offset + 1:p.offset + c + 1]  # the MTP head's inputs, one token ahead
+        next_tokens[0, :len(ahead)] = ahead
+        last = p.offset + c >= len(ids)
+        with self._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
+            first = self._device.prefill_piece(slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last,
+                                               p.handle.max_tokens, p.stop_row)
+        self.counters["prefill_pieces"] += 1
+        p.offset += c
+        if last:
+            del self._pieces[slot]
+            self.counters["prefills"] += 1
+            self._started(p.handle, slot, first)
+
     def _started(self, handle: RequestHandle, slot: int, token: int) -> None:
-        """Counts an admitted request and emits its first token (which may also finish it)."""
-        self.counters["admitted"] += 1
-        self.counters["prompt_tokens"] += len(handle.prompt_ids)
+        """Emits an admitted request's first token (which may also finish it)."""
         self._deliver(slot, [token])
         if slot in self._active and (token in handle.stop_ids or handle.max_tokens == 1):
             self._release_done(slot)  # done on the device too (the prefill's done flag)
@@ -504,6 +552,8 @@ class Engine:
             self.accept_hist += stats["accept_hist"]
             self.position_accepts += stats["position_accepts"]
         for slot in list(self._active):
+            if slot in self._pieces:  # done on the device until its last piece
+                continue
             tokens = out[slot, :count[slot]].tolist()
             if tokens:
                 self._deliver(slot, tokens)
@@ -531,6 +581,7 @@ class Engine:
         """Finishes the slot's request and returns its pages and the slot: the only place that does. A slot
         still live on the device is retired there before the next device call."""
         active = self._active.pop(slot)
+        self._pieces.pop(slot, None)
         self.allocator.release(active.reservation)
         if retire:
             self._retire_mask[slot] = True

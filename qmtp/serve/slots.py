@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmtp import api
+from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
 from qmtp.runtime import loop, tp as tp_lib
 from qmtp.runtime.kernel_config import KernelConfig
@@ -63,6 +64,38 @@ def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, p
     first, new, sub = loop.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     return first, *_put_rows(state, slots, ids, sub.conv, sub.ssm, page_rows, sub.lengths, new)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
+def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
+                  slots: Slots, slot: jax.Array, page_row: jax.Array, offset: jax.Array, tokens: jax.Array,
+                  next_tokens: jax.Array, n_valid: jax.Array, last: jax.Array, max_tokens: jax.Array,
+                  stop_row: jax.Array):
+    """One piece of a long prompt into slot `slot` (int32 []): its tokens [1, C] at positions offset ..
+    offset + n_valid - 1, after the KV pages (page_row [Pmax]) and the conv/ssm rows in the slot's read
+    slot that the pieces before left (zero rows at offset 0). The same passes as one chunk of
+    loop.prefill's chunked scan: the target, then the MTP head over next_tokens [1, C] (the prompt one
+    token ahead; on the last piece its last valid token becomes the first generated one). A piece that
+    is not `last` leaves the slot done, so decode rounds skip it; the last one starts it like
+    prefill_into_slots. Returns (first token [1] (meaningful on the last piece), state, slots)."""
+    read = slots.gdn_slot[slot]
+    resume = lambda ring: jnp.where(offset > 0, ring[read, slot], 0)[None].astype(ring.dtype)  # noqa: E731
+    sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(map(resume, state.conv)),
+                      ssm=tuple(map(resume, state.ssm)), page_table=page_row[None], lengths=offset[None])
+    hidden, sub = target.forward(cfg, params, sub, tokens, n_valid, kernels)  # hidden [1, C, E]
+    first = loop.greedy(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels))  # [1]
+    if use_mtp:
+        end = n_valid[0] - 1
+        shifted = next_tokens.at[0, end].set(jnp.where(last, first[0], next_tokens[0, end]))
+        mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offset[None], n_valid, kernels)
+        mh = target.last_valid(mh, n_valid)  # [1, E]
+        d1 = target.draft_token(params, mh, kernels)
+    else:
+        mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
+    new = Slots.started(first, d1, mh, max_tokens[None], stop_row[None])
+    new = dataclasses.replace(new, done=new.done | ~last)
+    state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
+    return first, *_put_rows(state, slots, slot[None], sub.conv, sub.ssm, page_row[None], sub.lengths, new)
 
 
 @functools.partial(jax.jit, static_argnames=("n_pages",), donate_argnames=("state",))
@@ -118,6 +151,17 @@ class DeviceBatch:
             (m.params, self.state, self.slots, ids, page_rows, tokens, n_valid, remaining, stop_rows),
             ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"))
         return np.asarray(first)
+
+    def prefill_piece(self, slot: int, page_row, offset: int, tokens, next_tokens, n_valid: int, last: bool,
+                      max_tokens: int, stop_row) -> int:
+        """prefill_piece (tokens, next_tokens [1, C]); returns the first token (meaningful when last)."""
+        m = self.model
+        first, self.state, self.slots = api._call(
+            m, prefill_piece, (m.cfg, m.kernels, bool(self.k)),
+            (m.params, self.state, self.slots, np.int32(slot), page_row, np.int32(offset), tokens, next_tokens,
+             np.array([n_valid], np.int32), np.bool_(last), np.int32(max_tokens), stop_row),
+            ("params", "state") + ("rep",) * 10, ("rep", "state", "rep"))
+        return int(np.asarray(first)[0])
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
         """restore_snapshot (snap.state becomes the state the call hands back)."""

@@ -7,7 +7,9 @@ to power-of-two buckets (api._bucket, >= 16 tokens) up to the bucket of the long
 admit (Engine.prompt_buckets), and each bucket has its own programs (qmtp/serve/slots.py): a prefill
 of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prompts fit in the page
 pool together; with exact-prompt snapshots on, a snapshot copy-out and copy-in of its page count when
-such a snapshot fits the budget. Then one decode loop (and the slot-retire op of a cancelled request).
+such a snapshot fits the budget. Buckets above the model's prefill_chunk are prefilled piece by piece:
+one program for all of them (Engine._prefill_piece). Then one decode loop (and the slot-retire op of a
+cancelled request).
 
 Each step drives the engine's own admission code on dummy requests (id -1: no snapshot is kept;
 max_tokens 1: the first token finishes them), so the shapes are exactly those of serving; this module
@@ -27,11 +29,14 @@ from qmtp import api
 from qmtp.serve.requests import RequestHandle
 
 
+LONG_PROMPTS = "long prompts"  # how log lines name the piece-by-piece prefill
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     name: str  # the program, as the log line names it: "prompt bucket 64: prefill x 4 rows"
     run: Callable[[], None]
-    bucket: int | None = None  # None: the decode loop
+    bucket: int | None = None  # None: the decode loop or the piece prefill
 
 
 def plan(engine, buckets) -> list[Step]:
@@ -45,6 +50,10 @@ def plan(engine, buckets) -> list[Step]:
                          f"{reachable[-1]} (prompts of at most {engine.longest_prompt()} tokens, --max_model_len="
                          f"{engine.max_model_len})")
     steps = []
+    if any(b > engine.piece for b in chosen):
+        steps.append(Step(f"{LONG_PROMPTS}: prefill piece of {engine.piece} tokens",
+                          functools.partial(_pieces, engine, engine.piece + 1)))
+        chosen = [b for b in chosen if b <= engine.piece]
     for b in chosen:
         n = 1 if b == api.MIN_PROMPT_BUCKET else b // 2 + 1  # the bucket's shortest prompt: the fewest pages
         steps.append(Step(f"prompt bucket {b}: prefill x 1 row", functools.partial(_prefill, engine, n, 1), b))
@@ -69,6 +78,14 @@ def _request(engine, n: int) -> tuple:
 def _prefill(engine, n: int, count: int) -> None:
     """count requests of n tokens prefilled together: 1 row, or the bucket's batched row count."""
     engine._prefill_group([_request(engine, n) for _ in range(count)])
+    engine._flush_retired()
+
+
+def _pieces(engine, n: int) -> None:
+    """A request of n > prefill_chunk tokens prefilled in its two pieces (the one program of every piece)."""
+    slot = engine._start_pieces(*_request(engine, n))
+    while slot in engine._pieces:
+        engine._prefill_piece()
     engine._flush_retired()
 
 

@@ -1,0 +1,144 @@
+"""Long prompts in the serving engine: a prompt longer than the model's prefill_chunk is prefilled one
+piece of prefill_chunk tokens per scheduling point, between the decode calls of the running streams,
+and gives qmtp.generate's tokens (whose prefill runs the same chunks in one program).
+
+The tiny checkpoint's model with prefill_chunk = 16 and the shapes of tests/serving_fixtures.py
+(max_model_len 48): prompts of 17..40 tokens take 2..3 pieces. Scheduling is checked by stepping the
+engine's scheduling points on the test's thread (the engine is not started), so the order is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp import api
+from qmtp.runtime import loop
+from serving_fixtures import assert_all_free, make_engine
+
+CHUNK = 16
+RNG = np.random.default_rng(11)
+LONG = [RNG.integers(0, 380, n).tolist() for n in (17, 40, 32, 33)]
+SHORT = RNG.integers(0, 380, 5).tolist()
+pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
+
+
+@pytest.fixture(scope="module")
+def chunked(model):
+    return dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=CHUNK))
+
+
+def pieces(n: int) -> int:
+    return -(-n // CHUNK)
+
+
+def logged_device_calls(engine) -> list[str]:
+    """Records each device call of the engine ("piece", "prefill", "run") in order."""
+    calls, device = [], engine._device
+    for name, label in (("prefill_piece", "piece"), ("prefill", "prefill"), ("run", "run")):
+        def wrapped(*a, _f=getattr(device, name), _label=label, **kw):
+            calls.append(_label)
+            return _f(*a, **kw)
+        setattr(device, name, wrapped)
+    return calls
+
+
+def step_until_done(engine, handles, limit: int = 200) -> None:
+    for _ in range(limit):
+        if all(h.finished for h in handles):
+            return
+        engine._iteration()
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_long_prompts_in_pieces_give_generate_tokens(chunked, k):
+    want = [qmtp.generate(chunked, [p], max_new_tokens=6, mtp_k=k).tokens[0] for p in LONG]
+    engine = make_engine(chunked, k)
+    handles = [engine.submit(p, 6) for p in LONG]
+    got = [h.result(300).tokens for h in handles]
+    assert got == want
+    assert engine.counters["prefill_pieces"] == sum(pieces(len(p)) for p in LONG)
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("prompt", [LONG[1], LONG[2]], ids=["ragged_last_piece", "whole_pieces"])
+def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
+    """After the last piece the slot holds the first token, the MTP head's first draft d1 and its hidden
+    that loop.prefill's chunked scan (qmtp.generate's) gives for the prompt."""
+    engine = make_engine(chunked, 2, start=False)
+    handle, slot = engine.submit(prompt, 4), None
+    with engine._cv:
+        handle = engine._queue.popleft()
+    slot = engine._start_pieces(handle, engine._free_slots.pop(), engine.allocator.reserve(engine._capacity(handle)))
+    while slot in engine._pieces:
+        engine._prefill_piece()
+    got = engine._device.slots
+    tokens, n_valid = api._prompt_batch([prompt])
+    state = api._new_state(chunked, [len(prompt) + 4 + 3])
+    first, want, _ = loop.prefill(chunked.cfg, chunked.kernels, True, chunked.params, state, tokens, n_valid,
+                                  np.array([4], np.int32), np.full((1, 8), loop.NO_STOP, np.int32))
+    assert handle.tokens == [int(first[0])]
+    assert int(got.pending[slot]) == int(want.pending[0]) and int(got.d1[slot]) == int(want.d1[0])
+    np.testing.assert_allclose(np.asarray(got.mh[slot], np.float32), np.asarray(want.mh[0], np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_a_long_prompt_interleaves_with_running_streams(chunked):
+    """One piece per scheduling point, a decode call of the running stream after each: the stream waits
+    for one piece at a time, not for the whole prompt; its tokens stay those of generate."""
+    engine = make_engine(chunked, 0, start=False)
+    calls = logged_device_calls(engine)
+    stream = engine.submit(SHORT, 12)
+    engine._iteration()  # admits and starts the short prompt, then decodes
+    long = engine.submit(LONG[1], 4)
+    step_until_done(engine, [stream, long])
+    n = pieces(len(LONG[1]))
+    first = calls.index("piece")
+    assert calls[first:first + 2 * n] == ["piece", "run"] * n, calls
+    assert stream.result(1).tokens == qmtp.generate(chunked, [SHORT], max_new_tokens=12).tokens[0]
+    assert long.result(1).tokens == qmtp.generate(chunked, [LONG[1]], max_new_tokens=4).tokens[0]
+    assert_all_free(engine)
+
+
+def test_cancelling_a_long_prompt_between_pieces_frees_its_slot_and_pages(chunked):
+    engine = make_engine(chunked, 0, start=False)
+    long = engine.submit(LONG[1], 4)
+    engine._iteration()  # admitted, first piece
+    assert engine._pieces and engine.counters["prefill_pieces"] == 1
+    long.cancel()
+    engine._iteration()
+    assert long.finished and long.result(1).finish_reason == "cancelled" and not engine._pieces
+    after = engine.submit(LONG[0], 3)  # the slot and pages serve the next long prompt
+    step_until_done(engine, [after])
+    assert after.result(1).tokens == qmtp.generate(chunked, [LONG[0]], max_new_tokens=3).tokens[0]
+    assert_all_free(engine)
+
+
+def test_warmup_compiles_the_piece_prefill_once_for_every_long_bucket(chunked):
+    lines = []
+    engine = make_engine(chunked, 0, start=False, log=lines.append)
+    engine.warmup()
+    assert any(line.startswith("warm-up: ") and f"longer prompts in pieces of {CHUNK} tokens" in line for line in lines)
+    assert sum("long prompts: prefill piece of 16 tokens" in line for line in lines) == 1, lines
+    assert not any("prompt bucket 32" in line or "prompt bucket 64" in line for line in lines), lines
+    engine.start()
+    handle = engine.submit(LONG[1], 4)
+    handle.result(300)
+    assert engine.counters["serving_compiles"] == 0
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_tp2_pieces_equal_tp1_generate(ckpt, chunked):
+    tp2 = qmtp.load(ckpt, dtype="float32", page_size=chunked.page_size, progress=False, tp=2, prefill_chunk=CHUNK)
+    engine = make_engine(tp2, 2)
+    got = engine.generate(LONG[1], 6, timeout=300).tokens
+    assert got == qmtp.generate(chunked, [LONG[1]], max_new_tokens=6, mtp_k=2).tokens[0]
+    assert engine.counters["prefill_pieces"] == pieces(len(LONG[1]))
+    assert engine.stop(5)
+    assert_all_free(engine)
