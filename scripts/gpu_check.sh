@@ -3,7 +3,7 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long (default: all)
+#                                             bench_long serve_long (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
@@ -20,7 +20,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -52,7 +52,14 @@ for s in "${steps[@]}"; do
     # long prompts: TTFT and prefill rate at 8k and 32k (chunked prefill), decode after them, K=3 profiled
     bench_long) run_step bench_long 580 "${BENCH[@]}" --prompt_lengths=8192,32768 --ks=3 --repeats=1 \
                   --breakdown=false --max_new_tokens=256 --out="$OUT/bench_tp1_long.json" "${EXTRA[@]}" ;;
-    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long)"; exit 2 ;;
+    # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece): their inter-token gaps
+    serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \
+                  --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=16,32,64,32768 --port=8123 \
+                  >$OUT/serve_long_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8123 \
+                  --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
+                  --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
+                  rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
+    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done

@@ -7,8 +7,14 @@
 `duration_s` passed (whichever first), once GET /health answers 200. Prompts are random token-id lists (lengths uniform in the
 --prompt_tokens range, seeded), so no tokenizer is needed and every prompt is distinct (no
 snapshot hits unless --repeat_prompts). Reports requests/s, generated tokens/s, latency percentiles
-(p50/p90/p99 of the whole request; with --stream also of the time to first token), and the errors by
-HTTP status. Exit status 1 when any request failed.
+(p50/p90/p99 of the whole request; with --stream also of the time to first token and of the
+inter-token gap: the time between two streamed chunks of one request, each holding the tokens of
+one engine call), and the errors by HTTP status. Exit status 1 when any request failed.
+
+--long_prompt_tokens=N (with --stream) sends one more request, with an N-token prompt,
+--long_prompt_after_s after the start, and reports its time to first token and the other requests'
+inter-token gaps while it was prefilled (from its sending to its first token) next to those of the
+whole run: what a long prompt arriving costs the streams already running.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--timeout_s", type=float, default=600.0, help="per-request timeout (default %(default)s)")
     p.add_argument("--wait_ready_s", type=float, default=600.0, help="wait up to this long for GET /health to "
                    "answer 200 (a server warming up answers 503) before sending (default %(default)s)")
+    p.add_argument("--long_prompt_tokens", type=int, default=0, help="also send one request with a prompt of this "
+                   "many tokens (0: none; needs --stream)")
+    p.add_argument("--long_prompt_after_s", type=float, default=5.0, help="send the long prompt this many seconds "
+                   "after the start (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_json", default=None, help="also write the report here")
     args = p.parse_args(argv)
@@ -49,6 +59,8 @@ def parse_args(argv=None):
         p.error(f"--prompt_tokens={args.prompt_tokens!r}: expected MIN,MAX")
     if not 1 <= lo <= hi or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
         p.error("need 1 <= MIN <= MAX, --requests >= 1, --concurrency >= 1, --max_tokens >= 1")
+    if args.long_prompt_tokens < 0 or (args.long_prompt_tokens and not args.stream):
+        p.error("--long_prompt_tokens needs --stream and a value >= 0")
     args.prompt_range = (lo, hi)
     return args
 
@@ -71,7 +83,7 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
         usage = r.json()["usage"]
         return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": usage["completion_tokens"]}
     body["stream"] = True
-    ttft, tokens = None, 0
+    ttft, tokens, arrivals = None, 0, []  # arrivals: perf_counter() of each chunk holding tokens
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -83,10 +95,13 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
             if "error" in chunk:
                 return {"ok": False, "status": "stream_error", "latency_s": time.perf_counter() - t0}
             n = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))
+            if n:
+                arrivals.append(time.perf_counter())
             if n and ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft = arrivals[-1] - t0
             tokens += n
-    return {"ok": True, "latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens}
+    return {"ok": True, "latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens, "sent": t0,
+            "gaps": [(b - a, b) for a, b in zip(arrivals, arrivals[1:])]}  # (gap s, its end)
 
 
 async def wait_ready(client: httpx.AsyncClient, limit_s: float) -> None:
@@ -129,7 +144,18 @@ async def run(args) -> dict:
                 except httpx.HTTPError as e:
                     results.append({"ok": False, "status": type(e).__name__, "latency_s": 0.0})
 
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        async def long_prompt():
+            await asyncio.sleep(args.long_prompt_after_s)
+            prompt = [rng.randrange(args.vocab) for _ in range(args.long_prompt_tokens)]
+            try:
+                return await one_request(client, args, model, prompt)
+            except httpx.HTTPError as e:
+                return {"ok": False, "status": type(e).__name__, "latency_s": 0.0}
+
+        tasks = [worker() for _ in range(args.concurrency)]
+        long = asyncio.ensure_future(long_prompt()) if args.long_prompt_tokens else None
+        await asyncio.gather(*tasks)
+        long = await long if long is not None else None
         elapsed = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
     errors: dict = {}
@@ -144,6 +170,18 @@ async def run(args) -> dict:
               "latency_s": percentiles([r["latency_s"] for r in ok])}
     if args.stream:
         report["ttft_s"] = percentiles([r["ttft_s"] for r in ok if r.get("ttft_s") is not None])
+        gaps = [g for r in ok for g in r["gaps"]]
+        report["inter_token_s"] = percentiles([g for g, _ in gaps])
+    if long is not None:
+        report["long_prompt"] = {"prompt_tokens": args.long_prompt_tokens, "generated_tokens": long.get("tokens"),
+                                 **{k: long.get(k) for k in ("ok", "status", "ttft_s", "latency_s")}}
+        if long["ok"]:  # the other streams' gaps that ended while the long prompt waited for its first token
+            window = (long["sent"], long["sent"] + long["ttft_s"])
+            during = [g for g, end in gaps if window[0] <= end <= window[1]]
+            report["inter_token_s_during_long_prefill"] = {**percentiles(during), "count": len(during),
+                                                           "max": max(during, default=None)}
+        else:
+            errors[str(long["status"])] = errors.get(str(long["status"]), 0) + 1
     return report
 
 
@@ -156,8 +194,14 @@ def main(argv=None) -> int:
           f"{report['requests_per_s']:.2f} req/s, {report['tokens_per_s']:.1f} generated tok/s")
     print(f"latency p50 {fmt(lat['p50'])}, p90 {fmt(lat['p90'])}, p99 {fmt(lat['p99'])}")
     if args.stream:
-        t = report["ttft_s"]
+        t, g = report["ttft_s"], report["inter_token_s"]
         print(f"time to first token p50 {fmt(t['p50'])}, p90 {fmt(t['p90'])}, p99 {fmt(t['p99'])}")
+        print(f"inter-token gap p50 {fmt(g['p50'])}, p99 {fmt(g['p99'])}")
+    if "long_prompt" in report:
+        lp, d = report["long_prompt"], report.get("inter_token_s_during_long_prefill")
+        print(f"long prompt of {lp['prompt_tokens']} tokens: time to first token {fmt(lp['ttft_s'])}"
+              + (f"; the other streams' gaps meanwhile: {d['count']}, p50 {fmt(d['p50'])}, p99 {fmt(d['p99'])}, "
+                 f"max {fmt(d['max'])}" if d else ""))
     if report["errors"]:
         print(f"errors by status: {report['errors']}")
     if args.output_json:

@@ -420,10 +420,16 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={mtp_server[1]}", "--requests=24",
                         "--concurrency=4", "--prompt_tokens=2,20", "--max_tokens=4", "--stream",
-                        f"--output_json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--long_prompt_tokens=30", "--long_prompt_after_s=0.1", f"--output_json={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
     assert report["succeeded"] == 24 and report["errors"] == {}
+    gaps, long = report["inter_token_s"], report["long_prompt"]
+    assert 0 < gaps["p50"] <= gaps["p99"]
+    assert long["ok"] and long["prompt_tokens"] == 30 and long["generated_tokens"] == 4 and 0 < long["ttft_s"] <= long["latency_s"]
+    assert report["inter_token_s_during_long_prefill"]["count"] >= 0
+    assert "inter-token gap p50" in r.stdout and "long prompt of 30 tokens: time to first token" in r.stdout
     assert report["requests_per_s"] > 0 and report["tokens_per_s"] > 0 and report["generated_tokens"] > 0
     assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p90"] <= report["latency_s"]["p99"]
     assert "req/s" in r.stdout and "p99" in r.stdout
