@@ -121,9 +121,13 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
     Slots.started for the rows, state); the state's GDN/conv rows are not in the ring.
 
     kernels.deterministic: one prompt at a time (a lax.scan over the rows, at every batch size, one
-    included), so each XLA op of the prefill (attention and GDN over the prompt, norms, reductions) has
-    the shapes of a batch of one and a row's numbers do not depend on the other prompts of its batch."""
+    included), each padded to whole chunks of kernels.prefill_chunk tokens, so every pass of the prefill
+    has the shape [1, prefill_chunk] and its XLA ops (the GDN chunk form's dots, the q/k L2 norms)
+    choose their order from neither the batch nor the prompt bucket: a row's numbers do not depend on
+    the other prompts of its batch, the serving engine's pieces are the same passes."""
     if kernels.deterministic:
+        t = tokens.shape[1]  # T and the chunk are powers of two: max(T, chunk) is whole chunks
+        tokens = jnp.pad(tokens, ((0, 0), (0, max(t, kernels.prefill_chunk) - t)))
         return _prefill_rows(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop)
     return _prefill_batch(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop)
 
