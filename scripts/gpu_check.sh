@@ -3,7 +3,7 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long serve_long (default: all)
+#                                             bench_long serve_long gdn_prefill (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
@@ -20,7 +20,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -59,7 +59,10 @@ for s in "${steps[@]}"; do
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
                   rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
-    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long)"; exit 2 ;;
+    # the chunked GDN prefill at the 27B shapes: the Pallas kernel against the jnp form (T = 512, 4096)
+    gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
+                   --out="$OUT/gdn_prefill.json" ;;
+    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
