@@ -1,0 +1,127 @@
+"""Sampling and lossless speculative sampling, per row, as pure functions of logits and keys.
+
+Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k
+(0: off), top_p (1: off), min_p (0: off) and a seed. The distribution a row samples from is
+HF transformers' order of processors on the logits z:
+
+    z / T  ->  keep the top_k largest  ->  keep the smallest set of largest with mass >= top_p
+           ->  keep those with probability >= min_p * the largest probability  ->  softmax
+
+(ties at a threshold are all kept). A row with T = 0 gets the one-hot distribution of argmax z, so
+greedy rows go through the same code and keep greedy's tokens exactly.
+
+Randomness: key(seed, position, purpose), so a seeded request draws the same numbers whatever batch
+it is in. A token is drawn by the Gumbel-max trick, argmax(log p + G) with G ~ Gumbel(0, 1) per
+vocabulary id (a one-hot p gives its token whatever G is).
+
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): drafts x_i ~ q_i (the MTP head's
+processed distribution), target p_i at the K+1 verified positions. Draft i is accepted with
+probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection j the token is drawn from
+norm(max(0, p_j - q_j)); after K accepted drafts the bonus token is drawn from p_K. Each emitted token
+is then distributed exactly as p at its position. With one-hot p and q (greedy rows) this is the
+exact-match rule: accept iff x_i = argmax p_i, and the residual is p_i's token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # purposes of a position's random numbers
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling parameters, each [B]."""
+
+    temperature: jax.Array  # f32, 0 = greedy
+    top_k: jax.Array  # int32, 0 = all
+    top_p: jax.Array  # f32 in (0, 1], 1 = all
+    min_p: jax.Array  # f32 in [0, 1], 0 = off
+    seed: jax.Array  # uint32
+
+    @staticmethod
+    def greedy(batch: int) -> "SamplingParams":
+        return SamplingParams(temperature=jnp.zeros((batch,), F32), top_k=jnp.zeros((batch,), jnp.int32),
+                              top_p=jnp.ones((batch,), F32), min_p=jnp.zeros((batch,), F32),
+                              seed=jnp.zeros((batch,), jnp.uint32))
+
+
+def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
+    """Typed PRNG keys [B, ...] from seed [B] uint32, positions [B, ...] int32 and a purpose (DRAFT, ACCEPT,
+    SAMPLE): a function of those three alone."""
+    def row(s, p):
+        one = lambda pp: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), pp), purpose)  # noqa: E731
+        return jax.vmap(one)(p.reshape(-1)).reshape(p.shape)
+    return jax.vmap(row)(seed, position)
+
+
+def logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Log-probabilities [B, ..., V] f32 of the processed distribution (module doc) of logits [B, ..., V];
+    ids outside it are -inf. A row's parameters apply to all its positions."""
+    z = logits.astype(F32)
+    shape = (-1,) + (1,) * (z.ndim - 1)
+    t = params.temperature.reshape(shape)
+    greedy = t <= 0
+    z = z / jnp.where(greedy, 1.0, t)
+    srt = -jnp.sort(-z, axis=-1)  # descending [B, ..., V]
+    v = z.shape[-1]
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, v), v).reshape(shape)
+    kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # the k-th largest
+    srt = jnp.where(srt >= kth, srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)  # sorted, top-k kept
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the larger ones
+    keep = before < params.top_p.reshape(shape)  # the smallest prefix whose mass reaches top_p
+    keep &= probs >= params.min_p.reshape(shape) * probs[..., :1]
+    keep &= srt > -jnp.inf
+    cut = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)  # the smallest kept value
+    z = jnp.where(z >= cut, z, -jnp.inf)
+    top = jnp.argmax(logits, axis=-1)[..., None]
+    one_hot = jnp.where(jnp.arange(v) == top, 0.0, -jnp.inf)
+    return jnp.where(greedy, one_hot, jax.nn.log_softmax(z, axis=-1))
+
+
+def gumbel_argmax(logp: jax.Array, key: jax.Array) -> jax.Array:
+    """One draw per row from exp(logp [B, V]) with keys [B]: argmax(logp + Gumbel noise) [B] int32."""
+    g = jax.vmap(lambda kk: jax.random.gumbel(kk, logp.shape[-1:], F32))(key)
+    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+
+
+def sample(logp: jax.Array, seed: jax.Array, position: jax.Array) -> jax.Array:
+    """The token [B] at positions [B] from log-probabilities logp [B, V] (plain decoding)."""
+    return gumbel_argmax(logp, keys(seed, position, SAMPLE))
+
+
+def speculative_accept(p_logp: jax.Array, q_logp: jax.Array, drafts: jax.Array, seed: jax.Array,
+                       base: jax.Array):
+    """Accept / reject K drafts [B, K] (drawn from q) against the target.
+
+    p_logp [B, K+1, V]: the target's processed log-probabilities at the verified positions base + 1 ..
+    base + K + 1 (base [B]: the position of the last committed token); q_logp [B, K, V]: the drafts'
+    distributions. Returns (a [B] accepted drafts, the token [B] drawn at position base + a + 1 from
+    the residual norm(max(0, p_a - q_a)), or from p_K when a = K). The emitted tokens are drafts[:a]
+    and that token."""
+    b, k = drafts.shape
+    pos = base[:, None] + 1 + jnp.arange(k + 1)[None]  # [B, K+1]
+    p_x = jnp.take_along_axis(p_logp[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]
+    q_x = jnp.take_along_axis(q_logp, drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk, (), F32)))(keys(seed, pos[:, :k], ACCEPT))  # [B, K]
+    # accept with probability min(1, p/q): log u < log p - log q (u in [0, 1); q(x) > 0 for a drawn x)
+    ok = jnp.log(u) < p_x - q_x
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # [B]
+    p_a = jnp.take_along_axis(p_logp, a[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_pad = jnp.concatenate([q_logp, jnp.full((b, 1, q_logp.shape[-1]), -jnp.inf, F32)], axis=1)
+    q_a = jnp.take_along_axis(q_pad, a[:, None, None], axis=1)[:, 0]  # -inf at a = K: the residual is p_K
+    pos_a = jnp.take_along_axis(pos, a[:, None], axis=1)[:, 0]
+    return a, gumbel_argmax(_residual(p_a, q_a), keys(seed, pos_a, SAMPLE))
+
+
+def _residual(p_logp: jax.Array, q_logp: jax.Array) -> jax.Array:
+    """log max(0, p - q) [B, V], unnormalised (Gumbel-max needs no sum); where p = q leaves no mass (a
+    rejection there has probability 0), p itself."""
+    r = jnp.log(jnp.maximum(jnp.exp(p_logp) - jnp.exp(q_logp), 0.0))
+    return jnp.where(jnp.any(r > -jnp.inf, axis=-1, keepdims=True), r, p_logp)
