@@ -21,6 +21,7 @@ from qmtp.model.config import ModelConfig
 from qmtp.runtime import loop, tp as tp_lib
 from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
+from qmtp.runtime.sampling import SamplingParams
 from qmtp.runtime.state import init_state
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -177,10 +178,27 @@ def _prompt_batch(prompt_ids: list[list[int]]):
     return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompt_ids], jnp.int32)
 
 
-def _check_sampling(temperature: float) -> None:
-    if temperature != 0.0:
-        raise ValueError(f"temperature={temperature}: only greedy decoding (temperature 0) is supported; "
-                         "random sampling is not implemented")
+def sampling_params(batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                    seed=None) -> SamplingParams | None:
+    """Every row's SamplingParams (None: greedy, temperature 0); ValueError naming a value out of range.
+    seed: an int for every row, one per row, or None: a random one (the tokens then differ run to run)."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k={top_k} must be an integer >= 0 (0: off)")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p} must be in [0, 1]")
+    seeds = np.random.default_rng().integers(2 ** 32, size=batch) if seed is None else np.broadcast_to(
+        np.asarray(seed, np.int64), (batch,))
+    if seeds.min() < 0 or seeds.max() >= 2 ** 32:
+        raise ValueError(f"seed={seed} must be in [0, 2^32)")
+    if temperature == 0:
+        return None
+    full = lambda x, dt: jnp.full((batch,), x, dt)  # noqa: E731
+    return SamplingParams(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+                          full(min_p, jnp.float32), jnp.asarray(seeds, jnp.uint32))
 
 
 def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
@@ -198,17 +216,21 @@ def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
 
 
 def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int = 0,
-             accept_cap=None, temperature: float = 0.0, warmup: bool = False, progress=None) -> GenerationResult:
-    """Greedy generation for a batch of prompts (text or token-id lists), loop on the device.
+             accept_cap=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             seed: int | None = None, warmup: bool = False, progress=None) -> GenerationResult:
+    """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at
+    temperature 0, else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature,
+    top_k, top_p, min_p), with keys from (seed, position), so a seeded prompt gives the same tokens in
+    any batch (seed None: a random seed).
 
-    mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (same tokens).
+    mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (greedy: the same
+    tokens; sampled: the same distribution, by speculative sampling).
     Stops each sequence at a stop id (default: generation_config's eos ids) or after `max_new_tokens`.
     `accept_cap` (MTP only; how benchmarks impose an acceptance profile, qmtp/bench/profile.py) caps
     the accepted drafts per round: an int, or a schedule [R] / [R, B] (round r uses row min(r, R-1));
     capping never changes the tokens. With warmup=True the compiled programs are built first (timed as
     warmup_s), so ttft_s / decode_s measure execution. `progress`: None, or a callable that is handed a
     line as each phase (compiling, generating) starts (qmtp.cli_progress.Phases prints them)."""
-    _check_sampling(temperature)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     loop.check_k(mtp_k)
@@ -216,6 +238,10 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         mtp.check_supported(model.cfg)
     prompt_ids = encode(model, prompts)
     batch = len(prompt_ids)
+    sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed)
+    if sampling is not None and model.mesh is not None:
+        raise ValueError(f"sampling (temperature={temperature}) with tp={model.tp} is not implemented: use tp=1 "
+                         "or temperature 0")
     stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)
     # a round's pass writes K+1 positions past the committed length
     capacities = [len(p) + max_new_tokens + mtp_k + 1 for p in prompt_ids]
@@ -227,14 +253,16 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         state = _new_state(model, capacities)
         budget = jnp.full((batch,), limit, jnp.int32)
         t0 = time.perf_counter()
-        first, slots, state = _call(model, loop.prefill, statics + (bool(mtp_k),),
-                                    (model.params, state, tokens, n_valid, budget, stop),
-                                    ("params", "state", "rep", "rep", "rep", "rep"), ("rep", "rep", "state"))
+        args, kinds = (model.params, state, tokens, n_valid, budget, stop), ("params", "state") + ("rep",) * 4
+        if sampling is not None:  # (sampling is tp=1 only)
+            args, kinds = args + (sampling,), kinds + ("rep",)
+        first, slots, state = _call(model, loop.prefill, statics + (bool(mtp_k),), args, kinds,
+                                    ("rep", "rep", "state"))
         first.block_until_ready()
         t1 = time.perf_counter()
         args, kinds = (model.params, state, slots), ("params", "state", "rep")
-        if cap is not None:
-            args, kinds = args + (cap,), kinds + ("rep",)
+        if cap is not None or sampling is not None:
+            args, kinds = args + (cap, sampling), kinds + ("rep", "rep")
         out, count, stats, _, _ = _call(model, loop.decode, statics + (mtp_k, max_new_tokens), args, kinds,
                                         ("rep", "rep", "rep", "state", "rep"))
         out.block_until_ready()

@@ -37,11 +37,16 @@ flags.DEFINE_enum("impl", "ref", ["ref", "pallas"],
                   "Kernel implementation: 'ref' (pure XLA) or 'pallas' (Pallas GPU kernels where they exist; "
                   "interpret mode on the CPU, which is slow).")
 flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of generation_config.json).")
-flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain greedy decoding. "
-                     "The tokens are the same either way; MTP needs a checkpoint with mtp.* tensors.",
-                     lower_bound=0, upper_bound=4)
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature. Only greedy decoding (0) is supported; anything "
-                   "else is refused.")
+flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain decoding. "
+                     "Greedy tokens are the same either way, sampled ones follow the same distribution (speculative "
+                     "sampling); MTP needs a checkpoint with mtp.* tensors.", lower_bound=0, upper_bound=4)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling applies, in this order, "
+                   "the temperature, --top_k, --top_p and --min_p (tp=1 only).")
+flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens only; 0 = all.")
+flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens whose probability adds up to top_p; 1 = all.")
+flags.DEFINE_float("min_p", 0.0, "Drop tokens less likely than min_p times the most likely one; 0 = none.")
+flags.DEFINE_integer("seed", None, "Seed of the sampling (each prompt's draws depend only on it and the position, "
+                     "so a prompt gets the same tokens in any batch); default: a random one.")
 flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this many devices (each loads only its "
                      "shard; the tokens are the same as with 1). Must divide the model's head counts, MLP width "
                      "and vocabulary; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.",
@@ -101,6 +106,12 @@ def run(argv) -> dict:
     cli_help.check_output_file("output_json", FLAGS.output_json)
     if FLAGS.compare_plain and not FLAGS.mtp_k:
         raise ValueError("--compare_plain compares MTP with plain decoding: give --mtp_k too")
+    sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
+                    seed=FLAGS.seed)
+    try:
+        qmtp.sampling_params(len(prompts), **sampling)  # a bad value fails before anything loads
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
     cli_help.apply_compile_cache_flag()
     phases = cli_progress.Phases("generate")
     phases(f"loading {FLAGS.checkpoint}", tick=False)  # the reader shows its own progress on large checkpoints
@@ -115,7 +126,7 @@ def run(argv) -> dict:
         print(warning, file=sys.stderr, flush=True)
     def generate(k, first):
         return qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop, mtp_k=k,
-                             temperature=FLAGS.temperature, warmup=FLAGS.warmup and first, progress=phases)
+                             warmup=FLAGS.warmup and first, progress=phases, **sampling)
 
     # the modes alternate, so a slow stretch of a shared machine falls on both; each keeps its median run
     ks = ([0] if FLAGS.compare_plain else []) + [FLAGS.mtp_k]
@@ -143,9 +154,10 @@ def run(argv) -> dict:
     if plain is not None:
         p = plain.stats
         same = plain.tokens == result.tokens
+        tokens = ("sampled: the same distribution, not the same tokens" if FLAGS.temperature > 0 else
+                  f"tokens {'identical' if same else 'DIFFERENT'}")
         print(f"plain {p['decode_tokens_per_s']:.1f} tok/s, MTP K={FLAGS.mtp_k} {s['decode_tokens_per_s']:.1f} tok/s: "
-              f"{s['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x; "
-              f"tokens {'identical' if same else 'DIFFERENT'} (same prompts, same run)")
+              f"{s['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x; {tokens} (same prompts, same run)")
     report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
               "draft_head": model.draft_head, "tp": FLAGS.tp, "fp8_act_quant": FLAGS.fp8_act_quant,
               "deterministic": FLAGS.deterministic, "prefill_chunk": FLAGS.prefill_chunk,

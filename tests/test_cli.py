@@ -97,8 +97,8 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
     (("--checkpoint=preset:tiny",), "error: give at least one --prompt, --prompt_file or --prompt_ids"),
     (("--checkpoint=preset:tiny", "--prompt_file=/nonexistent/p.txt"),
      r"error: --prompt_file=/nonexistent/p.txt: .*No such file"),
-    (("--checkpoint=preset:tiny", "--prompt=hi", "--temperature=0.8"),
-     "error: temperature=0.8: only greedy decoding .* is supported"),
+    (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--temperature=0.8", "--top_p=1.5"),
+     r"error: --top_p=1.5 must be in \(0, 1\]"),  # checked before the checkpoint
     # checked before anything is loaded: the bad checkpoint is never reached
     (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--output_json=/nonexistent_dir/out.json"),
      "error: --output_json=/nonexistent_dir/out.json: directory /nonexistent_dir does not exist"),
@@ -131,7 +131,8 @@ def test_help_explains_every_flag(cache):
     r = run("--help", cache=cache)
     assert r.returncode == 0
     for flag in ("checkpoint", "prompt", "prompt_file", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
-                 "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "tp",
+                 "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "top_k", "top_p", "min_p",
+                 "seed", "tp",
                  "converted_cache", "fp8_act_quant", "draft_head"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
 

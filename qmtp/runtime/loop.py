@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import ops, tp
+from qmtp.runtime import ops, sampling as smp, tp
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.state import DecodeState, gdn_slot_count
 
@@ -59,6 +59,32 @@ def greedy(logits: jax.Array) -> jax.Array:
     """argmax over the last axis; ties go to the lowest id (as torch.argmax and HF generate). Under
     tensor parallelism logits are this shard's vocabulary slice and the argmax is taken across shards."""
     return tp.greedy_argmax(logits)
+
+
+def choose(logits: jax.Array, sampling, position: jax.Array) -> jax.Array:
+    """The token [B] at positions [B] from logits [B, V]: greedy (sampling None) or drawn from each row's
+    processed distribution (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
+    if sampling is None:
+        return greedy(logits)
+    return smp.sample(smp.logprobs(logits, sampling), sampling.seed, position)
+
+
+def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling) -> jax.Array:
+    """q: the processed log-probabilities [B, V] of an MTP draft from its hidden h [B, E], over the whole
+    vocabulary (a draft vocabulary's other ids get probability 0)."""
+    z = target.draft_logits(params, h, kernels)
+    vocab = params.get("mtp", {}).get("draft_vocab")
+    if vocab is not None:
+        z = jnp.full(z.shape[:-1] + (cfg.vocab_size,), -jnp.inf, z.dtype).at[..., vocab].set(z)
+    return smp.logprobs(z, sampling)
+
+
+def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling, position) -> jax.Array:
+    """An MTP draft [B] for positions [B]: greedy, or drawn from q (draft_logprobs)."""
+    if sampling is None:
+        return target.draft_token(params, h, kernels)
+    q = draft_logprobs(cfg, params, h, kernels, sampling)
+    return smp.gumbel_argmax(q, smp.keys(sampling.seed, position, smp.DRAFT))
 
 
 def is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:
@@ -113,11 +139,12 @@ class Slots:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
 def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
-            tokens: jax.Array, n_valid: jax.Array, max_tokens: jax.Array, stop: jax.Array):
+            tokens: jax.Array, n_valid: jax.Array, max_tokens: jax.Array, stop: jax.Array, sampling=None):
     """Target prefill over the prompts tokens [B, T] (n_valid [B] real tokens each), then with MTP the
     MTP prefill over the shifted prompt (lag-1, MODEL_SPEC §4.2) for the first draft.
 
-    max_tokens [B] >= 1, stop [B, NS]: the rows' budgets and stop ids. Returns (first token x_n [B],
+    max_tokens [B] >= 1, stop [B, NS]: the rows' budgets and stop ids; sampling: None (greedy) or the
+    rows' SamplingParams, from which the first token and the first draft are drawn. Returns (first token x_n [B],
     Slots.started for the rows, state); the state's GDN/conv rows are not in the ring.
 
     kernels.deterministic: one prompt at a time (a lax.scan over the rows, at every batch size, one
@@ -128,29 +155,32 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
     if kernels.deterministic:
         t = tokens.shape[1]  # T and the chunk are powers of two: max(T, chunk) is whole chunks
         tokens = jnp.pad(tokens, ((0, 0), (0, max(t, kernels.prefill_chunk) - t)))
-        return _prefill_rows(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop)
-    return _prefill_batch(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop)
+        return _prefill_rows(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop, sampling)
+    return _prefill_batch(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop, sampling)
 
 
-def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop):
+def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop, sampling):
     """_prefill_batch on one row at a time (DecodeState.row / with_row), results stacked as the batch's."""
     def one(state, row):
-        b, tok, nv, mt, st = row
+        b, tok, nv, mt, st, smp_row = row
+        smp_row = None if smp_row is None else jax.tree_util.tree_map(lambda x: x[None], smp_row)
         first, slots, sub = _prefill_batch(cfg, kernels, use_mtp, params, state.row(b), tok[None], nv[None],
-                                           mt[None], st[None])
+                                           mt[None], st[None], smp_row)
         return state.with_row(b, sub), (first[0], jax.tree_util.tree_map(lambda x: x[0], slots))
 
-    rows = (jnp.arange(tokens.shape[0]), tokens, n_valid, max_tokens, stop)
+    rows = (jnp.arange(tokens.shape[0]), tokens, n_valid, max_tokens, stop, sampling)
     state, (first, slots) = jax.lax.scan(one, state, rows)
     return first, slots, state
 
 
-def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop):
+def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop,
+                   sampling=None):
     start = state.lengths
     width = (cfg.hidden_size, params["embed"].dtype)  # a pass's output [B, T, E] is in the embedding's dtype
     hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
                              kernels.prefill_chunk, state, tokens, n_valid, None, width)
-    first = greedy(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels))
+    first = choose(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels), sampling,
+                   start + n_valid)  # the token at position n
     if use_mtp:
         def mtp_pass(st, tok, nv, h, offset):  # a chunk's MTP positions start `offset` tokens into the prompt
             return mtp.forward(cfg, params, st, tok, h, start + jnp.minimum(offset, n_valid), nv, kernels)
@@ -158,7 +188,7 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         mh, state = _chunked(mtp_pass, kernels.prefill_chunk, state, mtp.shift_left(tokens, n_valid, first),
                              n_valid, hidden, width)
         mh = target.last_valid(mh, n_valid)
-        d1 = target.draft_token(params, mh, kernels)
+        d1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
     return first, Slots.started(first, d1, mh, max_tokens, stop), state
@@ -215,9 +245,13 @@ def accepted_length(drafts: jax.Array, verified: jax.Array) -> jax.Array:
 
 
 def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState, slots: Slots,
-           live: jax.Array, cap: jax.Array):
+           live: jax.Array, cap: jax.Array, sampling=None):
     """One round (steps 1-4 of the module doc) for the rows with live [B] = 1; cap [B] caps the
-    accepted drafts. Returns (target argmax g_0..g_K [B, K+1], accepted a [B], state, slots)."""
+    accepted drafts. Returns (the round's tokens [B, K+1], of which the first a + 1 are emitted,
+    accepted a [B], state, slots). Greedy: the tokens are the target's argmax g_0 .. g_K; with
+    `sampling`, see _sampled_round."""
+    if sampling is not None:
+        return _sampled_round(cfg, kernels, k, params, state, slots, live, cap, sampling)
     base = state.lengths  # L [B]
     drafts, h = [slots.d1][:k], slots.mh  # 1. draft d_2 .. d_K
     for step in range(1, k):
@@ -238,6 +272,46 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
         d1 = target.draft_token(params, mh, kernels)
     pending = jnp.take_along_axis(verified, a[:, None], axis=1)[:, 0]
     return verified, a, state, dataclasses.replace(slots, pending=pending, d1=d1, mh=mh, gdn_slot=read)
+
+
+def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState,
+                   slots: Slots, live: jax.Array, cap: jax.Array, sampling):
+    """_round under sampling (speculative sampling, qmtp/runtime/sampling.py): draft i (for position
+    L + 1 + i) is drawn from the MTP head's q_i (q_1 recomputed from the stored MTP hidden), the verify
+    pass gives p_0 .. p_K, speculative_accept keeps a drafts and draws the next token from the residual
+    (or p_K). A cap below a accepts only the first cap drafts and draws the next token from p_cap, as a
+    round of K = cap would. The emitted tokens feed the MTP refresh as the target's argmax does greedily."""
+    base = state.lengths  # L [B]: the pending token's position
+    drafts, h = [slots.d1][:k], slots.mh
+    q = [draft_logprobs(cfg, params, h, kernels, sampling)][:k]  # q_i [B, V]
+    for step in range(1, k):
+        hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
+        h = hs[:, 0]
+        q.append(draft_logprobs(cfg, params, h, kernels, sampling))
+        drafts.append(smp.gumbel_argmax(q[-1], smp.keys(sampling.seed, base + 1 + step, smp.DRAFT)))
+    tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]
+    hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
+    p = smp.logprobs(target.logits_from_hidden(params, hidden, kernels), sampling)  # [B, K+1, V]
+    if k:
+        a, last = smp.speculative_accept(p, jnp.stack(q, axis=1), tokens[:, 1:], sampling.seed, base)
+    else:
+        a, last = jnp.zeros_like(base), smp.sample(p[:, 0], sampling.seed, base + 1)
+    capped = a > cap
+    a = jnp.minimum(a, cap)
+    p_cap = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
+    last = jnp.where(capped, smp.sample(p_cap, sampling.seed, base + 1 + a), last)
+    idx = jnp.arange(k + 1)[None]
+    ahead = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # drafts d_1 .. d_K, then a filler
+    emitted = jnp.where(idx < a[:, None], ahead, jnp.where(idx == a[:, None], last[:, None], PAD_TOKEN))
+    n_keep = (a + 1) * live
+    state = dataclasses.replace(state, lengths=base + n_keep)
+    read = ops.next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
+    d1, mh = slots.d1, slots.mh
+    if k:
+        mh_all, state = mtp.forward(cfg, params, state, jnp.maximum(emitted, 0), hidden, base, n_keep, kernels)
+        mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
+        d1 = draft(cfg, params, mh, kernels, sampling, base + a + 2)
+    return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, mh=mh, gdn_slot=read)
 
 
 def _emit(out, count, tokens, n_take, remaining, stop_mask, live):
@@ -275,11 +349,13 @@ def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds"), donate_argnames=("state",))
 def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, params: dict, state: DecodeState,
-           slots: Slots, accept_cap: jax.Array | None = None):
+           slots: Slots, accept_cap: jax.Array | None = None, sampling=None):
     """At most n_rounds rounds with K = k drafts (0: plain greedy steps), resumed from `slots`; stops
     early once every row is done. Each round emits g_0 .. g_a clipped at the row's stop ids and
     `remaining`. accept_cap [R, B] int32 (a benchmark's acceptance profile) caps the accepted drafts of
-    round r at row min(r, R-1); None: no cap. Capping never changes the tokens.
+    round r at row min(r, R-1); None: no cap. Capping never changes greedy tokens. sampling: None
+    (greedy) or the rows' SamplingParams (speculative sampling: each token follows the target's
+    processed distribution).
 
     A state whose GDN/conv rows are in a ring of K+2 slots (the serving engine keeps it so) stays in
     it, its read slots in slots.gdn_slot; a state without the ring is put into one for the call and
@@ -305,7 +381,7 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
         state, slots, out, count, r, stats = carry
         live = (~slots.done).astype(jnp.int32)
         cap = jnp.full((b,), k, jnp.int32) if accept_cap is None else accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
-        verified, a, state, slots = _round(cfg, kernels, k, params, state, slots, live, cap)
+        verified, a, state, slots = _round(cfg, kernels, k, params, state, slots, live, cap, sampling)
         out, count, done_now = _emit(out, count, verified, a + 1, entry.remaining, is_stop(verified, slots.stop),
                                      live)
         slots = dataclasses.replace(slots, done=slots.done | done_now)
