@@ -5,7 +5,9 @@ against), plain greedy decoding, MTP K = 1..4 with natural acceptance, and MTP w
 drafts capped by a seeded acceptance profile (default 0.85 / 0.70 / 0.57 cumulative per position,
 what Qwen 3.x heads show on code). Each mode runs --repeats times after a compile warm-up (compile
 time reported separately); every mode's tokens must equal plain greedy's (a mismatch fails the run,
-exit status 1).
+exit status 1). With --temperature > 0 every mode samples (speculative sampling with MTP: the same
+distribution, not the same tokens, so no token check), seeded by --seed: acceptance and speed under
+sampling.
 
 Per mode: decode tokens/s = sum(output_tokens - 1) / sum(wall - TTFT) (median, min, max over the
 repeats), TTFT, mean accepted length, per-position acceptance, speedup over plain, share of the
@@ -50,6 +52,12 @@ flags.DEFINE_list("profile", ["0.85", "0.70", "0.57"],
                   "runs); profiled runs use every K in --ks up to the profile's length.")
 flags.DEFINE_integer("profile_seed", 0, "Seed of the acceptance-cap schedule.")
 flags.DEFINE_list("prompt_lengths", ["64"], "Prompt lengths in tokens (each length is its own table).")
+flags.DEFINE_float("temperature", 0.0, "Sample at this temperature in every mode (0: greedy, tokens checked against "
+                   "plain); with --top_k, --top_p, --min_p as qmtp.generate's.")
+flags.DEFINE_integer("top_k", 0, "Sampling: the k most likely tokens only (0: all).")
+flags.DEFINE_float("top_p", 1.0, "Sampling: nucleus mass (1: all).")
+flags.DEFINE_float("min_p", 0.0, "Sampling: drop tokens below min_p times the most likely (0: none).")
+flags.DEFINE_integer("seed", 0, "Sampling seed (the same draws in every repeat).")
 flags.DEFINE_list("batch", ["1"], "Batch sizes (each its own table).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per sequence.", lower_bound=2)
 flags.DEFINE_integer("repeats", 3, "Timed runs per mode (median and spread reported).", lower_bound=1)
@@ -112,17 +120,23 @@ class Progress:
         print(f"[{self.done}/{self.total} {time.perf_counter() - self.t0:.0f}s] {what}", file=sys.stderr, flush=True)
 
 
+def sampling() -> dict:
+    """qmtp.generate's sampling arguments from the flags."""
+    return dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
+                seed=FLAGS.seed)
+
+
 def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, label: str) -> dict:
     """Warm-up (compile), then `repeats` timed generations of one mode."""
     import qmtp
     t = time.perf_counter()
     qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
-                  accept_cap=cap, warmup=True)
+                  accept_cap=cap, warmup=True, **sampling())
     compile_s = time.perf_counter() - t
     runs = []
     for r in range(repeats):
         res = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
-                            accept_cap=cap)
+                            accept_cap=cap, **sampling())
         runs.append(res)
         progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s")
     # device memory after the mode: in use, and the process's high-water mark through it (the modes run in
@@ -133,7 +147,7 @@ def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, labe
         out["trace_dir"] = os.path.join(FLAGS.trace_dir, f"{engine_name(model)}_{trace_name(label)}")
         with jax.profiler.trace(out["trace_dir"], create_perfetto_trace=True):
             qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
-                          accept_cap=cap)
+                          accept_cap=cap, **sampling())
     return out
 
 
@@ -218,7 +232,7 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     del state
     case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
     plain = run_mode(model, prompts, 0, None, FLAGS.repeats, progress, f"B={batch} P={length} plain")
-    plain_tokens = plain["runs"][-1].tokens
+    plain_tokens = plain["runs"][-1].tokens if FLAGS.temperature == 0 else None  # sampled: no token check
     n_prompt = sum(len(p) for p in prompts)
     case["modes"].append(summarize("plain", 0, "-", plain, None, bytes_, copy_bps, n_prompt))
     rounds = FLAGS.max_new_tokens + 1
@@ -313,6 +327,10 @@ def _run() -> int:
     if bad or not engines:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected one or more of {', '.join(ENGINES)}")
     other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
+    try:
+        qmtp.sampling_params(1, **sampling())
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     check_outputs(len(engines) * len(batches) * len(lengths))
@@ -345,7 +363,7 @@ def _run() -> int:
                                    if "draft_vocab" in model.params.get("mtp", {}) else None),
               # settings outside the flags that change the figures (collectives, the FP8 single-row path)
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "fp8_act_quant": FLAGS.fp8_act_quant,
-              "prefill_chunk": FLAGS.prefill_chunk,
+              "prefill_chunk": FLAGS.prefill_chunk, "sampling": sampling(),
               # a warm compilation cache shortens each mode's compile_s
               "compile_cache": compile_cache_dir, "compare_to": FLAGS.compare_to,
               "title": f"{os.path.basename(path)} engine={','.join(engines)} TP{FLAGS.tp}"}
