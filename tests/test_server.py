@@ -186,8 +186,10 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
      "context_length_exceeded"),
     (json.dumps({"model": NAME, "prompt": list(range(48)), "max_tokens": 1}).encode(), 400, "prompt",
      "context_length_exceeded"),
-    (json.dumps({"model": NAME, "prompt": "x", "temperature": 0.7}).encode(), 400, "temperature",
-     "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "temperature": -0.5}).encode(), 400, "temperature",
+     "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "temperature": 1, "top_p": 1.5}).encode(), 400, "top_p",
+     "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "n": 2}).encode(), 400, "n", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": ["a", "b"]}).encode(), 400, "prompt", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop",
@@ -209,8 +211,9 @@ def test_bad_requests_through_the_openai_client(mtp_server):
     with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist") as e:
         c.completions.create(model="nope", prompt="x")
     assert e.value.code == "model_not_found" and e.value.param == "model"
-    with pytest.raises(openai.BadRequestError, match=r"only greedy decoding"):
-        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=1.0)
+    with pytest.raises(openai.BadRequestError, match=r"min_p=2.0 must be in \[0, 1\]"):
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=1.0,
+                                  extra_body={"min_p": 2.0})
     with pytest.raises(openai.BadRequestError, match=r"context limit (is )?max_model_len=48"):
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello " * 30}], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match=r"exceeds the server limit of 20 \(--max_tokens_limit\)"):
@@ -220,20 +223,21 @@ def test_bad_requests_through_the_openai_client(mtp_server):
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("param,value", [("top_p", 0.9), ("seed", 1)])
-def test_top_p_and_seed_are_refused_not_ignored(mtp_server, route, param, value):
-    """Greedy decoding has no sampling to apply them to: refused as temperature != 0 is; their neutral
-    values (top_p 1, seed null) are accepted."""
+def test_sampling_parameters_are_honoured(model, mtp_server, route):
+    """temperature, top_k, top_p, min_p and seed reach the engine: a seeded request repeats its tokens, which
+    are qmtp.generate's with that seed; n > 1 is still refused."""
     server, url = mtp_server
-    body = {"model": NAME, "max_tokens": 2, **({"prompt": "x"} if route == "/v1/completions" else
-                                               {"messages": [{"role": "user", "content": "x"}]})}
-    r = httpx.post(url + route, json={**body, param: value}, timeout=120)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == param and err["code"] == "unsupported_value" and err["type"] == "invalid_request_error"
-    assert err["message"].startswith(f"{param}={value}: ") and "greedy" in err["message"], err
-    ok = httpx.post(url + route, json={**body, "top_p": 1, "seed": None, "temperature": 0}, timeout=120)
-    assert ok.status_code == 200, ok.text
+    body = {"model": NAME, "max_tokens": 6, **({"prompt": "x"} if route == "/v1/completions" else
+                                               {"messages": [{"role": "user", "content": "x"}]}),
+            "temperature": 1.2, "top_k": 50, "top_p": 0.9, "min_p": 0.01, "seed": 42}
+    ids = [httpx.post(url + route, json=body, timeout=120).json()["choices"][0]["token_ids"] for _ in range(2)]
+    assert ids[0] == ids[1]
+    if route == "/v1/completions":
+        want = qmtp.generate(model, ["x"], max_new_tokens=6, mtp_k=2, temperature=1.2, top_k=50,
+                             top_p=0.9, min_p=0.01, seed=42).tokens[0]
+        assert ids[0] == want
+    r = httpx.post(url + route, json={**body, "n": 2}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     assert_all_free(server.engine, internals=False)
 
 
@@ -329,9 +333,9 @@ def test_health_and_requests_answer_503_until_the_warmup_ends(model):
         while (health := httpx.get(url + "/health")).json().get("programs_done") != 2:
             assert time.monotonic() < deadline, health.text
             time.sleep(0.05)
-        # bucket 16: prefill x 1 row and x 3 rows are done; the loop is held
+        # bucket 16: prefill x 1 row and x 3 rows are done; the loop is held (its sampled form comes last)
         assert health.status_code == 503 and health.json() == {"status": "warming up", "programs_done": 2,
-                                                               "programs": 3}
+                                                               "programs": 4}
         early = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert early.status_code == 503 and early.json()["error"]["code"] == "warming_up", early.text
         assert "warming up" in early.json()["error"]["message"]
@@ -341,11 +345,11 @@ def test_health_and_requests_answer_503_until_the_warmup_ends(model):
             time.sleep(0.05)
         assert health.json() == {"status": "ok"}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        assert lines[0] == "warm-up: 3 programs to compile (prompt buckets 16; the decode loop)"
-        assert [line.split(":")[0] for line in lines[1:4]] == [
-            "warm-up [1/3] prompt bucket 16", "warm-up [2/3] prompt bucket 16", "warm-up [3/3] decode loop (2 steps "
-            "per call)"]
-        assert lines[4].startswith("warm-up done: 3 programs in ")
+        assert lines[0] == "warm-up: 4 programs to compile (prompt buckets 16; the decode loop)"
+        assert [line.split(":")[0] for line in lines[1:5]] == [
+            "warm-up [1/4] prompt bucket 16", "warm-up [2/4] prompt bucket 16", "warm-up [3/4] decode loop (2 steps "
+            "per call)", "warm-up [4/4] decode loop with sampling (2 steps per call)"]
+        assert lines[5].startswith("warm-up done: 4 programs in ")
         assert_all_free(engine, internals=False)
     finally:
         hold.set()

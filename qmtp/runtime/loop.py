@@ -283,7 +283,7 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     round of K = cap would. The emitted tokens feed the MTP refresh as the target's argmax does greedily."""
     base = state.lengths  # L [B]: the pending token's position
     drafts, h = [slots.d1][:k], slots.mh
-    q = [draft_logprobs(cfg, params, h, kernels, sampling)][:k]  # q_i [B, V]
+    q = [draft_logprobs(cfg, params, h, kernels, sampling)] if k else []  # q_i [B, V]
     for step in range(1, k):
         hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
         h = hs[:, 0]

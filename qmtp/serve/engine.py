@@ -12,7 +12,10 @@ The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a
      a slot between pieces is done on the device);
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
 Tokens equal qmtp.generate's: the same prefill bucket and loop body; greedy decoding does not see the
-batch composition.
+batch composition. A request may sample (temperature > 0, top_k, top_p, min_p, seed; tp=1): its slot's
+parameters go to every device call, and a sampled request's draws depend only on its seed and the
+position, so a seeded request gives qmtp.generate's tokens with that seed. While any active slot
+samples, the loop runs its sampled form (greedy slots at temperature 0 keep the greedy tokens).
 
 Release exactly once: a slot's record lives in `_active` from admission until `_release` pops it,
 the only place that returns its pages and slot. A slot released while live on the device is retired
@@ -38,6 +41,7 @@ import traceback
 import numpy as np
 
 from qmtp import api
+from qmtp.runtime.sampling import SamplingParams
 from qmtp.runtime import loop
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch
@@ -96,6 +100,12 @@ class Active:
     stream: TextStream | None
 
 
+def _greedy_rows(b: int) -> dict:
+    """Sampling parameter columns [b] of greedy rows (SamplingParams' fields as numpy arrays)."""
+    return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32), "top_p": np.ones(b, np.float32),
+            "min_p": np.zeros(b, np.float32), "seed": np.zeros(b, np.uint32)}
+
+
 def _print_line(line: str) -> None:
     print(line, flush=True)
 
@@ -148,6 +158,7 @@ class Engine:
         num_pages = c.num_pages or model.num_pages or c.batch_slots * self.pages_per_slot
         self.allocator = PageAllocator(num_pages, self.page_size)
         self._device = DeviceBatch(model, c.batch_slots, self.pages_per_slot, num_pages, c.max_stop_ids, self.k)
+        self._sampling = _greedy_rows(c.batch_slots)  # each slot's sampling parameters, host arrays [B]
         self._free_slots = list(range(c.batch_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.snapshots.clear()  # snapshots belong to the weights they were computed with
 
@@ -173,12 +184,15 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def submit(self, prompt_ids, max_tokens: int, stop_token_ids=None, stop: tuple[str, ...] = (),
-               listener=None) -> RequestHandle:
-        """Queues a greedy completion of prompt_ids (token ids) for up to max_tokens tokens.
+               listener=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               seed: int | None = None) -> RequestHandle:
+        """Queues a completion of prompt_ids (token ids) for up to max_tokens tokens: greedy at temperature
+        0, else sampled (qmtp.generate's parameters; seed None: a random one).
 
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
         tokenizer). Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
         ids = self._check(prompt_ids, max_tokens, stop_token_ids, stop)
+        sampling = self._check_sampling(temperature, top_k, top_p, min_p, seed)
         stop_ids = self.default_stop_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         with self._cv:
             if self._stopping or self.failed:
@@ -193,16 +207,17 @@ class Engine:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting, --max_queue); "
                                 "retry later")
-            handle = RequestHandle(self, self._next_id, ids, max_tokens, stop_ids, tuple(stop), listener)
+            handle = RequestHandle(self, self._next_id, ids, max_tokens, stop_ids, tuple(stop), listener, sampling)
             self._next_id += 1
             self._queue.append(handle)
             self.counters["submitted"] += 1
             self._cv.notify_all()
         return handle
 
-    def generate(self, prompt_ids, max_tokens: int, stop_token_ids=None, stop=(), timeout: float | None = None):
-        """submit() and wait: a Completion."""
-        return self.submit(prompt_ids, max_tokens, stop_token_ids, stop).result(timeout)
+    def generate(self, prompt_ids, max_tokens: int, stop_token_ids=None, stop=(), timeout: float | None = None,
+                 **sampling):
+        """submit() (sampling: its temperature, top_k, top_p, min_p, seed) and wait: a Completion."""
+        return self.submit(prompt_ids, max_tokens, stop_token_ids, stop, **sampling).result(timeout)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops admission now, aborts queued requests, gives active ones `timeout` s, then aborts them."""
@@ -300,6 +315,32 @@ class Engine:
         if any(not isinstance(x, str) or not x for x in stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         return ids
+
+    def _check_sampling(self, temperature, top_k, top_p, min_p, seed) -> dict | None:
+        """A request's sampling parameters (None: greedy), or RequestError naming the one out of range."""
+        try:
+            api.sampling_params(1, temperature, top_k, top_p, min_p, seed)
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split("=")[0]) from None
+        if temperature == 0:
+            return None
+        if self.model.mesh is not None:
+            raise RequestError(f"temperature={temperature}: sampling runs at --tp=1 only", "temperature",
+                               "unsupported_value")
+        seed = int(np.random.default_rng().integers(2 ** 32)) if seed is None else int(seed)
+        return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p),
+                "min_p": float(min_p), "seed": seed}
+
+    def _rows_sampling(self, slots, always: bool = False) -> SamplingParams | None:
+        """The sampling parameters of these slots (an id past the last slot: a greedy padding row); None at
+        tp > 1 (no sampling there) and, unless `always`, when all of them are greedy (the loop's greedy form).
+        Prefills always take them (greedy rows at temperature 0 keep the argmax): one program per bucket."""
+        rows = np.asarray(list(slots), np.int64)
+        real = rows < self.config.batch_slots
+        cols = {k: np.where(real, v[np.where(real, rows, 0)], _greedy_rows(1)[k][0]) for k, v in self._sampling.items()}
+        if self.model.mesh is not None or not (always or np.any(cols["temperature"] > 0)):
+            return None
+        return SamplingParams(**cols)
 
     def _capacity(self, handle: RequestHandle) -> int:
         """KV positions a request reserves while active."""
@@ -429,7 +470,9 @@ class Engine:
                 admitted.append((self._queue.popleft(), self._free_slots.pop(), self.allocator.reserve(capacity)))
         groups: dict[int, list] = {}
         for handle, slot, reservation in admitted:
-            snap = self.snapshots.get(tuple(handle.prompt_ids)) if self.snapshots.enabled else None
+            # a snapshot holds its prompt's greedy first token and draft: greedy requests only
+            snap = (self.snapshots.get(tuple(handle.prompt_ids)) if self.snapshots.enabled and handle.sampling is None
+                    else None)
             if snap is not None:
                 self._restore(handle, slot, reservation, snap)
             elif len(handle.prompt_ids) > self.piece:
@@ -458,6 +501,8 @@ class Engine:
         page_row[:len(pages)] = pages
         stop_row = np.full(self.config.max_stop_ids, loop.NO_STOP, np.int32)
         stop_row[:len(handle.stop_ids)] = handle.stop_ids
+        for name, column in self._sampling.items():
+            column[slot] = _greedy_rows(1)[name][0] if handle.sampling is None else handle.sampling[name]
         return page_row, stop_row
 
     def _restore(self, handle: RequestHandle, slot: int, reservation: int, snap: Snapshot) -> None:
@@ -486,13 +531,14 @@ class Engine:
             page_rows[j], stop_rows[j] = self._activate(handle, slot, reservation)
         with self._watch(f"prompt bucket {bucket}: prefill x {n} row{'s' if n > 1 else ''}"):
             tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
-            first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows)
+            first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows,
+                                         self._rows_sampling(ids, always=True))
         self.counters["prefills"] += 1
         n_pages = self._snapshot_pages(bucket)
         nbytes = self._snapshot_bytes(n_pages)
         for handle, slot, _ in group:
             key = tuple(handle.prompt_ids)
-            if handle.id >= 0 and key not in self.snapshots and self.snapshots.fits(nbytes):
+            if handle.id >= 0 and handle.sampling is None and key not in self.snapshots and self.snapshots.fits(nbytes):
                 prompt_pages = self.allocator.pages_for(len(key))
                 with self._watch(f"prompt bucket {bucket}: snapshot copy-out"):
                     snap = self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes)
@@ -518,7 +564,8 @@ class Engine:
         last = p.offset + c >= len(ids)
         with self._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
             first = self._device.prefill_piece(slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last,
-                                               p.handle.max_tokens, p.stop_row)
+                                               p.handle.max_tokens, p.stop_row,
+                                               self._rows_sampling([slot], always=True))
         self.counters["prefill_pieces"] += 1
         p.offset += c
         if last:
@@ -543,8 +590,10 @@ class Engine:
     def _run_loop(self) -> None:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
-        with self._watch("decode loop"):
-            out, count, done, stats = self._device.run(self.config.rounds_per_call)
+        sampled = self._rows_sampling(s for s in self._active if s not in self._pieces) is not None
+        sampling = self._rows_sampling(range(self.config.batch_slots), always=True) if sampled else None
+        with self._watch("decode loop" if sampling is None else "decode loop (sampling)"):
+            out, count, done, stats = self._device.run(self.config.rounds_per_call, sampling)
         self.counters["loop_calls"] += 1
         if stats is not None:
             for name in ("rounds", "drafted", "accepted"):

@@ -5,9 +5,10 @@ Requests (JSON bodies; unknown fields are ignored):
                         max_tokens, stop, stop_token_ids (extension), stream, stream_options
   /v1/chat/completions  model, messages [{role, content: string | [{type: "text", text}]}],
                         max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options
-Greedy decoding only: temperature absent or 0, top_p absent or 1, seed absent or null, n / best_of
-absent or 1; logprobs, echo, suffix, logit_bias, penalties and tools are refused. A sampling option
-the server cannot honour is refused rather than ignored: the client would believe it sampled.
+Sampling: temperature (absent or 0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed;
+out-of-range values get a 400 naming them (the engine checks them). n / best_of absent or 1;
+logprobs, echo, suffix, logit_bias, penalties and tools are refused. An option the server cannot
+honour is refused rather than ignored: the client would believe it applied.
 
 Errors are {"error": {"message", "type", "param", "code"}} with these statuses:
   400 invalid_request_error   malformed JSON, wrong types, unsupported options, max_tokens beyond
@@ -50,6 +51,8 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     n: int | None = None
     stream: bool = False
     stream_options: dict | None = None
@@ -95,6 +98,7 @@ class Parsed:
     stop_token_ids: tuple[int, ...]
     stream: bool
     include_usage: bool
+    sampling: dict  # Engine.submit's temperature, top_k, top_p, min_p, seed
 
 
 def _validate(model_cls, body) -> Any:
@@ -121,15 +125,9 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     if req.model != model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
-    _refuse(("n", req.n not in (None, 1), f"n={req.n}: only n = 1 is supported (greedy decoding gives one answer)"),
-            ("temperature", req.temperature not in (None, 0),
-             f"temperature={req.temperature}: only greedy decoding (temperature 0) is supported"),
-            ("top_p", req.top_p not in (None, 1),
-             f"top_p={req.top_p}: only greedy decoding (top_p 1) is supported; sampling is not implemented"),
-            ("seed", req.seed is not None,
-             f"seed={req.seed}: sampling is not implemented; greedy decoding is deterministic without a seed"),
-            ("presence_penalty", req.presence_penalty, "presence_penalty is not supported (greedy decoding only)"),
-            ("frequency_penalty", req.frequency_penalty, "frequency_penalty is not supported (greedy decoding only)"),
+    _refuse(("n", req.n not in (None, 1), f"n={req.n}: only n = 1 is supported"),
+            ("presence_penalty", req.presence_penalty, "presence_penalty is not supported"),
+            ("frequency_penalty", req.frequency_penalty, "frequency_penalty is not supported"),
             ("logit_bias", req.logit_bias, "logit_bias is not supported"),
             ("logprobs", req.logprobs not in (None, False), "logprobs are not supported"))
     if max_tokens is not None:
@@ -142,7 +140,9 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop", code="invalid_value")
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage)
+    sampling = {"temperature": 0.0 if req.temperature is None else req.temperature, "top_k": req.top_k or 0,
+                "top_p": 1.0 if req.top_p is None else req.top_p, "min_p": req.min_p or 0.0, "seed": req.seed}
+    return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling)
 
 
 def parse_completion(body, model_name: str, max_tokens_limit: int) -> Parsed:

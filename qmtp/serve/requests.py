@@ -60,8 +60,9 @@ class RequestHandle:
     `listener(event)`, called on the engine thread (it must not block)."""
 
     def __init__(self, engine, request_id: int, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...],
-                 stop_strings: tuple[str, ...], listener=None):
+                 stop_strings: tuple[str, ...], listener=None, sampling: dict | None = None):
         self._engine, self.id, self._listener = engine, request_id, listener
+        self.sampling = sampling  # None: greedy; else temperature, top_k, top_p, min_p, seed (an int)
         self.prompt_ids, self.max_tokens = prompt_ids, max_tokens
         self.stop_ids, self.stop_strings = stop_ids, stop_strings
         self.tokens: list[int] = []

@@ -190,7 +190,7 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             events: asyncio.Queue = asyncio.Queue()
             try:
                 handle = engine.submit(ids, max_tokens, stop_ids, parsed.stop,
-                                       listener=_to_loop(asyncio.get_running_loop(), events))
+                                       listener=_to_loop(asyncio.get_running_loop(), events), **parsed.sampling)
             except RequestError as e:
                 raise oai.APIError(400, str(e), param="messages" if chat and e.param == "prompt" else e.param,
                                    code=e.code) from None

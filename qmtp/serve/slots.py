@@ -31,6 +31,11 @@ from qmtp.runtime.state import DecodeState, init_state
 from qmtp.serve.snapshots import Snapshot
 
 
+def _optional(sampling) -> tuple:
+    """A device call's trailing sampling argument: none for greedy (the programs without it)."""
+    return () if sampling is None else (sampling,)
+
+
 def _put_rows(state: DecodeState, slots: Slots, ids, conv, ssm, page_rows, lengths, new: Slots):
     """(state, slots) with rows ids [n] replaced: conv/ssm (Lg x [n, ...]) in each row's read slot
     slots.gdn_slot[id], page_rows [n, Pmax], lengths [n], and the carry rows by the n rows of `new`
@@ -50,18 +55,19 @@ def _put_rows(state: DecodeState, slots: Slots, ids, conv, ssm, page_rows, lengt
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
 def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
                        slots: Slots, ids: jax.Array, page_rows: jax.Array, tokens: jax.Array, n_valid: jax.Array,
-                       max_tokens: jax.Array, stop_rows: jax.Array):
+                       max_tokens: jax.Array, stop_rows: jax.Array, sampling=None):
     """Prefills n prompts (tokens [n, T] right-padded, n_valid [n]) into slots ids [n] in one pass: an
     n-row sub-state (zero conv/ssm, page_rows [n, Pmax], length 0) over the shared KV pools runs the
     same `loop.prefill` as qmtp.generate; its rows then replace rows ids of the state, and the carry
-    rows get `Slots.started` with budgets max_tokens [n] and stop_rows [n, NS].
-    Returns (first tokens [n], state, slots)."""
+    rows get `Slots.started` with budgets max_tokens [n] and stop_rows [n, NS]; sampling: the rows'
+    SamplingParams (greedy rows at temperature 0) or None. Returns (first tokens [n], state, slots)."""
     n = tokens.shape[0]
     zeros = lambda a: jnp.repeat(jnp.zeros_like(a[:1]), n, axis=0)  # noqa: E731  (zeros_like: a's TP sharding type)
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(zeros(c[0]) for c in state.conv),
                       ssm=tuple(zeros(s[0]) for s in state.ssm), page_table=page_rows,
                       lengths=jnp.zeros((n,), jnp.int32))
-    first, new, sub = loop.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows)
+    first, new, sub = loop.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows,
+                                   sampling)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     return first, *_put_rows(state, slots, ids, sub.conv, sub.ssm, page_rows, sub.lengths, new)
 
@@ -70,7 +76,7 @@ def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, p
 def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
                   slots: Slots, slot: jax.Array, page_row: jax.Array, offset: jax.Array, tokens: jax.Array,
                   next_tokens: jax.Array, n_valid: jax.Array, last: jax.Array, max_tokens: jax.Array,
-                  stop_row: jax.Array):
+                  stop_row: jax.Array, sampling=None):
     """One piece of a long prompt into slot `slot` (int32 []): its tokens [1, C] at positions offset ..
     offset + n_valid - 1, after the KV pages (page_row [Pmax]) and the conv/ssm rows in the slot's read
     slot that the pieces before left (zero rows at offset 0). The same passes as one chunk of
@@ -83,13 +89,14 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(map(resume, state.conv)),
                       ssm=tuple(map(resume, state.ssm)), page_table=page_row[None], lengths=offset[None])
     hidden, sub = target.forward(cfg, params, sub, tokens, n_valid, kernels)  # hidden [1, C, E]
-    first = loop.greedy(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels))  # [1]
+    first = loop.choose(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels), sampling,
+                        offset[None] + n_valid)  # [1]
     if use_mtp:
         end = n_valid[0] - 1
         shifted = next_tokens.at[0, end].set(jnp.where(last, first[0], next_tokens[0, end]))
         mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offset[None], n_valid, kernels)
         mh = target.last_valid(mh, n_valid)  # [1, E]
-        d1 = target.draft_token(params, mh, kernels)
+        d1 = loop.draft(cfg, params, mh, kernels, sampling, offset[None] + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
     new = Slots.started(first, d1, mh, max_tokens[None], stop_row[None])
@@ -143,24 +150,24 @@ class DeviceBatch:
                       else tp_lib.init_state(cfg, model.mesh, *args, gdn_slots=ring))
         self.slots = Slots.empty(batch_slots, cfg.hidden_size, max_stop_ids, dtype)
 
-    def prefill(self, ids, page_rows, tokens, n_valid, remaining, stop_rows) -> np.ndarray:
+    def prefill(self, ids, page_rows, tokens, n_valid, remaining, stop_rows, sampling=None) -> np.ndarray:
         """prefill_into_slots; returns each row's first token [n]."""
         m = self.model
+        args = (m.params, self.state, self.slots, ids, page_rows, tokens, n_valid, remaining, stop_rows)
         first, self.state, self.slots = api._call(
-            m, prefill_into_slots, (m.cfg, m.kernels, bool(self.k)),
-            (m.params, self.state, self.slots, ids, page_rows, tokens, n_valid, remaining, stop_rows),
-            ("params", "state") + ("rep",) * 7, ("rep", "state", "rep"))
+            m, prefill_into_slots, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
+            ("params", "state") + ("rep",) * (7 + len(_optional(sampling))), ("rep", "state", "rep"))
         return np.asarray(first)
 
     def prefill_piece(self, slot: int, page_row, offset: int, tokens, next_tokens, n_valid: int, last: bool,
-                      max_tokens: int, stop_row) -> int:
+                      max_tokens: int, stop_row, sampling=None) -> int:
         """prefill_piece (tokens, next_tokens [1, C]); returns the first token (meaningful when last)."""
         m = self.model
+        args = (m.params, self.state, self.slots, np.int32(slot), page_row, np.int32(offset), tokens, next_tokens,
+                np.array([n_valid], np.int32), np.bool_(last), np.int32(max_tokens), stop_row)
         first, self.state, self.slots = api._call(
-            m, prefill_piece, (m.cfg, m.kernels, bool(self.k)),
-            (m.params, self.state, self.slots, np.int32(slot), page_row, np.int32(offset), tokens, next_tokens,
-             np.array([n_valid], np.int32), np.bool_(last), np.int32(max_tokens), stop_row),
-            ("params", "state") + ("rep",) * 10, ("rep", "state", "rep"))
+            m, prefill_piece, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
+            ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep"))
         return int(np.asarray(first)[0])
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
@@ -187,13 +194,15 @@ class DeviceBatch:
         row = sum(map(size, s.conv + s.ssm)) // b // loop.ring_size(self.k)
         return page * n_pages + row + 4 * (n_pages + 1) + 8 + size(self.slots.mh) // b
 
-    def run(self, n: int):
-        """n MTP rounds (or plain steps) over all slots. Returns host arrays (out [B, n (K+1)], count
-        [B], done [B]) and the MTP statistics (None for plain decoding)."""
+    def run(self, n: int, sampling=None):
+        """n MTP rounds (or plain steps) over all slots; sampling: every slot's SamplingParams (the loop's
+        sampled form) or None (greedy). Returns host arrays (out [B, n (K+1)], count [B], done [B]) and
+        the MTP statistics (None for plain decoding)."""
         m = self.model
+        args = (m.params, self.state, self.slots) + (() if sampling is None else (None, sampling))
         out, count, stats, self.state, self.slots = api._call(
-            m, loop.decode, (m.cfg, m.kernels, self.k, n), (m.params, self.state, self.slots),
-            ("params", "state", "rep"), ("rep", "rep", "rep", "state", "rep"))
+            m, loop.decode, (m.cfg, m.kernels, self.k, n), args,
+            ("params", "state") + ("rep",) * (len(args) - 2), ("rep", "rep", "rep", "state", "rep"))
         out, count, done = jax.device_get((out, count, self.slots.done))
         return out, count, done, (jax.device_get(stats) if self.k else None)
 

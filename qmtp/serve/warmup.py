@@ -66,6 +66,9 @@ def plan(engine, buckets) -> list[Step]:
                 _snapshot, engine, n), b))
     unit = f"MTP rounds per call, K={engine.k}" if engine.k else "steps per call"
     steps.append(Step(f"decode loop ({engine.config.rounds_per_call} {unit})", functools.partial(_loop, engine)))
+    if engine.model.mesh is None:  # sampling runs at tp=1 only
+        steps.append(Step(f"decode loop with sampling ({engine.config.rounds_per_call} {unit})",
+                          functools.partial(_sampled_loop, engine)))
     return steps
 
 
@@ -95,6 +98,12 @@ def _snapshot(engine, n: int) -> None:
     snap = engine._device.take_snapshot(0, n_pages, engine.allocator.pages_for(n), engine._snapshot_bytes(n_pages))
     engine._restore(*_request(engine, n), snap)
     engine._flush_retired()
+
+
+def _sampled_loop(engine) -> None:
+    """The loop's sampled form, with every slot done (it compiles and runs no round)."""
+    engine._device.run(engine.config.rounds_per_call, engine._rows_sampling(range(engine.config.batch_slots),
+                                                                            always=True))
 
 
 def _loop(engine) -> None:

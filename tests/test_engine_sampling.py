@@ -1,0 +1,59 @@
+"""Sampled requests in the serving engine: a seeded request gets qmtp.generate's tokens with that seed
+(plain and MTP), greedy requests beside it keep the greedy tokens, bad values are request errors
+naming the parameter, and the warm-up compiles the loop's sampled form.
+
+Shapes of tests/serving_fixtures.py; the tiny checkpoint's `model` (float32) from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp.serve.requests import RequestError
+from serving_fixtures import assert_all_free, make_engine
+
+RNG = np.random.default_rng(21)
+PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (5, 13, 9)]
+SAMPLED = dict(temperature=1.5, top_k=40, top_p=0.95)
+pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_seeded_requests_get_generate_tokens_and_greedy_ones_stay_greedy(model, k):
+    engine = make_engine(model, k)
+    sampled = [engine.submit(p, 10, seed=100 + i, **SAMPLED) for i, p in enumerate(PROMPTS[:2])]
+    greedy = engine.submit(PROMPTS[2], 10)
+    for i, (h, p) in enumerate(zip(sampled, PROMPTS)):
+        want = qmtp.generate(model, [p], max_new_tokens=10, mtp_k=k, seed=100 + i, **SAMPLED).tokens[0]
+        assert h.result(300).tokens == want, i
+    assert greedy.result(300).tokens == qmtp.generate(model, [PROMPTS[2]], max_new_tokens=10, mtp_k=k).tokens[0]
+    assert sampled[0].tokens != qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=k).tokens[0]
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("kw, param", [(dict(temperature=-1.0), "temperature"),
+                                       (dict(temperature=1.0, top_p=0.0), "top_p"),
+                                       (dict(temperature=1.0, top_k=-2), "top_k"),
+                                       (dict(temperature=1.0, min_p=1.5), "min_p"),
+                                       (dict(temperature=1.0, seed=2 ** 40), "seed")])
+def test_bad_sampling_values_name_their_parameter(model, kw, param):
+    engine = make_engine(model, 0, start=False)
+    with pytest.raises(RequestError) as e:
+        engine.submit(PROMPTS[0], 4, **kw)
+    assert e.value.param == param and str(e.value).startswith(f"{param}=")
+
+
+def test_the_warmup_compiles_the_sampled_loop(model):
+    lines = []
+    engine = make_engine(model, 2, start=False, log=lines.append)
+    engine.warmup([16])
+    assert any("decode loop with sampling" in line for line in lines), lines
+    engine.start()
+    engine.generate(PROMPTS[0], 6, temperature=0.8, seed=1, timeout=300)
+    engine.generate(PROMPTS[1], 6, timeout=300)
+    assert engine.counters["serving_compiles"] == 0
+    assert engine.stop(5)
+    assert_all_free(engine)
