@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import qmtp
+from qmtp.serve import metrics
 from qmtp.serve.requests import RequestError
 from serving_fixtures import assert_all_free, make_engine
 
@@ -30,6 +31,12 @@ def test_seeded_requests_get_generate_tokens_and_greedy_ones_stay_greedy(model, 
         assert h.result(300).tokens == want, i
     assert greedy.result(300).tokens == qmtp.generate(model, [PROMPTS[2]], max_new_tokens=10, mtp_k=k).tokens[0]
     assert sampled[0].tokens != qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=k).tokens[0]
+    if k:  # acceptance is also counted apart for the sampled requests
+        assert 0 < engine.counters["mtp_rounds_sampled"] < engine.counters["mtp_rounds"]
+        assert np.all(engine.sampled_position_accepts <= engine.position_accepts)
+        text = metrics.render(engine)
+        for decoding in ("greedy", "sampled"):
+            assert f'qmtp_mtp_position_acceptance_by_decoding{{decoding="{decoding}",position="2"}}' in text
     assert engine.stop(5)
     assert_all_free(engine)
 

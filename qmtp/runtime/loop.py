@@ -333,18 +333,23 @@ def _emit(out, count, tokens, n_take, remaining, stop_mask, live):
 def _zero_stats(b: int, k: int) -> dict:
     zeros = jnp.zeros((b,), jnp.int32)
     return {"rounds": zeros, "drafted": zeros, "accepted": zeros,
-            "accept_hist": jnp.zeros((k + 1,), jnp.int32), "position_accepts": jnp.zeros((k,), jnp.int32)}
+            "accept_hist": jnp.zeros((k + 1,), jnp.int32), "position_accepts": jnp.zeros((k,), jnp.int32),
+            "sampled_rounds": zeros, "sampled_position_accepts": jnp.zeros((k,), jnp.int32)}
 
 
-def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int) -> dict:
-    """Adds one round (accepted a [B] of the live [B] rows) to the acceptance statistics."""
+def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int, sampled: jax.Array) -> dict:
+    """Adds one round (accepted a [B] of the live [B] rows) to the acceptance statistics; sampled [B]
+    marks the rows at temperature > 0, also counted apart (sampled_rounds, sampled_position_accepts)."""
     on = live.astype(bool)
+    hit = (jnp.arange(k)[None] < a[:, None]) & on[:, None]  # [B, K]: the row's draft at this position accepted
     return {"rounds": stats["rounds"] + live, "drafted": stats["drafted"] + live * k,
+            "sampled_rounds": stats["sampled_rounds"] + live * sampled,
+            "sampled_position_accepts": stats["sampled_position_accepts"] + jnp.sum(
+                (hit & sampled[:, None].astype(bool)).astype(jnp.int32), axis=0),
             "accepted": stats["accepted"] + a * live,
             "accept_hist": stats["accept_hist"] + jnp.sum(jax.nn.one_hot(a, k + 1, dtype=jnp.int32)
                                                           * live[:, None], axis=0),
-            "position_accepts": stats["position_accepts"] + jnp.sum(
-                ((jnp.arange(k)[None] < a[:, None]) & on[:, None]).astype(jnp.int32), axis=0)}
+            "position_accepts": stats["position_accepts"] + jnp.sum(hit.astype(jnp.int32), axis=0)}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds"), donate_argnames=("state",))
@@ -361,7 +366,8 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
     it, its read slots in slots.gdn_slot; a state without the ring is put into one for the call and
     taken out at its end. Returns (tokens [B, n_rounds (k+1)] (PAD_TOKEN after each row's count),
     counts [B], stats, state, slots); stats: rounds [B], drafted [B], accepted [B], accept_hist [K+1]
-    (rounds that accepted exactly a drafts), position_accepts [K]."""
+    (rounds that accepted exactly a drafts), position_accepts [K], and sampled_rounds [B] and
+    sampled_position_accepts [K] of the rows at temperature > 0."""
     check_k(k)
     b = slots.done.shape[0]
     out = jnp.full((b, n_rounds * (k + 1)), PAD_TOKEN, jnp.int32)
@@ -372,6 +378,8 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
     entry = slots
     if not in_ring:
         state, slots = to_ring(state, ring_size(k)), dataclasses.replace(slots, gdn_slot=jnp.zeros((b,), jnp.int32))
+
+    sampled = jnp.zeros((b,), jnp.int32) if sampling is None else (sampling.temperature > 0).astype(jnp.int32)
 
     def cond(carry):
         slots, r = carry[1], carry[4]
@@ -385,7 +393,7 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
         out, count, done_now = _emit(out, count, verified, a + 1, entry.remaining, is_stop(verified, slots.stop),
                                      live)
         slots = dataclasses.replace(slots, done=slots.done | done_now)
-        return state, slots, out, count, r + 1, _add_stats(stats, a, live, k)
+        return state, slots, out, count, r + 1, _add_stats(stats, a, live, k, sampled)
 
     carry = (state, slots, out, jnp.zeros((b,), jnp.int32), jnp.int32(0), _zero_stats(b, k))
     state, slots, out, count, _, stats = jax.lax.while_loop(cond, body, carry)

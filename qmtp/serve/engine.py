@@ -134,6 +134,7 @@ class Engine:
         self.counters = collections.Counter()  # read by qmtp.serve.metrics
         self.accept_hist = np.zeros(self.k + 1, np.int64)
         self.position_accepts = np.zeros(self.k, np.int64)
+        self.sampled_position_accepts = np.zeros(self.k, np.int64)  # of sampled requests only
         self.snapshots = SnapshotStore(config.snapshot_budget_bytes)
         self._set_model(model)
 
@@ -600,6 +601,8 @@ class Engine:
                 self.counters[f"mtp_{name}"] += int(stats[name].sum())
             self.accept_hist += stats["accept_hist"]
             self.position_accepts += stats["position_accepts"]
+            self.counters["mtp_rounds_sampled"] += int(stats["sampled_rounds"].sum())
+            self.sampled_position_accepts += stats["sampled_position_accepts"]
         for slot in list(self._active):
             if slot in self._pieces:  # done on the device until its last piece
                 continue

@@ -44,6 +44,12 @@ def render(engine, invalid_requests: int = 0) -> str:
            [(p, int(n)) for p, n in positions])
     metric("qmtp_mtp_position_acceptance", "gauge", "Share of rounds whose draft at this position was accepted.",
            [(p, n / rounds if rounds else 0.0) for p, n in positions])
+    split = {"sampled": (c["mtp_rounds_sampled"], engine.sampled_position_accepts)}
+    split["greedy"] = (rounds - split["sampled"][0], engine.position_accepts - engine.sampled_position_accepts)
+    metric("qmtp_mtp_position_acceptance_by_decoding", "gauge", "Share of rounds whose draft at this position was "
+           "accepted, of greedy requests (exact match) and of sampled ones (speculative sampling).",
+           [({"decoding": d, "position": str(i + 1)}, n / r if r else 0.0)
+            for d, (r, accepts) in sorted(split.items()) for i, n in enumerate(accepts)])
     metric("qmtp_mtp_rounds_by_accepted_total", "counter", "Rounds that accepted exactly this many drafts.",
            [({"accepted": str(a)}, int(n)) for a, n in enumerate(engine.accept_hist)])
     metric("qmtp_snapshot_lookups_total", "counter", "Exact-prompt snapshot lookups.", snap.lookups)
