@@ -239,9 +239,6 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     prompt_ids = encode(model, prompts)
     batch = len(prompt_ids)
     sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed)
-    if sampling is not None and model.mesh is not None:
-        raise ValueError(f"sampling (temperature={temperature}) with tp={model.tp} is not implemented: use tp=1 "
-                         "or temperature 0")
     stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)
     # a round's pass writes K+1 positions past the committed length
     capacities = [len(p) + max_new_tokens + mtp_k + 1 for p in prompt_ids]
@@ -254,7 +251,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         budget = jnp.full((batch,), limit, jnp.int32)
         t0 = time.perf_counter()
         args, kinds = (model.params, state, tokens, n_valid, budget, stop), ("params", "state") + ("rep",) * 4
-        if sampling is not None:  # (sampling is tp=1 only)
+        if sampling is not None:
             args, kinds = args + (sampling,), kinds + ("rep",)
         first, slots, state = _call(model, loop.prefill, statics + (bool(mtp_k),), args, kinds,
                                     ("rep", "rep", "state"))

@@ -41,7 +41,7 @@ flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding 
                      "Greedy tokens are the same either way, sampled ones follow the same distribution (speculative "
                      "sampling); MTP needs a checkpoint with mtp.* tensors.", lower_bound=0, upper_bound=4)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling applies, in this order, "
-                   "the temperature, --top_k, --top_p and --min_p (tp=1 only).")
+                   "the temperature, --top_k, --top_p and --min_p.")
 flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens only; 0 = all.")
 flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens whose probability adds up to top_p; 1 = all.")
 flags.DEFINE_float("min_p", 0.0, "Drop tokens less likely than min_p times the most likely one; 0 = none.")

@@ -100,3 +100,14 @@ def test_limits_equal_greedy_and_a_seeded_row_keeps_its_tokens_in_any_batch(cont
 def test_out_of_range_parameters_are_refused_by_name(controlled, prompt, kw, message):
     with pytest.raises(ValueError, match=message):
         qmtp.generate(controlled, [prompt], max_new_tokens=2, **kw)
+
+
+def test_tp2_samples_the_tp1_tokens(controlled, prompt):
+    """Under TP every shard gathers the vocabulary and draws the same numbers: a seeded prompt gets the
+    TP1 tokens (float32; plain and MTP K = 2)."""
+    assert len(jax.devices()) >= 2, "needs 2 devices (jax_num_cpu_devices=2 in conftest.py)"
+    tp2 = qmtp.load(controlled.checkpoint_dir, dtype="float32", progress=False, tp=2)
+    for k in (0, 2):
+        want = qmtp.generate(controlled, [prompt], max_new_tokens=8, stop_token_ids=[], mtp_k=k, seed=9, **SAMPLED)
+        got = qmtp.generate(tp2, [prompt], max_new_tokens=8, stop_token_ids=[], mtp_k=k, seed=9, **SAMPLED)
+        assert got.tokens == want.tokens, k

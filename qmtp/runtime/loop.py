@@ -66,13 +66,14 @@ def choose(logits: jax.Array, sampling, position: jax.Array) -> jax.Array:
     processed distribution (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
     if sampling is None:
         return greedy(logits)
-    return smp.sample(smp.logprobs(logits, sampling), sampling.seed, position)
+    return smp.sample(smp.logprobs(tp.gather_vocab(logits), sampling), sampling.seed, position)
 
 
 def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling) -> jax.Array:
     """q: the processed log-probabilities [B, V] of an MTP draft from its hidden h [B, E], over the whole
-    vocabulary (a draft vocabulary's other ids get probability 0)."""
-    z = target.draft_logits(params, h, kernels)
+    vocabulary (a draft vocabulary's other ids get probability 0). Under TP every shard gathers the
+    whole vocabulary and draws the same numbers."""
+    z = tp.gather_vocab(target.draft_logits(params, h, kernels))
     vocab = params.get("mtp", {}).get("draft_vocab")
     if vocab is not None:
         z = jnp.full(z.shape[:-1] + (cfg.vocab_size,), -jnp.inf, z.dtype).at[..., vocab].set(z)
@@ -291,7 +292,7 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
         drafts.append(smp.gumbel_argmax(q[-1], smp.keys(sampling.seed, base + 1 + step, smp.DRAFT)))
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
-    p = smp.logprobs(target.logits_from_hidden(params, hidden, kernels), sampling)  # [B, K+1, V]
+    p = smp.logprobs(tp.gather_vocab(target.logits_from_hidden(params, hidden, kernels)), sampling)  # [B, K+1, V]
     if k:
         a, last = smp.speculative_accept(p, jnp.stack(q, axis=1), tokens[:, 1:], sampling.seed, base)
     else:

@@ -12,7 +12,7 @@ The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a
      a slot between pieces is done on the device);
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
 Tokens equal qmtp.generate's: the same prefill bucket and loop body; greedy decoding does not see the
-batch composition. A request may sample (temperature > 0, top_k, top_p, min_p, seed; tp=1): its slot's
+batch composition. A request may sample (temperature > 0, top_k, top_p, min_p, seed): its slot's
 parameters go to every device call, and a sampled request's draws depend only on its seed and the
 position, so a seeded request gives qmtp.generate's tokens with that seed. While any active slot
 samples, the loop runs its sampled form (greedy slots at temperature 0 keep the greedy tokens).
@@ -325,21 +325,18 @@ class Engine:
             raise RequestError(str(e), str(e).split("=")[0]) from None
         if temperature == 0:
             return None
-        if self.model.mesh is not None:
-            raise RequestError(f"temperature={temperature}: sampling runs at --tp=1 only", "temperature",
-                               "unsupported_value")
         seed = int(np.random.default_rng().integers(2 ** 32)) if seed is None else int(seed)
         return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p),
                 "min_p": float(min_p), "seed": seed}
 
     def _rows_sampling(self, slots, always: bool = False) -> SamplingParams | None:
-        """The sampling parameters of these slots (an id past the last slot: a greedy padding row); None at
-        tp > 1 (no sampling there) and, unless `always`, when all of them are greedy (the loop's greedy form).
+        """The sampling parameters of these slots (an id past the last slot: a greedy padding row); None,
+        unless `always`, when all of them are greedy (the loop's greedy form).
         Prefills always take them (greedy rows at temperature 0 keep the argmax): one program per bucket."""
         rows = np.asarray(list(slots), np.int64)
         real = rows < self.config.batch_slots
         cols = {k: np.where(real, v[np.where(real, rows, 0)], _greedy_rows(1)[k][0]) for k, v in self._sampling.items()}
-        if self.model.mesh is not None or not (always or np.any(cols["temperature"] > 0)):
+        if not (always or np.any(cols["temperature"] > 0)):
             return None
         return SamplingParams(**cols)
 

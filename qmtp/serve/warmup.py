@@ -66,9 +66,8 @@ def plan(engine, buckets) -> list[Step]:
                 _snapshot, engine, n), b))
     unit = f"MTP rounds per call, K={engine.k}" if engine.k else "steps per call"
     steps.append(Step(f"decode loop ({engine.config.rounds_per_call} {unit})", functools.partial(_loop, engine)))
-    if engine.model.mesh is None:  # sampling runs at tp=1 only
-        steps.append(Step(f"decode loop with sampling ({engine.config.rounds_per_call} {unit})",
-                          functools.partial(_sampled_loop, engine)))
+    steps.append(Step(f"decode loop with sampling ({engine.config.rounds_per_call} {unit})",
+                      functools.partial(_sampled_loop, engine)))
     return steps
 
 
