@@ -41,9 +41,9 @@ import traceback
 import numpy as np
 
 from qmtp import api
-from qmtp.runtime.sampling import SamplingParams
 from qmtp.runtime import loop
 from qmtp.runtime.paging import PageAllocator
+from qmtp.runtime.sampling import SamplingParams
 from qmtp.serve import compile_watch
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
