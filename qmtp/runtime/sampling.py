@@ -68,18 +68,25 @@ def logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     t = params.temperature.reshape(shape)
     greedy = t <= 0
     z = z / jnp.where(greedy, 1.0, t)
-    srt = -jnp.sort(-z, axis=-1)  # descending [B, ..., V]
     v = z.shape[-1]
-    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, v), v).reshape(shape)
-    kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # the k-th largest
-    srt = jnp.where(srt >= kth, srt, -jnp.inf)
-    probs = jax.nn.softmax(srt, axis=-1)  # sorted, top-k kept
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the larger ones
-    keep = before < params.top_p.reshape(shape)  # the smallest prefix whose mass reaches top_p
-    keep &= probs >= params.min_p.reshape(shape) * probs[..., :1]
-    keep &= srt > -jnp.inf
-    cut = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)  # the smallest kept value
-    z = jnp.where(z >= cut, z, -jnp.inf)
+    truncating = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)  # [B]
+
+    def truncated(z):  # sorts the vocabulary: only when some row asks for top_k, top_p or min_p
+        srt = -jnp.sort(-z, axis=-1)  # descending [B, ..., V]
+        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, v), v).reshape(shape)
+        kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # the k-th largest
+        srt = jnp.where(srt >= kth, srt, -jnp.inf)
+        probs = jax.nn.softmax(srt, axis=-1)  # sorted, top-k kept
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the larger ones
+        top_p = params.top_p.reshape(shape)
+        # the smallest prefix whose mass reaches top_p; top_p 1 keeps all (an f32 cumsum may pass 1 early)
+        keep = (before < top_p) | (top_p >= 1)
+        keep &= probs >= params.min_p.reshape(shape) * probs[..., :1]
+        keep &= srt > -jnp.inf
+        cut = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)  # the smallest kept value
+        return jnp.where(z >= cut, z, -jnp.inf)
+
+    z = jax.lax.cond(jnp.any(truncating & ~greedy.reshape(-1)), truncated, lambda z: z, z)
     top = jnp.argmax(logits, axis=-1)[..., None]
     one_hot = jnp.where(jnp.arange(v) == top, 0.0, -jnp.inf)
     return jnp.where(greedy, one_hot, jax.nn.log_softmax(z, axis=-1))

@@ -8,8 +8,8 @@ admit (Engine.prompt_buckets), and each bucket has its own programs (qmtp/serve/
 of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prompts fit in the page
 pool together; with exact-prompt snapshots on, a snapshot copy-out and copy-in of its page count when
 such a snapshot fits the budget. Buckets above the model's prefill_chunk are prefilled piece by piece:
-one program for all of them (Engine._prefill_piece). Then one decode loop (and the slot-retire op of a
-cancelled request).
+one program for all of them (Engine._prefill_piece). Then the decode loop, its sampled form (run while
+any slot samples) and the slot-retire op of a cancelled request.
 
 Each step drives the engine's own admission code on dummy requests (id -1: no snapshot is kept;
 max_tokens 1: the first token finishes them), so the shapes are exactly those of serving; this module
