@@ -44,12 +44,6 @@ class SamplingParams:
     min_p: jax.Array  # f32 in [0, 1], 0 = off
     seed: jax.Array  # uint32
 
-    @staticmethod
-    def greedy(batch: int) -> "SamplingParams":
-        return SamplingParams(temperature=jnp.zeros((batch,), F32), top_k=jnp.zeros((batch,), jnp.int32),
-                              top_p=jnp.ones((batch,), F32), min_p=jnp.zeros((batch,), F32),
-                              seed=jnp.zeros((batch,), jnp.uint32))
-
 
 def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
     """Typed PRNG keys [B, ...] from seed [B] uint32, positions [B, ...] int32 and a purpose (DRAFT, ACCEPT,
