@@ -3,7 +3,8 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long serve_long gdn_prefill (default: all)
+#                                             bench_long serve_long gdn_prefill bench_sampling
+#                                             bench_deterministic (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
@@ -20,7 +21,8 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill
+                                 bench_sampling bench_deterministic)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -62,7 +64,15 @@ for s in "${steps[@]}"; do
     # the chunked GDN prefill at the 27B shapes: the Pallas kernel against the jnp form (T = 512, 4096)
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
                    --out="$OUT/gdn_prefill.json" ;;
-    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill)"; exit 2 ;;
+    # sampling's cost and acceptance: Qwen's recommended settings against the greedy bench_b1 (batch 1, K=3)
+    bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --repeats=1 --breakdown=false --temperature=0.6 \
+                      --top_p=0.95 --top_k=20 --out="$OUT/bench_tp1_sampling.json" "${EXTRA[@]}" ;;
+    # the cost of --deterministic: both engines on the same weights, batch 1 and 16
+    bench_deterministic) run_step bench_deterministic 580 "${BENCH[@]}" --engine=pallas,deterministic --ks=3 \
+                           --repeats=1 --breakdown=false --batch=1,16 --max_new_tokens=256 \
+                           --out="$OUT/bench_tp1_deterministic.json" "${EXTRA[@]}" ;;
+    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long" \
+            "gdn_prefill bench_sampling bench_deterministic)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
