@@ -43,8 +43,7 @@ import numpy as np
 from qmtp import api
 from qmtp.runtime import loop
 from qmtp.runtime.paging import PageAllocator
-from qmtp.runtime.sampling import SamplingParams
-from qmtp.serve import compile_watch
+from qmtp.serve import compile_watch, slot_sampling
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.snapshots import Snapshot, SnapshotStore
@@ -100,12 +99,6 @@ class Active:
     stream: TextStream | None
 
 
-def _greedy_rows(b: int) -> dict:
-    """Sampling parameter columns [b] of greedy rows (SamplingParams' fields as numpy arrays)."""
-    return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32), "top_p": np.ones(b, np.float32),
-            "min_p": np.zeros(b, np.float32), "seed": np.zeros(b, np.uint32)}
-
-
 def _print_line(line: str) -> None:
     print(line, flush=True)
 
@@ -159,7 +152,7 @@ class Engine:
         num_pages = c.num_pages or model.num_pages or c.batch_slots * self.pages_per_slot
         self.allocator = PageAllocator(num_pages, self.page_size)
         self._device = DeviceBatch(model, c.batch_slots, self.pages_per_slot, num_pages, c.max_stop_ids, self.k)
-        self._sampling = _greedy_rows(c.batch_slots)  # each slot's sampling parameters, host arrays [B]
+        self._sampling = slot_sampling.SlotSampling(c.batch_slots)
         self._free_slots = list(range(c.batch_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.snapshots.clear()  # snapshots belong to the weights they were computed with
 
@@ -193,7 +186,7 @@ class Engine:
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
         tokenizer). Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
         ids = self._check(prompt_ids, max_tokens, stop_token_ids, stop)
-        sampling = self._check_sampling(temperature, top_k, top_p, min_p, seed)
+        sampling = slot_sampling.check(temperature, top_k, top_p, min_p, seed)
         stop_ids = self.default_stop_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         with self._cv:
             if self._stopping or self.failed:
@@ -316,29 +309,6 @@ class Engine:
         if any(not isinstance(x, str) or not x for x in stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         return ids
-
-    def _check_sampling(self, temperature, top_k, top_p, min_p, seed) -> dict | None:
-        """A request's sampling parameters (None: greedy), or RequestError naming the one out of range."""
-        try:
-            api.sampling_params(1, temperature, top_k, top_p, min_p, seed)
-        except ValueError as e:
-            raise RequestError(str(e), str(e).split("=")[0]) from None
-        if temperature == 0:
-            return None
-        seed = int(np.random.default_rng().integers(2 ** 32)) if seed is None else int(seed)
-        return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p),
-                "min_p": float(min_p), "seed": seed}
-
-    def _rows_sampling(self, slots, always: bool = False) -> SamplingParams | None:
-        """The sampling parameters of these slots (an id past the last slot: a greedy padding row); None,
-        unless `always`, when all of them are greedy (the loop's greedy form).
-        Prefills always take them (greedy rows at temperature 0 keep the argmax): one program per bucket."""
-        rows = np.asarray(list(slots), np.int64)
-        real = rows < self.config.batch_slots
-        cols = {k: np.where(real, v[np.where(real, rows, 0)], _greedy_rows(1)[k][0]) for k, v in self._sampling.items()}
-        if not (always or np.any(cols["temperature"] > 0)):
-            return None
-        return SamplingParams(**cols)
 
     def _capacity(self, handle: RequestHandle) -> int:
         """KV positions a request reserves while active."""
@@ -499,8 +469,7 @@ class Engine:
         page_row[:len(pages)] = pages
         stop_row = np.full(self.config.max_stop_ids, loop.NO_STOP, np.int32)
         stop_row[:len(handle.stop_ids)] = handle.stop_ids
-        for name, column in self._sampling.items():
-            column[slot] = _greedy_rows(1)[name][0] if handle.sampling is None else handle.sampling[name]
+        self._sampling.set(slot, handle.sampling)
         return page_row, stop_row
 
     def _restore(self, handle: RequestHandle, slot: int, reservation: int, snap: Snapshot) -> None:
@@ -530,7 +499,7 @@ class Engine:
         with self._watch(f"prompt bucket {bucket}: prefill x {n} row{'s' if n > 1 else ''}"):
             tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
             first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows,
-                                         self._rows_sampling(ids, always=True))
+                                         self._sampling.rows(ids, always=True))
         self.counters["prefills"] += 1
         n_pages = self._snapshot_pages(bucket)
         nbytes = self._snapshot_bytes(n_pages)
@@ -563,7 +532,7 @@ class Engine:
         with self._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
             first = self._device.prefill_piece(slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last,
                                                p.handle.max_tokens, p.stop_row,
-                                               self._rows_sampling([slot], always=True))
+                                               self._sampling.rows([slot], always=True))
         self.counters["prefill_pieces"] += 1
         p.offset += c
         if last:
@@ -588,8 +557,8 @@ class Engine:
     def _run_loop(self) -> None:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
-        sampled = self._rows_sampling(s for s in self._active if s not in self._pieces) is not None
-        sampling = self._rows_sampling(range(self.config.batch_slots), always=True) if sampled else None
+        sampled = self._sampling.rows(s for s in self._active if s not in self._pieces) is not None
+        sampling = self._sampling.rows(range(self.config.batch_slots), always=True) if sampled else None
         with self._watch("decode loop" if sampling is None else "decode loop (sampling)"):
             out, count, done, stats = self._device.run(self.config.rounds_per_call, sampling)
         self.counters["loop_calls"] += 1

@@ -101,8 +101,8 @@ def _snapshot(engine, n: int) -> None:
 
 def _sampled_loop(engine) -> None:
     """The loop's sampled form, with every slot done (it compiles and runs no round)."""
-    engine._device.run(engine.config.rounds_per_call, engine._rows_sampling(range(engine.config.batch_slots),
-                                                                            always=True))
+    engine._device.run(engine.config.rounds_per_call, engine._sampling.rows(range(engine.config.batch_slots),
+                                                                           always=True))
 
 
 def _loop(engine) -> None:

@@ -1,0 +1,54 @@
+"""Each batch slot's sampling parameters on the host, and a request's parameters checked at submission.
+
+The engine hands the device the parameters of the slots a call covers as one SamplingParams (arrays
+[n]): a prefill always (greedy rows at temperature 0 keep the argmax, so each bucket has one prefill
+program), the decode loop only while some decoding slot samples (otherwise the loop's greedy form).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qmtp import api
+from qmtp.runtime.sampling import SamplingParams
+from qmtp.serve.requests import RequestError
+
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0}
+DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "seed": np.uint32}
+
+
+def check(temperature, top_k, top_p, min_p, seed) -> dict | None:
+    """A request's sampling parameters (None: greedy; seed None: a random one), or RequestError naming
+    the one out of range."""
+    try:
+        api.sampling_params(1, temperature, top_k, top_p, min_p, seed)
+    except ValueError as e:
+        raise RequestError(str(e), str(e).split("=")[0]) from None
+    if temperature == 0:
+        return None
+    seed = int(np.random.default_rng().integers(2 ** 32)) if seed is None else int(seed)
+    return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p), "min_p": float(min_p),
+            "seed": seed}
+
+
+class SlotSampling:
+    """The parameters of B slots, host columns [B] (SamplingParams' fields)."""
+
+    def __init__(self, batch_slots: int):
+        self.batch_slots = batch_slots
+        self.columns = {k: np.full(batch_slots, v, DTYPES[k]) for k, v in GREEDY.items()}
+
+    def set(self, slot: int, sampling: dict | None) -> None:
+        """A newly admitted request's parameters (None: greedy) for its slot."""
+        for name, column in self.columns.items():
+            column[slot] = (sampling or GREEDY)[name]
+
+    def rows(self, slots, always: bool = False) -> SamplingParams | None:
+        """The parameters of these slots (an id past the last slot: a greedy padding row); None, unless
+        `always`, when all of them are greedy."""
+        ids = np.asarray(list(slots), np.int64)
+        real = ids < self.batch_slots
+        cols = {k: np.where(real, v[np.where(real, ids, 0)], v.dtype.type(GREEDY[k])) for k, v in self.columns.items()}
+        if not (always or np.any(cols["temperature"] > 0)):
+            return None
+        return SamplingParams(**cols)
