@@ -246,9 +246,9 @@ def accepted_length(drafts: jax.Array, verified: jax.Array) -> jax.Array:
 
 
 def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState, slots: Slots,
-           live: jax.Array, cap: jax.Array, sampling=None):
-    """One round (steps 1-4 of the module doc) for the rows with live [B] = 1; cap [B] caps the
-    accepted drafts. Returns (the round's tokens [B, K+1], of which the first a + 1 are emitted,
+           live: jax.Array, cap: jax.Array | None, sampling=None):
+    """One round (steps 1-4 of the module doc) for the rows with live [B] = 1; cap [B] (None: none) caps
+    the accepted drafts. Returns (the round's tokens [B, K+1], of which the first a + 1 are emitted,
     accepted a [B], state, slots). Greedy: the tokens are the target's argmax g_0 .. g_K; with
     `sampling`, see _sampled_round."""
     if sampling is not None:
@@ -262,7 +262,9 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]  2. verify [t_L, d_1 .. d_K]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
     verified = greedy(target.logits_from_hidden(params, hidden, kernels))  # [B, K+1]: g_0 .. g_K
-    a = jnp.minimum(accepted_length(tokens[:, 1:], verified), cap)  # 3. accept
+    a = accepted_length(tokens[:, 1:], verified)  # 3. accept
+    if cap is not None:
+        a = jnp.minimum(a, cap)
     n_keep = (a + 1) * live
     state = dataclasses.replace(state, lengths=base + n_keep)  # 4. commit
     read = ops.next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
@@ -276,7 +278,7 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
 
 
 def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState,
-                   slots: Slots, live: jax.Array, cap: jax.Array, sampling):
+                   slots: Slots, live: jax.Array, cap: jax.Array | None, sampling):
     """_round under sampling (speculative sampling, qmtp/runtime/sampling.py): draft i (for position
     L + 1 + i) is drawn from the MTP head's q_i (q_1 recomputed from the stored MTP hidden), the verify
     pass gives p_0 .. p_K, speculative_accept keeps a drafts and draws the next token from the residual
@@ -297,10 +299,11 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
         a, last = smp.speculative_accept(p, jnp.stack(q, axis=1), tokens[:, 1:], sampling.seed, base)
     else:
         a, last = jnp.zeros_like(base), smp.sample(p[:, 0], sampling.seed, base + 1)
-    capped = a > cap
-    a = jnp.minimum(a, cap)
-    p_cap = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
-    last = jnp.where(capped, smp.sample(p_cap, sampling.seed, base + 1 + a), last)
+    if cap is not None:  # a benchmark's profile: one more draw per round, so only when capping
+        capped = a > cap
+        a = jnp.minimum(a, cap)
+        p_cap = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
+        last = jnp.where(capped, smp.sample(p_cap, sampling.seed, base + 1 + a), last)
     idx = jnp.arange(k + 1)[None]
     ahead = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # drafts d_1 .. d_K, then a filler
     emitted = jnp.where(idx < a[:, None], ahead, jnp.where(idx == a[:, None], last[:, None], PAD_TOKEN))
@@ -389,7 +392,7 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
     def body(carry):
         state, slots, out, count, r, stats = carry
         live = (~slots.done).astype(jnp.int32)
-        cap = jnp.full((b,), k, jnp.int32) if accept_cap is None else accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
+        cap = None if accept_cap is None else accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
         verified, a, state, slots = _round(cfg, kernels, k, params, state, slots, live, cap, sampling)
         out, count, done_now = _emit(out, count, verified, a + 1, entry.remaining, is_stop(verified, slots.stop),
                                      live)
