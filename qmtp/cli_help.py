@@ -49,10 +49,40 @@ def define_fp8_act_quant_flag() -> None:
 def define_deterministic_flag() -> None:
     """--deterministic (KernelConfig.deterministic), for generate, server and the exactness check."""
     _define_once(flags.DEFINE_boolean, "deterministic", False,
-                 "With --impl=pallas: run every bf16 and FP8 projection with one tile config per weight shape at "
-                 "every row count, so a sequence's greedy tokens do not depend on --mtp_k or on the other sequences "
-                 "of its batch, in bfloat16 too. Costs decode speed at some batch sizes and prefill speed (README: "
-                 "Exactness).")
+                 "With --impl=pallas: row-invariant numerics (every bf16 and FP8 projection with one tile config per "
+                 "weight shape at every row count, RMSNorm one program per row, attention at fixed key splits, "
+                 "prefill one prompt of whole --prefill_chunk chunks at a time), so a sequence's greedy tokens do "
+                 "not depend on --mtp_k or on the other sequences of its batch, in bfloat16 too. Costs decode speed "
+                 "at some batch sizes and prefill speed (README: Exactness).")
+
+
+def define_sampling_flags() -> None:
+    """--temperature, --top_k, --top_p, --min_p, --seed (qmtp.generate's sampling), for generate and bench."""
+    _define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling "
+                 "applies, in this order, the temperature, --top_k, --top_p and --min_p; with MTP, speculative "
+                 "sampling (the same distribution, not the same tokens).")
+    _define_once(flags.DEFINE_integer, "top_k", 0, "Sample among the k most likely tokens only; 0 = all.")
+    _define_once(flags.DEFINE_float, "top_p", 1.0, "Sample among the most likely tokens whose probability adds up "
+                 "to top_p; 1 = all.")
+    _define_once(flags.DEFINE_float, "min_p", 0.0, "Drop tokens less likely than min_p times the most likely one; "
+                 "0 = none.")
+    _define_once(flags.DEFINE_integer, "seed", None, "Seed of the sampling (a prompt's draws depend only on it and "
+                 "the position, so a prompt gets the same tokens in any batch); default: a random one "
+                 "(qmtp.bench: 0, the same draws in every repeat).")
+
+
+def sampling_from_flags(default_seed: int | None = None) -> dict:
+    """qmtp.generate's sampling arguments from the flags (--seed unset: default_seed); ValueError naming
+    the flag of a value out of range, before anything loads."""
+    import qmtp
+    f = flags.FLAGS
+    args = dict(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, min_p=f.min_p,
+                seed=default_seed if f.seed is None else f.seed)
+    try:
+        qmtp.sampling_params(1, **args)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
+    return args
 
 
 def define_prefill_chunk_flag() -> None:

@@ -40,13 +40,6 @@ flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of ge
 flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain decoding. "
                      "Greedy tokens are the same either way, sampled ones follow the same distribution (speculative "
                      "sampling); MTP needs a checkpoint with mtp.* tensors.", lower_bound=0, upper_bound=4)
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling applies, in this order, "
-                   "the temperature, --top_k, --top_p and --min_p.")
-flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens only; 0 = all.")
-flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens whose probability adds up to top_p; 1 = all.")
-flags.DEFINE_float("min_p", 0.0, "Drop tokens less likely than min_p times the most likely one; 0 = none.")
-flags.DEFINE_integer("seed", None, "Seed of the sampling (each prompt's draws depend only on it and the position, "
-                     "so a prompt gets the same tokens in any batch); default: a random one.")
 flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this many devices (each loads only its "
                      "shard; the tokens are the same as with 1). Must divide the model's head counts, MLP width "
                      "and vocabulary; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.",
@@ -54,6 +47,7 @@ flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this man
 flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the converted (and sharded) "
                     "parameters: the first load writes it, later loads of the same checkpoint files, dtype and --tp "
                     "restore from it instead of reading the safetensors.")
+cli_help.define_sampling_flags()
 cli_help.define_fp8_act_quant_flag()
 cli_help.define_deterministic_flag()
 cli_help.define_prefill_chunk_flag()
@@ -106,12 +100,7 @@ def run(argv) -> dict:
     cli_help.check_output_file("output_json", FLAGS.output_json)
     if FLAGS.compare_plain and not FLAGS.mtp_k:
         raise ValueError("--compare_plain compares MTP with plain decoding: give --mtp_k too")
-    sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
-                    seed=FLAGS.seed)
-    try:
-        qmtp.sampling_params(len(prompts), **sampling)  # a bad value fails before anything loads
-    except ValueError as e:
-        raise ValueError(f"--{e}") from None
+    sampling = cli_help.sampling_from_flags()
     cli_help.apply_compile_cache_flag()
     phases = cli_progress.Phases("generate")
     phases(f"loading {FLAGS.checkpoint}", tick=False)  # the reader shows its own progress on large checkpoints

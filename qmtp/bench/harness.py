@@ -52,12 +52,6 @@ flags.DEFINE_list("profile", ["0.85", "0.70", "0.57"],
                   "runs); profiled runs use every K in --ks up to the profile's length.")
 flags.DEFINE_integer("profile_seed", 0, "Seed of the acceptance-cap schedule.")
 flags.DEFINE_list("prompt_lengths", ["64"], "Prompt lengths in tokens (each length is its own table).")
-flags.DEFINE_float("temperature", 0.0, "Sample at this temperature in every mode (0: greedy, tokens checked against "
-                   "plain); with --top_k, --top_p, --min_p as qmtp.generate's.")
-flags.DEFINE_integer("top_k", 0, "Sampling: the k most likely tokens only (0: all).")
-flags.DEFINE_float("top_p", 1.0, "Sampling: nucleus mass (1: all).")
-flags.DEFINE_float("min_p", 0.0, "Sampling: drop tokens below min_p times the most likely (0: none).")
-flags.DEFINE_integer("seed", 0, "Sampling seed (the same draws in every repeat).")
 flags.DEFINE_list("batch", ["1"], "Batch sizes (each its own table).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per sequence.", lower_bound=2)
 flags.DEFINE_integer("repeats", 3, "Timed runs per mode (median and spread reported).", lower_bound=1)
@@ -69,6 +63,7 @@ flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative roun
                   "draft, all-reduce) for each K of --breakdown_ks, next to the measured round time.")
 flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
                   "its own verify and draft programs, which takes minutes at 64 layers.")
+cli_help.define_sampling_flags()  # every mode samples at --temperature > 0 (no token check)
 cli_help.define_fp8_act_quant_flag()
 cli_help.define_prefill_chunk_flag()
 cli_help.define_draft_head_flag()
@@ -121,9 +116,8 @@ class Progress:
 
 
 def sampling() -> dict:
-    """qmtp.generate's sampling arguments from the flags."""
-    return dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
-                seed=FLAGS.seed)
+    """qmtp.generate's sampling arguments from the flags (seed 0 unless given: the same draws each repeat)."""
+    return cli_help.sampling_from_flags(default_seed=0)
 
 
 def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, label: str) -> dict:
@@ -327,10 +321,7 @@ def _run() -> int:
     if bad or not engines:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected one or more of {', '.join(ENGINES)}")
     other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
-    try:
-        qmtp.sampling_params(1, **sampling())
-    except ValueError as e:
-        raise ValueError(f"--{e}") from None
+    sampling()  # a bad value fails before anything loads
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     check_outputs(len(engines) * len(batches) * len(lengths))
