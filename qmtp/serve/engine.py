@@ -557,8 +557,9 @@ class Engine:
     def _run_loop(self) -> None:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
-        sampled = self._sampling.rows(s for s in self._active if s not in self._pieces) is not None
-        sampling = self._sampling.rows(range(self.config.batch_slots), always=True) if sampled else None
+        decoding = [s for s in self._active if s not in self._pieces]
+        sampling = (self._sampling.rows(range(self.config.batch_slots), always=True)
+                    if self._sampling.any_sampled(decoding) else None)
         with self._watch("decode loop" if sampling is None else "decode loop (sampling)"):
             out, count, done, stats = self._device.run(self.config.rounds_per_call, sampling)
         self.counters["loop_calls"] += 1

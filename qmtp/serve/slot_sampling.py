@@ -43,6 +43,9 @@ class SlotSampling:
         for name, column in self.columns.items():
             column[slot] = (sampling or GREEDY)[name]
 
+    def any_sampled(self, slots) -> bool:
+        return bool(np.any(self.columns["temperature"][list(slots)] > 0))
+
     def rows(self, slots, always: bool = False) -> SamplingParams | None:
         """The parameters of these slots (an id past the last slot: a greedy padding row); None, unless
         `always`, when all of them are greedy."""
