@@ -84,8 +84,9 @@ def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
                                   np.array([4], np.int32), np.full((1, 8), loop.NO_STOP, np.int32))
     assert handle.tokens == [int(first[0])]
     assert int(got.pending[slot]) == int(want.pending[0]) and int(got.d1[slot]) == int(want.d1[0])
-    np.testing.assert_allclose(np.asarray(got.mh[slot], np.float32), np.asarray(want.mh[0], np.float32),
-                               rtol=1e-2, atol=1e-2)
+    # float32, the same passes in another program: f32 rounding only (u = 2^-24, a few hundred sums deep)
+    np.testing.assert_allclose(np.asarray(got.mh[slot]), np.asarray(want.mh[0]), rtol=0,
+                               atol=1e-5 * float(np.max(np.abs(np.asarray(want.mh[0])))))
 
 
 def test_a_long_prompt_interleaves_with_running_streams(chunked):
