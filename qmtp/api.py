@@ -1,7 +1,8 @@
-"""The public Python API: load a checkpoint, generate greedily, read teacher-forced logits.
+"""The public Python API: load a checkpoint, generate (greedy or sampled), read teacher-forced logits.
 
     model = qmtp.load("path/to/checkpoint", dtype="bfloat16")
     result = qmtp.generate(model, ["def fibonacci("], max_new_tokens=32)
+    result = qmtp.generate(model, ["def fibonacci("], mtp_k=3, temperature=0.6, top_p=0.95, seed=0, logprobs=5)
     logits = qmtp.target_logits(model, [1, 2, 3])          # numpy [T, V] float32
 """
 
@@ -21,7 +22,7 @@ from qmtp.model.config import ModelConfig
 from qmtp.runtime import loop, tp as tp_lib
 from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
-from qmtp.runtime.sampling import SamplingParams
+from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from qmtp.runtime.state import init_state
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -57,6 +58,16 @@ class Model:
         return "fp8" if isinstance(self.params.get("mtp", {}).get("draft_head"), fp8_lib.Fp8Block) else "bf16"
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target (log_softmax of its logits at the request's
+    temperature, 1 when greedy, before top_k / top_p / min_p) and the most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (id, logprob), most likely first; as many as asked
+
+
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]  # new tokens per prompt (stop token included when one was hit)
@@ -65,6 +76,22 @@ class GenerationResult:
     stats: dict  # ttft_s, decode_s, new_tokens, decode_tokens_per_s, steps, warmup_s; with MTP also
     # mtp_k, rounds, drafted, accepted, acceptance_rate, mean_accepted_length, accept_hist,
     # position_acceptance (share of rounds whose draft i was accepted)
+    logprobs: list[list[TokenLogprob]] | None = None  # per prompt, one per token, when asked for
+
+
+def token_logprobs(lp: TokenLogprobs, row: int, tokens: list[int]) -> list[TokenLogprob]:
+    """Row `row` of TokenLogprobs arrays [B, T, ...] (numpy or device) for its first len(tokens) tokens."""
+    n = len(tokens)
+    chosen, ids, top = (np.asarray(x)[row, :n] for x in (lp.chosen, lp.top_ids, lp.top))
+    return [TokenLogprob(t, float(c), list(zip(i.tolist(), v.tolist()))) for t, c, i, v in zip(tokens, chosen, ids, top)]
+
+
+def check_logprobs(logprobs) -> None:
+    """ValueError unless logprobs is None (off) or an int in 0 .. MAX_TOP_LOGPROBS (alternatives per token)."""
+    if logprobs is not None and (not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"logprobs={logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+                         "per token; None: off)")
 
 
 @dataclasses.dataclass
@@ -163,11 +190,13 @@ def _new_state(model: Model, capacities: list[int]):
     return init_state(model.cfg, table, allocator.num_pages, model.page_size, DTYPES[model.dtype])
 
 
-def _call(model: Model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple):
-    """fn(*lead, *args) on one device, or as one shard_map over the model's mesh (tp.sharded)."""
+def _call(model: Model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, **statics):
+    """fn(*lead, *args, **statics) on one device, or as one shard_map over the model's mesh (tp.sharded);
+    lead and statics are fn's static arguments."""
     if model.mesh is None:
-        return fn(*lead, *args)
-    return tp_lib.sharded(fn, model.mesh, lead, args, kinds, out_kinds, check_vma=not model.kernels.pallas)
+        return fn(*lead, *args, **statics)
+    return tp_lib.sharded(fn, model.mesh, lead, args, kinds, out_kinds, check_vma=not model.kernels.pallas,
+                          statics=statics)
 
 
 def _prompt_batch(prompt_ids: list[list[int]]):
@@ -217,11 +246,13 @@ def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
 
 def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int = 0,
              accept_cap=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-             seed: int | None = None, warmup: bool = False, progress=None) -> GenerationResult:
+             seed: int | None = None, logprobs: int | None = None, warmup: bool = False,
+             progress=None) -> GenerationResult:
     """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at
     temperature 0, else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature,
     top_k, top_p, min_p), with keys from (seed, position), so a seeded prompt gives the same tokens in
-    any batch (seed None: a random seed).
+    any batch (seed None: a random seed). logprobs N (0 .. 20; None: off): each token's log-probability
+    under the target and its N most likely alternatives (TokenLogprob), plain or MTP alike.
 
     mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (greedy: the same
     tokens; sampled: the same distribution, by speculative sampling).
@@ -234,6 +265,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     loop.check_k(mtp_k)
+    check_logprobs(logprobs)
     if mtp_k:
         mtp.check_supported(model.cfg)
     prompt_ids = encode(model, prompts)
@@ -253,17 +285,20 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         args, kinds = (model.params, state, tokens, n_valid, budget, stop), ("params", "state") + ("rep",) * 4
         if sampling is not None:
             args, kinds = args + (sampling,), kinds + ("rep",)
-        first, slots, state = _call(model, loop.prefill, statics + (bool(mtp_k),), args, kinds,
-                                    ("rep", "rep", "state"))
+        first, slots, state, *first_lp = _call(model, loop.prefill, statics + (bool(mtp_k),), args, kinds,
+                                               ("rep", "rep", "state") + ("rep",) * (logprobs is not None),
+                                               top_logprobs=logprobs)
         first.block_until_ready()
         t1 = time.perf_counter()
         args, kinds = (model.params, state, slots), ("params", "state", "rep")
         if cap is not None or sampling is not None:
             args, kinds = args + (cap, sampling), kinds + ("rep", "rep")
-        out, count, stats, _, _ = _call(model, loop.decode, statics + (mtp_k, max_new_tokens), args, kinds,
-                                        ("rep", "rep", "rep", "state", "rep"))
+        out, count, stats, _, _, *lp = _call(model, loop.decode, statics + (mtp_k, max_new_tokens), args, kinds,
+                                             ("rep", "rep", "rep", "state", "rep") + ("rep",) * len(first_lp),
+                                             top_logprobs=logprobs)
         out.block_until_ready()
-        return first, out, count, stats, t1 - t0, time.perf_counter() - t1
+        lp = jax.tree.map(lambda a, b: np.concatenate([a, b], axis=1), *first_lp, *lp) if lp else None  # [B, 1 + W]
+        return first, out, count, stats, t1 - t0, time.perf_counter() - t1, lp
 
     progress = progress or (lambda line: None)
     loop_name = f"the MTP K={mtp_k} decode loop" if mtp_k else "the plain decode loop"
@@ -276,7 +311,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         warmup_s = time.perf_counter() - t0
     progress(f"generating up to {max_new_tokens} tokens for {batch} prompt{'s' if batch > 1 else ''}"
              if warmup else f"{compiling}, then generating")
-    first, out, count, stats, ttft, decode_s = run(max_new_tokens)
+    first, out, count, stats, ttft, decode_s, lp = run(max_new_tokens)
     first, out, count = np.asarray(first), np.asarray(out), np.asarray(count)
     new = [[int(first[b])] + out[b, :count[b]].tolist() for b in range(batch)]
     n_decoded = int(count.sum())
@@ -285,7 +320,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
                  "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
                  "batch": batch, "mtp_k": mtp_k}
     stats_out.update(_mtp_stats(stats, mtp_k) if mtp_k else {"steps": int(np.asarray(stats["rounds"]).max(initial=0))})
-    return GenerationResult(new, texts, [len(p) for p in prompt_ids], stats_out)
+    lps = None if lp is None else [token_logprobs(lp, b, tokens) for b, tokens in enumerate(new)]
+    return GenerationResult(new, texts, [len(p) for p in prompt_ids], stats_out, lps)
 
 
 def _mtp_stats(extra: dict, k: int) -> dict:

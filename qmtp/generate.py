@@ -10,6 +10,7 @@ stderr and exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -59,6 +60,10 @@ flags.DEFINE_integer("repeats", 1, "Time the generation this many times and repo
                      "(with --compare_plain the modes alternate).", lower_bound=1)
 flags.DEFINE_boolean("compare_plain", False, "With --mtp_k: also decode the prompts plainly (K = 0) in the same run, "
                      "then print both speeds, the speed-up, and whether the tokens are identical.")
+flags.DEFINE_integer("logprobs", None, "Also report each generated token's log-probability under the model (at the "
+                     "sampling temperature, before top_k/top_p/min_p) and this many most likely alternatives "
+                     "(0-20): printed one line per token and written to --output_json.", lower_bound=0,
+                     upper_bound=20)
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
 
 
@@ -78,6 +83,14 @@ def read_prompt_file(path: str) -> str:
     if not text:
         raise ValueError(f"--prompt_file={path}: the file is empty")
     return text
+
+
+def logprob_lines(model, logprobs) -> list[str]:
+    """One line per token: its id (and text), its logprob, then the alternatives."""
+    def show(token):
+        return f"{token} {model.tokenizer.decode([token])!r}" if model.tokenizer is not None else str(token)
+    return [f"{show(t.token)}: {t.logprob:.4f}" + ("  | " + ", ".join(f"{show(i)}: {v:.4f}" for i, v in t.top)
+                                                 if t.top else "") for t in logprobs]
 
 
 def median_run(results):
@@ -115,7 +128,7 @@ def run(argv) -> dict:
         print(warning, file=sys.stderr, flush=True)
     def generate(k, first):
         return qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop, mtp_k=k,
-                             warmup=FLAGS.warmup and first, progress=phases, **sampling)
+                             logprobs=FLAGS.logprobs, warmup=FLAGS.warmup and first, progress=phases, **sampling)
 
     # the modes alternate, so a slow stretch of a shared machine falls on both; each keeps its median run
     ks = ([0] if FLAGS.compare_plain else []) + [FLAGS.mtp_k]
@@ -131,6 +144,9 @@ def run(argv) -> dict:
         if result.texts is not None:
             print(f"[{i}] text: {result.texts[i]!r}")
         print(f"[{i}] tokens: {tokens}")
+        if result.logprobs is not None:
+            for line in logprob_lines(model, result.logprobs[i]):
+                print(f"[{i}]   {line}")
     s = result.stats
     print(f"batch {s['batch']}: {s['new_tokens']} new tokens, TTFT {s['ttft_s'] * 1e3:.1f} ms, "
           f"decode {s['decode_tokens_per_s']:.1f} tok/s ({s['steps']} steps in {s['decode_s'] * 1e3:.1f} ms), "
@@ -151,7 +167,9 @@ def run(argv) -> dict:
               "draft_head": model.draft_head, "tp": FLAGS.tp, "fp8_act_quant": FLAGS.fp8_act_quant,
               "deterministic": FLAGS.deterministic, "prefill_chunk": FLAGS.prefill_chunk,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
-              "texts": result.texts, "stats": s, "repeats": FLAGS.repeats,
+              "texts": result.texts, "stats": s,
+              "logprobs": None if result.logprobs is None else [[dataclasses.asdict(t) for t in row]
+                                                                for row in result.logprobs], "repeats": FLAGS.repeats,
               "decode_tokens_per_s_runs": [r.stats["decode_tokens_per_s"] for r in runs[FLAGS.mtp_k]]}
     if plain is not None:
         report["plain"] = {"tokens": plain.tokens, "stats": plain.stats, "tokens_identical": plain.tokens == result.tokens,

@@ -90,6 +90,18 @@ def test_controlled_tp2_equals_tp1_with_full_acceptance(controlled_pair, k, batc
         assert two.stats["position_acceptance"] == one.stats["position_acceptance"]
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logprobs_tp2_equal_tp1(tiny_pair, sampled):
+    """Each shard holds a slice of the vocabulary; the logprobs gather it (the values and the alternatives)."""
+    kw = dict(temperature=0.8, top_p=0.9, seed=2) if sampled else {}
+    one, two = (qmtp.generate(m, PROMPTS[:2], max_new_tokens=6, mtp_k=2, logprobs=4, **kw) for m in tiny_pair)
+    assert one.tokens == two.tokens
+    for a, b in zip(sum(one.logprobs, []), sum(two.logprobs, [])):
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+        _close(np.array([a.logprob] + [v for _, v in a.top]), np.array([b.logprob] + [v for _, v in b.top]),
+               "logprobs")
+
+
 def test_logits_and_mtp_logits_within_tolerance(tiny_pair):
     ids = PROMPTS[2]
     _close(qmtp.target_logits(tiny_pair[0], ids), qmtp.target_logits(tiny_pair[1], ids), "target logits")

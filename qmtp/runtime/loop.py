@@ -138,15 +138,27 @@ class Slots:
                      done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
+def first_logprobs(logits: jax.Array, first: jax.Array, sampling, top_logprobs: int | None):
+    """The first token's TokenLogprobs [B, 1] from the prompt's last logits [B, V] (this shard's slice
+    under TP); None when top_logprobs is None."""
+    if top_logprobs is None:
+        return None
+    temperature = None if sampling is None else sampling.temperature
+    return smp.token_logprobs(tp.gather_vocab(logits)[:, None], first[:, None], temperature, top_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp", "top_logprobs"),
+                   donate_argnames=("state",))
 def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
-            tokens: jax.Array, n_valid: jax.Array, max_tokens: jax.Array, stop: jax.Array, sampling=None):
+            tokens: jax.Array, n_valid: jax.Array, max_tokens: jax.Array, stop: jax.Array, sampling=None,
+            top_logprobs: int | None = None):
     """Target prefill over the prompts tokens [B, T] (n_valid [B] real tokens each), then with MTP the
     MTP prefill over the shifted prompt (lag-1, MODEL_SPEC §4.2) for the first draft.
 
     max_tokens [B] >= 1, stop [B, NS]: the rows' budgets and stop ids; sampling: None (greedy) or the
     rows' SamplingParams, from which the first token and the first draft are drawn. Returns (first token x_n [B],
-    Slots.started for the rows, state); the state's GDN/conv rows are not in the ring.
+    Slots.started for the rows, state); the state's GDN/conv rows are not in the ring. With top_logprobs
+    N (0 .. MAX_TOP_LOGPROBS) a fourth result: the first token's TokenLogprobs [B, 1] with N alternatives.
 
     kernels.deterministic: one prompt at a time (a lax.scan over the rows, at every batch size, one
     included), each padded to whole chunks of kernels.prefill_chunk tokens, so every pass of the prefill
@@ -156,32 +168,37 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
     if kernels.deterministic:
         t = tokens.shape[1]  # T and the chunk are powers of two: max(T, chunk) is whole chunks
         tokens = jnp.pad(tokens, ((0, 0), (0, max(t, kernels.prefill_chunk) - t)))
-        return _prefill_rows(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop, sampling)
-    return _prefill_batch(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop, sampling)
+        out = _prefill_rows(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop, sampling,
+                            top_logprobs)
+    else:
+        out = _prefill_batch(cfg, kernels, use_mtp, params, state, tokens, n_valid, max_tokens, stop, sampling,
+                             top_logprobs)
+    return out if top_logprobs is not None else out[:3]
 
 
-def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop, sampling):
+def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop, sampling,
+                  top_logprobs):
     """_prefill_batch on one row at a time (DecodeState.row / with_row), results stacked as the batch's."""
     def one(state, row):
         b, tok, nv, mt, st, smp_row = row
         smp_row = None if smp_row is None else jax.tree_util.tree_map(lambda x: x[None], smp_row)
-        first, slots, sub = _prefill_batch(cfg, kernels, use_mtp, params, state.row(b), tok[None], nv[None],
-                                           mt[None], st[None], smp_row)
-        return state.with_row(b, sub), (first[0], jax.tree_util.tree_map(lambda x: x[0], slots))
+        first, slots, sub, lp = _prefill_batch(cfg, kernels, use_mtp, params, state.row(b), tok[None], nv[None],
+                                               mt[None], st[None], smp_row, top_logprobs)
+        return state.with_row(b, sub), jax.tree_util.tree_map(lambda x: x[0], (first, slots, lp))
 
     rows = (jnp.arange(tokens.shape[0]), tokens, n_valid, max_tokens, stop, sampling)
-    state, (first, slots) = jax.lax.scan(one, state, rows)
-    return first, slots, state
+    state, (first, slots, lp) = jax.lax.scan(one, state, rows)
+    return first, slots, state, lp
 
 
 def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop,
-                   sampling=None):
+                   sampling=None, top_logprobs=None):
     start = state.lengths
     width = (cfg.hidden_size, params["embed"].dtype)  # a pass's output [B, T, E] is in the embedding's dtype
     hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
                              kernels.prefill_chunk, state, tokens, n_valid, None, width)
-    first = choose(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels), sampling,
-                   start + n_valid)  # the token at position n
+    logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [B, V]
+    first = choose(logits, sampling, start + n_valid)  # the token at position n
     if use_mtp:
         def mtp_pass(st, tok, nv, h, offset):  # a chunk's MTP positions start `offset` tokens into the prompt
             return mtp.forward(cfg, params, st, tok, h, start + jnp.minimum(offset, n_valid), nv, kernels)
@@ -192,7 +209,8 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         d1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
-    return first, Slots.started(first, d1, mh, max_tokens, stop), state
+    return (first, Slots.started(first, d1, mh, max_tokens, stop), state,
+            first_logprobs(logits, first, sampling, top_logprobs))
 
 
 def _chunked(run, chunk: int, state: DecodeState, tokens, n_valid, hidden, out: tuple):
@@ -249,7 +267,8 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
            live: jax.Array, cap: jax.Array | None, sampling=None):
     """One round (steps 1-4 of the module doc) for the rows with live [B] = 1; cap [B] (None: none) caps
     the accepted drafts. Returns (the round's tokens [B, K+1], of which the first a + 1 are emitted,
-    accepted a [B], state, slots). Greedy: the tokens are the target's argmax g_0 .. g_K; with
+    accepted a [B], state, slots, the verify pass's logits [B, K+1, V] (this shard's slice under TP; at
+    index i those of the token at position L + 1 + i)). Greedy: the tokens are the target's argmax g_0 .. g_K; with
     `sampling`, see _sampled_round."""
     if sampling is not None:
         return _sampled_round(cfg, kernels, k, params, state, slots, live, cap, sampling)
@@ -261,7 +280,8 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
         drafts.append(target.draft_token(params, h, kernels))
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]  2. verify [t_L, d_1 .. d_K]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
-    verified = greedy(target.logits_from_hidden(params, hidden, kernels))  # [B, K+1]: g_0 .. g_K
+    logits = target.logits_from_hidden(params, hidden, kernels)  # [B, K+1, V]
+    verified = greedy(logits)  # [B, K+1]: g_0 .. g_K
     a = accepted_length(tokens[:, 1:], verified)  # 3. accept
     if cap is not None:
         a = jnp.minimum(a, cap)
@@ -274,7 +294,7 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
         d1 = target.draft_token(params, mh, kernels)
     pending = jnp.take_along_axis(verified, a[:, None], axis=1)[:, 0]
-    return verified, a, state, dataclasses.replace(slots, pending=pending, d1=d1, mh=mh, gdn_slot=read)
+    return verified, a, state, dataclasses.replace(slots, pending=pending, d1=d1, mh=mh, gdn_slot=read), logits
 
 
 def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState,
@@ -294,7 +314,8 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
         drafts.append(smp.gumbel_argmax(q[-1], smp.keys(sampling.seed, base + 1 + step, smp.DRAFT)))
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
-    p = smp.logprobs(tp.gather_vocab(target.logits_from_hidden(params, hidden, kernels)), sampling)  # [B, K+1, V]
+    logits = target.logits_from_hidden(params, hidden, kernels)  # [B, K+1, V]
+    p = smp.logprobs(tp.gather_vocab(logits), sampling)  # [B, K+1, V]
     if k:
         a, last = smp.speculative_accept(p, jnp.stack(q, axis=1), tokens[:, 1:], sampling.seed, base)
     else:
@@ -315,20 +336,21 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
         mh_all, state = mtp.forward(cfg, params, state, jnp.maximum(emitted, 0), hidden, base, n_keep, kernels)
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
         d1 = draft(cfg, params, mh, kernels, sampling, base + a + 2)
-    return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, mh=mh, gdn_slot=read)
+    return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, mh=mh, gdn_slot=read), logits
 
 
 def _emit(out, count, tokens, n_take, remaining, stop_mask, live):
-    """Writes tokens[b, :n] after count[b], n = n_take clipped at the first stop and at remaining.
+    """Writes tokens[b, :n] after count[b], n = n_take clipped at the first stop and at remaining; out and
+    tokens are dicts of [B, T, ...] pytrees: "tokens" the ids, "logprobs" (if asked) their TokenLogprobs.
 
     stop_mask [B, T]: which tokens are stop ids. Returns (out, count, done_now)."""
-    b, t = tokens.shape
+    b, t = tokens["tokens"].shape
     idx = jnp.arange(t)[None]
     stop = stop_mask & (idx < n_take[:, None])
     first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, t + 1)
     n = jnp.minimum(jnp.minimum(n_take, first_stop), remaining - count) * live
-    cols = jnp.where(idx < n[:, None], count[:, None] + idx, out.shape[1])  # out of range: dropped
-    out = out.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
+    cols = jnp.where(idx < n[:, None], count[:, None] + idx, out["tokens"].shape[1])  # out of range: dropped
+    out = jax.tree.map(lambda o, v: o.at[jnp.arange(b)[:, None], cols].set(v, mode="drop"), out, tokens)
     count = count + n
     done_now = live.astype(bool) & ((first_stop <= n) | (count >= remaining))
     return out, count, done_now
@@ -356,9 +378,10 @@ def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int, sampled: jax.
             "position_accepts": stats["position_accepts"] + jnp.sum(hit.astype(jnp.int32), axis=0)}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds", "top_logprobs"),
+                   donate_argnames=("state",))
 def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, params: dict, state: DecodeState,
-           slots: Slots, accept_cap: jax.Array | None = None, sampling=None):
+           slots: Slots, accept_cap: jax.Array | None = None, sampling=None, top_logprobs: int | None = None):
     """At most n_rounds rounds with K = k drafts (0: plain greedy steps), resumed from `slots`; stops
     early once every row is done. Each round emits g_0 .. g_a clipped at the row's stop ids and
     `remaining`. accept_cap [R, B] int32 (a benchmark's acceptance profile) caps the accepted drafts of
@@ -371,10 +394,16 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
     taken out at its end. Returns (tokens [B, n_rounds (k+1)] (PAD_TOKEN after each row's count),
     counts [B], stats, state, slots); stats: rounds [B], drafted [B], accepted [B], accept_hist [K+1]
     (rounds that accepted exactly a drafts), position_accepts [K], and sampled_rounds [B] and
-    sampled_position_accepts [K] of the rows at temperature > 0."""
+    sampled_position_accepts [K] of the rows at temperature > 0. With top_logprobs N (0 ..
+    MAX_TOP_LOGPROBS) a sixth result: the tokens' TokenLogprobs [B, n_rounds (k+1)] with N alternatives
+    (qmtp/runtime/sampling.py: log_softmax of the verify pass's logits at the row's temperature; under
+    TP each round then gathers the vocabulary)."""
     check_k(k)
     b = slots.done.shape[0]
-    out = jnp.full((b, n_rounds * (k + 1)), PAD_TOKEN, jnp.int32)
+    width = n_rounds * (k + 1)
+    out = {"tokens": jnp.full((b, width), PAD_TOKEN, jnp.int32)}
+    if top_logprobs is not None:
+        out["logprobs"] = smp.TokenLogprobs.empty(b, width, top_logprobs)
     in_ring = gdn_slot_count(state) > 0
     if in_ring and gdn_slot_count(state) != ring_size(k):
         raise ValueError(f"decode: the state has {gdn_slot_count(state)} GDN state slots; K = {k} needs "
@@ -393,8 +422,12 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
         state, slots, out, count, r, stats = carry
         live = (~slots.done).astype(jnp.int32)
         cap = None if accept_cap is None else accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
-        verified, a, state, slots = _round(cfg, kernels, k, params, state, slots, live, cap, sampling)
-        out, count, done_now = _emit(out, count, verified, a + 1, entry.remaining, is_stop(verified, slots.stop),
+        verified, a, state, slots, logits = _round(cfg, kernels, k, params, state, slots, live, cap, sampling)
+        emitted = {"tokens": verified}
+        if top_logprobs is not None:
+            temperature = None if sampling is None else sampling.temperature
+            emitted["logprobs"] = smp.token_logprobs(tp.gather_vocab(logits), verified, temperature, top_logprobs)
+        out, count, done_now = _emit(out, count, emitted, a + 1, entry.remaining, is_stop(verified, slots.stop),
                                      live)
         slots = dataclasses.replace(slots, done=slots.done | done_now)
         return state, slots, out, count, r + 1, _add_stats(stats, a, live, k, sampled)
@@ -404,4 +437,6 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
     if not in_ring:
         state, slots = from_ring(state, slots.gdn_slot), dataclasses.replace(slots, gdn_slot=entry.gdn_slot)
     slots = dataclasses.replace(slots, remaining=entry.remaining - count)
-    return out, count, stats, state, slots
+    if top_logprobs is not None:
+        return out["tokens"], count, stats, state, slots, out["logprobs"]
+    return out["tokens"], count, stats, state, slots

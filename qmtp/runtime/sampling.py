@@ -14,6 +14,10 @@ Randomness: key(seed, position, purpose), so a seeded request draws the same num
 it is in. A token is drawn by the Gumbel-max trick, argmax(log p + G) with G ~ Gumbel(0, 1) per
 vocabulary id (a one-hot p gives its token whatever G is).
 
+Logprobs (what a request may ask to see, as OpenAI reports them): log_softmax(z / T) of the target
+at each emitted token's position, T the row's temperature (1 for greedy rows), before top_k / top_p /
+min_p: the chosen token's value and the N <= MAX_TOP_LOGPROBS largest.
+
 Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): drafts x_i ~ q_i (the MTP head's
 processed distribution), target p_i at the K+1 verified positions. Draft i is accepted with
 probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection j the token is drawn from
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 
 F32 = jnp.float32
 DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # purposes of a position's random numbers
+MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenAI API's limit)
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +48,33 @@ class SamplingParams:
     top_p: jax.Array  # f32 in (0, 1], 1 = all
     min_p: jax.Array  # f32 in [0, 1], 0 = off
     seed: jax.Array  # uint32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities of emitted tokens (module doc) at [B, T] token slots."""
+
+    chosen: jax.Array  # [B, T] f32: the emitted token's
+    top_ids: jax.Array  # [B, T, N] int32: the N most likely ids, most likely first
+    top: jax.Array  # [B, T, N] f32: their log-probabilities
+
+    @staticmethod
+    def empty(batch: int, length: int, n: int) -> "TokenLogprobs":
+        return TokenLogprobs(jnp.zeros((batch, length), F32), jnp.zeros((batch, length, n), jnp.int32),
+                             jnp.zeros((batch, length, n), F32))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array | None, n: int) -> TokenLogprobs:
+    """TokenLogprobs [B, T] of tokens [B, T] under logits [B, T, V] (the whole vocabulary) at the rows'
+    temperature [B] (None or 0: 1), with the n most likely ids."""
+    z = logits.astype(F32)
+    if temperature is not None:
+        z = z / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
+    logp = jax.nn.log_softmax(z, axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(logp, n)
+    return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top)
 
 
 def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:

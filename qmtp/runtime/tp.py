@@ -253,13 +253,17 @@ def _specs(kind: str, value):
     return P()  # replicated: a prefix spec for the whole argument
 
 
-def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True):
-    """fn(*lead, *args) as one jitted shard_map over `mesh`: fn is a jitted entry point (its Python
-    body is taken from __wrapped__), lead its static arguments (cfg, kernels, ...); kinds name each
-    arg ("params", "state" or "rep") and each output ("state", "rows_state" or "rep"). The state
-    argument is donated, as the single-device entry points do."""
+def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, check_vma: bool = True,
+            statics: dict | None = None):
+    """fn(*lead, *args, **statics) as one jitted shard_map over `mesh`: fn is a jitted entry point (its
+    Python body is taken from __wrapped__), lead its leading static arguments (cfg, kernels, ...), statics
+    its static keyword arguments (hashable values); kinds name each arg ("params", "state" or "rep") and
+    each output ("state", "rows_state" or "rep"). The state argument is donated, as the single-device
+    entry points do."""
     state_arg = args[kinds.index("state")] if "state" in kinds else None
-    key = (fn, mesh, lead, kinds, out_kinds, check_vma, jax.tree_util.tree_structure(args),
+    statics = statics or {}
+    key = (fn, mesh, lead, tuple(sorted(statics.items())), kinds, out_kinds, check_vma,
+           jax.tree_util.tree_structure(args),
            gdn_slot_count(state_arg) if state_arg is not None else 0)
     if key not in _SHARDED:
         in_specs = tuple(_specs(k, a) for k, a in zip(kinds, args))
@@ -269,12 +273,12 @@ def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: t
         out_state = iter(state_args + [state_arg] * len(out_kinds))
         out_specs = tuple(state_specs(next(out_state)) if k == "state" else
                           state_specs(state_arg, rows=True) if k == "rows_state" else P() for k in out_kinds)
-        body = functools.partial(_call_wrapped, fn.__wrapped__, lead)
+        body = functools.partial(_call_wrapped, fn.__wrapped__, lead, statics)
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
         donate = tuple(i for i, k in enumerate(kinds) if k == "state")
         _SHARDED[key] = jax.jit(mapped, donate_argnums=donate)
     return _SHARDED[key](*args)
 
 
-def _call_wrapped(raw_fn, lead, *args):
-    return tuple(raw_fn(*lead, *args))
+def _call_wrapped(raw_fn, lead, statics, *args):
+    return tuple(raw_fn(*lead, *args, **statics))
