@@ -15,7 +15,9 @@ Tokens equal qmtp.generate's: the same prefill bucket and loop body; greedy deco
 batch composition. A request may sample (temperature > 0, top_k, top_p, min_p, seed): its slot's
 parameters go to every device call, and a sampled request's draws depend only on its seed and the
 position, so a seeded request gives qmtp.generate's tokens with that seed. While any active slot
-samples, the loop runs its sampled form (greedy slots at temperature 0 keep the greedy tokens).
+samples, the loop runs its sampled form (greedy slots at temperature 0 keep the greedy tokens); while
+any asks for logprobs, the sampled form that also returns them (prefills always return the first
+token's).
 
 Release exactly once: a slot's record lives in `_active` from admission until `_release` pops it,
 the only place that returns its pages and slot. A slot released while live on the device is retired
@@ -38,6 +40,7 @@ import threading
 import time
 import traceback
 
+import jax
 import numpy as np
 
 from qmtp import api
@@ -179,14 +182,19 @@ class Engine:
 
     def submit(self, prompt_ids, max_tokens: int, stop_token_ids=None, stop: tuple[str, ...] = (),
                listener=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               seed: int | None = None) -> RequestHandle:
+               seed: int | None = None, logprobs: int | None = None) -> RequestHandle:
         """Queues a completion of prompt_ids (token ids) for up to max_tokens tokens: greedy at temperature
-        0, else sampled (qmtp.generate's parameters; seed None: a random one).
+        0, else sampled (qmtp.generate's parameters; seed None: a random one); logprobs N (0 .. 20): each
+        token's log-probability and N alternatives (qmtp.generate's), None: off.
 
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
         tokenizer). Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
         ids = self._check(prompt_ids, max_tokens, stop_token_ids, stop)
         sampling = slot_sampling.check(temperature, top_k, top_p, min_p, seed)
+        try:
+            api.check_logprobs(logprobs)
+        except ValueError as e:
+            raise RequestError(str(e), "logprobs") from None
         stop_ids = self.default_stop_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         with self._cv:
             if self._stopping or self.failed:
@@ -201,7 +209,8 @@ class Engine:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting, --max_queue); "
                                 "retry later")
-            handle = RequestHandle(self, self._next_id, ids, max_tokens, stop_ids, tuple(stop), listener, sampling)
+            handle = RequestHandle(self, self._next_id, ids, max_tokens, stop_ids, tuple(stop), listener, sampling,
+                                   logprobs)
             self._next_id += 1
             self._queue.append(handle)
             self.counters["submitted"] += 1
@@ -210,7 +219,7 @@ class Engine:
 
     def generate(self, prompt_ids, max_tokens: int, stop_token_ids=None, stop=(), timeout: float | None = None,
                  **sampling):
-        """submit() (sampling: its temperature, top_k, top_p, min_p, seed) and wait: a Completion."""
+        """submit() (sampling: its temperature, top_k, top_p, min_p, seed, logprobs) and wait: a Completion."""
         return self.submit(prompt_ids, max_tokens, stop_token_ids, stop, **sampling).result(timeout)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -479,7 +488,7 @@ class Engine:
             self._device.restore(snap, slot, page_row, handle.max_tokens, stop_row)
         handle.snapshot_hit = True
         self.counters["snapshot_restores"] += 1
-        self._started(handle, slot, int(np.asarray(snap.first)[0]))
+        self._started(handle, slot, int(np.asarray(snap.first)[0]), snap.first_logprobs, 0)
 
     def _prefill_group(self, group: list) -> None:
         """Prefills the (handle, slot, reservation) of one prompt bucket in one pass and emits their first
@@ -498,20 +507,21 @@ class Engine:
             page_rows[j], stop_rows[j] = self._activate(handle, slot, reservation)
         with self._watch(f"prompt bucket {bucket}: prefill x {n} row{'s' if n > 1 else ''}"):
             tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
-            first = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows,
-                                         self._sampling.rows(ids, always=True))
+            first, first_lp = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows,
+                                                   self._sampling.rows(ids, always=True))
         self.counters["prefills"] += 1
         n_pages = self._snapshot_pages(bucket)
         nbytes = self._snapshot_bytes(n_pages)
-        for handle, slot, _ in group:
+        for j, (handle, slot, _) in enumerate(group):
             key = tuple(handle.prompt_ids)
             if handle.id >= 0 and handle.sampling is None and key not in self.snapshots and self.snapshots.fits(nbytes):
                 prompt_pages = self.allocator.pages_for(len(key))
                 with self._watch(f"prompt bucket {bucket}: snapshot copy-out"):
-                    snap = self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes)
+                    row = jax.tree.map(lambda a: a[j:j + 1], first_lp)  # noqa: B023  (used at once)
+                    snap = self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes, row)
                 self.snapshots.put(key, snap)
         for j, (handle, slot, _) in enumerate(group):
-            self._started(handle, slot, int(first[j]))
+            self._started(handle, slot, int(first[j]), first_lp, j)
 
     def _start_pieces(self, handle: RequestHandle, slot: int, reservation: int) -> int:
         """Queues a long prompt's prefill, piece by piece, into `slot`; returns the slot."""
@@ -530,19 +540,20 @@ class Engine:
         next_tokens[0, :len(ahead)] = ahead
         last = p.offset + c >= len(ids)
         with self._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
-            first = self._device.prefill_piece(slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last,
-                                               p.handle.max_tokens, p.stop_row,
-                                               self._sampling.rows([slot], always=True))
+            first, first_lp = self._device.prefill_piece(slot, p.page_row, p.offset, tokens, next_tokens, len(piece),
+                                                         last, p.handle.max_tokens, p.stop_row,
+                                                         self._sampling.rows([slot], always=True))
         self.counters["prefill_pieces"] += 1
         p.offset += c
         if last:
             del self._pieces[slot]
             self.counters["prefills"] += 1
-            self._started(p.handle, slot, first)
+            self._started(p.handle, slot, int(first[0]), first_lp, 0)
 
-    def _started(self, handle: RequestHandle, slot: int, token: int) -> None:
-        """Emits an admitted request's first token (which may also finish it)."""
-        self._deliver(slot, [token])
+    def _started(self, handle: RequestHandle, slot: int, token: int, logprobs, row: int) -> None:
+        """Emits an admitted request's first token (which may also finish it); logprobs: host TokenLogprobs
+        [n, 1] of the prefill, the token's at `row`."""
+        self._deliver(slot, [token], logprobs, row)
         if slot in self._active and (token in handle.stop_ids or handle.max_tokens == 1):
             self._release_done(slot)  # done on the device too (the prefill's done flag)
 
@@ -558,10 +569,12 @@ class Engine:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
         decoding = [s for s in self._active if s not in self._pieces]
+        logprobs = any(self._active[s].handle.top_logprobs is not None for s in decoding)
         sampling = (self._sampling.rows(range(self.config.batch_slots), always=True)
-                    if self._sampling.any_sampled(decoding) else None)
-        with self._watch("decode loop" if sampling is None else "decode loop (sampling)"):
-            out, count, done, stats = self._device.run(self.config.rounds_per_call, sampling)
+                    if logprobs or self._sampling.any_sampled(decoding) else None)
+        form = "with logprobs" if logprobs else "with sampling" if sampling is not None else ""
+        with self._watch(f"decode loop {form}".strip()):
+            out, count, done, stats, lp = self._device.run(self.config.rounds_per_call, sampling, logprobs)
         self.counters["loop_calls"] += 1
         if stats is not None:
             for name in ("rounds", "drafted", "accepted"):
@@ -575,11 +588,13 @@ class Engine:
                 continue
             tokens = out[slot, :count[slot]].tolist()
             if tokens:
-                self._deliver(slot, tokens)
+                self._deliver(slot, tokens, lp, slot)
             if slot in self._active and done[slot]:
                 self._release_done(slot)
 
-    def _deliver(self, slot: int, tokens: list[int]) -> None:
+    def _deliver(self, slot: int, tokens: list[int], logprobs=None, row: int = 0) -> None:
+        """Streams the slot's new tokens; logprobs: host TokenLogprobs [n, W] whose row `row` scores them
+        (None when no request of the call asked)."""
         active = self._active[slot]
         handle = active.handle
         room = handle.max_tokens - len(handle.tokens)
@@ -587,7 +602,11 @@ class Engine:
             raise AssertionError(f"slot {slot} produced {len(tokens)} tokens with {room} left of max_tokens")
         self.counters["generation_tokens"] += len(tokens)
         text = active.stream.push(tokens) if active.stream is not None else ""
-        self._send(handle, Event(tokens, text))
+        lps = None
+        if handle.top_logprobs is not None:
+            lps = [dataclasses.replace(t, top=t.top[:handle.top_logprobs])
+                   for t in api.token_logprobs(logprobs, row, tokens)]
+        self._send(handle, Event(tokens, text, logprobs=lps))
         if active.stream is not None and active.stream.stopped:
             self._release(slot, "stop")
 

@@ -43,6 +43,7 @@ class Event:
     text: str  # new text ("" without a tokenizer)
     finish_reason: str | None = None  # set on the last event only
     error: str | None = None
+    logprobs: list | None = None  # one api.TokenLogprob per token, when the request asked for them
 
 
 @dataclasses.dataclass
@@ -53,6 +54,7 @@ class Completion:
     prompt_tokens: int
     snapshot_hit: bool
     error: str | None = None
+    logprobs: list | None = None  # one api.TokenLogprob per token, when asked for
 
 
 class RequestHandle:
@@ -60,12 +62,15 @@ class RequestHandle:
     `listener(event)`, called on the engine thread (it must not block)."""
 
     def __init__(self, engine, request_id: int, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...],
-                 stop_strings: tuple[str, ...], listener=None, sampling: dict | None = None):
+                 stop_strings: tuple[str, ...], listener=None, sampling: dict | None = None,
+                 top_logprobs: int | None = None):
         self._engine, self.id, self._listener = engine, request_id, listener
         self.sampling = sampling  # None: greedy; else temperature, top_k, top_p, min_p, seed (an int)
         self.prompt_ids, self.max_tokens = prompt_ids, max_tokens
         self.stop_ids, self.stop_strings = stop_ids, stop_strings
+        self.top_logprobs = top_logprobs  # None: no logprobs; else the alternatives per token (0 .. 20)
         self.tokens: list[int] = []
+        self.logprobs: list | None = None if top_logprobs is None else []
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -91,13 +96,15 @@ class RequestHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} not finished after {timeout} s")
         return Completion(list(self.tokens), self.text, self.finish_reason, len(self.prompt_ids), self.snapshot_hit,
-                          self.error)
+                          self.error, None if self.logprobs is None else list(self.logprobs))
 
     def _emit(self, event: Event) -> None:
         """Records an event (engine thread) and hands it to the listener."""
         if event.tokens and self.first_token_s is None:
             self.first_token_s = time.perf_counter()
         self.tokens.extend(event.tokens)
+        if event.logprobs is not None:
+            self.logprobs.extend(event.logprobs)
         self.text += event.text
         if event.finish_reason is not None:
             self.finish_reason, self.error = event.finish_reason, event.error

@@ -27,6 +27,7 @@ from qmtp.model.config import ModelConfig
 from qmtp.runtime import loop, tp as tp_lib
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.loop import Slots
+from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
 from qmtp.runtime.state import DecodeState, init_state
 from qmtp.serve.snapshots import Snapshot
 
@@ -60,16 +61,17 @@ def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, p
     n-row sub-state (zero conv/ssm, page_rows [n, Pmax], length 0) over the shared KV pools runs the
     same `loop.prefill` as qmtp.generate; its rows then replace rows ids of the state, and the carry
     rows get `Slots.started` with budgets max_tokens [n] and stop_rows [n, NS]; sampling: the rows'
-    SamplingParams (greedy rows at temperature 0) or None. Returns (first tokens [n], state, slots)."""
+    SamplingParams (greedy rows at temperature 0) or None. Returns (first tokens [n], state, slots, their
+    TokenLogprobs [n, 1] with MAX_TOP_LOGPROBS alternatives: a request may ask for them)."""
     n = tokens.shape[0]
     zeros = lambda a: jnp.repeat(jnp.zeros_like(a[:1]), n, axis=0)  # noqa: E731  (zeros_like: a's TP sharding type)
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(zeros(c[0]) for c in state.conv),
                       ssm=tuple(zeros(s[0]) for s in state.ssm), page_table=page_rows,
                       lengths=jnp.zeros((n,), jnp.int32))
-    first, new, sub = loop.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows,
-                                   sampling)
+    first, new, sub, lp = loop.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows,
+                                       sampling, MAX_TOP_LOGPROBS)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
-    return first, *_put_rows(state, slots, ids, sub.conv, sub.ssm, page_rows, sub.lengths, new)
+    return first, *_put_rows(state, slots, ids, sub.conv, sub.ssm, page_rows, sub.lengths, new), lp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
@@ -83,14 +85,15 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     loop.prefill's chunked scan: the target, then the MTP head over next_tokens [1, C] (the prompt one
     token ahead; on the last piece its last valid token becomes the first generated one). A piece that
     is not `last` leaves the slot done, so decode rounds skip it; the last one starts it like
-    prefill_into_slots. Returns (first token [1] (meaningful on the last piece), state, slots)."""
+    prefill_into_slots. Returns (first token [1] (meaningful on the last piece), state, slots, its
+    TokenLogprobs [1, 1])."""
     read = slots.gdn_slot[slot]
     resume = lambda ring: jnp.where(offset > 0, ring[read, slot], 0)[None].astype(ring.dtype)  # noqa: E731
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(map(resume, state.conv)),
                       ssm=tuple(map(resume, state.ssm)), page_table=page_row[None], lengths=offset[None])
     hidden, sub = target.forward(cfg, params, sub, tokens, n_valid, kernels)  # hidden [1, C, E]
-    first = loop.choose(target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels), sampling,
-                        offset[None] + n_valid)  # [1]
+    logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [1, V]
+    first = loop.choose(logits, sampling, offset[None] + n_valid)  # [1]
     if use_mtp:
         end = n_valid[0] - 1
         shifted = next_tokens.at[0, end].set(jnp.where(last, first[0], next_tokens[0, end]))
@@ -102,7 +105,8 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     new = Slots.started(first, d1, mh, max_tokens[None], stop_row[None])
     new = dataclasses.replace(new, done=new.done | ~last)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
-    return first, *_put_rows(state, slots, slot[None], sub.conv, sub.ssm, page_row[None], sub.lengths, new)
+    lp = loop.first_logprobs(logits, first, sampling, MAX_TOP_LOGPROBS)
+    return first, *_put_rows(state, slots, slot[None], sub.conv, sub.ssm, page_row[None], sub.lengths, new), lp
 
 
 @functools.partial(jax.jit, static_argnames=("n_pages",), donate_argnames=("state",))
@@ -150,25 +154,26 @@ class DeviceBatch:
                       else tp_lib.init_state(cfg, model.mesh, *args, gdn_slots=ring))
         self.slots = Slots.empty(batch_slots, cfg.hidden_size, max_stop_ids, dtype)
 
-    def prefill(self, ids, page_rows, tokens, n_valid, remaining, stop_rows, sampling=None) -> np.ndarray:
-        """prefill_into_slots; returns each row's first token [n]."""
+    def prefill(self, ids, page_rows, tokens, n_valid, remaining, stop_rows, sampling=None):
+        """prefill_into_slots; returns each row's first token [n] and its TokenLogprobs [n, 1] (host)."""
         m = self.model
         args = (m.params, self.state, self.slots, ids, page_rows, tokens, n_valid, remaining, stop_rows)
-        first, self.state, self.slots = api._call(
+        first, self.state, self.slots, lp = api._call(
             m, prefill_into_slots, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
-            ("params", "state") + ("rep",) * (7 + len(_optional(sampling))), ("rep", "state", "rep"))
-        return np.asarray(first)
+            ("params", "state") + ("rep",) * (7 + len(_optional(sampling))), ("rep", "state", "rep", "rep"))
+        return jax.device_get((first, lp))
 
     def prefill_piece(self, slot: int, page_row, offset: int, tokens, next_tokens, n_valid: int, last: bool,
-                      max_tokens: int, stop_row, sampling=None) -> int:
-        """prefill_piece (tokens, next_tokens [1, C]); returns the first token (meaningful when last)."""
+                      max_tokens: int, stop_row, sampling=None):
+        """prefill_piece (tokens, next_tokens [1, C]); returns the first token [1] and its TokenLogprobs [1, 1]
+        (host; meaningful when last)."""
         m = self.model
         args = (m.params, self.state, self.slots, np.int32(slot), page_row, np.int32(offset), tokens, next_tokens,
                 np.array([n_valid], np.int32), np.bool_(last), np.int32(max_tokens), stop_row)
-        first, self.state, self.slots = api._call(
+        first, self.state, self.slots, lp = api._call(
             m, prefill_piece, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
-            ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep"))
-        return int(np.asarray(first)[0])
+            ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep", "rep"))
+        return jax.device_get((first, lp))
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
         """restore_snapshot (snap.state becomes the state the call hands back)."""
@@ -178,12 +183,13 @@ class DeviceBatch:
              snap.d1, snap.mh, np.int32(max_tokens), stop_row),
             ("state", "state") + ("rep",) * 9, ("state", "state", "rep"))
 
-    def take_snapshot(self, slot: int, n_pages: int, prompt_pages: int, nbytes: int) -> Snapshot:
-        """take_snapshot of n_pages pages, of which the prompt fills prompt_pages; nbytes = snapshot_bytes."""
+    def take_snapshot(self, slot: int, n_pages: int, prompt_pages: int, nbytes: int, first_logprobs) -> Snapshot:
+        """take_snapshot of n_pages pages, of which the prompt fills prompt_pages; nbytes = snapshot_bytes;
+        first_logprobs: the prefill's host TokenLogprobs [1, 1] of the first token."""
         self.state, *arrays = api._call(
             self.model, take_snapshot, (n_pages,), (self.state, self.slots, np.int32(slot)),
             ("state", "rep", "rep"), ("state", "rows_state", "rep", "rep", "rep"))
-        return Snapshot(*arrays, prompt_pages, nbytes)
+        return Snapshot(*arrays, prompt_pages, nbytes, first_logprobs)
 
     def snapshot_bytes(self, n_pages: int) -> int:
         """Device bytes of a snapshot of n_pages pages: its pages, one row of conv/ssm (one ring slot), the
@@ -194,17 +200,19 @@ class DeviceBatch:
         row = sum(map(size, s.conv + s.ssm)) // b // loop.ring_size(self.k)
         return page * n_pages + row + 4 * (n_pages + 1) + 8 + size(self.slots.mh) // b
 
-    def run(self, n: int, sampling=None):
+    def run(self, n: int, sampling=None, logprobs: bool = False):
         """n MTP rounds (or plain steps) over all slots; sampling: every slot's SamplingParams (the loop's
-        sampled form) or None (greedy). Returns host arrays (out [B, n (K+1)], count [B], done [B]) and
-        the MTP statistics (None for plain decoding)."""
+        sampled form) or None (greedy); logprobs: also each token's TokenLogprobs with MAX_TOP_LOGPROBS
+        alternatives. Returns host arrays (out [B, n (K+1)], count [B], done [B]), the MTP statistics
+        (None for plain decoding) and the TokenLogprobs [B, n (K+1)] (None without logprobs)."""
         m = self.model
         args = (m.params, self.state, self.slots) + (() if sampling is None else (None, sampling))
-        out, count, stats, self.state, self.slots = api._call(
+        out, count, stats, self.state, self.slots, *lp = api._call(
             m, loop.decode, (m.cfg, m.kernels, self.k, n), args,
-            ("params", "state") + ("rep",) * (len(args) - 2), ("rep", "rep", "rep", "state", "rep"))
-        out, count, done = jax.device_get((out, count, self.slots.done))
-        return out, count, done, (jax.device_get(stats) if self.k else None)
+            ("params", "state") + ("rep",) * (len(args) - 2), ("rep", "rep", "rep", "state", "rep") + ("rep",) * logprobs,
+            **({"top_logprobs": MAX_TOP_LOGPROBS} if logprobs else {}))
+        out, count, done, lp = jax.device_get((out, count, self.slots.done, lp))
+        return out, count, done, (jax.device_get(stats) if self.k else None), (lp[0] if lp else None)
 
     def retire(self, mask: np.ndarray) -> None:
         """Marks the slots of mask [B] done on the device (released by the host while still live): they

@@ -22,6 +22,7 @@ class Snapshot:
     mh: jax.Array  # [1, E]: the MTP hidden that drafted d1 (zeros without MTP)
     n_pages: int  # pages that hold the prompt's positions: ceil(n / S) <= Pn
     nbytes: int  # device bytes of every array above (DeviceBatch.snapshot_bytes)
+    first_logprobs: object  # host TokenLogprobs [1, 1] of `first` (the prefill's)
 
 
 class SnapshotStore:

@@ -9,7 +9,8 @@ of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prom
 pool together; with exact-prompt snapshots on, a snapshot copy-out and copy-in of its page count when
 such a snapshot fits the budget. Buckets above the model's prefill_chunk are prefilled piece by piece:
 one program for all of them (Engine._prefill_piece). Then the decode loop, its sampled form (run while
-any slot samples) and the slot-retire op of a cancelled request.
+any slot samples), the sampled form that returns logprobs (while any slot asks for them) and the
+slot-retire op of a cancelled request.
 
 Each step drives the engine's own admission code on dummy requests (id -1: no snapshot is kept;
 max_tokens 1: the first token finishes them), so the shapes are exactly those of serving; this module
@@ -26,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from qmtp import api
+from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
 from qmtp.serve.requests import RequestHandle
 
 
@@ -66,8 +68,9 @@ def plan(engine, buckets) -> list[Step]:
                 _snapshot, engine, n), b))
     unit = f"MTP rounds per call, K={engine.k}" if engine.k else "steps per call"
     steps.append(Step(f"decode loop ({engine.config.rounds_per_call} {unit})", functools.partial(_loop, engine)))
-    steps.append(Step(f"decode loop with sampling ({engine.config.rounds_per_call} {unit})",
-                      functools.partial(_sampled_loop, engine)))
+    for form, logprobs in (("sampling", False), ("logprobs", True)):
+        steps.append(Step(f"decode loop with {form} ({engine.config.rounds_per_call} {unit})",
+                          functools.partial(_sampled_loop, engine, logprobs)))
     return steps
 
 
@@ -94,15 +97,18 @@ def _pieces(engine, n: int) -> None:
 def _snapshot(engine, n: int) -> None:
     """A snapshot of slot 0 (whatever it holds: only the shapes matter) taken and copied into a request."""
     n_pages = engine._snapshot_pages(api._bucket(n))
-    snap = engine._device.take_snapshot(0, n_pages, engine.allocator.pages_for(n), engine._snapshot_bytes(n_pages))
+    first_lp = TokenLogprobs.empty(1, 1, MAX_TOP_LOGPROBS)
+    snap = engine._device.take_snapshot(0, n_pages, engine.allocator.pages_for(n), engine._snapshot_bytes(n_pages),
+                                        first_lp)
     engine._restore(*_request(engine, n), snap)
     engine._flush_retired()
 
 
-def _sampled_loop(engine) -> None:
-    """The loop's sampled form, with every slot done (it compiles and runs no round)."""
+def _sampled_loop(engine, logprobs: bool) -> None:
+    """The loop's sampled form (with logprobs: the one that also returns them), with every slot done (it
+    compiles and runs no round)."""
     engine._device.run(engine.config.rounds_per_call, engine._sampling.rows(range(engine.config.batch_slots),
-                                                                           always=True))
+                                                                           always=True), logprobs)
 
 
 def _loop(engine) -> None:

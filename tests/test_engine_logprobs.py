@@ -1,0 +1,80 @@
+"""Logprobs in the serving engine: a request that asks for them gets qmtp.generate's (the same tokens,
+values and alternatives), whichever way its first token came (a batched prefill, the pieces of a long
+prompt, an exact-prompt snapshot) and whatever the other slots do; the others get none.
+
+Shapes of tests/serving_fixtures.py; the tiny checkpoint's `model` (float32) from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp.serve.requests import RequestError
+from serving_fixtures import assert_all_free, make_engine
+
+RNG = np.random.default_rng(23)
+PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (5, 13, 9)]
+LONG = RNG.integers(0, 380, 29).tolist()  # two pieces of 16
+pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
+
+
+def assert_same(got, want, n):
+    """An engine Completion's logprobs against qmtp.generate's for one prompt, n alternatives kept."""
+    assert got.tokens == want.tokens[0]
+    assert [t.token for t in got.logprobs] == got.tokens
+    ref = want.logprobs[0]
+    np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in ref], rtol=1e-5, atol=1e-6)
+    for g, r in zip(got.logprobs, ref):
+        assert [i for i, _ in g.top] == [i for i, _ in r.top[:n]]
+        np.testing.assert_allclose([v for _, v in g.top], [v for _, v in r.top[:n]], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_requests_get_generate_logprobs_and_others_none(model, k):
+    engine = make_engine(model, k)
+    greedy = engine.submit(PROMPTS[0], 8, logprobs=3)
+    sampled = engine.submit(PROMPTS[1], 8, logprobs=5, temperature=0.9, top_k=30, seed=7)
+    plain = engine.submit(PROMPTS[2], 8)
+    assert_same(greedy.result(300), qmtp.generate(model, [PROMPTS[0]], 8, mtp_k=k, logprobs=20), 3)
+    assert_same(sampled.result(300), qmtp.generate(model, [PROMPTS[1]], 8, mtp_k=k, logprobs=20, temperature=0.9,
+                                                   top_k=30, seed=7), 5)
+    result = plain.result(300)
+    assert result.logprobs is None and result.tokens == qmtp.generate(model, [PROMPTS[2]], 8, mtp_k=k).tokens[0]
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_long_prompt_and_snapshot_hit_carry_the_first_tokens_logprobs(model):
+    chunked = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=16))
+    engine = make_engine(chunked, 2, snapshot_budget_bytes=1 << 24)
+    want = qmtp.generate(chunked, [LONG], 6, mtp_k=2, logprobs=20)
+    assert_same(engine.generate(LONG, 6, logprobs=2, timeout=300), want, 2)
+    first = engine.generate(PROMPTS[0], 6, logprobs=4, timeout=300)  # prefilled: its snapshot is kept
+    again = engine.generate(PROMPTS[0], 6, logprobs=4, timeout=300)
+    assert again.snapshot_hit and not first.snapshot_hit
+    assert_same(again, qmtp.generate(chunked, [PROMPTS[0]], 6, mtp_k=2, logprobs=20), 4)
+    assert engine.stop(5)
+    assert_all_free(engine)
+
+
+def test_the_warmup_compiles_the_logprobs_loop(model):
+    lines = []
+    engine = make_engine(model, 2, start=False, log=lines.append)
+    engine.warmup([16])
+    assert any("decode loop with logprobs" in line for line in lines), lines
+    engine.start()
+    assert len(engine.generate(PROMPTS[0], 6, logprobs=0, timeout=300).logprobs) == 6
+    assert engine.counters["serving_compiles"] == 0
+    assert engine.stop(5)
+
+
+@pytest.mark.parametrize("bad", [21, -1, 1.5])
+def test_bad_logprobs_are_a_request_error(model, bad):
+    engine = make_engine(model, 0, start=False)
+    with pytest.raises(RequestError) as e:
+        engine.submit(PROMPTS[0], 4, logprobs=bad)
+    assert e.value.param == "logprobs"
