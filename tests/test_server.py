@@ -26,6 +26,7 @@ import openai
 import pytest
 
 import qmtp
+from qmtp.serve.chat_template import ChatTemplate
 from qmtp.serve.engine import Engine
 from qmtp.serve.server import create_app, Server, ServerSettings
 from serving_fixtures import assert_all_free, make_engine
@@ -190,7 +191,11 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
      "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "temperature": 1, "top_p": 1.5}).encode(), 400, "top_p",
      "invalid_value"),
-    (json.dumps({"model": NAME, "prompt": "x", "n": 2}).encode(), 400, "n", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "n": 0}).encode(), 400, "n", "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "n": 65}).encode(), 400, "n", "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "logprobs": 21}).encode(), 400, "logprobs", "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "logprobs": True}).encode(), 400, "logprobs", "invalid_type"),
+    (json.dumps({"model": NAME, "prompt": "x", "best_of": 2}).encode(), 400, "best_of", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": ["a", "b"]}).encode(), 400, "prompt", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop",
      "invalid_value"),
@@ -225,7 +230,7 @@ def test_bad_requests_through_the_openai_client(mtp_server):
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_sampling_parameters_are_honoured(model, mtp_server, route):
     """temperature, top_k, top_p, min_p and seed reach the engine: a seeded request repeats its tokens, which
-    are qmtp.generate's with that seed; n > 1 is still refused."""
+    are qmtp.generate's with that seed; with n = 3, choice i is the request seeded seed + i."""
     server, url = mtp_server
     body = {"model": NAME, "max_tokens": 6, **({"prompt": "x"} if route == "/v1/completions" else
                                                {"messages": [{"role": "user", "content": "x"}]}),
@@ -236,8 +241,63 @@ def test_sampling_parameters_are_honoured(model, mtp_server, route):
         want = qmtp.generate(model, ["x"], max_new_tokens=6, mtp_k=2, temperature=1.2, top_k=50,
                              top_p=0.9, min_p=0.01, seed=42).tokens[0]
         assert ids[0] == want
-    r = httpx.post(url + route, json={**body, "n": 2}, timeout=120)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = httpx.post(url + route, json={**body, "n": 3}, timeout=120).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    for i, c in enumerate(r["choices"]):
+        alone = httpx.post(url + route, json={**body, "seed": 42 + i}, timeout=120).json()["choices"][0]
+        assert c["token_ids"] == alone["token_ids"], i
+    assert r["choices"][0]["token_ids"] == ids[0] and r["choices"][1]["token_ids"] != ids[0]
+    assert r["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in r["choices"])
+    assert_all_free(server.engine, internals=False)
+
+
+def _lp_reference(model, text, n_tokens, top):
+    """qmtp.generate's tokens and logprobs (greedy, K = 2) for a text prompt."""
+    result = qmtp.generate(model, [text], max_new_tokens=n_tokens, mtp_k=2, logprobs=top)
+    return result.tokens[0], result.logprobs[0]
+
+
+def test_logprobs_in_both_routes_streamed_or_not(model, mtp_server):
+    """The OpenAI shapes of qmtp.generate's logprobs: completions (tokens, token_logprobs, top_logprobs with
+    the chosen token, text_offset) and chat (content entries with bytes and top_logprobs), whole and
+    streamed, for each of n = 2 choices."""
+    server, url = mtp_server
+    c = client(url)
+    tokens, want = _lp_reference(model, TEXTS[0], 6, 3)
+    text_of = lambda t: model.tokenizer.decode([t])  # noqa: E731
+    for stream in (False, True):
+        got = {0: [], 1: []}
+        reply = c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=6, logprobs=3, n=2, stream=stream)
+        for chunk in (reply if stream else [reply]):
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    lp = choice.logprobs
+                    got[choice.index] += list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset))
+        for i in (0, 1):
+            assert [g[0] for g in got[i]] == [text_of(t) for t in tokens], (stream, i)
+            np.testing.assert_allclose([g[1] for g in got[i]], [w.logprob for w in want], rtol=1e-5, atol=1e-6)
+            for g, w in zip(got[i], want):
+                assert g[2] == pytest.approx({**{text_of(t): v for t, v in w.top}, text_of(w.token): w.logprob})
+            assert [g[3] for g in got[i]] == np.cumsum([0] + [len(text_of(t)) for t in tokens[:-1]]).tolist()
+    messages = [{"role": "user", "content": TEXTS[1]}]
+    tokens, want = _lp_reference(model, ChatTemplate.from_checkpoint(model.checkpoint_dir).render(messages), 5, 2)
+    reply = c.chat.completions.create(model=NAME, messages=messages, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].model_extra["token_ids"] == tokens
+    assert [e.token for e in content] == [text_of(t) for t in tokens]
+    np.testing.assert_allclose([e.logprob for e in content], [w.logprob for w in want], rtol=1e-5, atol=1e-6)
+    for e, w in zip(content, want):
+        assert e.bytes == list(e.token.encode())
+        assert [(t.token, t.bytes) for t in e.top_logprobs] == [(text_of(i), list(text_of(i).encode())) for i, _ in w.top]
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], [v for _, v in w.top], rtol=1e-5, atol=1e-6)
+    streamed = c.chat.completions.create(model=NAME, messages=messages, max_tokens=5, logprobs=True, top_logprobs=2,
+                                         stream=True)
+    entries = [e for chunk in streamed for ch in chunk.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    plain = c.chat.completions.create(model=NAME, messages=messages, max_tokens=5)
+    assert plain.choices[0].logprobs is None
+    r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": messages, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
     assert_all_free(server.engine, internals=False)
 
 
@@ -333,9 +393,9 @@ def test_health_and_requests_answer_503_until_the_warmup_ends(model):
         while (health := httpx.get(url + "/health")).json().get("programs_done") != 2:
             assert time.monotonic() < deadline, health.text
             time.sleep(0.05)
-        # bucket 16: prefill x 1 row and x 3 rows are done; the loop is held (its sampled form comes last)
+        # bucket 16: prefill x 1 row and x 3 rows are done; the loop is held (its sampled forms come last)
         assert health.status_code == 503 and health.json() == {"status": "warming up", "programs_done": 2,
-                                                               "programs": 4}
+                                                               "programs": 5}
         early = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert early.status_code == 503 and early.json()["error"]["code"] == "warming_up", early.text
         assert "warming up" in early.json()["error"]["message"]
@@ -345,11 +405,12 @@ def test_health_and_requests_answer_503_until_the_warmup_ends(model):
             time.sleep(0.05)
         assert health.json() == {"status": "ok"}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        assert lines[0] == "warm-up: 4 programs to compile (prompt buckets 16; the decode loop)"
-        assert [line.split(":")[0] for line in lines[1:5]] == [
-            "warm-up [1/4] prompt bucket 16", "warm-up [2/4] prompt bucket 16", "warm-up [3/4] decode loop (2 steps "
-            "per call)", "warm-up [4/4] decode loop with sampling (2 steps per call)"]
-        assert lines[5].startswith("warm-up done: 4 programs in ")
+        assert lines[0] == "warm-up: 5 programs to compile (prompt buckets 16; the decode loop)"
+        assert [line.split(":")[0] for line in lines[1:6]] == [
+            "warm-up [1/5] prompt bucket 16", "warm-up [2/5] prompt bucket 16", "warm-up [3/5] decode loop (2 steps "
+            "per call)", "warm-up [4/5] decode loop with sampling (2 steps per call)",
+            "warm-up [5/5] decode loop with logprobs (2 steps per call)"]
+        assert lines[6].startswith("warm-up done: 5 programs in ")
         assert_all_free(engine, internals=False)
     finally:
         hold.set()

@@ -2,13 +2,19 @@
 
 Requests (JSON bodies; unknown fields are ignored):
   /v1/completions       model, prompt (a string, token ids, or a one-element list of either),
-                        max_tokens, stop, stop_token_ids (extension), stream, stream_options
+                        max_tokens, stop, stop_token_ids (extension), stream, stream_options,
+                        logprobs (0-20: each token's logprob and that many alternatives)
   /v1/chat/completions  model, messages [{role, content: string | [{type: "text", text}]}],
-                        max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options
+                        max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options,
+                        logprobs (true/false), top_logprobs (0-20, with logprobs true)
 Sampling: temperature (absent or 0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed;
-out-of-range values get a 400 naming them (the engine checks them). n / best_of absent or 1;
-logprobs, echo, suffix, logit_bias, penalties and tools are refused. An option the server cannot
-honour is refused rather than ignored: the client would believe it applied.
+out-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue):
+n choices of one prompt, each a request of the engine (seeded: choice i draws with seed + i), admitted
+together, so one batched prefill pass computes them. best_of absent or 1; echo, suffix, logit_bias,
+penalties and tools are refused. An option the server cannot honour is refused rather than ignored:
+the client would believe it applied.
+Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
+when greedy), before top_k / top_p / min_p, as OpenAI reports them.
 
 Errors are {"error": {"message", "type", "param", "code"}} with these statuses:
   400 invalid_request_error   malformed JSON, wrong types, unsupported options, max_tokens beyond
@@ -28,6 +34,8 @@ import dataclasses
 from typing import Any
 
 import pydantic
+
+from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
@@ -58,7 +66,6 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     stream_options: dict | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    logprobs: Any = None
     logit_bias: dict | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -69,6 +76,7 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: pydantic.StrictInt | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -87,7 +95,8 @@ class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: pydantic.StrictInt | None = None
 
 
 @dataclasses.dataclass
@@ -99,6 +108,8 @@ class Parsed:
     stream: bool
     include_usage: bool
     sampling: dict  # Engine.submit's temperature, top_k, top_p, min_p, seed
+    n: int = 1  # choices
+    top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token
 
 
 def _validate(model_cls, body) -> Any:
@@ -120,16 +131,17 @@ def _refuse(*checks) -> None:
             raise APIError(400, message, param=param, code="unsupported_value")
 
 
-def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: int | None) -> Parsed:
+def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: int | None, max_choices: int) -> Parsed:
     """Checks what both routes share; the Parsed request, its prompt not yet set."""
     if req.model != model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
-    _refuse(("n", req.n not in (None, 1), f"n={req.n}: only n = 1 is supported"),
-            ("presence_penalty", req.presence_penalty, "presence_penalty is not supported"),
+    _refuse(("presence_penalty", req.presence_penalty, "presence_penalty is not supported"),
             ("frequency_penalty", req.frequency_penalty, "frequency_penalty is not supported"),
-            ("logit_bias", req.logit_bias, "logit_bias is not supported"),
-            ("logprobs", req.logprobs not in (None, False), "logprobs are not supported"))
+            ("logit_bias", req.logit_bias, "logit_bias is not supported"))
+    if req.n is not None and not 1 <= req.n <= max_choices:
+        raise APIError(400, f"n={req.n} must be in [1, {max_choices}] (each choice is a queued request: "
+                       "--max_queue)", param="n", code="invalid_value")
     if max_tokens is not None:
         if max_tokens < 1:
             raise APIError(400, f"max_tokens={max_tokens} must be >= 1", param="max_tokens", code="invalid_value")
@@ -142,12 +154,21 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     include_usage = bool((req.stream_options or {}).get("include_usage"))
     sampling = {"temperature": 0.0 if req.temperature is None else req.temperature, "top_k": req.top_k or 0,
                 "top_p": 1.0 if req.top_p is None else req.top_p, "min_p": req.min_p or 0.0, "seed": req.seed}
-    return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling)
+    return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
+                  req.n or 1)
 
 
-def parse_completion(body, model_name: str, max_tokens_limit: int) -> Parsed:
+def _check_top_logprobs(n: int, param: str) -> int:
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"{param}={n} must be in [0, {MAX_TOP_LOGPROBS}]", param=param, code="invalid_value")
+    return n
+
+
+def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: int) -> Parsed:
     req = _validate(CompletionRequest, body)
-    parsed = _common(req, model_name, max_tokens_limit, req.max_tokens)
+    parsed = _common(req, model_name, max_tokens_limit, req.max_tokens, max_choices)
+    if req.logprobs is not None:
+        parsed.top_logprobs = _check_top_logprobs(req.logprobs, "logprobs")
     prompt = req.prompt
     several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
     _refuse(("echo", req.echo, "echo is not supported"),
@@ -162,11 +183,15 @@ def parse_completion(body, model_name: str, max_tokens_limit: int) -> Parsed:
     return parsed
 
 
-def parse_chat(body, model_name: str, max_tokens_limit: int) -> tuple[Parsed, list[dict]]:
+def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int) -> tuple[Parsed, list[dict]]:
     """The parsed request (prompt still None) and the messages as plain dicts for the template."""
     req = _validate(ChatRequest, body)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    parsed = _common(req, model_name, max_tokens_limit, max_tokens)
+    parsed = _common(req, model_name, max_tokens_limit, max_tokens, max_choices)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    if req.logprobs:
+        parsed.top_logprobs = _check_top_logprobs(req.top_logprobs or 0, "top_logprobs")
     _refuse(("tools", req.tools, "tools are not supported"))
     if not req.messages:
         raise APIError(400, "messages is empty", param="messages", code="invalid_value")
@@ -184,12 +209,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(part: dict, token_ids: list[int], finish_reason: str | None) -> dict:
-    """The one choice; part: {"text": ...} (completions), {"message": ...} or {"delta": ...} (chat)."""
-    return {"index": 0, **part, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+def choice(index: int, part: dict, token_ids: list[int], finish_reason: str | None, logprobs: dict | None = None
+           ) -> dict:
+    """Choice `index`; part: {"text": ...} (completions), {"message": ...} or {"delta": ...} (chat);
+    logprobs: openai_logprobs' object for its tokens, or None."""
+    return {"index": index, **part, "logprobs": logprobs, "finish_reason": finish_reason, "token_ids": token_ids}
 
 
-def body(rid: str, obj: str, model: str, created: int, choice_: dict | None, usage_: dict | None = None) -> dict:
-    """A response or stream chunk: one choice or none (the usage chunk), usage when given."""
-    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice_] if choice_ else []}
+def body(rid: str, obj: str, model: str, created: int, choices: list[dict], usage_: dict | None = None) -> dict:
+    """A response or stream chunk: its choices (none: the usage chunk), usage when given."""
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
     return {**out, "usage": usage_} if usage_ else out

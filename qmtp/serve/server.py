@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server: python -m qmtp.server --flagfile=configs/server_tiny.flags
 
-FastAPI + uvicorn in front of one continuous-batching engine (qmtp/serve/engine.py; greedy decoding,
-MTP speculative decoding with --mtp_k). Listens on 127.0.0.1 unless --host says otherwise.
+FastAPI + uvicorn in front of one continuous-batching engine (qmtp/serve/engine.py; greedy or sampled
+decoding, MTP speculative decoding with --mtp_k). Listens on 127.0.0.1 unless --host says otherwise.
 
     POST /v1/completions, /v1/chat/completions   ("stream": true -> server-sent events)
     GET  /v1/models, /health, /metrics           (/metrics: Prometheus text)
@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qmtp import cli_help
-from qmtp.serve import metrics, protocol as oai
+from qmtp.serve import metrics, openai_logprobs, protocol as oai
 from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError, WarmingUp
 from qmtp.tools.make_checkpoint import PRESET_PREFIX, resolve_checkpoint
@@ -117,7 +117,8 @@ class ServerSettings:
 def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
     """The FastAPI app over `engine`. manage_engine: start it on startup and stop it on shutdown."""
     model = engine.model
-    limits = settings.model_name, min(settings.max_tokens_limit, engine.max_model_len - 1)  # model, max_tokens
+    # model, max_tokens, n: what a request may ask for
+    limits = settings.model_name, min(settings.max_tokens_limit, engine.max_model_len - 1), engine.config.max_queue
     template = ChatTemplate.from_checkpoint(model.checkpoint_dir)
     invalid = {"count": 0}
 
@@ -187,10 +188,9 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 max_tokens = max(1, min(settings.default_max_tokens, engine.max_model_len - len(ids)))
             extra = parsed.stop_token_ids  # added to the default stop ids
             stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
-            events: asyncio.Queue = asyncio.Queue()
+            events: asyncio.Queue = asyncio.Queue()  # (choice index, engine event)
             try:
-                handle = engine.submit(ids, max_tokens, stop_ids, parsed.stop,
-                                       listener=_to_loop(asyncio.get_running_loop(), events), **parsed.sampling)
+                handles = _submit(engine, parsed, ids, max_tokens, stop_ids, asyncio.get_running_loop(), events)
             except RequestError as e:
                 raise oai.APIError(400, str(e), param="messages" if chat and e.param == "prompt" else e.param,
                                    code=e.code) from None
@@ -205,10 +205,10 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         except EngineStopped as e:
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        reply = Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles)
         if parsed.stream:
-            return StreamingResponse(_stream(handle, events, rid, chat, parsed.include_usage, settings.model_name),
-                                     media_type="text/event-stream")
-        return await _complete(request, handle, events, rid, chat, settings.model_name)
+            return StreamingResponse(_stream(reply, events, parsed.include_usage), media_type="text/event-stream")
+        return await _complete(request, reply, events)
 
     @api.post("/v1/completions")
     async def completions(request: Request):
@@ -221,12 +221,67 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
     return api
 
 
-def _to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
-    """An engine listener (called on the engine thread) that hands each event to the request's queue."""
+def _submit(engine, parsed: oai.Parsed, ids, max_tokens: int, stop_ids, loop, events: asyncio.Queue) -> list:
+    """The request's n choices as engine requests (a seeded choice i draws with seed + i), their events
+    going to `events` as (i, event); all or none: a refused one cancels those before it."""
+    handles = []
+    try:
+        for i in range(parsed.n):
+            sampling = dict(parsed.sampling)
+            if sampling["seed"] is not None:
+                sampling["seed"] = (sampling["seed"] + i) % 2 ** 32
+            handles.append(engine.submit(ids, max_tokens, stop_ids, parsed.stop, listener=_to_loop(loop, events, i),
+                                         logprobs=parsed.top_logprobs, **sampling))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+def _to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    """An engine listener (called on the engine thread) that hands each event of choice `index` to the
+    request's queue."""
     def listener(event) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop is closed (server gone): nobody listens
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
     return listener
+
+
+@dataclasses.dataclass
+class Reply:
+    """What the response of one HTTP request is built from: its choices' engine requests."""
+
+    rid: str
+    chat: bool
+    model_name: str
+    created: int
+    tokenizer: object
+    handles: list
+
+    @property
+    def obj(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def usage(self) -> dict:
+        """The prompt once (the choices share it), the tokens of every choice."""
+        return oai.usage(len(self.handles[0].prompt_ids), sum(len(h.tokens) for h in self.handles))
+
+    def logprobs(self, token_logprobs, text_offset: int = 0) -> dict | None:
+        if token_logprobs is None:
+            return None
+        if self.chat:
+            return openai_logprobs.chat(self.tokenizer, token_logprobs)
+        return openai_logprobs.completion(self.tokenizer, token_logprobs, text_offset)
+
+    def failed(self):
+        """The first choice that ended otherwise than by stop or length, or None."""
+        return next((h for h in self.handles if h.finish_reason not in ("stop", "length")), None)
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            if not handle.finished:
+                handle.cancel()
 
 
 def _engine_error(handle) -> tuple[int, dict]:
@@ -236,61 +291,68 @@ def _engine_error(handle) -> tuple[int, dict]:
     return 500, oai.error_body(handle.error or "the engine failed", "server_error", None, "engine_failed")
 
 
-async def _complete(request, handle, events, rid: str, chat: bool, model_name: str):
-    """Waits for the whole completion; a client that goes away cancels it."""
+async def _complete(request, reply: Reply, events):
+    """Waits for every choice to finish; a client that goes away cancels them."""
     try:
-        next_check = time.monotonic() + DISCONNECT_POLL_S
-        while True:
+        next_check, unfinished = time.monotonic() + DISCONNECT_POLL_S, len(reply.handles)
+        while unfinished:
             with contextlib.suppress(TimeoutError):
-                if (await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)).finish_reason is not None:
-                    break
+                _, event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+                unfinished -= event.finish_reason is not None
             if time.monotonic() >= next_check:  # tokens may arrive more often than the poll period
                 next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
-                    handle.cancel()
+                    reply.cancel()
                     return JSONResponse(oai.error_body("client disconnected", "invalid_request_error"), 499)
     finally:
-        if not handle.finished:
-            handle.cancel()
-    if handle.finish_reason not in ("stop", "length"):
-        status, body = _engine_error(handle)
+        reply.cancel()
+    failed = reply.failed()
+    if failed is not None:
+        status, body = _engine_error(failed)
         return JSONResponse(body, status_code=status)
-    part = {"message": {"role": "assistant", "content": handle.text}} if chat else {"text": handle.text}
-    tokens = list(handle.tokens)
-    return JSONResponse(oai.body(rid, "chat.completion" if chat else "text_completion", model_name, int(time.time()),
-                                 oai.choice(part, tokens, handle.finish_reason),
-                                 oai.usage(len(handle.prompt_ids), len(tokens))))
+    choices = []
+    for i, h in enumerate(reply.handles):
+        part = {"message": {"role": "assistant", "content": h.text}} if reply.chat else {"text": h.text}
+        choices.append(oai.choice(i, part, list(h.tokens), h.finish_reason, reply.logprobs(h.logprobs)))
+    return JSONResponse(oai.body(reply.rid, reply.obj, reply.model_name, reply.created, choices, reply.usage()))
 
 
-async def _stream(handle, events, rid: str, chat: bool, include_usage: bool, model_name: str):
-    """Server-sent events: one chunk per engine event, then usage (if asked) and [DONE]. Leaving early
-    (the client disconnected: Starlette cancels this generator) cancels the request."""
-    obj, created = "chat.completion.chunk" if chat else "text_completion", int(time.time())
+async def _stream(reply: Reply, events, include_usage: bool):
+    """Server-sent events: one chunk per engine event (of choice i: "index": i), then usage (if asked)
+    and [DONE] once every choice finished; a choice that fails ends the stream with its error. Leaving
+    early (the client disconnected: Starlette cancels this generator) cancels the request."""
+    obj = "chat.completion.chunk" if reply.chat else "text_completion"
 
-    def sse(part: dict | None, tokens=(), reason=None, usage=None) -> str:
-        choice = None if part is None else oai.choice(part, list(tokens), reason)
-        return f"data: {json.dumps(oai.body(rid, obj, model_name, created, choice, usage))}\n\n"
+    def sse(choices: list, usage=None) -> str:
+        return f"data: {json.dumps(oai.body(reply.rid, obj, reply.model_name, reply.created, choices, usage))}\n\n"
 
+    offsets = [0] * len(reply.handles)  # characters of each choice's token texts so far (text_offset)
     try:
-        if chat:
-            yield sse({"delta": {"role": "assistant", "content": ""}})
-        while True:
-            event = await events.get()
+        for i in range(len(reply.handles) if reply.chat else 0):
+            yield sse([oai.choice(i, {"delta": {"role": "assistant", "content": ""}}, [], None)])
+        unfinished = len(reply.handles)
+        while unfinished:
+            i, event = await events.get()
             reason = event.finish_reason
             if reason in (None, "stop", "length") and (event.text or event.tokens or reason):
                 delta = {"content": event.text} if event.text or not reason else {}
-                yield sse({"delta": delta} if chat else {"text": event.text}, event.tokens, reason)
+                logprobs = reply.logprobs(event.logprobs, offsets[i])
+                if logprobs is not None and not reply.chat:
+                    offsets[i] += sum(map(len, logprobs["tokens"]))
+                yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": event.text}, event.tokens, reason,
+                                      logprobs)])
             if reason is None:
                 continue
             if reason not in ("stop", "length"):
-                yield f"data: {json.dumps(_engine_error(handle)[1])}\n\n"
-            elif include_usage:
-                yield sse(None, usage=oai.usage(len(handle.prompt_ids), len(handle.tokens)))
-            yield "data: [DONE]\n\n"
-            return
+                yield f"data: {json.dumps(_engine_error(reply.handles[i])[1])}\n\n"
+                break
+            unfinished -= 1
+        else:
+            if include_usage:
+                yield sse([], reply.usage())
+        yield "data: [DONE]\n\n"
     finally:
-        if not handle.finished:
-            handle.cancel()
+        reply.cancel()
 
 
 class Server:
