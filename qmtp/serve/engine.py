@@ -49,12 +49,14 @@ from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
+from qmtp.serve.prefix_cache import PrefixCache
 from qmtp.serve.snapshots import Snapshot, SnapshotStore
 from qmtp.serve.textstream import TextStream
 from qmtp.serve.warmup import LONG_PROMPTS, Step, plan as warmup_plan
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
 DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
+DEFAULT_PREFIX_BLOCK = 64  # until measured on the GPU: a short system prompt still fills whole blocks
 SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -68,6 +70,8 @@ class EngineConfig:
     max_queue: int = 64  # queued (not yet admitted) requests beyond which submit() raises QueueFull
     max_stop_ids: int = 8  # stop token ids per request (device-side, NS)
     snapshot_budget_bytes: int = 0  # exact-prompt snapshots; 0 = off
+    prefix_cache_bytes: int = 0  # prefix cache checkpoints and the KV pages only it holds; 0 = off
+    prefix_block: int = 0  # tokens per prefix cache block; 0 = DEFAULT_PREFIX_BLOCK (prefill_chunk if deterministic)
     stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
     prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
     max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
@@ -75,22 +79,32 @@ class EngineConfig:
     def validate(self) -> None:
         for name, low in (("batch_slots", 1), ("mtp_k", 0), ("rounds_per_call", 1), ("max_model_len", 0),
                           ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("snapshot_budget_bytes", 0),
-                          ("prefill_batch", 1), ("max_prefill_tokens", 1)):
+                          ("prefill_batch", 1), ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
+                          ("prefix_block", 0)):
             value = getattr(self, name)
             if name == "mtp_k" and not 0 <= value <= loop.MAX_K:
                 raise ValueError(f"--mtp_k={value}: supported 0..{loop.MAX_K}")
             if value < low:
                 raise ValueError(f"--{name}={value} must be >= {low}")
+        if self.snapshot_budget_bytes and self.prefix_cache_bytes:
+            raise ValueError("--snapshot_budget_bytes and --prefix_cache_bytes: choose one (the prefix cache also "
+                             "serves repeated prompts)")
 
 
 @dataclasses.dataclass
 class Pieces:
-    """A long prompt's prefill in progress: its slot's page and stop rows, and the next piece's offset."""
+    """A prompt's prefill in progress, one pass at a time: its slot's page and stop rows, the next pass's
+    offset and every pass's end. With the prefix cache: the checkpoint to resume from first (and its
+    boundary, the first offset), the boundaries to checkpoint, the prompt's hash chain."""
 
     handle: RequestHandle
     page_row: np.ndarray  # [Pmax]
     stop_row: np.ndarray  # [NS]
+    ends: list[int]  # each pass's end (token count), ascending; the last is the prompt's length
     offset: int = 0
+    resume: object = None  # a prefix_cache.Checkpoint to resume from before the first pass
+    keep: tuple[int, ...] = ()  # boundaries at which the prefix cache keeps a checkpoint
+    digests: list = dataclasses.field(default_factory=list)  # the prompt's block chain
 
 
 @dataclasses.dataclass
@@ -132,6 +146,7 @@ class Engine:
         self.position_accepts = np.zeros(self.k, np.int64)
         self.sampled_position_accepts = np.zeros(self.k, np.int64)  # of sampled requests only
         self.snapshots = SnapshotStore(config.snapshot_budget_bytes)
+        self.prefix: PrefixCache | None = None
         self._set_model(model)
 
     def _set_model(self, model: api.Model) -> None:
@@ -158,6 +173,12 @@ class Engine:
         self._sampling = slot_sampling.SlotSampling(c.batch_slots)
         self._free_slots = list(range(c.batch_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.snapshots.clear()  # snapshots belong to the weights they were computed with
+        if self.prefix is not None:
+            self.prefix.clear()
+        self.prefix = None
+        if c.prefix_cache_bytes:
+            block = self._prefix_block(model)
+            self.prefix = PrefixCache(block, c.prefix_cache_bytes, self.allocator, self._device.page_bytes())
 
     # ---- public API ---------------------------------------------------------------------------------
     def start(self, warmup_buckets=None) -> "Engine":
@@ -319,6 +340,18 @@ class Engine:
             raise RequestError("stop strings must be non-empty strings", "stop")
         return ids
 
+    def _prefix_block(self, model: api.Model) -> int:
+        """The prefix cache's block: --prefix_block, or its default; ValueError when it cannot work."""
+        chunk, deterministic = model.kernels.prefill_chunk, model.kernels.deterministic
+        block = self.config.prefix_block or (chunk if deterministic else max(DEFAULT_PREFIX_BLOCK, model.page_size))
+        if block % model.page_size or block & (block - 1) or block > chunk:
+            raise ValueError(f"--prefix_block={block} must be a power of two, a multiple of --page_size="
+                             f"{model.page_size} and at most --prefill_chunk={chunk}")
+        if deterministic and block != chunk:
+            raise ValueError(f"--prefix_block={block}: under --deterministic it is --prefill_chunk={chunk} (a resumed "
+                             "prefill then runs the same whole-chunk passes as a full one)")
+        return block
+
     def _capacity(self, handle: RequestHandle) -> int:
         """KV positions a request reserves while active."""
         return len(handle.prompt_ids) + handle.max_tokens + self.extra
@@ -395,7 +428,7 @@ class Engine:
             self._apply_reload()
         self._admit()
         if self._pieces:
-            self._prefill_piece()
+            self._prefill_pieces()
         if any(slot not in self._pieces for slot in self._active):
             self._run_loop()
         if self._stopping and not self._active:
@@ -441,7 +474,15 @@ class Engine:
         admitted = []
         with self._cv:
             while not self._stopping and self._reload is None and self._queue and self._free_slots:
-                capacity = self._capacity(self._queue[0])
+                head = self._queue[0]
+                if self.prefix is not None:
+                    reservation = self._reserve_with_prefix(head)
+                    if reservation is None:
+                        break
+                    self._queue.popleft()
+                    self._start_pieces(head, self._free_slots.pop(), *reservation)
+                    continue
+                capacity = self._capacity(head)
                 if self.allocator.pages_for(capacity) > self.allocator.free_pages:
                     break
                 admitted.append((self._queue.popleft(), self._free_slots.pop(), self.allocator.reserve(capacity)))
@@ -460,6 +501,22 @@ class Engine:
             rows = self._group_rows(bucket)
             for i in range(0, len(group), rows):
                 self._prefill_group(group[i:i + rows])
+
+    def _reserve_with_prefix(self, handle: RequestHandle):
+        """The head request's pages when they fit (evicting cache entries for them): its prompt's deepest
+        checkpoint's pages shared, but the last, then its own; (reservation, boundary, checkpoint, chain), or
+        None to wait."""
+        boundary, ckpt, digests = self.prefix.lookup(handle.prompt_ids)
+        shared = ckpt.pages[:boundary // self.page_size - 1] if ckpt is not None else []
+        need = self.allocator.pages_for(self._capacity(handle)) - len(shared)
+        self.allocator.retain(shared)  # pinned while evicting: the checkpoint itself may go
+        try:
+            self.prefix.evict_for_pages(need)
+            if need > self.allocator.free_pages:
+                return None
+            return self.allocator.reserve(self._capacity(handle), shared), boundary, ckpt, digests
+        finally:
+            self.allocator.drop(shared)
 
     def _group_rows(self, bucket: int) -> int:
         """Rows of a batched prefill for this prompt bucket (padding rows fill a smaller group)."""
@@ -523,32 +580,85 @@ class Engine:
         for j, (handle, slot, _) in enumerate(group):
             self._started(handle, slot, int(first[j]), first_lp, j)
 
-    def _start_pieces(self, handle: RequestHandle, slot: int, reservation: int) -> int:
-        """Queues a long prompt's prefill, piece by piece, into `slot`; returns the slot."""
-        self._pieces[slot] = Pieces(handle, *self._activate(handle, slot, reservation))
+    def _start_pieces(self, handle: RequestHandle, slot: int, reservation: int, boundary: int = 0, ckpt=None,
+                      digests=()) -> int:
+        """Queues a prompt's prefill, pass by pass, into `slot`: passes end on multiples of prefill_chunk
+        and, with the prefix cache, at the boundaries it keeps; from `boundary`, after resuming from the
+        checkpoint `ckpt` there. Returns the slot."""
+        n = len(handle.prompt_ids)
+        keep = tuple(self.prefix.keep_points(n, list(digests), boundary)) if self.prefix is not None else ()
+        ends = sorted(set(range(boundary - boundary % self.piece + self.piece, n, self.piece)) | set(keep) | {n})
+        self._pieces[slot] = Pieces(handle, *self._activate(handle, slot, reservation), ends=ends, offset=boundary,
+                                    resume=ckpt, keep=keep, digests=list(digests))
+        if ckpt is not None:
+            handle.prefix_hit_tokens = boundary
+            self.counters["prefix_hits"] += 1
         return slot
 
-    def _prefill_piece(self) -> None:
-        """The next piece of the first long prompt in progress; after its last piece the request starts."""
+    def _prefill_pieces(self) -> None:
+        """Passes of the prompts in progress (FIFO): one; with the prefix cache, which runs every prompt's
+        prefill in passes, as many as prefill_chunk tokens allow (at least one)."""
+        budget = self.piece if self.prefix is not None else 1
+        while self._pieces and budget > 0:
+            budget -= self._prefill_piece()
+
+    def _piece_width(self, tokens: int) -> int:
+        """A pass's padded width: prefill_chunk (always under --deterministic, whose passes are whole
+        chunks), but with the prefix cache the prompt bucket of a shorter pass's tokens."""
+        if self.prefix is None or self.model.kernels.deterministic:
+            return self.piece
+        return min(self.piece, api._bucket(tokens))
+
+    def _prefill_piece(self) -> int:
+        """The next pass of the first prompt in progress; after its last pass the request starts. Returns
+        the pass's tokens."""
         self._flush_retired()
         slot, p = next(iter(self._pieces.items()))
-        ids, c = p.handle.prompt_ids, self.piece
+        ids = p.handle.prompt_ids
+        if p.resume is not None:
+            self._resume(slot, p)
+        end = p.ends.pop(0)
+        c = self._piece_width(end - p.offset)
         tokens, next_tokens = np.zeros((1, c), np.int32), np.zeros((1, c), np.int32)  # [1, C]
-        piece = ids[p.offset:p.offset + c]
+        piece = ids[p.offset:end]
         tokens[0, :len(piece)] = piece
-        ahead = ids[p.offset + 1:p.offset + c + 1]  # the MTP head's inputs, one token ahead
+        ahead = ids[p.offset + 1:end + 1]  # the MTP head's inputs, one token ahead
         next_tokens[0, :len(ahead)] = ahead
-        last = p.offset + c >= len(ids)
+        last = end >= len(ids)
         with self._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
-            first, first_lp = self._device.prefill_piece(slot, p.page_row, p.offset, tokens, next_tokens, len(piece),
-                                                         last, p.handle.max_tokens, p.stop_row,
-                                                         self._sampling.rows([slot], always=True))
+            first, first_lp, hidden = self._device.prefill_piece(
+                slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last, p.handle.max_tokens, p.stop_row,
+                self._sampling.rows([slot], always=True))
         self.counters["prefill_pieces"] += 1
-        p.offset += c
+        p.offset = end
+        if end in p.keep:
+            self._checkpoint(slot, p, hidden)
         if last:
             del self._pieces[slot]
             self.counters["prefills"] += 1
             self._started(p.handle, slot, int(first[0]), first_lp, 0)
+        return len(piece)
+
+    def _resume(self, slot: int, p: Pieces) -> None:
+        """Puts the prefix cache checkpoint p.resume into the slot (its GDN rows, a copy of its last page,
+        the MTP KV at the boundary - 1 for this prompt's next token) before the pass from p.offset."""
+        ckpt, b = p.resume, p.offset
+        last_page = b // self.page_size - 1  # holds position b - 1
+        with self._watch("prefix cache: resume"):
+            ckpt.gdn = self._device.resume(ckpt.gdn, slot, p.page_row, ckpt.pages[last_page], int(p.page_row[last_page]),
+                                           ckpt.hidden, p.handle.prompt_ids[b], b)
+        p.resume = None
+
+    def _checkpoint(self, slot: int, p: Pieces, hidden) -> None:
+        """Keeps the slot's state at p.offset (a block boundary the prefill just reached) in the prefix cache."""
+        b = p.offset
+        state_bytes = self._device.gdn_row_bytes() + hidden.size * hidden.dtype.itemsize
+        if not self.prefix.fits(state_bytes):
+            return
+        with self._watch("prefix cache: checkpoint"):
+            gdn = self._device.take_gdn_row(slot)
+        self.prefix.put(p.digests[:b // self.prefix.block], p.page_row[:b // self.page_size].tolist(), gdn, hidden,
+                        state_bytes)
 
     def _started(self, handle: RequestHandle, slot: int, token: int, logprobs, row: int) -> None:
         """Emits an admitted request's first token (which may also finish it); logprobs: host TokenLogprobs

@@ -75,6 +75,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.snapshot_hit = False
+        self.prefix_hit_tokens = 0  # prompt tokens the prefix cache served (not prefilled)
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
         self.cancel_requested = False

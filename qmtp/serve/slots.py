@@ -86,7 +86,8 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     token ahead; on the last piece its last valid token becomes the first generated one). A piece that
     is not `last` leaves the slot done, so decode rounds skip it; the last one starts it like
     prefill_into_slots. Returns (first token [1] (meaningful on the last piece), state, slots, its
-    TokenLogprobs [1, 1])."""
+    TokenLogprobs [1, 1], the target's hidden [1, E] at the piece's last position (a prefix cache
+    checkpoint's))."""
     read = slots.gdn_slot[slot]
     resume = lambda ring: jnp.where(offset > 0, ring[read, slot], 0)[None].astype(ring.dtype)  # noqa: E731
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(map(resume, state.conv)),
@@ -106,7 +107,33 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     new = dataclasses.replace(new, done=new.done | ~last)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     lp = loop.first_logprobs(logits, first, sampling, MAX_TOP_LOGPROBS)
-    return first, *_put_rows(state, slots, slot[None], sub.conv, sub.ssm, page_row[None], sub.lengths, new), lp
+    last_hidden = target.last_valid(hidden, n_valid)  # [1, E]
+    return (first, *_put_rows(state, slots, slot[None], sub.conv, sub.ssm, page_row[None], sub.lengths, new), lp,
+            last_hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
+def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
+                  checkpoint: DecodeState, slots: Slots, slot: jax.Array, page_row: jax.Array, copy_from: jax.Array,
+                  copy_to: jax.Array, hidden: jax.Array, next_token: jax.Array, boundary: jax.Array):
+    """Resumes slot `slot` (int32 []) at a prefix cache checkpoint of `boundary` tokens (qmtp/serve/
+    prefix_cache.py): the checkpoint's GDN rows (a one-row state without pages) go to the slot's read
+    slot; KV page copy_from, the checkpoint's last (it holds position boundary - 1), is copied into the
+    slot's own page copy_to; and with MTP, the MTP KV at boundary - 1 is written again from the
+    checkpoint's hidden h_{b-1} [1, E] and the request's own token there, next_token (int32 []). The
+    piece prefill then continues at `boundary`. Returns (state, checkpoint (unchanged), slots)."""
+    read = slots.gdn_slot[slot]
+    put = lambda ring, row: ring.at[read, slot].set(row[0])  # noqa: E731
+    copy = lambda pool: pool.at[copy_to].set(pool[copy_from])  # noqa: E731
+    state = dataclasses.replace(state, conv=tuple(map(put, state.conv, checkpoint.conv)),
+                                ssm=tuple(map(put, state.ssm, checkpoint.ssm)),
+                                kv=jax.tree.map(copy, state.kv), mtp_kv=jax.tree.map(copy, state.mtp_kv))
+    if use_mtp:
+        sub = dataclasses.replace(state, page_table=page_row[None], lengths=boundary[None] - 1)
+        _, sub = mtp.forward(cfg, params, sub, next_token.reshape(1, 1), hidden[:, None], boundary[None] - 1,
+                             jnp.ones((1,), jnp.int32), kernels)
+        state = dataclasses.replace(state, mtp_kv=sub.mtp_kv)
+    return state, checkpoint, slots
 
 
 @functools.partial(jax.jit, static_argnames=("n_pages",), donate_argnames=("state",))
@@ -166,14 +193,41 @@ class DeviceBatch:
     def prefill_piece(self, slot: int, page_row, offset: int, tokens, next_tokens, n_valid: int, last: bool,
                       max_tokens: int, stop_row, sampling=None):
         """prefill_piece (tokens, next_tokens [1, C]); returns the first token [1] and its TokenLogprobs [1, 1]
-        (host; meaningful when last)."""
+        (host; meaningful when last), and the piece's last target hidden [1, E] (device)."""
         m = self.model
         args = (m.params, self.state, self.slots, np.int32(slot), page_row, np.int32(offset), tokens, next_tokens,
                 np.array([n_valid], np.int32), np.bool_(last), np.int32(max_tokens), stop_row)
-        first, self.state, self.slots, lp = api._call(
+        first, self.state, self.slots, lp, hidden = api._call(
             m, prefill_piece, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
-            ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep", "rep"))
-        return jax.device_get((first, lp))
+            ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep", "rep", "rep"))
+        return (*jax.device_get((first, lp)), hidden)
+
+    def take_gdn_row(self, slot: int) -> DecodeState:
+        """The slot's GDN rows (its read slot) as a one-row DecodeState without pages."""
+        self.state, row, *_ = api._call(self.model, take_snapshot, (0,), (self.state, self.slots, np.int32(slot)),
+                                        ("state", "rep", "rep"), ("state", "rows_state", "rep", "rep", "rep"))
+        return row
+
+    def gdn_row_bytes(self) -> int:
+        """Device bytes of one take_gdn_row."""
+        size = lambda a: a.size * a.dtype.itemsize  # noqa: E731
+        return sum(map(size, self.state.conv + self.state.ssm)) // self.state.batch // loop.ring_size(self.k)
+
+    def page_bytes(self) -> int:
+        """Device bytes of one KV page (every attention layer's, target and MTP)."""
+        s = self.state
+        return sum(a.size * a.dtype.itemsize for a in s.kv.k + s.kv.v + s.mtp_kv.k + s.mtp_kv.v) // self.num_pages
+
+    def resume(self, checkpoint: DecodeState, slot: int, page_row, copy_from: int, copy_to: int, hidden,
+               next_token: int, boundary: int) -> DecodeState:
+        """resume_prefix; returns the checkpoint's rows (the call hands them back)."""
+        m = self.model
+        self.state, checkpoint, self.slots = api._call(
+            m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
+            (m.params, self.state, checkpoint, self.slots, np.int32(slot), page_row, np.int32(copy_from),
+             np.int32(copy_to), hidden, np.int32(next_token), np.int32(boundary)),
+            ("params", "state", "state") + ("rep",) * 8, ("state", "state", "rep"))
+        return checkpoint
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
         """restore_snapshot (snap.state becomes the state the call hands back)."""
@@ -194,11 +248,9 @@ class DeviceBatch:
     def snapshot_bytes(self, n_pages: int) -> int:
         """Device bytes of a snapshot of n_pages pages: its pages, one row of conv/ssm (one ring slot), the
         page table, length, first, d1 and mh."""
-        size = lambda a: a.size * a.dtype.itemsize  # noqa: E731
-        s, b = self.state, self.state.batch
-        page = sum(map(size, s.kv.k + s.kv.v + s.mtp_kv.k + s.mtp_kv.v)) // self.num_pages
-        row = sum(map(size, s.conv + s.ssm)) // b // loop.ring_size(self.k)
-        return page * n_pages + row + 4 * (n_pages + 1) + 8 + size(self.slots.mh) // b
+        mh = self.slots.mh
+        return (self.page_bytes() * n_pages + self.gdn_row_bytes() + 4 * (n_pages + 1) + 8
+                + mh.size * mh.dtype.itemsize // self.state.batch)
 
     def run(self, n: int, sampling=None, logprobs: bool = False):
         """n MTP rounds (or plain steps) over all slots; sampling: every slot's SamplingParams (the loop's

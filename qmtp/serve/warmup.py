@@ -52,7 +52,10 @@ def plan(engine, buckets) -> list[Step]:
                          f"{reachable[-1]} (prompts of at most {engine.longest_prompt()} tokens, --max_model_len="
                          f"{engine.max_model_len})")
     steps = []
-    if any(b > engine.piece for b in chosen):
+    if engine.prefix is not None:
+        steps += _prefix_steps(engine, chosen)
+        chosen = []
+    elif any(b > engine.piece for b in chosen):
         steps.append(Step(f"{LONG_PROMPTS}: prefill piece of {engine.piece} tokens",
                           functools.partial(_pieces, engine, engine.piece + 1)))
         chosen = [b for b in chosen if b <= engine.piece]
@@ -72,6 +75,40 @@ def plan(engine, buckets) -> list[Step]:
         steps.append(Step(f"decode loop with {form} ({engine.config.rounds_per_call} {unit})",
                           functools.partial(_sampled_loop, engine, logprobs)))
     return steps
+
+
+def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
+    """With the prefix cache every prompt is prefilled in passes (Engine._prefill_piece) of padded widths
+    up to prefill_chunk (under --deterministic, that one width): one program per width, then a checkpoint
+    and a resume from it."""
+    widths = [engine.piece] if engine.model.kernels.deterministic else [
+        w for w in engine.prompt_buckets() if w <= min(engine.piece, max(chosen))]
+    steps = [Step(f"prefix cache: prefill pass of {w} tokens", functools.partial(_pass, engine, w), w) for w in widths]
+    steps.append(Step("prefix cache: checkpoint and resume", functools.partial(_checkpoint_and_resume, engine)))
+    return steps
+
+
+def _pass(engine, width: int) -> None:
+    """One pass of `width` padded tokens (a prompt of the fewest tokens that take it, no checkpoint)."""
+    n = 1 if width == api.MIN_PROMPT_BUCKET else width // 2 + 1
+    slot = engine._start_pieces(*_request(engine, n))
+    engine._pieces[slot].ends, engine._pieces[slot].keep = [n], ()
+    engine._prefill_piece()
+    engine._flush_retired()
+
+
+def _checkpoint_and_resume(engine) -> None:
+    """A prompt of two blocks and a token (a checkpoint after two blocks), then the same prompt (resumed
+    there); the cache is emptied after."""
+    n = 2 * engine.prefix.block + 1
+    for _ in range(2):
+        handle = RequestHandle(engine, -1, [0] * n, 1, (), (), listener=lambda event: None)
+        engine._start_pieces(handle, engine._free_slots.pop(), *engine._reserve_with_prefix(handle))
+        while engine._pieces:
+            engine._prefill_piece()
+        engine._flush_retired()
+    engine.prefix.clear()
+    engine.prefix.reset_counts()
 
 
 def _request(engine, n: int) -> tuple:
