@@ -175,6 +175,13 @@ def state_specs(state: DecodeState, rows: bool = False) -> DecodeState:
                        ssm=tuple(P(*slot, None, AXIS) for _ in state.ssm), page_table=P(), lengths=P())
 
 
+def gdn_row_specs(rows: tuple) -> tuple:
+    """Specs of GDN rows (conv rows, ssm rows) taken out of a state, shaped as `rows` (or a state): as
+    state_specs(rows=True)'s conv and ssm."""
+    conv, ssm = (rows.conv, rows.ssm) if isinstance(rows, DecodeState) else rows
+    return tuple(P(None, None, AXIS) for _ in conv), tuple(P(None, AXIS) for _ in ssm)
+
+
 def global_state_shapes(cfg: ModelConfig, n: int, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
                         dtype, gdn_slots: int = 0) -> DecodeState:
     """The TP-global state shapes: as `state_shapes`, with n * (KV heads per shard) KV heads."""
@@ -250,6 +257,8 @@ def _specs(kind: str, value):
         return param_specs(value)
     if kind == "state":
         return state_specs(value)
+    if kind == "gdn_rows":
+        return gdn_row_specs(value)
     return P()  # replicated: a prefix spec for the whole argument
 
 
@@ -257,9 +266,10 @@ def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: t
             statics: dict | None = None):
     """fn(*lead, *args, **statics) as one jitted shard_map over `mesh`: fn is a jitted entry point (its
     Python body is taken from __wrapped__), lead its leading static arguments (cfg, kernels, ...), statics
-    its static keyword arguments (hashable values); kinds name each arg ("params", "state" or "rep") and
-    each output ("state", "rows_state" or "rep"). The state argument is donated, as the single-device
-    entry points do."""
+    its static keyword arguments (hashable values); kinds name each arg ("params", "state", "gdn_rows" or
+    "rep") and each output ("state", "rows_state", "gdn_rows" or "rep"); "gdn_rows" are (conv rows, ssm
+    rows) taken out of a state (a prefix cache checkpoint's). The state arguments are donated, as the
+    single-device entry points do."""
     state_arg = args[kinds.index("state")] if "state" in kinds else None
     statics = statics or {}
     key = (fn, mesh, lead, tuple(sorted(statics.items())), kinds, out_kinds, check_vma,
@@ -272,7 +282,8 @@ def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: t
         state_args = [a for k, a in zip(kinds, args) if k == "state"]
         out_state = iter(state_args + [state_arg] * len(out_kinds))
         out_specs = tuple(state_specs(next(out_state)) if k == "state" else
-                          state_specs(state_arg, rows=True) if k == "rows_state" else P() for k in out_kinds)
+                          state_specs(state_arg, rows=True) if k == "rows_state" else
+                          gdn_row_specs(state_arg) if k == "gdn_rows" else P() for k in out_kinds)
         body = functools.partial(_call_wrapped, fn.__wrapped__, lead, statics)
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
         donate = tuple(i for i, k in enumerate(kinds) if k == "state")

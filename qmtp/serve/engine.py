@@ -645,8 +645,8 @@ class Engine:
         ckpt, b = p.resume, p.offset
         last_page = b // self.page_size - 1  # holds position b - 1
         with self._watch("prefix cache: resume"):
-            ckpt.gdn = self._device.resume(ckpt.gdn, slot, p.page_row, ckpt.pages[last_page], int(p.page_row[last_page]),
-                                           ckpt.hidden, p.handle.prompt_ids[b], b)
+            self._device.resume(ckpt.gdn, slot, p.page_row, ckpt.pages[last_page], int(p.page_row[last_page]),
+                                ckpt.hidden, p.handle.prompt_ids[b], b)
         p.resume = None
 
     def _checkpoint(self, slot: int, p: Pieces, hidden) -> None:
@@ -656,7 +656,7 @@ class Engine:
         if not self.prefix.fits(state_bytes):
             return
         with self._watch("prefix cache: checkpoint"):
-            gdn = self._device.take_gdn_row(slot)
+            gdn = self._device.take_gdn_rows(slot)
         self.prefix.put(p.digests[:b // self.prefix.block], p.page_row[:b // self.page_size].tolist(), gdn, hidden,
                         state_bytes)
 

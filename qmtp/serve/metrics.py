@@ -58,6 +58,23 @@ def render(engine, invalid_requests: int = 0) -> str:
     metric("qmtp_snapshot_bytes", "gauge", "Bytes held by snapshots.", snap.bytes)
     metric("qmtp_snapshot_budget_bytes", "gauge", "Snapshot byte budget (0 = off).", snap.budget_bytes)
     metric("qmtp_snapshot_evictions_total", "counter", "Snapshots evicted (LRU).", snap.evicted)
+    prefix = engine.prefix
+    if prefix is not None:
+        metric("qmtp_prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.", prefix.lookups)
+        metric("qmtp_prefix_cache_hits_total", "counter", "Prompts resumed from a prefix cache checkpoint.",
+               prefix.hits)
+        metric("qmtp_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served by the prefix cache (prefill "
+               "saved).", prefix.hit_tokens)
+        metric("qmtp_prefix_cache_hit_blocks_total", "counter", "Prompt blocks served by the prefix cache.",
+               prefix.hit_tokens // prefix.block)
+        metric("qmtp_prefix_cache_token_hit_rate", "gauge", "Prompt tokens served by the cache / prompt tokens.",
+               prefix.hit_tokens / c["prompt_tokens"] if c["prompt_tokens"] else 0.0)
+        metric("qmtp_prefix_cache_checkpoints", "gauge", "Checkpoints held.", len(prefix))
+        metric("qmtp_prefix_cache_bytes", "gauge", "Bytes the prefix cache holds alive (GDN states, hiddens, "
+               "KV pages).", prefix.bytes)
+        metric("qmtp_prefix_cache_budget_bytes", "gauge", "Prefix cache byte budget.", prefix.budget_bytes)
+        metric("qmtp_prefix_cache_evictions_total", "counter", "Checkpoints evicted (LRU: budget or KV pages).",
+               prefix.evicted)
     metric("qmtp_requests_running", "gauge", "Requests in batch slots.", s["active"])
     metric("qmtp_requests_queued", "gauge", "Requests waiting for a slot.", s["queued"])
     metric("qmtp_slots_free", "gauge", "Free batch slots.", s["free_slots"])

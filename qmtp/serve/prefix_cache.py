@@ -47,7 +47,7 @@ def chain(tokens, block: int) -> list[bytes]:
 class Checkpoint:
     digests: list[bytes]  # d_1 .. d_k: the chain of the prefix it ends
     pages: list[int]  # KV pages of positions < b, held (allocator.retain) while the checkpoint lives
-    gdn: object  # device state of the GDN layers after b - 1 (DeviceBatch.take_gdn_row)
+    gdn: tuple  # device (conv rows, ssm rows) of the GDN layers after b - 1 (DeviceBatch.take_gdn_rows)
     hidden: object  # device [1, E]: the target's hidden at b - 1
     state_bytes: int  # device bytes of gdn and hidden
 

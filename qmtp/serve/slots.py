@@ -112,28 +112,35 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
             last_hidden)
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def take_gdn_rows(state: DecodeState, slots: Slots, slot: jax.Array):
+    """Slot `slot`'s GDN rows, from its read slot: (state (unchanged), (conv rows, ssm rows), each [1, ...])."""
+    take = lambda ring: ring[slots.gdn_slot[slot], slot][None]  # noqa: E731
+    return state, (tuple(map(take, state.conv)), tuple(map(take, state.ssm)))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
 def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
-                  checkpoint: DecodeState, slots: Slots, slot: jax.Array, page_row: jax.Array, copy_from: jax.Array,
+                  gdn_rows: tuple, slots: Slots, slot: jax.Array, page_row: jax.Array, copy_from: jax.Array,
                   copy_to: jax.Array, hidden: jax.Array, next_token: jax.Array, boundary: jax.Array):
     """Resumes slot `slot` (int32 []) at a prefix cache checkpoint of `boundary` tokens (qmtp/serve/
-    prefix_cache.py): the checkpoint's GDN rows (a one-row state without pages) go to the slot's read
-    slot; KV page copy_from, the checkpoint's last (it holds position boundary - 1), is copied into the
-    slot's own page copy_to; and with MTP, the MTP KV at boundary - 1 is written again from the
-    checkpoint's hidden h_{b-1} [1, E] and the request's own token there, next_token (int32 []). The
-    piece prefill then continues at `boundary`. Returns (state, checkpoint (unchanged), slots)."""
+    prefix_cache.py): the checkpoint's GDN rows (take_gdn_rows') go to the slot's read slot; KV page
+    copy_from, the checkpoint's last (it holds position boundary - 1), is copied into the slot's own
+    page copy_to; and with MTP, the MTP KV at boundary - 1 is written again from the checkpoint's hidden
+    h_{b-1} [1, E] and the request's own token there, next_token (int32 []). The piece prefill then
+    continues at `boundary`. Returns the state."""
     read = slots.gdn_slot[slot]
     put = lambda ring, row: ring.at[read, slot].set(row[0])  # noqa: E731
     copy = lambda pool: pool.at[copy_to].set(pool[copy_from])  # noqa: E731
-    state = dataclasses.replace(state, conv=tuple(map(put, state.conv, checkpoint.conv)),
-                                ssm=tuple(map(put, state.ssm, checkpoint.ssm)),
+    conv, ssm = gdn_rows
+    state = dataclasses.replace(state, conv=tuple(map(put, state.conv, conv)), ssm=tuple(map(put, state.ssm, ssm)),
                                 kv=jax.tree.map(copy, state.kv), mtp_kv=jax.tree.map(copy, state.mtp_kv))
     if use_mtp:
         sub = dataclasses.replace(state, page_table=page_row[None], lengths=boundary[None] - 1)
         _, sub = mtp.forward(cfg, params, sub, next_token.reshape(1, 1), hidden[:, None], boundary[None] - 1,
                              jnp.ones((1,), jnp.int32), kernels)
         state = dataclasses.replace(state, mtp_kv=sub.mtp_kv)
-    return state, checkpoint, slots
+    return (state,)
 
 
 @functools.partial(jax.jit, static_argnames=("n_pages",), donate_argnames=("state",))
@@ -202,14 +209,14 @@ class DeviceBatch:
             ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep", "rep", "rep"))
         return (*jax.device_get((first, lp)), hidden)
 
-    def take_gdn_row(self, slot: int) -> DecodeState:
-        """The slot's GDN rows (its read slot) as a one-row DecodeState without pages."""
-        self.state, row, *_ = api._call(self.model, take_snapshot, (0,), (self.state, self.slots, np.int32(slot)),
-                                        ("state", "rep", "rep"), ("state", "rows_state", "rep", "rep", "rep"))
-        return row
+    def take_gdn_rows(self, slot: int) -> tuple:
+        """take_gdn_rows: the slot's (conv rows, ssm rows)."""
+        self.state, rows = api._call(self.model, take_gdn_rows, (), (self.state, self.slots, np.int32(slot)),
+                                     ("state", "rep", "rep"), ("state", "gdn_rows"))
+        return rows
 
     def gdn_row_bytes(self) -> int:
-        """Device bytes of one take_gdn_row."""
+        """Device bytes of one take_gdn_rows."""
         size = lambda a: a.size * a.dtype.itemsize  # noqa: E731
         return sum(map(size, self.state.conv + self.state.ssm)) // self.state.batch // loop.ring_size(self.k)
 
@@ -218,16 +225,15 @@ class DeviceBatch:
         s = self.state
         return sum(a.size * a.dtype.itemsize for a in s.kv.k + s.kv.v + s.mtp_kv.k + s.mtp_kv.v) // self.num_pages
 
-    def resume(self, checkpoint: DecodeState, slot: int, page_row, copy_from: int, copy_to: int, hidden,
-               next_token: int, boundary: int) -> DecodeState:
-        """resume_prefix; returns the checkpoint's rows (the call hands them back)."""
+    def resume(self, gdn_rows: tuple, slot: int, page_row, copy_from: int, copy_to: int, hidden, next_token: int,
+               boundary: int) -> None:
+        """resume_prefix."""
         m = self.model
-        self.state, checkpoint, self.slots = api._call(
+        (self.state,) = api._call(
             m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
-            (m.params, self.state, checkpoint, self.slots, np.int32(slot), page_row, np.int32(copy_from),
+            (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, np.int32(copy_from),
              np.int32(copy_to), hidden, np.int32(next_token), np.int32(boundary)),
-            ("params", "state", "state") + ("rep",) * 8, ("state", "state", "rep"))
-        return checkpoint
+            ("params", "state", "gdn_rows") + ("rep",) * 8, ("state",))
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
         """restore_snapshot (snap.state becomes the state the call hands back)."""

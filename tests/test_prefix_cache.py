@@ -1,0 +1,181 @@
+"""The prefix cache in the serving engine: conversations that share system prompts and grow turn by turn,
+with random cancellations and a budget and page pool small enough to evict, give token for token the
+output of the same engine without the cache (K = 0 and 3; TP2 on two CPU devices); afterwards every
+page is free or held by the cache alone and the cache's byte count is what it holds. Also: a resumed
+prefill serves sampled and logprobs requests as a full one, the warm-up covers its programs, metrics
+report it, and bad settings are refused by name.
+
+The tiny checkpoint's `model` (float32, page size 8) from tests/conftest.py; blocks of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp.serve import metrics
+from qmtp.serve.engine import Engine, EngineConfig
+
+BLOCK, SLOTS, MAX_LEN = 16, 3, 160
+pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
+
+
+def config(k, cache_bytes, num_pages=80, **kw) -> EngineConfig:
+    """3 slots of up to 160 tokens (21 pages each with K=3) in a pool of 80 pages: the cache's pages
+    compete with the requests' own."""
+    return EngineConfig(batch_slots=SLOTS, mtp_k=k, rounds_per_call=2, max_model_len=MAX_LEN, num_pages=num_pages,
+                        prefix_cache_bytes=cache_bytes, prefix_block=BLOCK, **kw)
+
+
+def conversations(seed: int, n_conv: int, turns: int):
+    """Per conversation: its system prompt (one of two: 32 tokens, so that prompts part right at a block
+    boundary, where the MTP entry before it must be rewritten; and 20-50) and its user turns (3-20 tokens)."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 380, int(n)).tolist() for n in (2 * BLOCK, rng.integers(20, 50))]
+    return [(systems[rng.integers(2)], [rng.integers(0, 380, int(n)).tolist() for n in rng.integers(3, 20, turns)])
+            for _ in range(n_conv)]
+
+
+def run_workload(model, k: int, seed: int, n_conv: int, turns: int, max_tokens: int = 6, cancel: float = 0.15):
+    """Round r submits every conversation's turn r to an engine without the cache, then to one with it
+    (one engine busy at a time: two threads compiling one TP program at once crash XLA on the CPU); the
+    history grows with the cache-off response. Returns the number of outputs compared, the cached engine."""
+    rng = np.random.default_rng(seed + 1)
+    off = Engine(model, config(k, 0)).start()
+    # a checkpoint of the tiny model: 39.5 KB of GDN state and hidden, 12 KB per page; room for a few
+    on = Engine(model, config(k, 1_000_000)).start()
+    histories = [list(system) for system, _ in conversations(seed, n_conv, turns)]
+    users = [u for _, u in conversations(seed, n_conv, turns)]
+    compared = 0
+    for turn in range(turns):
+        prompts = [h + users[c][turn] for c, h in enumerate(histories)]
+        fits = [len(p) + max_tokens < MAX_LEN for p in prompts]
+        want = [off.submit(p, max_tokens) for p, ok in zip(prompts, fits) if ok]
+        want = [w.result(300) for w in want]
+        got = [on.submit(p, max_tokens) for p, ok in zip(prompts, fits) if ok]
+        cancelled = [h for h in got if rng.random() < cancel]
+        time.sleep(rng.random() * 0.05)
+        for h in cancelled:
+            h.cancel()
+        for w, g in zip(want, got):
+            g = g.result(300)
+            if g.finish_reason != "cancelled":
+                assert g.tokens == w.tokens, (turn, w.tokens, g.tokens)
+                compared += 1
+        for c, p in enumerate(prompts):
+            if fits[c]:
+                histories[c] = p + want.pop(0).tokens
+    assert off.stop(10) and on.stop(10)
+    return compared, on
+
+
+def assert_only_the_cache_holds_pages(engine: Engine) -> None:
+    cache, alloc = engine.prefix, engine.allocator
+    held = sorted({p for ckpt in cache._entries.values() for p in ckpt.pages})
+    assert alloc.free_pages == alloc.num_pages - len(held)
+    assert all(alloc.refs(p) == sum(p in ckpt.pages for ckpt in cache._entries.values()) for p in held)
+    assert cache.bytes == sum(c.state_bytes for c in cache._entries.values()) + len(held) * cache.page_bytes
+    assert cache.bytes <= cache.budget_bytes and not engine._active
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_conversations_with_the_cache_equal_those_without(model, k):
+    compared, on = run_workload(model, k, seed=k, n_conv=6, turns=4)
+    assert compared >= 15
+    assert on.prefix.hits >= 6 and on.prefix.evicted > 0, (on.prefix.hits, on.prefix.evicted, on.prefix.lookups)
+    assert_only_the_cache_holds_pages(on)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 3])
+def test_two_hundred_requests_with_the_cache_equal_those_without(model, k):
+    compared, on = run_workload(model, k, seed=10 + k, n_conv=25, turns=8)
+    assert compared >= 150 and on.prefix.evicted > 0
+    assert_only_the_cache_holds_pages(on)
+
+
+def test_tp2_with_the_cache_equals_without(ckpt):
+    tp2 = qmtp.load(ckpt, dtype="float32", page_size=8, progress=False, tp=2)
+    compared, on = run_workload(tp2, 3, seed=5, n_conv=4, turns=3)
+    assert compared >= 8 and on.prefix.hits > 0
+    assert_only_the_cache_holds_pages(on)
+
+
+def _prefilled_state(engine: Engine, prompts) -> dict:
+    """Prefills the prompts one after the other on the test's thread (max_tokens 2: each stays in its
+    slot) and returns, for the last, per position < its length: the target and MTP KV entries, its GDN
+    rows, and its first draft and MTP hidden."""
+    for prompt in prompts:
+        handle = engine.submit(prompt, 2)
+        engine._admit()
+        while engine._pieces:
+            engine._prefill_piece()
+    slot = next(s for s, a in engine._active.items() if a.handle is handle)
+    state, slots, n = engine._device.state, engine._device.slots, len(prompts[-1])
+    pages = engine.allocator.pages(engine._active[slot].reservation)
+    at = [(pages[t // engine.page_size], t % engine.page_size) for t in range(n)]
+    entries = lambda pools: [np.stack([np.asarray(x)[p, o] for p, o in at]) for x in pools]  # noqa: E731
+    read = int(slots.gdn_slot[slot])
+    return {"kv": entries(state.kv.k + state.kv.v), "mtp_kv": entries(state.mtp_kv.k + state.mtp_kv.v),
+            "gdn": [np.asarray(x[read, slot]) for x in state.conv + state.ssm],
+            "d1": int(slots.d1[slot]), "mh": np.asarray(slots.mh[slot]), "first": int(slots.pending[slot])}
+
+
+def test_a_resumed_prefill_leaves_the_state_of_a_full_one(model):
+    """The KV of the target and of the MTP layer (its entry at the boundary - 1 rewritten for the new
+    prompt's next token), the GDN rows, the first token and draft: as a prefill without the cache."""
+    system = np.random.default_rng(8).integers(0, 380, 2 * BLOCK).tolist()
+    prompts = [system + [1, 2, 3], system + [9, 8, 7, 6, 5]]  # the second resumes at 32, its token there differs
+    on = Engine(model, config(2, 1 << 24))
+    got = _prefilled_state(on, prompts)
+    assert on.prefix.hits == 1
+    want = _prefilled_state(Engine(model, config(2, 0)), prompts[1:])
+    assert (got["first"], got["d1"]) == (want["first"], want["d1"])
+    for name in ("kv", "mtp_kv", "gdn", "mh"):  # the passes differ (from 32 on): float32 rounding apart
+        for g, w in zip(got[name] if name != "mh" else [got[name]], want[name] if name != "mh" else [want[name]]):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
+    """A hit resumes at a boundary; a seeded, logprobs request then gets qmtp.generate's tokens and values."""
+    engine = Engine(model, config(2, 1 << 24)).start()
+    system = np.random.default_rng(7).integers(0, 380, 40).tolist()
+    engine.generate(system + [1, 2, 3], 4, timeout=300)
+    prompt = system + [9, 8, 7, 6]
+    got = engine.submit(prompt, 6, temperature=0.9, top_k=40, seed=3, logprobs=3)
+    result = got.result(300)
+    assert got.prefix_hit_tokens == 32
+    want = qmtp.generate(model, [prompt], 6, mtp_k=2, temperature=0.9, top_k=40, seed=3, logprobs=3)
+    assert result.tokens == want.tokens[0]
+    np.testing.assert_allclose([t.logprob for t in result.logprobs], [t.logprob for t in want.logprobs[0]],
+                               rtol=1e-4, atol=1e-5)
+    text = metrics.render(engine)
+    assert "qmtp_prefix_cache_hit_tokens_total 32" in text and "qmtp_prefix_cache_hits_total 1" in text
+    assert engine.stop(10)
+
+
+def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
+    lines = []
+    engine = Engine(model, config(3, 1 << 24), log=lines.append)
+    engine.warmup([16, 64])
+    assert any("prefix cache: checkpoint and resume" in line for line in lines), lines
+    assert len(engine.prefix) == 0 and engine.prefix.lookups == 0
+    engine.start()
+    system = list(range(100, 140))
+    for tail in ([1, 2], [3, 4, 5], [6] * 20):
+        engine.generate(system + tail, 4, timeout=300)
+    assert engine.prefix.hits == 2 and engine.counters["serving_compiles"] == 0
+    assert engine.stop(10)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(prefix_block=24), r"--prefix_block=24 must be a power of two, a multiple of --page_size=8"),
+    (dict(prefix_block=4), r"--prefix_block=4 must be a power of two, a multiple of --page_size=8"),
+    (dict(snapshot_budget_bytes=1000), r"--snapshot_budget_bytes and --prefix_cache_bytes: choose one")])
+def test_bad_settings_are_refused_by_name(model, kw, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(model, dataclasses.replace(config(0, 1 << 20), **kw))
