@@ -43,20 +43,22 @@ def conversations(seed: int, n_conv: int, turns: int):
 def run_workload(model, k: int, seed: int, n_conv: int, turns: int, max_tokens: int = 6, cancel: float = 0.15):
     """Round r submits every conversation's turn r to an engine without the cache, then to one with it
     (one engine busy at a time: two threads compiling one TP program at once crash XLA on the CPU); the
-    history grows with the cache-off response. Returns the number of outputs compared, the cached engine."""
+    history grows with the cache-off response (a prompt that outgrows max_model_len is not sent). Returns
+    the requests sent, those compared (not cancelled), the cached engine."""
     rng = np.random.default_rng(seed + 1)
     off = Engine(model, config(k, 0)).start()
     # a checkpoint of the tiny model: 39.5 KB of GDN state and hidden, 12 KB per page; room for a few
     on = Engine(model, config(k, 1_000_000)).start()
     histories = [list(system) for system, _ in conversations(seed, n_conv, turns)]
     users = [u for _, u in conversations(seed, n_conv, turns)]
-    compared = 0
+    sent = compared = 0
     for turn in range(turns):
         prompts = [h + users[c][turn] for c, h in enumerate(histories)]
         fits = [len(p) + max_tokens < MAX_LEN for p in prompts]
         want = [off.submit(p, max_tokens) for p, ok in zip(prompts, fits) if ok]
         want = [w.result(300) for w in want]
         got = [on.submit(p, max_tokens) for p, ok in zip(prompts, fits) if ok]
+        sent += len(got)
         cancelled = [h for h in got if rng.random() < cancel]
         time.sleep(rng.random() * 0.05)
         for h in cancelled:
@@ -70,7 +72,7 @@ def run_workload(model, k: int, seed: int, n_conv: int, turns: int, max_tokens: 
             if fits[c]:
                 histories[c] = p + want.pop(0).tokens
     assert off.stop(10) and on.stop(10)
-    return compared, on
+    return sent, compared, on
 
 
 def assert_only_the_cache_holds_pages(engine: Engine) -> None:
@@ -84,8 +86,8 @@ def assert_only_the_cache_holds_pages(engine: Engine) -> None:
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_conversations_with_the_cache_equal_those_without(model, k):
-    compared, on = run_workload(model, k, seed=k, n_conv=6, turns=4)
-    assert compared >= 15
+    sent, compared, on = run_workload(model, k, seed=k, n_conv=6, turns=4)
+    assert sent == 24 and compared >= 15
     assert on.prefix.hits >= 6 and on.prefix.evicted > 0, (on.prefix.hits, on.prefix.evicted, on.prefix.lookups)
     assert_only_the_cache_holds_pages(on)
 
@@ -93,14 +95,14 @@ def test_conversations_with_the_cache_equal_those_without(model, k):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 3])
 def test_two_hundred_requests_with_the_cache_equal_those_without(model, k):
-    compared, on = run_workload(model, k, seed=10 + k, n_conv=25, turns=8)
-    assert compared >= 150 and on.prefix.evicted > 0
+    sent, compared, on = run_workload(model, k, seed=10 + k, n_conv=40, turns=6)
+    assert sent >= 200 and compared >= 0.75 * sent and on.prefix.evicted > 0
     assert_only_the_cache_holds_pages(on)
 
 
 def test_tp2_with_the_cache_equals_without(ckpt):
     tp2 = qmtp.load(ckpt, dtype="float32", page_size=8, progress=False, tp=2)
-    compared, on = run_workload(tp2, 3, seed=5, n_conv=4, turns=3)
+    _, compared, on = run_workload(tp2, 3, seed=5, n_conv=4, turns=3)
     assert compared >= 8 and on.prefix.hits > 0
     assert_only_the_cache_holds_pages(on)
 
@@ -169,6 +171,19 @@ def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
     for tail in ([1, 2], [3, 4, 5], [6] * 20):
         engine.generate(system + tail, 4, timeout=300)
     assert engine.prefix.hits == 2 and engine.counters["serving_compiles"] == 0
+    assert engine.stop(10)
+
+
+def test_choices_of_one_prompt_share_its_prefill(model):
+    """Requests admitted together with one prompt (a request's n choices): the first keeps a checkpoint
+    at its last boundary, the others resume there (copying its pages) and prefill only the rest."""
+    engine = Engine(model, config(2, 1 << 24)).start()
+    prompt = np.random.default_rng(9).integers(0, 380, 45).tolist()
+    handles = [engine.submit(prompt, 5) for _ in range(3)]
+    want = qmtp.generate(model, [prompt], 5, mtp_k=2).tokens[0]
+    assert [h.result(300).tokens for h in handles] == [want] * 3
+    assert [h.prefix_hit_tokens for h in handles] == [0, 32, 32]
+    assert engine.prefix.lookups == 3 and engine.prefix.hits == 2
     assert engine.stop(10)
 
 

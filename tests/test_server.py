@@ -543,7 +543,8 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
                        text=True, timeout=120)
     assert h.returncode == 0
     for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
-                 "max_queue", "snapshot_budget_bytes", "host", "port", "tp", "shutdown_timeout_s", "warmup_buckets"):
+                 "max_queue", "snapshot_budget_bytes", "prefix_cache_bytes", "prefix_block", "host", "port", "tp",
+                 "shutdown_timeout_s", "warmup_buckets"):
         assert f"--{flag}" in h.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)

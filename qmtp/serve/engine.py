@@ -7,7 +7,10 @@ The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a
      prompt bucket in one pass, and its first token emitted; a prompt longer than the model's
      prefill_chunk is prefilled piece by piece instead, one piece of prefill_chunk tokens per scheduling
      point (FIFO), so a long prompt holds the running streams up by one piece at a time, not its whole
-     prefill;
+     prefill. With the prefix cache (qmtp/serve/prefix_cache.py) every prompt is prefilled in passes,
+     up to prefill_chunk tokens of them per scheduling point: from the deepest checkpoint of its block
+     chain (looked up at admission, whose pages it then shares, and again before its first pass), with
+     passes ending where the cache keeps a checkpoint;
   3. runs `rounds_per_call` rounds of `loop.decode` over all slots (done or empty ones write nothing;
      a slot between pieces is done on the device);
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.
@@ -105,6 +108,8 @@ class Pieces:
     resume: object = None  # a prefix_cache.Checkpoint to resume from before the first pass
     keep: tuple[int, ...] = ()  # boundaries at which the prefix cache keeps a checkpoint
     digests: list = dataclasses.field(default_factory=list)  # the prompt's block chain
+    shared_pages: int = 0  # leading pages shared with the checkpoint (the rest of its pages are copied)
+    fresh: bool = True  # no pass has run yet
 
 
 @dataclasses.dataclass
@@ -582,18 +587,23 @@ class Engine:
 
     def _start_pieces(self, handle: RequestHandle, slot: int, reservation: int, boundary: int = 0, ckpt=None,
                       digests=()) -> int:
-        """Queues a prompt's prefill, pass by pass, into `slot`: passes end on multiples of prefill_chunk
-        and, with the prefix cache, at the boundaries it keeps; from `boundary`, after resuming from the
-        checkpoint `ckpt` there. Returns the slot."""
-        n = len(handle.prompt_ids)
-        keep = tuple(self.prefix.keep_points(n, list(digests), boundary)) if self.prefix is not None else ()
-        ends = sorted(set(range(boundary - boundary % self.piece + self.piece, n, self.piece)) | set(keep) | {n})
-        self._pieces[slot] = Pieces(handle, *self._activate(handle, slot, reservation), ends=ends, offset=boundary,
-                                    resume=ckpt, keep=keep, digests=list(digests))
-        if ckpt is not None:
-            handle.prefix_hit_tokens = boundary
-            self.counters["prefix_hits"] += 1
+        """Queues a prompt's prefill, pass by pass, into `slot`, from `boundary`, after resuming from the
+        prefix cache checkpoint `ckpt` there (whose pages but the last the reservation shares). Returns
+        the slot."""
+        p = Pieces(handle, *self._activate(handle, slot, reservation), ends=[], digests=list(digests),
+                   shared_pages=max(boundary // self.page_size - 1, 0))
+        self._pieces[slot] = p
+        self._plan(p, boundary, ckpt)
         return slot
+
+    def _plan(self, p: Pieces, boundary: int, ckpt) -> None:
+        """p's passes from `boundary` (resuming from `ckpt` there, if any): they end on multiples of
+        prefill_chunk, at the boundaries the prefix cache keeps, and at the prompt's end."""
+        n = len(p.handle.prompt_ids)
+        p.keep = tuple(self.prefix.keep_points(n, p.digests, boundary)) if self.prefix is not None else ()
+        p.ends = sorted(set(range(boundary - boundary % self.piece + self.piece, n, self.piece)) | set(p.keep) | {n})
+        p.offset, p.resume = boundary, ckpt
+        p.handle.prefix_hit_tokens = boundary
 
     def _prefill_pieces(self) -> None:
         """Passes of the prompts in progress (FIFO): one; with the prefix cache, which runs every prompt's
@@ -615,6 +625,13 @@ class Engine:
         self._flush_retired()
         slot, p = next(iter(self._pieces.items()))
         ids = p.handle.prompt_ids
+        if p.fresh and p.resume is None and self.prefix is not None:
+            # a checkpoint kept since admission (an earlier request's prefill, e.g. a choice of the same
+            # prompt): resumed from with a copy of all its pages
+            boundary, ckpt, _ = self.prefix.lookup(ids, again=True)
+            if ckpt is not None:
+                self._plan(p, boundary, ckpt)
+        p.fresh = False
         if p.resume is not None:
             self._resume(slot, p)
         end = p.ends.pop(0)
@@ -640,13 +657,17 @@ class Engine:
         return len(piece)
 
     def _resume(self, slot: int, p: Pieces) -> None:
-        """Puts the prefix cache checkpoint p.resume into the slot (its GDN rows, a copy of its last page,
-        the MTP KV at the boundary - 1 for this prompt's next token) before the pass from p.offset."""
+        """Puts the prefix cache checkpoint p.resume into the slot (its GDN rows, a copy of its pages that
+        the reservation does not share, the MTP KV at the boundary - 1 for this prompt's next token) before
+        the pass from p.offset."""
         ckpt, b = p.resume, p.offset
-        last_page = b // self.page_size - 1  # holds position b - 1
+        pages = range(p.shared_pages, b // self.page_size)  # the last holds position b - 1
+        copy_from = np.full(self.pages_per_slot, self.allocator.num_pages, np.int32)  # [Pmax]; out of range: none
+        copy_to = copy_from.copy()
+        copy_from[:len(pages)] = [ckpt.pages[i] for i in pages]
+        copy_to[:len(pages)] = p.page_row[list(pages)]
         with self._watch("prefix cache: resume"):
-            self._device.resume(ckpt.gdn, slot, p.page_row, ckpt.pages[last_page], int(p.page_row[last_page]),
-                                ckpt.hidden, p.handle.prompt_ids[b], b)
+            self._device.resume(ckpt.gdn, slot, p.page_row, copy_from, copy_to, ckpt.hidden, p.handle.prompt_ids[b], b)
         p.resume = None
 
     def _checkpoint(self, slot: int, p: Pieces, hidden) -> None:

@@ -81,11 +81,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, tokens) -> tuple[int, Checkpoint | None, list[bytes]]:
+    def lookup(self, tokens, again: bool = False) -> tuple[int, Checkpoint | None, list[bytes]]:
         """The deepest checkpoint a prompt can resume from (boundary b <= len - 1: at least its last token
-        is prefilled), now the most recently used: (b, checkpoint, the prompt's chain) or (0, None, chain)."""
+        is prefilled), now the most recently used: (b, checkpoint, the prompt's chain) or (0, None, chain).
+        again: a second look for a prompt that missed (not counted as a lookup; a hit counts)."""
         digests = chain(tokens, self.block)
-        self.lookups += 1
+        self.lookups += not again
         for k in range(min(len(digests), (len(tokens) - 1) // self.block), 0, -1):
             ckpt = self._entries.get(digests[k - 1])
             if ckpt is not None:

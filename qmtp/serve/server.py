@@ -79,6 +79,14 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_stop_ids", 8, "Stop token ids per request (the eos ids included).", lower_bound=1)
     flags.DEFINE_integer("snapshot_budget_bytes", 0, "Device bytes for exact-prompt state snapshots (an identical "
                          "prompt skips prefill; LRU eviction); 0 = off.", lower_bound=0)
+    flags.DEFINE_integer("prefix_cache_bytes", 0, "Device bytes for the prefix cache (0 = off): prompts that share "
+                         "leading blocks of --prefix_block tokens (a system prompt, a chat history) resume from the "
+                         "GDN state kept at a block boundary and share its KV pages, prefilling only the rest; "
+                         "greedy output is the same as without it. With it every prompt is prefilled in passes of "
+                         "at most --prefill_chunk tokens. Excludes --snapshot_budget_bytes.", lower_bound=0)
+    flags.DEFINE_integer("prefix_block", 0, "Tokens per prefix cache block: a power of two, a multiple of "
+                         "--page_size, at most --prefill_chunk; 0 = 64 (under --deterministic: --prefill_chunk, so "
+                         "a resumed prefill runs the same passes as a full one).", lower_bound=0)
     flags.DEFINE_list("stop_token_ids", None, "Default stop ids (default: eos_token_id of generation_config.json).")
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
     flags.DEFINE_integer("port", 8000, "TCP port.", lower_bound=0, upper_bound=65535)

@@ -124,14 +124,15 @@ def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
                   gdn_rows: tuple, slots: Slots, slot: jax.Array, page_row: jax.Array, copy_from: jax.Array,
                   copy_to: jax.Array, hidden: jax.Array, next_token: jax.Array, boundary: jax.Array):
     """Resumes slot `slot` (int32 []) at a prefix cache checkpoint of `boundary` tokens (qmtp/serve/
-    prefix_cache.py): the checkpoint's GDN rows (take_gdn_rows') go to the slot's read slot; KV page
-    copy_from, the checkpoint's last (it holds position boundary - 1), is copied into the slot's own
-    page copy_to; and with MTP, the MTP KV at boundary - 1 is written again from the checkpoint's hidden
+    prefix_cache.py): the checkpoint's GDN rows (take_gdn_rows') go to the slot's read slot; its KV pages
+    copy_from [Pmax] are copied into the slot's own pages copy_to [Pmax] (entries past the pool: none;
+    at least its last page, which holds position boundary - 1, the others where not shared); and with MTP, the MTP KV at boundary - 1 is written again from the checkpoint's hidden
     h_{b-1} [1, E] and the request's own token there, next_token (int32 []). The piece prefill then
     continues at `boundary`. Returns the state."""
     read = slots.gdn_slot[slot]
     put = lambda ring, row: ring.at[read, slot].set(row[0])  # noqa: E731
-    copy = lambda pool: pool.at[copy_to].set(pool[copy_from])  # noqa: E731
+    copy = lambda pool: pool.at[copy_to].set(pool[jnp.minimum(copy_from, pool.shape[0] - 1)],  # noqa: E731
+                                             mode="drop")
     conv, ssm = gdn_rows
     state = dataclasses.replace(state, conv=tuple(map(put, state.conv, conv)), ssm=tuple(map(put, state.ssm, ssm)),
                                 kv=jax.tree.map(copy, state.kv), mtp_kv=jax.tree.map(copy, state.mtp_kv))
@@ -225,14 +226,14 @@ class DeviceBatch:
         s = self.state
         return sum(a.size * a.dtype.itemsize for a in s.kv.k + s.kv.v + s.mtp_kv.k + s.mtp_kv.v) // self.num_pages
 
-    def resume(self, gdn_rows: tuple, slot: int, page_row, copy_from: int, copy_to: int, hidden, next_token: int,
+    def resume(self, gdn_rows: tuple, slot: int, page_row, copy_from, copy_to, hidden, next_token: int,
                boundary: int) -> None:
         """resume_prefix."""
         m = self.model
         (self.state,) = api._call(
             m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
-            (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, np.int32(copy_from),
-             np.int32(copy_to), hidden, np.int32(next_token), np.int32(boundary)),
+            (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, copy_from, copy_to, hidden,
+             np.int32(next_token), np.int32(boundary)),
             ("params", "state", "gdn_rows") + ("rep",) * 8, ("state",))
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
