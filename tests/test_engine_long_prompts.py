@@ -74,9 +74,9 @@ def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
     handle, slot = engine.submit(prompt, 4), None
     with engine._cv:
         handle = engine._queue.popleft()
-    slot = engine._start_pieces(handle, engine._free_slots.pop(), engine.allocator.reserve(engine._capacity(handle)))
-    while slot in engine._pieces:
-        engine._prefill_piece()
+    slot = engine.passes.start(handle, engine._free_slots.pop(), engine.allocator.reserve(engine._capacity(handle)))
+    while slot in engine.passes.pending:
+        engine.passes.run_one()
     got = engine._device.slots
     tokens, n_valid = api._prompt_batch([prompt])
     state = api._new_state(chunked, [len(prompt) + 4 + 3])
@@ -110,10 +110,10 @@ def test_cancelling_a_long_prompt_between_pieces_frees_its_slot_and_pages(chunke
     engine = make_engine(chunked, 0, start=False)
     long = engine.submit(LONG[1], 4)
     engine._iteration()  # admitted, first piece
-    assert engine._pieces and engine.counters["prefill_pieces"] == 1
+    assert engine.passes.pending and engine.counters["prefill_pieces"] == 1
     long.cancel()
     engine._iteration()
-    assert long.finished and long.result(1).finish_reason == "cancelled" and not engine._pieces
+    assert long.finished and long.result(1).finish_reason == "cancelled" and not engine.passes.pending
     after = engine.submit(LONG[0], 3)  # the slot and pages serve the next long prompt
     step_until_done(engine, [after])
     assert after.result(1).tokens == qmtp.generate(chunked, [LONG[0]], max_new_tokens=3).tokens[0]

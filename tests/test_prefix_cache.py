@@ -114,8 +114,8 @@ def _prefilled_state(engine: Engine, prompts) -> dict:
     for prompt in prompts:
         handle = engine.submit(prompt, 2)
         engine._admit()
-        while engine._pieces:
-            engine._prefill_piece()
+        while engine.passes.pending:
+            engine.passes.run_one()
     slot = next(s for s, a in engine._active.items() if a.handle is handle)
     state, slots, n = engine._device.state, engine._device.slots, len(prompts[-1])
     pages = engine.allocator.pages(engine._active[slot].reservation)

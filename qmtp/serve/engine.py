@@ -55,7 +55,8 @@ from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.prefix_cache import PrefixCache
 from qmtp.serve.snapshots import Snapshot, SnapshotStore
 from qmtp.serve.textstream import TextStream
-from qmtp.serve.warmup import LONG_PROMPTS, Step, plan as warmup_plan
+from qmtp.serve.prompt_passes import LONG_PROMPTS, PassPrefill
+from qmtp.serve.warmup import Step, plan as warmup_plan
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
 DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
@@ -95,24 +96,6 @@ class EngineConfig:
 
 
 @dataclasses.dataclass
-class Pieces:
-    """A prompt's prefill in progress, one pass at a time: its slot's page and stop rows, the next pass's
-    offset and every pass's end. With the prefix cache: the checkpoint to resume from first (and its
-    boundary, the first offset), the boundaries to checkpoint, the prompt's hash chain."""
-
-    handle: RequestHandle
-    page_row: np.ndarray  # [Pmax]
-    stop_row: np.ndarray  # [NS]
-    ends: list[int]  # each pass's end (token count), ascending; the last is the prompt's length
-    offset: int = 0
-    resume: object = None  # a prefix_cache.Checkpoint to resume from before the first pass
-    keep: tuple[int, ...] = ()  # boundaries at which the prefix cache keeps a checkpoint
-    digests: list = dataclasses.field(default_factory=list)  # the prompt's block chain
-    shared_pages: int = 0  # leading pages shared with the checkpoint (the rest of its pages are copied)
-    fresh: bool = True  # no pass has run yet
-
-
-@dataclasses.dataclass
 class Active:
     """An admitted request's slot record, from admission until its release."""
 
@@ -137,7 +120,7 @@ class Engine:
         self._cv = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, Active] = {}
-        self._pieces: dict[int, Pieces] = {}  # slot -> its long prompt's prefill, FIFO
+        self.passes = PassPrefill(self)  # prompts being prefilled pass by pass
         self._retire_mask = np.zeros(config.batch_slots, bool)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -432,9 +415,9 @@ class Engine:
         if self._reload is not None and not self._active:
             self._apply_reload()
         self._admit()
-        if self._pieces:
-            self._prefill_pieces()
-        if any(slot not in self._pieces for slot in self._active):
+        if self.passes.pending:
+            self.passes.run()
+        if any(slot not in self.passes.pending for slot in self._active):
             self._run_loop()
         if self._stopping and not self._active:
             self._end_queue("abort", SHUTTING_DOWN)  # normally empty: shutdown() drained it
@@ -481,11 +464,11 @@ class Engine:
             while not self._stopping and self._reload is None and self._queue and self._free_slots:
                 head = self._queue[0]
                 if self.prefix is not None:
-                    reservation = self._reserve_with_prefix(head)
+                    reservation = self.passes.reserve_with_prefix(head)
                     if reservation is None:
                         break
                     self._queue.popleft()
-                    self._start_pieces(head, self._free_slots.pop(), *reservation)
+                    self.passes.start(head, self._free_slots.pop(), *reservation)
                     continue
                 capacity = self._capacity(head)
                 if self.allocator.pages_for(capacity) > self.allocator.free_pages:
@@ -499,29 +482,13 @@ class Engine:
             if snap is not None:
                 self._restore(handle, slot, reservation, snap)
             elif len(handle.prompt_ids) > self.piece:
-                self._start_pieces(handle, slot, reservation)
+                self.passes.start(handle, slot, reservation)
             else:
                 groups.setdefault(api._bucket(len(handle.prompt_ids)), []).append((handle, slot, reservation))
         for bucket, group in groups.items():
             rows = self._group_rows(bucket)
             for i in range(0, len(group), rows):
                 self._prefill_group(group[i:i + rows])
-
-    def _reserve_with_prefix(self, handle: RequestHandle):
-        """The head request's pages when they fit (evicting cache entries for them): its prompt's deepest
-        checkpoint's pages shared, but the last, then its own; (reservation, boundary, checkpoint, chain), or
-        None to wait."""
-        boundary, ckpt, digests = self.prefix.lookup(handle.prompt_ids)
-        shared = ckpt.pages[:boundary // self.page_size - 1] if ckpt is not None else []
-        need = self.allocator.pages_for(self._capacity(handle)) - len(shared)
-        self.allocator.retain(shared)  # pinned while evicting: the checkpoint itself may go
-        try:
-            self.prefix.evict_for_pages(need)
-            if need > self.allocator.free_pages:
-                return None
-            return self.allocator.reserve(self._capacity(handle), shared), boundary, ckpt, digests
-        finally:
-            self.allocator.drop(shared)
 
     def _group_rows(self, bucket: int) -> int:
         """Rows of a batched prefill for this prompt bucket (padding rows fill a smaller group)."""
@@ -585,102 +552,6 @@ class Engine:
         for j, (handle, slot, _) in enumerate(group):
             self._started(handle, slot, int(first[j]), first_lp, j)
 
-    def _start_pieces(self, handle: RequestHandle, slot: int, reservation: int, boundary: int = 0, ckpt=None,
-                      digests=()) -> int:
-        """Queues a prompt's prefill, pass by pass, into `slot`, from `boundary`, after resuming from the
-        prefix cache checkpoint `ckpt` there (whose pages but the last the reservation shares). Returns
-        the slot."""
-        p = Pieces(handle, *self._activate(handle, slot, reservation), ends=[], digests=list(digests),
-                   shared_pages=max(boundary // self.page_size - 1, 0))
-        self._pieces[slot] = p
-        self._plan(p, boundary, ckpt)
-        return slot
-
-    def _plan(self, p: Pieces, boundary: int, ckpt) -> None:
-        """p's passes from `boundary` (resuming from `ckpt` there, if any): they end on multiples of
-        prefill_chunk, at the boundaries the prefix cache keeps, and at the prompt's end."""
-        n = len(p.handle.prompt_ids)
-        p.keep = tuple(self.prefix.keep_points(n, p.digests, boundary)) if self.prefix is not None else ()
-        p.ends = sorted(set(range(boundary - boundary % self.piece + self.piece, n, self.piece)) | set(p.keep) | {n})
-        p.offset, p.resume = boundary, ckpt
-        p.handle.prefix_hit_tokens = boundary
-
-    def _prefill_pieces(self) -> None:
-        """Passes of the prompts in progress (FIFO): one; with the prefix cache, which runs every prompt's
-        prefill in passes, as many as prefill_chunk tokens allow (at least one)."""
-        budget = self.piece if self.prefix is not None else 1
-        while self._pieces and budget > 0:
-            budget -= self._prefill_piece()
-
-    def _piece_width(self, tokens: int) -> int:
-        """A pass's padded width: prefill_chunk (always under --deterministic, whose passes are whole
-        chunks), but with the prefix cache the prompt bucket of a shorter pass's tokens."""
-        if self.prefix is None or self.model.kernels.deterministic:
-            return self.piece
-        return min(self.piece, api._bucket(tokens))
-
-    def _prefill_piece(self) -> int:
-        """The next pass of the first prompt in progress; after its last pass the request starts. Returns
-        the pass's tokens."""
-        self._flush_retired()
-        slot, p = next(iter(self._pieces.items()))
-        ids = p.handle.prompt_ids
-        if p.fresh and p.resume is None and self.prefix is not None:
-            # a checkpoint kept since admission (an earlier request's prefill, e.g. a choice of the same
-            # prompt): resumed from with a copy of all its pages
-            boundary, ckpt, _ = self.prefix.lookup(ids, again=True)
-            if ckpt is not None:
-                self._plan(p, boundary, ckpt)
-        p.fresh = False
-        if p.resume is not None:
-            self._resume(slot, p)
-        end = p.ends.pop(0)
-        c = self._piece_width(end - p.offset)
-        tokens, next_tokens = np.zeros((1, c), np.int32), np.zeros((1, c), np.int32)  # [1, C]
-        piece = ids[p.offset:end]
-        tokens[0, :len(piece)] = piece
-        ahead = ids[p.offset + 1:end + 1]  # the MTP head's inputs, one token ahead
-        next_tokens[0, :len(ahead)] = ahead
-        last = end >= len(ids)
-        with self._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
-            first, first_lp, hidden = self._device.prefill_piece(
-                slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last, p.handle.max_tokens, p.stop_row,
-                self._sampling.rows([slot], always=True))
-        self.counters["prefill_pieces"] += 1
-        p.offset = end
-        if end in p.keep:
-            self._checkpoint(slot, p, hidden)
-        if last:
-            del self._pieces[slot]
-            self.counters["prefills"] += 1
-            self._started(p.handle, slot, int(first[0]), first_lp, 0)
-        return len(piece)
-
-    def _resume(self, slot: int, p: Pieces) -> None:
-        """Puts the prefix cache checkpoint p.resume into the slot (its GDN rows, a copy of its pages that
-        the reservation does not share, the MTP KV at the boundary - 1 for this prompt's next token) before
-        the pass from p.offset."""
-        ckpt, b = p.resume, p.offset
-        pages = range(p.shared_pages, b // self.page_size)  # the last holds position b - 1
-        copy_from = np.full(self.pages_per_slot, self.allocator.num_pages, np.int32)  # [Pmax]; out of range: none
-        copy_to = copy_from.copy()
-        copy_from[:len(pages)] = [ckpt.pages[i] for i in pages]
-        copy_to[:len(pages)] = p.page_row[list(pages)]
-        with self._watch("prefix cache: resume"):
-            self._device.resume(ckpt.gdn, slot, p.page_row, copy_from, copy_to, ckpt.hidden, p.handle.prompt_ids[b], b)
-        p.resume = None
-
-    def _checkpoint(self, slot: int, p: Pieces, hidden) -> None:
-        """Keeps the slot's state at p.offset (a block boundary the prefill just reached) in the prefix cache."""
-        b = p.offset
-        state_bytes = self._device.gdn_row_bytes() + hidden.size * hidden.dtype.itemsize
-        if not self.prefix.fits(state_bytes):
-            return
-        with self._watch("prefix cache: checkpoint"):
-            gdn = self._device.take_gdn_rows(slot)
-        self.prefix.put(p.digests[:b // self.prefix.block], p.page_row[:b // self.page_size].tolist(), gdn, hidden,
-                        state_bytes)
-
     def _started(self, handle: RequestHandle, slot: int, token: int, logprobs, row: int) -> None:
         """Emits an admitted request's first token (which may also finish it); logprobs: host TokenLogprobs
         [n, 1] of the prefill, the token's at `row`."""
@@ -699,7 +570,7 @@ class Engine:
     def _run_loop(self) -> None:
         """One bounded device call over all slots, then delivery and finishing."""
         self._flush_retired()
-        decoding = [s for s in self._active if s not in self._pieces]
+        decoding = [s for s in self._active if s not in self.passes.pending]
         logprobs = any(self._active[s].handle.top_logprobs is not None for s in decoding)
         sampling = (self._sampling.rows(range(self.config.batch_slots), always=True)
                     if logprobs or self._sampling.any_sampled(decoding) else None)
@@ -715,7 +586,7 @@ class Engine:
             self.counters["mtp_rounds_sampled"] += int(stats["sampled_rounds"].sum())
             self.sampled_position_accepts += stats["sampled_position_accepts"]
         for slot in list(self._active):
-            if slot in self._pieces:  # done on the device until its last piece
+            if slot in self.passes.pending:  # done on the device until its last piece
                 continue
             tokens = out[slot, :count[slot]].tolist()
             if tokens:
@@ -750,7 +621,7 @@ class Engine:
         """Finishes the slot's request and returns its pages and the slot: the only place that does. A slot
         still live on the device is retired there before the next device call."""
         active = self._active.pop(slot)
-        self._pieces.pop(slot, None)
+        self.passes.pending.pop(slot, None)
         self.allocator.release(active.reservation)
         if retire:
             self._retire_mask[slot] = True

@@ -8,7 +8,7 @@ admit (Engine.prompt_buckets), and each bucket has its own programs (qmtp/serve/
 of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prompts fit in the page
 pool together; with exact-prompt snapshots on, a snapshot copy-out and copy-in of its page count when
 such a snapshot fits the budget. Buckets above the model's prefill_chunk are prefilled piece by piece:
-one program for all of them (Engine._prefill_piece). Then the decode loop, its sampled form (run while
+one program for all of them (qmtp/serve/prompt_passes.py). Then the decode loop, its sampled form (run while
 any slot samples), the sampled form that returns logprobs (while any slot asks for them) and the
 slot-retire op of a cancelled request.
 
@@ -28,10 +28,10 @@ import numpy as np
 
 from qmtp import api
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
+from qmtp.serve.prompt_passes import LONG_PROMPTS
 from qmtp.serve.requests import RequestHandle
 
 
-LONG_PROMPTS = "long prompts"  # how log lines name the piece-by-piece prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ def plan(engine, buckets) -> list[Step]:
 
 
 def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
-    """With the prefix cache every prompt is prefilled in passes (Engine._prefill_piece) of padded widths
+    """With the prefix cache every prompt is prefilled in passes (qmtp/serve/prompt_passes.py) of padded widths
     up to prefill_chunk (under --deterministic, that one width): one program per width, then a checkpoint
     and a resume from it."""
     widths = [engine.piece] if engine.model.kernels.deterministic else [
@@ -91,9 +91,9 @@ def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
 def _pass(engine, width: int) -> None:
     """One pass of `width` padded tokens (a prompt of the fewest tokens that take it, no checkpoint)."""
     n = 1 if width == api.MIN_PROMPT_BUCKET else width // 2 + 1
-    slot = engine._start_pieces(*_request(engine, n))
-    engine._pieces[slot].ends, engine._pieces[slot].keep = [n], ()
-    engine._prefill_piece()
+    slot = engine.passes.start(*_request(engine, n))
+    engine.passes.pending[slot].ends, engine.passes.pending[slot].keep = [n], ()
+    engine.passes.run_one()
     engine._flush_retired()
 
 
@@ -103,9 +103,9 @@ def _checkpoint_and_resume(engine) -> None:
     n = 2 * engine.prefix.block + 1
     for _ in range(2):
         handle = RequestHandle(engine, -1, [0] * n, 1, (), (), listener=lambda event: None)
-        engine._start_pieces(handle, engine._free_slots.pop(), *engine._reserve_with_prefix(handle))
-        while engine._pieces:
-            engine._prefill_piece()
+        engine.passes.start(handle, engine._free_slots.pop(), *engine.passes.reserve_with_prefix(handle))
+        while engine.passes.pending:
+            engine.passes.run_one()
         engine._flush_retired()
     engine.prefix.clear()
     engine.prefix.reset_counts()
@@ -125,9 +125,9 @@ def _prefill(engine, n: int, count: int) -> None:
 
 def _pieces(engine, n: int) -> None:
     """A request of n > prefill_chunk tokens prefilled in its two pieces (the one program of every piece)."""
-    slot = engine._start_pieces(*_request(engine, n))
-    while slot in engine._pieces:
-        engine._prefill_piece()
+    slot = engine.passes.start(*_request(engine, n))
+    while slot in engine.passes.pending:
+        engine.passes.run_one()
     engine._flush_retired()
 
 

@@ -1,0 +1,172 @@
+"""Prompts prefilled pass by pass into their batch slots: the long prompts (longer than prefill_chunk,
+one pass of it per scheduling point, so the running streams wait for one pass at a time), and with the
+prefix cache every prompt (qmtp/serve/prefix_cache.py).
+
+A prompt's passes end on multiples of prefill_chunk, at the block boundaries the prefix cache keeps a
+checkpoint at, and at its end. With the cache, admission looks the prompt up (`reserve_with_prefix`:
+its reservation then shares the checkpoint's pages but the last) and the first pass looks again (a
+checkpoint kept since, e.g. by another choice of the same prompt: all its pages are copied); a prompt
+resumes from the checkpoint (`slots.resume_prefix`) before its first pass. Every pass runs
+`slots.prefill_piece` on one row, padded to prefill_chunk, or with the cache to the prompt bucket of
+its tokens (whole chunks under --deterministic: a resumed prefill runs a full one's passes).
+
+`PassPrefill` belongs to the Engine and works on its state (device, allocator, prefix cache, slots'
+sampling rows, the first-token delivery) on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from qmtp import api
+from qmtp.serve.requests import RequestHandle
+
+LONG_PROMPTS = "long prompts"  # how log lines name the piece-by-piece prefill
+
+
+@dataclasses.dataclass
+class Pieces:
+    """A prompt's prefill in progress, one pass at a time: its slot's page and stop rows, the next pass's
+    offset and every pass's end. With the prefix cache: the checkpoint to resume from first (and its
+    boundary, the first offset), the boundaries to checkpoint, the prompt's hash chain."""
+
+    handle: RequestHandle
+    page_row: np.ndarray  # [Pmax]
+    stop_row: np.ndarray  # [NS]
+    ends: list[int]  # each pass's end (token count), ascending; the last is the prompt's length
+    offset: int = 0
+    resume: object = None  # a prefix_cache.Checkpoint to resume from before the first pass
+    keep: tuple[int, ...] = ()  # boundaries at which the prefix cache keeps a checkpoint
+    digests: list = dataclasses.field(default_factory=list)  # the prompt's block chain
+    shared_pages: int = 0  # leading pages shared with the checkpoint (the rest of its pages are copied)
+    fresh: bool = True  # no pass has run yet
+
+
+class PassPrefill:
+    """The prompts being prefilled (`pending`, slot -> Pieces, FIFO) and the passes that advance them."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pending: dict[int, Pieces] = {}
+
+    def reserve_with_prefix(self, handle: RequestHandle):
+        """The head request's pages when they fit (evicting cache entries for them): its prompt's deepest
+        checkpoint's pages shared, but the last, then its own; (reservation, boundary, checkpoint, chain), or
+        None to wait."""
+        e = self.engine
+        boundary, ckpt, digests = e.prefix.lookup(handle.prompt_ids)
+        shared = ckpt.pages[:boundary // e.page_size - 1] if ckpt is not None else []
+        need = e.allocator.pages_for(e._capacity(handle)) - len(shared)
+        e.allocator.retain(shared)  # pinned while evicting: the checkpoint itself may go
+        try:
+            e.prefix.evict_for_pages(need)
+            if need > e.allocator.free_pages:
+                return None
+            return e.allocator.reserve(e._capacity(handle), shared), boundary, ckpt, digests
+        finally:
+            e.allocator.drop(shared)
+
+    def start(self, handle: RequestHandle, slot: int, reservation: int, boundary: int = 0, ckpt=None,
+              digests=()) -> int:
+        """Queues a prompt's prefill, pass by pass, into `slot`, from `boundary`, after resuming from the
+        prefix cache checkpoint `ckpt` there (whose pages but the last the reservation shares). Returns
+        the slot."""
+        e = self.engine
+        p = Pieces(handle, *e._activate(handle, slot, reservation), ends=[], digests=list(digests),
+                   shared_pages=max(boundary // e.page_size - 1, 0))
+        self.pending[slot] = p
+        self._plan(p, boundary, ckpt)
+        return slot
+
+    def _plan(self, p: Pieces, boundary: int, ckpt) -> None:
+        """p's passes from `boundary` (resuming from `ckpt` there, if any): they end on multiples of
+        prefill_chunk, at the boundaries the prefix cache keeps, and at the prompt's end."""
+        e = self.engine
+        n = len(p.handle.prompt_ids)
+        p.keep = tuple(e.prefix.keep_points(n, p.digests, boundary)) if e.prefix is not None else ()
+        p.ends = sorted(set(range(boundary - boundary % e.piece + e.piece, n, e.piece)) | set(p.keep) | {n})
+        p.offset, p.resume = boundary, ckpt
+        p.handle.prefix_hit_tokens = boundary
+
+    def run(self) -> None:
+        """Passes of the prompts in progress (FIFO): one; with the prefix cache, which runs every prompt's
+        prefill in passes, as many as prefill_chunk tokens allow (at least one)."""
+        e = self.engine
+        budget = e.piece if e.prefix is not None else 1
+        while self.pending and budget > 0:
+            budget -= self.run_one()
+
+    def _width(self, tokens: int) -> int:
+        """A pass's padded width: prefill_chunk (always under --deterministic, whose passes are whole
+        chunks), but with the prefix cache the prompt bucket of a shorter pass's tokens."""
+        e = self.engine
+        if e.prefix is None or e.model.kernels.deterministic:
+            return e.piece
+        return min(e.piece, api._bucket(tokens))
+
+    def run_one(self) -> int:
+        """The next pass of the first prompt in progress; after its last pass the request starts. Returns
+        the pass's tokens."""
+        e = self.engine
+        e._flush_retired()
+        slot, p = next(iter(self.pending.items()))
+        ids = p.handle.prompt_ids
+        if p.fresh and p.resume is None and e.prefix is not None:
+            # a checkpoint kept since admission (an earlier request's prefill, e.g. a choice of the same
+            # prompt): resumed from with a copy of all its pages
+            boundary, ckpt, _ = e.prefix.lookup(ids, again=True)
+            if ckpt is not None:
+                self._plan(p, boundary, ckpt)
+        p.fresh = False
+        if p.resume is not None:
+            self._resume(slot, p)
+        end = p.ends.pop(0)
+        c = self._width(end - p.offset)
+        tokens, next_tokens = np.zeros((1, c), np.int32), np.zeros((1, c), np.int32)  # [1, C]
+        piece = ids[p.offset:end]
+        tokens[0, :len(piece)] = piece
+        ahead = ids[p.offset + 1:end + 1]  # the MTP head's inputs, one token ahead
+        next_tokens[0, :len(ahead)] = ahead
+        last = end >= len(ids)
+        with e._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
+            first, first_lp, hidden = e._device.prefill_piece(
+                slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last, p.handle.max_tokens, p.stop_row,
+                e._sampling.rows([slot], always=True))
+        e.counters["prefill_pieces"] += 1
+        p.offset = end
+        if end in p.keep:
+            self._checkpoint(slot, p, hidden)
+        if last:
+            del self.pending[slot]
+            e.counters["prefills"] += 1
+            e._started(p.handle, slot, int(first[0]), first_lp, 0)
+        return len(piece)
+
+    def _resume(self, slot: int, p: Pieces) -> None:
+        """Puts the prefix cache checkpoint p.resume into the slot (its GDN rows, a copy of its pages that
+        the reservation does not share, the MTP KV at the boundary - 1 for this prompt's next token) before
+        the pass from p.offset."""
+        e = self.engine
+        ckpt, b = p.resume, p.offset
+        pages = range(p.shared_pages, b // e.page_size)  # the last holds position b - 1
+        copy_from = np.full(e.pages_per_slot, e.allocator.num_pages, np.int32)  # [Pmax]; out of range: none
+        copy_to = copy_from.copy()
+        copy_from[:len(pages)] = [ckpt.pages[i] for i in pages]
+        copy_to[:len(pages)] = p.page_row[list(pages)]
+        with e._watch("prefix cache: resume"):
+            e._device.resume(ckpt.gdn, slot, p.page_row, copy_from, copy_to, ckpt.hidden, p.handle.prompt_ids[b], b)
+        p.resume = None
+
+    def _checkpoint(self, slot: int, p: Pieces, hidden) -> None:
+        """Keeps the slot's state at p.offset (a block boundary the prefill just reached) in the prefix cache."""
+        e = self.engine
+        b = p.offset
+        state_bytes = e._device.gdn_row_bytes() + hidden.size * hidden.dtype.itemsize
+        if not e.prefix.fits(state_bytes):
+            return
+        with e._watch("prefix cache: checkpoint"):
+            gdn = e._device.take_gdn_rows(slot)
+        e.prefix.put(p.digests[:b // e.prefix.block], p.page_row[:b // e.page_size].tolist(), gdn, hidden,
+                        state_bytes)
