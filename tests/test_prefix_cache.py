@@ -52,6 +52,7 @@ def run_workload(model, k: int, seed: int, n_conv: int, turns: int, max_tokens: 
     histories = [list(system) for system, _ in conversations(seed, n_conv, turns)]
     users = [u for _, u in conversations(seed, n_conv, turns)]
     sent = compared = 0
+    on.end_hits = 0  # requests resumed from a finished response's end (off a block boundary)
     for turn in range(turns):
         prompts = [h + users[c][turn] for c, h in enumerate(histories)]
         fits = [len(p) + max_tokens < MAX_LEN for p in prompts]
@@ -63,8 +64,9 @@ def run_workload(model, k: int, seed: int, n_conv: int, turns: int, max_tokens: 
         time.sleep(rng.random() * 0.05)
         for h in cancelled:
             h.cancel()
-        for w, g in zip(want, got):
-            g = g.result(300)
+        for w, handle in zip(want, got):
+            g = handle.result(300)
+            on.end_hits += handle.prefix_hit_tokens % BLOCK != 0
             if g.finish_reason != "cancelled":
                 assert g.tokens == w.tokens, (turn, w.tokens, g.tokens)
                 compared += 1
@@ -88,7 +90,8 @@ def assert_only_the_cache_holds_pages(engine: Engine) -> None:
 def test_conversations_with_the_cache_equal_those_without(model, k):
     sent, compared, on = run_workload(model, k, seed=k, n_conv=6, turns=4)
     assert sent == 24 and compared >= 15
-    assert on.prefix.hits >= 6 and on.prefix.evicted > 0, (on.prefix.hits, on.prefix.evicted, on.prefix.lookups)
+    assert on.prefix.hits >= 6 and on.end_hits >= 3 and on.prefix.evicted > 0, (on.prefix.hits, on.end_hits,
+                                                                                 on.prefix.evicted)
     assert_only_the_cache_holds_pages(on)
 
 
@@ -107,17 +110,18 @@ def test_tp2_with_the_cache_equals_without(ckpt):
     assert_only_the_cache_holds_pages(on)
 
 
-def _prefilled_state(engine: Engine, prompts) -> dict:
+def _prefilled_state(engine: Engine, prompts, which: int = -1) -> dict:
     """Prefills the prompts one after the other on the test's thread (max_tokens 2: each stays in its
-    slot) and returns, for the last, per position < its length: the target and MTP KV entries, its GDN
-    rows, and its first draft and MTP hidden."""
+    slot) and returns, for prompts[which], per position < its length: the target and MTP KV entries, its
+    GDN rows, and its first draft and MTP hidden."""
+    handles = []
     for prompt in prompts:
-        handle = engine.submit(prompt, 2)
+        handles.append(engine.submit(prompt, 2))
         engine._admit()
         while engine.passes.pending:
             engine.passes.run_one()
-    slot = next(s for s, a in engine._active.items() if a.handle is handle)
-    state, slots, n = engine._device.state, engine._device.slots, len(prompts[-1])
+    slot = next(s for s, a in engine._active.items() if a.handle is handles[which])
+    state, slots, n = engine._device.state, engine._device.slots, len(prompts[which])
     pages = engine.allocator.pages(engine._active[slot].reservation)
     at = [(pages[t // engine.page_size], t % engine.page_size) for t in range(n)]
     entries = lambda pools: [np.stack([np.asarray(x)[p, o] for p, o in at]) for x in pools]  # noqa: E731
@@ -127,19 +131,40 @@ def _prefilled_state(engine: Engine, prompts) -> dict:
             "d1": int(slots.d1[slot]), "mh": np.asarray(slots.mh[slot]), "first": int(slots.pending[slot])}
 
 
-def test_a_resumed_prefill_leaves_the_state_of_a_full_one(model):
-    """The KV of the target and of the MTP layer (its entry at the boundary - 1 rewritten for the new
-    prompt's next token), the GDN rows, the first token and draft: as a prefill without the cache."""
-    system = np.random.default_rng(8).integers(0, 380, 2 * BLOCK).tolist()
-    prompts = [system + [1, 2, 3], system + [9, 8, 7, 6, 5]]  # the second resumes at 32, its token there differs
-    on = Engine(model, config(2, 1 << 24))
-    got = _prefilled_state(on, prompts)
-    assert on.prefix.hits == 1
-    want = _prefilled_state(Engine(model, config(2, 0)), prompts[1:])
+def assert_same_state(got: dict, want: dict) -> None:
     assert (got["first"], got["d1"]) == (want["first"], want["d1"])
-    for name in ("kv", "mtp_kv", "gdn", "mh"):  # the passes differ (from 32 on): float32 rounding apart
+    for name in ("kv", "mtp_kv", "gdn", "mh"):  # the passes differ (from the boundary on): float32 rounding
         for g, w in zip(got[name] if name != "mh" else [got[name]], want[name] if name != "mh" else [want[name]]):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_resumed_prefill_leaves_the_state_of_a_full_one(model):
+    """The KV of the target and of the MTP layer (its entry at the boundary - 1 rewritten for the new
+    prompt's next token), the GDN rows, the first token and draft: as a prefill without the cache; also
+    for the first of two prompts resumed from one checkpoint, after the second (pages it shares are
+    never written)."""
+    system = np.random.default_rng(8).integers(0, 380, 2 * BLOCK).tolist()
+    # the second and third resume at 32, their tokens there differ from the first's and each other's
+    prompts = [system + [1, 2, 3], system + [9, 8, 7, 6, 5], system + [4] * 9]
+    on = Engine(model, config(2, 1 << 24))
+    got = _prefilled_state(on, prompts, which=1)
+    assert on.prefix.hits == 2
+    assert_same_state(got, _prefilled_state(Engine(model, config(2, 0)), prompts[1:2]))
+
+
+def test_a_resumed_response_end_leaves_the_state_of_a_full_prefill(model):
+    """The next turn (prompt, response, new tokens) resumes where the response ended, past its last
+    block boundary, with the MTP entry the decode loop wrote for the response's last token."""
+    first = np.random.default_rng(12).integers(0, 380, 21).tolist()
+    on = Engine(model, config(3, 1 << 24))
+    turn = on.submit(first, 6)
+    while not turn.finished:
+        on._iteration()
+    following = first + turn.tokens + [5, 6, 7]
+    assert on.prefix.lookup(following)[0] == len(first) + 5  # the response's end, not a block boundary
+    other = first + turn.tokens + [9] * 12  # resumed from the same end next: it writes its own pages only
+    got = _prefilled_state(on, [following, other], which=0)
+    assert_same_state(got, _prefilled_state(Engine(model, config(3, 0)), [following]))
 
 
 def test_resumed_requests_sample_and_report_logprobs_as_generate(model):

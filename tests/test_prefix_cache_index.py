@@ -79,3 +79,17 @@ def test_the_budget_evicts_least_recently_used_first():
     alloc.release(store(cache, alloc, prompts[2], 8))
     assert cache.lookup(prompts[0] + [1])[0] == 8 and cache.lookup(prompts[1] + [1])[0] == 0
     assert cache.bytes <= cache.budget_bytes and cache.evicted == 1
+
+
+def test_a_response_end_is_found_only_when_its_last_token_follows():
+    cache, alloc = make()
+    turn = SYSTEM + [1, 2, 3, 4, 5, 6, 7]  # 27 tokens: prompt and response; the state holds 26
+    handle = alloc.reserve(32)
+    cache.put_end(turn, alloc.pages(handle)[:7], "gdn", 50)
+    assert cache.lookup(turn + [8, 9])[0] == 26  # the next turn: resumes at the response's end
+    assert cache.lookup(turn)[0] == 26  # the same tokens: the last one is prefilled
+    assert cache.lookup(turn[:-1] + [99, 8])[0] == 0  # another token at 26: its MTP entry at 25 would differ
+    assert cache.lookup(turn[:-1])[0] == 0  # nothing left to prefill past 26
+    alloc.release(handle)
+    cache.clear()
+    assert alloc.free_pages == 64 and not cache._ends

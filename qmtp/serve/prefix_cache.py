@@ -12,10 +12,16 @@ ids are not kept). A checkpoint at boundary b = k * block holds what a prefill n
     gdn      each GDN layer's conv and ssm state after position b - 1 (device arrays, one row);
     hidden   h_{b-1}, the target's last hidden at b - 1 [1, E], from which that MTP entry is rewritten.
 
-Only prompt tokens are ever checkpointed (a prefill's passes), never a draft: nothing speculative
-enters the cache. Which boundaries a prefill keeps (`keep_points`): the deepest block boundary before
-its last token (the next turn of a chat starts with the whole prompt) and the deepest boundary its
-chain shares with a cached one (the branch point: where a system prompt or a few-shot block ends).
+A finished response is a prefix too (a chat's next turn starts with it): its end checkpoint (`put_end`)
+holds the state after its committed tokens, positions < L, where L is not a block boundary; it is
+keyed by the chain of its whole blocks and the tokens after them up to and including the token at L
+(the last one generated, emitted but not yet consumed), whose MTP entry at L - 1 the decode loop
+wrote already; so a prompt resumes there only if its token at L is that one, and nothing is rewritten.
+
+Only committed tokens are ever checkpointed (a prefill's prompt tokens, a finished response's emitted
+ones), never a draft: nothing speculative enters the cache. Which block boundaries a prefill keeps
+(`keep_points`): the deepest before its last token and the deepest its chain shares with a cached one
+(the branch point: where a system prompt or a few-shot block ends).
 
 Bytes: the cache's `bytes` are its checkpoints' GDN states and hiddens plus the pages only it holds
 alive, counted once each; at most `budget_bytes` (LRU eviction). Pages it holds come out of the
@@ -45,15 +51,13 @@ def chain(tokens, block: int) -> list[bytes]:
 
 @dataclasses.dataclass
 class Checkpoint:
-    digests: list[bytes]  # d_1 .. d_k: the chain of the prefix it ends
+    digests: list[bytes]  # d_1 .. d_k: the chain of the whole blocks of the prefix it ends
+    boundary: int  # b: the positions < b are in the state
     pages: list[int]  # KV pages of positions < b, held (allocator.retain) while the checkpoint lives
     gdn: tuple  # device (conv rows, ssm rows) of the GDN layers after b - 1 (DeviceBatch.take_gdn_rows)
-    hidden: object  # device [1, E]: the target's hidden at b - 1
+    hidden: object  # device [1, E]: the target's hidden at b - 1; None at a response's end (nothing to rewrite)
     state_bytes: int  # device bytes of gdn and hidden
-
-    @property
-    def blocks(self) -> int:
-        return len(self.digests)
+    tail: tuple = ()  # a response's end: the tokens from block k's end through position b (the next token)
 
 
 class PrefixCache:
@@ -63,6 +67,7 @@ class PrefixCache:
         self.block, self.budget_bytes, self.allocator, self.page_bytes = block, budget_bytes, allocator, page_bytes
         self._entries: collections.OrderedDict[bytes, Checkpoint] = collections.OrderedDict()
         self._through = collections.Counter()  # digest -> checkpoints whose chain passes through it
+        self._ends: dict[bytes, set[bytes]] = {}  # d_k (b"" for none) -> keys of response ends after it
         self._page_holds = collections.Counter()  # page -> checkpoints holding it
         self.state_bytes = 0
         self.reset_counts()
@@ -87,13 +92,16 @@ class PrefixCache:
         again: a second look for a prompt that missed (not counted as a lookup; a hit counts)."""
         digests = chain(tokens, self.block)
         self.lookups += not again
-        for k in range(min(len(digests), (len(tokens) - 1) // self.block), 0, -1):
-            ckpt = self._entries.get(digests[k - 1])
-            if ckpt is not None:
-                self._entries.move_to_end(digests[k - 1])
+        for k in range(min(len(digests), (len(tokens) - 1) // self.block), -1, -1):
+            ends = [(self._entries[key].boundary, key) for key in self._ends.get(digests[k - 1] if k else b"", ())
+                    if _end_matches(self._entries[key], tokens, k * self.block)]
+            key = max(ends)[1] if ends else (digests[k - 1] if k and digests[k - 1] in self._entries else None)
+            if key is not None:
+                self._entries.move_to_end(key)
+                ckpt = self._entries[key]
                 self.hits += 1
-                self.hit_tokens += k * self.block
-                return k * self.block, ckpt, digests
+                self.hit_tokens += ckpt.boundary
+                return ckpt.boundary, ckpt, digests
         return 0, None, digests
 
     def keep_points(self, n_tokens: int, digests: list[bytes], start: int) -> list[int]:
@@ -111,15 +119,30 @@ class PrefixCache:
     def put(self, digests: list[bytes], pages: list[int], gdn, hidden, state_bytes: int) -> None:
         """Stores the checkpoint at the end of the chain `digests` (its pages: those of positions < b,
         retained here), evicting LRU entries until the cache fits its budget."""
-        key = digests[-1]
+        self._store(digests[-1], Checkpoint(list(digests), len(digests) * self.block, list(pages), gdn, hidden,
+                                            state_bytes))
+
+    def put_end(self, tokens, pages: list[int], gdn, state_bytes: int) -> None:
+        """Stores a finished response's end: `tokens` are the prompt and the response (its last token, at
+        position L = len - 1, not in the state), `pages` those of positions < L."""
+        boundary = len(tokens) - 1
+        digests = chain(tokens[:boundary], self.block)
+        tail = tuple(int(t) for t in tokens[len(digests) * self.block:])
+        parent = digests[-1] if digests else b""
+        key = hashlib.blake2b(parent + np.asarray(tail, np.int32).tobytes(), digest_size=DIGEST_BYTES,
+                              person=b"end").digest()
+        self._store(key, Checkpoint(digests, boundary, list(pages), gdn, None, state_bytes, tail), parent)
+
+    def _store(self, key: bytes, ckpt: Checkpoint, end_of: bytes | None = None) -> None:
         if key in self._entries:
             return
-        self.allocator.retain(pages)
-        ckpt = Checkpoint(list(digests), list(pages), gdn, hidden, state_bytes)
+        self.allocator.retain(ckpt.pages)
         self._entries[key] = ckpt
+        if end_of is not None:
+            self._ends.setdefault(end_of, set()).add(key)
         self._through.update(ckpt.digests)
         self._page_holds.update(ckpt.pages)
-        self.state_bytes += state_bytes
+        self.state_bytes += ckpt.state_bytes
         self.stored += 1
         while self.bytes > self.budget_bytes and self._entries:
             self._evict()
@@ -140,6 +163,11 @@ class PrefixCache:
 
     def _drop(self, key: bytes) -> None:
         ckpt = self._entries.pop(key)
+        if ckpt.tail:
+            parent = ckpt.digests[-1] if ckpt.digests else b""
+            self._ends[parent].discard(key)
+            if not self._ends[parent]:
+                del self._ends[parent]
         _discount(self._through, ckpt.digests)
         _discount(self._page_holds, ckpt.pages)
         self.state_bytes -= ckpt.state_bytes
@@ -151,3 +179,9 @@ def _discount(counter: collections.Counter, items) -> None:
         counter[item] -= 1
         if counter[item] == 0:
             del counter[item]
+
+
+def _end_matches(ckpt: Checkpoint, tokens, start: int) -> bool:
+    """A response end after the whole blocks `tokens` shares up to `start`: its tail is the prompt's
+    next tokens, and at least one token is left to prefill."""
+    return ckpt.boundary <= len(tokens) - 1 and tuple(tokens[start:start + len(ckpt.tail)]) == ckpt.tail

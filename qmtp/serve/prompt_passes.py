@@ -57,7 +57,7 @@ class PassPrefill:
         None to wait."""
         e = self.engine
         boundary, ckpt, digests = e.prefix.lookup(handle.prompt_ids)
-        shared = ckpt.pages[:boundary // e.page_size - 1] if ckpt is not None else []
+        shared = ckpt.pages[:_shared_pages(boundary, e.page_size)] if ckpt is not None else []
         need = e.allocator.pages_for(e._capacity(handle)) - len(shared)
         e.allocator.retain(shared)  # pinned while evicting: the checkpoint itself may go
         try:
@@ -75,7 +75,7 @@ class PassPrefill:
         the slot."""
         e = self.engine
         p = Pieces(handle, *e._activate(handle, slot, reservation), ends=[], digests=list(digests),
-                   shared_pages=max(boundary // e.page_size - 1, 0))
+                   shared_pages=_shared_pages(boundary, e.page_size))
         self.pending[slot] = p
         self._plan(p, boundary, ckpt)
         return slot
@@ -150,7 +150,7 @@ class PassPrefill:
         the pass from p.offset."""
         e = self.engine
         ckpt, b = p.resume, p.offset
-        pages = range(p.shared_pages, b // e.page_size)  # the last holds position b - 1
+        pages = range(p.shared_pages, -(-b // e.page_size))  # the last holds position b - 1
         copy_from = np.full(e.pages_per_slot, e.allocator.num_pages, np.int32)  # [Pmax]; out of range: none
         copy_to = copy_from.copy()
         copy_from[:len(pages)] = [ckpt.pages[i] for i in pages]
@@ -170,3 +170,23 @@ class PassPrefill:
             gdn = e._device.take_gdn_rows(slot)
         e.prefix.put(p.digests[:b // e.prefix.block], p.page_row[:b // e.page_size].tolist(), gdn, hidden,
                         state_bytes)
+
+    def keep_response_end(self, slot: int, handle: RequestHandle, reservation: int) -> None:
+        """With the prefix cache, keeps a finished request's end (prefix_cache.put_end): its state holds
+        the prompt and the response but the last token, unless a round committed tokens past what was
+        emitted (clipped at max_tokens or a stop string), which it then does not keep."""
+        e = self.engine
+        tokens = list(handle.prompt_ids) + list(handle.tokens)
+        state_bytes = e._device.gdn_row_bytes()
+        if int(e._device.state.lengths[slot]) != len(tokens) - 1 or not e.prefix.fits(state_bytes):
+            return
+        with e._watch("prefix cache: checkpoint"):
+            gdn = e._device.take_gdn_rows(slot)
+        pages = e.allocator.pages(reservation)[:-(-(len(tokens) - 1) // e.page_size)]
+        e.prefix.put_end(tokens, pages, gdn, state_bytes)
+
+
+def _shared_pages(boundary: int, page_size: int) -> int:
+    """Pages of a checkpoint at `boundary` a resuming request shares: those before the page of position
+    boundary - 1, which it copies (it rewrites the MTP entry there, or writes its own positions after it)."""
+    return max((boundary - 1) // page_size, 0)

@@ -122,13 +122,15 @@ def take_gdn_rows(state: DecodeState, slots: Slots, slot: jax.Array):
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
 def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
                   gdn_rows: tuple, slots: Slots, slot: jax.Array, page_row: jax.Array, copy_from: jax.Array,
-                  copy_to: jax.Array, hidden: jax.Array, next_token: jax.Array, boundary: jax.Array):
+                  copy_to: jax.Array, hidden: jax.Array, next_token: jax.Array, boundary: jax.Array,
+                  rewrite: jax.Array):
     """Resumes slot `slot` (int32 []) at a prefix cache checkpoint of `boundary` tokens (qmtp/serve/
     prefix_cache.py): the checkpoint's GDN rows (take_gdn_rows') go to the slot's read slot; its KV pages
     copy_from [Pmax] are copied into the slot's own pages copy_to [Pmax] (entries past the pool: none;
-    at least its last page, which holds position boundary - 1, the others where not shared); and with MTP, the MTP KV at boundary - 1 is written again from the checkpoint's hidden
-    h_{b-1} [1, E] and the request's own token there, next_token (int32 []). The piece prefill then
-    continues at `boundary`. Returns the state."""
+    at least its last page, which holds position boundary - 1, the others where not shared); and with MTP
+    and `rewrite` (bool []: a block checkpoint, not a response's end), the MTP KV at boundary - 1 is
+    written again from the checkpoint's hidden h_{b-1} [1, E] and the request's own token there,
+    next_token (int32 []). The piece prefill then continues at `boundary`. Returns the state."""
     read = slots.gdn_slot[slot]
     put = lambda ring, row: ring.at[read, slot].set(row[0])  # noqa: E731
     copy = lambda pool: pool.at[copy_to].set(pool[jnp.minimum(copy_from, pool.shape[0] - 1)],  # noqa: E731
@@ -139,7 +141,7 @@ def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     if use_mtp:
         sub = dataclasses.replace(state, page_table=page_row[None], lengths=boundary[None] - 1)
         _, sub = mtp.forward(cfg, params, sub, next_token.reshape(1, 1), hidden[:, None], boundary[None] - 1,
-                             jnp.ones((1,), jnp.int32), kernels)
+                             rewrite.astype(jnp.int32)[None], kernels)  # n_valid 0 writes nothing
         state = dataclasses.replace(state, mtp_kv=sub.mtp_kv)
     return (state,)
 
@@ -228,13 +230,15 @@ class DeviceBatch:
 
     def resume(self, gdn_rows: tuple, slot: int, page_row, copy_from, copy_to, hidden, next_token: int,
                boundary: int) -> None:
-        """resume_prefix."""
+        """resume_prefix; hidden None: a response's end (no MTP entry rewritten)."""
         m = self.model
         (self.state,) = api._call(
             m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
-            (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, copy_from, copy_to, hidden,
-             np.int32(next_token), np.int32(boundary)),
-            ("params", "state", "gdn_rows") + ("rep",) * 8, ("state",))
+            (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, copy_from, copy_to,
+             np.zeros((1, m.cfg.hidden_size), m.params["embed"].dtype) if hidden is None else hidden,
+             np.int32(next_token), np.int32(boundary),
+             np.bool_(hidden is not None)),
+            ("params", "state", "gdn_rows") + ("rep",) * 9, ("state",))
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
         """restore_snapshot (snap.state becomes the state the call hands back)."""
