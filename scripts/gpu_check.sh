@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
 #                                             bench_long serve_long gdn_prefill bench_sampling
-#                                             bench_deterministic (default: all)
+#                                             bench_deterministic chat_nocache chat_prefix (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill
-                                 bench_sampling bench_deterministic)
+                                 bench_sampling bench_deterministic chat_nocache chat_prefix)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -71,8 +71,18 @@ for s in "${steps[@]}"; do
     bench_deterministic) run_step bench_deterministic 580 "${BENCH[@]}" --engine=pallas,deterministic --ks=3 \
                            --repeats=1 --breakdown=false --batch=1,16 --max_new_tokens=256 \
                            --out="$OUT/bench_tp1_deterministic.json" "${EXTRA[@]}" ;;
+    # multi-turn chat: 8 conversations of 8 turns (2048-token system prompt, 200 user tokens and 200 generated
+    # per turn), the server without and with the prefix cache: time to first token per turn
+    chat_nocache|chat_prefix)
+      cache=(); [ "$s" = chat_prefix ] && cache=(--prefix_cache_bytes=16000000000)
+      run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
+                 --mtp_k=3 --batch_slots=8 --max_model_len=8192 --warmup_buckets=4096 --port=8124 ${cache[*]} \
+                 >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8124 \
+                 --concurrency=8 --requests=64 --turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200 \
+                 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json; rc=\$?; kill \$server; \
+                 wait \$server; exit \$rc" ;;
     *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long" \
-            "gdn_prefill bench_sampling bench_deterministic)"; exit 2 ;;
+            "gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done

@@ -11,6 +11,12 @@ snapshot hits unless --repeat_prompts). Reports requests/s, generated tokens/s, 
 inter-token gap: the time between two streamed chunks of one request, each holding the tokens of
 one engine call), and the errors by HTTP status. Exit status 1 when any request failed.
 
+--turns=T makes each client hold conversations of T turns instead: turn t's prompt is the whole
+conversation so far (an optional --system_tokens prefix, one of --systems, then each turn's user
+tokens and the ids the server generated) plus new --prompt_tokens user tokens; the report adds, per
+turn, the prompt length and the time to first token (what a prefix cache saves), and the server's
+prefix cache counters from GET /metrics when it has them.
+
 --long_prompt_tokens=N (with --stream) sends one more request, with an N-token prompt,
 --long_prompt_after_s after the start, and reports its time to first token and the other requests'
 inter-token gaps while it was prefilled (from its sending to its first token) next to those of the
@@ -50,6 +56,10 @@ def parse_args(argv=None):
                    "many tokens (0: none; needs --stream)")
     p.add_argument("--long_prompt_after_s", type=float, default=5.0, help="send the long prompt this many seconds "
                    "after the start (default %(default)s)")
+    p.add_argument("--turns", type=int, default=1, help="turns per conversation (1: independent requests)")
+    p.add_argument("--system_tokens", type=int, default=0, help="with --turns: each conversation starts with one of "
+                   "--systems prompts of this many tokens (default %(default)s)")
+    p.add_argument("--systems", type=int, default=1, help="distinct system prompts (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_json", default=None, help="also write the report here")
     args = p.parse_args(argv)
@@ -61,6 +71,8 @@ def parse_args(argv=None):
         p.error("need 1 <= MIN <= MAX, --requests >= 1, --concurrency >= 1, --max_tokens >= 1")
     if args.long_prompt_tokens < 0 or (args.long_prompt_tokens and not args.stream):
         p.error("--long_prompt_tokens needs --stream and a value >= 0")
+    if args.turns < 1 or args.system_tokens < 0 or args.systems < 1:
+        p.error("need --turns >= 1, --system_tokens >= 0, --systems >= 1")
     args.prompt_range = (lo, hi)
     return args
 
@@ -80,10 +92,11 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
         r = await client.post("/v1/completions", json=body)
         if r.status_code != 200:
             return {"ok": False, "status": r.status_code, "latency_s": time.perf_counter() - t0}
-        usage = r.json()["usage"]
-        return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": usage["completion_tokens"]}
+        ids = r.json()["choices"][0].get("token_ids", [])
+        return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": r.json()["usage"]["completion_tokens"],
+                "ids": ids}
     body["stream"] = True
-    ttft, tokens, arrivals = None, 0, []  # arrivals: perf_counter() of each chunk holding tokens
+    ttft, tokens, arrivals, ids = None, 0, [], []  # arrivals: perf_counter() of each chunk holding tokens
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -94,14 +107,16 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: list[
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 return {"ok": False, "status": "stream_error", "latency_s": time.perf_counter() - t0}
-            n = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))
+            new = [t for c in chunk.get("choices", []) for t in c.get("token_ids", [])]
+            ids += new
+            n = len(new)
             if n:
                 arrivals.append(time.perf_counter())
             if n and ttft is None:
                 ttft = arrivals[-1] - t0
             tokens += n
     return {"ok": True, "latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens, "sent": t0,
-            "gaps": [(b - a, b) for a, b in zip(arrivals, arrivals[1:])]}  # (gap s, its end)
+            "gaps": [(b - a, b) for a, b in zip(arrivals, arrivals[1:])], "ids": ids}  # gaps: (gap s, its end)
 
 
 async def wait_ready(client: httpx.AsyncClient, limit_s: float) -> None:
@@ -120,6 +135,16 @@ async def wait_ready(client: httpx.AsyncClient, limit_s: float) -> None:
                      f"(last: {last})")
 
 
+async def prefix_cache_metrics(client: httpx.AsyncClient) -> dict:
+    """The server's qmtp_prefix_cache_* samples from GET /metrics ({} when it has none)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    return {name.removeprefix("qmtp_prefix_cache_"): float(value) for name, value in
+            (line.split(" ", 1) for line in text.splitlines() if line.startswith("qmtp_prefix_cache_"))}
+
+
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     pool = None
@@ -133,16 +158,24 @@ async def run(args) -> dict:
         sent, results = 0, []
         start = time.perf_counter()
 
+        systems = [[rng.randrange(args.vocab) for _ in range(args.system_tokens)] for _ in range(args.systems)]
+
         async def worker():
             nonlocal sent
+            turn, history = args.turns, []
             while sent < args.requests and time.perf_counter() - start < args.duration_s:
                 sent += 1
-                prompt = (rng.choice(pool) if pool else
-                          [rng.randrange(args.vocab) for _ in range(rng.randint(*args.prompt_range))])
+                if turn == args.turns:  # a new conversation (each request one, without --turns)
+                    turn, history = 0, list(rng.choice(systems))
+                user = (rng.choice(pool) if pool else
+                        [rng.randrange(args.vocab) for _ in range(rng.randint(*args.prompt_range))])
+                prompt = history + user
                 try:
-                    results.append(await one_request(client, args, model, prompt))
+                    result = await one_request(client, args, model, prompt)
                 except httpx.HTTPError as e:
-                    results.append({"ok": False, "status": type(e).__name__, "latency_s": 0.0})
+                    result = {"ok": False, "status": type(e).__name__, "latency_s": 0.0}
+                results.append({**result, "turn": turn, "prompt_tokens": len(prompt)})
+                history, turn = prompt + result.get("ids", []), turn + 1
 
         async def long_prompt():
             await asyncio.sleep(args.long_prompt_after_s)
@@ -157,6 +190,7 @@ async def run(args) -> dict:
         await asyncio.gather(*tasks)
         long = await long if long is not None else None
         elapsed = time.perf_counter() - start
+        metrics = await prefix_cache_metrics(client)
     ok = [r for r in results if r["ok"]]
     errors: dict = {}
     for r in results:
@@ -172,6 +206,12 @@ async def run(args) -> dict:
         report["ttft_s"] = percentiles([r["ttft_s"] for r in ok if r.get("ttft_s") is not None])
         gaps = [g for r in ok for g in r["gaps"]]
         report["inter_token_s"] = percentiles([g for g, _ in gaps])
+    if args.turns > 1:
+        report["turns"] = [{"turn": t, "requests": len(rs), "prompt_tokens_mean": sum(r["prompt_tokens"] for r in rs)
+                            / len(rs), "ttft_s": percentiles([r["ttft_s"] for r in rs if r.get("ttft_s") is not None]),
+                            "latency_s": percentiles([r["latency_s"] for r in rs])}
+                           for t in range(args.turns) if (rs := [r for r in ok if r["turn"] == t])]
+        report["prefix_cache"] = metrics
     if long is not None:
         report["long_prompt"] = {"prompt_tokens": args.long_prompt_tokens, "generated_tokens": long.get("tokens"),
                                  **{k: long.get(k) for k in ("ok", "status", "ttft_s", "latency_s")}}
@@ -197,6 +237,14 @@ def main(argv=None) -> int:
         t, g = report["ttft_s"], report["inter_token_s"]
         print(f"time to first token p50 {fmt(t['p50'])}, p90 {fmt(t['p90'])}, p99 {fmt(t['p99'])}")
         print(f"inter-token gap p50 {fmt(g['p50'])}, p99 {fmt(g['p99'])}")
+    for t in report.get("turns", []):
+        print(f"turn {t['turn']}: {t['requests']} requests, prompt {t['prompt_tokens_mean']:.0f} tokens, "
+              f"time to first token p50 {fmt(t['ttft_s']['p50'])}, latency p50 {fmt(t['latency_s']['p50'])}")
+    if report.get("prefix_cache"):
+        pc = report["prefix_cache"]
+        print(f"prefix cache: {pc.get('hits_total', 0):.0f} hits of {pc.get('lookups_total', 0):.0f} lookups, "
+              f"{pc.get('hit_tokens_total', 0):.0f} prompt tokens not prefilled "
+              f"({pc.get('token_hit_rate', 0):.1%}), {pc.get('evictions_total', 0):.0f} evictions")
     if "long_prompt" in report:
         lp, d = report["long_prompt"], report.get("inter_token_s_during_long_prefill")
         print(f"long prompt of {lp['prompt_tokens']} tokens: time to first token {fmt(lp['ttft_s'])}"

@@ -40,8 +40,9 @@ ID_PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (2, 7, 13, 21, 29)]
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
-def serve(model, k, snapshot_budget_bytes=0, max_queue=64, start_engine=True, shutdown_timeout_s=30.0):
-    engine = make_engine(model, k, start=False, max_queue=max_queue, snapshot_budget_bytes=snapshot_budget_bytes)
+def serve(model, k, snapshot_budget_bytes=0, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, **engine_kw):
+    engine = make_engine(model, k, start=False, max_queue=max_queue, snapshot_budget_bytes=snapshot_budget_bytes,
+                         **engine_kw)
     settings = ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4,
                               shutdown_timeout_s=shutdown_timeout_s)
     app = create_app(engine, settings, manage_engine=start_engine)
@@ -502,6 +503,25 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     assert "req/s" in r.stdout and "p99" in r.stdout
     h = subprocess.run([sys.executable, "scripts/load_test.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert h.returncode == 0 and "--concurrency" in h.stdout and "p50/p90/p99" in h.stdout
+
+
+def test_load_script_holds_conversations_and_reports_turns_and_the_prefix_cache(model, tmp_path):
+    server, url = serve(model, 2, prefix_cache_bytes=1 << 22, prefix_block=8)
+    try:
+        out = tmp_path / "chat.json"
+        r = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={url}", "--requests=12", "--concurrency=2",
+                            "--turns=3", "--system_tokens=16", "--prompt_tokens=2,5", "--max_tokens=3", "--stream",
+                            "--vocab=380", f"--output_json={out}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        report = json.loads(out.read_text())
+        turns = report["turns"]
+        assert [t["turn"] for t in turns] == [0, 1, 2] and sum(t["requests"] for t in turns) == 12
+        assert turns[0]["prompt_tokens_mean"] < turns[1]["prompt_tokens_mean"] < turns[2]["prompt_tokens_mean"]
+        assert report["prefix_cache"]["hits_total"] >= 4 and report["prefix_cache"]["hit_tokens_total"] > 0
+        assert "turn 2: 4 requests" in r.stdout and "prefix cache: " in r.stdout
+    finally:
+        assert server.stop(60)
 
 
 def test_load_script_waits_for_health_before_sending():
