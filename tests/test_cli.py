@@ -26,8 +26,7 @@ def cache(tmp_path_factory):
 def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     out = tmp_path / "out.json"
     r = run("--flagfile=configs/tiny.flags", "--max_new_tokens=5", f"--output_json={out}", "--compare_plain",
-            "--repeats=2",
-            cache=cache)
+            "--repeats=2", "--logprobs=2", cache=cache)
     assert r.returncode == 0, r.stderr
     assert "[0] text:" in r.stdout and "tok/s" in r.stdout
     # what it is doing goes to stderr, phase by phase, with the seconds each took
@@ -46,6 +45,11 @@ def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     assert report["mtp_k"] == 3 and "MTP K=3:" in r.stdout and report["stats"]["drafted"] > 0
     assert report["plain"]["tokens_identical"] and report["plain"]["tokens"] == report["tokens"]
     assert len(report["decode_tokens_per_s_runs"]) == len(report["plain"]["decode_tokens_per_s_runs"]) == 2
+    # --logprobs: one line per token and the JSON's entries, the greedy token first among the alternatives
+    assert [[t["token"] for t in row] for row in report["logprobs"]] == report["tokens"]
+    assert all(len(t["top"]) == 2 and t["top"][0][0] == t["token"] for row in report["logprobs"] for t in row)
+    first = report["logprobs"][0][0]
+    assert f"[0]   {first['token']} " in r.stdout and f": {first['logprob']:.4f}  | " in r.stdout, r.stdout
     # the preset was built into the cache on first use
     assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
 
@@ -132,7 +136,7 @@ def test_help_explains_every_flag(cache):
     assert r.returncode == 0
     for flag in ("checkpoint", "prompt", "prompt_file", "prompt_ids", "max_new_tokens", "dtype", "page_size", "num_pages",
                  "output_json", "stop_token_ids", "warmup", "impl", "mtp_k", "temperature", "top_k", "top_p", "min_p",
-                 "seed", "tp",
+                 "seed", "tp", "logprobs",
                  "converted_cache", "fp8_act_quant", "draft_head"):
         assert re.search(rf"--(\[no\])?{flag}: \S", r.stdout), flag  # listed with an explanation
 
