@@ -193,9 +193,13 @@ def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
     assert len(engine.prefix) == 0 and engine.prefix.lookups == 0
     engine.start()
     system = list(range(100, 140))
-    for tail in ([1, 2], [3, 4, 5], [6] * 20):
+    first = engine.generate(system + [1, 2], 4, timeout=300)
+    for tail in ([3, 4, 5], [6] * 20):
         engine.generate(system + tail, 4, timeout=300)
-    assert engine.prefix.hits == 2 and engine.counters["serving_compiles"] == 0
+    turn = engine.submit(system + [1, 2] + first.tokens + [7, 8], 4)  # resumed from the first one's end
+    turn.result(300)
+    assert turn.prefix_hit_tokens == 45 and engine.prefix.hits == 3
+    assert engine.counters["serving_compiles"] == 0
     assert engine.stop(10)
 
 

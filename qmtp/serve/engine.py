@@ -546,8 +546,8 @@ class Engine:
             if handle.id >= 0 and handle.sampling is None and key not in self.snapshots and self.snapshots.fits(nbytes):
                 prompt_pages = self.allocator.pages_for(len(key))
                 with self._watch(f"prompt bucket {bucket}: snapshot copy-out"):
-                    row = jax.tree.map(lambda a: a[j:j + 1], first_lp)  # noqa: B023  (used at once)
-                    snap = self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes, row)
+                    snap = self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes,
+                                                      jax.tree.map(lambda a: a[j:j + 1], first_lp))
                 self.snapshots.put(key, snap)
         for j, (handle, slot, _) in enumerate(group):
             self._started(handle, slot, int(first[j]), first_lp, j)

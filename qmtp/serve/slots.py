@@ -236,8 +236,7 @@ class DeviceBatch:
             m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
             (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, copy_from, copy_to,
              np.zeros((1, m.cfg.hidden_size), m.params["embed"].dtype) if hidden is None else hidden,
-             np.int32(next_token), np.int32(boundary),
-             np.bool_(hidden is not None)),
+             np.int32(next_token), np.int32(boundary), np.bool_(hidden is not None)),
             ("params", "state", "gdn_rows") + ("rep",) * 9, ("state",))
 
     def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
