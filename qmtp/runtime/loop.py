@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import ops, sampling as smp, tp
+from qmtp.runtime import adaptive_k, ops, sampling as smp, tp
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.state import DecodeState, gdn_slot_count
 
@@ -112,6 +112,7 @@ class Slots:
         stop       [B, NS] int32  the row's stop ids, NO_STOP-padded
         done       [B] bool       finished, retired or empty: rides along with n_valid = 0 (no writes)
         gdn_slot   [B] int32      the slot of the ring each row's GDN/conv state is read from
+        accept_ema [B, MAX_K] f32 the row's acceptance estimate per draft position (adaptive K)
     """
 
     pending: jax.Array
@@ -121,13 +122,14 @@ class Slots:
     stop: jax.Array
     done: jax.Array
     gdn_slot: jax.Array
+    accept_ema: jax.Array
 
     @staticmethod
     def empty(batch: int, hidden: int, num_stop: int, dtype) -> "Slots":
         zeros = jnp.zeros((batch,), jnp.int32)
         return Slots(pending=zeros, d1=zeros, mh=jnp.zeros((batch, hidden), dtype), remaining=zeros,
                      stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool),
-                     gdn_slot=zeros)
+                     gdn_slot=zeros, accept_ema=jnp.full((batch, MAX_K), adaptive_k.PRIOR, jnp.float32))
 
     @staticmethod
     def started(first, d1, mh, max_tokens, stop) -> "Slots":
@@ -135,7 +137,8 @@ class Slots:
         [B] (counting that token) and stop ids stop [B, NS]; read slot 0."""
         remaining = max_tokens - 1
         return Slots(pending=first, d1=d1, mh=mh, remaining=remaining, stop=stop,
-                     done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first))
+                     done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first),
+                     accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.PRIOR, jnp.float32))
 
 
 def first_logprobs(logits: jax.Array, first: jax.Array, sampling, top_logprobs: int | None):
@@ -264,14 +267,15 @@ def accepted_length(drafts: jax.Array, verified: jax.Array) -> jax.Array:
 
 
 def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState, slots: Slots,
-           live: jax.Array, cap: jax.Array | None, sampling=None):
+           live: jax.Array, cap: jax.Array | None, sampling=None, refresh_mtp: bool = False):
     """One round (steps 1-4 of the module doc) for the rows with live [B] = 1; cap [B] (None: none) caps
     the accepted drafts. Returns (the round's tokens [B, K+1], of which the first a + 1 are emitted,
     accepted a [B], state, slots, the verify pass's logits [B, K+1, V] (this shard's slice under TP; at
     index i those of the token at position L + 1 + i)). Greedy: the tokens are the target's argmax g_0 .. g_K; with
-    `sampling`, see _sampled_round."""
+    `sampling`, see _sampled_round. refresh_mtp: also at K = 0, the MTP KV refresh and the next first
+    draft (adaptive K: a plain step between speculative rounds keeps the MTP layer's context whole)."""
     if sampling is not None:
-        return _sampled_round(cfg, kernels, k, params, state, slots, live, cap, sampling)
+        return _sampled_round(cfg, kernels, k, params, state, slots, live, cap, sampling, refresh_mtp)
     base = state.lengths  # L [B]
     drafts, h = [slots.d1][:k], slots.mh  # 1. draft d_2 .. d_K
     for step in range(1, k):
@@ -289,7 +293,7 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
     state = dataclasses.replace(state, lengths=base + n_keep)  # 4. commit
     read = ops.next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
     d1, mh = slots.d1, slots.mh
-    if k:  # the MTP KV at L .. L+a from the target hiddens; its output at L+a drafts the next d_1
+    if k or refresh_mtp:  # the MTP KV at L .. L+a from the target hiddens; its output at L+a drafts the next d_1
         mh_all, state = mtp.forward(cfg, params, state, verified, hidden, base, n_keep, kernels)
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
         d1 = target.draft_token(params, mh, kernels)
@@ -298,7 +302,7 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
 
 
 def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState,
-                   slots: Slots, live: jax.Array, cap: jax.Array | None, sampling):
+                   slots: Slots, live: jax.Array, cap: jax.Array | None, sampling, refresh_mtp: bool = False):
     """_round under sampling (speculative sampling, qmtp/runtime/sampling.py): draft i (for position
     L + 1 + i) is drawn from the MTP head's q_i (q_1 recomputed from the stored MTP hidden), the verify
     pass gives p_0 .. p_K, speculative_accept keeps a drafts and draws the next token from the residual
@@ -332,11 +336,23 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     state = dataclasses.replace(state, lengths=base + n_keep)
     read = ops.next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
     d1, mh = slots.d1, slots.mh
-    if k:
+    if k or refresh_mtp:
         mh_all, state = mtp.forward(cfg, params, state, jnp.maximum(emitted, 0), hidden, base, n_keep, kernels)
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
         d1 = draft(cfg, params, mh, kernels, sampling, base + a + 2)
     return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, mh=mh, gdn_slot=read), logits
+
+
+def _padded_round(cfg, kernels, kc: int, k: int, params, state, slots, *, live, cap, sampling):
+    """_round at K = kc (MTP refreshed at 0 too), its tokens and logits padded to k + 1 positions (the
+    branches of an adaptive round share one shape)."""
+    cap = None if cap is None else jnp.minimum(cap, kc)
+    tokens, a, state, slots, logits = _round(cfg, kernels, kc, params, state, slots, live, cap, sampling,
+                                             refresh_mtp=True)
+    pad = k - kc
+    tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=PAD_TOKEN)  # [B, k+1]
+    logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))  # [B, k+1, V]
+    return tokens, a, state, slots, logits
 
 
 def _emit(out, count, tokens, n_take, remaining, stop_mask, live):
@@ -363,12 +379,13 @@ def _zero_stats(b: int, k: int) -> dict:
             "sampled_rounds": zeros, "sampled_position_accepts": jnp.zeros((k,), jnp.int32)}
 
 
-def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int, sampled: jax.Array) -> dict:
+def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int, sampled: jax.Array, drafts=None) -> dict:
     """Adds one round (accepted a [B] of the live [B] rows) to the acceptance statistics; sampled [B]
-    marks the rows at temperature > 0, also counted apart (sampled_rounds, sampled_position_accepts)."""
+    marks the rows at temperature > 0, also counted apart (sampled_rounds, sampled_position_accepts);
+    drafts: the round's K when it is chosen per round (int32 []; None: k)."""
     on = live.astype(bool)
     hit = (jnp.arange(k)[None] < a[:, None]) & on[:, None]  # [B, K]: the row's draft at this position accepted
-    return {"rounds": stats["rounds"] + live, "drafted": stats["drafted"] + live * k,
+    return {"rounds": stats["rounds"] + live, "drafted": stats["drafted"] + live * (k if drafts is None else drafts),
             "sampled_rounds": stats["sampled_rounds"] + live * sampled,
             "sampled_position_accepts": stats["sampled_position_accepts"] + jnp.sum(
                 (hit & sampled[:, None].astype(bool)).astype(jnp.int32), axis=0),
@@ -378,10 +395,11 @@ def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int, sampled: jax.
             "position_accepts": stats["position_accepts"] + jnp.sum(hit.astype(jnp.int32), axis=0)}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds", "top_logprobs"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds", "top_logprobs", "adaptive_ks"),
                    donate_argnames=("state",))
 def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, params: dict, state: DecodeState,
-           slots: Slots, accept_cap: jax.Array | None = None, sampling=None, top_logprobs: int | None = None):
+           slots: Slots, accept_cap: jax.Array | None = None, sampling=None, top_logprobs: int | None = None,
+           adaptive_ks: tuple[int, ...] | None = None, round_cost: jax.Array | None = None):
     """At most n_rounds rounds with K = k drafts (0: plain greedy steps), resumed from `slots`; stops
     early once every row is done. Each round emits g_0 .. g_a clipped at the row's stop ids and
     `remaining`. accept_cap [R, B] int32 (a benchmark's acceptance profile) caps the accepted drafts of
@@ -397,7 +415,12 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
     sampled_position_accepts [K] of the rows at temperature > 0. With top_logprobs N (0 ..
     MAX_TOP_LOGPROBS) a sixth result: the tokens' TokenLogprobs [B, n_rounds (k+1)] with N alternatives
     (qmtp/runtime/sampling.py: log_softmax of the verify pass's logits at the row's temperature; under
-    TP each round then gathers the vocabulary)."""
+    TP each round then gathers the vocabulary).
+
+    adaptive_ks: candidate draft lengths (ascending, the last = k) of which each round runs the one
+    qmtp/runtime/adaptive_k.py chooses from slots.accept_ema and round_cost [C] (seconds per round at
+    each); every candidate's round is in the program (lax.switch), the GDN ring is k's, and K = 0
+    rounds refresh the MTP layer too. stats then also hold k_rounds [C]: rounds run at each candidate."""
     check_k(k)
     b = slots.done.shape[0]
     width = n_rounds * (k + 1)
@@ -422,7 +445,18 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
         state, slots, out, count, r, stats = carry
         live = (~slots.done).astype(jnp.int32)
         cap = None if accept_cap is None else accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
-        verified, a, state, slots, logits = _round(cfg, kernels, k, params, state, slots, live, cap, sampling)
+        if adaptive_ks is None:
+            verified, a, state, slots, logits = _round(cfg, kernels, k, params, state, slots, live, cap, sampling)
+        else:
+            c = adaptive_k.choose(slots.accept_ema, live, adaptive_ks, round_cost)
+            branches = [functools.partial(_padded_round, cfg, kernels, kc, k, params, live=live, cap=cap,
+                                          sampling=sampling) for kc in adaptive_ks]
+            d1 = slots.d1  # a plain step still checks the first draft: observed at position 1
+            verified, a, state, slots, logits = jax.lax.switch(c, branches, state, slots)
+            k_round = jnp.asarray(adaptive_ks, jnp.int32)[c]
+            seen = jnp.where(k_round > 0, a, (d1 == verified[:, 0]).astype(jnp.int32))
+            slots = dataclasses.replace(slots, accept_ema=adaptive_k.update(slots.accept_ema, seen,
+                                                                            jnp.maximum(k_round, 1), live))
         emitted = {"tokens": verified}
         if top_logprobs is not None:
             temperature = None if sampling is None else sampling.temperature
@@ -430,9 +464,18 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
         out, count, done_now = _emit(out, count, emitted, a + 1, entry.remaining, is_stop(verified, slots.stop),
                                      live)
         slots = dataclasses.replace(slots, done=slots.done | done_now)
-        return state, slots, out, count, r + 1, _add_stats(stats, a, live, k, sampled)
+        if adaptive_ks is None:
+            return state, slots, out, count, r + 1, _add_stats(stats, a, live, k, sampled)
+        new_stats = _add_stats(stats, a, live, k, sampled, k_round)
+        new_stats["k_rounds"] = stats["k_rounds"] + jax.nn.one_hot(c, len(adaptive_ks), dtype=jnp.int32)
+        return state, slots, out, count, r + 1, new_stats
 
-    carry = (state, slots, out, jnp.zeros((b,), jnp.int32), jnp.int32(0), _zero_stats(b, k))
+    stats0 = _zero_stats(b, k)
+    if adaptive_ks is not None:
+        if list(adaptive_ks) != sorted(set(adaptive_ks)) or adaptive_ks[-1] != k or adaptive_ks[0] < 0:
+            raise ValueError(f"adaptive_ks={adaptive_ks}: distinct ascending draft lengths ending at k={k}")
+        stats0["k_rounds"] = jnp.zeros((len(adaptive_ks),), jnp.int32)
+    carry = (state, slots, out, jnp.zeros((b,), jnp.int32), jnp.int32(0), stats0)
     state, slots, out, count, _, stats = jax.lax.while_loop(cond, body, carry)
     if not in_ring:
         state, slots = from_ring(state, slots.gdn_slot), dataclasses.replace(slots, gdn_slot=entry.gdn_slot)

@@ -50,7 +50,8 @@ def _put_rows(state: DecodeState, slots: Slots, ids, conv, ssm, page_rows, lengt
         ssm=tuple(put_gdn(s, r) for s, r in zip(state.ssm, ssm)),
         page_table=put(state.page_table, page_rows), lengths=put(state.lengths, lengths))
     return state, dataclasses.replace(slots, **{f: put(getattr(slots, f), getattr(new, f))
-                                                for f in ("pending", "d1", "mh", "remaining", "stop", "done")})
+                                                for f in ("pending", "d1", "mh", "remaining", "stop", "done",
+                                                          "accept_ema")})
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
