@@ -19,13 +19,15 @@ import numpy as np
 
 from qmtp.model import fp8 as fp8_lib, load as load_lib, mtp, target as model_lib
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import loop, tp as tp_lib
+from qmtp.runtime import adaptive_k, loop, tp as tp_lib
 from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from qmtp.runtime.state import init_state
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+AUTO = "auto"  # mtp_k: the draft length chosen per round (qmtp/runtime/adaptive_k.py)
+COST_ROUNDS = 16  # tokens per row of a run that measures a round's seconds at one K (mtp_k="auto")
 MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two >= this (fewer recompiles)
 
 
@@ -244,7 +246,7 @@ def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
     return jnp.asarray(cap)
 
 
-def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int = 0,
+def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int | str = 0,
              accept_cap=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | None = None, logprobs: int | None = None, warmup: bool = False,
              progress=None) -> GenerationResult:
@@ -255,7 +257,10 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     under the target and its N most likely alternatives (TokenLogprob), plain or MTP alike.
 
     mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (greedy: the same
-    tokens; sampled: the same distribution, by speculative sampling).
+    tokens; sampled: the same distribution, by speculative sampling); "auto": each round runs the K of
+    adaptive_k.CANDIDATES with the most expected tokens per second, from the rows' recent acceptance
+    and the seconds of a round at each K, measured first on this batch (one short run per K after the
+    compile; stats k_rounds and round_cost_s say which ran and what they cost).
     Stops each sequence at a stop id (default: generation_config's eos ids) or after `max_new_tokens`.
     `accept_cap` (MTP only; how benchmarks impose an acceptance profile, qmtp/bench/profile.py) caps
     the accepted drafts per round: an int, or a schedule [R] / [R, B] (round r uses row min(r, R-1));
@@ -264,6 +269,13 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     line as each phase (compiling, generating) starts (qmtp.cli_progress.Phases prints them)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    adaptive = mtp_k == AUTO
+    if adaptive:
+        mtp_k = adaptive_k.CANDIDATES[-1]
+        if accept_cap is not None:
+            raise ValueError("accept_cap needs a fixed mtp_k, not 'auto'")
+    elif not isinstance(mtp_k, (int, np.integer)):
+        raise ValueError(f"mtp_k={mtp_k!r}: an integer 0..{loop.MAX_K} or {AUTO!r}")
     loop.check_k(mtp_k)
     check_logprobs(logprobs)
     if mtp_k:
@@ -278,7 +290,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     cap = _cap_schedule(accept_cap, batch, mtp_k) if mtp_k and accept_cap is not None else None
     statics = (model.cfg, model.kernels)
 
-    def run(limit):
+    def run(limit, round_cost=None):
         state = _new_state(model, capacities)
         budget = jnp.full((batch,), limit, jnp.int32)
         t0 = time.perf_counter()
@@ -291,35 +303,56 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         first.block_until_ready()
         t1 = time.perf_counter()
         args, kinds = (model.params, state, slots), ("params", "state", "rep")
-        if cap is not None or sampling is not None:
+        if cap is not None or sampling is not None or adaptive:
             args, kinds = args + (cap, sampling), kinds + ("rep", "rep")
+        if adaptive:
+            args, kinds = args + (jnp.asarray(round_cost, jnp.float32),), kinds + ("rep",)
         out, count, stats, _, _, *lp = _call(model, loop.decode, statics + (mtp_k, max_new_tokens), args, kinds,
                                              ("rep", "rep", "rep", "state", "rep") + ("rep",) * len(first_lp),
-                                             top_logprobs=logprobs)
+                                             top_logprobs=logprobs,
+                                             **({"adaptive_ks": adaptive_k.CANDIDATES} if adaptive else {}))
         out.block_until_ready()
         lp = jax.tree.map(lambda a, b: np.concatenate([a, b], axis=1), *first_lp, *lp) if lp else None  # [B, 1 + W]
         return first, out, count, stats, t1 - t0, time.perf_counter() - t1, lp
 
+    def measure_round_costs():
+        """Seconds per round at each candidate K: a short run with each in turn forced (every other one
+        given an enormous cost), the compiled loop's own program."""
+        costs = []
+        for c in range(len(adaptive_k.CANDIDATES)):
+            forced = np.full(len(adaptive_k.CANDIDATES), 1e9, np.float32)
+            forced[c] = 1.0
+            _, _, _, stats, _, seconds, _ = run(min(max_new_tokens, COST_ROUNDS), forced)
+            costs.append(seconds / max(int(np.asarray(stats["rounds"]).max(initial=0)), 1))
+        return np.asarray(costs, np.float32)
+
     progress = progress or (lambda line: None)
-    loop_name = f"the MTP K={mtp_k} decode loop" if mtp_k else "the plain decode loop"
+    loop_name = (f"the adaptive MTP decode loop (K in {adaptive_k.CANDIDATES})" if adaptive else
+                 f"the MTP K={mtp_k} decode loop" if mtp_k else "the plain decode loop")
     compiling = f"compiling prefill (batch {batch}, prompt bucket {tokens.shape[1]}) and {loop_name}"
-    warmup_s = 0.0
-    if warmup:
+    warmup_s, round_cost = 0.0, None
+    if warmup or adaptive:  # "auto" times rounds: compiled first
         progress(compiling)
         t0 = time.perf_counter()
-        run(1)  # compiles prefill and the loop (their shapes do not depend on the budget)
+        run(1, np.ones(len(adaptive_k.CANDIDATES))) if adaptive else run(1)  # shapes do not depend on the budget
+        if adaptive:
+            progress(f"timing a round at K = {', '.join(map(str, adaptive_k.CANDIDATES))}")
+            round_cost = measure_round_costs()
         warmup_s = time.perf_counter() - t0
     progress(f"generating up to {max_new_tokens} tokens for {batch} prompt{'s' if batch > 1 else ''}"
-             if warmup else f"{compiling}, then generating")
-    first, out, count, stats, ttft, decode_s, lp = run(max_new_tokens)
+             if warmup or adaptive else f"{compiling}, then generating")
+    first, out, count, stats, ttft, decode_s, lp = run(max_new_tokens, round_cost)
     first, out, count = np.asarray(first), np.asarray(out), np.asarray(count)
     new = [[int(first[b])] + out[b, :count[b]].tolist() for b in range(batch)]
     n_decoded = int(count.sum())
     texts = [model.tokenizer.decode(t, skip_special_tokens=True) for t in new] if model.tokenizer else None
     stats_out = {"ttft_s": ttft, "decode_s": decode_s, "warmup_s": warmup_s, "new_tokens": n_decoded + batch,
                  "decode_tokens_per_s": n_decoded / decode_s if decode_s > 0 else float("nan"),
-                 "batch": batch, "mtp_k": mtp_k}
+                 "batch": batch, "mtp_k": AUTO if adaptive else mtp_k}
     stats_out.update(_mtp_stats(stats, mtp_k) if mtp_k else {"steps": int(np.asarray(stats["rounds"]).max(initial=0))})
+    if adaptive:
+        stats_out["k_rounds"] = dict(zip(adaptive_k.CANDIDATES, np.asarray(stats["k_rounds"]).tolist()))
+        stats_out["round_cost_s"] = dict(zip(adaptive_k.CANDIDATES, round_cost.tolist()))
     lps = None if lp is None else [token_logprobs(lp, b, tokens) for b, tokens in enumerate(new)]
     return GenerationResult(new, texts, [len(p) for p in prompt_ids], stats_out, lps)
 

@@ -38,9 +38,12 @@ flags.DEFINE_enum("impl", "ref", ["ref", "pallas"],
                   "Kernel implementation: 'ref' (pure XLA) or 'pallas' (Pallas GPU kernels where they exist; "
                   "interpret mode on the CPU, which is slow).")
 flags.DEFINE_list("stop_token_ids", None, "Stop ids (default: eos_token_id of generation_config.json).")
-flags.DEFINE_integer("mtp_k", 0, "Drafts per round for MTP speculative decoding (1-4); 0 = plain decoding. "
-                     "Greedy tokens are the same either way, sampled ones follow the same distribution (speculative "
-                     "sampling); MTP needs a checkpoint with mtp.* tensors.", lower_bound=0, upper_bound=4)
+flags.DEFINE_enum("mtp_k", "0", ["0", "1", "2", "3", "4", "auto"],
+                  "Drafts per round for MTP speculative decoding (1-4); 0 = plain decoding; 'auto' = each round runs "
+                  "the K of 0, 1, 3 with the most expected tokens per second, from the rows' recent acceptance and "
+                  "the seconds of a round at each K (timed on the batch first). Greedy tokens are the same either "
+                  "way, sampled ones follow the same distribution (speculative sampling); MTP needs a checkpoint "
+                  "with mtp.* tensors.")
 flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this many devices (each loads only its "
                      "shard; the tokens are the same as with 1). Must divide the model's head counts, MLP width "
                      "and vocabulary; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices.",
@@ -111,7 +114,8 @@ def run(argv) -> dict:
         raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
     stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
     cli_help.check_output_file("output_json", FLAGS.output_json)
-    if FLAGS.compare_plain and not FLAGS.mtp_k:
+    k = FLAGS.mtp_k if FLAGS.mtp_k == qmtp.api.AUTO else int(FLAGS.mtp_k)
+    if FLAGS.compare_plain and not k:
         raise ValueError("--compare_plain compares MTP with plain decoding: give --mtp_k too")
     sampling = cli_help.sampling_from_flags()
     cli_help.apply_compile_cache_flag()
@@ -123,21 +127,21 @@ def run(argv) -> dict:
                       converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant,
                       deterministic=FLAGS.deterministic, prefill_chunk=FLAGS.prefill_chunk)
-    warning = cli_help.verify_rows_warning(model, len(prompts), FLAGS.mtp_k)
+    warning = cli_help.verify_rows_warning(model, len(prompts), 3 if k == qmtp.api.AUTO else k)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    def generate(k, first):
-        return qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop, mtp_k=k,
+    def generate(mode, first):
+        return qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=stop, mtp_k=mode,
                              logprobs=FLAGS.logprobs, warmup=FLAGS.warmup and first, progress=phases, **sampling)
 
     # the modes alternate, so a slow stretch of a shared machine falls on both; each keeps its median run
-    ks = ([0] if FLAGS.compare_plain else []) + [FLAGS.mtp_k]
-    runs = {k: [] for k in ks}
+    modes = ([0] if FLAGS.compare_plain else []) + [k]
+    runs = {mode: [] for mode in modes}
     for r in range(FLAGS.repeats):
-        for k in ks:
-            runs[k].append(generate(k, r == 0))
+        for mode in modes:
+            runs[mode].append(generate(mode, r == 0))
     phases.done()
-    plain, result = (median_run(runs[0]) if FLAGS.compare_plain else None), median_run(runs[FLAGS.mtp_k])
+    plain, result = (median_run(runs[0]) if FLAGS.compare_plain else None), median_run(runs[k])
     for i, tokens in enumerate(result.tokens):
         shown = prompts[i] if isinstance(prompts[i], str) else f"ids {prompts[i]}"
         print(f"[{i}] prompt: {shown!r}")
@@ -150,27 +154,30 @@ def run(argv) -> dict:
     s = result.stats
     print(f"batch {s['batch']}: {s['new_tokens']} new tokens, TTFT {s['ttft_s'] * 1e3:.1f} ms, "
           f"decode {s['decode_tokens_per_s']:.1f} tok/s ({s['steps']} steps in {s['decode_s'] * 1e3:.1f} ms), "
-          f"compile/warm-up {runs[FLAGS.mtp_k][0].stats['warmup_s']:.1f} s"
+          f"compile/warm-up {runs[k][0].stats['warmup_s']:.1f} s"
           + (f"; the median of {FLAGS.repeats} runs" if FLAGS.repeats > 1 else ""))
-    if FLAGS.mtp_k:
-        print(f"MTP K={FLAGS.mtp_k}: {s['rounds']} rounds, {s['accepted']}/{s['drafted']} drafts accepted "
+    if k:
+        print(f"MTP K={k}: {s['rounds']} rounds, {s['accepted']}/{s['drafted']} drafts accepted "
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
+        if k == qmtp.api.AUTO:
+            print("rounds per K: " + ", ".join(f"K={kk}: {n}" for kk, n in s["k_rounds"].items())
+                  + "; seconds per round: " + ", ".join(f"K={kk}: {c * 1e3:.2f} ms" for kk, c in s["round_cost_s"].items()))
     if plain is not None:
         p = plain.stats
         same = plain.tokens == result.tokens
         tokens = ("sampled: the same distribution, not the same tokens" if FLAGS.temperature > 0 else
                   f"tokens {'identical' if same else 'DIFFERENT'}")
-        print(f"plain {p['decode_tokens_per_s']:.1f} tok/s, MTP K={FLAGS.mtp_k} {s['decode_tokens_per_s']:.1f} tok/s: "
+        print(f"plain {p['decode_tokens_per_s']:.1f} tok/s, MTP K={k} {s['decode_tokens_per_s']:.1f} tok/s: "
               f"{s['decode_tokens_per_s'] / p['decode_tokens_per_s']:.2f}x; {tokens} (same prompts, same run)")
-    report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": FLAGS.mtp_k,
+    report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "mtp_k": k,
               "draft_head": model.draft_head, "tp": FLAGS.tp, "fp8_act_quant": FLAGS.fp8_act_quant,
               "deterministic": FLAGS.deterministic, "prefill_chunk": FLAGS.prefill_chunk,
               "prompts": prompts, "prompt_lengths": result.prompt_lengths, "tokens": result.tokens,
               "texts": result.texts, "stats": s,
               "logprobs": None if result.logprobs is None else [[dataclasses.asdict(t) for t in row]
                                                                 for row in result.logprobs], "repeats": FLAGS.repeats,
-              "decode_tokens_per_s_runs": [r.stats["decode_tokens_per_s"] for r in runs[FLAGS.mtp_k]]}
+              "decode_tokens_per_s_runs": [r.stats["decode_tokens_per_s"] for r in runs[k]]}
     if plain is not None:
         report["plain"] = {"tokens": plain.tokens, "stats": plain.stats, "tokens_identical": plain.tokens == result.tokens,
                            "decode_tokens_per_s_runs": [r.stats["decode_tokens_per_s"] for r in runs[0]]}

@@ -100,3 +100,20 @@ def test_plain_steps_keep_the_drafts_right(tmp_path):
     rounds = np.asarray(stats["k_rounds"])
     assert rounds[0] > 0 and rounds[2] > 0, rounds
     assert np.asarray(stats["accepted"]).sum() == np.asarray(stats["drafted"]).sum() > 0
+
+
+def test_generate_auto_times_each_k_and_keeps_the_tokens(model):
+    want = qmtp.generate(model, PROMPTS[:3], max_new_tokens=10).tokens
+    lines = []
+    got = qmtp.generate(model, PROMPTS[:3], max_new_tokens=10, mtp_k="auto", progress=lines.append)
+    assert got.tokens == want and got.stats["mtp_k"] == "auto"
+    assert set(got.stats["k_rounds"]) == set(got.stats["round_cost_s"]) == set(adaptive_k.CANDIDATES)
+    assert all(c > 0 for c in got.stats["round_cost_s"].values()) and sum(got.stats["k_rounds"].values()) > 0
+    assert any(line.startswith("timing a round at K = 0, 1, 3") for line in lines), lines
+
+
+@pytest.mark.parametrize("kw, message", [(dict(mtp_k="fast"), r"mtp_k='fast': an integer 0..4 or 'auto'"),
+                                         (dict(mtp_k="auto", accept_cap=1), "accept_cap needs a fixed mtp_k")])
+def test_generate_refuses_what_auto_cannot_do(model, kw, message):
+    with pytest.raises(ValueError, match=message):
+        qmtp.generate(model, PROMPTS[:1], max_new_tokens=2, **kw)

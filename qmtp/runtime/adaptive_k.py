@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+CANDIDATES = (0, 1, 3)  # mtp_k="auto": few candidates keep the loop's program small (every one is in it)
 PRIOR = 0.75  # a new request's acceptance estimate at every position: optimistic, so drafts get tried
 EMA_WEIGHT = 0.125  # weight of one observation (~ the last 8 observed rounds count)
 

@@ -398,8 +398,8 @@ def _add_stats(stats: dict, a: jax.Array, live: jax.Array, k: int, sampled: jax.
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "k", "n_rounds", "top_logprobs", "adaptive_ks"),
                    donate_argnames=("state",))
 def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, params: dict, state: DecodeState,
-           slots: Slots, accept_cap: jax.Array | None = None, sampling=None, top_logprobs: int | None = None,
-           adaptive_ks: tuple[int, ...] | None = None, round_cost: jax.Array | None = None):
+           slots: Slots, accept_cap: jax.Array | None = None, sampling=None, round_cost: jax.Array | None = None,
+           top_logprobs: int | None = None, adaptive_ks: tuple[int, ...] | None = None):
     """At most n_rounds rounds with K = k drafts (0: plain greedy steps), resumed from `slots`; stops
     early once every row is done. Each round emits g_0 .. g_a clipped at the row's stop ids and
     `remaining`. accept_cap [R, B] int32 (a benchmark's acceptance profile) caps the accepted drafts of
