@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from qmtp import api
-from qmtp.runtime import loop
+from qmtp.runtime import adaptive_k, loop
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
@@ -67,7 +67,7 @@ SHUTTING_DOWN = "the server is shutting down"
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     batch_slots: int = 4  # B: requests decoded together
-    mtp_k: int = 0  # drafts per round, 0 (plain) .. 4
+    mtp_k: int | str = 0  # drafts per round, 0 (plain) .. 4, or "auto" (chosen per round, adaptive_k.py)
     rounds_per_call: int = 4  # MTP rounds (or plain steps) per device call between scheduling points
     max_model_len: int = 0  # prompt + max_tokens limit; 0 = min(4096, max_position_embeddings - (K+1))
     num_pages: int = 0  # KV pages in the pool; 0 = every slot can hold a max_model_len request
@@ -81,13 +81,13 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
 
     def validate(self) -> None:
-        for name, low in (("batch_slots", 1), ("mtp_k", 0), ("rounds_per_call", 1), ("max_model_len", 0),
+        if self.mtp_k != api.AUTO and not (isinstance(self.mtp_k, int) and 0 <= self.mtp_k <= loop.MAX_K):
+            raise ValueError(f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K} or {api.AUTO!r}")
+        for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
                           ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("snapshot_budget_bytes", 0),
                           ("prefill_batch", 1), ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
                           ("prefix_block", 0)):
             value = getattr(self, name)
-            if name == "mtp_k" and not 0 <= value <= loop.MAX_K:
-                raise ValueError(f"--mtp_k={value}: supported 0..{loop.MAX_K}")
             if value < low:
                 raise ValueError(f"--{name}={value} must be >= {low}")
         if self.snapshot_budget_bytes and self.prefix_cache_bytes:
@@ -115,7 +115,9 @@ class Engine:
         self.config = config
         self._log = log or _print_line
         self.warming: tuple[int, int] | None = None  # (programs done, programs) while warming up
-        self.k = config.mtp_k
+        self.adaptive = config.mtp_k == api.AUTO  # K chosen per round among adaptive_k.CANDIDATES
+        self.k = adaptive_k.CANDIDATES[-1] if self.adaptive else config.mtp_k  # the most drafts of a round
+        self.round_cost: np.ndarray | None = None  # adaptive: seconds per round at each candidate (the warm-up's)
         self.extra = self.k + 1 if self.k else 0  # verify writes K+1 positions past the committed length
         self._cv = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
@@ -133,6 +135,7 @@ class Engine:
         self.accept_hist = np.zeros(self.k + 1, np.int64)
         self.position_accepts = np.zeros(self.k, np.int64)
         self.sampled_position_accepts = np.zeros(self.k, np.int64)  # of sampled requests only
+        self.k_rounds = np.zeros(len(adaptive_k.CANDIDATES), np.int64)  # adaptive: loop rounds run at each K
         self.snapshots = SnapshotStore(config.snapshot_budget_bytes)
         self.prefix: PrefixCache | None = None
         self._set_model(model)
@@ -174,6 +177,8 @@ class Engine:
         prompt_buckets()) whose programs the thread compiles first, with the loop, as warmup() does; until
         then `warming` is set and submit() raises WarmingUp. ValueError (nothing started) for a bucket no
         request can reach."""
+        if warmup_buckets is None and self.adaptive and self.round_cost is None:  # the warm-up times the rounds
+            warmup_buckets = [api.MIN_PROMPT_BUCKET]
         steps = None if warmup_buckets is None else warmup_plan(self, warmup_buckets)
         with self._cv:
             if self._stopping:
@@ -576,7 +581,8 @@ class Engine:
                     if logprobs or self._sampling.any_sampled(decoding) else None)
         form = "with logprobs" if logprobs else "with sampling" if sampling is not None else ""
         with self._watch(f"decode loop {form}".strip()):
-            out, count, done, stats, lp = self._device.run(self.config.rounds_per_call, sampling, logprobs)
+            out, count, done, stats, lp = self._device.run(self.config.rounds_per_call, sampling, logprobs,
+                                                           self._round_costs())
         self.counters["loop_calls"] += 1
         if stats is not None:
             for name in ("rounds", "drafted", "accepted"):
@@ -585,6 +591,8 @@ class Engine:
             self.position_accepts += stats["position_accepts"]
             self.counters["mtp_rounds_sampled"] += int(stats["sampled_rounds"].sum())
             self.sampled_position_accepts += stats["sampled_position_accepts"]
+            if self.adaptive:
+                self.k_rounds += stats["k_rounds"]
         for slot in list(self._active):
             if slot in self.passes.pending:  # done on the device until its last piece
                 continue
@@ -593,6 +601,17 @@ class Engine:
                 self._deliver(slot, tokens, lp, slot)
             if slot in self._active and done[slot]:
                 self._release_done(slot)
+
+    def _round_costs(self) -> np.ndarray | None:
+        """What the loop chooses K from (adaptive; None: K = self.k every round): the seconds the warm-up
+        timed, or while it compiles the loop, equal costs."""
+        if not self.adaptive:
+            return None
+        if self.round_cost is not None:
+            return self.round_cost
+        if self.warming is None:
+            raise RuntimeError("mtp_k='auto' decodes once the warm-up timed a round at each K (Engine.start)")
+        return np.ones(len(adaptive_k.CANDIDATES), np.float32)
 
     def _deliver(self, slot: int, tokens: list[int], logprobs=None, row: int = 0) -> None:
         """Streams the slot's new tokens; logprobs: host TokenLogprobs [n, W] whose row `row` scores them

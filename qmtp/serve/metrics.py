@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qmtp.runtime import adaptive_k
 from qmtp.serve.requests import FINISH_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -50,6 +51,12 @@ def render(engine, invalid_requests: int = 0) -> str:
            "accepted, of greedy requests (exact match) and of sampled ones (speculative sampling).",
            [({"decoding": d, "position": str(i + 1)}, n / r if r else 0.0)
             for d, (r, accepts) in sorted(split.items()) for i, n in enumerate(accepts)])
+    if engine.adaptive:
+        metric("qmtp_mtp_loop_rounds_by_k_total", "counter", "Loop rounds run at each draft length (--mtp_k=auto).",
+               [({"k": str(k)}, int(n)) for k, n in zip(adaptive_k.CANDIDATES, engine.k_rounds)])
+        metric("qmtp_mtp_round_seconds", "gauge", "Seconds of a round at each draft length, timed in the warm-up.",
+               [({"k": str(k)}, float(s)) for k, s in zip(adaptive_k.CANDIDATES, engine.round_cost)]
+               if engine.round_cost is not None else [])
     metric("qmtp_mtp_rounds_by_accepted_total", "counter", "Rounds that accepted exactly this many drafts.",
            [({"accepted": str(a)}, int(n)) for a, n in enumerate(engine.accept_hist)])
     metric("qmtp_snapshot_lookups_total", "counter", "Exact-prompt snapshot lookups.", snap.lookups)

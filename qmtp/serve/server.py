@@ -57,8 +57,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.", lower_bound=1)
     flags.DEFINE_integer("num_pages", 0, "KV pages in the pool; 0 = batch_slots x the pages of one max_model_len "
                          "request (a request then never waits for pages).", lower_bound=0)
-    flags.DEFINE_integer("mtp_k", 0, "MTP drafts per round (1-4); 0 = plain greedy decoding. Same tokens either way.",
-                         lower_bound=0, upper_bound=4)
+    flags.DEFINE_enum("mtp_k", "0", ["0", "1", "2", "3", "4", "auto"], "MTP drafts per round (1-4); 0 = plain "
+                      "decoding; 'auto' = each round runs the K of 0, 1, 3 with the most expected tokens per second, "
+                      "from each request's recent acceptance and the seconds of a round at each K (timed in the "
+                      "warm-up). Same greedy tokens either way.")
     flags.DEFINE_integer("batch_slots", 4, "Requests decoded together (every slot, busy or not, is a row of each "
                          "step). An MTP round verifies batch_slots x (K+1) rows: up to 128 stay on the FP8 decode "
                          "kernels, more run on compute-bound GEMM tiles (a warning names the K that fits).",
@@ -424,8 +426,9 @@ def build(argv) -> tuple:
                       prefill_chunk=FLAGS.prefill_chunk, progress=False, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab)
     same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig) if f.name != "stop_token_ids"}
+    same_named["mtp_k"] = FLAGS.mtp_k if FLAGS.mtp_k == qmtp.api.AUTO else int(FLAGS.mtp_k)
     engine = Engine(model, EngineConfig(stop_token_ids=stop, **same_named))
-    warning = cli_help.verify_rows_warning(model, FLAGS.batch_slots, FLAGS.mtp_k, unit="batch slots")
+    warning = cli_help.verify_rows_warning(model, FLAGS.batch_slots, engine.k, unit="batch slots")
     if warning:
         print(warning, file=sys.stderr, flush=True)
     name = FLAGS.served_model_name or (FLAGS.checkpoint.split(":")[1] if FLAGS.checkpoint.startswith(PRESET_PREFIX)

@@ -24,7 +24,7 @@ import numpy as np
 from qmtp import api
 from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import loop, tp as tp_lib
+from qmtp.runtime import adaptive_k, loop, tp as tp_lib
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.loop import Slots
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
@@ -263,17 +263,26 @@ class DeviceBatch:
         return (self.page_bytes() * n_pages + self.gdn_row_bytes() + 4 * (n_pages + 1) + 8
                 + mh.size * mh.dtype.itemsize // self.state.batch)
 
-    def run(self, n: int, sampling=None, logprobs: bool = False):
+    def run(self, n: int, sampling=None, logprobs: bool = False, round_cost=None):
         """n MTP rounds (or plain steps) over all slots; sampling: every slot's SamplingParams (the loop's
         sampled form) or None (greedy); logprobs: also each token's TokenLogprobs with MAX_TOP_LOGPROBS
-        alternatives. Returns host arrays (out [B, n (K+1)], count [B], done [B]), the MTP statistics
-        (None for plain decoding) and the TokenLogprobs [B, n (K+1)] (None without logprobs)."""
+        alternatives; round_cost: the seconds of a round at each of adaptive_k.CANDIDATES, for a loop that
+        chooses K per round (None: K = self.k every round). Returns host arrays (out [B, n (K+1)], count
+        [B], done [B]), the MTP statistics (None for plain decoding) and the TokenLogprobs [B, n (K+1)]
+        (None without logprobs)."""
         m = self.model
-        args = (m.params, self.state, self.slots) + (() if sampling is None else (None, sampling))
+        args = (m.params, self.state, self.slots)
+        if sampling is not None or round_cost is not None:
+            args += (None, sampling)
+        if round_cost is not None:
+            args += (np.asarray(round_cost, np.float32),)
+        statics = {"top_logprobs": MAX_TOP_LOGPROBS} if logprobs else {}
+        if round_cost is not None:
+            statics["adaptive_ks"] = adaptive_k.CANDIDATES
         out, count, stats, self.state, self.slots, *lp = api._call(
             m, loop.decode, (m.cfg, m.kernels, self.k, n), args,
             ("params", "state") + ("rep",) * (len(args) - 2), ("rep", "rep", "rep", "state", "rep") + ("rep",) * logprobs,
-            **({"top_logprobs": MAX_TOP_LOGPROBS} if logprobs else {}))
+            **statics)
         out, count, done, lp = jax.device_get((out, count, self.slots.done, lp))
         return out, count, done, (jax.device_get(stats) if self.k else None), (lp[0] if lp else None)
 

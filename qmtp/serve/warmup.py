@@ -24,9 +24,12 @@ import dataclasses
 import functools
 from typing import Callable
 
+import time
+
 import numpy as np
 
 from qmtp import api
+from qmtp.runtime import adaptive_k
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
 from qmtp.serve.prompt_passes import LONG_PROMPTS
 from qmtp.serve.requests import RequestHandle
@@ -74,6 +77,9 @@ def plan(engine, buckets) -> list[Step]:
     for form, logprobs in (("sampling", False), ("logprobs", True)):
         steps.append(Step(f"decode loop with {form} ({engine.config.rounds_per_call} {unit})",
                           functools.partial(_sampled_loop, engine, logprobs)))
+    if engine.adaptive:
+        steps.append(Step(f"timing a round at K = {', '.join(map(str, adaptive_k.CANDIDATES))}",
+                          functools.partial(_time_rounds, engine)))
     return steps
 
 
@@ -145,7 +151,36 @@ def _sampled_loop(engine, logprobs: bool) -> None:
     """The loop's sampled form (with logprobs: the one that also returns them), with every slot done (it
     compiles and runs no round)."""
     engine._device.run(engine.config.rounds_per_call, engine._sampling.rows(range(engine.config.batch_slots),
-                                                                           always=True), logprobs)
+                                                                           always=True), logprobs,
+                       engine._round_costs())
+
+
+def _time_rounds(engine, most_rounds: int = 8) -> None:
+    """engine.round_cost: every slot filled with a one-token dummy request (no stop ids, a budget for all
+    the runs within max_model_len), then up to `most_rounds` rounds at each candidate K in turn (that K
+    forced by the costs handed in), timed; the dummies are released after."""
+    ks = adaptive_k.CANDIDATES
+    n = 1
+    rounds = max(1, min(most_rounds, (engine.max_model_len - n - 1) // sum(k + 1 for k in ks)))
+    budget = 1 + rounds * sum(k + 1 for k in ks)
+    for slot in list(engine._free_slots)[::-1]:
+        handle = RequestHandle(engine, -1, [0] * n, budget, (), (), listener=lambda event: None)
+        capacity = engine._capacity(handle)
+        if engine.allocator.pages_for(capacity) > engine.allocator.free_pages:
+            break
+        engine._prefill_group([(handle, engine._free_slots.pop(), engine.allocator.reserve(capacity))])
+    costs = []
+    for c in range(len(ks)):
+        forced = np.full(len(ks), 1e9, np.float32)
+        forced[c] = 1.0
+        engine._device.run(1, None, False, forced)  # compiled by the loop steps; this one warms the caches
+        t0 = time.perf_counter()
+        engine._device.run(rounds, None, False, forced)
+        costs.append((time.perf_counter() - t0) / rounds)
+    for slot in list(engine._active):
+        engine._release(slot, "abort")
+    engine._flush_retired()
+    engine.round_cost = np.asarray(costs, np.float32)
 
 
 def _loop(engine) -> None:

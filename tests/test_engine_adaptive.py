@@ -1,0 +1,66 @@
+"""--mtp_k=auto in the serving engine: the warm-up times a round at each candidate K; requests joining
+and leaving mid-run get plain greedy tokens whatever K each round runs; each slot's acceptance estimate
+starts over with its request; /metrics reports the rounds per K and their seconds.
+
+Shapes of tests/serving_fixtures.py; the tiny checkpoint's `model` (float32) from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp.runtime import adaptive_k
+from qmtp.serve import metrics
+from serving_fixtures import assert_all_free, make_engine
+
+RNG = np.random.default_rng(31)
+PROMPTS = [RNG.integers(0, 380, int(n)).tolist() for n in RNG.integers(2, 20, 7)]
+pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
+
+
+def test_auto_times_rounds_and_keeps_greedy_tokens(model):
+    lines = []
+    engine = make_engine(model, "auto", start=False, log=lines.append)
+    assert engine.k == adaptive_k.CANDIDATES[-1]
+    engine.warmup([16, 32])
+    assert any(line.startswith("warm-up [") and "timing a round at K = 0, 1, 3" in line for line in lines), lines
+    assert engine.round_cost is not None and np.all(engine.round_cost > 0) and engine.counters["admitted"] == 0
+    assert_all_free(engine)
+    engine.start()
+    handles = [engine.submit(p, int(n)) for p, n in zip(PROMPTS, RNG.integers(3, 12, len(PROMPTS)))]
+    for h, p in zip(handles, PROMPTS):
+        assert h.result(300).tokens == qmtp.generate(model, [p], max_new_tokens=h.max_tokens).tokens[0]
+    assert engine.k_rounds.sum() > 0 and engine.counters["serving_compiles"] == 0
+    text = metrics.render(engine)
+    assert 'qmtp_mtp_loop_rounds_by_k_total{k="3"}' in text and 'qmtp_mtp_round_seconds{k="0"}' in text
+    assert engine.stop(10)
+    assert_all_free(engine)
+
+
+def test_a_new_request_starts_from_the_prior_acceptance(model):
+    engine = make_engine(model, "auto", start=False)
+    engine.warmup([16])
+    first = engine.submit(PROMPTS[0], 10)
+    while not first.finished:
+        engine._iteration()
+    slot = 0  # the first free slot, handed out again
+    assert not np.allclose(np.asarray(engine._device.slots.accept_ema[slot]), adaptive_k.PRIOR)
+    engine.submit(PROMPTS[1], 10)
+    engine._admit()
+    np.testing.assert_allclose(np.asarray(engine._device.slots.accept_ema[slot]), adaptive_k.PRIOR)
+
+
+def test_auto_without_a_warm_up_warms_up_at_start(model):
+    engine = make_engine(model, "auto")  # start() with no buckets: the loop and the timing still run first
+    assert engine.warming is not None
+    deadline = time.monotonic() + 300
+    while engine.warming is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert engine.generate(PROMPTS[2], 4, timeout=300).tokens == qmtp.generate(model, [PROMPTS[2]], 4).tokens[0]
+    assert engine.round_cost is not None
+    assert engine.stop(10)
