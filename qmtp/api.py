@@ -85,7 +85,8 @@ def token_logprobs(lp: TokenLogprobs, row: int, tokens: list[int]) -> list[Token
     """Row `row` of TokenLogprobs arrays [B, T, ...] (numpy or device) for its first len(tokens) tokens."""
     n = len(tokens)
     chosen, ids, top = (np.asarray(x)[row, :n] for x in (lp.chosen, lp.top_ids, lp.top))
-    return [TokenLogprob(t, float(c), list(zip(i.tolist(), v.tolist()))) for t, c, i, v in zip(tokens, chosen, ids, top)]
+    return [TokenLogprob(t, float(c), list(zip(i.tolist(), v.tolist())))
+            for t, c, i, v in zip(tokens, chosen, ids, top)]
 
 
 def check_logprobs(logprobs) -> None:
@@ -272,8 +273,6 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     adaptive = mtp_k == AUTO
     if adaptive:
         mtp_k = adaptive_k.CANDIDATES[-1]
-        if accept_cap is not None:
-            raise ValueError("accept_cap needs a fixed mtp_k, not 'auto'")
     elif not isinstance(mtp_k, (int, np.integer)):
         raise ValueError(f"mtp_k={mtp_k!r}: an integer 0..{loop.MAX_K} or {AUTO!r}")
     loop.check_k(mtp_k)

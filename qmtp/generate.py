@@ -161,8 +161,9 @@ def run(argv) -> dict:
               f"({s['acceptance_rate']:.1%}), mean accepted length {s['mean_accepted_length']:.2f} tokens/round, "
               "per-position acceptance " + " / ".join(f"{x:.2f}" for x in s["position_acceptance"]))
         if k == qmtp.api.AUTO:
-            print("rounds per K: " + ", ".join(f"K={kk}: {n}" for kk, n in s["k_rounds"].items())
-                  + "; seconds per round: " + ", ".join(f"K={kk}: {c * 1e3:.2f} ms" for kk, c in s["round_cost_s"].items()))
+            rounds = ", ".join(f"K={kk}: {n}" for kk, n in s["k_rounds"].items())
+            costs = ", ".join(f"K={kk}: {c * 1e3:.2f} ms" for kk, c in s["round_cost_s"].items())
+            print(f"rounds per K: {rounds}; seconds per round: {costs}")
     if plain is not None:
         p = plain.stats
         same = plain.tokens == result.tokens

@@ -47,6 +47,8 @@ flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (devices).", lower_bound=1
 flags.DEFINE_string("converted_cache", None, "Orbax cache of the converted parameters (see qmtp.generate).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype (FP8 weights stay FP8).")
 flags.DEFINE_list("ks", ["1", "2", "3", "4"], "MTP drafts per round to measure with natural acceptance.")
+flags.DEFINE_boolean("auto", False, "Also measure mtp_k='auto' (the draft length chosen per round among 0, 1, 3), "
+                     "natural and, when --profile has 3 positions, profiled.")
 flags.DEFINE_list("profile", ["0.85", "0.70", "0.57"],
                   "Cumulative per-position acceptance imposed by capping accepted drafts (empty: no profiled "
                   "runs); profiled runs use every K in --ks up to the profile's length.")
@@ -242,6 +244,11 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
         s = summarize(f"mtp K={k} profiled", k, "profiled", m, plain_tokens, bytes_, copy_bps, n_prompt)
         s["imposed_profile"] = profile[:k]
         case["modes"].append(s)
+    for acceptance, cap in auto_modes(profile, rounds, batch):
+        m = run_mode(model, prompts, api.AUTO, cap, FLAGS.repeats, progress, f"B={batch} P={length} auto {acceptance}")
+        s = summarize(f"mtp auto {acceptance}", api.AUTO, acceptance, m, plain_tokens, bytes_, copy_bps, n_prompt)
+        s["k_rounds"], s["round_cost_s"] = m["runs"][-1].stats["k_rounds"], m["runs"][-1].stats["round_cost_s"]
+        case["modes"].append(s)
     base = case["modes"][0]["decode_tokens_per_s"]["median"]
     for m in case["modes"]:
         m["speedup"] = m["decode_tokens_per_s"]["median"] / base
@@ -259,6 +266,20 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
             case["breakdown_kernels"] = kernels
     case["all_tokens_match_plain"] = bool(np.all([m["tokens_match_plain"] for m in case["modes"]]))
     return case
+
+
+def auto_modes(profile: list[float], rounds: int, batch: int) -> list[tuple[str, object]]:
+    """With --auto: (acceptance, accept_cap) of the mtp_k='auto' modes: natural, and profiled when the
+    profile covers the most drafts of a round."""
+    from qmtp.bench.profile import acceptance_schedule
+    from qmtp.runtime import adaptive_k
+    if not FLAGS.auto:
+        return []
+    k = adaptive_k.CANDIDATES[-1]
+    modes = [("natural", None)]
+    if len(profile) >= k:
+        modes.append(("profiled", acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)))
+    return modes
 
 
 def main(argv):
@@ -326,7 +347,9 @@ def _run() -> int:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     check_outputs(len(engines) * len(batches) * len(lengths))
     compile_cache_dir = cli_help.apply_compile_cache_flag()
-    n_modes = 1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= len([p for p in FLAGS.profile if p])])
+    n_profile = len([p for p in FLAGS.profile if p])
+    n_modes = (1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= n_profile])
+               + FLAGS.auto * (1 + (n_profile >= 3)))
     progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
     from qmtp.bench import compute

@@ -170,22 +170,26 @@ def plot(result: dict, path: str) -> str | None:
 
 
 def figure(result: dict):
-    """tokens/s vs K for natural and profiled acceptance, with the plain roofline and the MTP
-    ceilings drawn where the copy bandwidth is a ceiling (has_ceiling: not on a CPU, where the title
-    says so instead): a matplotlib Figure (one axes); the caller saves and closes it."""
+    """tokens/s vs K for natural and profiled acceptance (mtp_k="auto" modes as horizontal lines), with the
+    plain roofline and the MTP ceilings drawn where the copy bandwidth is a ceiling (has_ceiling: not on
+    a CPU, where the title says so instead): a matplotlib Figure (one axes); the caller saves and closes it."""
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     ceilings = has_ceiling(platform_of(result))
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    fixed = [m for m in result["modes"] if isinstance(m["k"], int)]
     for kind, marker in (("natural", "o"), ("profiled", "s")):
-        pts = sorted((m["k"], m["decode_tokens_per_s"]["median"]) for m in result["modes"]
+        pts = sorted((m["k"], m["decode_tokens_per_s"]["median"]) for m in fixed
                      if m["k"] == 0 or m["acceptance"] == kind)
         if len(pts) > 1:
             ax.plot(*zip(*pts), marker=marker, label=f"qmtp, {kind} acceptance")
-        ceil = sorted((m["k"], m["ceiling_tok_s"]) for m in result["modes"]
+        ceil = sorted((m["k"], m["ceiling_tok_s"]) for m in fixed
                       if m["k"] and m["acceptance"] == kind and m.get("ceiling_tok_s"))
         if ceil and ceilings:
             ax.plot(*zip(*ceil), linestyle=":", marker=marker, alpha=0.6, label=f"bandwidth ceiling, {kind}")
+        for m in result["modes"]:
+            if m["k"] == "auto" and m["acceptance"] == kind:
+                ax.axhline(m["decode_tokens_per_s"]["median"], linestyle="-.", alpha=0.8, label=f"auto, {kind}")
     roof = result.get("roofline", {}).get("plain_tok_s")
     if roof and ceilings:
         ax.axhline(roof, color="gray", linestyle="--", label=f"plain roofline {roof:.0f} tok/s")

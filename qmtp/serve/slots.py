@@ -281,8 +281,8 @@ class DeviceBatch:
             statics["adaptive_ks"] = adaptive_k.CANDIDATES
         out, count, stats, self.state, self.slots, *lp = api._call(
             m, loop.decode, (m.cfg, m.kernels, self.k, n), args,
-            ("params", "state") + ("rep",) * (len(args) - 2), ("rep", "rep", "rep", "state", "rep") + ("rep",) * logprobs,
-            **statics)
+            ("params", "state") + ("rep",) * (len(args) - 2),
+            ("rep", "rep", "rep", "state", "rep") + ("rep",) * logprobs, **statics)
         out, count, done, lp = jax.device_get((out, count, self.slots.done, lp))
         return out, count, done, (jax.device_get(stats) if self.k else None), (lp[0] if lp else None)
 
