@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
 #                                             bench_long serve_long gdn_prefill bench_sampling
-#                                             bench_deterministic chat_nocache chat_prefix (default: all)
+#                                             bench_deterministic chat_nocache chat_prefix bench_auto
+#                                             (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
@@ -22,7 +23,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill
-                                 bench_sampling bench_deterministic chat_nocache chat_prefix)
+                                 bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -81,8 +82,11 @@ for s in "${steps[@]}"; do
                  --concurrency=8 --requests=64 --turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200 \
                  --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json; rc=\$?; kill \$server; \
                  wait \$server; exit \$rc" ;;
+    # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
+    bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
+                  --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long" \
-            "gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix)"; exit 2 ;;
+            "gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
