@@ -75,7 +75,7 @@ def adaptive_decode(model, prompts, max_new, cost):
     return [[int(first[i])] + out[i, :count[i]].tolist() for i in range(b)], stats
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 8])
 def test_tokens_equal_plain_greedy_whatever_k_each_round_runs(model, batch):
     prompts = PROMPTS[:batch]
     want = qmtp.generate(model, prompts, max_new_tokens=12, stop_token_ids=[]).tokens

@@ -54,6 +54,7 @@ def test_a_new_request_starts_from_the_prior_acceptance(model):
     np.testing.assert_allclose(np.asarray(engine._device.slots.accept_ema[slot]), adaptive_k.PRIOR)
 
 
+@pytest.mark.slow  # CI time: another warm-up
 def test_auto_without_a_warm_up_warms_up_at_start(model):
     engine = make_engine(model, "auto")  # start() with no buckets: the loop and the timing still run first
     assert engine.warming is not None

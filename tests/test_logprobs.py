@@ -40,14 +40,14 @@ def assert_logprobs(model, result, temperature=1.0):
             np.testing.assert_allclose(values, np.sort(want[i])[::-1][:N], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("k", [0, 3])
 def test_greedy_logprobs_are_the_targets(tiny, k):
     result = qmtp.generate(tiny, PROMPTS, max_new_tokens=9, mtp_k=k, logprobs=N)
     assert_logprobs(tiny, result)
     assert all(t.top[0][0] == t.token for row in result.logprobs for t in row)  # greedy: the argmax
 
 
-@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("k", [2])
 def test_sampled_logprobs_are_at_the_temperature_before_truncation(tiny, k):
     result = qmtp.generate(tiny, PROMPTS, max_new_tokens=9, mtp_k=k, logprobs=N, temperature=0.7, top_k=8, seed=4)
     assert_logprobs(tiny, result, temperature=0.7)
