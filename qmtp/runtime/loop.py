@@ -14,7 +14,8 @@ One round, for a sequence whose target has consumed positions < L and whose pend
              L+a gives the next d_1;
   5. emit    g_0 .. g_a (= d_1 .. d_a, bonus), clipped at a stop id and the row's token budget.
 With K = 0 a round is a plain greedy step: the verify pass is one target token, a = 0, no MTP.
-Greedy output with MTP equals plain greedy decoding token for token (tests pin it down).
+Greedy output with MTP equals plain greedy decoding token for token (tests pin it down). With
+adaptive_ks, each round runs the K of those candidates that qmtp/runtime/adaptive_k.py chooses.
 
 The slot ring: each GDN layer's conv and ssm state lives in K+2 slots per sequence, [K+2, B, ...],
 with a read slot per row (`Slots.gdn_slot`). A verify pass of K+1 tokens reads one slot and writes
