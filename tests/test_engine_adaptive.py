@@ -29,6 +29,7 @@ def test_auto_times_rounds_and_keeps_greedy_tokens(model):
     engine.warmup([16, 32])
     assert any(line.startswith("warm-up [") and "timing a round at K = 0, 1, 3" in line for line in lines), lines
     assert engine.round_cost is not None and np.all(engine.round_cost > 0) and engine.counters["admitted"] == 0
+    assert engine.round_cost[0] < 3 * engine.round_cost[-1], engine.round_cost  # no compile inside a timing
     assert_all_free(engine)
     engine.start()
     handles = [engine.submit(p, int(n)) for p, n in zip(PROMPTS, RNG.integers(3, 12, len(PROMPTS)))]

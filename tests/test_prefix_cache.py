@@ -216,6 +216,17 @@ def test_choices_of_one_prompt_share_its_prefill(model):
     assert engine.stop(10)
 
 
+def test_the_warmup_fits_a_short_max_model_len(model):
+    """The checkpoint-and-resume step's prompt is one block and a token: it fits whenever a prompt can
+    reach a block boundary at all (and the step is left out when none can)."""
+    for block, max_len, has_step in ((32, 48, True), (64, 48, False)):
+        lines = []
+        engine = Engine(model, dataclasses.replace(config(3, 1 << 22), max_model_len=max_len, prefix_block=block),
+                        log=lines.append)
+        engine.warmup([16])
+        assert any("checkpoint and resume" in line for line in lines) == has_step, lines
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(prefix_block=24), r"--prefix_block=24 must be a power of two, a multiple of --page_size=8"),
     (dict(prefix_block=4), r"--prefix_block=4 must be a power of two, a multiple of --page_size=8"),

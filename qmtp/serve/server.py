@@ -461,7 +461,7 @@ def main(argv):
         _, engine, app = build(argv)
         buckets = warmup_buckets(engine, FLAGS.warmup_buckets) if FLAGS.warmup else None
         cache = compile_cache.resolve(FLAGS.compile_cache)
-        print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} (mtp_k={engine.k}, "
+        print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} (mtp_k={FLAGS.mtp_k}, "
               f"{engine.config.batch_slots} slots, max_model_len={engine.max_model_len}); compile cache: "
               f"{cache or 'off'}", flush=True)
         # the engine thread warms up while uvicorn starts: /health answers 503 "warming up" meanwhile (the

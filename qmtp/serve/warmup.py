@@ -90,7 +90,8 @@ def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
     widths = [engine.piece] if engine.model.kernels.deterministic else [
         w for w in engine.prompt_buckets() if w <= min(engine.piece, max(chosen))]
     steps = [Step(f"prefix cache: prefill pass of {w} tokens", functools.partial(_pass, engine, w), w) for w in widths]
-    steps.append(Step("prefix cache: checkpoint and resume", functools.partial(_checkpoint_and_resume, engine)))
+    if engine.prefix.block < engine.longest_prompt():  # else no prompt reaches a block boundary
+        steps.append(Step("prefix cache: checkpoint and resume", functools.partial(_checkpoint_and_resume, engine)))
     return steps
 
 
@@ -104,9 +105,9 @@ def _pass(engine, width: int) -> None:
 
 
 def _checkpoint_and_resume(engine) -> None:
-    """A prompt of two blocks and a token (a checkpoint after two blocks), then the same prompt (resumed
+    """A prompt of a block and a token (a checkpoint after the block), then the same prompt (resumed
     there); the cache is emptied after."""
-    n = 2 * engine.prefix.block + 1
+    n = engine.prefix.block + 1
     for _ in range(2):
         handle = RequestHandle(engine, -1, [0] * n, 1, (), (), listener=lambda event: None)
         engine.passes.start(handle, engine._free_slots.pop(), *engine.passes.reserve_with_prefix(handle))
@@ -155,14 +156,15 @@ def _sampled_loop(engine, logprobs: bool) -> None:
                        engine._round_costs())
 
 
-def _time_rounds(engine, most_rounds: int = 8) -> None:
+def _time_rounds(engine, most_calls: int = 4) -> None:
     """engine.round_cost: every slot filled with a one-token dummy request (no stop ids, a budget for all
-    the runs within max_model_len), then up to `most_rounds` rounds at each candidate K in turn (that K
-    forced by the costs handed in), timed; the dummies are released after."""
+    the calls within max_model_len), then at each candidate K in turn (that K forced by the costs handed
+    in) one untimed loop call and up to `most_calls` timed ones, of rounds_per_call rounds (the program
+    serving runs); seconds over the rounds they ran. The dummies are released after."""
     ks = adaptive_k.CANDIDATES
-    n = 1
-    rounds = max(1, min(most_rounds, (engine.max_model_len - n - 1) // sum(k + 1 for k in ks)))
-    budget = 1 + rounds * sum(k + 1 for k in ks)
+    n, per_call = 1, engine.config.rounds_per_call
+    calls = max(1, min(most_calls, (engine.max_model_len - n - 1) // (per_call * sum(k + 1 for k in ks)) - 1))
+    budget = 1 + (calls + 1) * per_call * sum(k + 1 for k in ks)
     for slot in list(engine._free_slots)[::-1]:
         handle = RequestHandle(engine, -1, [0] * n, budget, (), (), listener=lambda event: None)
         capacity = engine._capacity(handle)
@@ -173,10 +175,11 @@ def _time_rounds(engine, most_rounds: int = 8) -> None:
     for c in range(len(ks)):
         forced = np.full(len(ks), 1e9, np.float32)
         forced[c] = 1.0
-        engine._device.run(1, None, False, forced)  # compiled by the loop steps; this one warms the caches
-        t0 = time.perf_counter()
-        engine._device.run(rounds, None, False, forced)
-        costs.append((time.perf_counter() - t0) / rounds)
+        engine._device.run(per_call, None, False, forced)  # compiled by the loop step; this one warms the caches
+        rounds, t0 = 0, time.perf_counter()
+        for _ in range(calls):
+            rounds += int(engine._device.run(per_call, None, False, forced)[3]["k_rounds"].sum())
+        costs.append((time.perf_counter() - t0) / max(rounds, 1))
     for slot in list(engine._active):
         engine._release(slot, "abort")
     engine._flush_retired()
