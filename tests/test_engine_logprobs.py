@@ -61,17 +61,6 @@ def test_long_prompt_and_snapshot_hit_carry_the_first_tokens_logprobs(model):
     assert_all_free(engine)
 
 
-def test_the_warmup_compiles_the_logprobs_loop(model):
-    lines = []
-    engine = make_engine(model, 2, start=False, log=lines.append)
-    engine.warmup([16])
-    assert any("decode loop with logprobs" in line for line in lines), lines
-    engine.start()
-    assert len(engine.generate(PROMPTS[0], 6, logprobs=0, timeout=300).logprobs) == 6
-    assert engine.counters["serving_compiles"] == 0
-    assert engine.stop(5)
-
-
 @pytest.mark.parametrize("bad", [21, -1, 1.5])
 def test_bad_logprobs_are_a_request_error(model, bad):
     engine = make_engine(model, 0, start=False)

@@ -1,6 +1,6 @@
 """Sampled requests in the serving engine: a seeded request gets qmtp.generate's tokens with that seed
 (plain and MTP), greedy requests beside it keep the greedy tokens, bad values are request errors
-naming the parameter, and the warm-up compiles the loop's sampled form.
+naming the parameter, and the warm-up compiles the loop's sampled forms (with and without logprobs).
 
 Shapes of tests/serving_fixtures.py; the tiny checkpoint's `model` (float32) from tests/conftest.py.
 """
@@ -53,14 +53,16 @@ def test_bad_sampling_values_name_their_parameter(model, kw, param):
     assert e.value.param == param and str(e.value).startswith(f"{param}=")
 
 
-def test_the_warmup_compiles_the_sampled_loop(model):
+def test_the_warmup_compiles_the_sampled_and_logprobs_loops(model):
     lines = []
     engine = make_engine(model, 2, start=False, log=lines.append)
     engine.warmup([16])
     assert any("decode loop with sampling" in line for line in lines), lines
+    assert any("decode loop with logprobs" in line for line in lines), lines
     engine.start()
     engine.generate(PROMPTS[0], 6, temperature=0.8, seed=1, timeout=300)
     engine.generate(PROMPTS[1], 6, timeout=300)
+    assert len(engine.generate(PROMPTS[2], 6, logprobs=0, timeout=300).logprobs) == 6
     assert engine.counters["serving_compiles"] == 0
     assert engine.stop(5)
     assert_all_free(engine)
