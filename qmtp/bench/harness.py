@@ -134,7 +134,8 @@ def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, labe
         res = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
                             accept_cap=cap, **sampling())
         runs.append(res)
-        progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s")
+        progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s, "
+                      f"TTFT {1e3 * res.stats['ttft_s']:.0f} ms")
     # device memory after the mode: in use, and the process's high-water mark through it (the modes run in
     # the table's order, so a mode that needs more than every one before it raises the mark)
     out = {"compile_s": compile_s, "runs": runs, "memory": memory()}
