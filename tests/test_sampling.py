@@ -49,18 +49,48 @@ def np_processed(z, temperature, top_k, top_p, min_p):
     return out / out.sum()
 
 
+# a vocabulary of 40 sorts it; of 1000, a top_k <= SHORT_TOP_K takes the cut from `largest`
+@pytest.mark.parametrize("vocab", [40, 1000])
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
     (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.1),
     (0.6, 20, 0.95, 0.05), (0.0, 0, 1.0, 0.0), (1.0, 1, 1.0, 0.0), (1.0, 64, 1.0, 0.0)])
-def test_processed_distribution_matches_numpy(temperature, top_k, top_p, min_p):
+def test_processed_distribution_matches_numpy(vocab, temperature, top_k, top_p, min_p):
     rng = np.random.default_rng(0)
-    z = rng.standard_normal((3, 40)) * 2.0
+    z = rng.standard_normal((3, vocab)) * 2.0
     z[1, [3, 17]] = z[1].max() + 1.0  # a tie at the top
+    z[2, 5:9] = np.sort(z[2])[-20]  # ties at the 20th largest
     got = np.exp(np.asarray(sampling.logprobs(jnp.asarray(z, jnp.float32),
                                               params(3, temperature, top_k, top_p, min_p)), np.float64))
     for row in range(3):
         want = np_processed(z[row], temperature, top_k, top_p, min_p)
         np.testing.assert_allclose(got[row], want, atol=1e-6, err_msg=f"row {row}")
+
+
+def test_rows_that_cut_nothing_keep_every_id_beside_rows_with_a_short_top_k():
+    """One batch: a greedy row, a row with top_k 20 (the cut taken from the largest logits), a row at
+    temperature 0.9 alone (every id kept) and a row with top_k 30 and top_p 0.9."""
+    z = np.random.default_rng(3).standard_normal((4, 700)) * 2.0
+    rows = [(0.0, 0, 1.0), (0.6, 20, 1.0), (0.9, 0, 1.0), (1.0, 30, 0.9)]
+    prm = SamplingParams(*(jnp.asarray(c, dt) for c, dt in zip(zip(*rows), (jnp.float32, jnp.int32, jnp.float32))),
+                         jnp.zeros(4, jnp.float32), jnp.zeros(4, jnp.uint32))
+    got = np.exp(np.asarray(sampling.logprobs(jnp.asarray(z, jnp.float32), prm), np.float64))
+    for row, (t, k, p) in enumerate(rows):
+        np.testing.assert_allclose(got[row], np_processed(z[row], t, k, p, 0.0), atol=1e-6, err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("shape, k", [((3, 3000), 20), ((2, 4, 8300), 64), ((1, 128), 64), ((2, 300), 1)])
+def test_largest_equals_the_head_of_a_sort(shape, k):
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal(shape).astype(np.float32)
+    rows = z.reshape(-1, shape[-1])  # a view
+    spread = np.arange(min(k, shape[-1] // sampling.LARGEST_BLOCK)) * sampling.LARGEST_BLOCK + 7
+    rows[:, spread] += 10.0  # the largest values each in its own block: every one of k blocks is needed
+    rows[0, :40] = np.sort(rows[0])[-k]  # ties at the k-th value
+    rows[-1, ::3] = -np.inf
+    values, ids = sampling.largest(jnp.asarray(z), k)
+    want_ids = np.argsort(-z, axis=-1, kind="stable")[..., :k]  # ties: the lower id first
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(z, want_ids, axis=-1))
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
 
 
 def test_rows_keep_their_own_parameters_and_greedy_rows_their_token():

@@ -36,6 +36,12 @@ import jax.numpy as jnp
 F32 = jnp.float32
 DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # purposes of a position's random numbers
 MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenAI API's limit)
+# Batches whose truncating rows all ask 1 <= top_k <= SHORT_TOP_K find their cut among the SHORT_TOP_K
+# largest logits (`largest`) instead of sorting the vocabulary (H200, 248,320 ids, top_k 20 and top_p
+# 0.95: 1 / 4 / 16 rows 89 / 281 / 813 us sorted, 73 / 78 / 85 us so). The same cut, except that top_p
+# would count the mass of ties at the k-th value only up to SHORT_TOP_K of them.
+SHORT_TOP_K = 64
+LARGEST_BLOCK = 128  # vocabulary ids per block of `largest`
 
 
 @jax.tree_util.register_dataclass
@@ -73,8 +79,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array 
         z = z / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
     logp = jax.nn.log_softmax(z, axis=-1)
     chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
-    top, top_ids = jax.lax.top_k(logp, n)
-    return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top)
+    top, top_ids = largest(logp, n)
+    return TokenLogprobs(chosen, top_ids, top)
 
 
 def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
@@ -96,10 +102,12 @@ def logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     z = z / jnp.where(greedy, 1.0, t)
     v = z.shape[-1]
     truncating = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)  # [B]
+    asked = truncating & ~greedy.reshape(-1)  # [B]: rows whose distribution is cut
+    short = jnp.all(~asked | ((params.top_k > 0) & (params.top_k <= SHORT_TOP_K)))
 
-    def truncated(z):  # sorts the vocabulary: only when some row asks for top_k, top_p or min_p
-        srt = -jnp.sort(-z, axis=-1)  # descending [B, ..., V]
-        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, v), v).reshape(shape)
+    def truncated(z, width):  # the cut from the `width` largest logits of each row, descending
+        srt = -jnp.sort(-z, axis=-1) if width == v else largest(z, width)[0]  # [B, ..., width]
+        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, width), width).reshape(shape)
         kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # the k-th largest
         srt = jnp.where(srt >= kth, srt, -jnp.inf)
         probs = jax.nn.softmax(srt, axis=-1)  # sorted, top-k kept
@@ -110,12 +118,36 @@ def logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         keep &= probs >= params.min_p.reshape(shape) * probs[..., :1]
         keep &= srt > -jnp.inf
         cut = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)  # the smallest kept value
+        cut = jnp.where(asked.reshape(shape), cut, -jnp.inf)  # rows that cut nothing keep all
         return jnp.where(z >= cut, z, -jnp.inf)
 
-    z = jax.lax.cond(jnp.any(truncating & ~greedy.reshape(-1)), truncated, lambda z: z, z)
+    # no row cuts: nothing to sort; all cut rows ask a short top_k: their cut lies among the largest
+    branch = jnp.where(jnp.any(asked), jnp.where(short, 1, 2), 0)
+    z = jax.lax.switch(branch, [lambda z: z, lambda z: truncated(z, min(SHORT_TOP_K, v)),
+                                lambda z: truncated(z, v)], z)
     top = jnp.argmax(logits, axis=-1)[..., None]
     one_hot = jnp.where(jnp.arange(v) == top, 0.0, -jnp.inf)
     return jnp.where(greedy, one_hot, jax.nn.log_softmax(z, axis=-1))
+
+
+def largest(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest values [..., k] of z [..., V] along the last axis, descending, and their ids [..., k]
+    int32 (ties: the lower id first), as lax.top_k gives them, without sorting V (on the H200 XLA's top_k
+    sorts: 290 us for 4 x 248,320 logits against 57 us here). An id among the k largest lies in a block of
+    LARGEST_BLOCK ids whose maximum is at least the k-th largest value, and at most k blocks' maxima rank
+    that high, so the k blocks of largest maxima hold them (ties at the k-th value: those blocks still hold
+    k values >= it). Two short sorts: the V / LARGEST_BLOCK block maxima, then those blocks' values."""
+    lead, v = z.shape[:-1], z.shape[-1]
+    if not 0 <= k <= v:
+        raise ValueError(f"largest: k={k} must be in [0, {v}] (the last axis)")
+    rows = z.reshape(-1, v)
+    blocks = jnp.pad(rows, ((0, 0), (0, (-v) % LARGEST_BLOCK)), constant_values=-jnp.inf)
+    blocks = blocks.reshape(rows.shape[0], -1, LARGEST_BLOCK)  # [R, V / LARGEST_BLOCK, LARGEST_BLOCK]
+    order = jnp.argsort(-jnp.max(blocks, axis=-1), axis=-1)[:, :k]  # [R, k]: the blocks of largest maxima
+    held = jnp.take_along_axis(blocks, order[:, :, None], axis=1).reshape(rows.shape[0], -1)  # [R, k * BLOCK]
+    ids = (order[:, :, None] * LARGEST_BLOCK + jnp.arange(LARGEST_BLOCK)).reshape(held.shape).astype(jnp.int32)
+    neg, ids = jax.lax.sort((-held, ids), dimension=1, num_keys=2)  # descending values, ties by id
+    return -neg[:, :k].reshape(lead + (k,)), ids[:, :k].reshape(lead + (k,))
 
 
 def gumbel_argmax(logp: jax.Array, key: jax.Array) -> jax.Array:
