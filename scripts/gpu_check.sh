@@ -2,7 +2,7 @@
 # The GPU checks of qmtp on an H200 machine: the `gpu`-marked kernel tests and the benchmark table
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
-#   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests exactness_demo exactness_27b bench_b1 bench_b16
+#   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
 #                                             bench_long serve_long gdn_prefill bench_sampling
 #                                             bench_deterministic chat_nocache chat_prefix bench_auto
 #                                             (default: all)
@@ -22,7 +22,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill
                                  bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)
 
 run_step() {  # name default_limit_s command...
@@ -42,6 +42,8 @@ for s in "${steps[@]}"; do
   case $s in
     kernel_tests) run_step kernel_tests 540 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_*.py \
                     tests/test_row_invariance.py ;;
+    # where a row's numbers part from its batch or its verify pass, layer by layer (27B FP8 preset, 8 layers)
+    row_layers) run_step row_layers 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_row_invariance_model.py ;;
     # greedy tokens in bfloat16 with --deterministic: the demo on 32 code prompts (batch 1 / 8 / 32, K = 1..4)
     exactness_demo) run_step exactness_demo 580 "$PY" -m qmtp.bench.exactness --impl=pallas --deterministic \
                       --prompts=32 --batch=1,8,32 --out="$OUT/exactness_demo.json" ;;
@@ -85,7 +87,7 @@ for s in "${steps[@]}"; do
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
-    *) echo "unknown step '$s' (kernel_tests exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long" \
+    *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long" \
             "gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1

@@ -50,21 +50,29 @@ def draft_token(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.A
     return index if vocab is None else jnp.take(vocab, index)
 
 
-def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: KernelConfig) -> tuple:
-    """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`."""
+def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: KernelConfig, taps=None) -> tuple:
+    """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`; taps (see `forward`), a
+    (dict, layer index) pair, receives the mixer's and the MLP's outputs."""
     out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps, kernels))
     h = x + out
-    return h + layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps, kernels), kernels), new_state
+    mlp_out = layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps, kernels), kernels)
+    if taps is not None:
+        record, i = taps
+        record[f"layer {i} mixer"], record[f"layer {i} mlp"] = out, mlp_out
+    return h + mlp_out, new_state
 
 
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
-            kernels: KernelConfig, gdn_slots=None):
+            kernels: KernelConfig, gdn_slots=None, taps: dict | None = None):
     """Runs the target over tokens [B, T] (right-padded to n_valid [B]) -> (hidden [B, T, E]
     post-final-norm, new state); the caller takes logits (`logits_from_hidden`) where it needs them.
-    gdn_slots int [B]: state.conv / state.ssm are the slot ring (layers.gated_deltanet)."""
+    gdn_slots int [B]: state.conv / state.ssm are the slot ring (layers.gated_deltanet).
+    taps: a dict that receives every layer's mixer and MLP outputs [B, T, E] ("layer i mixer", "layer i
+    mlp"), for a caller that returns it from its traced function (where a row's numbers change:
+    tests/test_row_invariance_model.py)."""
     x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
     eps, new = cfg.rms_norm_eps, {LINEAR: [], FULL: []}  # per kind, each layer's new (conv, ssm) / (k, v)
-    for kind in cfg.layer_types:
+    for i, kind in enumerate(cfg.layer_types):
         j = len(new[kind])
         if kind == LINEAR:
             p = params["gdn"][j]
@@ -75,7 +83,7 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
             mixer = lambda h: layers.attention(  # noqa: E731
                 p, h, state.kv.k[j], state.kv.v[j], state.page_table, state.lengths, n_valid,
                 eps=eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, kernels=kernels)
-        x, layer_state = decoder_layer(cfg, p, x, mixer, kernels)
+        x, layer_state = decoder_layer(cfg, p, x, mixer, kernels, None if taps is None else (taps, i))
         new[kind].append(layer_state)
     hidden = layers.rms_norm(x, params["final_norm"], eps, kernels)
     (convs, ssms), (ks, vs) = (tuple(zip(*new[kind])) or ((), ()) for kind in (LINEAR, FULL))

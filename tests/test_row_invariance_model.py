@@ -1,0 +1,98 @@
+"""Where a row's numbers depend on the rows beside it: every layer's mixer and MLP output, the final
+hidden state and the logits, compared bit for bit from one random state (paged KV, conv and GDN slot
+rings), for a token decoded
+  - alone against the same sequence inside a batch of four (each sequence), and
+  - in a decode step against the same token as row t of a verify pass of VERIFY tokens.
+
+Under KernelConfig.deterministic every one must be equal; the first that is not names the layer and the
+block (mixer or MLP) to look into. The control: the default Pallas kernels part a verify's rows on the
+CPU. The H200 case runs the 27B-shaped FP8 preset's first 8 layers (6 Gated DeltaNet, 2 attention).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp.model import target
+from qmtp.runtime.state import PagedKV, init_state
+from qmtp.tools.make_checkpoint import resolve_checkpoint
+
+LENGTHS = (40, 57, 33, 100)  # tokens already in each sequence's cache
+PAGE = 16
+VERIFY = 4  # tokens of the verify pass (K = 3)
+
+
+def _random_state(cfg, rng):
+    """Four sequences at LENGTHS with random KV pages, conv and GDN state in a ring of VERIFY + 1 slots."""
+    pmax = -(-(max(LENGTHS) + VERIFY) // PAGE)
+    table = np.arange(len(LENGTHS) * pmax).reshape(len(LENGTHS), pmax) + 1  # page 0 left unused
+    state = init_state(cfg, table, table.size + 1, PAGE, jnp.bfloat16, gdn_slots=VERIFY + 1)
+    fill = lambda a, scale=1.0: jnp.asarray(rng.standard_normal(a.shape) * scale, a.dtype)  # noqa: E731
+    return dataclasses.replace(state, kv=PagedKV(tuple(map(fill, state.kv.k)), tuple(map(fill, state.kv.v))),
+                               conv=tuple(map(fill, state.conv)), ssm=tuple(fill(a, 0.1) for a in state.ssm),
+                               lengths=jnp.asarray(LENGTHS, jnp.int32))
+
+
+def _rows(state, b: int):
+    """Sequence b alone (the slot rings keep their leading slot axis)."""
+    one = lambda a: a[:, b:b + 1]  # noqa: E731
+    return dataclasses.replace(state, conv=tuple(map(one, state.conv)), ssm=tuple(map(one, state.ssm)),
+                               page_table=state.page_table[b:b + 1], lengths=state.lengths[b:b + 1])
+
+
+def _differ(a: dict, row_a, b: dict, row_b, label: str) -> list[str]:
+    """'name (label)' of each tap (layer order) whose a[name][row_a] and b[name][row_b] differ."""
+    order = sorted(a, key=lambda n: (0, int(n.split()[1]), n) if n.startswith("layer") else (1, 0, n))
+    return [f"{name} ({label})" for name in order
+            if not np.array_equal(np.asarray(a[name][row_a], np.float32), np.asarray(b[name][row_b], np.float32))]
+
+
+def _parted(checkpoint: str, deterministic: bool) -> list[str]:
+    """Every tap that differs, in the batch comparison and in the verify comparison (module doc)."""
+    model = qmtp.load(checkpoint, dtype="bfloat16", impl="pallas", page_size=PAGE, progress=False,
+                      deterministic=deterministic)
+    rng = np.random.default_rng(0)
+    state = _random_state(model.cfg, rng)
+    tokens = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (len(LENGTHS), VERIFY)), jnp.int32)
+
+    @jax.jit
+    def step(params, state, tokens, slots):  # params as an argument: not folded into the program
+        taps = {}
+        hidden, new = target.forward(model.cfg, params, state, tokens, jnp.full(tokens.shape[:1], tokens.shape[1]),
+                                     model.kernels, gdn_slots=slots, taps=taps)
+        taps["final hidden"], taps["logits"] = hidden, target.logits_from_hidden(params, hidden, model.kernels)
+        return taps, new
+
+    read = jnp.zeros((len(LENGTHS),), jnp.int32)
+    batch, _ = jax.device_get(step(model.params, state, tokens[:, :1], read))
+    parted = []
+    for b in range(len(LENGTHS)):
+        alone, _ = jax.device_get(step(model.params, _rows(state, b), tokens[b:b + 1, :1], read[:1]))
+        parted += _differ(alone, (0, 0), batch, (b, 0), f"sequence {b} alone vs in the batch")
+    verify, _ = jax.device_get(step(model.params, state, tokens, read))
+    one = state
+    for t in range(VERIFY):  # the same tokens one decode step at a time, the state carried
+        taps, one = step(model.params, one, tokens[:, t:t + 1], read + t)
+        taps = jax.device_get(taps)
+        parted += [d for b in range(len(LENGTHS))
+                   for d in _differ(taps, (b, 0), verify, (b, t), f"sequence {b}, token {t}: step vs verify")]
+    return parted
+
+
+def test_each_layer_of_a_row_alone_equals_it_in_a_batch():
+    assert _parted(resolve_checkpoint("preset:tiny", num_layers=4), deterministic=True) == []
+
+
+@pytest.mark.slow
+def test_the_default_kernels_part_a_row_from_its_rows():
+    """The control: without deterministic some tap differs, so the comparison above can see a difference."""
+    assert _parted(resolve_checkpoint("preset:tiny", num_layers=4), deterministic=False) != []
+
+
+@pytest.mark.gpu
+def test_h200_each_layer_of_a_row_alone_equals_it_in_a_batch_at_the_27b_shapes():
+    assert _parted(resolve_checkpoint("preset:qwen3_5_27b:fp8", num_layers=8), deterministic=True) == []
