@@ -64,7 +64,7 @@ for s in "${steps[@]}"; do
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
                   rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
-    # the chunked GDN prefill at the 27B shapes: the Pallas kernel against the jnp form (T = 512, 4096)
+    # the chunked GDN prefill (XLA) at the 27B shapes, T = 512 and 4096, against the layer's matmuls
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
                    --out="$OUT/gdn_prefill.json" ;;
     # sampling's cost and acceptance: Qwen's recommended settings against the greedy bench_b1 (batch 1, K=3)

@@ -10,8 +10,7 @@ sequence: far more than the 50 MB L2, and no host dispatch per call). s_per_call
 raw inputs and o are ~1% of it). rel_err = max |x - x_ref| / max |x_ref| over o and the state.
 
 Chunked prefill (kernel "gdn_prefill", B = 1, T in {512, 4096}): `gdn_chunked_ref` (impl "xla"; the
-prefill path) and the Pallas `gdn_chunked.gdn_chunked` (impl "pallas", with its rel_err against the
-ref), each with `prefill_layers` layers in one jitted program. bytes = the state read +
+prefill path) with `prefill_layers` layers in one jitted program. bytes = the state read +
 written, q, k, v, g, beta read and o written (all f32). The argument the rows carry: is the chunked
 form cheap enough for prefill? tokens_per_s (one layer), tokens_per_s_48_layers (all GDN layers), and
 share_of_layer = t_gdn / (t_gdn + t_matmuls), where t_matmuls is the same run's time for the bf16 XLA
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import gdn as gdn_kernel
-from pallas_kernels import gdn_chunked, gdn_conv
+from pallas_kernels import gdn_conv
 
 HK, HV, DK, DV = 16, 48, 128, 128
 HIDDEN, FFN = 5120, 17408
@@ -267,11 +266,10 @@ def _prefill_time(fn, t: int, sz: Sizes) -> dict:
     return {"s_per_call": med / n, "best_s_per_call": best / n, "first_call_s": first, "layers_per_program": n}
 
 
-def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool = False) -> None:
+def bench_prefill(copy_tb_s: float, emit, sz: Sizes) -> None:
     for t in sz.prefill_tokens:
         nbytes = prefill_bytes(1, t)
         base = lambda impl: {"kernel": "gdn_prefill", "case": f"B=1 T={t}", "impl": impl, "B": 1, "T": t}
-        mm_s = None
         try:
             m = _prefill_time(gdn_kernel.gdn_chunked_ref, t, sz)
             s = m.pop("s_per_call")
@@ -284,22 +282,6 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, interpret: bool = False) ->
         except Exception as e:
             row = _error_row(base("xla"), nbytes, e)
         emit(row)
-        try:
-            kernel = functools.partial(gdn_chunked.gdn_chunked, interpret=interpret)
-            x = gdn_inputs(jax.random.key(100), 1, t)
-            (o, st), (ref_o, ref_st) = jax.jit(kernel)(*x), jax.jit(gdn_kernel.gdn_chunked_ref)(*x)
-            m = _prefill_time(kernel, t, sz)
-            s = m.pop("s_per_call")
-            row = {**base("pallas"), **_rates(nbytes, s, copy_tb_s), **m,
-                   "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
-                   "tflops": chunked_flops_per_token() * t / s / 1e12,
-                   "rel_err": max(rel_err(o, ref_o), rel_err(st, ref_st))}
-            if mm_s is not None:
-                row["share_of_layer"] = s / (s + mm_s)
-        except Exception as e:
-            row = _error_row(base("pallas"), nbytes, e)
-        emit(row)
-
 
 
 CASES = ("conv", "prefill")
@@ -327,6 +309,6 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[:1], with_ref=True, interpret=interpret)
     if "prefill" in cases:
-        bench_prefill(copy_tb_s, emit, sz, interpret)
+        bench_prefill(copy_tb_s, emit, sz)
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[1:], with_ref=False, interpret=interpret)
