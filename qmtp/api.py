@@ -19,7 +19,7 @@ import numpy as np
 
 from qmtp.model import fp8 as fp8_lib, load as load_lib, mtp, target as model_lib
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import adaptive_k, loop, tp as tp_lib
+from qmtp.runtime import adaptive_k, loop, prefill, tp as tp_lib
 from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
@@ -296,7 +296,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         args, kinds = (model.params, state, tokens, n_valid, budget, stop), ("params", "state") + ("rep",) * 4
         if sampling is not None:
             args, kinds = args + (sampling,), kinds + ("rep",)
-        first, slots, state, *first_lp = _call(model, loop.prefill, statics + (bool(mtp_k),), args, kinds,
+        first, slots, state, *first_lp = _call(model, prefill.prefill, statics + (bool(mtp_k),), args, kinds,
                                                ("rep", "rep", "state") + ("rep",) * (logprobs is not None),
                                                top_logprobs=logprobs)
         first.block_until_ready()

@@ -1,4 +1,4 @@
-"""The decode loop run directly (loop.prefill + loop.decode) with a forced acceptance cap, returning
+"""The decode loop run directly (prefill.prefill + loop.decode) with a forced acceptance cap, returning
 the tokens and the final decode state: shared by the speculative-decoding tests."""
 
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 
 import qmtp
 from qmtp.api import _new_state, _prompt_batch
-from qmtp.runtime import loop
+from qmtp.runtime import loop, prefill
 from qmtp.runtime.kernel_config import REF
 from qmtp.tools import make_checkpoint
 
@@ -28,7 +28,7 @@ def run_spec(model, prompts, k, max_new, cap=None, kernels=REF):
     state = _new_state(model, [len(p) + BUFFER + k + 1 for p in prompts])
     tokens, n_valid = _prompt_batch(prompts)
     budget = jnp.full((b,), max_new, jnp.int32)
-    first, slots, state = loop.prefill(model.cfg, kernels, k > 0, model.params, state, tokens, n_valid, budget,
+    first, slots, state = prefill.prefill(model.cfg, kernels, k > 0, model.params, state, tokens, n_valid, budget,
                                        loop.stop_rows((), b))
     caps = None if cap is None else jnp.full((1, b), cap, jnp.int32)
     out, count, stats, state, _ = loop.decode(model.cfg, kernels, k, BUFFER, model.params, state, slots, caps)

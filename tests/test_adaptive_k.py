@@ -11,7 +11,7 @@ import pytest
 
 import qmtp
 from qmtp.api import _new_state, _prompt_batch
-from qmtp.runtime import adaptive_k, loop
+from qmtp.runtime import adaptive_k, loop, prefill
 from qmtp.runtime.kernel_config import REF
 from qmtp.tools import make_checkpoint
 
@@ -67,7 +67,7 @@ def adaptive_decode(model, prompts, max_new, cost):
     b = len(prompts)
     state = _new_state(model, [len(p) + max_new + 4 for p in prompts])
     tokens, n_valid = _prompt_batch(prompts)
-    first, slots, state = loop.prefill(model.cfg, REF, True, model.params, state, tokens, n_valid,
+    first, slots, state = prefill.prefill(model.cfg, REF, True, model.params, state, tokens, n_valid,
                                        jnp.full((b,), max_new, jnp.int32), loop.stop_rows((), b))
     out, count, stats, _, _ = loop.decode(model.cfg, REF, 3, max_new, model.params, state, slots, adaptive_ks=KS,
                                           round_cost=jnp.asarray(cost, jnp.float32))

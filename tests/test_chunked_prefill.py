@@ -9,7 +9,7 @@ import pytest
 
 import qmtp
 from qmtp.api import _new_state, _prompt_batch
-from qmtp.runtime import loop
+from qmtp.runtime import loop, prefill
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.tools.make_checkpoint import resolve_checkpoint
 from tolerance import F32_RECURRENCE, assert_close
@@ -21,7 +21,7 @@ def _prefill(model, prompts):
     state = _new_state(model, [len(p) + 8 for p in prompts])
     tokens, n_valid = _prompt_batch(prompts)
     b = len(prompts)
-    return loop.prefill(model.cfg, model.kernels, True, model.params, state, tokens, n_valid,
+    return prefill.prefill(model.cfg, model.kernels, True, model.params, state, tokens, n_valid,
                         jnp.full((b,), 8, jnp.int32), loop.stop_rows((), b))
 
 

@@ -74,7 +74,7 @@ def test_every_deterministic_prefill_pass_is_one_prompt_of_one_chunk(bucket, mon
 
     from qmtp import api
     from qmtp.model import mtp, target
-    from qmtp.runtime import loop
+    from qmtp.runtime import loop, prefill
     from qmtp.runtime.kernel_config import KernelConfig
 
     model = qmtp.load(resolve_checkpoint("preset:tiny"), dtype="bfloat16", impl="pallas", progress=False,
@@ -88,7 +88,7 @@ def test_every_deterministic_prefill_pass_is_one_prompt_of_one_chunk(bucket, mon
     kernels = KernelConfig("pallas", deterministic=True, prefill_chunk=32)
     state = api._new_state(model, [bucket + 4] * 2)
     tokens = jnp.ones((2, bucket), jnp.int32)
-    jax.eval_shape(functools.partial(loop.prefill.__wrapped__, model.cfg, kernels, True), model.params, state, tokens,
+    jax.eval_shape(functools.partial(prefill.prefill.__wrapped__, model.cfg, kernels, True), model.params, state, tokens,
                    jnp.array([3, bucket - 1], jnp.int32), jnp.array([4, 4], jnp.int32),
                    jnp.full((2, 1), loop.NO_STOP, jnp.int32))
     assert seen and set(seen) == {(1, 32)}, seen

@@ -16,7 +16,7 @@ import pytest
 
 import qmtp
 from qmtp import api
-from qmtp.runtime import loop
+from qmtp.runtime import loop, prefill
 from serving_fixtures import assert_all_free, make_engine
 
 CHUNK = 16
@@ -69,7 +69,7 @@ def test_long_prompts_in_pieces_give_generate_tokens(chunked, k):
 @pytest.mark.parametrize("prompt", [LONG[1], LONG[2]], ids=["ragged_last_piece", "whole_pieces"])
 def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
     """After the last piece the slot holds the first token, the MTP head's first draft d1 and its hidden
-    that loop.prefill's chunked scan (qmtp.generate's) gives for the prompt."""
+    that prefill.prefill's chunked scan (qmtp.generate's) gives for the prompt."""
     engine = make_engine(chunked, 2, start=False)
     handle, slot = engine.submit(prompt, 4), None
     with engine._cv:
@@ -80,7 +80,7 @@ def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
     got = engine._device.slots
     tokens, n_valid = api._prompt_batch([prompt])
     state = api._new_state(chunked, [len(prompt) + 4 + 3])
-    first, want, _ = loop.prefill(chunked.cfg, chunked.kernels, True, chunked.params, state, tokens, n_valid,
+    first, want, _ = prefill.prefill(chunked.cfg, chunked.kernels, True, chunked.params, state, tokens, n_valid,
                                   np.array([4], np.int32), np.full((1, 8), loop.NO_STOP, np.int32))
     assert handle.tokens == [int(first[0])]
     assert int(got.pending[slot]) == int(want.pending[0]) and int(got.d1[slot]) == int(want.d1[0])

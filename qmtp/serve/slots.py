@@ -24,7 +24,7 @@ import numpy as np
 from qmtp import api
 from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import adaptive_k, loop, tp as tp_lib
+from qmtp.runtime import adaptive_k, loop, prefill, tp as tp_lib
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.loop import Slots
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
@@ -60,7 +60,7 @@ def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, p
                        max_tokens: jax.Array, stop_rows: jax.Array, sampling=None):
     """Prefills n prompts (tokens [n, T] right-padded, n_valid [n]) into slots ids [n] in one pass: an
     n-row sub-state (zero conv/ssm, page_rows [n, Pmax], length 0) over the shared KV pools runs the
-    same `loop.prefill` as qmtp.generate; its rows then replace rows ids of the state, and the carry
+    same `prefill.prefill` as qmtp.generate; its rows then replace rows ids of the state, and the carry
     rows get `Slots.started` with budgets max_tokens [n] and stop_rows [n, NS]; sampling: the rows'
     SamplingParams (greedy rows at temperature 0) or None. Returns (first tokens [n], state, slots, their
     TokenLogprobs [n, 1] with MAX_TOP_LOGPROBS alternatives: a request may ask for them)."""
@@ -69,7 +69,7 @@ def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, p
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(zeros(c[0]) for c in state.conv),
                       ssm=tuple(zeros(s[0]) for s in state.ssm), page_table=page_rows,
                       lengths=jnp.zeros((n,), jnp.int32))
-    first, new, sub, lp = loop.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows,
+    first, new, sub, lp = prefill.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows,
                                        sampling, MAX_TOP_LOGPROBS)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     return first, *_put_rows(state, slots, ids, sub.conv, sub.ssm, page_rows, sub.lengths, new), lp
@@ -83,7 +83,7 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     """One piece of a long prompt into slot `slot` (int32 []): its tokens [1, C] at positions offset ..
     offset + n_valid - 1, after the KV pages (page_row [Pmax]) and the conv/ssm rows in the slot's read
     slot that the pieces before left (zero rows at offset 0). The same passes as one chunk of
-    loop.prefill's chunked scan: the target, then the MTP head over next_tokens [1, C] (the prompt one
+    prefill.prefill's chunked scan: the target, then the MTP head over next_tokens [1, C] (the prompt one
     token ahead; on the last piece its last valid token becomes the first generated one). A piece that
     is not `last` leaves the slot done, so decode rounds skip it; the last one starts it like
     prefill_into_slots. Returns (first token [1] (meaningful on the last piece), state, slots, its
@@ -107,7 +107,7 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     new = Slots.started(first, d1, mh, max_tokens[None], stop_row[None])
     new = dataclasses.replace(new, done=new.done | ~last)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
-    lp = loop.first_logprobs(logits, first, sampling, MAX_TOP_LOGPROBS)
+    lp = prefill.first_logprobs(logits, first, sampling, MAX_TOP_LOGPROBS)
     last_hidden = target.last_valid(hidden, n_valid)  # [1, E]
     return (first, *_put_rows(state, slots, slot[None], sub.conv, sub.ssm, page_row[None], sub.lengths, new), lp,
             last_hidden)
