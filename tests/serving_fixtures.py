@@ -8,7 +8,8 @@ per call), so the prefill (prompt buckets 16 and 32) and the loop compile once p
 
 from __future__ import annotations
 
-from qmtp.serve.engine import Engine, EngineConfig
+from qmtp.serve.engine import Engine
+from qmtp.serve.engine_config import EngineConfig
 
 SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
 

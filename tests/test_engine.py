@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp.serve.engine import Engine, EngineConfig
+from qmtp.serve.engine import Engine
+from qmtp.serve.engine_config import EngineConfig
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError
 from qmtp.tools import make_checkpoint
 from serving_fixtures import PAGE, SLOTS, assert_all_free, make_engine

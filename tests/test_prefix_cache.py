@@ -18,7 +18,8 @@ import pytest
 
 import qmtp
 from qmtp.serve import metrics
-from qmtp.serve.engine import Engine, EngineConfig
+from qmtp.serve.engine import Engine
+from qmtp.serve.engine_config import EngineConfig
 
 BLOCK, SLOTS, MAX_LEN = 16, 3, 160
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")

@@ -50,6 +50,7 @@ from qmtp import api
 from qmtp.runtime import adaptive_k, loop
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
+from qmtp.serve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig, RequestLimits, prefix_block
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.prefix_cache import PrefixCache
@@ -59,40 +60,7 @@ from qmtp.serve.prompt_passes import LONG_PROMPTS, PassPrefill
 from qmtp.serve.warmup import Step, plan as warmup_plan
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
-DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
-DEFAULT_PREFIX_BLOCK = 64  # until measured on the GPU: a short system prompt still fills whole blocks
 SHUTTING_DOWN = "the server is shutting down"
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    batch_slots: int = 4  # B: requests decoded together
-    mtp_k: int | str = 0  # drafts per round, 0 (plain) .. 4, or "auto" (chosen per round, adaptive_k.py)
-    rounds_per_call: int = 4  # MTP rounds (or plain steps) per device call between scheduling points
-    max_model_len: int = 0  # prompt + max_tokens limit; 0 = min(4096, max_position_embeddings - (K+1))
-    num_pages: int = 0  # KV pages in the pool; 0 = every slot can hold a max_model_len request
-    max_queue: int = 64  # queued (not yet admitted) requests beyond which submit() raises QueueFull
-    max_stop_ids: int = 8  # stop token ids per request (device-side, NS)
-    snapshot_budget_bytes: int = 0  # exact-prompt snapshots; 0 = off
-    prefix_cache_bytes: int = 0  # prefix cache checkpoints and the KV pages only it holds; 0 = off
-    prefix_block: int = 0  # tokens per prefix cache block; 0 = DEFAULT_PREFIX_BLOCK (prefill_chunk if deterministic)
-    stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
-    prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
-    max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
-
-    def validate(self) -> None:
-        if self.mtp_k != api.AUTO and not (isinstance(self.mtp_k, int) and 0 <= self.mtp_k <= loop.MAX_K):
-            raise ValueError(f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K} or {api.AUTO!r}")
-        for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
-                          ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("snapshot_budget_bytes", 0),
-                          ("prefill_batch", 1), ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
-                          ("prefix_block", 0)):
-            value = getattr(self, name)
-            if value < low:
-                raise ValueError(f"--{name}={value} must be >= {low}")
-        if self.snapshot_budget_bytes and self.prefix_cache_bytes:
-            raise ValueError("--snapshot_budget_bytes and --prefix_cache_bytes: choose one (the prefix cache also "
-                             "serves repeated prompts)")
 
 
 @dataclasses.dataclass
@@ -160,6 +128,8 @@ class Engine:
         self.pages_per_slot = -(-(self.max_model_len + self.extra) // self.page_size)  # Pmax
         num_pages = c.num_pages or model.num_pages or c.batch_slots * self.pages_per_slot
         self.allocator = PageAllocator(num_pages, self.page_size)
+        self.limits = RequestLimits(cfg.vocab_size, self.max_model_len, self.page_size, num_pages, self.extra,
+                                    c.max_stop_ids, model.tokenizer is not None)
         self._device = DeviceBatch(model, c.batch_slots, self.pages_per_slot, num_pages, c.max_stop_ids, self.k)
         self._sampling = slot_sampling.SlotSampling(c.batch_slots)
         self._free_slots = list(range(c.batch_slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -168,7 +138,7 @@ class Engine:
             self.prefix.clear()
         self.prefix = None
         if c.prefix_cache_bytes:
-            block = self._prefix_block(model)
+            block = prefix_block(c, model)
             self.prefix = PrefixCache(block, c.prefix_cache_bytes, self.allocator, self._device.page_bytes())
 
     # ---- public API ---------------------------------------------------------------------------------
@@ -203,7 +173,7 @@ class Engine:
 
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
         tokenizer). Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
-        ids = self._check(prompt_ids, max_tokens, stop_token_ids, stop)
+        ids = self.limits.check(prompt_ids, max_tokens, stop_token_ids, stop)
         sampling = slot_sampling.check(temperature, top_k, top_p, min_p, seed)
         try:
             api.check_logprobs(logprobs)
@@ -296,54 +266,6 @@ class Engine:
             return {"queued": len(self._queue), "active": len(self._active), "free_slots": len(self._free_slots),
                     "batch_slots": self.config.batch_slots, "free_pages": self.allocator.free_pages,
                     "num_pages": self.allocator.num_pages}
-
-    # ---- request limits -----------------------------------------------------------------------------
-    def _check(self, prompt_ids, max_tokens, stop_token_ids, stop) -> list[int]:
-        """The prompt as a list of ints, or RequestError naming the field and the limit."""
-        vocab, limit = self.model.cfg.vocab_size, self.max_model_len
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab})", "prompt")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens={max_tokens} must be an integer >= 1", "max_tokens")
-        if len(ids) >= limit:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the context limit is max_model_len={limit} "
-                               "tokens (prompt + completion, --max_model_len)", "prompt", "context_length_exceeded")
-        if len(ids) + max_tokens > limit:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-                               f"exceeds the context limit max_model_len={limit} (--max_model_len)",
-                               "max_tokens", "context_length_exceeded")
-        need, have = self.allocator.pages_for(len(ids) + max_tokens + self.extra), self.allocator.num_pages
-        if need > have:
-            raise RequestError(f"the request needs {need} KV pages of {self.page_size} tokens but the cache has "
-                               f"only {have} pages (--num_pages)", "max_tokens", "context_length_exceeded")
-        if stop_token_ids is not None:
-            stop_ids = [int(t) for t in stop_token_ids]
-            if len(stop_ids) > self.config.max_stop_ids:
-                raise RequestError(f"{len(stop_ids)} stop token ids > the limit of {self.config.max_stop_ids} "
-                                   "(--max_stop_ids)", "stop_token_ids")
-            if any(not 0 <= t < vocab for t in stop_ids):
-                raise RequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
-        if stop and self.model.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer (the checkpoint has no tokenizer.json)", "stop")
-        if any(not isinstance(x, str) or not x for x in stop):
-            raise RequestError("stop strings must be non-empty strings", "stop")
-        return ids
-
-    def _prefix_block(self, model: api.Model) -> int:
-        """The prefix cache's block: --prefix_block, or its default; ValueError when it cannot work."""
-        chunk, deterministic = model.kernels.prefill_chunk, model.kernels.deterministic
-        block = self.config.prefix_block or (chunk if deterministic else max(DEFAULT_PREFIX_BLOCK, model.page_size))
-        if block % model.page_size or block & (block - 1) or block > chunk:
-            raise ValueError(f"--prefix_block={block} must be a power of two, a multiple of --page_size="
-                             f"{model.page_size} and at most --prefill_chunk={chunk}")
-        if deterministic and block != chunk:
-            raise ValueError(f"--prefix_block={block}: under --deterministic it is --prefill_chunk={chunk} (a resumed "
-                             "prefill then runs the same whole-chunk passes as a full one)")
-        return block
 
     def _capacity(self, handle: RequestHandle) -> int:
         """KV positions a request reserves while active."""
@@ -450,7 +372,7 @@ class Engine:
         with self._cv:
             for handle in list(self._queue):
                 try:
-                    self._check(handle.prompt_ids, handle.max_tokens, handle.stop_ids, handle.stop_strings)
+                    self.limits.check(handle.prompt_ids, handle.max_tokens, handle.stop_ids, handle.stop_strings)
                 except ValueError as e:
                     self._queue.remove(handle)
                     refused.append((handle, str(e)))

@@ -410,7 +410,8 @@ class Server:
 def build(argv) -> tuple:
     """Model, engine and app from the flags (also used by tests)."""
     import qmtp
-    from qmtp.serve.engine import Engine, EngineConfig
+    from qmtp.serve.engine import Engine
+    from qmtp.serve.engine_config import EngineConfig
     if len(argv) > 1:
         raise ValueError(f"unexpected positional arguments {argv[1:]}")
     if not FLAGS.checkpoint:

@@ -1,0 +1,105 @@
+"""The serving engine's settings (`EngineConfig`) and the limits a request is checked against
+(`RequestLimits`: each refusal a RequestError naming the field and the limit)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from qmtp import api
+from qmtp.runtime import loop
+from qmtp.serve.requests import RequestError
+
+DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
+DEFAULT_PREFIX_BLOCK = 64  # until measured on the GPU: a short system prompt still fills whole blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    batch_slots: int = 4  # B: requests decoded together
+    mtp_k: int | str = 0  # drafts per round, 0 (plain) .. 4, or "auto" (chosen per round, adaptive_k.py)
+    rounds_per_call: int = 4  # MTP rounds (or plain steps) per device call between scheduling points
+    max_model_len: int = 0  # prompt + max_tokens limit; 0 = min(4096, max_position_embeddings - (K+1))
+    num_pages: int = 0  # KV pages in the pool; 0 = every slot can hold a max_model_len request
+    max_queue: int = 64  # queued (not yet admitted) requests beyond which submit() raises QueueFull
+    max_stop_ids: int = 8  # stop token ids per request (device-side, NS)
+    snapshot_budget_bytes: int = 0  # exact-prompt snapshots; 0 = off
+    prefix_cache_bytes: int = 0  # prefix cache checkpoints and the KV pages only it holds; 0 = off
+    prefix_block: int = 0  # tokens per prefix cache block; 0 = DEFAULT_PREFIX_BLOCK (prefill_chunk if deterministic)
+    stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
+    prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
+    max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
+
+    def validate(self) -> None:
+        if self.mtp_k != api.AUTO and not (isinstance(self.mtp_k, int) and 0 <= self.mtp_k <= loop.MAX_K):
+            raise ValueError(f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K} or {api.AUTO!r}")
+        for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
+                          ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("snapshot_budget_bytes", 0),
+                          ("prefill_batch", 1), ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
+                          ("prefix_block", 0)):
+            value = getattr(self, name)
+            if value < low:
+                raise ValueError(f"--{name}={value} must be >= {low}")
+        if self.snapshot_budget_bytes and self.prefix_cache_bytes:
+            raise ValueError("--snapshot_budget_bytes and --prefix_cache_bytes: choose one (the prefix cache also "
+                             "serves repeated prompts)")
+
+
+def prefix_block(config: EngineConfig, model: api.Model) -> int:
+    """The prefix cache's block: --prefix_block, or its default; ValueError when it cannot work."""
+    chunk, deterministic = model.kernels.prefill_chunk, model.kernels.deterministic
+    block = config.prefix_block or (chunk if deterministic else max(DEFAULT_PREFIX_BLOCK, model.page_size))
+    if block % model.page_size or block & (block - 1) or block > chunk:
+        raise ValueError(f"--prefix_block={block} must be a power of two, a multiple of --page_size="
+                         f"{model.page_size} and at most --prefill_chunk={chunk}")
+    if deterministic and block != chunk:
+        raise ValueError(f"--prefix_block={block}: under --deterministic it is --prefill_chunk={chunk} (a resumed "
+                         "prefill then runs the same whole-chunk passes as a full one)")
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of an engine built for a model."""
+
+    vocab_size: int
+    max_model_len: int  # prompt + max_tokens
+    page_size: int
+    num_pages: int  # the KV page pool
+    extra: int  # positions a verify writes past the committed length (K + 1, or 0 when plain)
+    max_stop_ids: int
+    has_tokenizer: bool  # stop strings need one
+
+    def check(self, prompt_ids, max_tokens, stop_token_ids, stop) -> list[int]:
+        """The prompt as a list of ints, or RequestError naming the field and the limit."""
+        vocab, limit = self.vocab_size, self.max_model_len
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab})", "prompt")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens={max_tokens} must be an integer >= 1", "max_tokens")
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context limit is max_model_len={limit} "
+                               "tokens (prompt + completion, --max_model_len)", "prompt", "context_length_exceeded")
+        if len(ids) + max_tokens > limit:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+                               f"exceeds the context limit max_model_len={limit} (--max_model_len)",
+                               "max_tokens", "context_length_exceeded")
+        need = -(-(len(ids) + max_tokens + self.extra) // self.page_size)
+        if need > self.num_pages:
+            raise RequestError(f"the request needs {need} KV pages of {self.page_size} tokens but the cache has "
+                               f"only {self.num_pages} pages (--num_pages)", "max_tokens", "context_length_exceeded")
+        if stop_token_ids is not None:
+            stop_ids = [int(t) for t in stop_token_ids]
+            if len(stop_ids) > self.max_stop_ids:
+                raise RequestError(f"{len(stop_ids)} stop token ids > the limit of {self.max_stop_ids} "
+                                   "(--max_stop_ids)", "stop_token_ids")
+            if any(not 0 <= t < vocab for t in stop_ids):
+                raise RequestError(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
+        if stop and not self.has_tokenizer:
+            raise RequestError("stop strings need a tokenizer (the checkpoint has no tokenizer.json)", "stop")
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise RequestError("stop strings must be non-empty strings", "stop")
+        return ids
