@@ -14,7 +14,7 @@ import pytest
 
 import qmtp
 from qmtp.runtime import adaptive_k
-from qmtp.serve import metrics
+from qmtp.serve import metrics, round_costs
 from serving_fixtures import assert_all_free, make_engine
 
 RNG = np.random.default_rng(31)
@@ -22,14 +22,15 @@ PROMPTS = [RNG.integers(0, 380, int(n)).tolist() for n in RNG.integers(2, 20, 7)
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
-def test_auto_times_rounds_and_keeps_greedy_tokens(model):
+def test_auto_times_rounds_and_keeps_greedy_tokens(model, tmp_path):
     lines = []
-    engine = make_engine(model, "auto", start=False, log=lines.append)
+    engine = make_engine(model, "auto", start=False, log=lines.append, round_cost_dir=str(tmp_path))
     assert engine.k == adaptive_k.CANDIDATES[-1]
     engine.warmup([16, 32])
     assert any(line.startswith("warm-up [") and "timing a round at K = 0, 1, 3" in line for line in lines), lines
     assert engine.round_cost is not None and np.all(engine.round_cost > 0) and engine.counters["admitted"] == 0
     assert engine.round_cost[0] < 3 * engine.round_cost[-1], engine.round_cost  # no compile inside a timing
+    np.testing.assert_array_equal(round_costs.load(str(tmp_path), engine), engine.round_cost)  # kept for next time
     assert_all_free(engine)
     engine.start()
     handles = [engine.submit(p, int(n)) for p, n in zip(PROMPTS, RNG.integers(3, 12, len(PROMPTS)))]
@@ -66,3 +67,21 @@ def test_auto_without_a_warm_up_warms_up_at_start(model):
     assert engine.generate(PROMPTS[2], 4, timeout=300).tokens == qmtp.generate(model, [PROMPTS[2]], 4).tokens[0]
     assert engine.round_cost is not None
     assert engine.stop(10)
+
+
+def test_round_costs_are_reused_by_the_same_shapes_only(model, tmp_path):
+    """An engine whose round_cost_dir holds costs for its model and shapes takes them instead of timing
+    (the first test checks that a timing writes them); one of another batch size does not find them."""
+    costs = np.asarray([0.25, 0.5, 0.75], np.float32)
+    lines = []
+    engine = make_engine(model, "auto", start=False, log=lines.append, round_cost_dir=str(tmp_path))
+    kept = round_costs.save(str(tmp_path), engine, costs)
+    engine.warmup([16])
+    assert not any("timing a round" in line for line in lines), lines
+    assert any(f"round costs at K = 0, 1, 3 from {kept}" in line for line in lines), lines
+    np.testing.assert_array_equal(engine.round_cost, costs)
+    other = make_engine(model, "auto", start=False, round_cost_dir=str(tmp_path), batch_slots=2)
+    assert round_costs.key(other) != round_costs.key(engine) and round_costs.load(str(tmp_path), other) is None
+    with open(kept, "w") as f:
+        f.write("{not json")  # an unreadable file counts as none
+    assert round_costs.load(str(tmp_path), engine) is None

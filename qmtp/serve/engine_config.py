@@ -28,6 +28,7 @@ class EngineConfig:
     stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
     prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
     max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
+    round_cost_dir: str | None = None  # mtp_k "auto": round costs kept here (round_costs.py); None: timed each start
 
     def validate(self) -> None:
         if self.mtp_k != api.AUTO and not (isinstance(self.mtp_k, int) and 0 <= self.mtp_k <= loop.MAX_K):

@@ -60,7 +60,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("mtp_k", "0", ["0", "1", "2", "3", "4", "auto"], "MTP drafts per round (1-4); 0 = plain "
                       "decoding; 'auto' = each round runs the K of 0, 1, 3 with the most expected tokens per second, "
                       "from each request's recent acceptance and the seconds of a round at each K (timed in the "
-                      "warm-up). Same greedy tokens either way.")
+                      "warm-up and kept with --compile_cache, so a later start on the same model, shapes and GPU "
+                      "reuses them). Same greedy tokens either way.")
     flags.DEFINE_integer("batch_slots", 4, "Requests decoded together (every slot, busy or not, is a row of each "
                          "step). An MTP round verifies batch_slots x (K+1) rows: up to 128 stay on the FP8 decode "
                          "kernels, more run on compute-bound GEMM tiles (a warning names the K that fits).",
@@ -410,6 +411,8 @@ class Server:
 def build(argv) -> tuple:
     """Model, engine and app from the flags (also used by tests)."""
     import qmtp
+    from qmtp.runtime import compile_cache
+    from qmtp.serve import round_costs
     from qmtp.serve.engine import Engine
     from qmtp.serve.engine_config import EngineConfig
     if len(argv) > 1:
@@ -426,9 +429,12 @@ def build(argv) -> tuple:
                       fp8_act_quant=FLAGS.fp8_act_quant, deterministic=FLAGS.deterministic,
                       prefill_chunk=FLAGS.prefill_chunk, progress=False, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab)
-    same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig) if f.name != "stop_token_ids"}
+    same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig)
+                  if f.name not in ("stop_token_ids", "round_cost_dir")}
     same_named["mtp_k"] = FLAGS.mtp_k if FLAGS.mtp_k == qmtp.api.AUTO else int(FLAGS.mtp_k)
-    engine = Engine(model, EngineConfig(stop_token_ids=stop, **same_named))
+    cache = compile_cache.resolve(FLAGS.compile_cache)  # auto's round costs are kept beside compiled programs
+    engine = Engine(model, EngineConfig(stop_token_ids=stop, round_cost_dir=cache and os.path.join(
+        cache, round_costs.SUBDIR), **same_named))
     warning = cli_help.verify_rows_warning(model, FLAGS.batch_slots, engine.k, unit="batch slots")
     if warning:
         print(warning, file=sys.stderr, flush=True)

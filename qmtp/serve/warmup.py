@@ -32,6 +32,7 @@ from qmtp import api
 from qmtp.runtime import adaptive_k
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
 from qmtp.serve.prompt_passes import LONG_PROMPTS
+from qmtp.serve import round_costs
 from qmtp.serve.requests import RequestHandle
 
 
@@ -78,8 +79,14 @@ def plan(engine, buckets) -> list[Step]:
         steps.append(Step(f"decode loop with {form} ({engine.config.rounds_per_call} {unit})",
                           functools.partial(_sampled_loop, engine, logprobs)))
     if engine.adaptive:
-        steps.append(Step(f"timing a round at K = {', '.join(map(str, adaptive_k.CANDIDATES))}",
-                          functools.partial(_time_rounds, engine)))
+        ks = ", ".join(map(str, adaptive_k.CANDIDATES))
+        directory = engine.config.round_cost_dir
+        stored = None if directory is None else round_costs.load(directory, engine)
+        if stored is not None:
+            steps.append(Step(f"round costs at K = {ks} from {round_costs.path(directory, engine)}",
+                              functools.partial(setattr, engine, "round_cost", stored)))
+        else:
+            steps.append(Step(f"timing a round at K = {ks}", functools.partial(_time_rounds, engine)))
     return steps
 
 
@@ -184,6 +191,11 @@ def _time_rounds(engine, most_calls: int = 4) -> None:
         engine._release(slot, "abort")
     engine._flush_retired()
     engine.round_cost = np.asarray(costs, np.float32)
+    if engine.config.round_cost_dir is not None:
+        try:
+            round_costs.save(engine.config.round_cost_dir, engine, engine.round_cost)
+        except OSError as e:  # the costs still serve this process
+            engine._log(f"round costs not kept in {engine.config.round_cost_dir}: {e}")
 
 
 def _loop(engine) -> None:
