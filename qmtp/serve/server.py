@@ -38,13 +38,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qmtp import cli_help
-from qmtp.serve import metrics, openai_logprobs, protocol as oai
+from qmtp.serve import metrics, protocol as oai, responses
 from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError, WarmingUp
 from qmtp.tools.make_checkpoint import PRESET_PREFIX, resolve_checkpoint
 
 FLAGS = flags.FLAGS
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
 def define_flags() -> None:
@@ -201,7 +200,7 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
             events: asyncio.Queue = asyncio.Queue()  # (choice index, engine event)
             try:
-                handles = _submit(engine, parsed, ids, max_tokens, stop_ids, asyncio.get_running_loop(), events)
+                handles = responses.submit(engine, parsed, ids, max_tokens, stop_ids, asyncio.get_running_loop(), events)
             except RequestError as e:
                 raise oai.APIError(400, str(e), param="messages" if chat and e.param == "prompt" else e.param,
                                    code=e.code) from None
@@ -216,10 +215,11 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         except EngineStopped as e:
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        reply = Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles)
+        reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles)
         if parsed.stream:
-            return StreamingResponse(_stream(reply, events, parsed.include_usage), media_type="text/event-stream")
-        return await _complete(request, reply, events)
+            return StreamingResponse(responses.stream(reply, events, parsed.include_usage),
+                                     media_type="text/event-stream")
+        return await responses.complete(request, reply, events)
 
     @api.post("/v1/completions")
     async def completions(request: Request):
@@ -230,140 +230,6 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         return await serve(request, chat=True)
 
     return api
-
-
-def _submit(engine, parsed: oai.Parsed, ids, max_tokens: int, stop_ids, loop, events: asyncio.Queue) -> list:
-    """The request's n choices as engine requests (a seeded choice i draws with seed + i), their events
-    going to `events` as (i, event); all or none: a refused one cancels those before it."""
-    handles = []
-    try:
-        for i in range(parsed.n):
-            sampling = dict(parsed.sampling)
-            if sampling["seed"] is not None:
-                sampling["seed"] = (sampling["seed"] + i) % 2 ** 32
-            handles.append(engine.submit(ids, max_tokens, stop_ids, parsed.stop, listener=_to_loop(loop, events, i),
-                                         logprobs=parsed.top_logprobs, **sampling))
-    except BaseException:
-        for handle in handles:
-            handle.cancel()
-        raise
-    return handles
-
-
-def _to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
-    """An engine listener (called on the engine thread) that hands each event of choice `index` to the
-    request's queue."""
-    def listener(event) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop is closed (server gone): nobody listens
-            loop.call_soon_threadsafe(events.put_nowait, (index, event))
-    return listener
-
-
-@dataclasses.dataclass
-class Reply:
-    """What the response of one HTTP request is built from: its choices' engine requests."""
-
-    rid: str
-    chat: bool
-    model_name: str
-    created: int
-    tokenizer: object
-    handles: list
-
-    @property
-    def obj(self) -> str:
-        return "chat.completion" if self.chat else "text_completion"
-
-    def usage(self) -> dict:
-        """The prompt once (the choices share it), the tokens of every choice."""
-        return oai.usage(len(self.handles[0].prompt_ids), sum(len(h.tokens) for h in self.handles))
-
-    def logprobs(self, token_logprobs, text_offset: int = 0) -> dict | None:
-        if token_logprobs is None:
-            return None
-        if self.chat:
-            return openai_logprobs.chat(self.tokenizer, token_logprobs)
-        return openai_logprobs.completion(self.tokenizer, token_logprobs, text_offset)
-
-    def failed(self):
-        """The first choice that ended otherwise than by stop or length, or None."""
-        return next((h for h in self.handles if h.finish_reason not in ("stop", "length")), None)
-
-    def cancel(self) -> None:
-        for handle in self.handles:
-            if not handle.finished:
-                handle.cancel()
-
-
-def _engine_error(handle) -> tuple[int, dict]:
-    if handle.finish_reason == "abort":
-        return 503, oai.error_body(handle.error or "the server is shutting down", "service_unavailable", None,
-                                   "shutting_down")
-    return 500, oai.error_body(handle.error or "the engine failed", "server_error", None, "engine_failed")
-
-
-async def _complete(request, reply: Reply, events):
-    """Waits for every choice to finish; a client that goes away cancels them."""
-    try:
-        next_check, unfinished = time.monotonic() + DISCONNECT_POLL_S, len(reply.handles)
-        while unfinished:
-            with contextlib.suppress(TimeoutError):
-                _, event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
-                unfinished -= event.finish_reason is not None
-            if time.monotonic() >= next_check:  # tokens may arrive more often than the poll period
-                next_check = time.monotonic() + DISCONNECT_POLL_S
-                if await request.is_disconnected():
-                    reply.cancel()
-                    return JSONResponse(oai.error_body("client disconnected", "invalid_request_error"), 499)
-    finally:
-        reply.cancel()
-    failed = reply.failed()
-    if failed is not None:
-        status, body = _engine_error(failed)
-        return JSONResponse(body, status_code=status)
-    choices = []
-    for i, h in enumerate(reply.handles):
-        part = {"message": {"role": "assistant", "content": h.text}} if reply.chat else {"text": h.text}
-        choices.append(oai.choice(i, part, list(h.tokens), h.finish_reason, reply.logprobs(h.logprobs)))
-    return JSONResponse(oai.body(reply.rid, reply.obj, reply.model_name, reply.created, choices, reply.usage()))
-
-
-async def _stream(reply: Reply, events, include_usage: bool):
-    """Server-sent events: one chunk per engine event (of choice i: "index": i), then usage (if asked)
-    and [DONE] once every choice finished; a choice that fails ends the stream with its error. Leaving
-    early (the client disconnected: Starlette cancels this generator) cancels the request."""
-    obj = "chat.completion.chunk" if reply.chat else "text_completion"
-
-    def sse(choices: list, usage=None) -> str:
-        return f"data: {json.dumps(oai.body(reply.rid, obj, reply.model_name, reply.created, choices, usage))}\n\n"
-
-    offsets = [0] * len(reply.handles)  # characters of each choice's token texts so far (text_offset)
-    try:
-        for i in range(len(reply.handles) if reply.chat else 0):
-            yield sse([oai.choice(i, {"delta": {"role": "assistant", "content": ""}}, [], None)])
-        unfinished = len(reply.handles)
-        while unfinished:
-            i, event = await events.get()
-            reason = event.finish_reason
-            if reason in (None, "stop", "length") and (event.text or event.tokens or reason):
-                delta = {"content": event.text} if event.text or not reason else {}
-                logprobs = reply.logprobs(event.logprobs, offsets[i])
-                if logprobs is not None and not reply.chat:
-                    offsets[i] += sum(map(len, logprobs["tokens"]))
-                yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": event.text}, event.tokens, reason,
-                                      logprobs)])
-            if reason is None:
-                continue
-            if reason not in ("stop", "length"):
-                yield f"data: {json.dumps(_engine_error(reply.handles[i])[1])}\n\n"
-                break
-            unfinished -= 1
-        else:
-            if include_usage:
-                yield sse([], reply.usage())
-        yield "data: [DONE]\n\n"
-    finally:
-        reply.cancel()
 
 
 class Server:

@@ -1,0 +1,155 @@
+"""The HTTP reply of one OpenAI request (qmtp/serve/server.py): its n choices submitted to the engine as
+requests, their events gathered into one JSON body or streamed as server-sent events.
+
+A non-streamed request polls its client every DISCONNECT_POLL_S and cancels its choices when the client
+has gone (status 499); a choice that ends otherwise than by stop or length turns the reply into the
+engine's error (503 when aborted at shutdown, 500 when the engine failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+
+from fastapi.responses import JSONResponse
+
+from qmtp.serve import openai_logprobs, protocol as oai
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+
+
+def submit(engine, parsed: oai.Parsed, ids, max_tokens: int, stop_ids, loop, events: asyncio.Queue) -> list:
+    """The request's n choices as engine requests (a seeded choice i draws with seed + i), their events
+    going to `events` as (i, event); all or none: a refused one cancels those before it."""
+    handles = []
+    try:
+        for i in range(parsed.n):
+            sampling = dict(parsed.sampling)
+            if sampling["seed"] is not None:
+                sampling["seed"] = (sampling["seed"] + i) % 2 ** 32
+            handles.append(engine.submit(ids, max_tokens, stop_ids, parsed.stop, listener=to_loop(loop, events, i),
+                                         logprobs=parsed.top_logprobs, **sampling))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+def to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    """An engine listener (called on the engine thread) that hands each event of choice `index` to the
+    request's queue."""
+    def listener(event) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed (server gone): nobody listens
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+    return listener
+
+
+@dataclasses.dataclass
+class Reply:
+    """What the response of one HTTP request is built from: its choices' engine requests."""
+
+    rid: str
+    chat: bool
+    model_name: str
+    created: int
+    tokenizer: object
+    handles: list
+
+    @property
+    def obj(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def usage(self) -> dict:
+        """The prompt once (the choices share it), the tokens of every choice."""
+        return oai.usage(len(self.handles[0].prompt_ids), sum(len(h.tokens) for h in self.handles))
+
+    def logprobs(self, token_logprobs, text_offset: int = 0) -> dict | None:
+        if token_logprobs is None:
+            return None
+        if self.chat:
+            return openai_logprobs.chat(self.tokenizer, token_logprobs)
+        return openai_logprobs.completion(self.tokenizer, token_logprobs, text_offset)
+
+    def failed(self):
+        """The first choice that ended otherwise than by stop or length, or None."""
+        return next((h for h in self.handles if h.finish_reason not in ("stop", "length")), None)
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            if not handle.finished:
+                handle.cancel()
+
+
+def _engine_error(handle) -> tuple[int, dict]:
+    if handle.finish_reason == "abort":
+        return 503, oai.error_body(handle.error or "the server is shutting down", "service_unavailable", None,
+                                   "shutting_down")
+    return 500, oai.error_body(handle.error or "the engine failed", "server_error", None, "engine_failed")
+
+
+async def complete(request, reply: Reply, events):
+    """Waits for every choice to finish; a client that goes away cancels them."""
+    try:
+        next_check, unfinished = time.monotonic() + DISCONNECT_POLL_S, len(reply.handles)
+        while unfinished:
+            with contextlib.suppress(TimeoutError):
+                _, event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+                unfinished -= event.finish_reason is not None
+            if time.monotonic() >= next_check:  # tokens may arrive more often than the poll period
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    reply.cancel()
+                    return JSONResponse(oai.error_body("client disconnected", "invalid_request_error"), 499)
+    finally:
+        reply.cancel()
+    failed = reply.failed()
+    if failed is not None:
+        status, body = _engine_error(failed)
+        return JSONResponse(body, status_code=status)
+    choices = []
+    for i, h in enumerate(reply.handles):
+        part = {"message": {"role": "assistant", "content": h.text}} if reply.chat else {"text": h.text}
+        choices.append(oai.choice(i, part, list(h.tokens), h.finish_reason, reply.logprobs(h.logprobs)))
+    return JSONResponse(oai.body(reply.rid, reply.obj, reply.model_name, reply.created, choices, reply.usage()))
+
+
+async def stream(reply: Reply, events, include_usage: bool):
+    """Server-sent events: one chunk per engine event (of choice i: "index": i), then usage (if asked)
+    and [DONE] once every choice finished; a choice that fails ends the stream with its error. Leaving
+    early (the client disconnected: Starlette cancels this generator) cancels the request."""
+    obj = "chat.completion.chunk" if reply.chat else "text_completion"
+
+    def sse(choices: list, usage=None) -> str:
+        return f"data: {json.dumps(oai.body(reply.rid, obj, reply.model_name, reply.created, choices, usage))}\n\n"
+
+    offsets = [0] * len(reply.handles)  # characters of each choice's token texts so far (text_offset)
+    try:
+        for i in range(len(reply.handles) if reply.chat else 0):
+            yield sse([oai.choice(i, {"delta": {"role": "assistant", "content": ""}}, [], None)])
+        unfinished = len(reply.handles)
+        while unfinished:
+            i, event = await events.get()
+            reason = event.finish_reason
+            if reason in (None, "stop", "length") and (event.text or event.tokens or reason):
+                delta = {"content": event.text} if event.text or not reason else {}
+                logprobs = reply.logprobs(event.logprobs, offsets[i])
+                if logprobs is not None and not reply.chat:
+                    offsets[i] += sum(map(len, logprobs["tokens"]))
+                yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": event.text}, event.tokens, reason,
+                                      logprobs)])
+            if reason is None:
+                continue
+            if reason not in ("stop", "length"):
+                yield f"data: {json.dumps(_engine_error(reply.handles[i])[1])}\n\n"
+                break
+            unfinished -= 1
+        else:
+            if include_usage:
+                yield sse([], reply.usage())
+        yield "data: [DONE]\n\n"
+    finally:
+        reply.cancel()
