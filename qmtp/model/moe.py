@@ -1,0 +1,66 @@
+"""The sparse mixture-of-experts MLP of Qwen3-Next and Qwen3.5-MoE (MODEL_SPEC §3.4), as HF transformers
+computes it (`Qwen3NextSparseMoeBlock`, `Qwen3_5MoeSparseMoeBlock`), for T tokens x [T, H]:
+
+    p      = softmax_f32(x @ router.T)                         [T, E]
+    (w, e) = top_k(p, k)  (ties: the lower expert first);  w /= sum(w) if norm_topk_prob
+    w      = w in x's dtype
+    routed = sum over experts e = 0, 1, .. E-1 in that order of w_{t,e} * SwiGLU_e(x_t), for the tokens t
+             that chose e (each term rounded to x's dtype, then added to the running sum in x's dtype)
+    out    = routed + sigmoid(x @ shared_gate.T) * SwiGLU_shared(x)   (one scalar gate per token)
+
+SwiGLU_e(x) = down_e(silu(x @ gate_e.T) * (x @ up_e.T)), the experts' weights stacked: gate_up [E, 2I, H]
+(the gate's I rows, then the up's; the fused layout of Qwen3.5-MoE checkpoints), down [E, H, I].
+
+Params of one block: {"router": [E, H], "experts_gate_up": [E, 2I, H], "experts_down": [E, H, I],
+"shared": {"mlp_gate", "mlp_up", "mlp_down"} (a dense MLP's keys), "shared_gate": [1, H]}.
+
+This is the reference form: every expert runs over every token (a lax.scan over the experts, memory of
+one expert's activations), the unchosen ones' terms dropped; exact, but E / k times the work of the
+routed form.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qmtp.model import layers
+from qmtp.runtime import ops
+from qmtp.runtime.kernel_config import KernelConfig
+
+F32 = jnp.float32
+
+
+def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, kernels: KernelConfig):
+    """(w [T, k] in x's dtype, e [T, k] int32): each token's k experts of highest router probability and
+    their weights (module doc)."""
+    logits = ops.linear(x, router, kernels)  # [T, E] in x's dtype, as the router's linear gives it
+    probs = jax.nn.softmax(logits.astype(F32), axis=-1)
+    w, e = jax.lax.top_k(probs, top_k)  # descending; equal probabilities: the lower expert first
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(x.dtype), e.astype(jnp.int32)
+
+
+def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kernels: KernelConfig) -> jax.Array:
+    """The block's output [..., H] for x [..., H] (module doc)."""
+    lead, h = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, h)  # [T, H]
+    n_experts, two_i = p["experts_gate_up"].shape[:2]
+    w, e = route(p["router"], x2, top_k, norm_topk_prob, kernels)
+    # [T, E]: a token's weight for each expert, 0 where it did not choose it (a top-k holds distinct experts)
+    chosen = jnp.sum(jax.nn.one_hot(e, n_experts, dtype=jnp.int32), axis=1) > 0
+    weight = jnp.zeros(chosen.shape, x.dtype).at[jnp.arange(x2.shape[0])[:, None], e].set(w)
+
+    def expert(acc, xs):
+        gate_up, down, sel, wt = xs  # [2I, H], [H, I], [T], [T]
+        g, u = jnp.split(ops.linear(x2, gate_up, kernels), [two_i // 2], axis=-1)
+        y = ops.linear((jax.nn.silu(g.astype(F32)) * u.astype(F32)).astype(x.dtype), down, kernels)
+        term = (y * wt[:, None]).astype(x.dtype)
+        return jnp.where(sel[:, None], acc + term, acc), None  # tokens that did not choose it add nothing
+
+    routed, _ = jax.lax.scan(expert, jnp.zeros_like(x2),
+                             (p["experts_gate_up"], p["experts_down"], chosen.T, weight.T))
+    gate = jax.nn.sigmoid(ops.linear(x2, p["shared_gate"], kernels).astype(F32)).astype(x.dtype)  # [T, 1]
+    shared = (gate * layers.mlp(p["shared"], x2, kernels)).astype(x.dtype)
+    return (routed + shared).reshape(lead + (h,))
