@@ -3,7 +3,7 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long serve_long gdn_prefill bench_sampling
+#                                             bench_long prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling
 #                                             bench_deterministic chat_nocache chat_prefix bench_auto
 #                                             (default: all)
 #
@@ -22,8 +22,8 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long gdn_prefill
-                                 bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
+                                 serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -57,6 +57,16 @@ for s in "${steps[@]}"; do
     # long prompts: TTFT and prefill rate at 8k and 32k (chunked prefill), decode after them, K=3 profiled
     bench_long) run_step bench_long 580 "${BENCH[@]}" --prompt_lengths=8192,32768 --ks=3 --repeats=1 \
                   --breakdown=false --max_new_tokens=256 --out="$OUT/bench_tp1_long.json" "${EXTRA[@]}" ;;
+    # where an 8k prefill's device time goes (the 27B preset's first 8 layers: 6 GDN, 2 attention), by kernel
+    prefill_trace) run_step prefill_trace 240 bash -c "rm -rf /tmp/qmtp_prefill_trace; $PY -m qmtp.bench \
+                     --checkpoint=preset:qwen3_5_27b:fp8 --num_layers=8 --prompt_lengths=8192 --ks= --repeats=1 \
+                     --breakdown=false --max_new_tokens=4 --trace_dir=/tmp/qmtp_prefill_trace --out=$OUT/prefill_trace.json \
+                     && $PY scripts/trace_summary.py /tmp/qmtp_prefill_trace/* --top=20" ;;
+    # the 8k TTFT at prefill chunks of 2048, 4096 and 8192 tokens (8 layers: the default chunk by measurement)
+    prefill_chunks) run_step prefill_chunks 300 bash -c "for c in 2048 4096 8192; do $PY -m qmtp.bench \
+                      --checkpoint=preset:qwen3_5_27b:fp8 --num_layers=8 --prompt_lengths=8192 --ks= --repeats=3 \
+                      --breakdown=false --max_new_tokens=4 --prefill_chunk=\$c --out=$OUT/prefill_chunk_\$c.json \
+                      2>&1 | grep -E 'repeat|TTFT|rror' || exit 1; done" ;;
     # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece): their inter-token gaps
     serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \
                   --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=16,32,64,32768 --port=8123 \
@@ -87,8 +97,8 @@ for s in "${steps[@]}"; do
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
-    *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long serve_long" \
-            "gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)"; exit 2 ;;
+    *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
+            "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
