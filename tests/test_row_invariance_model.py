@@ -2,7 +2,9 @@
 hidden state and the logits, compared bit for bit from one random state (paged KV, conv and GDN slot
 rings), for a token decoded
   - alone against the same sequence inside a batch of four (each sequence), and
-  - in a decode step against the same token as row t of a verify pass of VERIFY tokens.
+  - in a decode step against the same token as row t of a verify pass of VERIFY tokens;
+and the prefill of a prompt alone against the same prompt inside a batch of four (its first token,
+first draft, MTP hidden, GDN and conv state, and its attention and MTP KV).
 
 Under KernelConfig.deterministic every one must be equal; the first that is not names the layer and the
 block (mixer or MLP) to look into. The control: the default Pallas kernels part a verify's rows on the
@@ -17,7 +19,9 @@ import numpy as np
 import pytest
 
 import qmtp
+from qmtp.api import _new_state, _prompt_batch
 from qmtp.model import target
+from qmtp.runtime import loop, prefill
 from qmtp.runtime.state import PagedKV, init_state
 from qmtp.tools.make_checkpoint import resolve_checkpoint
 
@@ -83,14 +87,54 @@ def _parted(checkpoint: str, deterministic: bool) -> list[str]:
     return parted
 
 
+def _prefill_parted(checkpoint: str, deterministic: bool, chunk: int) -> list[str]:
+    """What of prompt 0's prefill differs between the prompt alone and inside a batch of four."""
+    model = qmtp.load(checkpoint, dtype="bfloat16", impl="pallas", page_size=PAGE, progress=False,
+                      deterministic=deterministic, prefill_chunk=chunk)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.cfg.vocab_size, n).tolist() for n in (12, 16, 9, 14)]  # one bucket
+
+    def run(group):
+        state = _new_state(model, [len(p) + 8 for p in group])
+        tokens, n_valid = _prompt_batch(group)
+        b = len(group)
+        first, slots, state = prefill.prefill(model.cfg, model.kernels, True, model.params, state, tokens, n_valid,
+                                              jnp.full((b,), 8, jnp.int32), loop.stop_rows((), b))
+        n = len(group[0])  # prompt 0's cached positions, gathered through its page-table row
+        where = state.page_table[0, jnp.arange(n) // PAGE] * PAGE + jnp.arange(n) % PAGE
+        kv = lambda pages: [p.reshape((-1,) + p.shape[2:])[where] for p in pages]  # noqa: E731
+        return jax.device_get({"first token": first[0], "first draft": slots.d1[0], "MTP hidden": slots.mh[0],
+                               "GDN state": [s[0] for s in state.ssm], "conv state": [c[0] for c in state.conv],
+                               "attention KV": kv(state.kv.k) + kv(state.kv.v),
+                               "MTP KV": kv(state.mtp_kv.k) + kv(state.mtp_kv.v)})
+
+    batch, alone = run(prompts), run(prompts[:1])
+    return [name for name in alone if not all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                                              for a, b in zip(jax.tree_util.tree_leaves(alone[name]),
+                                                              jax.tree_util.tree_leaves(batch[name])))]
+
+
+def test_a_prompt_prefilled_alone_equals_it_in_a_batch():
+    assert _prefill_parted(resolve_checkpoint("preset:tiny", num_layers=2), deterministic=True, chunk=16) == []
+
+
 def test_each_layer_of_a_row_alone_equals_it_in_a_batch():
     assert _parted(resolve_checkpoint("preset:tiny", num_layers=2), deterministic=True) == []
 
 
 @pytest.mark.slow
 def test_the_default_kernels_part_a_row_from_its_rows():
-    """The control: without deterministic some tap differs, so the comparison above can see a difference."""
-    assert _parted(resolve_checkpoint("preset:tiny", num_layers=2), deterministic=False) != []
+    """The control: without deterministic some tap and some of the prefill differ, so the comparisons
+    above can see a difference."""
+    tiny = resolve_checkpoint("preset:tiny", num_layers=2)
+    assert _parted(tiny, deterministic=False) != [] and _prefill_parted(tiny, deterministic=False, chunk=16) != []
+
+
+@pytest.mark.gpu
+def test_h200_a_prompt_prefilled_alone_equals_it_in_a_batch_at_the_27b_shapes():
+    """The default prefill chunk (2048), as the exactness harness runs it."""
+    assert _prefill_parted(resolve_checkpoint("preset:qwen3_5_27b:fp8", num_layers=8), deterministic=True,
+                           chunk=2048) == []
 
 
 @pytest.mark.gpu
