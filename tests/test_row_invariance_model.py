@@ -7,8 +7,9 @@ and the prefill of a prompt alone against the same prompt inside a batch of four
 first draft, MTP hidden, GDN and conv state, and its attention and MTP KV).
 
 Under KernelConfig.deterministic every one must be equal; the first that is not names the layer and the
-block (mixer or MLP) to look into. The control: the default Pallas kernels part a verify's rows on the
-CPU. The H200 case runs the 27B-shaped FP8 preset's first 8 layers (6 Gated DeltaNet, 2 attention).
+block (mixer or MLP), or the part of the prefill, to look into. The control: the default Pallas kernels
+part a verify's rows and a batch's prefill on the CPU. The H200 cases run the 27B-shaped FP8 preset's
+first 8 layers (6 Gated DeltaNet, 2 attention).
 """
 
 import dataclasses
