@@ -14,6 +14,7 @@ from qmtp.api import _new_state, _prompt_batch
 from qmtp.runtime import adaptive_k, loop, prefill
 from qmtp.runtime.kernel_config import REF
 from qmtp.tools import make_checkpoint
+from tolerance import F32_MODEL, assert_close
 
 KS = (0, 1, 3)
 RNG = np.random.default_rng(4)
@@ -102,11 +103,14 @@ def test_plain_steps_keep_the_drafts_right(tmp_path):
     assert np.asarray(stats["accepted"]).sum() == np.asarray(stats["drafted"]).sum() > 0
 
 
-def test_generate_auto_times_each_k_and_keeps_the_tokens(model):
-    want = qmtp.generate(model, PROMPTS[:3], max_new_tokens=10).tokens
+def test_generate_auto_times_each_k_and_keeps_the_tokens_and_logprobs(model):
+    plain = qmtp.generate(model, PROMPTS[:3], max_new_tokens=10, logprobs=2)
     lines = []
-    got = qmtp.generate(model, PROMPTS[:3], max_new_tokens=10, mtp_k="auto", progress=lines.append)
-    assert got.tokens == want and got.stats["mtp_k"] == "auto"
+    got = qmtp.generate(model, PROMPTS[:3], max_new_tokens=10, mtp_k="auto", progress=lines.append, logprobs=2)
+    assert got.tokens == plain.tokens and got.stats["mtp_k"] == "auto"
+    for row, want in zip(got.logprobs, plain.logprobs):  # the rounds' logits at whichever K ran
+        assert [[i for i, _ in t.top] for t in row] == [[i for i, _ in t.top] for t in want]
+        assert_close([t.logprob for t in row], [t.logprob for t in want], F32_MODEL, "logprobs")
     assert set(got.stats["k_rounds"]) == set(got.stats["round_cost_s"]) == set(adaptive_k.CANDIDATES)
     assert all(c > 0 for c in got.stats["round_cost_s"].values()) and sum(got.stats["k_rounds"].values()) > 0
     assert any(line.startswith("timing a round at K = 0, 1, 3") for line in lines), lines

@@ -238,15 +238,16 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, mh=mh, gdn_slot=read), logits
 
 
-def _padded_round(cfg, kernels, kc: int, k: int, params, state, slots, *, live, cap, sampling):
-    """_round at K = kc (MTP refreshed at 0 too), its tokens and logits padded to k + 1 positions (the
-    branches of an adaptive round share one shape)."""
+def _padded_round(cfg, kernels, kc: int, k: int, params, state, slots, *, live, cap, sampling, keep_logits: bool):
+    """_round at K = kc (MTP refreshed at 0 too), its tokens padded to k + 1 positions (the branches of an
+    adaptive round share one shape); its logits likewise when keep_logits (logprobs asked), else None
+    (a [B, k+1, V] copy per round that nothing reads)."""
     cap = None if cap is None else jnp.minimum(cap, kc)
     tokens, a, state, slots, logits = _round(cfg, kernels, kc, params, state, slots, live, cap, sampling,
                                              refresh_mtp=True)
     pad = k - kc
     tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=PAD_TOKEN)  # [B, k+1]
-    logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))  # [B, k+1, V]
+    logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0))) if keep_logits else None  # [B, k+1, V]
     return tokens, a, state, slots, logits
 
 
@@ -345,7 +346,8 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
         else:
             c = adaptive_k.choose(slots.accept_ema, live, adaptive_ks, round_cost)
             branches = [functools.partial(_padded_round, cfg, kernels, kc, k, params, live=live, cap=cap,
-                                          sampling=sampling) for kc in adaptive_ks]
+                                          sampling=sampling, keep_logits=top_logprobs is not None)
+                        for kc in adaptive_ks]
             d1 = slots.d1  # a plain step still checks the first draft: observed at position 1
             verified, a, state, slots, logits = jax.lax.switch(c, branches, state, slots)
             k_round = jnp.asarray(adaptive_ks, jnp.int32)[c]
