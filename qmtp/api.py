@@ -319,9 +319,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         given an enormous cost), the compiled loop's own program."""
         costs = []
         for c in range(len(adaptive_k.CANDIDATES)):
-            forced = np.full(len(adaptive_k.CANDIDATES), 1e9, np.float32)
-            forced[c] = 1.0
-            _, _, _, stats, _, seconds, _ = run(min(max_new_tokens, COST_ROUNDS), forced)
+            _, _, _, stats, _, seconds, _ = run(min(max_new_tokens, COST_ROUNDS), adaptive_k.forcing(c))
             costs.append(seconds / max(int(np.asarray(stats["rounds"]).max(initial=0)), 1))
         return np.asarray(costs, np.float32)
 
@@ -333,7 +331,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     if warmup or adaptive:  # "auto" times rounds: compiled first
         progress(compiling)
         t0 = time.perf_counter()
-        run(1, np.ones(len(adaptive_k.CANDIDATES))) if adaptive else run(1)  # shapes do not depend on the budget
+        run(1, np.ones(len(adaptive_k.CANDIDATES)) if adaptive else None)  # shapes do not depend on the budget
         if adaptive:
             progress(f"timing a round at K = {', '.join(map(str, adaptive_k.CANDIDATES))}")
             round_cost = measure_round_costs()

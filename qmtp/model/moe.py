@@ -48,9 +48,10 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     x2 = x.reshape(-1, h)  # [T, H]
     n_experts, two_i = p["experts_gate_up"].shape[:2]
     w, e = route(p["router"], x2, top_k, norm_topk_prob, kernels)
-    # [T, E]: a token's weight for each expert, 0 where it did not choose it (a top-k holds distinct experts)
-    chosen = jnp.sum(jax.nn.one_hot(e, n_experts, dtype=jnp.int32), axis=1) > 0
-    weight = jnp.zeros(chosen.shape, x.dtype).at[jnp.arange(x2.shape[0])[:, None], e].set(w)
+    # [T, E]: which experts a token chose, and their weights (0 elsewhere)
+    at = (jnp.arange(x2.shape[0])[:, None], e)
+    chosen = jnp.zeros((x2.shape[0], n_experts), bool).at[at].set(True)
+    weight = jnp.zeros(chosen.shape, x.dtype).at[at].set(w)
 
     def expert(acc, xs):
         gate_up, down, sel, wt = xs  # [2I, H], [H, I], [T], [T]

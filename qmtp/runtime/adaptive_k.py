@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 CANDIDATES = (0, 1, 3)  # mtp_k="auto": few candidates keep the loop's program small (every one is in it)
 PRIOR = 0.75  # a new request's acceptance estimate at every position: optimistic, so drafts get tried
@@ -37,6 +38,14 @@ def choose(ema: jax.Array, live: jax.Array, ks: tuple[int, ...], round_cost: jax
     rows live [B] (0/1); round_cost [C] seconds per round at each candidate."""
     tokens = jnp.sum(live[:, None] * expected_tokens(ema, ks), axis=0)  # [C]
     return jnp.argmax(tokens / round_cost).astype(jnp.int32)
+
+
+def forcing(c: int) -> np.ndarray:
+    """Round costs [C] under which `choose` picks candidate c whatever the acceptance (every other one
+    costs 1e9 s): how a round at one K is timed in the program that serving runs."""
+    costs = np.full(len(CANDIDATES), 1e9, np.float32)
+    costs[c] = 1.0
+    return costs
 
 
 def update(ema: jax.Array, accepted: jax.Array, k: jax.Array, live: jax.Array) -> jax.Array:

@@ -69,8 +69,8 @@ def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, p
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(zeros(c[0]) for c in state.conv),
                       ssm=tuple(zeros(s[0]) for s in state.ssm), page_table=page_rows,
                       lengths=jnp.zeros((n,), jnp.int32))
-    first, new, sub, lp = prefill.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens, stop_rows,
-                                       sampling, MAX_TOP_LOGPROBS)
+    first, new, sub, lp = prefill.prefill(cfg, kernels, use_mtp, params, sub, tokens, n_valid, max_tokens,
+                                          stop_rows, sampling, MAX_TOP_LOGPROBS)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     return first, *_put_rows(state, slots, ids, sub.conv, sub.ssm, page_rows, sub.lengths, new), lp
 

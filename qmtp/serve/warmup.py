@@ -180,8 +180,7 @@ def _time_rounds(engine, most_calls: int = 4) -> None:
         engine._prefill_group([(handle, engine._free_slots.pop(), engine.allocator.reserve(capacity))])
     costs = []
     for c in range(len(ks)):
-        forced = np.full(len(ks), 1e9, np.float32)
-        forced[c] = 1.0
+        forced = adaptive_k.forcing(c)
         engine._device.run(per_call, None, False, forced)  # compiled by the loop step; this one warms the caches
         rounds, t0 = 0, time.perf_counter()
         for _ in range(calls):
