@@ -127,6 +127,12 @@ def apply_compile_cache_flag() -> str | None:
     return compile_cache.enable(directory) if directory else None
 
 
+def mtp_k_from_flag(value: str) -> int | str:
+    """--mtp_k's text (an enum of "0".."4" and "auto") as qmtp.generate and the engine take it."""
+    from qmtp import api
+    return value if value == api.AUTO else int(value)
+
+
 def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> str | None:
     """A warning when MTP verify passes (batch x (K+1) rows) leave the FP8 decode kernel (more than
     ops.DECODE_MAX_ROWS rows run compute-bound GEMM tiles: WORKSPACE.md), else None; unit: what the

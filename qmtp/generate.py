@@ -114,7 +114,7 @@ def run(argv) -> dict:
         raise ValueError("give at least one --prompt, --prompt_file or --prompt_ids")
     stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
     cli_help.check_output_file("output_json", FLAGS.output_json)
-    k = FLAGS.mtp_k if FLAGS.mtp_k == qmtp.api.AUTO else int(FLAGS.mtp_k)
+    k = cli_help.mtp_k_from_flag(FLAGS.mtp_k)
     if FLAGS.compare_plain and not k:
         raise ValueError("--compare_plain compares MTP with plain decoding: give --mtp_k too")
     sampling = cli_help.sampling_from_flags()
@@ -127,7 +127,9 @@ def run(argv) -> dict:
                       converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant,
                       deterministic=FLAGS.deterministic, prefill_chunk=FLAGS.prefill_chunk)
-    warning = cli_help.verify_rows_warning(model, len(prompts), 3 if k == qmtp.api.AUTO else k)
+    from qmtp.runtime import adaptive_k
+    most = adaptive_k.CANDIDATES[-1] if k == qmtp.api.AUTO else k  # the most drafts of a round
+    warning = cli_help.verify_rows_warning(model, len(prompts), most)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     def generate(mode, first):

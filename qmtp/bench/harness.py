@@ -348,9 +348,10 @@ def _run() -> int:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     check_outputs(len(engines) * len(batches) * len(lengths))
     compile_cache_dir = cli_help.apply_compile_cache_flag()
+    from qmtp.runtime import adaptive_k
     n_profile = len([p for p in FLAGS.profile if p])
     n_modes = (1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= n_profile])
-               + FLAGS.auto * (1 + (n_profile >= 3)))
+               + FLAGS.auto * (1 + (n_profile >= adaptive_k.CANDIDATES[-1])))  # auto_modes' count
     progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
     from qmtp.bench import compute

@@ -297,7 +297,7 @@ def build(argv) -> tuple:
                       draft_vocab=FLAGS.draft_vocab)
     same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig)
                   if f.name not in ("stop_token_ids", "round_cost_dir")}
-    same_named["mtp_k"] = FLAGS.mtp_k if FLAGS.mtp_k == qmtp.api.AUTO else int(FLAGS.mtp_k)
+    same_named["mtp_k"] = cli_help.mtp_k_from_flag(FLAGS.mtp_k)
     cache = compile_cache.resolve(FLAGS.compile_cache)  # auto's round costs are kept beside compiled programs
     engine = Engine(model, EngineConfig(stop_token_ids=stop, round_cost_dir=cache and os.path.join(
         cache, round_costs.SUBDIR), **same_named))
