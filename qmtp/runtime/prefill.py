@@ -43,7 +43,7 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
     Slots.started for the rows, state); the state's GDN/conv rows are not in the ring. With top_logprobs
     N (0 .. MAX_TOP_LOGPROBS) a fourth result: the first token's TokenLogprobs [B, 1] with N alternatives.
 
-    kernels.deterministic: one prompt at a time (a lax.scan over the rows, at every batch size, one
+    kernels.deterministic: one prompt at a time (a loop over the rows, at every batch size, one
     included), each padded to whole chunks of kernels.prefill_chunk tokens, so every pass of the prefill
     has the shape [1, prefill_chunk] and its XLA ops (the GDN chunk form's dots, the q/k L2 norms)
     choose their order from neither the batch nor the prompt bucket: a row's numbers do not depend on
@@ -61,16 +61,30 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
 
 def _prefill_rows(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_valid, max_tokens, stop, sampling,
                   top_logprobs):
-    """_prefill_batch on one row at a time (DecodeState.row / with_row), results stacked as the batch's."""
-    def one(state, row):
-        b, tok, nv, mt, st, smp_row = row
-        smp_row = None if smp_row is None else jax.tree_util.tree_map(lambda x: x[None], smp_row)
-        first, slots, sub, lp = _prefill_batch(cfg, kernels, use_mtp, params, state.row(b), tok[None], nv[None],
-                                               mt[None], st[None], smp_row, top_logprobs)
-        return state.with_row(b, sub), jax.tree_util.tree_map(lambda x: x[0], (first, slots, lp))
+    """_prefill_batch on one row at a time (DecodeState.row / with_row), results stacked as the batch's.
 
-    rows = (jnp.arange(tokens.shape[0]), tokens, n_valid, max_tokens, stop, sampling)
-    state, (first, slots, lp) = jax.lax.scan(one, state, rows)
+    A while loop whose trip count XLA cannot read (it comes from n_valid, a run-time input): a loop of
+    one trip (batch 1) would otherwise be inlined into the program around it and fused with it
+    differently from the loop body a larger batch runs."""
+    take = lambda x, b: jax.lax.dynamic_slice_in_dim(x, b, 1)  # noqa: E731
+
+    def one(b, state):
+        smp_row = None if sampling is None else jax.tree_util.tree_map(lambda x: take(x, b), sampling)
+        return _prefill_batch(cfg, kernels, use_mtp, params, state.row(b), take(tokens, b), take(n_valid, b),
+                              take(max_tokens, b), take(stop, b), smp_row, top_logprobs)
+
+    rows = tokens.shape[0]
+    shapes = jax.eval_shape(lambda st: one(0, st), state)
+    outs = jax.tree_util.tree_map(lambda s: jnp.zeros((rows,) + s.shape[1:], s.dtype),
+                                  (shapes[0], shapes[1], shapes[3]))  # first [B], Slots, TokenLogprobs | None
+
+    def body(b, carry):
+        state, outs = carry
+        first, slots, sub, lp = one(b, state)
+        put = lambda o, r: jax.lax.dynamic_update_slice_in_dim(o, r, b, axis=0)  # noqa: E731
+        return state.with_row(b, sub), jax.tree_util.tree_map(put, outs, (first, slots, lp))
+
+    state, (first, slots, lp) = jax.lax.fori_loop(0, jnp.sum(n_valid >= 0), body, (state, outs))
     return first, slots, state, lp
 
 
