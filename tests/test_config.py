@@ -65,7 +65,8 @@ def _bad(base, path, value):
 
 
 @pytest.mark.parametrize("base,path,value,message", [
-    (NEXT, ["num_experts"], 512, r"num_experts=512: mixture-of-experts"),
+    (NEXT, ["num_experts"], 512, r"required field num_experts_per_tok is missing"),
+    (QWEN35, ["text_config", "num_experts"], 8, r"num_experts=8: a dense Qwen3.5 model type.*qwen3_5_moe"),
     (QWEN35, ["text_config", "layer_types", 2], "sliding_attention", r"layer_types\[2\]='sliding_attention'"),
     (QWEN35, ["text_config", "layer_types"], ["full_attention"], r"layer_types.*4 entries"),
     (QWEN35, ["text_config", "rope_parameters", "rope_type"], "yarn", r"rope_type='yarn'"),
@@ -85,6 +86,48 @@ def _bad(base, path, value):
 def test_unsupported_configs_name_the_field(base, path, value, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(_bad(base, path, value), source="x/config.json")
+
+
+MOE_FIELDS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 48, "router_aux_loss_coef": 0.001, "output_router_logits": False}
+
+
+def test_qwen3_next_moe_per_sparse_step_and_mlp_only_layers():
+    cfg = from_dict(dict(NEXT, **MOE_FIELDS, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[5]))
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_size, moe.shared_size) == (8, 2, 32, 48)
+    assert not moe.norm_topk_prob and cfg.intermediate_size == 128
+    assert [i for i in range(8) if cfg.layer_is_moe(i)] == [1, 3, 7]  # (i + 1) % 2 == 0, not layer 5
+    assert from_dict(dict(NEXT, **MOE_FIELDS)).moe.norm_topk_prob  # HF's default
+
+
+def test_qwen35_moe_every_layer_without_a_dense_width():
+    text = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
+    cfg = from_dict({"model_type": "qwen3_5_moe", "text_config": dict(text, **MOE_FIELDS)})
+    assert cfg.weight_prefix == "model.language_model." and cfg.model_type == "qwen3_5"
+    assert cfg.intermediate_size == 0 and all(cfg.layer_is_moe(i) for i in range(4)) and cfg.moe.norm_topk_prob
+    flat = from_dict(dict(text, **MOE_FIELDS, model_type="qwen3_5_moe_text"))
+    assert flat.weight_prefix == "model." and flat.moe == cfg.moe
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"n_group": 4}, r"n_group=4: an MoE setting qmtp does not know"),
+    ({"routed_scaling_factor": 2.5}, r"routed_scaling_factor=2.5: an MoE setting"),
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9: must be at most num_experts=8"),
+    ({"norm_topk_prob": False}, r"norm_topk_prob=False: Qwen3.5-MoE always renormalizes"),
+    ({"decoder_sparse_step": 2}, r"decoder_sparse_step=2: Qwen3.5-MoE has MoE in every layer"),
+    ({"moe_intermediate_size": None}, r"required field text_config.moe_intermediate_size is missing"),
+])
+def test_moe_fields_are_read_strictly(extra, message):
+    raw = {"model_type": "qwen3_5_moe", "text_config": {**TEXT, **MOE_FIELDS, **extra}}
+    with pytest.raises(ConfigError, match=message):
+        from_dict(raw, source="x/config.json")
+
+
+def test_a_dense_layer_needs_the_dense_width():
+    raw = dict({k: v for k, v in NEXT.items() if k != "intermediate_size"}, **MOE_FIELDS, mlp_only_layers=[0])
+    with pytest.raises(ConfigError, match="required field intermediate_size is missing"):
+        from_dict(raw)
 
 
 def test_fp8_quantization_config():

@@ -15,16 +15,16 @@ E, K, H, I, I_SHARED = 6, 2, 16, 8, 12
 def _params(rng) -> dict:
     n = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.3  # noqa: E731
     return {"router": n(E, H), "experts_gate_up": n(E, 2 * I, H), "experts_down": n(E, H, I),
-            "shared": {"mlp_gate": n(I_SHARED, H), "mlp_up": n(I_SHARED, H), "mlp_down": n(H, I_SHARED)},
+            "shared_mlp_gate": n(I_SHARED, H), "shared_mlp_up": n(I_SHARED, H), "shared_mlp_down": n(H, I_SHARED),
             "shared_gate": n(1, H)}
 
 
 def jax_tree(p: dict) -> dict:
-    return {k: (jax_tree(v) if isinstance(v, dict) else jnp.asarray(v)) for k, v in p.items()}
+    return {k: jnp.asarray(v) for k, v in p.items()}
 
 
 def _np_moe(p: dict, x: np.ndarray, norm: bool) -> np.ndarray:
-    f = {k: np.asarray(v, np.float64) for k, v in p.items() if k != "shared"}
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
     x = x.astype(np.float64)
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     logits = x @ f["router"].T
@@ -37,8 +37,7 @@ def _np_moe(p: dict, x: np.ndarray, norm: bool) -> np.ndarray:
         for e, we in zip(top, w):
             g, u = f["experts_gate_up"][e][:I] @ x[t], f["experts_gate_up"][e][I:] @ x[t]
             out[t] += we * (f["experts_down"][e] @ (silu(g) * u))
-    s = {k: np.asarray(v, np.float64) for k, v in p["shared"].items()}
-    shared = (silu(x @ s["mlp_gate"].T) * (x @ s["mlp_up"].T)) @ s["mlp_down"].T
+    shared = (silu(x @ f["shared_mlp_gate"].T) * (x @ f["shared_mlp_up"].T)) @ f["shared_mlp_down"].T
     return out + shared / (1 + np.exp(-(x @ f["shared_gate"].T)))
 
 

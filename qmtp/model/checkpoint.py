@@ -6,6 +6,8 @@ Conventions stated once here (MODEL_SPEC §2, §5):
   * a weight is FP8 iff its dtype is F8_E4M3 and it has a `weight_scale_inv` sibling (BF16 or F32,
     shape [ceil(out/128), ceil(in/128)]); it stays an `Fp8Block` (never dequantized at load);
   * Qwen3-Next `in_proj_qkvz` / `in_proj_ba` rows are permuted once into the Qwen3.5 layout;
+  * MoE experts, stored per expert or as fused 3-D tensors (`params` module doc), are stacked into
+    [X, R, C] params (FP8: one [X, R/128, C/128] scale grid, so gate and up rows need I % 128 == 0);
   * `A_log`, `dt_bias` and norm weights are f32; conv [C, 1, W] becomes [C, W];
   * every other tensor is cast to the compute dtype.
 """
@@ -101,9 +103,14 @@ def count_mtp_layers(headers: dict[str, _Header]) -> int:
     return max(ids) + 1 if ids else 0
 
 
+def fused_experts(headers: dict[str, _Header]) -> bool:
+    """Whether the checkpoint stores its MoE experts as fused 3-D tensors (else one per expert)."""
+    return any(k.endswith(".mlp.experts.gate_up_proj") for k in headers)
+
+
 def validate(cfg: ModelConfig, headers: dict[str, _Header], checkpoint_dir: str) -> list[P.TensorEntry]:
     """Checks names, shapes and FP8 scale grids against the table; raises one error listing all."""
-    table = P.tensor_table(cfg)
+    table = P.tensor_table(cfg, fused_experts(headers))
     expected = {e.name: e for e in table}
     problems: list[str] = []
     present = {k for k in headers if not k.startswith(IGNORED_PREFIXES) and not k.endswith(SCALE_SUFFIX)}
@@ -120,14 +127,17 @@ def validate(cfg: ModelConfig, headers: dict[str, _Header], checkpoint_dir: str)
             continue
         scale = headers.get(name + SCALE_SUFFIX)
         if h.dtype == "F8_E4M3":
-            if entry.role not in (P.LINEAR, P.FUSED_QKVZ, P.FUSED_BA):
+            grid = entry.shape[:-2] + scale_grid(*entry.shape[-2:])
+            if entry.role not in (P.LINEAR, P.FUSED_QKVZ, P.FUSED_BA, P.EXPERTS, P.FUSED_EXPERTS):
                 problems.append(f"{name}: F8_E4M3 is only supported for linear weights (role {entry.role})")
             elif scale is None:
                 problems.append(f"{name}: F8_E4M3 weight without {name + SCALE_SUFFIX}")
-            elif scale.shape != scale_grid(*entry.shape):
+            elif scale.shape != grid:
                 problems.append(f"{name + SCALE_SUFFIX}: scale grid {list(scale.shape)}, expected "
-                                f"{list(scale_grid(*entry.shape))} for weight {list(entry.shape)} "
-                                f"in {FP8_BLOCK}x{FP8_BLOCK} blocks")
+                                f"{list(grid)} for weight {list(entry.shape)} in {FP8_BLOCK}x{FP8_BLOCK} blocks")
+            elif entry.row0 % FP8_BLOCK:
+                problems.append(f"{name}: FP8 experts need moe_intermediate_size % {FP8_BLOCK} == 0 (the up rows "
+                                f"follow the gate rows at row {entry.row0} of one block grid)")
             elif scale.dtype not in ("BF16", "F32"):
                 problems.append(f"{name + SCALE_SUFFIX}: dtype {scale.dtype}, expected BF16 or F32")
         elif scale is not None:
@@ -192,11 +202,18 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
     total = sum(_BYTES.get(headers[e.name].dtype, 4) * int(np.prod(headers[e.name].shape)) for e in table)
     bar = _Progress(len(table), total, progress)
     handles: dict[str, object] = {}
+    stacks = _ExpertStacks(cfg, table, compute)
     try:
         for entry in table:
             h = headers[entry.name]
             fp8 = h.dtype == "F8_E4M3"
             sh = headers[entry.name + SCALE_SUFFIX] if fp8 else None
+            if entry.role == P.EXPERTS:
+                raw = _read(handles, checkpoint_dir, h.file, entry.name)
+                scale = _read(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX) if fp8 else None
+                stacks.put(tree, entry, raw, scale)
+                bar.step(_BYTES.get(h.dtype, 4) * int(np.prod(h.shape)))
+                continue
             for key, rows in _key_rows(cfg, entry).items():
                 dim = None if mesh is None else shard_layout.split_dim(key)
                 if dim is None:  # whole: read once, place on the device (every device under TP)
@@ -228,6 +245,37 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
         handles.clear()
     _check_uniform_fp8(tree)
     return P.finalize_tree(tree)
+
+
+class _ExpertStacks:
+    """Per-expert tensors gathered into their stacked [X, R, C] params (and [X, R/128, C/128] scales),
+    each put into the tree when its last piece arrives, so the host holds one stack at a time."""
+
+    def __init__(self, cfg: ModelConfig, table: list[P.TensorEntry], compute):
+        self.cfg, self.compute, self.open = cfg, compute, {}
+        self.left: dict[tuple, int] = {}
+        for e in table:
+            if e.role == P.EXPERTS:
+                self.left[(e.group, e.index, e.key)] = self.left.get((e.group, e.index, e.key), 0) + 1
+
+    def put(self, tree: dict, entry: P.TensorEntry, raw: np.ndarray, scale) -> None:
+        slot = (entry.group, entry.index, entry.key)
+        if slot not in self.open:
+            shape = P.stacked_shape(self.cfg, entry.key)
+            self.open[slot] = (np.empty(shape, raw.dtype if scale is not None else self.compute),
+                               None if scale is None else np.empty(shape[:1] + scale_grid(*shape[1:]), np.float32))
+        weight, grid = self.open[slot]
+        if (grid is None) != (scale is None):
+            raise CheckpointError(f"{entry.name}: the experts of one layer mix FP8 and non-FP8 {entry.key} tensors")
+        rows = slice(entry.row0, entry.row0 + raw.shape[0])
+        weight[entry.expert, rows] = raw
+        if grid is not None:
+            grid[entry.expert, entry.row0 // FP8_BLOCK:entry.row0 // FP8_BLOCK + scale.shape[0]] = scale
+        self.left[slot] -= 1
+        if self.left[slot] == 0:
+            del self.open[slot]
+            P.place(tree, entry, entry.key, jnp.asarray(weight) if grid is None
+                    else Fp8Block(jnp.asarray(weight), jnp.asarray(grid)))
 
 
 def _key_rows(cfg: ModelConfig, entry: P.TensorEntry) -> dict:
@@ -291,7 +339,7 @@ def _block_rows(rows: list[int], name: str) -> list[int]:
 def _check_uniform_fp8(tree: dict) -> None:
     """Within a layer kind a projection is FP8 in every layer or in none (one compiled layer body)."""
     for group, layers in (("gdn", tree["gdn"]), ("attn", tree["attn"]), ("mtp.layers", tree["mtp"]["layers"])):
-        for key in (layers[0] if layers else {}):
-            kinds = {isinstance(layer[key], Fp8Block) for layer in layers}
+        for key in {key for layer in layers for key in layer}:
+            kinds = {isinstance(layer[key], Fp8Block) for layer in layers if key in layer}
             if len(kinds) > 1:
                 raise CheckpointError(f"{group} layers mix FP8 and non-FP8 {key} weights")

@@ -1,9 +1,11 @@
 """Model configuration read from a Hugging Face `config.json`, validated once at load.
 
-Layouts (MODEL_SPEC §1.1): Qwen3.5 (`qwen3_5`: fields under `text_config`, weights under
-`model.language_model.`; the text-only `qwen3_5_text` is flat with `model.`) and Qwen3-Next
-(`qwen3_next`: flat, `model.`, fused GDN projections). Everything the engine cannot run (MoE, unknown
-layer kinds, rope scaling, ...) raises `ConfigError` naming the field and value, before any jit.
+Layouts (MODEL_SPEC §1.1): Qwen3.5 (`qwen3_5`, `qwen3_5_moe`: fields under `text_config`, weights
+under `model.language_model.`; the text-only `qwen3_5_text`, `qwen3_5_moe_text` are flat with
+`model.`) and Qwen3-Next (`qwen3_next`: flat, `model.`, fused GDN projections), dense or
+mixture-of-experts (`MoeConfig`). Everything the engine cannot run (unknown layer kinds, rope
+scaling, MoE routing of other families, ...) raises `ConfigError` naming the field and value, before
+any jit.
 """
 
 from __future__ import annotations
@@ -31,6 +33,24 @@ class Fp8Quantization:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MoE MLP (MODEL_SPEC §1.2, qmtp/model/moe.py). Decoder layer i is MoE iff
+    i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the MTP layer j by the same rule
+    on j (HF numbers the MTP layers from 0); the others keep the dense MLP of intermediate_size."""
+
+    num_experts: int  # X
+    top_k: int  # num_experts_per_tok
+    expert_size: int  # I: moe_intermediate_size
+    shared_size: int  # shared_expert_intermediate_size
+    norm_topk_prob: bool  # the top-k weights renormalized to sum 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The text decoder's geometry. Axis letters as in ARCHITECTURE.md (E, F, V, Hq, Hkv, D, ...)."""
 
@@ -38,7 +58,7 @@ class ModelConfig:
     weight_prefix: str  # "model.language_model." or "model."
     gdn_fused_projections: bool  # Qwen3-Next in_proj_qkvz / in_proj_ba (permuted at load)
     hidden_size: int  # E
-    intermediate_size: int  # F
+    intermediate_size: int  # F (0 when every layer is MoE and the config does not state it)
     vocab_size: int  # V
     layer_types: tuple[str, ...]
     num_attention_heads: int  # Hq
@@ -58,6 +78,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: Fp8Quantization | None = None
+    moe: MoeConfig | None = None
 
     # ---- derived geometry -------------------------------------------------------------------
     @property
@@ -95,6 +116,10 @@ class ModelConfig:
     @property
     def mtp_layers(self) -> int:
         return self.mtp_num_hidden_layers or 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Decoder layer `layer` has the sparse MoE MLP (else the dense SwiGLU)."""
+        return self.moe is not None and self.moe.is_moe(layer)
 
     @staticmethod
     def from_hf(checkpoint_dir: str) -> "ModelConfig":
@@ -164,7 +189,13 @@ class _Fields:
 
 
 _ZERO_OK = {"mtp_num_hidden_layers", "num_nextn_predict_layers", "num_experts", "bos_token_id",
-            "eos_token_id", "pad_token_id"}
+            "eos_token_id", "pad_token_id", "intermediate_size"}
+# The MoE fields of these families; any other field that names experts or routing (another family's
+# MoE: grouped routing, scaling factors, ...) is refused rather than silently ignored.
+_MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+               "router_aux_loss_coef", "output_router_logits"}  # the last two only matter in training
+_MOE_WORDS = ("expert", "moe", "router", "routed", "topk", "top_k", "n_group", "sparse")
 _ONLY = (  # what the engine runs, checked before the geometry
     ("hidden_act", "silu", ("silu",), "only 'silu' is supported"),
     ("attn_output_gate", True, (True,), "only gated attention (true) is supported"),
@@ -178,27 +209,30 @@ _ONLY = (  # what the engine runs, checked before the geometry
 def from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     """Validates a parsed config.json (either layout) into a ModelConfig."""
     model_type = raw.get("model_type")
-    if model_type == "qwen3_5":
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
         if not isinstance(raw.get("text_config"), dict):
-            raise ConfigError(f"{source}: model_type='qwen3_5' needs a text_config object")
+            raise ConfigError(f"{source}: model_type={model_type!r} needs a text_config object")
         text = dict(raw["text_config"])
         # The multimodal wrapper keeps some text fields at its top level.
         for field in ("tie_word_embeddings", "quantization_config", "eos_token_id", "bos_token_id"):
             if text.get(field) is None and raw.get(field) is not None:
                 text[field] = raw[field]
-        return _text_config(text, source, "text_config.", family="qwen3_5", prefix="model.language_model.")
-    if model_type in ("qwen3_5_text", "qwen3_next"):
-        return _text_config(raw, source, "", family=model_type.removesuffix("_text"), prefix="model.")
+        return _text_config(text, source, "text_config.", family="qwen3_5", prefix="model.language_model.",
+                            moe_family=model_type == "qwen3_5_moe")
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+        return _text_config(raw, source, "", family="qwen3_next" if model_type == "qwen3_next" else "qwen3_5",
+                            prefix="model.", moe_family=model_type != "qwen3_5_text")
     raise ConfigError(
-        f"{source}: model_type={model_type!r} is not supported "
-        "(qmtp runs 'qwen3_5', 'qwen3_5_text' and 'qwen3_next' dense models)")
+        f"{source}: model_type={model_type!r} is not supported (qmtp runs 'qwen3_5', 'qwen3_5_text', "
+        "'qwen3_5_moe', 'qwen3_5_moe_text' and 'qwen3_next')")
 
 
-def _text_config(raw: dict, source: str, where: str, family: str, prefix: str) -> ModelConfig:
+def _text_config(raw: dict, source: str, where: str, family: str, prefix: str, moe_family: bool) -> ModelConfig:
+    """moe_family: the model type has MoE fields (Qwen3.5-MoE always MoE; Qwen3-Next MoE iff num_experts > 0)."""
     f = _Fields(raw, source, where)
     n_layers = f.req("num_hidden_layers", int)
     layer_types = _layer_types(f, n_layers)
-    _refuse_moe(f, layer_types)
+    moe = _moe(f, always=moe_family and family == "qwen3_5") if moe_family else _no_moe(f)
     f.only(_ONLY)
 
     head_dim = f.req("head_dim", int)
@@ -221,13 +255,20 @@ def _text_config(raw: dict, source: str, where: str, family: str, prefix: str) -
     else:  # Qwen3-Next releases do not state the MTP layer count; the tensors decide.
         mtp = f.opt("num_nextn_predict_layers", int, None)
 
+    # the dense MLP's width, needed where a target or MTP layer is dense
+    dense = [i for i in range(n_layers) if moe is None or not moe.is_moe(i)]
+    dense_mtp = mtp and (moe is None or not all(moe.is_moe(j) for j in range(mtp)))
+    ffn = f.req("intermediate_size", int) if dense or dense_mtp else f.opt("intermediate_size", int, 0)
+    if (dense or dense_mtp) and ffn == 0:
+        raise f.fail("intermediate_size", f"must be positive: layers {dense[:8] or ['mtp']} have a dense MLP")
+
     eos = raw.get("eos_token_id")
     return ModelConfig(
         model_type=family,
         weight_prefix=prefix,
         gdn_fused_projections=(family == "qwen3_next"),
         hidden_size=f.req("hidden_size", int),
-        intermediate_size=f.req("intermediate_size", int),
+        intermediate_size=ffn,
         vocab_size=f.req("vocab_size", int),
         layer_types=layer_types,
         num_attention_heads=nq,
@@ -247,6 +288,7 @@ def _text_config(raw: dict, source: str, where: str, family: str, prefix: str) -
         bos_token_id=f.opt("bos_token_id", int, None),
         eos_token_ids=_as_id_tuple(eos, source, f.name("eos_token_id")),
         quantization=_quantization(f),
+        moe=moe,
     )
 
 
@@ -265,17 +307,52 @@ def _layer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
 
 
-def _refuse_moe(f: _Fields, layer_types: tuple[str, ...]) -> None:
-    """Dense models only: a layer is MoE iff it is not in mlp_only_layers, num_experts > 0 and
-    (i+1) % decoder_sparse_step == 0 (MODEL_SPEC §1.2)."""
-    if f.opt("num_experts", int, 0) == 0:
-        return
-    step = f.opt("decoder_sparse_step", int, 1)
-    dense_only = set(f.opt("mlp_only_layers", list, []))
-    moe = [i for i in range(len(layer_types)) if i not in dense_only and (i + 1) % step == 0]
-    if moe:
-        raise f.fail("num_experts", f"mixture-of-experts layers are not supported (MoE layers: {moe[:8]}"
-                     f"{'...' if len(moe) > 8 else ''}); qmtp runs dense models")
+def _moe(f: _Fields, always: bool) -> MoeConfig | None:
+    """The MoE fields (MODEL_SPEC §1.2): Qwen3.5-MoE (`always`) has no dense layers and always
+    renormalizes the top-k weights; Qwen3-Next is MoE iff num_experts > 0, per decoder_sparse_step and
+    mlp_only_layers, renormalizing per norm_topk_prob."""
+    _refuse_other_moe_fields(f)
+    experts = f.req("num_experts", int) if always else f.opt("num_experts", int, 0)
+    if experts == 0:
+        if always:
+            raise f.fail("num_experts", "a Qwen3.5-MoE model needs num_experts > 0")
+        return None
+    top_k = f.req("num_experts_per_tok", int)
+    if top_k > experts:
+        raise f.fail("num_experts_per_tok", f"must be at most num_experts={experts}")
+    if always:
+        if not f.opt("norm_topk_prob", bool, True):
+            raise f.fail("norm_topk_prob", "Qwen3.5-MoE always renormalizes the top-k weights (true)")
+        for field in ("decoder_sparse_step", "mlp_only_layers"):  # not Qwen3.5-MoE fields: every layer is MoE
+            if f.raw.get(field) not in (None, 1, []):
+                raise f.fail(field, "Qwen3.5-MoE has MoE in every layer (1 / [] or absent)")
+        step, dense_only = 1, ()
+    else:
+        step = f.opt("decoder_sparse_step", int, 1)
+        dense_only = f.opt("mlp_only_layers", list, [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense_only):
+            raise f.fail("mlp_only_layers", "expected a list of layer indices")
+    return MoeConfig(num_experts=experts, top_k=top_k, expert_size=f.req("moe_intermediate_size", int),
+                     shared_size=f.req("shared_expert_intermediate_size", int),
+                     norm_topk_prob=True if always else f.opt("norm_topk_prob", bool, True),
+                     decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(dense_only))))
+
+
+def _no_moe(f: _Fields) -> None:
+    """A dense model type (qwen3_5 / qwen3_5_text): MoE fields are a config of another model type."""
+    _refuse_other_moe_fields(f)
+    if f.opt("num_experts", int, 0):
+        raise f.fail("num_experts", "a dense Qwen3.5 model type has no experts (MoE checkpoints are "
+                     "model_type 'qwen3_5_moe')")
+    return None
+
+
+def _refuse_other_moe_fields(f: _Fields) -> None:
+    for field, value in f.raw.items():
+        if (field not in _MOE_FIELDS and value not in (None, False, 0, [], {})
+                and any(word in field.lower() for word in _MOE_WORDS)):
+            raise f.fail(field, "an MoE setting qmtp does not know (it runs the Qwen3-Next / Qwen3.5-MoE "
+                         f"routing: {', '.join(sorted(_MOE_FIELDS))})")
 
 
 def _rope(f: _Fields, head_dim: int) -> tuple[float, float]:

@@ -11,8 +11,9 @@ computes it (`Qwen3NextSparseMoeBlock`, `Qwen3_5MoeSparseMoeBlock`), for T token
 SwiGLU_e(x) = down_e(silu(x @ gate_e.T) * (x @ up_e.T)), the experts' weights stacked: gate_up [E, 2I, H]
 (the gate's I rows, then the up's; the fused layout of Qwen3.5-MoE checkpoints), down [E, H, I].
 
-Params of one block: {"router": [E, H], "experts_gate_up": [E, 2I, H], "experts_down": [E, H, I],
-"shared": {"mlp_gate", "mlp_up", "mlp_down"} (a dense MLP's keys), "shared_gate": [1, H]}.
+Params of one block (a decoder layer's dict, qmtp/model/params.py): router [E, H], experts_gate_up
+[E, 2I, H], experts_down [E, H, I] (arrays or stacked Fp8Blocks), shared_mlp_gate / shared_mlp_up [S, H],
+shared_mlp_down [H, S], shared_gate [1, H].
 
 This is the reference form: every expert runs over every token (a lax.scan over the experts, memory of
 one expert's activations), the unchosen ones' terms dropped; exact, but E / k times the work of the
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from qmtp.model import layers
+from qmtp.model.config import ModelConfig
 from qmtp.runtime import ops
 from qmtp.runtime.kernel_config import KernelConfig
 
@@ -63,5 +65,14 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     routed, _ = jax.lax.scan(expert, jnp.zeros_like(x2),
                              (p["experts_gate_up"], p["experts_down"], chosen.T, weight.T))
     gate = jax.nn.sigmoid(ops.linear(x2, p["shared_gate"], kernels).astype(F32)).astype(x.dtype)  # [T, 1]
-    shared = (gate * layers.mlp(p["shared"], x2, kernels)).astype(x.dtype)
+    shared_mlp = {k: p["shared_" + k] for k in ("mlp_gate", "mlp_up", "mlp_down")}
+    shared = (gate * layers.mlp(shared_mlp, x2, kernels)).astype(x.dtype)
     return (routed + shared).reshape(lead + (h,))
+
+
+def mlp(cfg: ModelConfig, p: dict, x: jax.Array, kernels: KernelConfig) -> jax.Array:
+    """A decoder layer's MLP over x [..., H]: the sparse MoE block where the layer has a router (the
+    config's MoE layers, qmtp/model/params.py), else the dense SwiGLU."""
+    if "router" not in p:
+        return layers.mlp(p, x, kernels)
+    return sparse_moe(p, x, top_k=cfg.moe.top_k, norm_topk_prob=cfg.moe.norm_topk_prob, kernels=kernels)

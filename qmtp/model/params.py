@@ -10,6 +10,13 @@ Parameter tree (dicts of arrays; one dict per layer, in per-kind tuples):
     mtp/fc, mtp/pre_fc_norm_embedding, mtp/pre_fc_norm_hidden, mtp/norm
     mtp/layers[j]/...  the MTP decoder layers (full attention)
 
+A layer's MLP is dense (mlp_gate, mlp_up, mlp_down) or, where cfg.layer_is_moe, the sparse MoE block
+(qmtp/model/moe.py): router [X, E], experts_gate_up [X, 2I, E] (each expert's gate rows, then its up
+rows), experts_down [X, E, I], shared_mlp_gate / shared_mlp_up [S, E], shared_mlp_down [E, S],
+shared_gate [1, E]. The experts are stacked whichever way the checkpoint stores them: one tensor per
+expert and projection (`mlp.experts.{x}.gate_proj.weight`, Qwen3-Next and most releases) or fused
+3-D tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`; `tensor_table(fused_experts=True)`).
+
 Layers are separate arrays, not [L, ...] stacks: XLA copies a layer sliced out of a stack before
 each matmul on the GPU. Linear weights keep the checkpoint's [out, in] layout (y = x @ W.T), in the
 compute dtype or as an `Fp8Block`; norm weights, A_log and dt_bias are f32; conv [C, 1, W] is held
@@ -29,12 +36,15 @@ CONV = "conv"  # depthwise conv [C, 1, W] -> [C, W]
 FP32 = "fp32"  # A_log, dt_bias: upcast to f32
 FUSED_QKVZ = "fused_qkvz"  # Qwen3-Next in_proj_qkvz -> in_proj_qkv + in_proj_z (row permute)
 FUSED_BA = "fused_ba"  # Qwen3-Next in_proj_ba -> in_proj_b + in_proj_a (row permute)
+EXPERTS = "experts"  # rows of a stacked expert weight [X, R, C] (TensorEntry.expert / row0); may be FP8
+FUSED_EXPERTS = "fused_experts"  # a whole stacked expert weight [X, R, C] as stored; may be FP8
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
     """One checkpoint tensor. `group` is None (top level), 'gdn', 'attn' or 'mtp_layers'; `index`
-    is the position in that group's layer stack; `key` the param name (fused entries fill two)."""
+    is the position in that group's layer stack; `key` the param name (fused entries fill two).
+    An EXPERTS entry fills rows row0 .. row0 + shape[0] - 1 of expert `expert` of its stacked param."""
 
     name: str
     group: str | None
@@ -42,21 +52,49 @@ class TensorEntry:
     key: str
     shape: tuple[int, ...]
     role: str
+    expert: int | None = None
+    row0: int = 0
 
 
-def _mlp(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    e, f = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "input_layernorm.weight": ("input_norm", (e,), NORM),
-        "post_attention_layernorm.weight": ("post_norm", (e,), NORM),
-        "mlp.gate_proj.weight": ("mlp_gate", (f, e), LINEAR),
-        "mlp.up_proj.weight": ("mlp_up", (f, e), LINEAR),
-        "mlp.down_proj.weight": ("mlp_down", (e, f), LINEAR),
-    }
+def _mlp(cfg: ModelConfig, layer: int, fused_experts: bool) -> dict[str, tuple]:
+    """HF suffix -> (param key, HF shape, role[, expert, row0]) of the norms and the MLP of decoder layer
+    `layer` (MTP layer j follows the rule of index j): dense, or the sparse MoE block where the config
+    says."""
+    e = cfg.hidden_size
+    table = {"input_layernorm.weight": ("input_norm", (e,), NORM),
+             "post_attention_layernorm.weight": ("post_norm", (e,), NORM)}
+    if not cfg.layer_is_moe(layer):
+        f = cfg.intermediate_size
+        return {**table, "mlp.gate_proj.weight": ("mlp_gate", (f, e), LINEAR),
+                "mlp.up_proj.weight": ("mlp_up", (f, e), LINEAR), "mlp.down_proj.weight": ("mlp_down", (e, f), LINEAR)}
+    m = cfg.moe
+    x, i, s = m.num_experts, m.expert_size, m.shared_size
+    table.update({"mlp.gate.weight": ("router", (x, e), LINEAR),
+                  "mlp.shared_expert.gate_proj.weight": ("shared_mlp_gate", (s, e), LINEAR),
+                  "mlp.shared_expert.up_proj.weight": ("shared_mlp_up", (s, e), LINEAR),
+                  "mlp.shared_expert.down_proj.weight": ("shared_mlp_down", (e, s), LINEAR),
+                  "mlp.shared_expert_gate.weight": ("shared_gate", (1, e), LINEAR)})
+    if fused_experts:
+        table["mlp.experts.gate_up_proj"] = ("experts_gate_up", (x, 2 * i, e), FUSED_EXPERTS)
+        table["mlp.experts.down_proj"] = ("experts_down", (x, e, i), FUSED_EXPERTS)
+    else:
+        for n in range(x):
+            table[f"mlp.experts.{n}.gate_proj.weight"] = ("experts_gate_up", (i, e), EXPERTS, n, 0)
+            table[f"mlp.experts.{n}.up_proj.weight"] = ("experts_gate_up", (i, e), EXPERTS, n, i)
+            table[f"mlp.experts.{n}.down_proj.weight"] = ("experts_down", (e, i), EXPERTS, n, 0)
+    return table
 
 
-def attention_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """HF suffix -> (param key, HF shape, role) for a full-attention decoder layer (also MTP)."""
+def stacked_shape(cfg: ModelConfig, key: str) -> tuple[int, int, int]:
+    """[X, R, C] of a stacked expert param (experts_gate_up / experts_down)."""
+    m = cfg.moe
+    return ((m.num_experts, 2 * m.expert_size, cfg.hidden_size) if key == "experts_gate_up"
+            else (m.num_experts, cfg.hidden_size, m.expert_size))
+
+
+def attention_layer_tensors(cfg: ModelConfig, layer: int = 0, fused_experts: bool = False) -> dict[str, tuple]:
+    """HF suffix -> (param key, HF shape, role[, expert, row0]) for full-attention decoder layer
+    `layer` (or MTP layer `layer`)."""
     e, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     return {
         "self_attn.q_proj.weight": ("q_proj", (2 * hq * d, e), LINEAR),  # per head: [query | gate]
@@ -65,12 +103,12 @@ def attention_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int,
         "self_attn.o_proj.weight": ("o_proj", (e, hq * d), LINEAR),
         "self_attn.q_norm.weight": ("q_norm", (d,), NORM),
         "self_attn.k_norm.weight": ("k_norm", (d,), NORM),
-        **_mlp(cfg),
+        **_mlp(cfg, layer, fused_experts),
     }
 
 
-def gdn_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """HF suffix -> (param key, HF shape, role) for a Gated DeltaNet decoder layer."""
+def gdn_layer_tensors(cfg: ModelConfig, layer: int = 0, fused_experts: bool = False) -> dict[str, tuple]:
+    """HF suffix -> (param key, HF shape, role[, expert, row0]) for Gated DeltaNet decoder layer `layer`."""
     e, hv = cfg.hidden_size, cfg.linear_num_value_heads
     table = {
         "linear_attn.conv1d.weight": ("conv", (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), CONV),
@@ -78,7 +116,7 @@ def gdn_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...],
         "linear_attn.A_log": ("A_log", (hv,), FP32),
         "linear_attn.norm.weight": ("gdn_norm", (cfg.linear_value_head_dim,), NORM),  # plain w, not 1 + w
         "linear_attn.out_proj.weight": ("out_proj", (e, cfg.value_dim), LINEAR),
-        **_mlp(cfg),
+        **_mlp(cfg, layer, fused_experts),
     }
     if cfg.gdn_fused_projections:
         table["linear_attn.in_proj_qkvz.weight"] = ("in_proj_qkv+in_proj_z",
@@ -92,8 +130,9 @@ def gdn_layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...],
     return table
 
 
-def tensor_table(cfg: ModelConfig) -> list[TensorEntry]:
-    """Every tensor a checkpoint of `cfg` must hold (FP8 scale siblings are not listed)."""
+def tensor_table(cfg: ModelConfig, fused_experts: bool = False) -> list[TensorEntry]:
+    """Every tensor a checkpoint of `cfg` must hold (FP8 scale siblings are not listed); fused_experts:
+    the MoE experts stored as fused 3-D tensors (module doc)."""
     e, v, p = cfg.hidden_size, cfg.vocab_size, cfg.weight_prefix
     out = [TensorEntry(p + "embed_tokens.weight", None, None, "embed", (v, e), EMBED),
            TensorEntry(p + "norm.weight", None, None, "final_norm", (e,), NORM)]
@@ -102,19 +141,20 @@ def tensor_table(cfg: ModelConfig) -> list[TensorEntry]:
     counters = {"gdn": 0, "attn": 0}
     for i, kind in enumerate(cfg.layer_types):
         group = "gdn" if kind == "linear_attention" else "attn"
-        table = gdn_layer_tensors(cfg) if group == "gdn" else attention_layer_tensors(cfg)
+        table = (gdn_layer_tensors(cfg, i, fused_experts) if group == "gdn"
+                 else attention_layer_tensors(cfg, i, fused_experts))
         j = counters[group]
         counters[group] += 1
-        for suffix, (key, shape, role) in table.items():
-            out.append(TensorEntry(f"{p}layers.{i}.{suffix}", group, j, key, shape, role))
+        for suffix, (key, shape, role, *at) in table.items():
+            out.append(TensorEntry(f"{p}layers.{i}.{suffix}", group, j, key, shape, role, *at))
     if cfg.mtp_layers:
         out += [TensorEntry("mtp.fc.weight", "mtp", None, "fc", (e, 2 * e), LINEAR),
                 TensorEntry("mtp.pre_fc_norm_embedding.weight", "mtp", None, "pre_fc_norm_embedding", (e,), NORM),
                 TensorEntry("mtp.pre_fc_norm_hidden.weight", "mtp", None, "pre_fc_norm_hidden", (e,), NORM),
                 TensorEntry("mtp.norm.weight", "mtp", None, "norm", (e,), NORM)]
         for j in range(cfg.mtp_layers):
-            for suffix, (key, shape, role) in attention_layer_tensors(cfg).items():
-                out.append(TensorEntry(f"mtp.layers.{j}.{suffix}", "mtp_layers", j, key, shape, role))
+            for suffix, (key, shape, role, *at) in attention_layer_tensors(cfg, j, fused_experts).items():
+                out.append(TensorEntry(f"mtp.layers.{j}.{suffix}", "mtp_layers", j, key, shape, role, *at))
     return out
 
 
@@ -168,19 +208,19 @@ def abstract_params(cfg: ModelConfig, dtype, fp8_linear: bool = False) -> dict:
     from qmtp.model.fp8 import Fp8Block, scale_grid
 
     tree = empty_tree(cfg)
-    keep_bf16 = {"in_proj_b", "in_proj_a", "fc"}
+    keep_bf16 = {"in_proj_b", "in_proj_a", "fc", "router", "shared_gate"}
 
     def leaf(key, shape, role):
         if role in (NORM, FP32):
             return jax.ShapeDtypeStruct(shape, jnp.float32)
         if role == CONV:
             return jax.ShapeDtypeStruct((shape[0], shape[2]), dtype)
-        if role == LINEAR and fp8_linear and key not in keep_bf16:
+        if role in (LINEAR, FUSED_EXPERTS) and fp8_linear and key not in keep_bf16:
             return Fp8Block(jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn),
-                            jax.ShapeDtypeStruct(scale_grid(*shape), jnp.float32))
+                            jax.ShapeDtypeStruct(shape[:-2] + scale_grid(*shape[-2:]), jnp.float32))
         return jax.ShapeDtypeStruct(shape, dtype)
 
-    for e in tensor_table(cfg):
+    for e in tensor_table(cfg, fused_experts=True):
         if e.role in (FUSED_QKVZ, FUSED_BA):  # split into the two Qwen3.5 projections
             out_a = cfg.conv_dim if e.role == FUSED_QKVZ else cfg.linear_num_value_heads
             for key, rows in zip(e.key.split("+"), (out_a, e.shape[0] - out_a)):

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from qmtp.model import layers
+from qmtp.model import layers, moe
 from qmtp.model.config import FULL, LINEAR, ModelConfig
 from qmtp.runtime import ops, tp
 from qmtp.runtime.kernel_config import KernelConfig
@@ -55,7 +55,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: Kerne
     (dict, layer index) pair, receives the mixer's and the MLP's outputs."""
     out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps, kernels))
     h = x + out
-    mlp_out = layers.mlp(p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps, kernels), kernels)
+    mlp_out = moe.mlp(cfg, p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps, kernels), kernels)
     if taps is not None:
         record, i = taps
         record[f"layer {i} mixer"], record[f"layer {i} mlp"] = out, mlp_out

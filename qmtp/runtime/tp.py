@@ -49,6 +49,9 @@ def check_tp(cfg: ModelConfig, n: int, fp8: bool = False) -> None:
     every split dimension's shard must be a whole number of 128-blocks."""
     if n == 1:
         return
+    if cfg.moe is not None:
+        raise ValueError(f"--tp={n}: mixture-of-experts models run on one device (the experts are not split "
+                         "across devices yet)")
     splits = {"num_attention_heads": cfg.num_attention_heads, "linear_num_key_heads": cfg.linear_num_key_heads,
               "linear_num_value_heads": cfg.linear_num_value_heads, "intermediate_size": cfg.intermediate_size,
               "vocab_size": cfg.vocab_size}

@@ -46,9 +46,11 @@ class StoredTensor:
 
 
 def is_fp8_eligible(entry: params.TensorEntry) -> bool:
-    """True iff an FP8 checkpoint stores this tensor as E4M3 + weight_scale_inv (MODEL_SPEC §5.2)."""
+    """True iff an FP8 checkpoint stores this tensor as E4M3 + weight_scale_inv (MODEL_SPEC §5.2; an MoE
+    router and shared-expert gate stay BF16, as in the releases)."""
     module = entry.name.removesuffix(".weight")
-    return (entry.role in (params.LINEAR, params.FUSED_QKVZ) and entry.name.endswith(".weight")
+    return (entry.role in (params.LINEAR, params.FUSED_QKVZ, params.EXPERTS) and entry.name.endswith(".weight")
+            and entry.key not in ("router", "shared_gate")
             and not any(pattern in module for pattern in MODULES_TO_NOT_CONVERT))
 
 

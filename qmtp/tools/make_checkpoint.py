@@ -51,7 +51,9 @@ def build_config(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, num_l
     if text["vocab_size"] > spec.tokenizer_vocab_size:
         synthetic["note"] += (f"; ids >= {spec.tokenizer_vocab_size} are vocabulary padding "
                               "(no tokenizer entry, zero lm_head rows)")
-    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    moe = text["model_type"] == "qwen3_5_moe_text"
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+              "model_type": "qwen3_5_moe" if moe else "qwen3_5",
               "tie_word_embeddings": text["tie_word_embeddings"], "dtype": text["dtype"], "text_config": text,
               "qmtp_synthetic": synthetic}
     if dtype == "fp8":

@@ -34,11 +34,13 @@ def layer_types(num_layers: int, interval: int) -> list[str]:
 def text_config(*, hidden: int, ffn: int, num_layers: int, interval: int, heads: int, kv_heads: int,
                 head_dim: int, partial_rotary: float, rope_theta: float, gdn_k_heads: int,
                 gdn_v_heads: int, gdn_k_dim: int, gdn_v_dim: int, conv: int, vocab: int, tie: bool,
-                max_positions: int) -> dict:
-    """A Qwen3.5 `text_config` (model_type qwen3_5_text) with the released models' fixed fields."""
+                max_positions: int, moe: dict | None = None) -> dict:
+    """A Qwen3.5 `text_config` (model_type qwen3_5_text) with the released models' fixed fields; with
+    `moe` (experts, top_k, expert_size, shared_size) a Qwen3.5-MoE one (qwen3_5_moe_text: every layer's
+    MLP sparse, no dense width)."""
     half = int(head_dim * partial_rotary) // 2  # rotary frequency slots, split over (t, h, w): 64 -> [11, 11, 10]
     eot = tiny_tokenizer.bos_token_id(tiny_tokenizer.TINY_VOCAB_SIZE)  # config bos = eos = <|endoftext|>
-    return {
+    config = {
         "model_type": "qwen3_5_text", "hidden_size": hidden, "intermediate_size": ffn,
         "num_hidden_layers": num_layers, "layer_types": layer_types(num_layers, interval),
         "full_attention_interval": interval, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -54,6 +56,13 @@ def text_config(*, hidden: int, ffn: int, num_layers: int, interval: int, heads:
         "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "bos_token_id": eot,
         "eos_token_id": eot, "initializer_range": 0.02, "use_cache": True, "dtype": "bfloat16",
     }
+    if moe:
+        del config["intermediate_size"]
+        config.update({"model_type": "qwen3_5_moe_text", "num_experts": moe["experts"],
+                       "num_experts_per_tok": moe["top_k"], "moe_intermediate_size": moe["expert_size"],
+                       "shared_expert_intermediate_size": moe["shared_size"], "router_aux_loss_coef": 0.001,
+                       "output_router_logits": False})
+    return config
 
 
 _SMALL = dict(interval=2, heads=4, partial_rotary=0.25, rope_theta=10000.0, gdn_k_heads=2, gdn_v_heads=4, conv=4,
@@ -71,6 +80,22 @@ def tiny_tp_text_config(num_layers: int | None = None) -> dict:
     128-blocks at TP2, and it has a single KV head (replicated across shards)."""
     return text_config(hidden=256, ffn=512, num_layers=4 if num_layers is None else num_layers, kv_heads=1,
                        head_dim=128, gdn_k_dim=128, gdn_v_dim=128, **_SMALL)
+
+
+def tiny_moe_text_config(num_layers: int | None = None) -> dict:
+    """tiny as a Qwen3.5-MoE: 8 experts (top 2) of width 128 (whole FP8 blocks: gate and up rows stack on
+    one scale grid) and a shared expert of width 96."""
+    return text_config(hidden=160, ffn=0, num_layers=4 if num_layers is None else num_layers, kv_heads=2,
+                       head_dim=32, gdn_k_dim=32, gdn_v_dim=32, **_SMALL,
+                       moe={"experts": 8, "top_k": 2, "expert_size": 128, "shared_size": 96})
+
+
+def qwen3_5_35b_a3b_text_config(num_layers: int | None = None) -> dict:
+    """Qwen3.5-35B-A3B shapes (MODEL_SPEC §1.3): 40 layers, E 2048, 256 experts (top 8) of width 512."""
+    return text_config(hidden=2048, ffn=0, num_layers=40 if num_layers is None else num_layers, interval=4,
+                       heads=16, kv_heads=2, head_dim=256, partial_rotary=0.25, rope_theta=1e7, gdn_k_heads=16,
+                       gdn_v_heads=32, gdn_k_dim=128, gdn_v_dim=128, conv=4, vocab=248320, tie=False,
+                       max_positions=262144, moe={"experts": 256, "top_k": 8, "expert_size": 512, "shared_size": 512})
 
 
 def qwen3_5_27b_text_config(num_layers: int | None = None) -> dict:
@@ -126,6 +151,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            tiny_text_config, fast_weights=False),
     Preset("tiny_tp", "CPU tensor-parallel test model: E 256, F 512, one KV head, head dim 128 (FP8 splits "
            "2 ways on 128-blocks; the KV head is replicated)", tiny_tp_text_config, fast_weights=False),
+    Preset("tiny_moe", "CPU test model of Qwen3.5-MoE: tiny with 8 experts (top 2, width 128) and a shared "
+           "expert (width 96) in every layer, exact normals", tiny_moe_text_config, fast_weights=False),
+    Preset("qwen3_5_35b_a3b", "Qwen3.5-35B-A3B shapes: E 2048, 40 layers, 256 experts (top 8, width 512), "
+           "V 248320 (tokenizer 384), fast draws", qwen3_5_35b_a3b_text_config, fast_weights=True),
     Preset("qwen3_5_27b", "Qwen3.5-27B shapes: E 5120, F 17408, 64 layers, V 248320 (tokenizer 384), fast draws",
            qwen3_5_27b_text_config, fast_weights=True),
     Preset("tiny_controlled", "tiny with controlled acceptance: greedy next token = a seeded permutation of the "

@@ -189,7 +189,7 @@ class RandomWeights:
             return self._lm_head(entry, fp8_eligible)
         if role == params.EMBED:
             return self._matrix(entry.name, shape, 1.0, fp8_eligible)
-        if role in (params.LINEAR, params.FUSED_QKVZ, params.FUSED_BA):
+        if role in (params.LINEAR, params.FUSED_QKVZ, params.FUSED_BA, params.EXPERTS):
             return self._matrix(entry.name, shape, 1.0 / math.sqrt(shape[1]), fp8_eligible)
         rng = self.rng(entry.name)
         if role == params.NORM:
