@@ -11,6 +11,11 @@ and their teacher-forced logits and greedy continuations are stored as expected 
   tests/fixtures/oracle/qwen3_next/  Qwen3NextForCausalLM with a dense MLP in every layer
                                      (num_experts=0), HF's flat layout (model., fused in_proj_qkvz/_ba),
                                      tied embeddings, release-style rope_theta / full_attention_interval.
+  tests/fixtures/oracle/qwen3_5_moe/ Qwen3_5MoeForCausalLM (8 experts, top 2, a shared expert in every layer),
+                                     the Qwen3.5 VLM-wrapper layout, experts stored fused (3-D gate_up_proj /
+                                     down_proj).
+  tests/fixtures/oracle/qwen3_next_moe/ Qwen3NextForCausalLM with MoE (norm_topk_prob false, layer 2 dense
+                                     through mlp_only_layers), experts stored one tensor per expert.
 
 Each dir: config.json, generation_config.json, model.safetensors (float32, incl. random mtp.* tensors that
 HF ignores), expected.npz, meta.json.  Run through `make oracle-fixtures` (creates .venv-oracle).
@@ -51,6 +56,8 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                                             modeling_qwen3_5_moe)
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +85,13 @@ GEOMETRY = dict(
     max_position_embeddings=4096,
     hidden_act="silu",
 )
+# The MoE fixtures: every layer sparse except where mlp_only_layers says (Qwen3-Next), the MTP layer too.
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+NEXT_MOE_DENSE_LAYERS = [2]
+KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_next_moe"]
+# Below this gap between the k-th and (k+1)-th router probability a float32 rounding difference could
+# choose another expert; a seed whose prompts come that close is rejected.
+ROUTER_MIN_GAP = 1e-6
 ROPE_THETA = 10000.0
 PARTIAL_ROTARY_FACTOR = 0.25
 ROTARY_DIM = int(GEOMETRY["head_dim"] * PARTIAL_ROTARY_FACTOR)  # 8
@@ -149,6 +163,9 @@ def _rand_tensor(name: str, shape, gen: torch.Generator) -> torch.Tensor:
         t = DT_BIAS_MEAN + torch.randn(shape, generator=gen) * DT_BIAS_STD
     elif name.endswith("conv1d.weight"):
         t = torch.randn(shape, generator=gen) * CONV_STD
+    elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stacked experts [X, out, in]
+        gain = RESIDUAL_OUT_GAIN if name.endswith("down_proj") else 1.0
+        t = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
     elif name.endswith(".weight") and len(shape) == 2:  # nn.Linear [out, in]
         gain = RESIDUAL_OUT_GAIN if name.rsplit(".", 2)[-2] in ("o_proj", "down_proj", "out_proj") else 1.0
         t = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[1]))
@@ -165,11 +182,35 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
         p.copy_(_rand_tensor(name, p.shape, gen))
 
 
-def mtp_tensor_specs(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """MODEL_SPEC §2.5, one dense MTP layer (always full attention with the doubled q_proj)."""
+def is_moe(kind: str) -> bool:
+    return kind.endswith("_moe")
+
+
+def moe_mlp_specs(prefix: str, fused: bool) -> dict[str, tuple[int, ...]]:
+    """The sparse MoE block's tensors under `prefix` (a decoder layer's), experts fused or one per expert."""
+    h, x, i, s = H, MOE["num_experts"], MOE["moe_intermediate_size"], MOE["shared_expert_intermediate_size"]
+    specs = {prefix + "mlp.gate.weight": (x, h), prefix + "mlp.shared_expert.gate_proj.weight": (s, h),
+             prefix + "mlp.shared_expert.up_proj.weight": (s, h), prefix + "mlp.shared_expert.down_proj.weight": (h, s),
+             prefix + "mlp.shared_expert_gate.weight": (1, h)}
+    if fused:
+        specs[prefix + "mlp.experts.gate_up_proj"] = (x, 2 * i, h)
+        specs[prefix + "mlp.experts.down_proj"] = (x, h, i)
+    else:
+        for e in range(x):
+            specs[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = (i, h)
+            specs[f"{prefix}mlp.experts.{e}.up_proj.weight"] = (i, h)
+            specs[f"{prefix}mlp.experts.{e}.down_proj.weight"] = (h, i)
+    return specs
+
+
+def mtp_tensor_specs(cfg: dict, kind: str = "qwen3_5") -> dict[str, tuple[int, ...]]:
+    """MODEL_SPEC §2.5, one MTP layer (always full attention with the doubled q_proj); its MLP dense, or
+    for the MoE kinds the sparse block (MTP layer 0 follows the rule of layer index 0) in the kind's layout."""
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     p = "mtp.layers.0."
+    mlp = (moe_mlp_specs(p, fused=kind == "qwen3_5_moe") if is_moe(kind) else
+           {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
     return {
         "mtp.fc.weight": (h, 2 * h),
         "mtp.pre_fc_norm_embedding.weight": (h,),
@@ -183,15 +224,47 @@ def mtp_tensor_specs(cfg: dict) -> dict[str, tuple[int, ...]]:
         p + "self_attn.o_proj.weight": (h, nq * hd),
         p + "self_attn.q_norm.weight": (hd,),
         p + "self_attn.k_norm.weight": (hd,),
-        p + "mlp.gate_proj.weight": (i, h),
-        p + "mlp.up_proj.weight": (i, h),
-        p + "mlp.down_proj.weight": (h, i),
+        **mlp,
     }
 
 
-def make_mtp_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+def make_mtp_tensors(cfg: dict, seed: int, kind: str = "qwen3_5") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {n: _rand_tensor(n, s, gen).contiguous() for n, s in mtp_tensor_specs(cfg).items()}
+    return {n: _rand_tensor(n, s, gen).contiguous() for n, s in mtp_tensor_specs(cfg, kind).items()}
+
+
+def split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's stacked experts (gate_up_proj [X, 2I, H], down_proj [X, H, I]) as one tensor per expert and
+    projection (experts.{x}.gate_proj / up_proj / down_proj.weight), the layout of the Qwen3-Next release."""
+    out = {}
+    for n, t in tensors.items():
+        if n.endswith("mlp.experts.gate_up_proj"):
+            i = t.shape[1] // 2
+            for x in range(t.shape[0]):
+                out[f"{n[:-len('gate_up_proj')]}{x}.gate_proj.weight"] = t[x, :i].contiguous()
+                out[f"{n[:-len('gate_up_proj')]}{x}.up_proj.weight"] = t[x, i:].contiguous()
+        elif n.endswith("mlp.experts.down_proj"):
+            for x in range(t.shape[0]):
+                out[f"{n[:-len('down_proj')]}{x}.down_proj.weight"] = t[x].contiguous()
+        else:
+            out[n] = t
+    return out
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of split_experts (HF's in-memory names, to compare a reloaded model with the files)."""
+    out, parts = {}, {}
+    for n, t in tensors.items():
+        if ".mlp.experts." in n and n.endswith(".weight"):
+            head, x, proj = n.rsplit(".", 3)[0], int(n.rsplit(".", 3)[1]), n.rsplit(".", 3)[2]
+            parts.setdefault(head, {}).setdefault(proj, {})[x] = t
+        else:
+            out[n] = t
+    for head, by in parts.items():
+        n = len(by["down_proj"])
+        out[head + ".gate_up_proj"] = torch.stack([torch.cat([by["gate_proj"][x], by["up_proj"][x]]) for x in range(n)])
+        out[head + ".down_proj"] = torch.stack([by["down_proj"][x] for x in range(n)])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -325,12 +398,32 @@ def qwen3_5_text_config() -> Qwen3_5TextConfig:
     )
 
 
-def qwen3_next_config() -> Qwen3NextConfig:
+def qwen3_5_moe_text_config() -> Qwen3_5MoeTextConfig:
+    return Qwen3_5MoeTextConfig(
+        **{k: v for k, v in GEOMETRY.items() if k != "intermediate_size"},  # every layer sparse: no dense width
+        **MOE,
+        layer_types=list(LAYER_TYPES),
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=ROPE_THETA,
+            partial_rotary_factor=PARTIAL_ROTARY_FACTOR,
+            mrope_section=list(MROPE_SECTION),
+            mrope_interleaved=True,
+        ),
+        eos_token_id=EOS_ID,
+        attn_implementation="eager",
+    )
+
+
+def qwen3_next_config(moe: bool = False) -> Qwen3NextConfig:
+    # Qwen3NextDecoderLayer: MoE iff layer not in mlp_only_layers and num_experts > 0 and (i+1) % step == 0
+    experts = dict(MOE, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=list(NEXT_MOE_DENSE_LAYERS))
     return Qwen3NextConfig(
         **GEOMETRY,
         layer_types=list(LAYER_TYPES),
         tie_word_embeddings=True,
-        num_experts=0,  # Qwen3NextDecoderLayer: MoE iff layer not in mlp_only_layers and num_experts > 0 and ...
+        **(experts if moe else dict(num_experts=0)),
         rope_parameters=dict(rope_type="default", rope_theta=ROPE_THETA, partial_rotary_factor=PARTIAL_ROTARY_FACTOR),
         eos_token_id=EOS_ID,
         attn_implementation="eager",
@@ -346,11 +439,11 @@ def _clean(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in _DROP_KEYS}
 
 
-def qwen3_5_release_config(text_cfg: Qwen3_5TextConfig) -> dict:
-    """Released Qwen3.5 layout: VLM wrapper, text fields nested under text_config."""
+def qwen3_5_release_config(text_cfg: Qwen3_5TextConfig | Qwen3_5MoeTextConfig, moe: bool = False) -> dict:
+    """Released Qwen3.5 (or Qwen3.5-MoE) layout: VLM wrapper, text fields nested under text_config."""
     t = _clean(text_cfg.to_dict())
     t.update(
-        model_type="qwen3_5_text",
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
         dtype="float32",
         # the release also carries these (HF's Qwen3_5TextConfig has no such fields; they pass through as extras)
         partial_rotary_factor=PARTIAL_ROTARY_FACTOR,
@@ -363,11 +456,13 @@ def qwen3_5_release_config(text_cfg: Qwen3_5TextConfig) -> dict:
     )
     # tiny vision config (describes a ViT whose model.visual.* tensors are NOT shipped: text-only fixture)
     vis = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H)
-    top = Qwen3_5Config(text_config=t, vision_config=vis, tie_word_embeddings=False).to_dict()
+    top = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=t, vision_config=vis,
+                                                       tie_word_embeddings=False).to_dict()
     top = _clean(top)
     top["vision_config"] = _clean(top["vision_config"])
     top["text_config"] = dict(sorted(t.items()))  # exactly what we built (HF re-serialization drops nothing)
-    top.update(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", dtype="float32",
+    top.update(architectures=["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+               model_type="qwen3_5_moe" if moe else "qwen3_5", dtype="float32",
                tie_word_embeddings=False, transformers_version=transformers.__version__)
     return dict(sorted(top.items()))
 
@@ -420,7 +515,8 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 def reload_check(kind: str, out_dir: Path, model, written: dict[str, torch.Tensor], prompts, logits) -> dict:
     """Reload the written dir with transformers and check it reproduces the logits bit-for-bit."""
     info: dict = {}
-    cls = Qwen3_5ForCausalLM if kind == "qwen3_5" else Qwen3NextForCausalLM
+    cls = {"qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM}.get(kind, Qwen3NextForCausalLM)
+    nested = kind.startswith("qwen3_5")
     # 1) straight from the written directory (HF maps model.language_model. -> model. for qwen3_5_text)
     m2, load_info = cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager",
                                         output_loading_info=True)
@@ -432,8 +528,9 @@ def reload_check(kind: str, out_dir: Path, model, written: dict[str, torch.Tenso
     assert not info["direct_missing_keys"], info["direct_missing_keys"]
     assert not info["direct_mismatched_keys"], info["direct_mismatched_keys"]
     # every loaded tensor equals the written one
-    prefix_map = ("model.", "model.language_model.") if kind == "qwen3_5" else ("model.", "model.")
+    prefix_map = ("model.", "model.language_model.") if nested else ("model.", "model.")
     sd2 = m2.state_dict()
+    written = fuse_experts(written)  # HF holds the experts stacked
     for n, t in sd2.items():
         src = n
         if n.startswith(prefix_map[0]):
@@ -442,7 +539,7 @@ def reload_check(kind: str, out_dir: Path, model, written: dict[str, torch.Tenso
             src = prefix_map[1] + "embed_tokens.weight"
         assert torch.equal(t, written[src]), f"reloaded {n} != written {src}"
     info["direct_all_loaded_tensors_equal_written"] = True
-    if kind == "qwen3_next":
+    if not nested:
         assert m2.lm_head.weight.data_ptr() == m2.model.embed_tokens.weight.data_ptr(), "tie lost on reload"
     # config sanity: the reloaded HF config means the same thing
     c2 = m2.config
@@ -463,7 +560,7 @@ def reload_check(kind: str, out_dir: Path, model, written: dict[str, torch.Tenso
             with safetensors.safe_open(str(f), "pt") as fh:
                 names |= set(fh.keys())
         ours = {n for n in written if not n.startswith("mtp.")}
-        if kind == "qwen3_5":
+        if nested:
             ours = {("model." + n[len("model.language_model."):]) if n.startswith("model.language_model.") else n
                     for n in ours}
         info["hf_save_pretrained_names_equal_ours_modulo_prefix"] = names == ours
@@ -472,9 +569,13 @@ def reload_check(kind: str, out_dir: Path, model, written: dict[str, torch.Tenso
             info["ours_only"] = sorted(ours - names)
         info["hf_save_pretrained_config_keys"] = sorted(json.loads((Path(td) / "config.json").read_text()).keys())
         m3 = cls.from_pretrained(td, dtype=torch.float32, attn_implementation="eager").eval()
+        reference = model.state_dict()
+        assert all(torch.equal(t, reference[n]) for n, t in m3.state_dict().items()), "HF-layout reload changed a tensor"
         diffs3 = [max_abs(full_logits(m3, p), lg) for p, lg in zip(prompts, logits)]
         info["hf_layout_reload_logits_max_abs_diff"] = max(diffs3)
-        assert max(diffs3) == 0.0, diffs3
+        # Equal tensors; a reloaded stacked-expert tensor may have another memory layout, on which torch's
+        # matmul rounds differently (seen: 8e-6 on Qwen3-Next MoE), so only the dense kinds must be exact.
+        assert max(diffs3) == 0.0 or is_moe(kind) and max(diffs3) < 1e-4, diffs3
     return info
 
 
@@ -538,6 +639,32 @@ def spec_reference_logits(out_dir: Path, ids: list[int]) -> np.ndarray:
             o[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
         return (o.reshape(T, nq * hd) * sigmoid(gate)) @ W[p + "o_proj.weight"].T
 
+    def mlp(x, p):
+        if p + "gate_proj.weight" in W:  # dense SwiGLU
+            return (silu(x @ W[p + "gate_proj.weight"].T) * (x @ W[p + "up_proj.weight"].T)) @ W[p + "down_proj.weight"].T
+        # sparse MoE (MODEL_SPEC §3.4): softmax router, top-k, optional renormalisation, shared expert
+        if p + "experts.gate_up_proj" in W:
+            gate_up, down = W[p + "experts.gate_up_proj"], W[p + "experts.down_proj"]
+        else:
+            n = W[p + "gate.weight"].shape[0]
+            gate_up = np.stack([np.concatenate([W[f"{p}experts.{e}.gate_proj.weight"], W[f"{p}experts.{e}.up_proj.weight"]])
+                                for e in range(n)])
+            down = np.stack([W[f"{p}experts.{e}.down_proj.weight"] for e in range(n)])
+        inter = gate_up.shape[1] // 2
+        logits = x @ W[p + "gate.weight"].T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for t in range(T):
+            top = np.argsort(-probs[t], kind="stable")[:c["num_experts_per_tok"]]
+            w = probs[t, top] / (probs[t, top].sum() if c.get("norm_topk_prob", True) else 1.0)
+            for e, we in zip(top, w):
+                hg, hu = gate_up[e, :inter] @ x[t], gate_up[e, inter:] @ x[t]
+                out[t] += we * (down[e] @ (silu(hg) * hu))
+        shared = (silu(x @ W[p + "shared_expert.gate_proj.weight"].T) * (x @ W[p + "shared_expert.up_proj.weight"].T)) \
+            @ W[p + "shared_expert.down_proj.weight"].T
+        return out + sigmoid(x @ W[p + "shared_expert_gate.weight"].T) * shared
+
     def gdn(x, p):
         if p + "in_proj_qkv.weight" in W:  # Qwen3.5 split layout
             mixed = x @ W[p + "in_proj_qkv.weight"].T
@@ -578,8 +705,7 @@ def spec_reference_logits(out_dir: Path, ids: list[int]) -> np.ndarray:
         hn = rms_zc(x, W[p + "input_layernorm.weight"])
         x = x + (attn(hn, p + "self_attn.") if kind == "full_attention" else gdn(hn, p + "linear_attn."))
         hn = rms_zc(x, W[p + "post_attention_layernorm.weight"])
-        x = x + (silu(hn @ W[p + "mlp.gate_proj.weight"].T) * (hn @ W[p + "mlp.up_proj.weight"].T)) @ \
-            W[p + "mlp.down_proj.weight"].T
+        x = x + mlp(hn, p + "mlp.")
     x = rms_zc(x, W[prefix + "norm.weight"])
     lm = W.get("lm_head.weight", W[prefix + "embed_tokens.weight"])
     return x @ lm.T
@@ -593,8 +719,12 @@ def build_model(kind: str, seed: int):
         cfg = qwen3_5_text_config()
         model = Qwen3_5ForCausalLM(cfg)
         mod = modeling_qwen3_5
+    elif kind == "qwen3_5_moe":
+        cfg = qwen3_5_moe_text_config()
+        model = Qwen3_5MoeForCausalLM(cfg)
+        mod = modeling_qwen3_5_moe
     else:
-        cfg = qwen3_next_config()
+        cfg = qwen3_next_config(moe=is_moe(kind))
         model = Qwen3NextForCausalLM(cfg)
         mod = modeling_qwen3_next
     model = model.to(torch.float32).eval()
@@ -607,7 +737,8 @@ def try_seed(kind: str, seed: int):
     cfg, model, mod = build_model(kind, seed)
     gen = torch.Generator().manual_seed(seed + 7)
     prompts = [torch.randint(0, PROMPT_VOCAB_HI, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    logits = [full_logits(model, p) for p in prompts]
+    with RouterProbe(model) as router:
+        logits = [full_logits(model, p) for p in prompts]
     greedy, greedy_nc, gaps, gen_vs_nc = {}, {}, {}, {}
     ok, why = True, []
     for i in GREEDY_PROMPTS:
@@ -626,12 +757,36 @@ def try_seed(kind: str, seed: int):
             ok = False; why.append(f"prompt {i}: degenerate greedy output {g_nc}")
         if min(gp) <= MIN_GAP:
             ok = False; why.append(f"prompt {i}: min top-2 gap {min(gp):.2e}")
+    if router.min_gap is not None and router.min_gap < ROUTER_MIN_GAP:
+        ok = False; why.append(f"router top-k gap {router.min_gap:.1e}")
     rec = recurrence_stats(model, mod, prompts[2])
     if (rec["logits_rel_change_when_gdn_state_zeroed_every_token"] < MIN_RECURRENCE_EFFECT
             or rec["last_chunk_logits_rel_change_when_state_not_carried_across_chunk_boundary"] < MIN_RECURRENCE_EFFECT):
         ok = False; why.append(f"recurrence too weak: {rec}")
     return ok, why, dict(cfg=cfg, model=model, mod=mod, prompts=prompts, logits=logits, greedy=greedy,
-                         greedy_nc=greedy_nc, gaps=gaps, gen_vs_nc=gen_vs_nc, rec=rec)
+                         greedy_nc=greedy_nc, gaps=gaps, gen_vs_nc=gen_vs_nc, rec=rec, router_gap=router.min_gap)
+
+
+class RouterProbe:
+    """Records the smallest gap between the k-th and (k+1)-th router probability over every MoE layer and
+    token of the forwards run inside it (None: no MoE layer ran)."""
+
+    def __init__(self, model):
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.min_gap, self.hooks = None, []
+
+    def record(self, module, inputs, output):
+        probs = torch.softmax(output[0].double(), dim=-1).sort(dim=-1, descending=True).values
+        gap = float((probs[:, module.top_k - 1] - probs[:, module.top_k]).min())
+        self.min_gap = gap if self.min_gap is None else min(self.min_gap, gap)
+
+    def __enter__(self):
+        self.hooks = [r.register_forward_hook(self.record) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
 
 
 def build_fixture(kind: str, base_seed: int) -> dict:
@@ -654,15 +809,17 @@ def build_fixture(kind: str, base_seed: int) -> dict:
     # ---- tensors -------------------------------------------------------------------------------------
     sd = {n: t.detach().clone().contiguous() for n, t in model.state_dict().items()}
     written: dict[str, torch.Tensor] = {}
+    if kind == "qwen3_next_moe":
+        sd = split_experts(sd)  # one tensor per expert, as the Qwen3-Next release stores them
     for n, t in sd.items():
-        if kind == "qwen3_5":
+        if kind.startswith("qwen3_5"):
             name = ("model.language_model." + n[len("model."):]) if n.startswith("model.") else n
         else:
             name = n
         written[name] = t
     if cfg.tie_word_embeddings:
         del written["lm_head.weight"]  # absent from tied checkpoints; use embed_tokens
-    mtp = make_mtp_tensors(GEOMETRY, seed + 100_000)
+    mtp = make_mtp_tensors(GEOMETRY, seed + 100_000, kind)
     written.update(mtp)
     for n, t in written.items():
         assert t.dtype == torch.float32, (n, t.dtype)
@@ -671,8 +828,8 @@ def build_fixture(kind: str, base_seed: int) -> dict:
     os.chmod(out_dir / "model.safetensors", 0o644)
 
     # ---- config / generation config -------------------------------------------------------------------
-    if kind == "qwen3_5":
-        cfg_json = qwen3_5_release_config(cfg)
+    if kind.startswith("qwen3_5"):
+        cfg_json = qwen3_5_release_config(cfg, moe=is_moe(kind))
         gen_eos = [EOS_ID, EXTRA_EOS_ID]
     else:
         cfg_json = qwen3_next_release_config(cfg)
@@ -683,7 +840,7 @@ def build_fixture(kind: str, base_seed: int) -> dict:
     (out_dir / "generation_config.json").write_text(json.dumps(gcfg, indent=2) + "\n")
 
     # ---- checks ---------------------------------------------------------------------------------------
-    mrope_err = check_mrope_equals_plain_rope(model) if kind == "qwen3_5" else None
+    mrope_err = check_mrope_equals_plain_rope(model) if kind.startswith("qwen3_5") else None
     reload_info = reload_check(kind, out_dir, model, written, prompts, logits)
     log(f"  reload: {json.dumps({k: v for k, v in reload_info.items() if 'keys' not in k or v}, default=str)}")
 
@@ -699,7 +856,10 @@ def build_fixture(kind: str, base_seed: int) -> dict:
         arrays[f"logits_{i}"] = lg.numpy().astype(np.float32)
     for i in GREEDY_PROMPTS:
         arrays[f"greedy_{i}"] = np.asarray(r["greedy"][i], dtype=np.int32)
-    arrays.update(long_prompt_arrays(model, seed))
+    with RouterProbe(model) as router:
+        arrays.update(long_prompt_arrays(model, seed))
+    if router.min_gap is not None:
+        assert router.min_gap >= ROUTER_MIN_GAP, f"long prompt: router top-k gap {router.min_gap:.1e}"
     np.savez(out_dir / "expected.npz", **arrays)
 
     tf_gaps = [min(top2_gap(row) for row in lg) for lg in logits]
@@ -718,16 +878,21 @@ def build_fixture(kind: str, base_seed: int) -> dict:
             "them; no expected MTP outputs). The written directory was reloaded with transformers and reproduced "
             "the logits exactly."
         ),
-        "layout": (
-            "released Qwen3.5 VLM-wrapper layout: config.json model_type qwen3_5 with text_config "
-            "(model_type qwen3_5_text); tensors model.language_model.*, lm_head.weight top-level, mtp.* top-level; "
-            "vision_config present but NO model.visual.* tensors"
-            if kind == "qwen3_5" else
-            "HF flat Qwen3-Next layout: tensors model.* (fused in_proj_qkvz / in_proj_ba), tied embeddings so "
-            "NO lm_head.weight, mtp.* top-level; config.json release-style (top-level rope_theta, "
-            "partial_rotary_factor, rope_scaling null, full_attention_interval=2 and no layer_types), "
-            "num_experts=0 => dense Qwen3NextMLP in every layer"
-        ),
+        "layout": {
+            "qwen3_5": "released Qwen3.5 VLM-wrapper layout: config.json model_type qwen3_5 with text_config "
+                       "(model_type qwen3_5_text); tensors model.language_model.*, lm_head.weight top-level, mtp.* "
+                       "top-level; vision_config present but NO model.visual.* tensors",
+            "qwen3_5_moe": "as qwen3_5 with model_type qwen3_5_moe / qwen3_5_moe_text: a sparse MoE block in every "
+                           "layer and in mtp.layers.0, the experts stored fused (mlp.experts.gate_up_proj [X, 2I, H], "
+                           "mlp.experts.down_proj [X, H, I])",
+            "qwen3_next": "HF flat Qwen3-Next layout: tensors model.* (fused in_proj_qkvz / in_proj_ba), tied embeddings "
+                          "so NO lm_head.weight, mtp.* top-level; config.json release-style (top-level rope_theta, "
+                          "partial_rotary_factor, rope_scaling null, full_attention_interval=2 and no layer_types), "
+                          "num_experts=0 => dense Qwen3NextMLP in every layer",
+            "qwen3_next_moe": "as qwen3_next with num_experts=8: a sparse MoE block (norm_topk_prob false) in every "
+                              "layer but mlp_only_layers=[2] and in mtp.layers.0, the experts stored one tensor per "
+                              "expert (mlp.experts.{x}.gate_proj / up_proj / down_proj.weight)",
+        }[kind],
         "versions": {
             "transformers": transformers.__version__,
             "torch": torch.__version__,
@@ -748,10 +913,12 @@ def build_fixture(kind: str, base_seed: int) -> dict:
             "rope_theta": ROPE_THETA,
             "partial_rotary_factor": PARTIAL_ROTARY_FACTOR,
             "rotary_dim": ROTARY_DIM,
-            "mrope_section": MROPE_SECTION if kind == "qwen3_5" else None,
+            "mrope_section": MROPE_SECTION if kind.startswith("qwen3_5") else None,
             "tie_word_embeddings": bool(cfg.tie_word_embeddings),
             "mtp_num_layers": 1,
-            "dense_mlp_every_layer": True,
+            "dense_mlp_every_layer": not is_moe(kind),
+            **({"moe": dict(MOE, **({"norm_topk_prob": False, "mlp_only_layers": NEXT_MOE_DENSE_LAYERS}
+                                   if kind == "qwen3_next_moe" else {}))} if is_moe(kind) else {}),
         },
         "init_scales": {
             "embed_tokens": f"N(0, {EMBED_STD})",
@@ -783,6 +950,7 @@ def build_fixture(kind: str, base_seed: int) -> dict:
             [(lg.argmax(-1).numpy() == np.asarray(p)) for p, lg in zip(prompts, logits)]))), 4),
         "logits_std_per_prompt": {str(i): round(float(lg.std()), 4) for i, lg in enumerate(logits)},
         "recurrence": r["rec"],
+        **({"router_top_k_gap_min": r["router_gap"]} if is_moe(kind) else {}),
         "mrope_vs_plain_rope_max_abs_diff": mrope_err,
         "model_spec_numpy_float64_reference_vs_logits_max_abs_diff": spec_diffs,
         "reload": reload_info,
@@ -814,7 +982,7 @@ def long_prompt_arrays(model, seed: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["qwen3_5", "qwen3_next"], help="build one fixture only")
+    ap.add_argument("--only", choices=KINDS, help="build one fixture only")
     args = ap.parse_args()
 
     for pkg in ("fla", "causal_conv1d", "kernels"):
@@ -826,10 +994,9 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     log(f"python {platform.python_version()}  torch {torch.__version__}  transformers {transformers.__version__}")
 
-    if args.only in (None, "qwen3_5"):
-        build_fixture("qwen3_5", base_seed=1000)
-    if args.only in (None, "qwen3_next"):
-        build_fixture("qwen3_next", base_seed=2000)
+    for kind, base_seed in zip(KINDS, (1000, 2000, 3000, 4000)):
+        if args.only in (None, kind):
+            build_fixture(kind, base_seed)
     log("\ndone")
 
 

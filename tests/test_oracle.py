@@ -1,8 +1,10 @@
 """Parity with HF transformers (the independent oracle) on committed tiny random checkpoints.
 
 The fixtures come from scripts/make_oracle_fixtures.py (Python 3.11 + torch + transformers):
-Qwen3.5 in the released nested layout (untied) and Qwen3-Next with fused GDN projections (tied),
-float32, with HF's teacher-forced logits and greedy continuations.
+Qwen3.5 in the released nested layout (untied) and Qwen3-Next with fused GDN projections (tied), each
+dense and mixture-of-experts (Qwen3.5-MoE with fused expert tensors; Qwen3-Next MoE with one tensor per
+expert, unnormalized top-k weights and a dense layer), float32, with HF's teacher-forced logits and greedy
+continuations.
 """
 
 import dataclasses
@@ -15,7 +17,7 @@ import qmtp
 from tolerance import F32_MODEL, assert_close
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "oracle")
-NAMES = ["qwen3_5", "qwen3_next"]
+NAMES = ["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_next_moe"]
 
 
 @pytest.fixture(scope="module", params=NAMES)
