@@ -1,13 +1,17 @@
 """qmtp/model/moe.py against a float64 numpy transcription of HF transformers' sparse MoE block (the
 router's softmax and top-k, optional renormalisation, the experts' SwiGLU weighted and summed, the shared
-expert behind its sigmoid gate), written here from MODEL_SPEC §3.4 with no code shared."""
+expert behind its sigmoid gate), written here from MODEL_SPEC §3.4 with no code shared; the routed form
+(grouped rows) against every expert over every token; a token's result independent of its batch."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.moe_matmul import BLOCK_ROWS
 from qmtp.model import moe
-from qmtp.runtime.kernel_config import REF
+from qmtp.runtime.kernel_config import KernelConfig, REF
+
+PALLAS, DETERMINISTIC = KernelConfig("pallas"), KernelConfig("pallas", deterministic=True)
 
 E, K, H, I, I_SHARED = 6, 2, 16, 8, 12
 
@@ -59,3 +63,33 @@ def test_route_picks_the_k_most_probable_experts_lower_first_on_ties():
     w, e = moe.route(jnp.asarray(router), jnp.asarray(x), K, True, REF)
     np.testing.assert_array_equal(np.asarray(e), [[3, 1], [0, 1]])
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_group_rows_give_each_pair_a_row_of_its_experts_block():
+    rng = np.random.default_rng(2)
+    experts = jnp.asarray(np.sort(rng.choice(E, size=(37, K), replace=True), axis=-1), jnp.int32)
+    row, block_expert = moe.group_rows(experts, E)
+    row, block_expert, flat = np.asarray(row), np.asarray(block_expert), np.asarray(experts).reshape(-1)
+    assert len(set(row.tolist())) == flat.size and row.max() < block_expert.size * BLOCK_ROWS
+    np.testing.assert_array_equal(block_expert[row // BLOCK_ROWS], flat)  # each row in a block of its expert
+    used = block_expert >= 0
+    assert used[:used.sum()].all()  # the used blocks first, the rest -1
+
+
+@pytest.mark.parametrize("kernels", [REF, PALLAS], ids=["ref", "pallas"])
+def test_routed_form_equals_every_expert_over_every_token(kernels):
+    rng = np.random.default_rng(3)
+    p = jax_tree(_params(rng))
+    x = jnp.asarray(rng.standard_normal((3, 7, H)), jnp.float32)
+    routed = moe.sparse_moe(p, x, top_k=K, norm_topk_prob=True, kernels=kernels)
+    full = moe.sparse_moe_ref(p, x, top_k=K, norm_topk_prob=True, kernels=kernels)
+    np.testing.assert_allclose(np.asarray(routed), np.asarray(full), rtol=1e-6, atol=1e-6)
+
+
+def test_a_token_alone_equals_it_among_others_under_deterministic():
+    rng = np.random.default_rng(4)
+    p = {k: jnp.asarray(v, jnp.bfloat16) for k, v in _params(rng).items()}
+    x = jnp.asarray(rng.standard_normal((9, H)), jnp.bfloat16)
+    run = lambda v: np.asarray(moe.sparse_moe(p, v, top_k=K, norm_topk_prob=True, kernels=DETERMINISTIC),  # noqa: E731
+                               np.float32)
+    assert np.array_equal(run(x[:1])[0], run(x)[0])

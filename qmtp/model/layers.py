@@ -53,7 +53,7 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
 def mlp(p: dict, x: jax.Array, kernels: KernelConfig) -> jax.Array:
     """SwiGLU: down(silu(x @ gate.T) * (x @ up.T))."""
     gate, up = ops.linear_many(x, (p["mlp_gate"], p["mlp_up"]), kernels)
-    return row_parallel((jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype), p["mlp_down"], kernels)
+    return row_parallel(ops.swiglu(gate, up, kernels, x.dtype), p["mlp_down"], kernels)
 
 
 def row_parallel(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
@@ -95,13 +95,16 @@ def attention(p: dict, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
     qg = qg.reshape(b, t, -1, 2 * d)  # [B, T, Hq, 2D]
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, -1)  # [B, T, Hq, D], [B, T, Hq*D]
     k, v = k.reshape(b, t, -1, d), v.reshape(b, t, -1, d)  # [B, T, Hkv, D]
-    q = rope(rms_norm(q, p["q_norm"], eps, kernels), positions, rotary_dim, theta)
-    k = rope(rms_norm(k, p["k_norm"], eps, kernels), positions, rotary_dim, theta)
+    q = ops.fenced(kernels, lambda h, pos: rope(h, pos, rotary_dim, theta), rms_norm(q, p["q_norm"], eps, kernels),
+                   positions)
+    k = ops.fenced(kernels, lambda h, pos: rope(h, pos, rotary_dim, theta), rms_norm(k, p["k_norm"], eps, kernels),
+                   positions)
     k_pages = write_kv(k_pages, page_table, positions, valid, k)
     v_pages = write_kv(v_pages, page_table, positions, valid, v)
     o = ops.paged_attention_op(q, k_pages, v_pages, page_table, positions, lengths + n_valid,
                                scale=d ** -0.5, kernels=kernels)  # [B, T, Hq, D]
-    o = (o.reshape(b, t, -1).astype(F32) * jax.nn.sigmoid(gate.astype(F32))).astype(x.dtype)
+    o = ops.fenced(kernels, lambda o, g: (o.astype(F32) * jax.nn.sigmoid(g.astype(F32))).astype(x.dtype),
+                   o.reshape(b, t, -1), gate)
     return row_parallel(o, p["o_proj"], kernels), k_pages, v_pages
 
 

@@ -15,9 +15,11 @@ Params of one block (a decoder layer's dict, qmtp/model/params.py): router [E, H
 [E, 2I, H], experts_down [E, H, I] (arrays or stacked Fp8Blocks), shared_mlp_gate / shared_mlp_up [S, H],
 shared_mlp_down [H, S], shared_gate [1, H].
 
-This is the reference form: every expert runs over every token (a lax.scan over the experts, memory of
-one expert's activations), the unchosen ones' terms dropped; exact, but E / k times the work of the
-routed form.
+`sparse_moe` runs the routed form: the (token, chosen expert) pairs sorted by expert into blocks of
+moe_matmul.BLOCK_ROWS rows, one expert per block (`group_rows`), through the grouped expert matmul
+(ops.expert_matmul), so a step reads only the chosen experts' weights. `sparse_moe_ref` is the
+reference form: every expert over every token (a lax.scan over the experts), the unchosen ones' terms
+dropped; E / k times the work.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from qmtp.model import layers
+from pallas_kernels.moe_matmul import BLOCK_ROWS
 from qmtp.model.config import ModelConfig
 from qmtp.runtime import ops
 from qmtp.runtime.kernel_config import KernelConfig
@@ -44,8 +47,56 @@ def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, ker
     return w.astype(x.dtype), e.astype(jnp.int32)
 
 
+def group_rows(experts: jax.Array, n_experts: int):
+    """The row blocks of the grouped matmul for the pairs p = t * k + j of experts [T, k] (token t's j-th
+    expert): (row [P] int32, the row pair p takes; block_expert [NB] int32, each block's expert, -1 for
+    blocks past the last group). Each expert's pairs take consecutive rows from a block boundary, in pair
+    order; NB = ceil(P / BLOCK_ROWS) + min(X, P), the most blocks any routing needs."""
+    flat = experts.reshape(-1)  # [P]
+    pairs = flat.shape[0]
+    order = jnp.argsort(flat, stable=True)  # pairs by expert
+    counts = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)  # [X]
+    padded = -(-counts // BLOCK_ROWS) * BLOCK_ROWS
+    padded_end, group_end = jnp.cumsum(padded), jnp.cumsum(counts)
+    by_expert = flat[order]
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (group_end - counts)[by_expert]  # place within its group
+    row = jnp.zeros((pairs,), jnp.int32).at[order].set((padded_end - padded)[by_expert] + rank)
+    n_blocks = -(-pairs // BLOCK_ROWS) + min(n_experts, pairs)
+    block_start = jnp.arange(n_blocks, dtype=jnp.int32) * BLOCK_ROWS
+    owner = jnp.searchsorted(padded_end, block_start, side="right").astype(jnp.int32)
+    return row, jnp.where(block_start < padded_end[-1], owner, -1)
+
+
 def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kernels: KernelConfig) -> jax.Array:
-    """The block's output [..., H] for x [..., H] (module doc)."""
+    """The block's output [..., H] for x [..., H] (module doc), routed: each token's terms added in its
+    experts' index order, as the reference adds them."""
+    lead, h = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, h)  # [T, H]
+    n_experts, two_i = p["experts_gate_up"].shape[:2]
+    w, e = route(p["router"], x2, top_k, norm_topk_prob, kernels)
+    by_index = jnp.argsort(e, axis=-1)
+    w, e = jnp.take_along_axis(w, by_index, axis=-1), jnp.take_along_axis(e, by_index, axis=-1)  # [T, k]
+    row, block_expert = group_rows(e, n_experts)
+    rows = jnp.zeros((block_expert.shape[0] * BLOCK_ROWS, h), x.dtype).at[row].set(jnp.repeat(x2, top_k, axis=0))
+    gate_up = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x.dtype)  # [R, 2I]
+    act = ops.swiglu(gate_up[:, :two_i // 2], gate_up[:, two_i // 2:], kernels, x.dtype)  # [R, I]
+    y = ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=x.dtype)[row]  # [P, H]
+    terms = (y.reshape(-1, top_k, h) * w[..., None]).astype(x.dtype)  # [T, k, H]
+    routed = terms[:, 0]
+    for j in range(1, top_k):
+        routed = routed + terms[:, j]
+    return (routed + _shared(p, x2, kernels)).reshape(lead + (h,))
+
+
+def _shared(p: dict, x2: jax.Array, kernels: KernelConfig) -> jax.Array:
+    """sigmoid(x @ shared_gate.T) * SwiGLU_shared(x) [T, H] in x's dtype."""
+    gate = jax.nn.sigmoid(ops.linear(x2, p["shared_gate"], kernels).astype(F32)).astype(x2.dtype)  # [T, 1]
+    shared_mlp = {k: p["shared_" + k] for k in ("mlp_gate", "mlp_up", "mlp_down")}
+    return (gate * layers.mlp(shared_mlp, x2, kernels)).astype(x2.dtype)
+
+
+def sparse_moe_ref(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kernels: KernelConfig) -> jax.Array:
+    """The block's output [..., H] for x [..., H], every expert over every token (module doc)."""
     lead, h = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, h)  # [T, H]
     n_experts, two_i = p["experts_gate_up"].shape[:2]
@@ -58,16 +109,13 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     def expert(acc, xs):
         gate_up, down, sel, wt = xs  # [2I, H], [H, I], [T], [T]
         g, u = jnp.split(ops.linear(x2, gate_up, kernels), [two_i // 2], axis=-1)
-        y = ops.linear((jax.nn.silu(g.astype(F32)) * u.astype(F32)).astype(x.dtype), down, kernels)
+        y = ops.linear(ops.swiglu(g, u, kernels, x.dtype), down, kernels)
         term = (y * wt[:, None]).astype(x.dtype)
         return jnp.where(sel[:, None], acc + term, acc), None  # tokens that did not choose it add nothing
 
     routed, _ = jax.lax.scan(expert, jnp.zeros_like(x2),
                              (p["experts_gate_up"], p["experts_down"], chosen.T, weight.T))
-    gate = jax.nn.sigmoid(ops.linear(x2, p["shared_gate"], kernels).astype(F32)).astype(x.dtype)  # [T, 1]
-    shared_mlp = {k: p["shared_" + k] for k in ("mlp_gate", "mlp_up", "mlp_down")}
-    shared = (gate * layers.mlp(shared_mlp, x2, kernels)).astype(x.dtype)
-    return (routed + shared).reshape(lead + (h,))
+    return (routed + _shared(p, x2, kernels)).reshape(lead + (h,))
 
 
 def mlp(cfg: ModelConfig, p: dict, x: jax.Array, kernels: KernelConfig) -> jax.Array:

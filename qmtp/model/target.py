@@ -52,13 +52,14 @@ def draft_token(params: dict, hidden: jax.Array, kernels: KernelConfig) -> jax.A
 
 def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: KernelConfig, taps=None) -> tuple:
     """Pre-norm residual block around `mixer(normed x) -> (out, *new_state)`; taps (see `forward`), a
-    (dict, layer index) pair, receives the mixer's and the MLP's outputs."""
+    (dict, layer index) pair, receives the mixer's output, the MLP's normed input and its output."""
     out, *new_state = mixer(layers.rms_norm(x, p["input_norm"], cfg.rms_norm_eps, kernels))
     h = x + out
-    mlp_out = moe.mlp(cfg, p, layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps, kernels), kernels)
+    normed = layers.rms_norm(h, p["post_norm"], cfg.rms_norm_eps, kernels)
+    mlp_out = moe.mlp(cfg, p, normed, kernels)
     if taps is not None:
         record, i = taps
-        record[f"layer {i} mixer"], record[f"layer {i} mlp"] = out, mlp_out
+        record[f"layer {i} mixer"], record[f"layer {i} mlp input"], record[f"layer {i} mlp"] = out, normed, mlp_out
     return h + mlp_out, new_state
 
 
@@ -67,8 +68,8 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     """Runs the target over tokens [B, T] (right-padded to n_valid [B]) -> (hidden [B, T, E]
     post-final-norm, new state); the caller takes logits (`logits_from_hidden`) where it needs them.
     gdn_slots int [B]: state.conv / state.ssm are the slot ring (layers.gated_deltanet).
-    taps: a dict that receives every layer's mixer and MLP outputs [B, T, E] ("layer i mixer", "layer i
-    mlp"), for a caller that returns it from its traced function (where a row's numbers change:
+    taps: a dict that receives every layer's mixer output, MLP input and MLP output [B, T, E] ("layer i
+    mixer", "layer i mlp input", "layer i mlp"), for a caller that returns it from its traced function (where a row's numbers change:
     tests/test_row_invariance_model.py)."""
     x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
     eps, new = cfg.rms_norm_eps, {LINEAR: [], FULL: []}  # per kind, each layer's new (conv, ssm) / (k, v)

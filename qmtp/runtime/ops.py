@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul, gdn, gdn_conv, paged_attention
+from pallas_kernels import fp8_act_quant, fp8_config, fp8_layout, fp8_matmul, gdn, gdn_conv, moe_matmul, paged_attention
 from pallas_kernels import rms_norm as rms_norm_kernels
 from pallas_kernels.bench.trace_events import device_time  # noqa: F401  (the model-level benchmarks' profiler)
 from qmtp.model.fp8 import Fp8Block
@@ -107,6 +107,32 @@ def rms_norm(x, w, eps, kernels: KernelConfig | None, *, plus_one: bool, z=None,
         return rms_norm_kernels.rms_norm_rows(x, w, eps, plus_one=plus_one, z=z, out_dtype=out_dtype,
                                               interpret=_interpret())
     return rms_norm_kernels.rms_norm_rows_ref(x, w, eps, plus_one=plus_one, z=z, out_dtype=out_dtype)
+
+
+def expert_matmul(x: jax.Array, block_expert: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
+    """y [R, O] for rows x [R, I] in blocks of moe_matmul.BLOCK_ROWS, block b times the stacked expert
+    weight w [X, O, I] (an array or an Fp8Block) of expert block_expert[b] (-1: zeros); f32 accumulation
+    (pallas_kernels/moe_matmul.py: the kernel is row-invariant)."""
+    weight, scale = (w.weight, w.scale) if isinstance(w, Fp8Block) else (w, None)
+    if kernels.pallas:
+        return moe_matmul.expert_matmul(x, block_expert, weight, scale, out_dtype, interpret=_interpret())
+    return moe_matmul.expert_matmul_ref(x, block_expert, weight, scale, out_dtype)
+
+
+def fenced(kernels: KernelConfig, fn, *args):
+    """fn(*args), an elementwise computation between kernels; under KernelConfig.deterministic fenced off
+    (optimization barriers on its inputs and output) so XLA compiles it as its own program, the same at
+    every row count: fused into the next projection's input preparation (a per-row reduction), the
+    SwiGLU's silu(gate) * up gave other bits for a row alone than in a batch of four on the H200."""
+    if not kernels.deterministic:
+        return fn(*args)
+    return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
+
+
+def swiglu(gate: jax.Array, up: jax.Array, kernels: KernelConfig, out_dtype) -> jax.Array:
+    """silu(gate) * up in f32, rounded to out_dtype (fenced)."""
+    return fenced(kernels, lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32))
+                  .astype(out_dtype), gate, up)
 
 
 def gdn_gates(a, b, a_log, dt_bias):

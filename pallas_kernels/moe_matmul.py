@@ -1,0 +1,116 @@
+"""Grouped expert matmul of the sparse MoE block (qmtp/model/moe.py): rows in blocks of BLOCK_ROWS, each
+block multiplied by one expert's weight, the experts' weights stacked:
+
+    y[r, o] = sum_i x[r, i] W[e_b, o, i]     for the rows r of block b, e_b = block_expert[b]
+                                            (e_b = -1: an unused block, y = 0, no weight read)
+
+W: [X, O, I] E4M3 with the scale grid [X, ceil(O/128), ceil(I/128)] (W = q * scale per 128 x 128 block),
+or [X, O, I] in bf16 / f32 (no scales). A launch reads each block's expert once per BLOCK_O outputs: at
+decode the k experts a token chose, not the X of the layer.
+
+One program per (row block, BLOCK_O outputs) sums the 128-column chunks of I in order, each chunk's dot
+(bf16 pieces of x against bf16 pieces of the weight, f32 accumulation; E4M3 and bf16 are one exact piece,
+f32 three) times its scale in f32: a row's result depends on its own x, its expert and that order only, so it is the same
+whatever other rows share the launch (row-invariant, as KernelConfig.deterministic needs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.fp8_config import BLOCK, cdiv
+from pallas_kernels.fp8_kernels import _bf16_pieces, _dot_sum, _load_w, _load_x, _mask2
+from pallas_kernels.fp8_matmul import dequantize_ref
+
+BLOCK_ROWS = 16  # rows per block: the tensor cores' smallest dot
+BLOCK_O = 64  # outputs per program
+
+
+def _check(x, block_expert, w, scale):
+    rows, i = x.shape
+    if w.ndim != 3 or w.shape[2] != i:
+        raise ValueError(f"expert_matmul: x {x.shape} needs stacked weights [X, O, {i}], got {w.shape}")
+    if block_expert.ndim != 1 or rows != block_expert.shape[0] * BLOCK_ROWS:
+        raise ValueError(f"expert_matmul: x has {rows} rows, block_expert {block_expert.shape} needs "
+                         f"{BLOCK_ROWS} per block")
+    fp8 = w.dtype == jnp.float8_e4m3fn
+    if fp8 != (scale is not None):
+        raise ValueError("expert_matmul: E4M3 weights come with a scale grid, other weights without")
+    if fp8 and scale.shape != (w.shape[0], cdiv(w.shape[1], BLOCK), cdiv(i, BLOCK)):
+        raise ValueError(f"expert_matmul: scale grid {scale.shape} for weights {w.shape}")
+
+
+def expert_matmul_ref(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale: jax.Array | None,
+                      out_dtype=None) -> jax.Array:
+    """The reference: each block's expert gathered and dequantized to f32, one einsum, f32 accumulation.
+    x [NB * BLOCK_ROWS, I], block_expert int32 [NB] -> y [NB * BLOCK_ROWS, O] in out_dtype (x's)."""
+    _check(x, block_expert, w, scale)
+    nb, (_, o, i) = block_expert.shape[0], w.shape
+    e = jnp.maximum(block_expert, 0)
+    wb = dequantize_ref(w[e], scale[e]) if scale is not None else w[e].astype(jnp.float32)  # [NB, O, I]
+    y = jnp.einsum("bri,boi->bro", x.reshape(nb, BLOCK_ROWS, i).astype(jnp.float32), wb,
+                   precision=jax.lax.Precision.HIGHEST)
+    y = jnp.where(block_expert[:, None, None] >= 0, y, 0.0)
+    return y.reshape(nb * BLOCK_ROWS, o).astype(out_dtype or x.dtype)
+
+
+def expert_matmul(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale: jax.Array | None,
+                  out_dtype=None, interpret: bool = False) -> jax.Array:
+    """The Pallas kernel (module doc); arguments and result as expert_matmul_ref."""
+    _check(x, block_expert, w, scale)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if scale is None:  # every block scale 1: one kernel for E4M3 and wider weights
+        scale = jnp.ones((w.shape[0], cdiv(w.shape[1], BLOCK), cdiv(x.shape[1], BLOCK)), jnp.float32)
+    return _launch(x, block_expert.astype(jnp.int32), w, scale.astype(jnp.float32), out_dtype=out_dtype,
+                   interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def _launch(x, block_expert, w, scale, *, out_dtype, interpret):
+    rows, i = x.shape
+    o = w.shape[1]
+    return pl.pallas_call(
+        functools.partial(_kernel, o=o, i=i),
+        out_shape=jax.ShapeDtypeStruct((rows, o), out_dtype),
+        grid=(block_expert.shape[0], cdiv(o, BLOCK_O)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="moe_expert_matmul",
+    )(block_expert, x, w, scale)
+
+
+def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i):
+    # e_ref [NB]; x_ref [NB * BR, I]; w_ref [X, O, I]; s_ref [X, GO, GI]; o_ref [NB * BR, O]
+    pb, po = pl.program_id(0), pl.program_id(1)
+    expert = e_ref[pb]
+    r0 = pl.multiple_of(pb * BLOCK_ROWS, BLOCK_ROWS)
+    o0 = pl.multiple_of(po * BLOCK_O, BLOCK_O)
+    srow = po // (BLOCK // BLOCK_O)  # BLOCK_O divides 128: the program's outputs share one scale row
+    rows_ok = (o0 + jnp.arange(BLOCK_O)) < o if o % BLOCK_O else None
+    out = o_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(o0, BLOCK_O)]
+    e = jnp.maximum(expert, 0)
+
+    def chunk(c, acc):
+        k0 = pl.multiple_of(c * BLOCK, BLOCK)
+        cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
+        xc = _load_x(x_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(k0, BLOCK)], _mask2(None, cols_ok))
+        wide = w_ref.dtype == jnp.float32
+        wc = _load_w(w_ref.at[e, pl.ds(o0, BLOCK_O), pl.ds(k0, BLOCK)], _mask2(rows_ok, cols_ok),
+                     jnp.float32 if wide else jnp.bfloat16)
+        x_pieces = _bf16_pieces(xc)
+        dots = [_dot_sum(x_pieces, w_piece, swap=False) for w_piece in (_bf16_pieces(wc) if wide else [wc])]
+        return acc + functools.reduce(jnp.add, dots[::-1]) * s_ref[e, srow, c]
+
+    @pl.when(expert >= 0)
+    def _():
+        acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), chunk, jnp.zeros((BLOCK_ROWS, BLOCK_O), jnp.float32))
+        plgpu.store(out, acc.astype(o_ref.dtype), mask=_mask2(None, rows_ok))
+
+    @pl.when(expert < 0)
+    def _():
+        plgpu.store(out, jnp.zeros((BLOCK_ROWS, BLOCK_O), o_ref.dtype), mask=_mask2(None, rows_ok))
