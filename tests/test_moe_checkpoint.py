@@ -79,9 +79,12 @@ def test_a_missing_expert_is_named(tmp_path):
         qmtp.load(str(tmp_path / "ckpt"), progress=False)
 
 
-@pytest.mark.parametrize("dtype,impl", [("float32", "ref"), ("bfloat16", "pallas")])
-def test_mtp_tokens_equal_plain_on_an_moe_model(dtype, impl):
-    model = qmtp.load(resolve_checkpoint(f"{PRESET}:bf16"), dtype=dtype, impl=impl, progress=False)
+@pytest.mark.parametrize("checkpoint,dtype,impl", [
+    (f"{PRESET}:bf16", "float32", "ref"), ("preset:tiny_next_moe:bf16", "bfloat16", "ref"),
+    pytest.param(f"{PRESET}:fp8", "bfloat16", "pallas", marks=pytest.mark.slow),  # ~140 s in interpret mode
+    pytest.param("preset:tiny_next_moe:bf16", "bfloat16", "pallas", marks=pytest.mark.slow)])
+def test_mtp_tokens_equal_plain_on_an_moe_model(checkpoint, dtype, impl):
+    model = qmtp.load(resolve_checkpoint(checkpoint), dtype=dtype, impl=impl, progress=False)
     prompts = [[5, 17, 33, 2, 90, 41, 7], [200, 3, 3, 18], [77] * 12]
     plain = qmtp.generate(model, prompts, max_new_tokens=24, stop_token_ids=[]).tokens
     for k in (1, 3):

@@ -39,7 +39,8 @@ class CheckpointWriteError(ValueError):
 
 
 def build_config(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, num_layers: int | None = None) -> dict:
-    """The config.json dict (Qwen3.5 VLM-wrapper layout) of a synthetic checkpoint."""
+    """The config.json dict of a synthetic checkpoint: the Qwen3.5 VLM-wrapper layout, or the flat one of
+    a Qwen3-Next preset."""
     spec = presets.get_preset(preset)
     text = spec.text_config(num_layers)
     text["dtype"] = "float32" if dtype == "fp32" else "bfloat16"
@@ -51,16 +52,24 @@ def build_config(preset: str = "tiny", dtype: str = "bf16", seed: int = 0, num_l
     if text["vocab_size"] > spec.tokenizer_vocab_size:
         synthetic["note"] += (f"; ids >= {spec.tokenizer_vocab_size} are vocabulary padding "
                               "(no tokenizer entry, zero lm_head rows)")
+    if text["model_type"] == "qwen3_next":
+        config = dict(text, architectures=["Qwen3NextForCausalLM"], qmtp_synthetic=synthetic)
+        if dtype == "fp8":
+            config["quantization_config"] = _fp8_quantization()
+        return config
     moe = text["model_type"] == "qwen3_5_moe_text"
     config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
               "model_type": "qwen3_5_moe" if moe else "qwen3_5",
               "tie_word_embeddings": text["tie_word_embeddings"], "dtype": text["dtype"], "text_config": text,
               "qmtp_synthetic": synthetic}
     if dtype == "fp8":
-        config["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [fp8.FP8_BLOCK, fp8.FP8_BLOCK], "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
+        config["quantization_config"] = _fp8_quantization()
     return config
+
+
+def _fp8_quantization() -> dict:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [fp8.FP8_BLOCK, fp8.FP8_BLOCK], "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -140,7 +149,7 @@ def write_checkpoint(out_dir: str, preset: str = "tiny", dtype: str = "bf16", se
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             f.write(tiny_tokenizer.tokenizer_json(vocab))
         write_json(os.path.join(tmp, "tokenizer_config.json"),
-                    tiny_tokenizer.tokenizer_config(vocab, config["text_config"]["max_position_embeddings"]))
+                    tiny_tokenizer.tokenizer_config(vocab, config.get("text_config", config)["max_position_embeddings"]))
         source = TensorSource(spec.weights(cfg, seed), fp8_scale_dtype)
         show = total >= PROGRESS_MIN_BYTES if progress is None else progress
         bar = Progress(total, sum(map(len, shards))) if show else None

@@ -98,6 +98,35 @@ def qwen3_5_35b_a3b_text_config(num_layers: int | None = None) -> dict:
                        max_positions=262144, moe={"experts": 256, "top_k": 8, "expert_size": 512, "shared_size": 512})
 
 
+def qwen3_next_config(text: dict) -> dict:
+    """A Qwen3.5(-MoE) text_config as the flat Qwen3-Next config.json (MODEL_SPEC §1.1): rope fields at the
+    top level, the MTP layer count as num_nextn_predict_layers; the GDN projections go fused (in_proj_qkvz,
+    in_proj_ba) in its checkpoints. Dense where the text_config has no experts (num_experts 0)."""
+    rope = text["rope_parameters"]
+    config = {k: v for k, v in text.items() if k not in ("rope_parameters", "mtp_num_hidden_layers",
+                                                          "mtp_use_dedicated_embeddings", "output_gate_type")}
+    config.update(model_type="qwen3_next", rope_theta=rope["rope_theta"], rope_scaling=None,
+                  partial_rotary_factor=rope["partial_rotary_factor"], num_nextn_predict_layers=1,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    config.setdefault("num_experts", 0)
+    config.setdefault("intermediate_size", 4 * text["hidden_size"] if config["num_experts"] else 0)
+    return config
+
+
+def tiny_next_moe_config(num_layers: int | None = None) -> dict:
+    """tiny_moe as a Qwen3-Next checkpoint (flat config, fused GDN projections)."""
+    return qwen3_next_config(tiny_moe_text_config(num_layers))
+
+
+def qwen3_next_80b_a3b_config(num_layers: int | None = None) -> dict:
+    """Qwen3-Next-80B-A3B shapes (MODEL_SPEC §1.3): 48 layers, E 2048, 512 experts (top 10) of width 512."""
+    text = text_config(hidden=2048, ffn=0, num_layers=48 if num_layers is None else num_layers, interval=4,
+                       heads=16, kv_heads=2, head_dim=256, partial_rotary=0.25, rope_theta=5e6, gdn_k_heads=16,
+                       gdn_v_heads=32, gdn_k_dim=128, gdn_v_dim=128, conv=4, vocab=151936, tie=False,
+                       max_positions=262144, moe={"experts": 512, "top_k": 10, "expert_size": 512, "shared_size": 512})
+    return dict(qwen3_next_config(text), intermediate_size=5120)
+
+
 def qwen3_5_27b_text_config(num_layers: int | None = None) -> dict:
     """Qwen3.5-27B shapes (MODEL_SPEC §1.3); vocab 248320 of which the tokenizer uses the first 384."""
     return text_config(hidden=5120, ffn=17408, num_layers=64 if num_layers is None else num_layers, interval=4,
@@ -155,6 +184,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "expert (width 96) in every layer, exact normals", tiny_moe_text_config, fast_weights=False),
     Preset("qwen3_5_35b_a3b", "Qwen3.5-35B-A3B shapes: E 2048, 40 layers, 256 experts (top 8, width 512), "
            "V 248320 (tokenizer 384), fast draws", qwen3_5_35b_a3b_text_config, fast_weights=True),
+    Preset("tiny_next_moe", "CPU test model of Qwen3-Next MoE: tiny_moe in the Qwen3-Next layout (flat config, "
+           "fused GDN projections; bf16 / fp32 only: FP8 blocks would split its 32-wide GDN heads)",
+           tiny_next_moe_config, fast_weights=False),
+    Preset("qwen3_next_80b_a3b", "Qwen3-Next-80B-A3B shapes: E 2048, 48 layers, 512 experts (top 10, width 512), "
+           "V 151936 (tokenizer 384), fast draws", qwen3_next_80b_a3b_config, fast_weights=True),
     Preset("qwen3_5_27b", "Qwen3.5-27B shapes: E 5120, F 17408, 64 layers, V 248320 (tokenizer 384), fast draws",
            qwen3_5_27b_text_config, fast_weights=True),
     Preset("tiny_controlled", "tiny with controlled acceptance: greedy next token = a seeded permutation of the "
