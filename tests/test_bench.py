@@ -400,3 +400,18 @@ def test_sampled_run_records_its_parameters_and_skips_the_token_check(tmp_path):
     bad = run_bench("--checkpoint=/nonexistent", "--temperature=1", "--top_p=2", tmp_path=tmp_path,
                     cache=tmp_path / "cache")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "error: --top_p=2.0 must be in (0, 1]"
+
+
+def test_moe_roofline_counts_the_experts_a_pass_reads():
+    """One token reads k of X experts; many tokens read (nearly) all of them."""
+    import qmtp
+    from qmtp import api
+    from qmtp.tools.make_checkpoint import resolve_checkpoint
+    model = qmtp.load(resolve_checkpoint("preset:tiny_moe"), progress=False)
+    experts = sum(br.nbytes(layer[k]) for group in ("gdn", "attn") for layer in model.params[group]
+                  for k in ("experts_gate_up", "experts_down"))
+    full = br.step_bytes(model.params, api._new_state(model, [64]), 64)["target"]["weights"]
+    one = br.step_bytes(model.params, api._new_state(model, [64]), 64, moe_top_k=2)["target"]["weights"]
+    many = br.step_bytes(model.params, api._new_state(model, [64] * 64), 64, moe_top_k=2)["target"]["weights"]
+    assert abs(one - (full - experts * 6 / 8)) <= 8  # 2 of 8 experts; each of the 8 stacks rounds to a byte
+    assert full - many < experts * 1e-3

@@ -225,7 +225,8 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     ks = [int(k) for k in FLAGS.ks]
     profile = [float(p) for p in FLAGS.profile if p]
     state = api._new_state(model, [length + FLAGS.max_new_tokens + 5] * batch)
-    bytes_ = br.step_bytes(model.params, state, context=length + FLAGS.max_new_tokens // 2)
+    bytes_ = br.step_bytes(model.params, state, context=length + FLAGS.max_new_tokens // 2,
+                           moe_top_k=model.cfg.moe.top_k if model.cfg.moe else None)
     del state
     case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
     plain = run_mode(model, prompts, 0, None, FLAGS.repeats, progress, f"B={batch} P={length} plain")

@@ -6,6 +6,8 @@ Roofline (PERFORMANCE.md), from the actual parameter tree and decode state:
                    + GDN state read and written + conv state read and written + K/V of `context`
                    positions in every attention layer;      (per target pass of batch 1)
     draft_bytes  = the MTP subtree + the lm_head it shares + its K/V at `context` positions.
+    MoE layers count the experts a pass reads: of X experts, each of B tokens choosing k, the expected
+    number chosen at least once under uniform routing, X (1 - (1 - k/X)^B), is the read share.
     plain roofline       = 1 / (target_bytes / copy_bandwidth)                          tok/s
     MTP K ceiling at cumulative per-position acceptance p_1 >= ... >= p_K:
         tokens per round = 1 + sum_i p_i;  bytes per round = target_bytes + K * draft_bytes
@@ -37,9 +39,29 @@ def nbytes(tree) -> int:
     return total
 
 
-def step_bytes(params: dict, state, context: int) -> dict:
+def _read_share(tree, top_k: int | None, tokens: int):
+    """tree with each MoE layer's stacked experts scaled to the share a pass of `tokens` tokens reads
+    (module doc), as {key: bytes} leaves where scaled."""
+    import jax
+    if top_k is None:
+        return tree
+    if isinstance(tree, dict):
+        out = {k: _read_share(v, top_k, tokens) for k, v in tree.items()}
+        for key in ("experts_gate_up", "experts_down"):
+            if key in tree:
+                x = jax.tree_util.tree_leaves(tree[key])[0].shape[0]  # X experts
+                out[key] = np.zeros(round(nbytes(tree[key]) * (1 - (1 - top_k / x) ** tokens)), np.uint8)
+        return out
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_read_share(v, top_k, tokens) for v in tree)
+    return tree
+
+
+def step_bytes(params: dict, state, context: int, moe_top_k: int | None = None) -> dict:
     """Bytes one target pass and one MTP draft step over the state's whole batch must read (see the
-    module docstring; weights once, state and K/V per sequence, every sequence at `context`)."""
+    module docstring; weights once, state and K/V per sequence, every sequence at `context`);
+    moe_top_k: the experts per token of an MoE model (its expert stacks count the share read)."""
+    params = _read_share(params, moe_top_k, state.batch)
     kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.kv.k) * 2  # K and V, per position
     mtp_kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.mtp_kv.k) * 2
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"]
