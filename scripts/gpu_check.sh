@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
 #                                             bench_long prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling
-#                                             bench_deterministic chat_nocache chat_prefix bench_auto
+#                                             bench_deterministic chat_nocache chat_prefix bench_auto bench_moe
 #                                             (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
@@ -23,7 +23,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
-                                 serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)
+                                 serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
+                                 bench_moe)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -97,8 +98,11 @@ for s in "${steps[@]}"; do
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
+    # the 35B-A3B-shaped FP8 MoE (first 8 of its 40 layers, controlled acceptance): plain and K=3 at batch 1, 8, 32
+    bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
+                 --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=128 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
-            "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto)"; exit 2 ;;
+            "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto bench_moe)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done

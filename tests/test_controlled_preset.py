@@ -448,3 +448,16 @@ def test_27b_controlled_slice_forward(tmp_path):
     r = api.mtp_logits(m, ids)
     assert r.agreement == 1.0 and np.array_equal(r.draft_argmax, pi[ids[1:]])
     report("engine MTP 27B 2-layer fp8", margin(r.logits))
+
+
+def test_the_moe_controlled_preset_follows_the_permutation_and_its_mtp_drafts_it():
+    """tiny_moe_controlled: the sparse MoE blocks (experts and shared expert scaled like the dense MLP's
+    down projection) keep the target on pi, and the MTP head accepts every draft."""
+    pi = presets.controlled_permutation("tiny_moe_controlled", SEED)
+    model = qmtp.load(mc.resolve_checkpoint("preset:tiny_moe_controlled"), progress=False)
+    prompt = [5, 17, 33, 2]
+    result = qmtp.generate(model, [prompt], max_new_tokens=12, stop_token_ids=[], mtp_k=3)
+    want = [int(pi[prompt[-1]])]
+    for _ in range(11):
+        want.append(int(pi[want[-1]]))
+    assert result.tokens[0] == want and result.stats["accepted"] == 3 * result.stats["rounds"]

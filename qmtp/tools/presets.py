@@ -194,6 +194,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny_controlled", "tiny with controlled acceptance: greedy next token = a seeded permutation of the "
            "input token, MTP drafts it (100% acceptance)", tiny_text_config, fast_weights=False,
            weights_cls=ControlledWeights),
+    Preset("qwen3_5_35b_a3b_controlled", "qwen3_5_35b_a3b shapes with controlled acceptance (see tiny_controlled)",
+           qwen3_5_35b_a3b_text_config, fast_weights=True, weights_cls=ControlledWeights),
+    Preset("tiny_moe_controlled", "tiny_moe with controlled acceptance (see tiny_controlled)", tiny_moe_text_config,
+           fast_weights=False, weights_cls=ControlledWeights),
     Preset("qwen3_5_27b_controlled", "qwen3_5_27b shapes with controlled acceptance (see tiny_controlled)",
            qwen3_5_27b_text_config, fast_weights=True, weights_cls=ControlledWeights),
 )}

@@ -283,7 +283,8 @@ class ControlledWeights(RandomWeights):
             return self._pinned(entry.name, entry.shape, 1.0, self.live_embedding)
         if entry.group == "mtp" and key == "fc":
             return self._mtp_fc(entry)
-        if role == params.LINEAR and key in ("o_proj", "out_proj", "mlp_down"):
+        if role in (params.LINEAR, params.EXPERTS) and key in ("o_proj", "out_proj", "mlp_down", "shared_mlp_down",
+                                                              "experts_down"):
             return self._matrix(entry.name, entry.shape, self.OUTPUT_SCALE / math.sqrt(entry.shape[1]), fp8_eligible)
         return super().__call__(entry, fp8_eligible)  # lm_head: this class's `_lm_head`
 
