@@ -25,7 +25,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py -q -m 'not gpu'
 
-# Regenerates tests/fixtures/oracle/{qwen3_5,qwen3_next} with HF transformers (scripts/make_oracle_fixtures.py)
+# Regenerates tests/fixtures/oracle/* (dense and MoE) with HF transformers (scripts/make_oracle_fixtures.py)
 # in its own venv, .venv-oracle (git-ignored): Python 3.11 ($PYTHON if it is 3.11, else python3.11,
 # pyenv's newest 3.11.x, or python3 if it is 3.11), CPU torch, offline. torch goes in first and pinned,
 # so that transformers cannot pull in another torch. ORACLE_ARGS="--only qwen3_5" builds one fixture.
