@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_matmul import BLOCK_ROWS
 from qmtp.model import moe
 from qmtp.runtime.kernel_config import KernelConfig, REF
 
@@ -70,8 +69,8 @@ def test_group_rows_give_each_pair_a_row_of_its_experts_block():
     experts = jnp.asarray(np.sort(rng.choice(E, size=(37, K), replace=True), axis=-1), jnp.int32)
     row, block_expert = moe.group_rows(experts, E)
     row, block_expert, flat = np.asarray(row), np.asarray(block_expert), np.asarray(experts).reshape(-1)
-    assert len(set(row.tolist())) == flat.size and row.max() < block_expert.size * BLOCK_ROWS
-    np.testing.assert_array_equal(block_expert[row // BLOCK_ROWS], flat)  # each row in a block of its expert
+    assert len(set(row.tolist())) == flat.size and row.max() < block_expert.size * moe.BLOCK_ROWS
+    np.testing.assert_array_equal(block_expert[row // moe.BLOCK_ROWS], flat)  # each row in a block of its expert
     used = block_expert >= 0
     assert used[:used.sum()].all()  # the used blocks first, the rest -1
 

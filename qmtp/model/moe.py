@@ -16,7 +16,7 @@ Params of one block (a decoder layer's dict, qmtp/model/params.py): router [E, H
 shared_mlp_down [H, S], shared_gate [1, H].
 
 `sparse_moe` runs the routed form: the (token, chosen expert) pairs sorted by expert into blocks of
-moe_matmul.BLOCK_ROWS rows, one expert per block (`group_rows`), through the grouped expert matmul
+BLOCK_ROWS rows, one expert per block (`group_rows`), through the grouped expert matmul
 (ops.expert_matmul), so a step reads only the chosen experts' weights. `sparse_moe_ref` is the
 reference form: every expert over every token (a lax.scan over the experts), the unchosen ones' terms
 dropped; E / k times the work.
@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from qmtp.model import layers
-from pallas_kernels.moe_matmul import BLOCK_ROWS
 from qmtp.model.config import ModelConfig
 from qmtp.runtime import ops
 from qmtp.runtime.kernel_config import KernelConfig
 
 F32 = jnp.float32
+BLOCK_ROWS = ops.EXPERT_BLOCK_ROWS
 
 
 def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, kernels: KernelConfig):
@@ -81,11 +81,17 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     gate_up = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x.dtype)  # [R, 2I]
     act = ops.swiglu(gate_up[:, :two_i // 2], gate_up[:, two_i // 2:], kernels, x.dtype)  # [R, I]
     y = ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=x.dtype)[row]  # [P, H]
-    terms = (y.reshape(-1, top_k, h) * w[..., None]).astype(x.dtype)  # [T, k, H]
-    routed = terms[:, 0]
-    for j in range(1, top_k):
-        routed = routed + terms[:, j]
+    routed = ops.fenced(kernels, _weighted_sum, y.reshape(-1, top_k, h), w)
     return (routed + _shared(p, x2, kernels)).reshape(lead + (h,))
+
+
+def _weighted_sum(y: jax.Array, w: jax.Array) -> jax.Array:
+    """sum_j w[t, j] y[t, j] [T, H] for y [T, k, H], w [T, k]: each term rounded to y's dtype, added in j order."""
+    terms = (y * w[..., None]).astype(y.dtype)
+    out = terms[:, 0]
+    for j in range(1, terms.shape[1]):
+        out = out + terms[:, j]
+    return out
 
 
 def _shared(p: dict, x2: jax.Array, kernels: KernelConfig) -> jax.Array:

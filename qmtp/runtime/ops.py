@@ -109,6 +109,9 @@ def rms_norm(x, w, eps, kernels: KernelConfig | None, *, plus_one: bool, z=None,
     return rms_norm_kernels.rms_norm_rows_ref(x, w, eps, plus_one=plus_one, z=z, out_dtype=out_dtype)
 
 
+EXPERT_BLOCK_ROWS = moe_matmul.BLOCK_ROWS  # rows of an expert_matmul block (one expert each)
+
+
 def expert_matmul(x: jax.Array, block_expert: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
     """y [R, O] for rows x [R, I] in blocks of moe_matmul.BLOCK_ROWS, block b times the stacked expert
     weight w [X, O, I] (an array or an Fp8Block) of expert block_expert[b] (-1: zeros); f32 accumulation
