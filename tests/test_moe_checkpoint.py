@@ -87,8 +87,7 @@ def test_mtp_tokens_equal_plain_on_an_moe_model(checkpoint, dtype, impl):
     model = qmtp.load(resolve_checkpoint(checkpoint), dtype=dtype, impl=impl, progress=False)
     prompts = [[5, 17, 33, 2, 90, 41, 7], [200, 3, 3, 18], [77] * 12]
     plain = qmtp.generate(model, prompts, max_new_tokens=24, stop_token_ids=[]).tokens
-    for k in (1, 3):
-        assert qmtp.generate(model, prompts, max_new_tokens=24, stop_token_ids=[], mtp_k=k).tokens == plain, k
+    assert qmtp.generate(model, prompts, max_new_tokens=24, stop_token_ids=[], mtp_k=3).tokens == plain
 
 
 def test_fp8_experts_need_whole_blocks_of_expert_width():

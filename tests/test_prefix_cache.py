@@ -104,6 +104,7 @@ def test_two_hundred_requests_with_the_cache_equal_those_without(model, k):
     assert_only_the_cache_holds_pages(on)
 
 
+@pytest.mark.slow  # 33 s; TP2 generation and the cache at TP1 are in the default suite
 def test_tp2_with_the_cache_equals_without(ckpt):
     tp2 = qmtp.load(ckpt, dtype="float32", page_size=8, progress=False, tp=2)
     _, compared, on = run_workload(tp2, 3, seed=5, n_conv=4, turns=3)
