@@ -100,3 +100,10 @@ def test_fp8_experts_need_whole_blocks_of_expert_width():
     headers[up + "_scale_inv"] = checkpoint._Header("model.safetensors", "F32", scale_grid(64, cfg.hidden_size))
     with pytest.raises(CheckpointError, match=rf"{up}: FP8 experts need moe_intermediate_size % 128 == 0"):
         checkpoint.validate(cfg, headers, "ckpt")
+
+
+def test_tensor_parallelism_of_an_moe_model_is_refused_by_name():
+    from qmtp.runtime import tp
+    cfg = ModelConfig.from_hf(resolve_checkpoint(f"{PRESET}:bf16"))
+    with pytest.raises(ValueError, match=r"--tp=2: mixture-of-experts models run on one device"):
+        tp.check_tp(cfg, 2)
