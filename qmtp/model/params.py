@@ -14,7 +14,7 @@ A layer's MLP is dense (mlp_gate, mlp_up, mlp_down) or, where cfg.layer_is_moe, 
 (qmtp/model/moe.py): router [X, E], experts_gate_up [X, 2I, E] (each expert's gate rows, then its up
 rows), experts_down [X, E, I], shared_mlp_gate / shared_mlp_up [S, E], shared_mlp_down [E, S],
 shared_gate [1, E]. The experts are stacked whichever way the checkpoint stores them: one tensor per
-expert and projection (`mlp.experts.{x}.gate_proj.weight`, Qwen3-Next and most releases) or fused
+expert and projection (`mlp.experts.{x}.gate_proj.weight`, as Qwen3-Next releases) or fused
 3-D tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`; `tensor_table(fused_experts=True)`).
 
 Layers are separate arrays, not [L, ...] stacks: XLA copies a layer sliced out of a stack before
