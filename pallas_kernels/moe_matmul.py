@@ -9,9 +9,10 @@ or [X, O, I] in bf16 / f32 (no scales). A launch reads each block's expert once 
 decode the k experts a token chose, not the X of the layer.
 
 One program per (row block, BLOCK_O outputs) sums the 128-column chunks of I in order, each chunk's dot
-(bf16 pieces of x against bf16 pieces of the weight, f32 accumulation; E4M3 and bf16 are one exact piece,
-f32 three) times its scale in f32: a row's result depends on its own x, its expert and that order only, so it is the same
-whatever other rows share the launch (row-invariant, as KernelConfig.deterministic needs).
+(bf16 pieces of x against bf16 pieces of the weight, f32 accumulation; E4M3 and bf16 are one exact
+piece, f32 three) times its scale in f32: a row's result depends on its own x, its expert and that order
+only, so it is the same whatever other rows share the launch (row-invariant, as
+KernelConfig.deterministic needs).
 """
 
 from __future__ import annotations
@@ -94,12 +95,12 @@ def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i):
     rows_ok = (o0 + jnp.arange(BLOCK_O)) < o if o % BLOCK_O else None
     out = o_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(o0, BLOCK_O)]
     e = jnp.maximum(expert, 0)
+    wide = w_ref.dtype == jnp.float32  # f32 weights: three bf16 pieces, like f32 x
 
     def chunk(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         xc = _load_x(x_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(k0, BLOCK)], _mask2(None, cols_ok))
-        wide = w_ref.dtype == jnp.float32
         wc = _load_w(w_ref.at[e, pl.ds(o0, BLOCK_O), pl.ds(k0, BLOCK)], _mask2(rows_ok, cols_ok),
                      jnp.float32 if wide else jnp.bfloat16)
         x_pieces = _bf16_pieces(xc)

@@ -381,27 +381,11 @@ def recurrence_stats(model, mod, ids: list[int]) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Config builders
 # ---------------------------------------------------------------------------------------------------------
-def qwen3_5_text_config() -> Qwen3_5TextConfig:
-    return Qwen3_5TextConfig(
-        **GEOMETRY,
-        layer_types=list(LAYER_TYPES),
-        tie_word_embeddings=False,
-        rope_parameters=dict(
-            rope_type="default",
-            rope_theta=ROPE_THETA,
-            partial_rotary_factor=PARTIAL_ROTARY_FACTOR,
-            mrope_section=list(MROPE_SECTION),
-            mrope_interleaved=True,
-        ),
-        eos_token_id=EOS_ID,
-        attn_implementation="eager",
-    )
-
-
-def qwen3_5_moe_text_config() -> Qwen3_5MoeTextConfig:
-    return Qwen3_5MoeTextConfig(
-        **{k: v for k, v in GEOMETRY.items() if k != "intermediate_size"},  # every layer sparse: no dense width
-        **MOE,
+def qwen3_5_text_config(moe: bool = False) -> Qwen3_5TextConfig | Qwen3_5MoeTextConfig:
+    """Qwen3.5, or with `moe` Qwen3.5-MoE (every layer sparse: no dense width)."""
+    geometry = dict({k: v for k, v in GEOMETRY.items() if k != "intermediate_size"}, **MOE) if moe else GEOMETRY
+    return (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(
+        **geometry,
         layer_types=list(LAYER_TYPES),
         tie_word_embeddings=False,
         rope_parameters=dict(
@@ -720,7 +704,7 @@ def build_model(kind: str, seed: int):
         model = Qwen3_5ForCausalLM(cfg)
         mod = modeling_qwen3_5
     elif kind == "qwen3_5_moe":
-        cfg = qwen3_5_moe_text_config()
+        cfg = qwen3_5_text_config(moe=True)
         model = Qwen3_5MoeForCausalLM(cfg)
         mod = modeling_qwen3_5_moe
     else:

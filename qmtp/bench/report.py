@@ -39,40 +39,41 @@ def nbytes(tree) -> int:
     return total
 
 
-def _read_share(tree, top_k: int | None, tokens: int):
-    """tree with each MoE layer's stacked experts scaled to the share a pass of `tokens` tokens reads
-    (module doc), as {key: bytes} leaves where scaled."""
+def _unread_expert_bytes(tree, top_k: int | None, tokens: int) -> int:
+    """Bytes of the MoE expert stacks in `tree` that a pass of `tokens` tokens does not read (module
+    doc); 0 for a dense model (top_k None)."""
     import jax
     if top_k is None:
-        return tree
-    if isinstance(tree, dict):
-        out = {k: _read_share(v, top_k, tokens) for k, v in tree.items()}
-        for key in ("experts_gate_up", "experts_down"):
-            if key in tree:
-                x = jax.tree_util.tree_leaves(tree[key])[0].shape[0]  # X experts
-                out[key] = np.zeros(round(nbytes(tree[key]) * (1 - (1 - top_k / x) ** tokens)), np.uint8)
-        return out
+        return 0
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_read_share(v, top_k, tokens) for v in tree)
-    return tree
+        return sum(_unread_expert_bytes(v, top_k, tokens) for v in tree)
+    if not isinstance(tree, dict):
+        return 0
+    unread = sum(_unread_expert_bytes(v, top_k, tokens) for v in tree.values() if isinstance(v, (dict, list, tuple)))
+    for key in ("experts_gate_up", "experts_down"):
+        if key in tree:
+            x = jax.tree_util.tree_leaves(tree[key])[0].shape[0]  # X experts
+            unread += round(nbytes(tree[key]) * (1 - top_k / x) ** tokens)
+    return unread
 
 
 def step_bytes(params: dict, state, context: int, moe_top_k: int | None = None) -> dict:
     """Bytes one target pass and one MTP draft step over the state's whole batch must read (see the
     module docstring; weights once, state and K/V per sequence, every sequence at `context`);
     moe_top_k: the experts per token of an MoE model (its expert stacks count the share read)."""
-    params = _read_share(params, moe_top_k, state.batch)
     kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.kv.k) * 2  # K and V, per position
     mtp_kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.mtp_kv.k) * 2
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"]
-    target = {"weights": nbytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
+    target_params = {k: v for k, v in params.items() if k not in ("embed", "mtp")}
+    target = {"weights": nbytes(target_params) - _unread_expert_bytes(target_params, moe_top_k, state.batch)
               + (0 if "lm_head" in params else nbytes(lm_head)),
               "gdn_state": 2 * nbytes(state.ssm), "conv_state": 2 * nbytes(state.conv),
               "kv": kv_pos * context * state.batch}
     mtp_params = params.get("mtp", {})
     # a draft reads the FP8 draft head when the model has one (qmtp.load's draft_head), else lm_head
     draft_head = mtp_params.get("draft_head", lm_head)
-    draft = {"mtp_weights": nbytes({k: v for k, v in mtp_params.items() if k != "draft_head"}),
+    mtp_layers = {k: v for k, v in mtp_params.items() if k != "draft_head"}
+    draft = {"mtp_weights": nbytes(mtp_layers) - _unread_expert_bytes(mtp_layers, moe_top_k, state.batch),
              "lm_head": nbytes(draft_head), "kv": mtp_kv_pos * context * state.batch}
     return {"batch": state.batch, "target": target, "draft": draft, "target_total": sum(target.values()),
             "draft_total": sum(draft.values())}

@@ -55,7 +55,7 @@ def group_rows(experts: jax.Array, n_experts: int):
     flat = experts.reshape(-1)  # [P]
     pairs = flat.shape[0]
     order = jnp.argsort(flat, stable=True)  # pairs by expert
-    counts = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)  # [X]
+    counts = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [X]
     padded = -(-counts // BLOCK_ROWS) * BLOCK_ROWS
     padded_end, group_end = jnp.cumsum(padded), jnp.cumsum(counts)
     by_expert = flat[order]

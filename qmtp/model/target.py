@@ -69,8 +69,8 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     post-final-norm, new state); the caller takes logits (`logits_from_hidden`) where it needs them.
     gdn_slots int [B]: state.conv / state.ssm are the slot ring (layers.gated_deltanet).
     taps: a dict that receives every layer's mixer output, MLP input and MLP output [B, T, E] ("layer i
-    mixer", "layer i mlp input", "layer i mlp"), for a caller that returns it from its traced function (where a row's numbers change:
-    tests/test_row_invariance_model.py)."""
+    mixer", "layer i mlp input", "layer i mlp"), for a caller that returns it from its traced function
+    (where a row's numbers change: tests/test_row_invariance_model.py)."""
     x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
     eps, new = cfg.rms_norm_eps, {LINEAR: [], FULL: []}  # per kind, each layer's new (conv, ssm) / (k, v)
     for i, kind in enumerate(cfg.layer_types):
