@@ -18,35 +18,16 @@ from qmtp.model.checkpoint import CheckpointError
 from qmtp.model.config import ModelConfig
 from qmtp.model.fp8 import Fp8Block, scale_grid
 from qmtp.tools.make_checkpoint import resolve_checkpoint
+from moe_layouts import fuse_experts
 
 PRESET = "preset:tiny_moe"
 EXPERT = "model.language_model.layers.{layer}.mlp.experts.{x}.{proj}.weight"
 
 
-def _fuse(src: str, dst: str) -> None:
-    """A copy of checkpoint src with every layer's per-expert tensors (and FP8 scales) fused into
-    mlp.experts.gate_up_proj [X, 2I, H] (gate rows, then up rows) and mlp.experts.down_proj [X, H, I]."""
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "model.safetensors")
-    tensors = load_file(file)
-    prefixes = sorted({k[:k.index("experts.") + len("experts.")] for k in tensors if ".mlp.experts." in k})
-    for prefix in prefixes:
-        n = 1 + max(int(k[len(prefix):].split(".")[0]) for k in tensors if k.startswith(prefix))
-        for suffix in ("weight", "weight_scale_inv"):
-            if prefix + f"0.gate_proj.{suffix}" not in tensors:
-                continue
-            take = lambda proj: [tensors.pop(f"{prefix}{x}.{proj}.{suffix}") for x in range(n)]  # noqa: E731
-            gate, up, down = take("gate_proj"), take("up_proj"), take("down_proj")
-            tail = "" if suffix == "weight" else "_scale_inv"
-            tensors[f"{prefix}gate_up_proj{tail}"] = np.stack([np.concatenate(gu) for gu in zip(gate, up)])
-            tensors[f"{prefix}down_proj{tail}"] = np.stack(down)
-    save_file(tensors, file)
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_per_expert_and_fused_experts_load_the_same_stacked_params(dtype, tmp_path):
     src = resolve_checkpoint(f"{PRESET}:{dtype}")
-    _fuse(src, str(tmp_path / "fused"))
+    fuse_experts(src, str(tmp_path / "fused"))
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in load_file(str(tmp_path / "fused" / "model.safetensors")))
     per_expert = qmtp.load(src, dtype="float32", progress=False, impl="ref")
     fused = qmtp.load(str(tmp_path / "fused"), dtype="float32", progress=False, impl="ref")
@@ -101,9 +82,3 @@ def test_fp8_experts_need_whole_blocks_of_expert_width():
     with pytest.raises(CheckpointError, match=rf"{up}: FP8 experts need moe_intermediate_size % 128 == 0"):
         checkpoint.validate(cfg, headers, "ckpt")
 
-
-def test_tensor_parallelism_of_an_moe_model_is_refused_by_name():
-    from qmtp.runtime import tp
-    cfg = ModelConfig.from_hf(resolve_checkpoint(f"{PRESET}:bf16"))
-    with pytest.raises(ValueError, match=r"--tp=2: mixture-of-experts models run on one device"):
-        tp.check_tp(cfg, 2)

@@ -63,3 +63,18 @@ def test_mesh_and_split_checks_name_the_limit():
     from qmtp.model.config import from_dict
     real = from_dict(make_checkpoint.build_config("qwen3_5_27b", "fp8", 0, None))
     tp.check_tp(real, 2, fp8=True)  # the 27B splits in two on 128-blocks (ffn 8704 = 68 x 128 per shard)
+
+
+def test_moe_split_checks_name_the_expert_widths():
+    from qmtp.model.config import from_dict
+    cfg = ModelConfig.from_hf(make_checkpoint.ensure_preset("tiny_moe", "bf16"))
+    tp.check_tp(cfg, 2)  # experts 128 wide, shared expert 96: no dense layer, so no intermediate_size
+    with pytest.raises(ValueError, match=r"--tp=2: moe_intermediate_size=127 is not divisible by 2"):
+        tp.check_tp(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_size=127)), 2)
+    with pytest.raises(ValueError, match=r"--tp=2: shared_expert_intermediate_size=97 is not divisible by 2"):
+        tp.check_tp(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_size=97)), 2)
+    with pytest.raises(ValueError, match=r"--tp=2: intermediate_size=271 is not divisible by 2"):  # a dense layer
+        tp.check_tp(dataclasses.replace(cfg, intermediate_size=271,
+                                        moe=dataclasses.replace(cfg.moe, mlp_only_layers=(1,))), 2)
+    for preset in ("qwen3_5_35b_a3b", "qwen3_next_80b_a3b"):  # experts 512 wide: 2 x 128 per shard
+        tp.check_tp(from_dict(make_checkpoint.build_config(preset, "fp8", 0, None)), 2, fp8=True)

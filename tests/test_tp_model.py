@@ -19,6 +19,7 @@ import qmtp
 from qmtp.model import checkpoint, params, shard_layout
 from marks import slow_except
 from qmtp.tools import make_checkpoint
+from moe_layouts import fuse_experts
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle")
 TP_LOGITS_RTOL = 1e-5
@@ -110,12 +111,13 @@ def test_logits_and_mtp_logits_within_tolerance(tiny_pair):
     np.testing.assert_array_equal(one.draft_argmax, two.draft_argmax)
 
 
-@pytest.mark.slow  # ~20 s; TP1 == the HF oracle and TP2 == TP1 run in the default suite (CI time)
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.slow  # ~20 s each; TP1 == the HF oracle and TP2 == TP1 (dense and MoE) run in the default suite
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_next_moe"])
 def test_hf_oracle_fixtures_tp2(name):
     """The HF-verified fixtures (Qwen3.5 nested layout; Qwen3-Next fused projections and tied
-    embeddings, whose fused rows must be composed with the shard selection): TP2 logits match
-    the logits HF transformers produced, and TP2 greedy tokens equal TP1's."""
+    embeddings, whose fused rows must be composed with the shard selection; the MoE ones with their
+    experts fused or one tensor per expert, split by width): TP2 logits match the logits HF
+    transformers produced, and TP2 greedy tokens equal TP1's."""
     path = os.path.join(ORACLE, name)
     pair = _pair(path)
     expected = np.load(os.path.join(path, "expected.npz"))
@@ -137,6 +139,32 @@ def test_fp8_with_replicated_kv_head_tp2_equals_tp1(fp8_dir):
     assert pair[1].params["attn"][0]["k_proj"].weight.shape[0] == 2 * 128  # one KV head per shard
     for k in (0, 2):
         _same_tokens(pair, PROMPTS[:2], k, max_new=6)
+
+
+def test_fp8_moe_experts_split_by_width_tp2_equals_tp1(tmp_path):
+    """FP8 experts split by width: each device holds the gate and up rows of its share of every expert's
+    width, with their 128-block scales, and the columns of the down projections, whether the checkpoint
+    stores one tensor per expert (stacked on the host, then split) or fused 3-D tensors (read as slices);
+    TP2 logits within tolerance of TP1's, same MTP tokens (plain TP2 == TP1: the oracle fixtures)."""
+    path = make_checkpoint.write_checkpoint(str(tmp_path / "moe"), "tiny_tp_moe", "fp8", seed=2)
+    fuse_experts(path, str(tmp_path / "fused"))
+    pair = _pair(path)
+    fused = qmtp.load(str(tmp_path / "fused"), dtype="float32", progress=False, tp=2)
+    for a, b in zip(jax.tree_util.tree_leaves(pair[1].params), jax.tree_util.tree_leaves(fused.params)):
+        assert a.sharding == b.sharding
+        for sa, sb in zip(a.addressable_shards, b.addressable_shards):
+            np.testing.assert_array_equal(np.asarray(sa.data, np.float32), np.asarray(sb.data, np.float32))
+    full, split = (m.params["attn"][0] for m in pair)
+    i = pair[0].cfg.moe.expert_size // 2  # the expert width each device holds
+    gate_up = [np.asarray(s.data, np.float32) for s in split["experts_gate_up"].weight.addressable_shards]
+    whole = np.asarray(full["experts_gate_up"].weight, np.float32)  # [X, 2I, E]: gate rows, then up rows
+    np.testing.assert_array_equal(gate_up[1], np.concatenate([whole[:, i:2 * i], whole[:, 3 * i:]], axis=1))
+    scales = [np.asarray(s.data) for s in split["experts_gate_up"].scale.addressable_shards]
+    np.testing.assert_array_equal(scales[1], np.asarray(full["experts_gate_up"].scale)[:, [1, 3]])
+    down = [np.asarray(s.data, np.float32) for s in split["experts_down"].weight.addressable_shards]
+    np.testing.assert_array_equal(down[0], np.asarray(full["experts_down"].weight, np.float32)[:, :, :i])
+    _close(qmtp.target_logits(pair[0], PROMPTS[2]), qmtp.target_logits(pair[1], PROMPTS[2]), "MoE target logits")
+    _same_tokens(pair, PROMPTS[:2], 3, max_new=8)
 
 
 def test_forgotten_psum_is_caught(tiny_pair, monkeypatch):
@@ -201,6 +229,9 @@ def test_tp_is_refused_with_a_clear_message(tmp_path):
         qmtp.load(path, progress=False, tp=2)
     with pytest.raises(ValueError, match=r"--tp=3: 2 cpu device\(s\) visible"):
         qmtp.load(path, progress=False, tp=3)
+    moe = make_checkpoint.write_checkpoint(str(tmp_path / "moe"), "tiny_moe", "fp8", seed=0)
+    with pytest.raises(ValueError, match=r"--tp=2: FP8 weights need .* moe_intermediate_size / tp = 64"):
+        qmtp.load(moe, progress=False, tp=2)
 
 
 @pytest.mark.slow  # ~39 s (every kernel in interpret mode under shard_map); the kernels' own tests stay

@@ -202,7 +202,7 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
     total = sum(_BYTES.get(headers[e.name].dtype, 4) * int(np.prod(headers[e.name].shape)) for e in table)
     bar = _Progress(len(table), total, progress)
     handles: dict[str, object] = {}
-    stacks = _ExpertStacks(cfg, table, compute)
+    stacks = _ExpertStacks(cfg, table, compute, mesh)
     try:
         for entry in table:
             h = headers[entry.name]
@@ -249,10 +249,11 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
 
 class _ExpertStacks:
     """Per-expert tensors gathered into their stacked [X, R, C] params (and [X, R/128, C/128] scales),
-    each put into the tree when its last piece arrives, so the host holds one stack at a time."""
+    each put into the tree when its last piece arrives, so the host holds one stack at a time; under a
+    TP mesh the stack is split there into the devices' shards (`shard_layout`)."""
 
-    def __init__(self, cfg: ModelConfig, table: list[P.TensorEntry], compute):
-        self.cfg, self.compute, self.open = cfg, compute, {}
+    def __init__(self, cfg: ModelConfig, table: list[P.TensorEntry], compute, mesh=None):
+        self.cfg, self.compute, self.mesh, self.open = cfg, compute, mesh, {}
         self.left: dict[tuple, int] = {}
         for e in table:
             if e.role == P.EXPERTS:
@@ -274,8 +275,23 @@ class _ExpertStacks:
         self.left[slot] -= 1
         if self.left[slot] == 0:
             del self.open[slot]
-            P.place(tree, entry, entry.key, jnp.asarray(weight) if grid is None
-                    else Fp8Block(jnp.asarray(weight), jnp.asarray(grid)))
+            P.place(tree, entry, entry.key, self._split(entry, weight if grid is None else Fp8Block(weight, grid)))
+
+    def _split(self, entry: P.TensorEntry, stack):
+        """The stacked param on the device, or assembled from the mesh devices' shards of it."""
+        if self.mesh is None:
+            return jax.tree_util.tree_map(jnp.asarray, stack)
+        from qmtp.runtime import tp
+        dim, weight = shard_layout.split_dim(entry.key), getattr(stack, "weight", stack)
+        pieces = []
+        for s_i, device in enumerate(self.mesh.devices.flat):
+            idx = shard_layout.shard_indices(self.cfg, entry.key, weight.shape[dim], self.mesh.size, s_i)
+            piece = np.take(weight, idx, axis=dim)
+            if isinstance(stack, Fp8Block):
+                what = f"{entry.key} of {entry.name.rsplit('.experts.', 1)[0]} (shard {s_i} of {self.mesh.size})"
+                piece = Fp8Block(piece, np.take(stack.scale, shard_layout.block_indices(idx, what), axis=dim))
+            pieces.append(jax.device_put(piece, device))
+        return jax.tree_util.tree_map(lambda *xs: tp.assemble(list(xs), dim, self.mesh), *pieces)
 
 
 def _key_rows(cfg: ModelConfig, entry: P.TensorEntry) -> dict:
@@ -305,11 +321,10 @@ def _select(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, 
 
 def _read_slice(handles: dict, checkpoint_dir: str, file: str, name: str, dim: int, start: int,
                 stop: int) -> np.ndarray:
-    """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, without reading the rest."""
+    """Indices [start, stop) along `dim` of a stored tensor, without reading the rest."""
     def get(f):
-        view = f.get_slice(name)
-        return view[start:stop] if dim == 0 else view[:, start:stop]
-    return _get(handles, checkpoint_dir, file, f"{name}[{'' if dim == 0 else ':, '}{start}:{stop}]", get)
+        return f.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+    return _get(handles, checkpoint_dir, file, f"{name}[{':, ' * dim}{start}:{stop}]", get)
 
 
 def _read(handles: dict, checkpoint_dir: str, file: str, name: str) -> np.ndarray:

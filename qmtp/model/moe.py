@@ -13,7 +13,9 @@ SwiGLU_e(x) = down_e(silu(x @ gate_e.T) * (x @ up_e.T)), the experts' weights st
 
 Params of one block (a decoder layer's dict, qmtp/model/params.py): router [E, H], experts_gate_up
 [E, 2I, H], experts_down [E, H, I] (arrays or stacked Fp8Blocks), shared_mlp_gate / shared_mlp_up [S, H],
-shared_mlp_down [H, S], shared_gate [1, H].
+shared_mlp_down [H, S], shared_gate [1, H]. Under tensor parallelism each device holds a contiguous share
+of every expert's width (and of the shared expert's): the down projections' partial sums are reduced
+across devices (qmtp/model/shard_layout.py), so the same code runs on a shard.
 
 `sparse_moe` runs the routed form: the (token, chosen expert) pairs sorted by expert into blocks of
 BLOCK_ROWS rows, one expert per block (`group_rows`), through the grouped expert matmul
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 
 from qmtp.model import layers
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import ops
+from qmtp.runtime import ops, tp
 from qmtp.runtime.kernel_config import KernelConfig
 
 F32 = jnp.float32
@@ -80,7 +82,10 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     rows = jnp.zeros((block_expert.shape[0] * BLOCK_ROWS, h), x.dtype).at[row].set(jnp.repeat(x2, top_k, axis=0))
     gate_up = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x.dtype)  # [R, 2I]
     act = ops.swiglu(gate_up[:, :two_i // 2], gate_up[:, two_i // 2:], kernels, x.dtype)  # [R, I]
-    y = ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=x.dtype)[row]  # [P, H]
+    # [R, H]: f32 partial sums over this shard's share of each expert's width (tensor parallelism),
+    # reduced, then rounded once as one device rounds its accumulator
+    y = tp.all_reduce(ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=F32))
+    y = y.astype(x.dtype)[row]  # [P, H]
     routed = ops.fenced(kernels, _weighted_sum, y.reshape(-1, top_k, h), w)
     return (routed + _shared(p, x2, kernels)).reshape(lead + (h,))
 
@@ -115,7 +120,7 @@ def sparse_moe_ref(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, k
     def expert(acc, xs):
         gate_up, down, sel, wt = xs  # [2I, H], [H, I], [T], [T]
         g, u = jnp.split(ops.linear(x2, gate_up, kernels), [two_i // 2], axis=-1)
-        y = ops.linear(ops.swiglu(g, u, kernels, x.dtype), down, kernels)
+        y = layers.row_parallel(ops.swiglu(g, u, kernels, x.dtype), down, kernels)
         term = (y * wt[:, None]).astype(x.dtype)
         return jnp.where(sel[:, None], acc + term, acc), None  # tokens that did not choose it add nothing
 

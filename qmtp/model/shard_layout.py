@@ -21,7 +21,11 @@ concatenated along the dim (so its contiguous split gives each device exactly it
     in_proj_b, in_proj_a, A_log, dt_bias   [Hv, ...] dim 0, contiguous
     in_proj_ba              [2Hv, E]   dim 0, per shard [b_s | a_s] (load.fuse_gate_projections)
     out_proj                [E, HvDv]  dim 1, contiguous (row-parallel)
-    norms, mtp.fc           replicated
+    experts_gate_up         [X, 2I, E] dim 1, per shard [gate_s | up_s] of every expert (each expert's
+                                       width split: every device reads its share of each chosen expert)
+    experts_down            [X, E, I]  dim 2, contiguous (row-parallel)
+    shared_mlp_gate / _up   [S, E]     dim 0, contiguous; shared_mlp_down [E, S] dim 1 (row-parallel)
+    norms, mtp.fc, router, shared_gate   replicated
 
 GDN key and value heads split together (value head j uses key head j // (Hv / Hk)). With n = 1 every
 index list is the identity: one shard's TP layout is the checkpoint layout.
@@ -33,21 +37,25 @@ from qmtp.model.config import FP8_BLOCK, ModelConfig
 
 REPLICATED = None
 _CONTIGUOUS_0 = {"embed", "lm_head", "draft_head", "q_proj", "mlp_gate", "mlp_up", "in_proj_z", "in_proj_b",
-                 "in_proj_a", "A_log", "dt_bias"}
-_CONTIGUOUS_1 = {"o_proj", "mlp_down", "out_proj"}
+                 "in_proj_a", "A_log", "dt_bias", "shared_mlp_gate", "shared_mlp_up"}
+_CONTIGUOUS_1 = {"o_proj", "mlp_down", "out_proj", "shared_mlp_down"}
+_CONTIGUOUS_2 = {"experts_down"}
 _KV_HEADS = {"k_proj", "v_proj"}
 _QKV = {"in_proj_qkv", "conv"}
-_BA = {"in_proj_ba"}
+_BA = {"in_proj_ba"}  # [b | a]
+_GATE_UP = {"experts_gate_up"}  # [gate | up] along dim 1
 _REPLICATED = {"final_norm", "input_norm", "post_norm", "q_norm", "k_norm", "gdn_norm", "fc",
-               "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "draft_vocab"}
+               "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "draft_vocab", "router", "shared_gate"}
 
 
 def split_dim(key: str) -> int | None:
     """The dim a parameter (by its key in the tree) is split along, or None when replicated."""
     if key in _CONTIGUOUS_0 or key in _KV_HEADS or key in _QKV or key in _BA:
         return 0
-    if key in _CONTIGUOUS_1:
+    if key in _CONTIGUOUS_1 or key in _GATE_UP:
         return 1
+    if key in _CONTIGUOUS_2:
+        return 2
     if key in _REPLICATED:
         return REPLICATED
     raise KeyError(f"no tensor-parallel layout for parameter {key!r}")
@@ -72,11 +80,11 @@ def shard_indices(cfg: ModelConfig, key: str, length: int, n: int, s: int) -> li
         kd, vd = cfg.key_dim, cfg.value_dim
         q = _contiguous(kd, n, s)
         return q + [kd + i for i in q] + [2 * kd + i for i in _contiguous(vd, n, s)]
-    if key in _BA:
+    if key in _BA or key in _GATE_UP:
         if length % 2:
-            raise ValueError(f"in_proj_ba has {length} rows: expected 2 Hv ([b | a])")
-        heads = _contiguous(length // 2, n, s)
-        return heads + [length // 2 + i for i in heads]
+            raise ValueError(f"{key} has {length} rows: expected two halves ({'[b | a]' if key in _BA else '[gate | up]'})")
+        half = _contiguous(length // 2, n, s)
+        return half + [length // 2 + i for i in half]
     return _contiguous(length, n, s)
 
 

@@ -44,17 +44,21 @@ def make_mesh(n: int, devices=None) -> Mesh:
 def check_tp(cfg: ModelConfig, n: int, fp8: bool = False) -> None:
     """Raises ValueError naming the first dimension that cannot be split n ways.
 
-    Attention and GDN heads, the MLP width and the vocabulary are split; fewer KV heads than shards
-    is allowed when n is a multiple of them (KV heads are then replicated). With FP8 block weights
-    every split dimension's shard must be a whole number of 128-blocks."""
+    Attention and GDN heads, the MLP width (dense layers), each expert's and the shared expert's width
+    (MoE layers) and the vocabulary are split; fewer KV heads than shards is allowed when n is a
+    multiple of them (KV heads are then replicated). With FP8 block weights every split dimension's
+    shard must be a whole number of 128-blocks."""
     if n == 1:
         return
+    widths = {}  # the MLP widths the model's layers use
+    layers = range(max(cfg.num_hidden_layers, cfg.mtp_layers))
+    if cfg.moe is None or not all(cfg.layer_is_moe(i) for i in layers):
+        widths["intermediate_size"] = cfg.intermediate_size
     if cfg.moe is not None:
-        raise ValueError(f"--tp={n}: mixture-of-experts models run on one device (the experts are not split "
-                         "across devices yet)")
+        widths.update(moe_intermediate_size=cfg.moe.expert_size,
+                      shared_expert_intermediate_size=cfg.moe.shared_size)
     splits = {"num_attention_heads": cfg.num_attention_heads, "linear_num_key_heads": cfg.linear_num_key_heads,
-              "linear_num_value_heads": cfg.linear_num_value_heads, "intermediate_size": cfg.intermediate_size,
-              "vocab_size": cfg.vocab_size}
+              "linear_num_value_heads": cfg.linear_num_value_heads, **widths, "vocab_size": cfg.vocab_size}
     for name, size in splits.items():
         if size % n:
             raise ValueError(f"--tp={n}: {name}={size} is not divisible by {n}")
@@ -62,7 +66,7 @@ def check_tp(cfg: ModelConfig, n: int, fp8: bool = False) -> None:
     if hkv % n and n % hkv:
         raise ValueError(f"--tp={n}: num_key_value_heads={hkv} can be neither split nor replicated {n} ways")
     if fp8:
-        shards = {"intermediate_size / tp": cfg.intermediate_size // n,
+        shards = {**{f"{name} / tp": size // n for name, size in widths.items()},
                   "attention q rows / tp": 2 * cfg.num_attention_heads * cfg.head_dim // n,
                   "attention o_proj columns / tp": cfg.num_attention_heads * cfg.head_dim // n,
                   "attention k/v rows / tp": shard_layout.kv_heads_per_shard(cfg, n) * cfg.head_dim,

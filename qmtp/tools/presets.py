@@ -82,6 +82,14 @@ def tiny_tp_text_config(num_layers: int | None = None) -> dict:
                        head_dim=128, gdn_k_dim=128, gdn_v_dim=128, **_SMALL)
 
 
+def tiny_tp_moe_text_config(num_layers: int | None = None) -> dict:
+    """tiny_tp as a Qwen3.5-MoE: 8 experts (top 2) and a shared expert, each of width 256, so every FP8
+    expert splits 2 ways on 128-blocks."""
+    return text_config(hidden=256, ffn=0, num_layers=4 if num_layers is None else num_layers, kv_heads=1,
+                       head_dim=128, gdn_k_dim=128, gdn_v_dim=128, **_SMALL,
+                       moe={"experts": 8, "top_k": 2, "expert_size": 256, "shared_size": 256})
+
+
 def tiny_moe_text_config(num_layers: int | None = None) -> dict:
     """tiny as a Qwen3.5-MoE: 8 experts (top 2) of width 128 (whole FP8 blocks: gate and up rows stack on
     one scale grid) and a shared expert of width 96."""
@@ -180,6 +188,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            tiny_text_config, fast_weights=False),
     Preset("tiny_tp", "CPU tensor-parallel test model: E 256, F 512, one KV head, head dim 128 (FP8 splits "
            "2 ways on 128-blocks; the KV head is replicated)", tiny_tp_text_config, fast_weights=False),
+    Preset("tiny_tp_moe", "CPU tensor-parallel test model of Qwen3.5-MoE: tiny_tp with 8 experts (top 2) and a "
+           "shared expert, each of width 256 (FP8 experts split 2 ways on 128-blocks)", tiny_tp_moe_text_config,
+           fast_weights=False),
     Preset("tiny_moe", "CPU test model of Qwen3.5-MoE: tiny with 8 experts (top 2, width 128) and a shared "
            "expert (width 96) in every layer, exact normals", tiny_moe_text_config, fast_weights=False),
     Preset("qwen3_5_35b_a3b", "Qwen3.5-35B-A3B shapes: E 2048, 40 layers, 256 experts (top 8, width 512), "
