@@ -92,3 +92,18 @@ def test_a_token_alone_equals_it_among_others_under_deterministic():
     run = lambda v: np.asarray(moe.sparse_moe(p, v, top_k=K, norm_topk_prob=True, kernels=DETERMINISTIC),  # noqa: E731
                                np.float32)
     assert np.array_equal(run(x[:1])[0], run(x)[0])
+
+
+@pytest.mark.parametrize("experts", [6, 256, 512])
+def test_router_probabilities_of_a_token_do_not_depend_on_its_batch(experts):
+    """The router's softmax sums over the experts in one fixed order: a token's probabilities are the
+    same bits alone and among 2..64 tokens (jitted, as in the model; XLA's own softmax over 256 experts
+    changed row 0's bits from 16 rows on this CPU) and agree with jax.nn.softmax to f32 rounding."""
+    import jax
+    logits = jax.random.normal(jax.random.PRNGKey(experts), (64, experts), jnp.float32) * 3
+    softmax = jax.jit(moe.softmax_fixed_order)
+    alone = np.asarray(softmax(logits[:1]))[0]
+    for rows in (2, 5, 16, 17, 33, 64):
+        assert np.array_equal(np.asarray(softmax(logits[:rows]))[0], alone), rows
+    np.testing.assert_allclose(np.asarray(softmax(logits)), np.asarray(jax.nn.softmax(logits, axis=-1)),
+                               rtol=1e-6, atol=1e-9)

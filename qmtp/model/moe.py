@@ -42,11 +42,26 @@ def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, ker
     """(w [T, k] in x's dtype, e [T, k] int32): each token's k experts of highest router probability and
     their weights (module doc)."""
     logits = ops.linear(x, router, kernels)  # [T, E] in x's dtype, as the router's linear gives it
-    probs = jax.nn.softmax(logits.astype(F32), axis=-1)
+    probs = ops.fenced(kernels, softmax_fixed_order, logits.astype(F32))  # [T, E]
     w, e = jax.lax.top_k(probs, top_k)  # descending; equal probabilities: the lower expert first
     if norm_topk_prob:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     return w.astype(x.dtype), e.astype(jnp.int32)
+
+
+def softmax_fixed_order(logits: jax.Array) -> jax.Array:
+    """softmax over the last axis [..., E] in f32, its sum added in one fixed order (pairwise halving,
+    zero-padded to a power of two), so a token's probabilities do not depend on how many tokens share
+    the array: XLA's reduction over E changes order with the row count (on the CPU, E = 256, from 16 rows)."""
+    # max: exact in any order. The barrier keeps the max's reduction out of the exp's fusion: fused,
+    # exp(logits - max) gave other bits for a token alone than among 16 (CPU)
+    z = jnp.exp(jax.lax.optimization_barrier(logits - jnp.max(logits, axis=-1, keepdims=True)))
+    width = 1 << (z.shape[-1] - 1).bit_length()
+    total = jnp.pad(z, [(0, 0)] * (z.ndim - 1) + [(0, width - z.shape[-1])])
+    while total.shape[-1] > 1:  # elementwise adds of the two halves: no reduction for XLA to reorder
+        half = total.shape[-1] // 2
+        total = total[..., :half] + total[..., half:]
+    return z / total
 
 
 def group_rows(experts: jax.Array, n_experts: int):
