@@ -154,6 +154,16 @@ def test_a_resumed_prefill_leaves_the_state_of_a_full_one(model):
     assert_same_state(got, _prefilled_state(Engine(model, config(2, 0)), prompts[1:2]))
 
 
+def test_the_same_prompt_again_resumes_at_its_end(model):
+    """A prompt shorter than a block, sent twice: the second prefills its last token only, from the
+    first one's end checkpoint, and leaves a full prefill's state."""
+    prompt = np.random.default_rng(13).integers(0, 380, 11).tolist()
+    on = Engine(model, config(3, 1 << 24))
+    got = _prefilled_state(on, [prompt, prompt])
+    assert (on.prefix.hits, on.prefix.hit_tokens) == (1, 10)
+    assert_same_state(got, _prefilled_state(Engine(model, config(3, 0)), [prompt]))
+
+
 def test_a_resumed_response_end_leaves_the_state_of_a_full_prefill(model):
     """The next turn (prompt, response, new tokens) resumes where the response ended, past its last
     block boundary, with the MTP entry the decode loop wrote for the response's last token."""
@@ -207,13 +217,13 @@ def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
 
 def test_choices_of_one_prompt_share_its_prefill(model):
     """Requests admitted together with one prompt (a request's n choices): the first keeps a checkpoint
-    at its last boundary, the others resume there (copying its pages) and prefill only the rest."""
+    at its end but the last token, the others resume there (copying its pages) and prefill that token."""
     engine = Engine(model, config(2, 1 << 24)).start()
     prompt = np.random.default_rng(9).integers(0, 380, 45).tolist()
     handles = [engine.submit(prompt, 5) for _ in range(3)]
     want = qmtp.generate(model, [prompt], 5, mtp_k=2).tokens[0]
     assert [h.result(300).tokens for h in handles] == [want] * 3
-    assert [h.prefix_hit_tokens for h in handles] == [0, 32, 32]
+    assert [h.prefix_hit_tokens for h in handles] == [0, 44, 44]
     assert engine.prefix.lookups == 3 and engine.prefix.hits == 2
     assert engine.stop(10)
 

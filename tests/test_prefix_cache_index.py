@@ -42,18 +42,20 @@ def test_lookup_finds_the_deepest_checkpoint_before_the_last_token():
     assert (cache.lookups, cache.hits, cache.hit_tokens) == (4, 2, 32)
 
 
-def test_keep_points_are_the_deepest_and_the_branch_point():
+def test_keep_points_are_the_deepest_the_branch_point_and_the_end():
     cache, alloc = make()
     first = SYSTEM + [1] * 20  # 40 tokens
     digests = chain(first, BLOCK)
-    assert cache.keep_points(len(first), digests, 0) == [32]  # nothing shared yet: the deepest only
+    assert cache.keep_points(len(first), digests, 0) == [32, 39]  # nothing shared yet: the deepest, the end
     store(cache, alloc, first, 32)
     second = SYSTEM + [2] * 20  # shares blocks 1-2 (16 tokens) with the first
     b, hit, d2 = cache.lookup(second)
-    assert hit is None and cache.keep_points(len(second), d2, b) == [16, 32]
+    assert hit is None and cache.keep_points(len(second), d2, b) == [16, 32, 39]
     store(cache, alloc, second, 16)
     b, hit, d3 = cache.lookup(SYSTEM + [3] * 20)
-    assert b == 16 and cache.keep_points(40, d3, b) == [32]
+    assert b == 16 and cache.keep_points(40, d3, b) == [32, 39]
+    assert cache.keep_points(33, d3, b) == [32]  # its end but one is the deepest block boundary
+    assert cache.keep_points(40, d3, 39) == []  # resumed at its end (the same prompt again)
 
 
 def test_bytes_count_shared_pages_once_and_eviction_frees_them():
@@ -79,6 +81,21 @@ def test_the_budget_evicts_least_recently_used_first():
     alloc.release(store(cache, alloc, prompts[2], 8))
     assert cache.lookup(prompts[0] + [1])[0] == 8 and cache.lookup(prompts[1] + [1])[0] == 0
     assert cache.bytes <= cache.budget_bytes and cache.evicted == 1
+
+
+def test_a_prompt_end_serves_the_same_prompt_again():
+    cache, alloc = make()
+    prompt = SYSTEM + [7, 8, 9]  # 23 tokens; the prefill pass that ended at 22 wrote the MTP entry for 9
+    handle = alloc.reserve(32)
+    cache.put_end(prompt, alloc.pages(handle)[:6], "gdn", 50)
+    assert cache.lookup(prompt)[0] == 22  # one token left to prefill
+    assert cache.lookup(prompt + [1, 2])[0] == 22
+    assert cache.lookup(prompt[:-1] + [4])[0] == 0  # its last token differs: a miss (no block boundary kept)
+    short = [3, 1, 4]  # shorter than a block: still kept
+    cache.put_end(short, alloc.pages(handle)[:1], "gdn", 50)
+    assert cache.lookup(short)[0] == 2
+    alloc.release(handle)
+    cache.clear()
 
 
 def test_a_response_end_is_found_only_when_its_last_token_follows():

@@ -17,11 +17,14 @@ holds the state after its committed tokens, positions < L, where L is not a bloc
 keyed by the chain of its whole blocks and the tokens after them up to and including the token at L
 (the last one generated, emitted but not yet consumed), whose MTP entry at L - 1 the decode loop
 wrote already; so a prompt resumes there only if its token at L is that one, and nothing is rewritten.
+A prompt's end is kept the same way, at L = its length - 1 (a prefill pass ends there, so its MTP
+entry at L - 1 was written for the prompt's last token): the same prompt again (a repeated request,
+a request's n choices) prefills one token, however short it is.
 
 Only committed tokens are ever checkpointed (a prefill's prompt tokens, a finished response's emitted
-ones), never a draft: nothing speculative enters the cache. Which block boundaries a prefill keeps
-(`keep_points`): the deepest before its last token and the deepest its chain shares with a cached one
-(the branch point: where a system prompt or a few-shot block ends).
+ones), never a draft: nothing speculative enters the cache. Which points a prefill keeps
+(`keep_points`): the deepest block boundary before its last token, the deepest its chain shares with
+a cached one (the branch point: where a system prompt or a few-shot block ends), and its end.
 
 Bytes: the cache's `bytes` are its checkpoints' GDN states and hiddens plus the pages only it holds
 alive, counted once each; at most `budget_bytes` (LRU eviction). Pages it holds come out of the
@@ -105,13 +108,17 @@ class PrefixCache:
         return 0, None, digests
 
     def keep_points(self, n_tokens: int, digests: list[bytes], start: int) -> list[int]:
-        """The boundaries (token counts, > start, ascending) a prefill of n_tokens from `start` should
-        checkpoint: the deepest before its last token and the deepest its chain shares with the cache's
-        (when neither is already a checkpoint)."""
+        """The points (token counts, > start, ascending) a prefill of n_tokens from `start` should
+        checkpoint: the deepest block boundary before its last token and the deepest its chain shares
+        with the cache's (when neither is already a checkpoint), and its end, n_tokens - 1 (a prompt end,
+        `put_end`, where that is no block boundary)."""
         deepest = min(len(digests), (n_tokens - 1) // self.block)
         shared = max((k for k in range(1, deepest + 1) if digests[k - 1] in self._through), default=0)
-        points = {k for k in (deepest, shared) if k * self.block > start and digests[k - 1] not in self._entries}
-        return sorted(k * self.block for k in points)
+        points = {k * self.block for k in (deepest, shared)
+                  if k * self.block > start and digests[k - 1] not in self._entries}
+        if (n_tokens - 1) % self.block and n_tokens - 1 > start:
+            points.add(n_tokens - 1)
+        return sorted(points)
 
     def fits(self, state_bytes: int) -> bool:
         return 0 < state_bytes + self.page_bytes <= self.budget_bytes

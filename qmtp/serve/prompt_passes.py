@@ -2,8 +2,8 @@
 one pass of it per scheduling point, so the running streams wait for one pass at a time), and with the
 prefix cache every prompt (qmtp/serve/prefix_cache.py).
 
-A prompt's passes end on multiples of prefill_chunk, at the block boundaries the prefix cache keeps a
-checkpoint at, and at its end. With the cache, admission looks the prompt up (`reserve_with_prefix`:
+A prompt's passes end on multiples of prefill_chunk, at the points the prefix cache keeps a checkpoint
+at (block boundaries, the prompt's end but its last token), and at its end. With the cache, admission looks the prompt up (`reserve_with_prefix`:
 its reservation then shares the checkpoint's pages but the last) and the first pass looks again (a
 checkpoint kept since, e.g. by another choice of the same prompt: all its pages are copied); a prompt
 resumes from the checkpoint (`slots.resume_prefix`) before its first pass. Every pass runs
@@ -38,7 +38,7 @@ class Pieces:
     ends: list[int]  # each pass's end (token count), ascending; the last is the prompt's length
     offset: int = 0
     resume: object = None  # a prefix_cache.Checkpoint to resume from before the first pass
-    keep: tuple[int, ...] = ()  # boundaries at which the prefix cache keeps a checkpoint
+    keep: tuple[int, ...] = ()  # points at which the prefix cache keeps a checkpoint (block boundaries, the end)
     digests: list = dataclasses.field(default_factory=list)  # the prompt's block chain
     shared_pages: int = 0  # leading pages shared with the checkpoint (the rest of its pages are copied)
     fresh: bool = True  # no pass has run yet
@@ -160,16 +160,21 @@ class PassPrefill:
         p.resume = None
 
     def _checkpoint(self, slot: int, p: Pieces, hidden) -> None:
-        """Keeps the slot's state at p.offset (a block boundary the prefill just reached) in the prefix cache."""
+        """Keeps the slot's state at p.offset in the prefix cache: at a block boundary the prefill just
+        reached, or at the prompt's end but its last token (prefix_cache.put_end: nothing to rewrite)."""
         e = self.engine
         b = p.offset
-        state_bytes = e._device.gdn_row_bytes() + hidden.size * hidden.dtype.itemsize
+        end = b % e.prefix.block != 0
+        state_bytes = e._device.gdn_row_bytes() + (0 if end else hidden.size * hidden.dtype.itemsize)
         if not e.prefix.fits(state_bytes):
             return
         with e._watch("prefix cache: checkpoint"):
             gdn = e._device.take_gdn_rows(slot)
-        e.prefix.put(p.digests[:b // e.prefix.block], p.page_row[:b // e.page_size].tolist(), gdn, hidden,
-                        state_bytes)
+        if end:
+            e.prefix.put_end(p.handle.prompt_ids, p.page_row[:-(-b // e.page_size)].tolist(), gdn, state_bytes)
+        else:
+            e.prefix.put(p.digests[:b // e.prefix.block], p.page_row[:b // e.page_size].tolist(), gdn, hidden,
+                         state_bytes)
 
     def keep_response_end(self, slot: int, handle: RequestHandle, reservation: int) -> None:
         """With the prefix cache, keeps a finished request's end (prefix_cache.put_end): its state holds
