@@ -6,7 +6,7 @@
 `concurrency` clients each send requests one after another until `requests` were sent or
 `duration_s` passed (whichever first), once GET /health answers 200. Prompts are random token-id lists (lengths uniform in the
 --prompt_tokens range, seeded), so no tokenizer is needed and every prompt is distinct (no
-snapshot hits unless --repeat_prompts). Reports requests/s, generated tokens/s, latency percentiles
+prefix cache hits unless --repeat_prompts). Reports requests/s, generated tokens/s, latency percentiles
 (p50/p90/p99 of the whole request; with --stream also of the time to first token and of the
 inter-token gap: the time between two streamed chunks of one request, each holding the tokens of
 one engine call), and the errors by HTTP status. Exit status 1 when any request failed.

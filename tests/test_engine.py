@@ -1,6 +1,6 @@
 """The continuous-batching engine (qmtp.serve.engine) without HTTP: tokens equal qmtp.generate (plain and
-MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, snapshots, batched prefill of waiting
-prompts, the warm-up of every prompt bucket; nothing leaks.
+MTP, TP1 and TP2), stops, page waiting, cancellation, shutdown, repeated prompts through the prefix
+cache, batched prefill of waiting prompts, the warm-up of every prompt bucket; nothing leaks.
 
 Compile budget: every engine here has the shapes of tests/serving_fixtures.py (3 slots, page size 8,
 max_model_len 48, 12 pages, 2 rounds per call), so the prefill (prompt buckets 16 and 32) and the loop
@@ -187,30 +187,18 @@ def test_queue_bound(model):
     assert_all_free(engine)
 
 
-def test_snapshots_give_identical_tokens_within_the_byte_budget(model, ckpt, reference):
-    probe = make_engine(model, 2, start=False)
-    per_snapshot = probe._snapshot_bytes(2)  # a prompt of <= 16 tokens: bucket 16 = 2 pages of 8
-    budget = 2 * per_snapshot + per_snapshot // 2  # room for two
-    engine = make_engine(model, 2, snapshot_budget_bytes=budget)
-    a, b, c = PROMPTS[1], PROMPTS[4], PROMPTS[5]  # 9, 5, 12 tokens
-    order = [a, b, a, c, b, a, a]  # c evicts b (least recently used), so b misses again
-    peaks, hits = [], []
-    for p in order:
-        r = engine.generate(p, 14, timeout=60)
-        assert r.tokens == reference[PROMPTS.index(p)]
-        hits.append(r.snapshot_hit)
-        peaks.append(engine.snapshots.bytes)
-    assert hits == [False, False, True, False, False, False, True]
-    assert max(peaks) <= budget and engine.snapshots.peak_bytes <= budget
-    assert engine.snapshots.evicted >= 1 and engine.counters["prefills"] == 5
-    # a prompt of 17..32 tokens needs a 4-page snapshot: bigger than this budget's share, still fits
-    r = engine.generate(PROMPTS[3], 14, timeout=60)
-    assert r.tokens == reference[3] and engine.snapshots.peak_bytes <= budget
-    # reloading the model drops every snapshot: the next identical prompt is prefilled again
+def test_the_same_prompt_again_resumes_from_the_prefix_cache_until_a_reload(model, ckpt, reference):
+    """With the prefix cache a repeated prompt prefills only its last token (from the checkpoint at its
+    end) and gives the same tokens; reloading the model empties the cache: the next one prefills again."""
+    engine = make_engine(model, 2, prefix_cache_bytes=1 << 22, prefix_block=16)
+    a = PROMPTS[1]
+    results = [engine.generate(a, 14, timeout=60) for _ in range(2)]
+    assert [r.tokens for r in results] == [reference[1]] * 2
+    assert [r.cached_tokens for r in results] == [0, len(a) - 1]
     engine.reload(qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False), timeout=60)
-    assert len(engine.snapshots) == 0 and engine.snapshots.bytes == 0
+    assert len(engine.prefix) == 0 and engine.prefix.bytes == 0
     r = engine.generate(a, 14, timeout=60)
-    assert not r.snapshot_hit and r.tokens == reference[1]
+    assert r.cached_tokens == 0 and r.tokens == reference[1]
     assert engine.stop(5)
     assert_all_free(engine)
 
@@ -220,11 +208,11 @@ def test_tp2_engine_equals_tp1_generate(ckpt, model, reference):
     import jax
     assert len(jax.devices()) >= 2, "needs 2 devices (jax_num_cpu_devices=2 in conftest.py)"
     tp2 = qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False, tp=2)
-    engine = make_engine(tp2, 2, snapshot_budget_bytes=1 << 20)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # the third is a snapshot hit
+    engine = make_engine(tp2, 2, prefix_cache_bytes=1 << 22, prefix_block=16)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # the third resumes at its end
     results = [engine.generate(p, 14, timeout=300) for p in prompts]
     assert [r.tokens for r in results] == [reference[0], reference[1], reference[0]]
-    assert results[2].snapshot_hit
+    assert results[2].cached_tokens == len(PROMPTS[0]) - 1
     assert all(s.shape[0] == 4 and s.ndim == 5 for s in engine._device.state.ssm), "kept in K+2 slots, sharded"
     assert engine.stop(5)
     assert_all_free(engine)
@@ -375,11 +363,11 @@ def test_warmup_compiles_every_prompt_bucket_so_no_request_compiles(model):
     assert cold.stop(5)
 
     lines.clear()
-    warm = make_engine(model, 0, start=False, log=lines.append, snapshot_budget_bytes=1 << 24)
+    warm = make_engine(model, 0, start=False, log=lines.append)
     assert warm.warmup() > 0  # every bucket
     steps = [line for line in lines if line.startswith("warm-up [")]
     for bucket in (16, 32, 64):
-        for what in ("prefill x 1 row", f"prefill x {SLOTS} rows", "snapshot copy-out and copy-in"):
+        for what in ("prefill x 1 row", f"prefill x {SLOTS} rows"):
             assert any(f"] prompt bucket {bucket}: {what}" in line for line in steps), (bucket, what, lines)
     assert any("] decode loop" in line for line in steps)
     assert all(re.search(r": \d+\.\d\d s$", line) for line in steps), steps
@@ -387,7 +375,7 @@ def test_warmup_compiles_every_prompt_bucket_so_no_request_compiles(model):
     assert_all_free(warm)
     # 3 slots and 12 pages of 8 tokens, all free again at each scheduling point (2 tokens a request), so
     # the prefill passes are: two bucket-64 prompts together and one of 16; two of 32 and one of 64; one
-    # of 32 and two of 16; then PROMPTS[0] again, copied from its snapshot
+    # of 32 and two of 16; then PROMPTS[0] again
     order = [long[0], long[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], long[2], PROMPTS[6], PROMPTS[1], PROMPTS[7],
              PROMPTS[0]]
     handles = [warm.submit(p, 2) for p in order]
@@ -396,7 +384,7 @@ def test_warmup_compiles_every_prompt_bucket_so_no_request_compiles(model):
         warm.start()
         results = [h.result(300) for h in handles]
     assert compiles == [] and lines == []
-    assert warm.counters["prefills"] == 6 and warm.counters["snapshot_restores"] == 1
-    assert results[-1].tokens == results[2].tokens and results[-1].snapshot_hit
+    assert warm.counters["prefills"] == 7
+    assert results[-1].tokens == results[2].tokens
     assert warm.stop(5)
     assert_all_free(warm)

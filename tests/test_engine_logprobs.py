@@ -1,6 +1,6 @@
 """Logprobs in the serving engine: a request that asks for them gets qmtp.generate's (the same tokens,
 values and alternatives), whichever way its first token came (a batched prefill, the pieces of a long
-prompt, an exact-prompt snapshot) and whatever the other slots do; the others get none.
+prompt, a prefix cache hit) and whatever the other slots do; the others get none.
 
 Shapes of tests/serving_fixtures.py; the tiny checkpoint's `model` (float32) from tests/conftest.py.
 """
@@ -48,14 +48,17 @@ def test_requests_get_generate_logprobs_and_others_none(model, k):
     assert_all_free(engine)
 
 
-def test_long_prompt_and_snapshot_hit_carry_the_first_tokens_logprobs(model):
+def test_long_prompt_and_prefix_cache_hit_carry_the_first_tokens_logprobs(model):
     chunked = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=16))
-    engine = make_engine(chunked, 2, snapshot_budget_bytes=1 << 24)
+    engine = make_engine(chunked, 2)
     want = qmtp.generate(chunked, [LONG], 6, mtp_k=2, logprobs=20)
     assert_same(engine.generate(LONG, 6, logprobs=2, timeout=300), want, 2)
-    first = engine.generate(PROMPTS[0], 6, logprobs=4, timeout=300)  # prefilled: its snapshot is kept
+    assert engine.stop(5)
+    assert_all_free(engine)
+    engine = make_engine(chunked, 2, prefix_cache_bytes=1 << 24, prefix_block=16)
+    first = engine.generate(PROMPTS[0], 6, logprobs=4, timeout=300)  # prefilled: its end is kept
     again = engine.generate(PROMPTS[0], 6, logprobs=4, timeout=300)
-    assert again.snapshot_hit and not first.snapshot_hit
+    assert (first.cached_tokens, again.cached_tokens) == (0, len(PROMPTS[0]) - 1)
     assert_same(again, qmtp.generate(chunked, [PROMPTS[0]], 6, mtp_k=2, logprobs=20), 4)
     assert engine.stop(5)
     assert_all_free(engine)

@@ -229,20 +229,23 @@ def test_choices_of_one_prompt_share_its_prefill(model):
 
 
 def test_the_warmup_fits_a_short_max_model_len(model):
-    """The checkpoint-and-resume step's prompt is one block and a token: it fits whenever a prompt can
-    reach a block boundary at all (and the step is left out when none can)."""
-    for block, max_len, has_step in ((32, 48, True), (64, 48, False)):
-        lines = []
-        engine = Engine(model, dataclasses.replace(config(3, 1 << 22), max_model_len=max_len, prefix_block=block),
-                        log=lines.append)
-        engine.warmup([16])
-        assert any("checkpoint and resume" in line for line in lines) == has_step, lines
+    """The checkpoint-and-resume step's prompt is two tokens (a prompt end): it fits any max_model_len,
+    also one that no block boundary fits in, whose prompts still keep their ends."""
+    lines = []
+    engine = Engine(model, dataclasses.replace(config(3, 1 << 22), max_model_len=24, prefix_block=64),
+                    log=lines.append)
+    engine.warmup([16])
+    engine.start()
+    assert any("checkpoint and resume" in line for line in lines), lines
+    for _ in range(2):
+        engine.generate([5, 6, 7], 2, timeout=300)
+    assert engine.prefix.hits == 1 and engine.counters["serving_compiles"] == 0
+    assert engine.stop(10)
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(prefix_block=24), r"--prefix_block=24 must be a power of two, a multiple of --page_size=8"),
-    (dict(prefix_block=4), r"--prefix_block=4 must be a power of two, a multiple of --page_size=8"),
-    (dict(snapshot_budget_bytes=1000), r"--snapshot_budget_bytes and --prefix_cache_bytes: choose one")])
+    (dict(prefix_block=4), r"--prefix_block=4 must be a power of two, a multiple of --page_size=8")])
 def test_bad_settings_are_refused_by_name(model, kw, message):
     with pytest.raises(ValueError, match=message):
         Engine(model, dataclasses.replace(config(0, 1 << 20), **kw))

@@ -40,9 +40,8 @@ ID_PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (2, 7, 13, 21, 29)]
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
-def serve(model, k, snapshot_budget_bytes=0, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, **engine_kw):
-    engine = make_engine(model, k, start=False, max_queue=max_queue, snapshot_budget_bytes=snapshot_budget_bytes,
-                         **engine_kw)
+def serve(model, k, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, **engine_kw):
+    engine = make_engine(model, k, start=False, max_queue=max_queue, **engine_kw)
     settings = ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4,
                               shutdown_timeout_s=shutdown_timeout_s)
     app = create_app(engine, settings, manage_engine=start_engine)
@@ -52,7 +51,7 @@ def serve(model, k, snapshot_budget_bytes=0, max_queue=64, start_engine=True, sh
 
 @pytest.fixture(scope="module")
 def mtp_server(model):
-    server, url = serve(model, 2, snapshot_budget_bytes=200_000)
+    server, url = serve(model, 2, prefix_cache_bytes=200_000, prefix_block=16)
     yield server, url
     assert server.stop(60)
 
@@ -169,8 +168,8 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
     assert counters["finished_stop"] + counters["finished_length"] - before.get("finished_stop", 0) - before.get(
         "finished_length", 0) == 20 * 64
     assert_all_free(server.engine, internals=False)
-    snaps = server.engine.snapshots
-    assert snaps.hits > 0 and snaps.peak_bytes <= snaps.budget_bytes
+    cache = server.engine.prefix
+    assert cache.hits > 0 and cache.bytes <= cache.budget_bytes
     print(f"1280 requests in {elapsed:.1f} s")
 
 
@@ -466,21 +465,22 @@ def test_shutdown_with_active_and_queued_requests(model):
     assert_all_free(engine, internals=False)
 
 
-def test_snapshot_hits_are_exact_and_reported(model, mtp_server):
+def test_prefix_cache_hits_are_exact_and_reported(model, mtp_server):
     server, url = mtp_server
     c = client(url)
-    prompt = "snapshot me, please"
+    prompt = "cache me, please"
     metrics = httpx.get(url + "/metrics").text
-    hits0, lookups0 = _metric(metrics, "qmtp_snapshot_hits_total"), _metric(metrics, "qmtp_snapshot_lookups_total")
+    hits0, lookups0 = (_metric(metrics, f"qmtp_prefix_cache_{m}_total") for m in ("hits", "lookups"))
     cold = c.completions.create(model=NAME, prompt=prompt, max_tokens=6)
     warm = c.completions.create(model=NAME, prompt=prompt, max_tokens=6)
     assert warm.choices[0].token_ids == cold.choices[0].token_ids
     assert cold.choices[0].token_ids == qmtp.generate(model, [prompt], max_new_tokens=6).tokens[0]
+    n = warm.usage.prompt_tokens  # the same prompt again: all but its last token from the cache
+    assert (cold.usage.prompt_tokens_details.cached_tokens, warm.usage.prompt_tokens_details.cached_tokens) == (0, n - 1)
     metrics = httpx.get(url + "/metrics").text
-    assert _metric(metrics, "qmtp_snapshot_hits_total") == hits0 + 1
-    assert _metric(metrics, "qmtp_snapshot_lookups_total") == lookups0 + 2
-    assert 0 < _metric(metrics, "qmtp_snapshot_hit_rate") <= 1
-    assert _metric(metrics, "qmtp_snapshot_bytes") <= _metric(metrics, "qmtp_snapshot_budget_bytes") == 200_000
+    assert _metric(metrics, "qmtp_prefix_cache_hits_total") == hits0 + 1
+    assert _metric(metrics, "qmtp_prefix_cache_lookups_total") == lookups0 + 2
+    assert _metric(metrics, "qmtp_prefix_cache_bytes") <= _metric(metrics, "qmtp_prefix_cache_budget_bytes") == 200_000
 
 
 def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
@@ -564,7 +564,7 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
                        text=True, timeout=120)
     assert h.returncode == 0
     for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
-                 "max_queue", "snapshot_budget_bytes", "prefix_cache_bytes", "prefix_block", "host", "port", "tp",
+                 "max_queue", "prefix_cache_bytes", "prefix_block", "host", "port", "tp",
                  "shutdown_timeout_s", "warmup_buckets"):
         assert f"--{flag}" in h.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
@@ -581,21 +581,21 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     try:
         assert "warming up" in _wait_healthy(proc, port, 240)
         c = client(f"http://127.0.0.1:{port}")
-        for _ in range(2):  # the second one from its snapshot
+        for _ in range(2):  # the second one from the prefix cache
             r = c.completions.create(model="tiny", prompt="def fibonacci(", max_tokens=3)
             assert len(r.choices[0].token_ids) == 3
         r = c.completions.create(model="tiny", prompt=list(range(1, 21)), max_tokens=2)  # bucket 32
         assert len(r.choices[0].token_ids) == 2
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert _metric(metrics, "qmtp_snapshot_hits_total") == 1
+        assert _metric(metrics, "qmtp_prefix_cache_hits_total") == 1
         assert _metric(metrics, "qmtp_compiles_while_serving_total") == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         out = proc.stdout.read()
         steps = [line for line in out.splitlines() if line.startswith("warm-up [")]
-        for bucket in (16, 32):
-            assert [line.split(": ")[1] for line in steps if f"] prompt bucket {bucket}: " in line] == [
-                "prefill x 1 row", "snapshot copy-out and copy-in"], out
+        assert [line.split("] ")[1].rsplit(":", 1)[0] for line in steps if "prefix cache" in line] == [
+            "prefix cache: prefill pass of 16 tokens", "prefix cache: prefill pass of 32 tokens",
+            "prefix cache: checkpoint and resume"], out
         assert re.search(rf"^warm-up done: {len(steps)} programs in \d+\.\d s", out, re.M), out
         assert "serving" in out and "compiled while serving" not in out, out
     finally:

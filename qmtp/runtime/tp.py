@@ -171,20 +171,19 @@ def param_specs(params: dict) -> dict:
         lambda path, leaf: dim_spec(leaf.ndim, shard_layout.split_dim(leaf_key(path))), params)
 
 
-def state_specs(state: DecodeState, rows: bool = False) -> DecodeState:
+def state_specs(state: DecodeState) -> DecodeState:
     """KV pages split by head, conv state by channel, GDN state by value head; tables replicated. A
-    slotted GDN/conv state ([Ns, B, ...], state.gdn_slot_count) has the slot axis in front; rows: specs
-    for a state of plain rows whatever `state` is (a snapshot taken from a slotted state)."""
+    slotted GDN/conv state ([Ns, B, ...], state.gdn_slot_count) has the slot axis in front."""
     kv = lambda pk: PagedKV(tuple(P(None, None, AXIS, None) for _ in pk.k), tuple(P(None, None, AXIS, None) for _ in pk.v))
-    slot = () if rows or not gdn_slot_count(state) else (None,)
+    slot = (None,) if gdn_slot_count(state) else ()
     return DecodeState(kv=kv(state.kv), mtp_kv=kv(state.mtp_kv),
                        conv=tuple(P(*slot, None, None, AXIS) for _ in state.conv),
                        ssm=tuple(P(*slot, None, AXIS) for _ in state.ssm), page_table=P(), lengths=P())
 
 
 def gdn_row_specs(rows: tuple) -> tuple:
-    """Specs of GDN rows (conv rows, ssm rows) taken out of a state, shaped as `rows` (or a state): as
-    state_specs(rows=True)'s conv and ssm."""
+    """Specs of GDN rows (conv rows, ssm rows) taken out of a state, shaped as `rows` (or a state): conv
+    split by channel, ssm by value head, as in the state."""
     conv, ssm = (rows.conv, rows.ssm) if isinstance(rows, DecodeState) else rows
     return tuple(P(None, None, AXIS) for _ in conv), tuple(P(None, AXIS) for _ in ssm)
 
@@ -274,8 +273,8 @@ def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: t
     """fn(*lead, *args, **statics) as one jitted shard_map over `mesh`: fn is a jitted entry point (its
     Python body is taken from __wrapped__), lead its leading static arguments (cfg, kernels, ...), statics
     its static keyword arguments (hashable values); kinds name each arg ("params", "state", "gdn_rows" or
-    "rep") and each output ("state", "rows_state", "gdn_rows" or "rep"); "gdn_rows" are (conv rows, ssm
-    rows) taken out of a state (a prefix cache checkpoint's). The state arguments are donated, as the
+    "rep") and each output ("state", "gdn_rows" or "rep"); "gdn_rows" are (conv rows, ssm rows) taken
+    out of a state (a prefix cache checkpoint's). The state arguments are donated, as the
     single-device entry points do."""
     state_arg = args[kinds.index("state")] if "state" in kinds else None
     statics = statics or {}
@@ -284,12 +283,10 @@ def sharded(fn, mesh: Mesh, lead: tuple, args: tuple, kinds: tuple, out_kinds: t
            gdn_slot_count(state_arg) if state_arg is not None else 0)
     if key not in _SHARDED:
         in_specs = tuple(_specs(k, a) for k, a in zip(kinds, args))
-        # output "state" j is shaped as input "state" j (the first when there are fewer); "rows_state":
-        # a state of plain rows (a snapshot) of the first input state's structure
+        # output "state" j is shaped as input "state" j (the first when there are fewer)
         state_args = [a for k, a in zip(kinds, args) if k == "state"]
         out_state = iter(state_args + [state_arg] * len(out_kinds))
         out_specs = tuple(state_specs(next(out_state)) if k == "state" else
-                          state_specs(state_arg, rows=True) if k == "rows_state" else
                           gdn_row_specs(state_arg) if k == "gdn_rows" else P() for k in out_kinds)
         body = functools.partial(_call_wrapped, fn.__wrapped__, lead, statics)
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)

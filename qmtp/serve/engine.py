@@ -3,8 +3,8 @@
 The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a scheduling point):
   1. drops cancelled requests and, while shutting down past the deadline, aborts the active ones;
   2. admits queued requests FIFO while a slot is free and the head's pages (prompt + max_tokens +
-     K+1) fit: each is copied in from an exact-prompt snapshot or prefilled with the others of its
-     prompt bucket in one pass, and its first token emitted; a prompt longer than the model's
+     K+1) fit: each is prefilled with the others of its prompt bucket in one pass, and its first
+     token emitted; a prompt longer than the model's
      prefill_chunk is prefilled piece by piece instead, one piece of prefill_chunk tokens per scheduling
      point (FIFO), so a long prompt holds the running streams up by one piece at a time, not its whole
      prefill. With the prefix cache (qmtp/serve/prefix_cache.py) every prompt is prefilled in passes,
@@ -43,7 +43,6 @@ import threading
 import time
 import traceback
 
-import jax
 import numpy as np
 
 from qmtp import api
@@ -54,7 +53,6 @@ from qmtp.serve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig, Reques
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.prefix_cache import PrefixCache
-from qmtp.serve.snapshots import Snapshot, SnapshotStore
 from qmtp.serve.textstream import TextStream
 from qmtp.serve.prompt_passes import LONG_PROMPTS, PassPrefill
 from qmtp.serve.warmup import Step, plan as warmup_plan
@@ -104,7 +102,6 @@ class Engine:
         self.position_accepts = np.zeros(self.k, np.int64)
         self.sampled_position_accepts = np.zeros(self.k, np.int64)  # of sampled requests only
         self.k_rounds = np.zeros(len(adaptive_k.CANDIDATES), np.int64)  # adaptive: loop rounds run at each K
-        self.snapshots = SnapshotStore(config.snapshot_budget_bytes)
         self.prefix: PrefixCache | None = None
         self._set_model(model)
 
@@ -133,9 +130,8 @@ class Engine:
         self._device = DeviceBatch(model, c.batch_slots, self.pages_per_slot, num_pages, c.max_stop_ids, self.k)
         self._sampling = slot_sampling.SlotSampling(c.batch_slots)
         self._free_slots = list(range(c.batch_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self.snapshots.clear()  # snapshots belong to the weights they were computed with
         if self.prefix is not None:
-            self.prefix.clear()
+            self.prefix.clear()  # its checkpoints belong to the weights they were computed with
         self.prefix = None
         if c.prefix_cache_bytes:
             block = prefix_block(c, model)
@@ -223,7 +219,7 @@ class Engine:
 
     def reload(self, model: api.Model, timeout: float | None = None) -> None:
         """Swaps in another model between requests: admission pauses, active requests finish, the state
-        is rebuilt and every snapshot dropped. Blocks until done (TimeoutError after `timeout`). No
+        is rebuilt and the prefix cache emptied. Blocks until done (TimeoutError after `timeout`). No
         warm-up: the new model's programs compile on first use (each logged as a compile while serving)."""
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
@@ -383,9 +379,9 @@ class Engine:
 
     # ---- admission ----------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Pops queued requests into free slots (FIFO; the head waits while its pages do not fit). Snapshot
-        hits are copied in one by one; the rest are prefilled in groups of one prompt bucket (FIFO within
-        a bucket), `_group_rows(bucket)` prompts per pass."""
+        """Pops queued requests into free slots (FIFO; the head waits while its pages do not fit). They are
+        prefilled in groups of one prompt bucket (FIFO within a bucket), `_group_rows(bucket)` prompts per
+        pass; longer prompts than prefill_chunk, and every prompt with the prefix cache, pass by pass."""
         admitted = []
         with self._cv:
             while not self._stopping and self._reload is None and self._queue and self._free_slots:
@@ -403,12 +399,7 @@ class Engine:
                 admitted.append((self._queue.popleft(), self._free_slots.pop(), self.allocator.reserve(capacity)))
         groups: dict[int, list] = {}
         for handle, slot, reservation in admitted:
-            # a snapshot holds its prompt's greedy first token and draft: greedy requests only
-            snap = (self.snapshots.get(tuple(handle.prompt_ids)) if self.snapshots.enabled and handle.sampling is None
-                    else None)
-            if snap is not None:
-                self._restore(handle, slot, reservation, snap)
-            elif len(handle.prompt_ids) > self.piece:
+            if len(handle.prompt_ids) > self.piece:
                 self.passes.start(handle, slot, reservation)
             else:
                 groups.setdefault(api._bucket(len(handle.prompt_ids)), []).append((handle, slot, reservation))
@@ -437,19 +428,10 @@ class Engine:
         self._sampling.set(slot, handle.sampling)
         return page_row, stop_row
 
-    def _restore(self, handle: RequestHandle, slot: int, reservation: int, snap: Snapshot) -> None:
-        """Copies the exact-prompt snapshot of the request into `slot` and emits its first token."""
-        page_row, stop_row = self._activate(handle, slot, reservation)
-        with self._watch(f"snapshot copy-in of {snap.state.page_table.shape[1]} pages"):
-            self._device.restore(snap, slot, page_row, handle.max_tokens, stop_row)
-        handle.snapshot_hit = True
-        self.counters["snapshot_restores"] += 1
-        self._started(handle, slot, int(np.asarray(snap.first)[0]), snap.first_logprobs, 0)
-
     def _prefill_group(self, group: list) -> None:
         """Prefills the (handle, slot, reservation) of one prompt bucket in one pass and emits their first
         tokens. One request runs at n = 1; several at n = _group_rows(bucket) (padding rows: slot id B),
-        so each bucket has two compiled prefills. A request with id -1 (warmup) saves no snapshot."""
+        so each bucket has two compiled prefills."""
         c = self.config
         prompts = [h.prompt_ids for h, _, _ in group]
         bucket = api._bucket(max(len(p) for p in prompts))
@@ -466,16 +448,6 @@ class Engine:
             first, first_lp = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows,
                                                    self._sampling.rows(ids, always=True))
         self.counters["prefills"] += 1
-        n_pages = self._snapshot_pages(bucket)
-        nbytes = self._snapshot_bytes(n_pages)
-        for j, (handle, slot, _) in enumerate(group):
-            key = tuple(handle.prompt_ids)
-            if handle.id >= 0 and handle.sampling is None and key not in self.snapshots and self.snapshots.fits(nbytes):
-                prompt_pages = self.allocator.pages_for(len(key))
-                with self._watch(f"prompt bucket {bucket}: snapshot copy-out"):
-                    snap = self._device.take_snapshot(slot, n_pages, prompt_pages, nbytes,
-                                                      jax.tree.map(lambda a: a[j:j + 1], first_lp))
-                self.snapshots.put(key, snap)
         for j, (handle, slot, _) in enumerate(group):
             self._started(handle, slot, int(first[j]), first_lp, j)
 
@@ -485,13 +457,6 @@ class Engine:
         self._deliver(slot, [token], logprobs, row)
         if slot in self._active and (token in handle.stop_ids or handle.max_tokens == 1):
             self._release_done(slot)  # done on the device too (the prefill's done flag)
-
-    def _snapshot_bytes(self, n_pages: int) -> int:
-        return self._device.snapshot_bytes(n_pages)
-
-    def _snapshot_pages(self, bucket: int) -> int:
-        """Pages of a snapshot of a prompt of this bucket (it holds the whole padded bucket)."""
-        return min(self.allocator.pages_for(bucket), self.pages_per_slot)
 
     # ---- decoding and delivery ----------------------------------------------------------------------
     def _run_loop(self) -> None:

@@ -22,7 +22,6 @@ class EngineConfig:
     num_pages: int = 0  # KV pages in the pool; 0 = every slot can hold a max_model_len request
     max_queue: int = 64  # queued (not yet admitted) requests beyond which submit() raises QueueFull
     max_stop_ids: int = 8  # stop token ids per request (device-side, NS)
-    snapshot_budget_bytes: int = 0  # exact-prompt snapshots; 0 = off
     prefix_cache_bytes: int = 0  # prefix cache checkpoints and the KV pages only it holds; 0 = off
     prefix_block: int = 0  # tokens per prefix cache block; 0 = DEFAULT_PREFIX_BLOCK (prefill_chunk if deterministic)
     stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
@@ -34,15 +33,11 @@ class EngineConfig:
         if self.mtp_k != api.AUTO and not (isinstance(self.mtp_k, int) and 0 <= self.mtp_k <= loop.MAX_K):
             raise ValueError(f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K} or {api.AUTO!r}")
         for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
-                          ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("snapshot_budget_bytes", 0),
-                          ("prefill_batch", 1), ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
+                          ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("prefill_batch", 1), ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
                           ("prefix_block", 0)):
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"--{name}={value} must be >= {low}")
-        if self.snapshot_budget_bytes and self.prefix_cache_bytes:
-            raise ValueError("--snapshot_budget_bytes and --prefix_cache_bytes: choose one (the prefix cache also "
-                             "serves repeated prompts)")
 
 
 def prefix_block(config: EngineConfig, model: api.Model) -> int:

@@ -9,7 +9,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def render(engine, invalid_requests: int = 0) -> str:
-    c, s, snap = engine.counters, engine.stats(), engine.snapshots
+    c, s = engine.counters, engine.stats()
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples) -> None:
@@ -30,7 +30,7 @@ def render(engine, invalid_requests: int = 0) -> str:
            "it did not cover; each stalled every slot).", c["serving_compiles"])
     metric("qmtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c["prompt_tokens"])
     metric("qmtp_generation_tokens_total", "counter", "Generated tokens.", c["generation_tokens"])
-    metric("qmtp_prefills_total", "counter", "Prompt prefills run (snapshot hits skip them).", c["prefills"])
+    metric("qmtp_prefills_total", "counter", "Prompt prefills run.", c["prefills"])
     metric("qmtp_loop_calls_total", "counter", "Bounded device loop calls.", c["loop_calls"])
     rounds, drafted, accepted = c["mtp_rounds"], c["mtp_drafted"], c["mtp_accepted"]
     metric("qmtp_mtp_k", "gauge", "MTP drafts per round (0 = plain decoding).", engine.k)
@@ -59,12 +59,6 @@ def render(engine, invalid_requests: int = 0) -> str:
                if engine.round_cost is not None else [])
     metric("qmtp_mtp_rounds_by_accepted_total", "counter", "Rounds that accepted exactly this many drafts.",
            [({"accepted": str(a)}, int(n)) for a, n in enumerate(engine.accept_hist)])
-    metric("qmtp_snapshot_lookups_total", "counter", "Exact-prompt snapshot lookups.", snap.lookups)
-    metric("qmtp_snapshot_hits_total", "counter", "Exact-prompt snapshot hits (prefill skipped).", snap.hits)
-    metric("qmtp_snapshot_hit_rate", "gauge", "Snapshot hits / lookups.", snap.hit_rate)
-    metric("qmtp_snapshot_bytes", "gauge", "Bytes held by snapshots.", snap.bytes)
-    metric("qmtp_snapshot_budget_bytes", "gauge", "Snapshot byte budget (0 = off).", snap.budget_bytes)
-    metric("qmtp_snapshot_evictions_total", "counter", "Snapshots evicted (LRU).", snap.evicted)
     prefix = engine.prefix
     if prefix is not None:
         metric("qmtp_prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.", prefix.lookups)

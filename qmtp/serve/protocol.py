@@ -204,9 +204,11 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int) -
 
 
 # ---- responses -------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def choice(index: int, part: dict, token_ids: list[int], finish_reason: str | None, logprobs: dict | None = None

@@ -52,7 +52,7 @@ class Completion:
     text: str | None
     finish_reason: str
     prompt_tokens: int
-    snapshot_hit: bool
+    cached_tokens: int  # prompt tokens the prefix cache served (not prefilled)
     error: str | None = None
     logprobs: list | None = None  # one api.TokenLogprob per token, when asked for
 
@@ -74,7 +74,6 @@ class RequestHandle:
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.snapshot_hit = False
         self.prefix_hit_tokens = 0  # prompt tokens the prefix cache served (not prefilled)
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
@@ -96,7 +95,7 @@ class RequestHandle:
         """Blocks until the request finished; raises TimeoutError after `timeout` seconds."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} not finished after {timeout} s")
-        return Completion(list(self.tokens), self.text, self.finish_reason, len(self.prompt_ids), self.snapshot_hit,
+        return Completion(list(self.tokens), self.text, self.finish_reason, len(self.prompt_ids), self.prefix_hit_tokens,
                           self.error, None if self.logprobs is None else list(self.logprobs))
 
     def _emit(self, event: Event) -> None:

@@ -65,7 +65,8 @@ class Reply:
 
     def usage(self) -> dict:
         """The prompt once (the choices share it), the tokens of every choice."""
-        return oai.usage(len(self.handles[0].prompt_ids), sum(len(h.tokens) for h in self.handles))
+        first = self.handles[0]
+        return oai.usage(len(first.prompt_ids), sum(len(h.tokens) for h in self.handles), first.prefix_hit_tokens)
 
     def logprobs(self, token_logprobs, text_offset: int = 0) -> dict | None:
         if token_logprobs is None:

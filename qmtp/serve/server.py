@@ -10,7 +10,7 @@ Request fields, error statuses and bodies: qmtp/serve/protocol.py. A client that
 its request.
 
 Start-up: the server listens at once and the engine thread compiles every program a request can call
-(each prompt bucket's prefills and snapshot copies, then the decode loop: --warmup_buckets), one log
+(each prompt bucket's prefills, or the prefix cache's passes, then the decode loop: --warmup_buckets), one log
 line per program with its seconds and a total line; meanwhile /health answers 503 {"status": "warming
 up", "programs_done", "programs"} and requests 503 (code warming_up). A compile after that (a bucket
 left out of --warmup_buckets) is logged as "compiled while serving: ..." with its seconds.
@@ -79,13 +79,12 @@ def define_flags() -> None:
                          "left after the prompt).", lower_bound=1)
     flags.DEFINE_integer("max_queue", 64, "Requests waiting for a slot; beyond this: 429.", lower_bound=1)
     flags.DEFINE_integer("max_stop_ids", 8, "Stop token ids per request (the eos ids included).", lower_bound=1)
-    flags.DEFINE_integer("snapshot_budget_bytes", 0, "Device bytes for exact-prompt state snapshots (an identical "
-                         "prompt skips prefill; LRU eviction); 0 = off.", lower_bound=0)
     flags.DEFINE_integer("prefix_cache_bytes", 0, "Device bytes for the prefix cache (0 = off): prompts that share "
                          "leading blocks of --prefix_block tokens (a system prompt, a chat history) resume from the "
-                         "GDN state kept at a block boundary and share its KV pages, prefilling only the rest; "
-                         "greedy output is the same as without it. With it every prompt is prefilled in passes of "
-                         "at most --prefill_chunk tokens. Excludes --snapshot_budget_bytes.", lower_bound=0)
+                         "GDN state kept at a block boundary and share its KV pages, prefilling only the rest; the "
+                         "same prompt again, or the next turn after a response, resumes at its end (one token "
+                         "prefilled). Greedy output is the same as without it. With it every prompt is prefilled "
+                         "in passes of at most --prefill_chunk tokens.", lower_bound=0)
     flags.DEFINE_integer("prefix_block", 0, "Tokens per prefix cache block: a power of two, a multiple of "
                          "--page_size, at most --prefill_chunk; 0 = 64 (under --deterministic: --prefill_chunk, so "
                          "a resumed prefill runs the same passes as a full one).", lower_bound=0)
@@ -101,8 +100,8 @@ def define_flags() -> None:
                          "program compiles inside the first request that needs it (logged as 'compiled while "
                          "serving').")
     flags.DEFINE_list("warmup_buckets", ["all"], "With --warmup: the prompt buckets to compile (prompts are padded to "
-                      "a power of two >= 16 tokens; each bucket is a 1-row prefill, a --prefill_batch-row prefill and, "
-                      "with snapshots, their copy programs). 'all' (default): every bucket up to max_model_len, so "
+                      "a power of two >= 16 tokens; each bucket is a 1-row prefill and a --prefill_batch-row prefill, "
+                      "or with the prefix cache one pass program). 'all' (default): every bucket up to max_model_len, so "
                       "no request compiles; at 27B shapes this takes minutes (--compile_cache makes a later start "
                       "load them from disk). Or a list such as 16,32,64 (a number is rounded up to its bucket) for "
                       "a quicker start: a prompt of another bucket then compiles in its first request, logged with "

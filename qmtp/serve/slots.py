@@ -3,10 +3,10 @@
 
 The scheduler decides (which request, slot and pages); `DeviceBatch` only moves arrays. Slot indices,
 page rows and stop rows are traced values, so the compiled programs are one loop, two prefills per
-prompt bucket (1 and `prefill_batch` rows) and one snapshot copy per page count. A padding row (id B,
+prompt bucket (1 and `prefill_batch` rows), and the prefix cache's passes, checkpoint and resume. A padding row (id B,
 no valid token) writes nothing; a done slot writes nothing, so its pages can be handed on at once.
 
-A state row is never cleared: a prefill starts from zero conv/ssm rows of its own, a restore
+A state row is never cleared: a prefill starts from zero conv/ssm rows of its own, a resume
 overwrites the rows, and KV entries at positions >= a slot's length are masked. The GDN/conv state
 stays in the loop's ring of K+2 slots between calls (qmtp/runtime/loop.py), so no call copies it in
 and out (~0.6 GB per sequence at 27B, K=3); row b's conv/ssm live in its read slot slots.gdn_slot[b].
@@ -29,7 +29,6 @@ from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.loop import Slots
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
 from qmtp.runtime.state import DecodeState, init_state
-from qmtp.serve.snapshots import Snapshot
 
 
 def _optional(sampling) -> tuple:
@@ -147,38 +146,6 @@ def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     return (state,)
 
 
-@functools.partial(jax.jit, static_argnames=("n_pages",), donate_argnames=("state",))
-def take_snapshot(n_pages: int, state: DecodeState, slots: Slots, slot: jax.Array):
-    """Slot `slot` right after its prefill as a one-row DecodeState: its conv/ssm rows and its first
-    n_pages KV pages (target and MTP, renumbered 0..n_pages-1).
-    Returns (state (unchanged), snapshot, first token [1], d1 [1], mh [1, E])."""
-    pages = state.page_table[slot, :n_pages]  # [Pn]
-    kv, mtp_kv = jax.tree.map(lambda a: a[pages], (state.kv, state.mtp_kv))  # [Pn, S, Hkv, D]
-    conv, ssm = jax.tree.map(lambda a: a[slots.gdn_slot[slot], slot][None], (state.conv, state.ssm))
-    snap = DecodeState(kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm, page_table=jnp.arange(n_pages, dtype=jnp.int32)[None],
-                       lengths=state.lengths[slot][None])
-    return state, snap, slots.pending[slot][None], slots.d1[slot][None], slots.mh[slot][None]
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def restore_snapshot(state: DecodeState, snap: DecodeState, slots: Slots, slot: jax.Array,
-                     page_row: jax.Array, n_pages: jax.Array, first: jax.Array, d1: jax.Array, mh: jax.Array,
-                     max_tokens: jax.Array, stop_row: jax.Array):
-    """Copies a snapshot into slot `slot` with its new pages page_row [Pmax]; snapshot pages >= n_pages
-    (int32 []) are not written (they belong to nobody or to another slot). first, d1 [1] and mh [1, E]
-    are the prompt's prefill outputs. Returns (state, snapshot (unchanged), slots)."""
-    pn = snap.page_table.shape[1]
-    num_pages = state.kv.num_pages if state.kv.k else state.mtp_kv.num_pages
-    dest = jnp.where(jnp.arange(pn) < n_pages, page_row[:pn], num_pages)  # out of range: dropped
-    kv, mtp_kv = jax.tree.map(lambda p, s: p.at[dest].set(s, mode="drop"), (state.kv, state.mtp_kv),
-                              (snap.kv, snap.mtp_kv))
-    state = dataclasses.replace(state, kv=kv, mtp_kv=mtp_kv)
-    new = Slots.started(first, d1, mh, jnp.reshape(max_tokens, (1,)), stop_row[None])
-    state, slots = _put_rows(state, slots, jnp.reshape(slot, (1,)), snap.conv, snap.ssm, page_row[None], snap.lengths,
-                             new)
-    return state, snap, slots
-
-
 class DeviceBatch:
     """The state and carry of B slots, and the device calls on them (one device, or one shard_map)."""
 
@@ -239,29 +206,6 @@ class DeviceBatch:
              np.zeros((1, m.cfg.hidden_size), m.params["embed"].dtype) if hidden is None else hidden,
              np.int32(next_token), np.int32(boundary), np.bool_(hidden is not None)),
             ("params", "state", "gdn_rows") + ("rep",) * 9, ("state",))
-
-    def restore(self, snap: Snapshot, slot: int, page_row, max_tokens: int, stop_row) -> None:
-        """restore_snapshot (snap.state becomes the state the call hands back)."""
-        self.state, snap.state, self.slots = api._call(
-            self.model, restore_snapshot, (),
-            (self.state, snap.state, self.slots, np.int32(slot), page_row, np.int32(snap.n_pages), snap.first,
-             snap.d1, snap.mh, np.int32(max_tokens), stop_row),
-            ("state", "state") + ("rep",) * 9, ("state", "state", "rep"))
-
-    def take_snapshot(self, slot: int, n_pages: int, prompt_pages: int, nbytes: int, first_logprobs) -> Snapshot:
-        """take_snapshot of n_pages pages, of which the prompt fills prompt_pages; nbytes = snapshot_bytes;
-        first_logprobs: the prefill's host TokenLogprobs [1, 1] of the first token."""
-        self.state, *arrays = api._call(
-            self.model, take_snapshot, (n_pages,), (self.state, self.slots, np.int32(slot)),
-            ("state", "rep", "rep"), ("state", "rows_state", "rep", "rep", "rep"))
-        return Snapshot(*arrays, prompt_pages, nbytes, first_logprobs)
-
-    def snapshot_bytes(self, n_pages: int) -> int:
-        """Device bytes of a snapshot of n_pages pages: its pages, one row of conv/ssm (one ring slot), the
-        page table, length, first, d1 and mh."""
-        mh = self.slots.mh
-        return (self.page_bytes() * n_pages + self.gdn_row_bytes() + 4 * (n_pages + 1) + 8
-                + mh.size * mh.dtype.itemsize // self.state.batch)
 
     def run(self, n: int, sampling=None, logprobs: bool = False, round_cost=None):
         """n MTP rounds (or plain steps) over all slots; sampling: every slot's SamplingParams (the loop's

@@ -6,14 +6,13 @@ of it compiling its prefill; at 27B shapes a compile takes tens of seconds). Pro
 to power-of-two buckets (api._bucket, >= 16 tokens) up to the bucket of the longest prompt the limits
 admit (Engine.prompt_buckets), and each bucket has its own programs (qmtp/serve/slots.py): a prefill
 of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prompts fit in the page
-pool together; with exact-prompt snapshots on, a snapshot copy-out and copy-in of its page count when
-such a snapshot fits the budget. Buckets above the model's prefill_chunk are prefilled piece by piece:
+pool together (with the prefix cache: one pass program per width, a checkpoint and a resume). Buckets above the model's prefill_chunk are prefilled piece by piece:
 one program for all of them (qmtp/serve/prompt_passes.py). Then the decode loop, its sampled form (run while
 any slot samples), the sampled form that returns logprobs (while any slot asks for them) and the
 slot-retire op of a cancelled request.
 
-Each step drives the engine's own admission code on dummy requests (id -1: no snapshot is kept;
-max_tokens 1: the first token finishes them), so the shapes are exactly those of serving; this module
+Each step drives the engine's own admission code on dummy requests (id -1; max_tokens 1: the first
+token finishes them), so the shapes are exactly those of serving; this module
 reaches into Engine's private methods for that reason. The seconds a step logs are its compile (or its
 load from JAX's persistent compilation cache, --compile_cache) and one run.
 """
@@ -30,12 +29,9 @@ import numpy as np
 
 from qmtp import api
 from qmtp.runtime import adaptive_k
-from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
 from qmtp.serve.prompt_passes import LONG_PROMPTS
 from qmtp.serve import round_costs
 from qmtp.serve.requests import RequestHandle
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +66,6 @@ def plan(engine, buckets) -> list[Step]:
         if rows > 1 and 2 * engine.allocator.pages_for(n + 1 + engine.extra) <= engine.allocator.num_pages:
             steps.append(Step(f"prompt bucket {b}: prefill x {rows} rows", functools.partial(_prefill, engine, n, 2),
                               b))
-        if engine.snapshots.fits(engine._snapshot_bytes(engine._snapshot_pages(b))):
-            steps.append(Step(f"prompt bucket {b}: snapshot copy-out and copy-in", functools.partial(
-                _snapshot, engine, n), b))
     unit = f"MTP rounds per call, K={engine.k}" if engine.k else "steps per call"
     steps.append(Step(f"decode loop ({engine.config.rounds_per_call} {unit})", functools.partial(_loop, engine)))
     for form, logprobs in (("sampling", False), ("logprobs", True)):
@@ -97,8 +90,7 @@ def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
     widths = [engine.piece] if engine.model.kernels.deterministic else [
         w for w in engine.prompt_buckets() if w <= min(engine.piece, max(chosen))]
     steps = [Step(f"prefix cache: prefill pass of {w} tokens", functools.partial(_pass, engine, w), w) for w in widths]
-    if engine.prefix.block < engine.longest_prompt():  # else no prompt reaches a block boundary
-        steps.append(Step("prefix cache: checkpoint and resume", functools.partial(_checkpoint_and_resume, engine)))
+    steps.append(Step("prefix cache: checkpoint and resume", functools.partial(_checkpoint_and_resume, engine)))
     return steps
 
 
@@ -112,9 +104,9 @@ def _pass(engine, width: int) -> None:
 
 
 def _checkpoint_and_resume(engine) -> None:
-    """A prompt of a block and a token (a checkpoint after the block), then the same prompt (resumed
-    there); the cache is emptied after."""
-    n = engine.prefix.block + 1
+    """A prompt of two tokens (a checkpoint at its end but the last token: the programs of every kind of
+    checkpoint), then the same prompt (resumed there); the cache is emptied after."""
+    n = 2
     for _ in range(2):
         handle = RequestHandle(engine, -1, [0] * n, 1, (), (), listener=lambda event: None)
         engine.passes.start(handle, engine._free_slots.pop(), *engine.passes.reserve_with_prefix(handle))
@@ -142,16 +134,6 @@ def _pieces(engine, n: int) -> None:
     slot = engine.passes.start(*_request(engine, n))
     while slot in engine.passes.pending:
         engine.passes.run_one()
-    engine._flush_retired()
-
-
-def _snapshot(engine, n: int) -> None:
-    """A snapshot of slot 0 (whatever it holds: only the shapes matter) taken and copied into a request."""
-    n_pages = engine._snapshot_pages(api._bucket(n))
-    first_lp = TokenLogprobs.empty(1, 1, MAX_TOP_LOGPROBS)
-    snap = engine._device.take_snapshot(0, n_pages, engine.allocator.pages_for(n), engine._snapshot_bytes(n_pages),
-                                        first_lp)
-    engine._restore(*_request(engine, n), snap)
     engine._flush_retired()
 
 
