@@ -179,6 +179,31 @@ def test_a_resumed_response_end_leaves_the_state_of_a_full_prefill(model):
     assert_same_state(got, _prefilled_state(Engine(model, config(3, 0)), [following]))
 
 
+def test_a_response_cut_mid_round_is_kept_at_its_end(tmp_path):
+    """Every draft accepted (the controlled checkpoint, K=3): a response's last round is cut by its token
+    budget (the prefill's token and two rounds of 4, cut at 6) or by a stop id among the round's tokens.
+    The loop commits such a row through its emitted tokens only, so its end is kept, and the next turn
+    resumes there and gets qmtp.generate's tokens."""
+    from qmtp.tools import make_checkpoint
+    path = make_checkpoint.write_checkpoint(str(tmp_path / "ctl"), "tiny_controlled", "fp32", seed=5)
+    controlled = qmtp.load(path, dtype="float32", page_size=8, progress=False)
+    engine = Engine(controlled, config(3, 1 << 24, stop_token_ids=())).start()
+    prompt = np.random.default_rng(14).integers(0, 380, 11).tolist()
+    full = engine.generate(prompt, 6, timeout=300).tokens
+    following = prompt + full + [5, 6]
+    assert engine.prefix.lookup(following)[0] == len(prompt) + 5  # the response's end
+    turn = engine.submit(following, 6, stop_token_ids=[])
+    assert turn.result(300).tokens == qmtp.generate(controlled, [following], 6, mtp_k=3, stop_token_ids=[]).tokens[0]
+    assert turn.prefix_hit_tokens == len(prompt) + 5
+    other = np.random.default_rng(15).integers(0, 380, 9).tolist()
+    free = qmtp.generate(controlled, [other], 8, mtp_k=3, stop_token_ids=[]).tokens[0]
+    assert free[2] not in free[:2]
+    cut = engine.generate(other, 8, stop_token_ids=[free[2]], timeout=300)  # the first round's second token
+    assert cut.tokens == free[:3] and cut.finish_reason == "stop"
+    assert engine.prefix.lookup(other + free[:3] + [7])[0] == len(other) + 2
+    assert engine.stop(10)
+
+
 def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
     """A hit resumes at a boundary; a seeded, logprobs request then gets qmtp.generate's tokens and values."""
     engine = Engine(model, config(2, 1 << 24)).start()

@@ -13,7 +13,9 @@ One round, for a sequence whose target has consumed positions < L and whose pend
              stale and masked by length; the MTP KV at L .. L+a is refreshed from the target hiddens
              h_L .. h_{L+a} with the shifted tokens (d_1 .. d_a, bonus) = (g_0 .. g_a), whose output at
              L+a gives the next d_1;
-  5. emit    g_0 .. g_a (= d_1 .. d_a, bonus), clipped at a stop id and the row's token budget.
+  5. emit    g_0 .. g_a (= d_1 .. d_a, bonus), clipped at a stop id and the row's token budget; a
+             row that finishes so is committed through its emitted tokens only (the ring's slot of
+             its last consumed one), so its state ends where its output does.
 With K = 0 a round is a plain greedy step: the verify pass is one target token, a = 0, no MTP.
 Greedy output with MTP equals plain greedy decoding token for token (tests pin it down). With
 adaptive_ks, each round runs the K of those candidates that qmtp/runtime/adaptive_k.py chooses.
@@ -251,6 +253,20 @@ def _padded_round(cfg, kernels, kc: int, k: int, params, state, slots, *, live, 
     return tokens, a, state, slots, logits
 
 
+def _end_at_emitted(state: DecodeState, slots: Slots, done_now: jax.Array, base: jax.Array, read: jax.Array,
+                    n: jax.Array):
+    """(state, slots) with the rows that finished this round (done_now [B]) marked done and committed
+    through the tokens they emitted, n [B] of them, not through all a + 1 of the round: the state then
+    holds the prompt and the response but its last token (length base + n, the ring's state after the
+    n-th token of the round, whose slot the verify wrote; the MTP entry before it is the refresh's), so
+    a finished response is a prefix for the next turn (qmtp/serve/prefix_cache.py) also when a stop id
+    or the token budget cut its last round short."""
+    lengths = jnp.where(done_now, base + n, state.lengths)
+    gdn_slot = jnp.where(done_now, ops.next_slots(read, n, gdn_slot_count(state)), slots.gdn_slot)
+    return (dataclasses.replace(state, lengths=lengths),
+            dataclasses.replace(slots, done=slots.done | done_now, gdn_slot=gdn_slot))
+
+
 def _emit(out, count, tokens, n_take, remaining, stop_mask, live):
     """Writes tokens[b, :n] after count[b], n = n_take clipped at the first stop and at remaining; out and
     tokens are dicts of [B, T, ...] pytrees: "tokens" the ids, "logprobs" (if asked) their TokenLogprobs.
@@ -340,6 +356,7 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
     def body(carry):
         state, slots, out, count, r, stats = carry
         live = (~slots.done).astype(jnp.int32)
+        base, read = state.lengths, slots.gdn_slot  # the round's start: L [B] and the read slots [B]
         cap = None if accept_cap is None else accept_cap[jnp.minimum(r, accept_cap.shape[0] - 1)]
         if adaptive_ks is None:
             verified, a, state, slots, logits = _round(cfg, kernels, k, params, state, slots, live, cap, sampling)
@@ -358,9 +375,10 @@ def decode(cfg: ModelConfig, kernels: KernelConfig, k: int, n_rounds: int, param
         if top_logprobs is not None:
             temperature = None if sampling is None else sampling.temperature
             emitted["logprobs"] = smp.token_logprobs(tp.gather_vocab(logits), verified, temperature, top_logprobs)
+        before = count
         out, count, done_now = _emit(out, count, emitted, a + 1, entry.remaining, is_stop(verified, slots.stop),
                                      live)
-        slots = dataclasses.replace(slots, done=slots.done | done_now)
+        state, slots = _end_at_emitted(state, slots, done_now, base, read, count - before)
         if adaptive_ks is None:
             return state, slots, out, count, r + 1, _add_stats(stats, a, live, k, sampled)
         new_stats = _add_stats(stats, a, live, k, sampled, k_round)

@@ -178,8 +178,9 @@ class PassPrefill:
 
     def keep_response_end(self, slot: int, handle: RequestHandle, reservation: int) -> None:
         """With the prefix cache, keeps a finished request's end (prefix_cache.put_end): its state holds
-        the prompt and the response but the last token, unless a round committed tokens past what was
-        emitted (clipped at max_tokens or a stop string), which it then does not keep."""
+        the prompt and the response but the last token (the loop commits a row that a stop id or its
+        budget finished through its emitted tokens only), unless the host cut the response (a stop
+        string, matched in the text after the round), which it then does not keep."""
         e = self.engine
         tokens = list(handle.prompt_ids) + list(handle.tokens)
         state_bytes = e._device.gdn_row_bytes()
