@@ -91,6 +91,7 @@ def assert_only_the_cache_holds_pages(engine: Engine) -> None:
 def test_conversations_with_the_cache_equal_those_without(model, k):
     sent, compared, on = run_workload(model, k, seed=k, n_conv=6, turns=4)
     assert sent == 24 and compared >= 15
+    assert on.counters["prefill_piece_rows"] > on.counters["prefill_pieces"]  # some passes held several prompts
     assert on.prefix.hits >= 6 and on.end_hits >= 3 and on.prefix.evicted > 0, (on.prefix.hits, on.end_hits,
                                                                                  on.prefix.evicted)
     assert_only_the_cache_holds_pages(on)
@@ -236,6 +237,24 @@ def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
     turn = engine.submit(system + [1, 2] + first.tokens + [7, 8], 4)  # resumed from the first one's end
     turn.result(300)
     assert turn.prefix_hit_tokens == 45 and engine.prefix.hits == 3
+    assert engine.counters["serving_compiles"] == 0
+    assert engine.stop(10)
+
+
+def test_prompts_arriving_together_share_passes(model):
+    """Prompts admitted together run their passes as the rows of one (programs the warm-up compiled); one
+    that shares its first block with a prompt in the pass waits for it and resumes from its checkpoint."""
+    engine = Engine(model, config(2, 1 << 24))
+    engine.warmup([16, 32])
+    rng = np.random.default_rng(16)
+    first, second = (rng.integers(0, 380, 20).tolist() for _ in range(2))
+    prompts = [first, second, first[:BLOCK] + [7, 7, 7, 7, 7]]
+    handles = [engine.submit(p, 4) for p in prompts]
+    engine.start()
+    want = [qmtp.generate(model, [p], 4, mtp_k=2).tokens[0] for p in prompts]
+    assert [h.result(300).tokens for h in handles] == want
+    assert [h.prefix_hit_tokens for h in handles] == [0, 0, BLOCK]
+    assert engine.counters["prefill_piece_rows"] > engine.counters["prefill_pieces"]
     assert engine.counters["serving_compiles"] == 0
     assert engine.stop(10)
 

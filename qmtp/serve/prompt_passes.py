@@ -3,12 +3,14 @@ one pass of it per scheduling point, so the running streams wait for one pass at
 prefix cache every prompt (qmtp/serve/prefix_cache.py).
 
 A prompt's passes end on multiples of prefill_chunk, at the points the prefix cache keeps a checkpoint
-at (block boundaries, the prompt's end but its last token), and at its end. With the cache, admission looks the prompt up (`reserve_with_prefix`:
-its reservation then shares the checkpoint's pages but the last) and the first pass looks again (a
-checkpoint kept since, e.g. by another choice of the same prompt: all its pages are copied); a prompt
-resumes from the checkpoint (`slots.resume_prefix`) before its first pass. Every pass runs
-`slots.prefill_piece` on one row, padded to prefill_chunk, or with the cache to the prompt bucket of
-its tokens (whole chunks under --deterministic: a resumed prefill runs a full one's passes).
+at (block boundaries, the prompt's end but its last token), and at its end. With the cache, admission
+looks the prompt up (`reserve_with_prefix`: its reservation then shares the checkpoint's pages but the
+last) and the first pass looks again (a checkpoint kept since, e.g. by another choice of the same
+prompt: all its pages are copied); a prompt resumes from the checkpoint (`slots.resume_prefix`) before
+its first pass. Every pass runs `slots.prefill_piece`: one row padded to prefill_chunk, or with the
+cache up to `--prefill_batch` rows (`Engine._group_rows`) of prompts whose next passes pad to the same
+prompt bucket (whole chunks and one row under --deterministic: a resumed prefill runs a full one's
+passes, and a prompt's numbers do not depend on the others).
 
 `PassPrefill` belongs to the Engine and works on its state (device, allocator, prefix cache, slots'
 sampling rows, the first-token delivery) on the scheduler thread.
@@ -21,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from qmtp import api
+from qmtp.runtime.loop import NO_STOP
 from qmtp.serve.requests import RequestHandle
 
 LONG_PROMPTS = "long prompts"  # how log lines name the piece-by-piece prefill
@@ -107,42 +110,83 @@ class PassPrefill:
         return min(e.piece, api._bucket(tokens))
 
     def run_one(self) -> int:
-        """The next pass of the first prompt in progress; after its last pass the request starts. Returns
-        the pass's tokens."""
+        """The next pass: the first prompt in progress and, with the prefix cache (not under
+        --deterministic, whose prefills run one prompt at a time), up to _group_rows(width) - 1 more
+        whose next passes take the same padded width, in FIFO order; a prompt not yet started that shares
+        its first block with one in the pass waits (it may resume from that one's checkpoints, as a
+        request's n choices do). After a prompt's last pass its request starts. Returns the pass's tokens."""
         e = self.engine
         e._flush_retired()
-        slot, p = next(iter(self.pending.items()))
-        ids = p.handle.prompt_ids
+        queue = list(self.pending.items())
+        slot, p = queue[0]
+        self._prepare(slot, p)
+        width = self._width(p.ends[0] - p.offset)
+        rows = [(slot, p)]
+        if e.prefix is not None and not e.model.kernels.deterministic:
+            most, heads = e._group_rows(width), {self._head(p)}
+            for slot_q, q in queue[1:]:
+                if len(rows) == most:
+                    break
+                if q.fresh and self._head(q) in heads:
+                    continue
+                self._prepare(slot_q, q)
+                if self._width(q.ends[0] - q.offset) == width:
+                    rows.append((slot_q, q))
+                    heads.add(self._head(q))
+        return self._pass(rows, width)
+
+    def _head(self, p: Pieces) -> tuple:
+        return tuple(p.handle.prompt_ids[:self.engine.prefix.block])
+
+    def _prepare(self, slot: int, p: Pieces) -> None:
+        """Before a prompt's first pass: a checkpoint kept since its admission (an earlier request's
+        prefill, e.g. a choice of the same prompt) is resumed from, with a copy of all its pages; and a
+        planned resume is done."""
+        e = self.engine
         if p.fresh and p.resume is None and e.prefix is not None:
-            # a checkpoint kept since admission (an earlier request's prefill, e.g. a choice of the same
-            # prompt): resumed from with a copy of all its pages
-            boundary, ckpt, _ = e.prefix.lookup(ids, again=True)
+            boundary, ckpt, _ = e.prefix.lookup(p.handle.prompt_ids, again=True)
             if ckpt is not None:
                 self._plan(p, boundary, ckpt)
         p.fresh = False
         if p.resume is not None:
             self._resume(slot, p)
-        end = p.ends.pop(0)
-        c = self._width(end - p.offset)
-        tokens, next_tokens = np.zeros((1, c), np.int32), np.zeros((1, c), np.int32)  # [1, C]
-        piece = ids[p.offset:end]
-        tokens[0, :len(piece)] = piece
-        ahead = ids[p.offset + 1:end + 1]  # the MTP head's inputs, one token ahead
-        next_tokens[0, :len(ahead)] = ahead
-        last = end >= len(ids)
-        with e._watch(f"{LONG_PROMPTS}: prefill piece of {c} tokens"):
+
+    def _pass(self, rows: list, width: int) -> int:
+        """One prefill pass of the prompts `rows` [(slot, Pieces)], each its next pass padded to `width`
+        tokens; 1 row, or _group_rows(width) with padding rows (slot id B, no token). Returns its tokens."""
+        e = self.engine
+        n = 1 if len(rows) == 1 else e._group_rows(width)
+        ids = np.full(n, e.config.batch_slots, np.int32)
+        page_rows = np.zeros((n, e.pages_per_slot), np.int32)  # [n, Pmax]
+        stop_rows = np.full((n, e.config.max_stop_ids), NO_STOP, np.int32)  # [n, NS]
+        tokens, next_tokens = np.zeros((n, width), np.int32), np.zeros((n, width), np.int32)  # [n, C]
+        offsets, n_valid, max_tokens, last = (np.zeros(n, np.int32) for _ in range(4))
+        ends = []
+        for i, (slot, p) in enumerate(rows):
+            ids_p = p.handle.prompt_ids
+            end = p.ends.pop(0)
+            piece = ids_p[p.offset:end]
+            ahead = ids_p[p.offset + 1:end + 1]  # the MTP head's inputs, one token ahead
+            tokens[i, :len(piece)], next_tokens[i, :len(ahead)] = piece, ahead
+            ids[i], page_rows[i], stop_rows[i] = slot, p.page_row, p.stop_row
+            offsets[i], n_valid[i], max_tokens[i], last[i] = p.offset, len(piece), p.handle.max_tokens, end >= len(ids_p)
+            ends.append(end)
+        what = f"prefill piece of {width} tokens" + (f" x {n} rows" if n > 1 else "")
+        with e._watch(f"{LONG_PROMPTS}: {what}"):
             first, first_lp, hidden = e._device.prefill_piece(
-                slot, p.page_row, p.offset, tokens, next_tokens, len(piece), last, p.handle.max_tokens, p.stop_row,
-                e._sampling.rows([slot], always=True))
+                ids, page_rows, offsets, tokens, next_tokens, n_valid, last.astype(bool), max_tokens, stop_rows,
+                e._sampling.rows(ids, always=True))
         e.counters["prefill_pieces"] += 1
-        p.offset = end
-        if end in p.keep:
-            self._checkpoint(slot, p, hidden)
-        if last:
-            del self.pending[slot]
-            e.counters["prefills"] += 1
-            e._started(p.handle, slot, int(first[0]), first_lp, 0)
-        return len(piece)
+        e.counters["prefill_piece_rows"] += len(rows)
+        for i, ((slot, p), end) in enumerate(zip(rows, ends)):
+            p.offset = end
+            if end in p.keep:
+                self._checkpoint(slot, p, hidden[i:i + 1])
+            if last[i]:
+                del self.pending[slot]
+                e.counters["prefills"] += 1
+                e._started(p.handle, slot, int(first[i]), first_lp, i)
+        return int(n_valid.sum())
 
     def _resume(self, slot: int, p: Pieces) -> None:
         """Puts the prefix cache checkpoint p.resume into the slot (its GDN rows, a copy of its pages that

@@ -66,7 +66,8 @@ def define_flags() -> None:
                          "kernels, more run on compute-bound GEMM tiles (a warning names the K that fits).",
                          lower_bound=1)
     flags.DEFINE_integer("prefill_batch", 4, "Waiting prompts of one length bucket are prefilled in one pass of at "
-                         "most this many (the weights read once for all); 1 = one at a time.", lower_bound=1)
+                         "most this many (the weights read once for all; with the prefix cache, prompts whose next "
+                         "passes have one width); 1 = one at a time.", lower_bound=1)
     flags.DEFINE_integer("max_prefill_tokens", 8192, "Rows x bucket length of one batched prefill at most "
                          "(bounds its activation memory).", lower_bound=1)
     flags.DEFINE_integer("rounds_per_call", 4, "MTP rounds (or plain steps) per device call between scheduling "

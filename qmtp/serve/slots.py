@@ -76,40 +76,46 @@ def prefill_into_slots(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, p
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
 def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
-                  slots: Slots, slot: jax.Array, page_row: jax.Array, offset: jax.Array, tokens: jax.Array,
+                  slots: Slots, ids: jax.Array, page_rows: jax.Array, offsets: jax.Array, tokens: jax.Array,
                   next_tokens: jax.Array, n_valid: jax.Array, last: jax.Array, max_tokens: jax.Array,
-                  stop_row: jax.Array, sampling=None):
-    """One piece of a long prompt into slot `slot` (int32 []): its tokens [1, C] at positions offset ..
-    offset + n_valid - 1, after the KV pages (page_row [Pmax]) and the conv/ssm rows in the slot's read
-    slot that the pieces before left (zero rows at offset 0). The same passes as one chunk of
-    prefill.prefill's chunked scan: the target, then the MTP head over next_tokens [1, C] (the prompt one
-    token ahead; on the last piece its last valid token becomes the first generated one). A piece that
-    is not `last` leaves the slot done, so decode rounds skip it; the last one starts it like
-    prefill_into_slots. Returns (first token [1] (meaningful on the last piece), state, slots, its
-    TokenLogprobs [1, 1], the target's hidden [1, E] at the piece's last position (a prefix cache
+                  stop_rows: jax.Array, sampling=None):
+    """One pass of n prompts in progress into slots ids [n] (an id past the last slot: a padding row,
+    n_valid 0): row i's tokens [n, C] at positions offsets[i] .. offsets[i] + n_valid[i] - 1, after the KV
+    pages (page_rows [n, Pmax]) and the conv/ssm rows in its slot's read slot that its passes before left
+    (zero rows at offset 0). The same passes as one chunk of prefill.prefill's chunked scan: the target,
+    then the MTP head over next_tokens [n, C] (the prompt one token ahead; on a row's `last` [n] pass its
+    last valid token becomes the first generated one). A row whose pass is not last leaves its slot done,
+    so decode rounds skip it; a last one starts it like prefill_into_slots (budgets max_tokens [n], stop
+    rows [n, NS]). Returns (first tokens [n] (meaningful on last passes), state, slots, their
+    TokenLogprobs [n, 1], the target's hidden [n, E] at each row's last position (a prefix cache
     checkpoint's))."""
-    read = slots.gdn_slot[slot]
-    resume = lambda ring: jnp.where(offset > 0, ring[read, slot], 0)[None].astype(ring.dtype)  # noqa: E731
+    n = tokens.shape[0]
+    rows = jnp.clip(ids, 0, state.batch - 1)  # padding rows read row B - 1 and write nothing
+    read = slots.gdn_slot[rows]  # [n]
+
+    def resume(ring):  # [n, ...]: the slot's rows after its earlier passes, zeros before the first
+        got = ring[read, rows]
+        return jnp.where((offsets > 0).reshape((n,) + (1,) * (got.ndim - 1)), got, 0).astype(ring.dtype)
+
     sub = DecodeState(kv=state.kv, mtp_kv=state.mtp_kv, conv=tuple(map(resume, state.conv)),
-                      ssm=tuple(map(resume, state.ssm)), page_table=page_row[None], lengths=offset[None])
-    hidden, sub = target.forward(cfg, params, sub, tokens, n_valid, kernels)  # hidden [1, C, E]
-    logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [1, V]
-    first = loop.choose(logits, sampling, offset[None] + n_valid)  # [1]
+                      ssm=tuple(map(resume, state.ssm)), page_table=page_rows, lengths=offsets)
+    hidden, sub = target.forward(cfg, params, sub, tokens, n_valid, kernels)  # hidden [n, C, E]
+    logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [n, V]
+    first = loop.choose(logits, sampling, offsets + n_valid)  # [n]
     if use_mtp:
-        end = n_valid[0] - 1
-        shifted = next_tokens.at[0, end].set(jnp.where(last, first[0], next_tokens[0, end]))
-        mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offset[None], n_valid, kernels)
-        mh = target.last_valid(mh, n_valid)  # [1, E]
-        d1 = loop.draft(cfg, params, mh, kernels, sampling, offset[None] + n_valid + 1)
+        at = (jnp.arange(n), jnp.maximum(n_valid - 1, 0))  # each row's last valid column
+        shifted = next_tokens.at[at].set(jnp.where(last, first, next_tokens[at]))
+        mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offsets, n_valid, kernels)
+        mh = target.last_valid(mh, n_valid)  # [n, E]
+        d1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
-    new = Slots.started(first, d1, mh, max_tokens[None], stop_row[None])
+    new = Slots.started(first, d1, mh, max_tokens, stop_rows)
     new = dataclasses.replace(new, done=new.done | ~last)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     lp = prefill.first_logprobs(logits, first, sampling, MAX_TOP_LOGPROBS)
-    last_hidden = target.last_valid(hidden, n_valid)  # [1, E]
-    return (first, *_put_rows(state, slots, slot[None], sub.conv, sub.ssm, page_row[None], sub.lengths, new), lp,
-            last_hidden)
+    last_hidden = target.last_valid(hidden, n_valid)  # [n, E]
+    return first, *_put_rows(state, slots, ids, sub.conv, sub.ssm, page_rows, sub.lengths, new), lp, last_hidden
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -168,13 +174,15 @@ class DeviceBatch:
             ("params", "state") + ("rep",) * (7 + len(_optional(sampling))), ("rep", "state", "rep", "rep"))
         return jax.device_get((first, lp))
 
-    def prefill_piece(self, slot: int, page_row, offset: int, tokens, next_tokens, n_valid: int, last: bool,
-                      max_tokens: int, stop_row, sampling=None):
-        """prefill_piece (tokens, next_tokens [1, C]); returns the first token [1] and its TokenLogprobs [1, 1]
-        (host; meaningful when last), and the piece's last target hidden [1, E] (device)."""
+    def prefill_piece(self, ids, page_rows, offsets, tokens, next_tokens, n_valid, last, max_tokens, stop_rows,
+                      sampling=None):
+        """prefill_piece (every argument a host array of n rows); returns the first tokens [n] and their
+        TokenLogprobs [n, 1] (host; meaningful on last passes), and the rows' last target hiddens [n, E]
+        (device)."""
         m = self.model
-        args = (m.params, self.state, self.slots, np.int32(slot), page_row, np.int32(offset), tokens, next_tokens,
-                np.array([n_valid], np.int32), np.bool_(last), np.int32(max_tokens), stop_row)
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        args = (m.params, self.state, self.slots, i32(ids), i32(page_rows), i32(offsets), i32(tokens),
+                i32(next_tokens), i32(n_valid), np.asarray(last, bool), i32(max_tokens), i32(stop_rows))
         first, self.state, self.slots, lp, hidden = api._call(
             m, prefill_piece, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
             ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep", "rep", "rep"))

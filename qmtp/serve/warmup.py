@@ -60,7 +60,7 @@ def plan(engine, buckets) -> list[Step]:
                           functools.partial(_pieces, engine, engine.piece + 1)))
         chosen = [b for b in chosen if b <= engine.piece]
     for b in chosen:
-        n = 1 if b == api.MIN_PROMPT_BUCKET else b // 2 + 1  # the bucket's shortest prompt: the fewest pages
+        n = _shortest(b)
         steps.append(Step(f"prompt bucket {b}: prefill x 1 row", functools.partial(_prefill, engine, n, 1), b))
         rows = engine._group_rows(b)
         if rows > 1 and 2 * engine.allocator.pages_for(n + 1 + engine.extra) <= engine.allocator.num_pages:
@@ -85,20 +85,36 @@ def plan(engine, buckets) -> list[Step]:
 
 def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
     """With the prefix cache every prompt is prefilled in passes (qmtp/serve/prompt_passes.py) of padded widths
-    up to prefill_chunk (under --deterministic, that one width): one program per width, then a checkpoint
+    up to prefill_chunk (under --deterministic, that one width): a program of one row per width and one of
+    its batched rows where two prompts fit in the page pool (not under --deterministic), then a checkpoint
     and a resume from it."""
-    widths = [engine.piece] if engine.model.kernels.deterministic else [
+    deterministic = engine.model.kernels.deterministic
+    widths = [engine.piece] if deterministic else [
         w for w in engine.prompt_buckets() if w <= min(engine.piece, max(chosen))]
-    steps = [Step(f"prefix cache: prefill pass of {w} tokens", functools.partial(_pass, engine, w), w) for w in widths]
+    steps = []
+    for w in widths:
+        steps.append(Step(f"prefix cache: prefill pass of {w} tokens", functools.partial(_pass, engine, w, 1), w))
+        rows, n = engine._group_rows(w), _shortest(w)
+        if not deterministic and rows > 1 and 2 * engine.allocator.pages_for(n + 1 + engine.extra) <= \
+                engine.allocator.num_pages:
+            steps.append(Step(f"prefix cache: prefill pass of {w} tokens x {rows} rows",
+                              functools.partial(_pass, engine, w, 2), w))
     steps.append(Step("prefix cache: checkpoint and resume", functools.partial(_checkpoint_and_resume, engine)))
     return steps
 
 
-def _pass(engine, width: int) -> None:
-    """One pass of `width` padded tokens (a prompt of the fewest tokens that take it, no checkpoint)."""
-    n = 1 if width == api.MIN_PROMPT_BUCKET else width // 2 + 1
-    slot = engine.passes.start(*_request(engine, n))
-    engine.passes.pending[slot].ends, engine.passes.pending[slot].keep = [n], ()
+def _shortest(bucket: int) -> int:
+    """The fewest tokens a prompt (or pass) of this bucket has: the fewest pages."""
+    return 1 if bucket == api.MIN_PROMPT_BUCKET else bucket // 2 + 1
+
+
+def _pass(engine, width: int, count: int) -> None:
+    """One pass of `width` padded tokens over `count` prompts of the fewest tokens that take it (distinct,
+    so they share it; no checkpoint): one row, or the width's batched rows."""
+    n = _shortest(width)
+    for i in range(count):
+        slot = engine.passes.start(*_request(engine, n, token=i))
+        engine.passes.pending[slot].ends, engine.passes.pending[slot].keep = [n], ()
     engine.passes.run_one()
     engine._flush_retired()
 
@@ -117,9 +133,9 @@ def _checkpoint_and_resume(engine) -> None:
     engine.prefix.reset_counts()
 
 
-def _request(engine, n: int) -> tuple:
-    """A dummy request of n tokens with its slot and pages, as admission hands them out."""
-    handle = RequestHandle(engine, -1, [0] * n, 1, (), (), listener=lambda event: None)
+def _request(engine, n: int, token: int = 0) -> tuple:
+    """A dummy request of n tokens (`token` repeated) with its slot and pages, as admission hands them out."""
+    handle = RequestHandle(engine, -1, [token] * n, 1, (), (), listener=lambda event: None)
     return handle, engine._free_slots.pop(), engine.allocator.reserve(engine._capacity(handle))
 
 
