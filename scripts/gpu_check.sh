@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
 #                                             bench_long prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling
-#                                             bench_deterministic chat_nocache chat_prefix bench_auto bench_moe
+#                                             bench_deterministic chat_nocache chat_prefix bench_auto serve_k0
+#                                             serve_kauto bench_moe
 #                                             (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
@@ -24,7 +25,7 @@ mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
                                  serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
-                                 bench_moe)
+                                 serve_k0 serve_kauto bench_moe)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -98,11 +99,20 @@ for s in "${steps[@]}"; do
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
+    # the server under 32 concurrent clients, plain and with the draft length chosen per round: output tok/s
+    serve_k0|serve_kauto)
+      k=0; [ "$s" = serve_kauto ] && k=auto
+      run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
+                 --mtp_k=$k --batch_slots=32 --max_model_len=512 --warmup_buckets=16,32,64 --port=8125 \
+                 >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8125 \
+                 --concurrency=32 --requests=512 --duration_s=120 --prompt_tokens=16,60 --max_tokens=128 --vocab=4096 \
+                 --output_json=$OUT/$s.json; rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
     # the 35B-A3B-shaped FP8 MoE (first 8 of its 40 layers, controlled acceptance): plain and K=3 at batch 1, 8, 32
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=128 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
-            "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto bench_moe)"; exit 2 ;;
+            "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
+            "bench_auto serve_k0 serve_kauto bench_moe)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
