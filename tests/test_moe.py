@@ -107,3 +107,4 @@ def test_router_probabilities_of_a_token_do_not_depend_on_its_batch(experts):
         assert np.array_equal(np.asarray(softmax(logits[:rows]))[0], alone), rows
     np.testing.assert_allclose(np.asarray(softmax(logits)), np.asarray(jax.nn.softmax(logits, axis=-1)),
                                rtol=1e-6, atol=1e-9)
+

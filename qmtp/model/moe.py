@@ -45,23 +45,29 @@ def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, ker
     probs = ops.fenced(kernels, softmax_fixed_order, logits.astype(F32))  # [T, E]
     w, e = jax.lax.top_k(probs, top_k)  # descending; equal probabilities: the lower expert first
     if norm_topk_prob:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        w = ops.fenced(kernels, lambda v: v / fixed_order_sum(v), w)
     return w.astype(x.dtype), e.astype(jnp.int32)
 
 
+def fixed_order_sum(z: jax.Array) -> jax.Array:
+    """sum over the last axis [..., n] -> [..., 1], added in one fixed order (pairwise halving, zero-padded
+    to a power of two): elementwise adds, no reduction whose order XLA could change with the row count."""
+    width = 1 << (z.shape[-1] - 1).bit_length()
+    total = jnp.pad(z, [(0, 0)] * (z.ndim - 1) + [(0, width - z.shape[-1])])
+    while total.shape[-1] > 1:
+        half = total.shape[-1] // 2
+        total = total[..., :half] + total[..., half:]
+    return total
+
+
 def softmax_fixed_order(logits: jax.Array) -> jax.Array:
-    """softmax over the last axis [..., E] in f32, its sum added in one fixed order (pairwise halving,
-    zero-padded to a power of two), so a token's probabilities do not depend on how many tokens share
-    the array: XLA's reduction over E changes order with the row count (on the CPU, E = 256, from 16 rows)."""
+    """softmax over the last axis [..., E] in f32, its sum in one fixed order (fixed_order_sum), so a
+    token's probabilities do not depend on how many tokens share the array: XLA's reduction over E
+    changes order with the row count (on the CPU, E = 256, from 16 rows)."""
     # max: exact in any order. The barrier keeps the max's reduction out of the exp's fusion: fused,
     # exp(logits - max) gave other bits for a token alone than among 16 (CPU)
     z = jnp.exp(jax.lax.optimization_barrier(logits - jnp.max(logits, axis=-1, keepdims=True)))
-    width = 1 << (z.shape[-1] - 1).bit_length()
-    total = jnp.pad(z, [(0, 0)] * (z.ndim - 1) + [(0, width - z.shape[-1])])
-    while total.shape[-1] > 1:  # elementwise adds of the two halves: no reduction for XLA to reorder
-        half = total.shape[-1] // 2
-        total = total[..., :half] + total[..., half:]
-    return z / total
+    return z / fixed_order_sum(z)
 
 
 def group_rows(experts: jax.Array, n_experts: int):
@@ -115,10 +121,15 @@ def _weighted_sum(y: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _shared(p: dict, x2: jax.Array, kernels: KernelConfig) -> jax.Array:
-    """sigmoid(x @ shared_gate.T) * SwiGLU_shared(x) [T, H] in x's dtype."""
-    gate = jax.nn.sigmoid(ops.linear(x2, p["shared_gate"], kernels).astype(F32)).astype(x2.dtype)  # [T, 1]
+    """sigmoid(x @ shared_gate.T) * SwiGLU_shared(x) [T, H] in x's dtype (the gating fenced)."""
+    gate = ops.linear(x2, p["shared_gate"], kernels)  # [T, 1]
     shared_mlp = {k: p["shared_" + k] for k in ("mlp_gate", "mlp_up", "mlp_down")}
-    return (gate * layers.mlp(shared_mlp, x2, kernels)).astype(x2.dtype)
+    return ops.fenced(kernels, _gated, gate, layers.mlp(shared_mlp, x2, kernels))
+
+
+def _gated(gate: jax.Array, y: jax.Array) -> jax.Array:
+    """sigmoid(gate) [T, 1], rounded to y's dtype, times y [T, H], in y's dtype."""
+    return (jax.nn.sigmoid(gate.astype(F32)).astype(y.dtype) * y).astype(y.dtype)
 
 
 def sparse_moe_ref(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kernels: KernelConfig) -> jax.Array:
