@@ -48,18 +48,12 @@ def test_requests_get_generate_logprobs_and_others_none(model, k):
     assert_all_free(engine)
 
 
-def test_long_prompt_and_prefix_cache_hit_carry_the_first_tokens_logprobs(model):
+def test_a_long_prompt_carries_the_first_tokens_logprobs(model):
+    """(A prefix cache hit's: tests/test_prefix_cache.py.)"""
     chunked = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=16))
     engine = make_engine(chunked, 2)
     want = qmtp.generate(chunked, [LONG], 6, mtp_k=2, logprobs=20)
     assert_same(engine.generate(LONG, 6, logprobs=2, timeout=300), want, 2)
-    assert engine.stop(5)
-    assert_all_free(engine)
-    engine = make_engine(chunked, 2, prefix_cache_bytes=1 << 24, prefix_block=16)
-    first = engine.generate(PROMPTS[0], 6, logprobs=4, timeout=300)  # prefilled: its end is kept
-    again = engine.generate(PROMPTS[0], 6, logprobs=4, timeout=300)
-    assert (first.cached_tokens, again.cached_tokens) == (0, len(PROMPTS[0]) - 1)
-    assert_same(again, qmtp.generate(chunked, [PROMPTS[0]], 6, mtp_k=2, logprobs=20), 4)
     assert engine.stop(5)
     assert_all_free(engine)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import qmtp
+from marks import slow_except
 from qmtp.serve import metrics
 from qmtp.serve.engine import Engine
 from qmtp.serve.engine_config import EngineConfig
@@ -87,7 +88,7 @@ def assert_only_the_cache_holds_pages(engine: Engine) -> None:
     assert cache.bytes <= cache.budget_bytes and not engine._active
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", slow_except([0, 3], {3}))  # K = 0 (CI time): also in the two hundred below
 def test_conversations_with_the_cache_equal_those_without(model, k):
     sent, compared, on = run_workload(model, k, seed=k, n_conv=6, turns=4)
     assert sent == 24 and compared >= 15
@@ -269,21 +270,6 @@ def test_choices_of_one_prompt_share_its_prefill(model):
     assert [h.result(300).tokens for h in handles] == [want] * 3
     assert [h.prefix_hit_tokens for h in handles] == [0, 44, 44]
     assert engine.prefix.lookups == 3 and engine.prefix.hits == 2
-    assert engine.stop(10)
-
-
-def test_the_warmup_fits_a_short_max_model_len(model):
-    """The checkpoint-and-resume step's prompt is two tokens (a prompt end): it fits any max_model_len,
-    also one that no block boundary fits in, whose prompts still keep their ends."""
-    lines = []
-    engine = Engine(model, dataclasses.replace(config(3, 1 << 22), max_model_len=24, prefix_block=64),
-                    log=lines.append)
-    engine.warmup([16])
-    engine.start()
-    assert any("checkpoint and resume" in line for line in lines), lines
-    for _ in range(2):
-        engine.generate([5, 6, 7], 2, timeout=300)
-    assert engine.prefix.hits == 1 and engine.counters["serving_compiles"] == 0
     assert engine.stop(10)
 
 

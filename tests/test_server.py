@@ -572,8 +572,10 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: /nonexistent")
     port = _free_port()
     # the warm-up compiles every prompt bucket (16 and 32 for prompts of up to 23 tokens) before /health
-    # says ok; then prompts of new lengths compile nothing ("compiled while serving" would say so). One
-    # prompt per prefill (CI time: tests/test_engine.py warms up and serves batched prefills too)
+    # says ok; then prompts of new lengths compile nothing ("compiled while serving" would say so). The
+    # flagfile turns the prefix cache on: no block (64 tokens) fits in --max_model_len=24, but a prompt
+    # still keeps its end, whose checkpoint and resume the warm-up compiled too. One prompt per pass (CI
+    # time: tests/test_prefix_cache.py warms up and serves batched passes)
     proc = subprocess.Popen([sys.executable, "-m", "qmtp.server", "--flagfile=configs/server_tiny.flags",
                              f"--port={port}", "--max_model_len=24", "--prefill_batch=1", "--mtp_k=1",
                              "--log_level=warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
