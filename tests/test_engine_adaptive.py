@@ -34,8 +34,8 @@ def test_auto_times_rounds_and_keeps_greedy_tokens(model, tmp_path):
     assert_all_free(engine)
     engine.start()
     handles = [engine.submit(p, int(n)) for p, n in zip(PROMPTS, RNG.integers(3, 12, len(PROMPTS)))]
-    for h, p in zip(handles, PROMPTS):
-        assert h.result(300).tokens == qmtp.generate(model, [p], max_new_tokens=h.max_tokens).tokens[0]
+    for h, p in zip(handles, PROMPTS):  # one budget for the references: one compiled loop (CI time)
+        assert h.result(300).tokens == qmtp.generate(model, [p], max_new_tokens=12).tokens[0][:h.max_tokens]
     assert engine.k_rounds.sum() > 0 and engine.counters["serving_compiles"] == 0
     text = metrics.render(engine)
     assert 'qmtp_mtp_loop_rounds_by_k_total{k="3"}' in text and 'qmtp_mtp_round_seconds{k="0"}' in text

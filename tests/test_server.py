@@ -476,7 +476,8 @@ def test_prefix_cache_hits_are_exact_and_reported(model, mtp_server):
     assert warm.choices[0].token_ids == cold.choices[0].token_ids
     assert cold.choices[0].token_ids == qmtp.generate(model, [prompt], max_new_tokens=6).tokens[0]
     n = warm.usage.prompt_tokens  # the same prompt again: all but its last token from the cache
-    assert (cold.usage.prompt_tokens_details.cached_tokens, warm.usage.prompt_tokens_details.cached_tokens) == (0, n - 1)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (cold, warm)]
+    assert cached == [0, n - 1]
     metrics = httpx.get(url + "/metrics").text
     assert _metric(metrics, "qmtp_prefix_cache_hits_total") == hits0 + 1
     assert _metric(metrics, "qmtp_prefix_cache_lookups_total") == lookups0 + 2

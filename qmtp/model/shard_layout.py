@@ -82,7 +82,8 @@ def shard_indices(cfg: ModelConfig, key: str, length: int, n: int, s: int) -> li
         return q + [kd + i for i in q] + [2 * kd + i for i in _contiguous(vd, n, s)]
     if key in _BA or key in _GATE_UP:
         if length % 2:
-            raise ValueError(f"{key} has {length} rows: expected two halves ({'[b | a]' if key in _BA else '[gate | up]'})")
+            halves = "[b | a]" if key in _BA else "[gate | up]"
+            raise ValueError(f"{key} has {length} rows: expected two halves {halves}")
         half = _contiguous(length // 2, n, s)
         return half + [length // 2 + i for i in half]
     return _contiguous(length, n, s)

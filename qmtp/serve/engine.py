@@ -4,13 +4,13 @@ The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a
   1. drops cancelled requests and, while shutting down past the deadline, aborts the active ones;
   2. admits queued requests FIFO while a slot is free and the head's pages (prompt + max_tokens +
      K+1) fit: each is prefilled with the others of its prompt bucket in one pass, and its first
-     token emitted; a prompt longer than the model's
-     prefill_chunk is prefilled piece by piece instead, one piece of prefill_chunk tokens per scheduling
-     point (FIFO), so a long prompt holds the running streams up by one piece at a time, not its whole
-     prefill. With the prefix cache (qmtp/serve/prefix_cache.py) every prompt is prefilled in passes,
-     up to prefill_chunk tokens of them per scheduling point: from the deepest checkpoint of its block
-     chain (looked up at admission, whose pages it then shares, and again before its first pass), with
-     passes ending where the cache keeps a checkpoint;
+     token emitted; a prompt longer than the model's prefill_chunk is prefilled piece by piece
+     instead, one piece of prefill_chunk tokens per scheduling point (FIFO), so a long prompt holds
+     the running streams up by one piece at a time, not its whole prefill. With the prefix cache
+     (qmtp/serve/prefix_cache.py) every prompt is prefilled in passes, several prompts' of one width
+     together, up to prefill_chunk tokens of them per scheduling point: from the deepest checkpoint of
+     its block chain (looked up at admission, whose pages it then shares, and again before its first
+     pass), with passes ending where the cache keeps a checkpoint;
   3. runs `rounds_per_call` rounds of `loop.decode` over all slots (done or empty ones write nothing;
      a slot between pieces is done on the device);
   4. streams each slot's new tokens; a slot that stopped (stop id, max_tokens, stop string) finishes.

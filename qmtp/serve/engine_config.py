@@ -33,7 +33,8 @@ class EngineConfig:
         if self.mtp_k != api.AUTO and not (isinstance(self.mtp_k, int) and 0 <= self.mtp_k <= loop.MAX_K):
             raise ValueError(f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K} or {api.AUTO!r}")
         for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
-                          ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("prefill_batch", 1), ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
+                          ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("prefill_batch", 1),
+                          ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
                           ("prefix_block", 0)):
             value = getattr(self, name)
             if value < low:

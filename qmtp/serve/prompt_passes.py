@@ -169,7 +169,8 @@ class PassPrefill:
             ahead = ids_p[p.offset + 1:end + 1]  # the MTP head's inputs, one token ahead
             tokens[i, :len(piece)], next_tokens[i, :len(ahead)] = piece, ahead
             ids[i], page_rows[i], stop_rows[i] = slot, p.page_row, p.stop_row
-            offsets[i], n_valid[i], max_tokens[i], last[i] = p.offset, len(piece), p.handle.max_tokens, end >= len(ids_p)
+            offsets[i], n_valid[i], max_tokens[i] = p.offset, len(piece), p.handle.max_tokens
+            last[i] = end >= len(ids_p)
             ends.append(end)
         what = f"prefill piece of {width} tokens" + (f" x {n} rows" if n > 1 else "")
         with e._watch(f"{LONG_PROMPTS}: {what}"):

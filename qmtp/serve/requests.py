@@ -95,8 +95,8 @@ class RequestHandle:
         """Blocks until the request finished; raises TimeoutError after `timeout` seconds."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} not finished after {timeout} s")
-        return Completion(list(self.tokens), self.text, self.finish_reason, len(self.prompt_ids), self.prefix_hit_tokens,
-                          self.error, None if self.logprobs is None else list(self.logprobs))
+        return Completion(list(self.tokens), self.text, self.finish_reason, len(self.prompt_ids),
+                          self.prefix_hit_tokens, self.error, None if self.logprobs is None else list(self.logprobs))
 
     def _emit(self, event: Event) -> None:
         """Records an event (engine thread) and hands it to the listener."""

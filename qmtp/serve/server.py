@@ -102,8 +102,8 @@ def define_flags() -> None:
                          "serving').")
     flags.DEFINE_list("warmup_buckets", ["all"], "With --warmup: the prompt buckets to compile (prompts are padded to "
                       "a power of two >= 16 tokens; each bucket is a 1-row prefill and a --prefill_batch-row prefill, "
-                      "or with the prefix cache one pass program). 'all' (default): every bucket up to max_model_len, so "
-                      "no request compiles; at 27B shapes this takes minutes (--compile_cache makes a later start "
+                      "or with the prefix cache its pass programs). 'all' (default): every bucket up to max_model_len, "
+                      "so no request compiles; at 27B shapes this takes minutes (--compile_cache makes a later start "
                       "load them from disk). Or a list such as 16,32,64 (a number is rounded up to its bucket) for "
                       "a quicker start: a prompt of another bucket then compiles in its first request, logged with "
                       "its seconds.")

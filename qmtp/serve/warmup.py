@@ -6,9 +6,10 @@ of it compiling its prefill; at 27B shapes a compile takes tens of seconds). Pro
 to power-of-two buckets (api._bucket, >= 16 tokens) up to the bucket of the longest prompt the limits
 admit (Engine.prompt_buckets), and each bucket has its own programs (qmtp/serve/slots.py): a prefill
 of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prompts fit in the page
-pool together (with the prefix cache: one pass program per width, a checkpoint and a resume). Buckets above the model's prefill_chunk are prefilled piece by piece:
-one program for all of them (qmtp/serve/prompt_passes.py). Then the decode loop, its sampled form (run while
-any slot samples), the sampled form that returns logprobs (while any slot asks for them) and the
+pool together (with the prefix cache: the passes of each width, one row and batched, a checkpoint and
+a resume). Buckets above the model's prefill_chunk are prefilled piece by piece: one program for all
+of them (qmtp/serve/prompt_passes.py). Then the decode loop, its sampled form (run while any slot
+samples), the sampled form that returns logprobs (while any slot asks for them) and the
 slot-retire op of a cancelled request.
 
 Each step drives the engine's own admission code on dummy requests (id -1; max_tokens 1: the first
