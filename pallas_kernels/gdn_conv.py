@@ -173,7 +173,7 @@ def _conv_recurrence_ref(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
 
 def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_ref, s_ref, slot_ref,
                  o_ref, s_out_ref, conv_out_ref, *, n_tokens: int, key_heads: int, r: int, dv: int, scale: float,
-                 n_slots: int = 0):
+                 n_slots: int = 0, token_loop: bool = False):
     # mixed_ref [T, C], conv refs [W-1, C], w_ref [C, W] come whole along C: a program reads and writes its
     # channel slices one [Dk] or [BV] row at a time (Triton tensors are powers of two; W-1 = 3 rows are not).
     # a_ref, b_ref [T]; s refs [Dk, BV]; o_ref [T, BV]. Slotted: [Ns, ...], aliased; never writing the read slot,
@@ -251,7 +251,7 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
 
     s = (s_ref[read] if n_slots else s_ref[...]).astype(F32)
     prev = kept = prev0  # per group, W-1 rows [n] f32
-    if n_tokens <= MAX_UNROLLED_TOKENS:  # every token's loads, then conv, norms and gates, then the chain
+    if n_tokens <= MAX_UNROLLED_TOKENS and not token_loop:  # every token's loads, then conv, norms and gates, then the chain
         raws = [load(t) for t in range(n_tokens)]
         xs, kept_after = [], []
         for t in range(n_tokens):
@@ -271,7 +271,10 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
                 store_conv(kept, slot_of(t))
             return step(t, x, s), prev, kept
 
-        s, _, kept = jax.lax.fori_loop(0, n_tokens, token, (s, prev, kept))
+        # token_loop: a trip count the compiler cannot see (n_valid <= T), so it neither drops a one-token loop
+        # nor unrolls a short one: every T runs this body as it is
+        upper = jnp.maximum(n_valid, n_tokens) if token_loop else n_tokens
+        s, _, kept = jax.lax.fori_loop(0, upper, token, (s, prev, kept))
     if not n_slots:  # slotted, every token's state is out already
         s_out_ref[...] = s.astype(s_out_ref.dtype)
         store_conv(kept)
@@ -279,19 +282,24 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
 
 def gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, *, key_heads: int,
                         scale: float, interpret: bool = False, config: RecurrenceConfig | None = None,
-                        in_place: bool = True, ba=None, slots=None):
+                        in_place: bool = True, ba=None, slots=None, row_invariant: bool = False):
     """Pallas twin of `gdn_conv_recurrence_ref`; Dk a power of two. in_place: the state output aliases the f32
     state input (XLA copies it where the caller still needs it); the conv state is a new buffer (see the
-    kernel). ba goes in twice (block index maps h and Hv + h). Slotted (f32, in_place): both in place."""
+    kernel). ba goes in twice (block index maps h and Hv + h). Slotted (f32, in_place): both in place.
+    row_invariant: every T runs one per-token loop body, so token t's bits do not depend on how many tokens
+    share the launch (a decode step's row equals the same row of a verify pass); unrolled, each T's program
+    is laid out and scheduled on its own by the compiler."""
     return _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots,
                                 key_heads=key_heads, scale=float(scale), interpret=interpret,
-                                config=config or RECURRENCE_CONFIG, in_place=in_place)
+                                config=config or RECURRENCE_CONFIG, in_place=in_place, row_invariant=row_invariant)
 
 
 # jitted: the 48 GDN layers of a pass trace and lower the kernel once (as fp8_matmul._decode_launch)
-@functools.partial(jax.jit, static_argnames=("key_heads", "scale", "interpret", "config", "in_place"))
+@functools.partial(jax.jit, static_argnames=("key_heads", "scale", "interpret", "config", "in_place",
+                                             "row_invariant"))
 def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state, n_valid, ba, slots, *,
-                         key_heads: int, scale: float, interpret: bool, config: RecurrenceConfig, in_place: bool):
+                         key_heads: int, scale: float, interpret: bool, config: RecurrenceConfig, in_place: bool,
+                         row_invariant: bool):
     slotted_state = slotted_conv = None
     if slots is not None:
         _check_slots(state, conv_state, slots, mixed.shape[1])
@@ -335,7 +343,7 @@ def _gdn_conv_recurrence(mixed, conv_state, conv_w, a, b, a_log, dt_bias, state,
         state, conv_state = slotted_state, slotted_conv
         aliases = {1: 2, 8: 1}
     kernel = functools.partial(_conv_kernel, n_tokens=t, key_heads=key_heads, r=hv // key_heads, dv=dv,
-                               scale=float(scale), n_slots=n_slots)
+                               scale=float(scale), n_slots=n_slots, token_loop=row_invariant)
     if ba is not None:
         a = b = ba
     args, out = align(mixed, conv_state, conv_w, a, b, a_log, dt_bias, n_valid.astype(jnp.int32), state,

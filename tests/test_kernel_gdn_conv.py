@@ -16,6 +16,8 @@ against each other within twice that. An indexing or formula slip gives an O(1) 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -431,10 +433,64 @@ def test_slotted_kernel_lowers_for_h200(t, ns):
     assert "scf.for" not in triton_ir
 
 
+def test_row_invariant_kernel_is_one_program_for_a_step_and_a_verify():
+    """row_invariant at the 27B shapes, slotted: the Triton programs for T = 1 and T = 4 are the same up
+    to integer constants (T's strides) and SSA names, so a decode step and a verify pass run the same
+    arithmetic on a token; the unrolled form's are not (the control)."""
+    def program(t, row_invariant):
+        shapes = list(real_shapes(1, t))
+        shapes[1] = jax.ShapeDtypeStruct((5,) + shapes[1].shape, shapes[1].dtype)
+        shapes[7] = jax.ShapeDtypeStruct((5,) + shapes[7].shape, jnp.float32)
+        fn = lambda *a: gdn_conv.gdn_conv_recurrence(*a[:9], key_heads=HK27, scale=DK27 ** -0.5, slots=a[9],
+                                                     row_invariant=row_invariant)
+        lowered = lower_for_h200(fn, shapes + [jax.ShapeDtypeStruct((1,), jnp.int32)], donate_argnums=(1, 7))
+        [(_, triton_ir)] = triton_calls(lowered)
+        return re.sub(r"%[\w#]+", "%v", re.sub(r"arith\.constant -?\d+ : i32", "arith.constant N : i32", triton_ir))
+
+    assert program(1, True) == program(4, True)
+    assert program(1, False) != program(4, False)
+
+
 @pytest.mark.parametrize("t", [gdn_conv.MAX_UNROLLED_TOKENS + 1, gdn_conv.MAX_UNROLLED_TOKENS + 4])
 def test_looped_kernel_lowers_for_h200(t):
     [(_, triton_ir)] = triton_calls(lower_real(1, t))
     assert "scf.for" in triton_ir
+
+
+def verify_vs_steps(hk, hv, dk, dv, row_invariant, interpret=False, config=None):
+    """Four sequences: a 4-token slotted pass against four 1-token passes from the same slots. Each
+    token's output, slot state and conv slot that differ, bit for bit (a description per difference)."""
+    mixed, conv_state, conv_w, a, beta_logit, a_log, dt_bias, s0, _ = make_inputs(4, 4, hk, hv, dk, dv, [4] * 4,
+                                                                                 seed=11)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    kw = {"key_heads": hk, "scale": dk ** -0.5, "row_invariant": row_invariant, "interpret": interpret,
+          "config": config}
+    reads, rows = jnp.asarray([0, 2, 4, 1], jnp.int32), jnp.arange(4)
+    fresh = lambda: (jnp.zeros((5,) + s0.shape, jnp.float32).at[reads, rows].set(jnp.asarray(s0)),
+                     jnp.zeros((5,) + conv_state.shape, jnp.bfloat16).at[reads, rows].set(bf(conv_state)))
+    call = lambda t0, t1, state, conv, slots: gdn_conv.gdn_conv_recurrence(  # tokens t0 .. t1-1
+        bf(mixed[:, t0:t1]), conv, bf(conv_w), bf(a[:, t0:t1]), bf(beta_logit[:, t0:t1]), jnp.asarray(a_log),
+        jnp.asarray(dt_bias), state, jnp.full((4,), t1 - t0, jnp.int32), slots=slots, **kw)
+    o_all, s_all, c_all = map(np.asarray, call(0, 4, *fresh(), reads))
+    state, conv = fresh()
+    parted = []
+    for t in range(4):
+        o, state, conv = call(t, t + 1, state, conv, (reads + t) % 5)
+        slot = np.asarray((reads + 1 + t) % 5)
+        for b in range(4):
+            for name, x, y in (("o", np.asarray(o)[b, 0], o_all[b, t]),
+                               ("state", np.asarray(state)[slot[b], b], s_all[slot[b], b]),
+                               ("conv", np.asarray(conv)[slot[b], b], c_all[slot[b], b])):
+                if not np.array_equal(bits(x), bits(y)):
+                    diff = np.max(np.abs(x.astype(np.float32) - y.astype(np.float32)))
+                    parted.append(f"row {b} token {t} {name}: max |diff| {diff:.3g}")
+    return parted
+
+
+def test_row_invariant_verify_rows_equal_one_token_steps():
+    """KernelConfig.deterministic's form: token t of a verify pass is the decode step's bits (on the
+    CPU the unrolled form parts the outputs at ~1e-8)."""
+    assert verify_vs_steps(HK, HV, DK, DV, row_invariant=True, interpret=True, config=NARROW) == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -482,3 +538,11 @@ def test_gpu_slotted_kernel_real_shapes():
                                                               **kw)
             assert_close(got[slot, row], np.asarray(want)[row], conv_tol(4, DK27, 2), f"row {row} token {t}")
             np.testing.assert_array_equal(bits(got_conv[slot, row]), bits(np.asarray(want_conv)[row]), "conv")
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_gpu_verify_rows_equal_one_token_steps(row_invariant):
+    parted = verify_vs_steps(HK27, HV27, DK27, DV27, row_invariant=row_invariant)
+    assert parted == [], "\n".join(parted[:16])

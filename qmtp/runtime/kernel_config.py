@@ -30,7 +30,7 @@ class KernelConfig:
     the Pallas block-matmul kernels with one tile config per weight shape (fp8_matmul's row_invariant), so
     a row's numbers do not depend on how many rows share the launch: greedy tokens do not depend on K or
     on the other sequences of a batch. RMSNorm runs one program per row, decode attention fixed key
-    splits, and a prefill one prompt at a time in whole chunks of prefill_chunk tokens (a short prompt
+    splits, the GDN decode kernel one per-token loop at every token count, and a prefill one prompt at a time in whole chunks of prefill_chunk tokens (a short prompt
     pays for one chunk: a small prefill_chunk suits short prompts). Needs impl="pallas" and excludes
     fp8_act_quant.
 

@@ -158,7 +158,8 @@ def gdn_conv_recurrence(mixed, conv_state, conv_w, ba, a_log, dt_bias, state, n_
     kw = {"key_heads": (mixed.shape[-1] - hv * dv) // (2 * dk), "scale": dk ** -0.5, "ba": ba, "slots": slots}
     if kernels.pallas:
         return gdn_conv.gdn_conv_recurrence(mixed, conv_state, conv_w, None, None, a_log, dt_bias, state, n_valid,
-                                            interpret=_interpret(), in_place=True, **kw)
+                                            interpret=_interpret(), in_place=True,
+                                            row_invariant=kernels.deterministic, **kw)
     return gdn_conv.gdn_conv_recurrence_ref(mixed, conv_state, conv_w, None, None, a_log, dt_bias, state, n_valid,
                                             **kw)
 
