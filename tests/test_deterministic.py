@@ -15,10 +15,10 @@ from qmtp.tools.make_checkpoint import resolve_checkpoint
 N_TOKENS = 24
 
 
-def _modes(deterministic: bool) -> dict:
+def _modes(deterministic: bool, tp: int = 1) -> dict:
     """{mode: tokens} of 3 prompts (one prompt bucket) decoded alone, as a batch, and with MTP K = 3."""
     model = qmtp.load(resolve_checkpoint("preset:tiny"), dtype="bfloat16", impl="pallas", progress=False,
-                      deterministic=deterministic, prefill_chunk=16)  # deterministic pads a prompt to a chunk
+                      deterministic=deterministic, prefill_chunk=16, tp=tp)  # deterministic pads a prompt to a chunk
     prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (3, 16)).tolist()
 
     def run(group, k=0):
@@ -36,6 +36,11 @@ def _differ(modes: dict) -> list[str]:
 
 def test_deterministic_tokens_equal_plain_batch1_in_every_mode():
     assert _differ(_modes(deterministic=True)) == []
+
+
+@pytest.mark.slow  # CI time: the TP1 case above; TP2's partial sums of two shards add in either order alike
+def test_deterministic_tokens_equal_plain_batch1_in_every_mode_under_tp2():
+    assert _differ(_modes(deterministic=True, tp=2)) == []
 
 
 @pytest.mark.slow
