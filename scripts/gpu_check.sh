@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
 #                                             bench_long prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling
 #                                             bench_deterministic chat_nocache chat_prefix bench_auto serve_k0
-#                                             serve_kauto bench_moe
+#                                             serve_kauto moe_trace bench_moe
 #                                             (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
@@ -25,7 +25,7 @@ mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
                                  serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
-                                 serve_k0 serve_kauto bench_moe)
+                                 serve_k0 serve_kauto moe_trace bench_moe)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -108,11 +108,16 @@ for s in "${steps[@]}"; do
                  --concurrency=32 --requests=512 --duration_s=120 --prompt_tokens=16,60 --max_tokens=128 --vocab=4096 \
                  --output_json=$OUT/$s.json; rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
     # the 35B-A3B-shaped FP8 MoE (first 8 of its 40 layers, controlled acceptance): plain and K=3 at batch 1, 8, 32
+    # where a plain MoE decode step's device time goes (35B-A3B-shaped FP8, 8 layers, batch 1), by kernel
+    moe_trace) run_step moe_trace 300 bash -c "rm -rf /tmp/qmtp_moe_trace; ${BENCH[*]} \
+                 --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks= --repeats=1 --breakdown=false \
+                 --max_new_tokens=32 --trace_dir=/tmp/qmtp_moe_trace --out=$OUT/moe_trace.json \
+                 && $PY scripts/trace_summary.py /tmp/qmtp_moe_trace/* --top=30" ;;
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=128 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
             "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
-            "bench_auto serve_k0 serve_kauto bench_moe)"; exit 2 ;;
+            "bench_auto serve_k0 serve_kauto moe_trace bench_moe)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
