@@ -223,19 +223,17 @@ def _read_tree(cfg, table, headers, checkpoint_dir, compute, progress, mesh) -> 
                     place = jnp.asarray if mesh is None else lambda a: jax.device_put(a, tp.replicated(mesh))
                     P.place(tree, entry, key, jax.tree_util.tree_map(place, _piece(entry, raw, scale, compute)))
                     continue
-                length = len(rows) if rows is not None and dim == 0 else h.shape[dim]
-                pieces = []
-                for s_i, device in enumerate(mesh.devices.flat):
-                    idx = shard_layout.shard_indices(cfg, key, length, mesh.size, s_i)
+                def shard(s_i, idx, entry=entry, h=h, sh=sh, rows=rows, dim=dim):
                     src = [rows[i] for i in idx] if rows is not None and dim == 0 else idx
                     raw = _select(handles, checkpoint_dir, h.file, entry.name, dim, src)
                     scale = None
-                    if fp8:
+                    if sh is not None:
                         blocks = shard_layout.block_indices(src, f"{entry.name} (shard {s_i} of {mesh.size})")
                         scale = _select(handles, checkpoint_dir, sh.file, entry.name + SCALE_SUFFIX, dim, blocks)
-                    pieces.append(jax.device_put(_piece(entry, raw, scale, compute), device))
-                P.place(tree, entry, key, jax.tree_util.tree_map(  # an Fp8Block: weight, then scale
-                    lambda *xs: tp.assemble(list(xs), dim, mesh), *pieces))
+                    return _piece(entry, raw, scale, compute)
+
+                length = len(rows) if rows is not None and dim == 0 else h.shape[dim]
+                P.place(tree, entry, key, _assemble_shards(cfg, key, length, dim, mesh, shard))
             bar.step(_BYTES.get(h.dtype, 4) * int(np.prod(h.shape)))
     except ValueError as e:
         if isinstance(e, CheckpointError):
@@ -281,17 +279,26 @@ class _ExpertStacks:
         """The stacked param on the device, or assembled from the mesh devices' shards of it."""
         if self.mesh is None:
             return jax.tree_util.tree_map(jnp.asarray, stack)
-        from qmtp.runtime import tp
         dim, weight = shard_layout.split_dim(entry.key), getattr(stack, "weight", stack)
-        pieces = []
-        for s_i, device in enumerate(self.mesh.devices.flat):
-            idx = shard_layout.shard_indices(self.cfg, entry.key, weight.shape[dim], self.mesh.size, s_i)
+
+        def shard(s_i, idx):
             piece = np.take(weight, idx, axis=dim)
-            if isinstance(stack, Fp8Block):
-                what = f"{entry.key} of {entry.name.rsplit('.experts.', 1)[0]} (shard {s_i} of {self.mesh.size})"
-                piece = Fp8Block(piece, np.take(stack.scale, shard_layout.block_indices(idx, what), axis=dim))
-            pieces.append(jax.device_put(piece, device))
-        return jax.tree_util.tree_map(lambda *xs: tp.assemble(list(xs), dim, self.mesh), *pieces)
+            if not isinstance(stack, Fp8Block):
+                return piece
+            what = f"{entry.key} of {entry.name.rsplit('.experts.', 1)[0]} (shard {s_i} of {self.mesh.size})"
+            return Fp8Block(piece, np.take(stack.scale, shard_layout.block_indices(idx, what), axis=dim))
+
+        return _assemble_shards(self.cfg, entry.key, weight.shape[dim], dim, self.mesh, shard)
+
+
+def _assemble_shards(cfg: ModelConfig, key: str, length: int, dim: int, mesh, shard):
+    """A param split along dim over the mesh: shard(s_i, idx) gives device s_i's host piece (an array or
+    an Fp8Block), idx its indices of the length along dim (shard_layout.shard_indices); each piece goes
+    straight to its device, then the pieces are one global array."""
+    from qmtp.runtime import tp
+    pieces = [jax.device_put(shard(s_i, shard_layout.shard_indices(cfg, key, length, mesh.size, s_i)), device)
+              for s_i, device in enumerate(mesh.devices.flat)]
+    return jax.tree_util.tree_map(lambda *xs: tp.assemble(list(xs), dim, mesh), *pieces)  # Fp8Block: leaf-wise
 
 
 def _key_rows(cfg: ModelConfig, entry: P.TensorEntry) -> dict:
