@@ -5,10 +5,10 @@ block multiplied by one expert's weight, the experts' weights stacked:
                                             (e_b = -1: an unused block, y = 0, no weight read)
 
 W: [X, O, I] E4M3 with the scale grid [X, ceil(O/128), ceil(I/128)] (W = q * scale per 128 x 128 block),
-or [X, O, I] in bf16 / f32 (no scales). A launch reads each block's expert once per BLOCK_O outputs: at
+or [X, O, I] in bf16 / f32 (no scales). A launch reads each block's expert once per block_o outputs: at
 decode the k experts a token chose, not the X of the layer.
 
-One program per (row block, BLOCK_O outputs) sums the 128-column chunks of I in order, each chunk's dot
+One program per (row block, block_o outputs) sums the 128-column chunks of I in order, each chunk's dot
 (bf16 pieces of x against bf16 pieces of the weight, f32 accumulation; E4M3 and bf16 are one exact
 piece, f32 three) times its scale in f32: a row's result depends on its own x, its expert and that order
 only, so it is the same whatever other rows share the launch (row-invariant, as
@@ -17,6 +17,7 @@ KernelConfig.deterministic needs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,7 +30,19 @@ from pallas_kernels.fp8_kernels import _bf16_pieces, _dot_sum, _load_w, _load_x,
 from pallas_kernels.fp8_matmul import dequantize_ref
 
 BLOCK_ROWS = 16  # rows per block: the tensor cores' smallest dot
-BLOCK_O = 64  # outputs per program
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMatmulConfig:
+    """block_o outputs per program (a power of two dividing 128: the program's outputs share one scale
+    row); the Triton warps and pipeline stages of a program."""
+
+    block_o: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+EXPERT_MATMUL_CONFIG = ExpertMatmulConfig()
 
 
 def _check(x, block_expert, w, scale):
@@ -61,39 +74,42 @@ def expert_matmul_ref(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale
 
 
 def expert_matmul(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale: jax.Array | None,
-                  out_dtype=None, interpret: bool = False) -> jax.Array:
+                  out_dtype=None, interpret: bool = False, config: ExpertMatmulConfig | None = None) -> jax.Array:
     """The Pallas kernel (module doc); arguments and result as expert_matmul_ref."""
     _check(x, block_expert, w, scale)
+    config = config or EXPERT_MATMUL_CONFIG
+    if config.block_o < 1 or BLOCK % config.block_o or config.num_warps < 1 or config.num_stages < 1:
+        raise ValueError(f"expert_matmul: bad config {config}: block_o must be a power of two dividing {BLOCK}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if scale is None:  # every block scale 1: one kernel for E4M3 and wider weights
         scale = jnp.ones((w.shape[0], cdiv(w.shape[1], BLOCK), cdiv(x.shape[1], BLOCK)), jnp.float32)
     return _launch(x, block_expert.astype(jnp.int32), w, scale.astype(jnp.float32), out_dtype=out_dtype,
-                   interpret=interpret)
+                   interpret=interpret, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def _launch(x, block_expert, w, scale, *, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
+def _launch(x, block_expert, w, scale, *, out_dtype, interpret, config):
     rows, i = x.shape
     o = w.shape[1]
     return pl.pallas_call(
-        functools.partial(_kernel, o=o, i=i),
+        functools.partial(_kernel, o=o, i=i, block_o=config.block_o),
         out_shape=jax.ShapeDtypeStruct((rows, o), out_dtype),
-        grid=(block_expert.shape[0], cdiv(o, BLOCK_O)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        grid=(block_expert.shape[0], cdiv(o, config.block_o)),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="moe_expert_matmul",
     )(block_expert, x, w, scale)
 
 
-def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i):
+def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_o):
     # e_ref [NB]; x_ref [NB * BR, I]; w_ref [X, O, I]; s_ref [X, GO, GI]; o_ref [NB * BR, O]
     pb, po = pl.program_id(0), pl.program_id(1)
     expert = e_ref[pb]
     r0 = pl.multiple_of(pb * BLOCK_ROWS, BLOCK_ROWS)
-    o0 = pl.multiple_of(po * BLOCK_O, BLOCK_O)
-    srow = po // (BLOCK // BLOCK_O)  # BLOCK_O divides 128: the program's outputs share one scale row
-    rows_ok = (o0 + jnp.arange(BLOCK_O)) < o if o % BLOCK_O else None
-    out = o_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(o0, BLOCK_O)]
+    o0 = pl.multiple_of(po * block_o, block_o)
+    srow = po // (BLOCK // block_o)  # block_o divides 128: the program's outputs share one scale row
+    rows_ok = (o0 + jnp.arange(block_o)) < o if o % block_o else None
+    out = o_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(o0, block_o)]
     e = jnp.maximum(expert, 0)
     wide = w_ref.dtype == jnp.float32  # f32 weights: three bf16 pieces, like f32 x
 
@@ -101,7 +117,7 @@ def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
         xc = _load_x(x_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(k0, BLOCK)], _mask2(None, cols_ok))
-        wc = _load_w(w_ref.at[e, pl.ds(o0, BLOCK_O), pl.ds(k0, BLOCK)], _mask2(rows_ok, cols_ok),
+        wc = _load_w(w_ref.at[e, pl.ds(o0, block_o), pl.ds(k0, BLOCK)], _mask2(rows_ok, cols_ok),
                      jnp.float32 if wide else jnp.bfloat16)
         x_pieces = _bf16_pieces(xc)
         dots = [_dot_sum(x_pieces, w_piece, swap=False) for w_piece in (_bf16_pieces(wc) if wide else [wc])]
@@ -109,9 +125,9 @@ def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i):
 
     @pl.when(expert >= 0)
     def _():
-        acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), chunk, jnp.zeros((BLOCK_ROWS, BLOCK_O), jnp.float32))
+        acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), chunk, jnp.zeros((BLOCK_ROWS, block_o), jnp.float32))
         plgpu.store(out, acc.astype(o_ref.dtype), mask=_mask2(None, rows_ok))
 
     @pl.when(expert < 0)
     def _():
-        plgpu.store(out, jnp.zeros((BLOCK_ROWS, BLOCK_O), o_ref.dtype), mask=_mask2(None, rows_ok))
+        plgpu.store(out, jnp.zeros((BLOCK_ROWS, block_o), o_ref.dtype), mask=_mask2(None, rows_ok))

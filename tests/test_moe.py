@@ -64,15 +64,30 @@ def test_route_picks_the_k_most_probable_experts_lower_first_on_ties():
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
 
 
-def test_group_rows_give_each_pair_a_row_of_its_experts_block():
+@pytest.mark.parametrize("tokens", [37, moe.COMPARE_MAX_PAIRS // K + 5], ids=["compared", "sorted"])
+def test_group_rows_give_each_pair_a_row_of_its_experts_block(tokens):
     rng = np.random.default_rng(2)
-    experts = jnp.asarray(np.sort(rng.choice(E, size=(37, K), replace=True), axis=-1), jnp.int32)
-    row, block_expert = moe.group_rows(experts, E)
-    row, block_expert, flat = np.asarray(row), np.asarray(block_expert), np.asarray(experts).reshape(-1)
+    experts = jnp.asarray(np.sort(rng.choice(E, size=(tokens, K), replace=True), axis=-1), jnp.int32)
+    row, block_expert, row_pair = map(np.asarray, moe.group_rows(experts, E))
+    flat = np.asarray(experts).reshape(-1)
     assert len(set(row.tolist())) == flat.size and row.max() < block_expert.size * moe.BLOCK_ROWS
     np.testing.assert_array_equal(block_expert[row // moe.BLOCK_ROWS], flat)  # each row in a block of its expert
+    rank = np.array([np.sum(flat[:p] == flat[p]) for p in range(flat.size)])  # earlier pairs of its expert
+    np.testing.assert_array_equal(row % moe.BLOCK_ROWS, rank % moe.BLOCK_ROWS)  # from a block boundary, in order
+    np.testing.assert_array_equal(row_pair[row], np.arange(flat.size))  # the inverse map
+    assert (np.delete(row_pair, row) == -1).all()
     used = block_expert >= 0
     assert used[:used.sum()].all()  # the used blocks first, the rest -1
+
+
+def test_by_expert_index_orders_each_tokens_pairs_as_a_sort():
+    rng = np.random.default_rng(5)
+    e = np.stack([rng.choice(256, size=8, replace=False) for _ in range(33)]).astype(np.int32)
+    w = rng.standard_normal(e.shape).astype(np.float32)
+    got_w, got_e = moe.by_expert_index(jnp.asarray(w), jnp.asarray(e))
+    order = np.argsort(e, axis=-1)
+    np.testing.assert_array_equal(np.asarray(got_e), np.take_along_axis(e, order, -1))
+    np.testing.assert_array_equal(np.asarray(got_w), np.take_along_axis(w, order, -1))
 
 
 @pytest.mark.parametrize("kernels", [REF, PALLAS], ids=["ref", "pallas"])

@@ -36,6 +36,7 @@ from qmtp.runtime.kernel_config import KernelConfig
 
 F32 = jnp.float32
 BLOCK_ROWS = ops.EXPERT_BLOCK_ROWS
+COMPARE_MAX_PAIRS = 1024  # group_rows by comparisons up to here: a batch of 32 verifying K = 3 at top-8
 
 
 def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, kernels: KernelConfig):
@@ -73,21 +74,41 @@ def softmax_fixed_order(logits: jax.Array) -> jax.Array:
 def group_rows(experts: jax.Array, n_experts: int):
     """The row blocks of the grouped matmul for the pairs p = t * k + j of experts [T, k] (token t's j-th
     expert): (row [P] int32, the row pair p takes; block_expert [NB] int32, each block's expert, -1 for
-    blocks past the last group). Each expert's pairs take consecutive rows from a block boundary, in pair
-    order; NB = ceil(P / BLOCK_ROWS) + min(X, P), the most blocks any routing needs."""
+    blocks past the last group; row_pair [NB * BLOCK_ROWS] int32, the pair in each row, -1 for an empty
+    row). Each expert's pairs take consecutive rows from a block boundary, in pair order;
+    NB = ceil(P / BLOCK_ROWS) + min(X, P), the most blocks any routing needs.
+
+    Up to COMPARE_MAX_PAIRS pairs (decode and verify) every index comes from comparisons and sums, which
+    XLA fuses into a few kernels; more pairs (prefill) sort them by expert instead, as the [P, P]
+    comparisons would cost more than the sort."""
     flat = experts.reshape(-1)  # [P]
     pairs = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)  # pairs by expert
-    counts = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [X]
+    pair_ids = jnp.arange(pairs, dtype=jnp.int32)
+    counts = jnp.sum(flat[:, None] == jnp.arange(n_experts)[None], axis=0, dtype=jnp.int32)  # [X]
     padded = -(-counts // BLOCK_ROWS) * BLOCK_ROWS
-    padded_end, group_end = jnp.cumsum(padded), jnp.cumsum(counts)
-    by_expert = flat[order]
-    rank = jnp.arange(pairs, dtype=jnp.int32) - (group_end - counts)[by_expert]  # place within its group
-    row = jnp.zeros((pairs,), jnp.int32).at[order].set((padded_end - padded)[by_expert] + rank)
+    # padded_start[x] = sum of padded over the experts before x, as a masked sum (no scan)
+    padded_start = jnp.sum(jnp.where(jnp.arange(n_experts)[None] < jnp.arange(n_experts)[:, None], padded[None], 0),
+                           axis=1, dtype=jnp.int32)  # [X]
+    if pairs <= COMPARE_MAX_PAIRS:
+        earlier_same = (flat[None] == flat[:, None]) & (pair_ids[None] < pair_ids[:, None])  # [P, P]
+        rank = jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # earlier pairs of the same expert
+    else:
+        order = jnp.argsort(flat, stable=True)  # pairs by expert
+        by_expert = flat[order]
+        in_group = pair_ids - (jnp.cumsum(counts) - counts)[by_expert]  # place within its group, by expert
+        rank = jnp.zeros((pairs,), jnp.int32).at[order].set(in_group)
+    row = padded_start[flat] + rank  # [P]
     n_blocks = -(-pairs // BLOCK_ROWS) + min(n_experts, pairs)
     block_start = jnp.arange(n_blocks, dtype=jnp.int32) * BLOCK_ROWS
-    owner = jnp.searchsorted(padded_end, block_start, side="right").astype(jnp.int32)
-    return row, jnp.where(block_start < padded_end[-1], owner, -1)
+    padded_end = padded_start + padded
+    owner = jnp.searchsorted(padded_end, block_start, side="right", method="compare_all").astype(jnp.int32)
+    block_expert = jnp.where(block_start < padded_end[-1], owner, -1)
+    row_ids = jnp.arange(n_blocks * BLOCK_ROWS, dtype=jnp.int32)
+    if pairs <= COMPARE_MAX_PAIRS:  # the one pair whose row it is, else -1
+        row_pair = jnp.sum(jnp.where(row[None] == row_ids[:, None], pair_ids[None] + 1, 0), axis=1) - 1
+    else:
+        row_pair = jnp.full(row_ids.shape, -1, jnp.int32).at[row].set(pair_ids)
+    return row, block_expert, row_pair.astype(jnp.int32)
 
 
 def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kernels: KernelConfig) -> jax.Array:
@@ -96,11 +117,9 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     lead, h = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, h)  # [T, H]
     n_experts, two_i = p["experts_gate_up"].shape[:2]
-    w, e = route(p["router"], x2, top_k, norm_topk_prob, kernels)
-    by_index = jnp.argsort(e, axis=-1)
-    w, e = jnp.take_along_axis(w, by_index, axis=-1), jnp.take_along_axis(e, by_index, axis=-1)  # [T, k]
-    row, block_expert = group_rows(e, n_experts)
-    rows = jnp.zeros((block_expert.shape[0] * BLOCK_ROWS, h), x.dtype).at[row].set(jnp.repeat(x2, top_k, axis=0))
+    w, e = by_expert_index(*route(p["router"], x2, top_k, norm_topk_prob, kernels))  # [T, k]
+    row, block_expert, row_pair = group_rows(e, n_experts)
+    rows = jnp.where((row_pair >= 0)[:, None], x2[jnp.maximum(row_pair, 0) // top_k], 0)  # [R, H]
     gate_up = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x.dtype)  # [R, 2I]
     act = ops.swiglu(gate_up[:, :two_i // 2], gate_up[:, two_i // 2:], kernels, x.dtype)  # [R, I]
     # [R, H]: f32 partial sums over this shard's share of each expert's width (tensor parallelism),
@@ -109,6 +128,16 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     y = y.astype(x.dtype)[row]  # [P, H]
     routed = ops.fenced(kernels, _weighted_sum, y.reshape(-1, top_k, h), w)
     return (routed + _shared(p, x2, kernels)).reshape(lead + (h,))
+
+
+def by_expert_index(w: jax.Array, e: jax.Array):
+    """(w, e) [T, k] with each token's pairs reordered by expert index (a token's k experts are distinct):
+    pair j goes to place rank_j = #{j' : e_j' < e_j}, picked by comparisons (no sort)."""
+    k = e.shape[-1]
+    rank = jnp.sum(e[:, None, :] < e[:, :, None], axis=-1)  # [T, k]
+    pick = rank[:, None, :] == jnp.arange(k)[None, :, None]  # [T, place, j]: the pair that goes to place
+    take = lambda v: jnp.sum(jnp.where(pick, v[:, None, :], 0), axis=-1, dtype=v.dtype)  # noqa: E731 one nonzero term
+    return take(w), take(e)
 
 
 def _weighted_sum(y: jax.Array, w: jax.Array) -> jax.Array:
