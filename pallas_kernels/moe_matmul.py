@@ -35,9 +35,12 @@ BLOCK_ROWS = 16  # rows per block: the tensor cores' smallest dot
 @dataclasses.dataclass(frozen=True)
 class ExpertMatmulConfig:
     """block_o outputs per program (a power of two dividing 128: the program's outputs share one scale
-    row); the Triton warps and pipeline stages of a program."""
+    row); split_k: the 128-column chunks of I in that many consecutive runs, one program each, their f32
+    partial sums added in run order afterwards (the same order at every row count); the Triton warps and
+    pipeline stages of a program."""
 
     block_o: int = 64
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
 
@@ -78,8 +81,10 @@ def expert_matmul(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale: ja
     """The Pallas kernel (module doc); arguments and result as expert_matmul_ref."""
     _check(x, block_expert, w, scale)
     config = config or EXPERT_MATMUL_CONFIG
-    if config.block_o < 1 or BLOCK % config.block_o or config.num_warps < 1 or config.num_stages < 1:
-        raise ValueError(f"expert_matmul: bad config {config}: block_o must be a power of two dividing {BLOCK}")
+    if (config.block_o < 1 or BLOCK % config.block_o or config.split_k < 1 or config.num_warps < 1
+            or config.num_stages < 1):
+        raise ValueError(f"expert_matmul: bad config {config}: block_o must be a power of two dividing {BLOCK}, "
+                         "the other fields >= 1")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if scale is None:  # every block scale 1: one kernel for E4M3 and wider weights
         scale = jnp.ones((w.shape[0], cdiv(w.shape[1], BLOCK), cdiv(x.shape[1], BLOCK)), jnp.float32)
@@ -91,25 +96,29 @@ def expert_matmul(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale: ja
 def _launch(x, block_expert, w, scale, *, out_dtype, interpret, config):
     rows, i = x.shape
     o = w.shape[1]
-    return pl.pallas_call(
-        functools.partial(_kernel, o=o, i=i, block_o=config.block_o),
-        out_shape=jax.ShapeDtypeStruct((rows, o), out_dtype),
-        grid=(block_expert.shape[0], cdiv(o, config.block_o)),
+    chunks = cdiv(i, BLOCK)
+    per_split = cdiv(chunks, config.split_k)
+    split = cdiv(chunks, per_split)  # no empty run
+    y = pl.pallas_call(
+        functools.partial(_kernel, o=o, i=i, block_o=config.block_o, per_split=per_split, split=split),
+        out_shape=jax.ShapeDtypeStruct((split, rows, o), jnp.float32 if split > 1 else out_dtype),
+        grid=(block_expert.shape[0], cdiv(o, config.block_o), split),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="moe_expert_matmul",
     )(block_expert, x, w, scale)
+    return functools.reduce(jnp.add, [y[s] for s in range(split)]).astype(out_dtype)  # run order
 
 
-def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_o):
-    # e_ref [NB]; x_ref [NB * BR, I]; w_ref [X, O, I]; s_ref [X, GO, GI]; o_ref [NB * BR, O]
-    pb, po = pl.program_id(0), pl.program_id(1)
+def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_o, per_split, split):
+    # e_ref [NB]; x_ref [NB * BR, I]; w_ref [X, O, I]; s_ref [X, GO, GI]; o_ref [split, NB * BR, O]
+    pb, po, ps = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = e_ref[pb]
     r0 = pl.multiple_of(pb * BLOCK_ROWS, BLOCK_ROWS)
     o0 = pl.multiple_of(po * block_o, block_o)
     srow = po // (BLOCK // block_o)  # block_o divides 128: the program's outputs share one scale row
     rows_ok = (o0 + jnp.arange(block_o)) < o if o % block_o else None
-    out = o_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(o0, block_o)]
+    out = o_ref.at[ps, pl.ds(r0, BLOCK_ROWS), pl.ds(o0, block_o)]
     e = jnp.maximum(expert, 0)
     wide = w_ref.dtype == jnp.float32  # f32 weights: three bf16 pieces, like f32 x
 
@@ -125,7 +134,9 @@ def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_o):
 
     @pl.when(expert >= 0)
     def _():
-        acc = jax.lax.fori_loop(0, cdiv(i, BLOCK), chunk, jnp.zeros((BLOCK_ROWS, block_o), jnp.float32))
+        first = ps * per_split  # this program's run of chunks
+        last = jnp.minimum(first + per_split, cdiv(i, BLOCK))
+        acc = jax.lax.fori_loop(first, last, chunk, jnp.zeros((BLOCK_ROWS, block_o), jnp.float32))
         plgpu.store(out, acc.astype(o_ref.dtype), mask=_mask2(None, rows_ok))
 
     @pl.when(expert < 0)

@@ -36,12 +36,27 @@ def test_kernel_matches_the_reference(kind, x_dtype):
     assert not np.asarray(got[unused]).any()
 
 
-def test_a_row_does_not_depend_on_the_rows_beside_it():
+SPLIT = mm.ExpertMatmulConfig(block_o=32, split_k=2)  # I = 300: 3 chunks in runs of 2 and 1
+
+
+def test_split_runs_and_narrow_tiles_match_the_reference():
+    rng = np.random.default_rng(2)
+    w, scale = _weights("fp8", rng)
+    x = jnp.asarray(rng.standard_normal((BLOCKS.shape[0] * mm.BLOCK_ROWS, I)), jnp.bfloat16)
+    got = mm.expert_matmul(x, BLOCKS, w, scale, jnp.bfloat16, interpret=True, config=SPLIT)
+    want = mm.expert_matmul_ref(x, BLOCKS, w, scale, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)  # bf16 out
+    assert got.dtype == jnp.bfloat16 and not np.asarray(got[mm.BLOCK_ROWS:2 * mm.BLOCK_ROWS]).any()
+
+
+@pytest.mark.parametrize("config", [None, SPLIT], ids=["default", "split"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(config):
     rng = np.random.default_rng(1)
     w, scale = _weights("fp8", rng)
     x = jnp.asarray(rng.standard_normal((BLOCKS.shape[0] * mm.BLOCK_ROWS, I)), jnp.bfloat16)
     alone = x.at[1:].set(0)  # row 0 of block 0 with its neighbours zeroed
-    run = lambda v: np.asarray(mm.expert_matmul(v, BLOCKS, w, scale, jnp.float32, interpret=True)[0])  # noqa: E731
+    run = lambda v: np.asarray(mm.expert_matmul(v, BLOCKS, w, scale, jnp.float32, interpret=True,  # noqa: E731
+                                                config=config)[0])
     assert np.array_equal(run(x), run(alone))
 
 
