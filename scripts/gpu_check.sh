@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
 #                                             bench_long prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling
 #                                             bench_deterministic chat_nocache chat_prefix bench_auto serve_k0
-#                                             serve_kauto moe_trace bench_moe
+#                                             serve_kauto moe_trace moe_sweep bench_moe
 #                                             (default: all)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
@@ -25,7 +25,7 @@ mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
                                  serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
-                                 serve_k0 serve_kauto moe_trace bench_moe)
+                                 serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -113,11 +113,13 @@ for s in "${steps[@]}"; do
                  --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks= --repeats=1 --breakdown=false \
                  --max_new_tokens=32 --trace_dir=/tmp/qmtp_moe_trace --out=$OUT/moe_trace.json \
                  && $PY scripts/trace_summary.py /tmp/qmtp_moe_trace/* --top=30" ;;
+    # the expert matmul's tiles at the 35B-A3B shapes (decode and verify blocks): default vs candidates
+    moe_sweep) run_step moe_sweep 300 "$PY" -m pallas_kernels.bench --parts=moe --moe_sweep --out="$OUT/moe_sweep.json" ;;
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=128 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
             "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
-            "bench_auto serve_k0 serve_kauto moe_trace bench_moe)"; exit 2 ;;
+            "bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done

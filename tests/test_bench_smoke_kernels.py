@@ -1,4 +1,4 @@
-"""CPU smoke test of the GDN and paged-attention benchmarks (`python -m pallas_kernels.bench`): the
+"""CPU smoke test of the GDN, paged-attention and expert-matmul benchmarks (`python -m pallas_kernels.bench`): the
 quick case set with the kernels in interpret mode runs end to end and emits well-formed rows. The
 timings themselves mean nothing on the CPU."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pallas_kernels.bench import attention, gdn
+from pallas_kernels.bench import attention, gdn, moe
 
 REQUIRED = {"kernel", "case", "impl", "s_per_call", "bytes", "tb_s", "share_of_copy"}
 
@@ -19,10 +19,11 @@ def rel_err_bound(row: dict) -> float:
     return 2.0 ** -7 if row.get("dtype") == "bfloat16" else 1e-3
 
 
-@pytest.mark.parametrize("module, kernels", [
-    pytest.param(gdn, {"gdn_conv_decode", "gdn_prefill"}, marks=pytest.mark.slow),  # ~15 s
-    (attention, {"paged_attention"})])
-def test_quick_interpret_run(module, kernels):
+@pytest.mark.parametrize("module, kernels, impls", [
+    pytest.param(gdn, {"gdn_conv_decode", "gdn_prefill"}, {"pallas", "xla"}, marks=pytest.mark.slow),  # ~15 s
+    pytest.param(moe, {"moe_expert_matmul"}, {"pallas"}, marks=pytest.mark.slow),  # ~14 s
+    (attention, {"paged_attention"}, {"pallas", "xla"})])
+def test_quick_interpret_run(module, kernels, impls):
     rows = []
     module.run(copy_tb_s=1.0, emit=rows.append, quick=True, interpret=True)
     assert rows
@@ -37,7 +38,7 @@ def test_quick_interpret_run(module, kernels):
         if "rel_err" in row:
             assert row["rel_err"] < rel_err_bound(row), row
     assert {r["kernel"] for r in rows} == kernels
-    assert {r["impl"] for r in rows} == {"pallas", "xla"}
+    assert {r["impl"] for r in rows} == impls
     assert any("rel_err" in r for r in rows if r["impl"] == "pallas")
 
 

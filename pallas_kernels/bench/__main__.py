@@ -9,8 +9,9 @@ Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at --fp8_ms row
 XLA's bf16 matmul; --fp8_sweep times candidate tile configs), fp8_launches (the step's FP8 launches as
 it makes them, projections of one x sharing a launch, at --fp8_launch_ms rows, against the 80%-of-copy
 target and each launch's read floor), gdn (the conv + recurrence kernel at batch 1-16, chunked prefill),
-attention (paged attention for 1..K+1 queries at 1K-32K context). `--quick --interpret` runs a CPU
-smoke test of the harness (no figures mean anything there).
+attention (paged attention for 1..K+1 queries at 1K-32K context), moe (the grouped expert matmul at the
+35B-A3B shapes, decode and verify blocks; --moe_sweep times candidate tiles). `--quick --interpret`
+runs a CPU smoke test of the harness (no figures mean anything there).
 
     JAX_PLATFORMS=cuda PYTHONPATH=. python -m pallas_kernels.bench --out=$OUT/bench.json
     JAX_PLATFORMS=cuda PYTHONPATH=. python -m pallas_kernels.bench --parts=fp8 --fp8_sweep
@@ -26,7 +27,7 @@ from absl import app, flags
 
 from pallas_kernels.bench.fp8_launches import LAYOUTS
 
-PARTS = ("fp8", "fp8_launches", "gdn", "attention")
+PARTS = ("fp8", "fp8_launches", "gdn", "attention", "moe")
 
 flags.DEFINE_list("parts", list(PARTS), f"Which parts to run, in order: any of {', '.join(PARTS)}.")
 flags.DEFINE_string("out", "bench.json", "JSON file with every row, the copy bandwidth and the versions.")
@@ -58,6 +59,8 @@ flags.DEFINE_list("gdn_cases", ["conv", "prefill"], "gdn: which cases: conv (the
 flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the conv case (default 1, 8, 16).")
 flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the conv case (default 1, 4, 5).")
 flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS (default: a tile sweep).")
+flags.DEFINE_bool("moe_sweep", False, "moe: also time candidate ExpertMatmulConfigs (block_o, split_k, warps, "
+                  "stages).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
 FLAGS = flags.FLAGS
 
@@ -109,6 +112,9 @@ def main(argv):
             gdn.run(tb, rec.emit, cases=tuple(FLAGS.gdn_cases), batches=tuple(int(b) for b in FLAGS.gdn_batches),
                     tokens=tuple(int(t) for t in FLAGS.gdn_tokens), conv_configs=tuple(FLAGS.gdn_conv_configs),
                     **opts)
+        elif part == "moe":
+            from pallas_kernels.bench import moe
+            moe.run(tb, rec.emit, sweep=FLAGS.moe_sweep, **opts)
         else:
             from pallas_kernels.bench import attention
             attention.run(tb, rec.emit, **opts)

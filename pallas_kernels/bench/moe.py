@@ -1,0 +1,99 @@
+"""The grouped expert matmul (pallas_kernels/moe_matmul.py) at the Qwen3.5-35B-A3B shapes: 256 experts,
+hidden 2048, expert width 512, E4M3 weights with 128 x 128 scales; both projections (gate_up [1024, 2048]
+and down [2048, 512] per expert).
+
+Cases: "decode" (one token's 8 experts, 8 blocks + 1 unused: the blocks `moe.group_rows` makes for
+8 pairs) and "verify" (a K = 3 verify of one sequence: 16 distinct experts among 32 pairs, 34 blocks).
+Each call multiplies a new set of experts (64 sets in one jitted fori_loop, 1-2 GB of weights: no L2
+reuse, no host dispatch per call). bytes = the used experts' E4M3 weights (scales and x are < 1% of
+it); share_of_copy against the copy bandwidth of the same process; rel_err = max |y - y_ref| / max |y_ref|
+of the first call in f32 against `expert_matmul_ref`. One row per ExpertMatmulConfig, the
+default first; `sweep` adds candidate tiles (narrower outputs and split-K for more programs: the
+default's 9 x 16 gate_up programs do not fill 132 SMs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import moe_matmul
+
+EXPERTS, HIDDEN, WIDTH = 256, 2048, 512
+CASES = {"decode": (8, 9), "verify": (16, 34)}  # (experts used, blocks)
+CALLS = 64  # expert sets per timed program
+
+
+def candidates() -> list[moe_matmul.ExpertMatmulConfig]:
+    default = moe_matmul.EXPERT_MATMUL_CONFIG
+    grid = [moe_matmul.ExpertMatmulConfig(block_o=b, split_k=s, num_warps=w, num_stages=st)
+            for b, s, (w, st) in itertools.product((16, 32, 64), (1, 2, 4), ((4, 3), (4, 2), (2, 3)))]
+    return [default] + [c for c in grid if c != default]
+
+
+def _weights(key, o: int, i: int, experts: int):
+    w = (jax.random.normal(key, (experts, o, i)) * 64).clip(-448, 448).astype(jnp.float8_e4m3fn)
+    return w, jnp.full((experts, o // 128, i // 128), 1e-4, jnp.float32)
+
+
+def _expert_sets(used: int, blocks: int, experts: int, calls: int, rng) -> jax.Array:
+    """[calls, blocks] int32: each call's block experts, `used` distinct ones then -1 (unused blocks)."""
+    sets = [np.concatenate([rng.choice(experts, used, replace=False), -np.ones(blocks - used, int)])
+            for _ in range(calls)]
+    return jnp.asarray(np.stack(sets), jnp.int32)
+
+
+def _time_config(x, w, s, sets, config, interpret: bool, repeats: int) -> float:
+    """Median seconds per call of `sets.shape[0]` calls in one jitted loop (after a warm-up call)."""
+    @jax.jit
+    def loop(x, w, s, sets):
+        def body(c, acc):
+            y = moe_matmul.expert_matmul(x, sets[c], w, s, jnp.bfloat16, interpret=interpret, config=config)
+            return acc + y[0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, sets.shape[0], body, jnp.float32(0))
+
+    jax.block_until_ready(loop(x, w, s, sets))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(x, w, s, sets))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / sets.shape[0]
+
+
+def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False) -> None:
+    """One row per (projection, case, config); quick / interpret: the default config on small shapes."""
+    experts, hidden, width, calls = (16, 256, 128, 2) if interpret else (EXPERTS, HIDDEN, WIDTH, CALLS)
+    configs = candidates() if sweep and not quick else [moe_matmul.EXPERT_MATMUL_CONFIG]
+    rng = np.random.default_rng(0)
+    keys = jax.random.split(jax.random.key(0), 2)
+    for (proj, (o, i)), key in zip((("gate_up", (2 * width, hidden)), ("down", (hidden, width))), keys):
+        w, s = _weights(key, o, i, experts)
+        for case, (used, blocks) in CASES.items():
+            used, blocks = min(used, experts), min(blocks, experts + 2)
+            sets = _expert_sets(used, blocks, experts, calls, rng)
+            x = jax.random.normal(key, (blocks * moe_matmul.BLOCK_ROWS, i)).astype(jnp.bfloat16)
+            nbytes = used * o * i
+            for config in configs:
+                base = {"kernel": "moe_expert_matmul", "case": f"{proj} {case}", "impl": "pallas",
+                        "config": repr(config), "default": config == moe_matmul.EXPERT_MATMUL_CONFIG}
+                try:
+                    t = _time_config(x, w, s, sets, config, interpret, 2 if interpret else 7)
+                except Exception as e:  # noqa: BLE001 one failing config must not hide the others
+                    print(f"moe {proj} {case} {config} failed: {e!r}", file=sys.stderr, flush=True)
+                    emit({**base, "error": repr(e)[:1000]})
+                    continue
+                tb_s = nbytes / t / 1e12
+                y = moe_matmul.expert_matmul(x, sets[0], w, s, jnp.float32, interpret=interpret, config=config)
+                ref = moe_matmul.expert_matmul_ref(x, sets[0], w, s, jnp.float32)
+                err = float(jnp.max(jnp.abs(y - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+                emit({**base, "s_per_call": t, "bytes": nbytes, "tb_s": tb_s, "share_of_copy": tb_s / copy_tb_s,
+                      "rel_err": err,
+                      **{f"config_{k}": v for k, v in dataclasses.asdict(config).items()}})
