@@ -7,9 +7,10 @@ and the prefill of a prompt alone against the same prompt inside a batch of four
 first draft, MTP hidden, GDN and conv state, and its attention and MTP KV).
 
 Under KernelConfig.deterministic every one must be equal; the first that is not names the layer and the
-block (mixer or MLP), or the part of the prefill, to look into. The control: the default Pallas kernels
-part a verify's rows and a batch's prefill on the CPU. The H200 cases run the 27B-shaped FP8 preset's
-first 8 layers (6 Gated DeltaNet, 2 attention).
+block (mixer or MLP), or the part of the prefill, to look into; inside the first GDN mixer, each of its
+pieces is compared between a step and a verify. The control: the default Pallas kernels part a verify's
+rows and a batch's prefill on the CPU. The H200 cases run the 27B-shaped FP8 preset's first 8 layers
+(6 Gated DeltaNet, 2 attention).
 """
 
 import dataclasses
@@ -21,8 +22,8 @@ import pytest
 
 import qmtp
 from qmtp.api import _new_state, _prompt_batch
-from qmtp.model import target
-from qmtp.runtime import loop, prefill
+from qmtp.model import layers, target
+from qmtp.runtime import loop, ops, prefill
 from qmtp.runtime.state import PagedKV, init_state
 from qmtp.tools.make_checkpoint import resolve_checkpoint
 
@@ -88,6 +89,38 @@ def _parted(checkpoint: str, deterministic: bool) -> list[str]:
     return parted
 
 
+def _mixer_parted(checkpoint: str) -> list[str]:
+    """Which piece of the first GDN layer's mixer differs between a decode step of the four sequences
+    (4 rows) and row 0 of each one's VERIFY-token verify (4 x VERIFY rows), under deterministic: the
+    input norm, the joined in_proj_qkv + in_proj_z launch, in_proj_ba, the conv + recurrence kernel,
+    the gated norm and out_proj, each fed the same inputs as the model feeds it."""
+    model = qmtp.load(checkpoint, dtype="bfloat16", impl="pallas", page_size=PAGE, progress=False,
+                      deterministic=True)
+    cfg, kernels = model.cfg, model.kernels
+    rng = np.random.default_rng(0)
+    state = _random_state(cfg, rng)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (len(LENGTHS), VERIFY)), jnp.int32)
+
+    @jax.jit
+    def pieces(params, conv, ssm, tokens):
+        p, (b, t), eps = params["gdn"][0], tokens.shape, cfg.rms_norm_eps
+        out = {"input norm": layers.rms_norm(params["embed"][tokens], p["input_norm"], eps, kernels)}
+        out["in_proj_qkv"], z = ops.linear_many(out["input norm"], (p["in_proj_qkv"], p["in_proj_z"]), kernels)
+        out["in_proj_ba"] = ops.linear(out["input norm"], p["in_proj_ba"], kernels)
+        out["conv + recurrence"], _, _ = ops.gdn_conv_recurrence(
+            out["in_proj_qkv"], conv, p["conv"], out["in_proj_ba"], p["A_log"], p["dt_bias"], ssm,
+            jnp.full((b,), t, jnp.int32), kernels, slots=jnp.zeros((b,), jnp.int32))
+        out["gated norm"] = layers.gated_rms_norm(out["conv + recurrence"], z.reshape(out["conv + recurrence"].shape),
+                                                  p["gdn_norm"], eps, kernels).astype(z.dtype).reshape(b, t, -1)
+        out["out_proj"] = layers.row_parallel(out["gated norm"], p["out_proj"], kernels)
+        return out
+
+    step, verify = (jax.device_get(pieces(model.params, state.conv[0], state.ssm[0], tokens[:, :n]))
+                    for n in (1, VERIFY))
+    return [name for name in step if not np.array_equal(np.asarray(step[name][:, 0], np.float32),
+                                                        np.asarray(verify[name][:, 0], np.float32))]
+
+
 def _prefill_parted(checkpoint: str, deterministic: bool, chunk: int) -> list[str]:
     """What of prompt 0's prefill differs between the prompt alone and inside a batch of four."""
     model = qmtp.load(checkpoint, dtype="bfloat16", impl="pallas", page_size=PAGE, progress=False,
@@ -142,3 +175,10 @@ def test_h200_a_prompt_prefilled_alone_equals_it_in_a_batch_at_the_27b_shapes():
 def test_h200_each_layer_of_a_row_alone_equals_it_in_a_batch_at_the_27b_shapes():
     parted = _parted(resolve_checkpoint("preset:qwen3_5_27b:fp8", num_layers=8), deterministic=True)
     assert parted == [], "\n".join(parted[:24])
+
+
+@pytest.mark.gpu
+def test_h200_each_piece_of_a_gdn_mixer_equals_it_in_a_verify_at_the_27b_shapes():
+    """Where the first GDN layer's mixer parts a decode step from a verify: the first piece named (on the
+    CPU, at the tiny preset's shapes, no piece parts even under the default kernels: GPU only)."""
+    assert _mixer_parted(resolve_checkpoint("preset:qwen3_5_27b:fp8", num_layers=2)) == []
