@@ -251,7 +251,7 @@ def _conv_kernel(mixed_ref, conv_ref, w_ref, a_ref, b_ref, alog_ref, dtb_ref, n_
 
     s = (s_ref[read] if n_slots else s_ref[...]).astype(F32)
     prev = kept = prev0  # per group, W-1 rows [n] f32
-    if n_tokens <= MAX_UNROLLED_TOKENS and not token_loop:  # every token's loads, then conv, norms and gates, then the chain
+    if n_tokens <= MAX_UNROLLED_TOKENS and not token_loop:  # all loads, then conv, norms and gates, then the chain
         raws = [load(t) for t in range(n_tokens)]
         xs, kept_after = [], []
         for t in range(n_tokens):

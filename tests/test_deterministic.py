@@ -17,8 +17,8 @@ N_TOKENS = 24
 
 def _modes(deterministic: bool, tp: int = 1) -> dict:
     """{mode: tokens} of 3 prompts (one prompt bucket) decoded alone, as a batch, and with MTP K = 3."""
-    model = qmtp.load(resolve_checkpoint("preset:tiny"), dtype="bfloat16", impl="pallas", progress=False,
-                      deterministic=deterministic, prefill_chunk=16, tp=tp)  # deterministic pads a prompt to a chunk
+    model = qmtp.load(resolve_checkpoint("preset:tiny"), dtype="bfloat16", impl="pallas", progress=False, tp=tp,
+                      deterministic=deterministic, prefill_chunk=16)  # deterministic pads a prompt to a chunk
     prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (3, 16)).tolist()
 
     def run(group, k=0):

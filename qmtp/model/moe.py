@@ -17,7 +17,7 @@ shared_mlp_down [H, S], shared_gate [1, H]. Under tensor parallelism each device
 of every expert's width (and of the shared expert's): the down projections' partial sums are reduced
 across devices (qmtp/model/shard_layout.py), so the same code runs on a shard.
 
-`sparse_moe` runs the routed form: the (token, chosen expert) pairs sorted by expert into blocks of
+`sparse_moe` runs the routed form: the (token, chosen expert) pairs grouped by expert into blocks of
 BLOCK_ROWS rows, one expert per block (`group_rows`), through the grouped expert matmul
 (ops.expert_matmul), so a step reads only the chosen experts' weights. `sparse_moe_ref` is the
 reference form: every expert over every token (a lax.scan over the experts), the unchosen ones' terms

@@ -30,9 +30,9 @@ class KernelConfig:
     the Pallas block-matmul kernels with one tile config per weight shape (fp8_matmul's row_invariant), so
     a row's numbers do not depend on how many rows share the launch: greedy tokens do not depend on K or
     on the other sequences of a batch. RMSNorm runs one program per row, decode attention fixed key
-    splits, the GDN decode kernel one per-token loop at every token count, and a prefill one prompt at a time in whole chunks of prefill_chunk tokens (a short prompt
-    pays for one chunk: a small prefill_chunk suits short prompts). Needs impl="pallas" and excludes
-    fp8_act_quant.
+    splits, the GDN decode kernel one per-token loop at every token count, and a prefill one prompt at a
+    time in whole chunks of prefill_chunk tokens (a short prompt pays for one chunk: a small
+    prefill_chunk suits short prompts). Needs impl="pallas" and excludes fp8_act_quant.
 
     prefill_chunk: a prompt longer than this many tokens (a power of two >= 16) is prefilled in chunks of
     it, each after the KV pages and GDN/conv state the previous one left, so prefill memory grows with
