@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qmtp.model import moe
+from qmtp.model import load, moe
 from qmtp.runtime.kernel_config import KernelConfig, REF
 
 PALLAS, DETERMINISTIC = KernelConfig("pallas"), KernelConfig("pallas", deterministic=True)
@@ -44,12 +44,17 @@ def _np_moe(p: dict, x: np.ndarray, norm: bool) -> np.ndarray:
     return out + shared / (1 + np.exp(-(x @ f["shared_gate"].T)))
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["router_and_gate", "router_gate"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_sparse_moe_matches_the_reference(norm):
+def test_sparse_moe_matches_the_reference(norm, joined):
+    """The block as the checkpoint holds it, and with the router and shared gate joined as qmtp.load
+    joins them (load.fuse_router_gates)."""
     rng = np.random.default_rng(0)
     p = _params(rng)
     x = rng.standard_normal((2, 5, H)).astype(np.float32)  # [B, T, H]
-    got = moe.sparse_moe(jax_tree(p), jnp.asarray(x), top_k=K, norm_topk_prob=norm, kernels=REF)
+    tree = load.fuse_router_gates(jax_tree(p)) if joined else jax_tree(p)
+    assert ("router_gate" in tree) == joined and ("router" in tree) != joined
+    got = moe.sparse_moe(tree, jnp.asarray(x), top_k=K, norm_topk_prob=norm, kernels=REF)
     assert got.shape == x.shape
     np.testing.assert_allclose(np.asarray(got).reshape(-1, H), _np_moe(p, x.reshape(-1, H), norm), rtol=1e-5, atol=1e-5)
 
@@ -59,7 +64,7 @@ def test_route_picks_the_k_most_probable_experts_lower_first_on_ties():
     router[3, 0], router[1, 0] = 2.0, 1.0  # token 0: expert 3, then 1; token 1 (x = 0): all tie -> 0, 1
     x = np.zeros((2, H), np.float32)
     x[0, 0] = 1.0
-    w, e = moe.route(jnp.asarray(router), jnp.asarray(x), K, True, REF)
+    w, e = moe.route(jnp.asarray(x @ router.T), K, True, REF)
     np.testing.assert_array_equal(np.asarray(e), [[3, 1], [0, 1]])
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
 

@@ -26,7 +26,8 @@ def load_params(checkpoint_dir: str, dtype: str, kernels: KernelConfig, mesh=Non
                 converted_cache: str | None = None, draft_head: str = "auto", draft_vocab=None):
     """(cfg, params) of a checkpoint as the model runs it (qmtp.load documents each argument): read,
     draft head (an FP8 copy of the lm_head and/or a draft vocabulary's rows, under params["mtp"]),
-    in_proj_b and in_proj_a joined into in_proj_ba, FP8 weights tiled under the Pallas kernels."""
+    in_proj_b and in_proj_a joined into in_proj_ba, each MoE block's router and shared-expert gate joined
+    into router_gate, FP8 weights tiled under the Pallas kernels."""
     check_draft_head(draft_head)
     if converted_cache is None:
         cfg, params = checkpoint.load(checkpoint_dir, dtype=dtype, progress=progress, mesh=mesh)
@@ -41,6 +42,7 @@ def load_params(checkpoint_dir: str, dtype: str, kernels: KernelConfig, mesh=Non
     elif draft_head == "fp8" and "mtp" in params:
         params = dict(params, mtp=dict(params["mtp"], draft_head=_fp8_copy(target.lm_head(params), mesh)))
     params = fuse_gate_projections(params, mesh)
+    params = fuse_router_gates(params, mesh)
     if kernels.pallas:
         from qmtp.model import weight_layout
         params = weight_layout.tile_fp8_weights(params, mesh)
@@ -62,6 +64,21 @@ def fuse_gate_projections(params: dict, mesh=None) -> dict:
     fused = tuple({**{k: v for k, v in p.items() if k not in ("in_proj_b", "in_proj_a")},
                    "in_proj_ba": join(p["in_proj_b"], p["in_proj_a"])} for p in layers)
     return dict(params, gdn=fused if isinstance(layers, tuple) else list(fused))
+
+
+def fuse_router_gates(tree, mesh=None):
+    """The tree with each MoE block's router [X, E] and shared_gate [1, E] (both bf16, replicated under TP)
+    replaced by router_gate [X + 1, E] = [router | shared_gate]: one projection for both, each output the
+    same dot product (moe.router_logits)."""
+    if isinstance(tree, dict):
+        if "router" in tree and "shared_gate" in tree:
+            join = jax.jit(lambda r, g: jnp.concatenate([r, g], axis=0), out_shardings=tp_lib.replicated(mesh))
+            rest = {k: v for k, v in tree.items() if k not in ("router", "shared_gate")}
+            return {**rest, "router_gate": join(tree["router"], tree["shared_gate"])}
+        return {k: fuse_router_gates(v, mesh) for k, v in tree.items()}
+    if type(tree) in (tuple, list):
+        return type(tree)(fuse_router_gates(v, mesh) for v in tree)
+    return tree
 
 
 def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:

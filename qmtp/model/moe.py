@@ -13,7 +13,8 @@ SwiGLU_e(x) = down_e(silu(x @ gate_e.T) * (x @ up_e.T)), the experts' weights st
 
 Params of one block (a decoder layer's dict, qmtp/model/params.py): router [E, H], experts_gate_up
 [E, 2I, H], experts_down [E, H, I] (arrays or stacked Fp8Blocks), shared_mlp_gate / shared_mlp_up [S, H],
-shared_mlp_down [H, S], shared_gate [1, H]. Under tensor parallelism each device holds a contiguous share
+shared_mlp_down [H, S], shared_gate [1, H] (the loader joins router and shared_gate into router_gate
+[E + 1, H]: `router_logits`). Under tensor parallelism each device holds a contiguous share
 of every expert's width (and of the shared expert's): the down projections' partial sums are reduced
 across devices (qmtp/model/shard_layout.py), so the same code runs on a shard.
 
@@ -39,15 +40,24 @@ BLOCK_ROWS = ops.EXPERT_BLOCK_ROWS
 COMPARE_MAX_PAIRS = 1024  # group_rows by comparisons up to here: a batch of 32 verifying K = 3 at top-8
 
 
-def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk_prob: bool, kernels: KernelConfig):
-    """(w [T, k] in x's dtype, e [T, k] int32): each token's k experts of highest router probability and
-    their weights (module doc)."""
-    logits = ops.linear(x, router, kernels)  # [T, E] in x's dtype, as the router's linear gives it
+def router_logits(p: dict, x2: jax.Array, kernels: KernelConfig):
+    """(router logits [T, X], shared-expert gate logit [T, 1]) in x2's dtype, as the linears give them: one
+    projection where the loader joined the two (router_gate = [router | shared_gate], load.fuse_router_gates:
+    one launch fewer per MoE layer), else one each (a tree as the checkpoint or the trainer holds it)."""
+    if "router_gate" in p:
+        both = ops.linear(x2, p["router_gate"], kernels)  # [T, X + 1]
+        return both[:, :-1], both[:, -1:]
+    return ops.linear(x2, p["router"], kernels), ops.linear(x2, p["shared_gate"], kernels)
+
+
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, kernels: KernelConfig):
+    """(w [T, k] in the logits' dtype, e [T, k] int32): each token's k experts of highest router
+    probability and their weights (module doc), from the router logits [T, X]."""
     probs = ops.fenced(kernels, softmax_fixed_order, logits.astype(F32))  # [T, E]
     w, e = jax.lax.top_k(probs, top_k)  # descending; equal probabilities: the lower expert first
     if norm_topk_prob:
         w = ops.fenced(kernels, lambda v: v / fixed_order_sum(v), w)
-    return w.astype(x.dtype), e.astype(jnp.int32)
+    return w.astype(logits.dtype), e.astype(jnp.int32)
 
 
 def fixed_order_sum(z: jax.Array) -> jax.Array:
@@ -117,7 +127,8 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     lead, h = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, h)  # [T, H]
     n_experts, two_i = p["experts_gate_up"].shape[:2]
-    w, e = by_expert_index(*route(p["router"], x2, top_k, norm_topk_prob, kernels))  # [T, k]
+    logits, gate = router_logits(p, x2, kernels)
+    w, e = by_expert_index(*route(logits, top_k, norm_topk_prob, kernels))  # [T, k]
     row, block_expert, row_pair = group_rows(e, n_experts)
     rows = jnp.where((row_pair >= 0)[:, None], x2[jnp.maximum(row_pair, 0) // top_k], 0)  # [R, H]
     gate_up = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x.dtype)  # [R, 2I]
@@ -127,7 +138,7 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     y = tp.all_reduce(ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=F32))
     y = y.astype(x.dtype)[row]  # [P, H]
     routed = ops.fenced(kernels, _weighted_sum, y.reshape(-1, top_k, h), w)
-    return (routed + _shared(p, x2, kernels)).reshape(lead + (h,))
+    return (routed + _shared(p, x2, gate, kernels)).reshape(lead + (h,))
 
 
 def by_expert_index(w: jax.Array, e: jax.Array):
@@ -149,9 +160,8 @@ def _weighted_sum(y: jax.Array, w: jax.Array) -> jax.Array:
     return out
 
 
-def _shared(p: dict, x2: jax.Array, kernels: KernelConfig) -> jax.Array:
-    """sigmoid(x @ shared_gate.T) * SwiGLU_shared(x) [T, H] in x's dtype (the gating fenced)."""
-    gate = ops.linear(x2, p["shared_gate"], kernels)  # [T, 1]
+def _shared(p: dict, x2: jax.Array, gate: jax.Array, kernels: KernelConfig) -> jax.Array:
+    """sigmoid(gate) * SwiGLU_shared(x) [T, H] in x's dtype (the gating fenced); gate = x @ shared_gate.T [T, 1]."""
     shared_mlp = {k: p["shared_" + k] for k in ("mlp_gate", "mlp_up", "mlp_down")}
     return ops.fenced(kernels, _gated, gate, layers.mlp(shared_mlp, x2, kernels))
 
@@ -166,7 +176,8 @@ def sparse_moe_ref(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, k
     lead, h = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, h)  # [T, H]
     n_experts, two_i = p["experts_gate_up"].shape[:2]
-    w, e = route(p["router"], x2, top_k, norm_topk_prob, kernels)
+    logits, gate = router_logits(p, x2, kernels)
+    w, e = route(logits, top_k, norm_topk_prob, kernels)
     # [T, E]: which experts a token chose, and their weights (0 elsewhere)
     at = (jnp.arange(x2.shape[0])[:, None], e)
     chosen = jnp.zeros((x2.shape[0], n_experts), bool).at[at].set(True)
@@ -181,12 +192,12 @@ def sparse_moe_ref(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, k
 
     routed, _ = jax.lax.scan(expert, jnp.zeros_like(x2),
                              (p["experts_gate_up"], p["experts_down"], chosen.T, weight.T))
-    return (routed + _shared(p, x2, kernels)).reshape(lead + (h,))
+    return (routed + _shared(p, x2, gate, kernels)).reshape(lead + (h,))
 
 
 def mlp(cfg: ModelConfig, p: dict, x: jax.Array, kernels: KernelConfig) -> jax.Array:
     """A decoder layer's MLP over x [..., H]: the sparse MoE block where the layer has a router (the
     config's MoE layers, qmtp/model/params.py), else the dense SwiGLU."""
-    if "router" not in p:
+    if "router" not in p and "router_gate" not in p:
         return layers.mlp(p, x, kernels)
     return sparse_moe(p, x, top_k=cfg.moe.top_k, norm_topk_prob=cfg.moe.norm_topk_prob, kernels=kernels)

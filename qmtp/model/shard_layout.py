@@ -25,7 +25,8 @@ concatenated along the dim (so its contiguous split gives each device exactly it
                                        width split: every device reads its share of each chosen expert)
     experts_down            [X, E, I]  dim 2, contiguous (row-parallel)
     shared_mlp_gate / _up   [S, E]     dim 0, contiguous; shared_mlp_down [E, S] dim 1 (row-parallel)
-    norms, mtp.fc, router, shared_gate   replicated
+    norms, mtp.fc, router, shared_gate,  replicated
+    router_gate [X+1, E]
 
 GDN key and value heads split together (value head j uses key head j // (Hv / Hk)). With n = 1 every
 index list is the identity: one shard's TP layout is the checkpoint layout.
@@ -45,7 +46,8 @@ _QKV = {"in_proj_qkv", "conv"}
 _BA = {"in_proj_ba"}  # [b | a]
 _GATE_UP = {"experts_gate_up"}  # [gate | up] along dim 1
 _REPLICATED = {"final_norm", "input_norm", "post_norm", "q_norm", "k_norm", "gdn_norm", "fc",
-               "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "draft_vocab", "router", "shared_gate"}
+               "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "draft_vocab", "router", "shared_gate",
+               "router_gate"}
 
 
 def split_dim(key: str) -> int | None:
