@@ -385,9 +385,10 @@ def test_prefill_floor_counts_the_decoder_projections():
     assert compute.prefill_floor_s(model.params, 1000, 2.0) == pytest.approx(2 * 1000 * want / 2e12)
 
 
+@pytest.mark.slow  # CI time: the sampled loops: test_speculative_sampling.py; the flag check: below
 def test_sampled_run_records_its_parameters_and_skips_the_token_check(tmp_path):
     """--temperature > 0: every mode samples (seeded), the run reports acceptance under sampling and does not
-    demand plain greedy's tokens; a bad sampling value is one error line before anything loads."""
+    demand plain greedy's tokens."""
     out = tmp_path / "s.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", "--ks=2", "--profile=", "--repeats=1",
                   "--breakdown=false", "--temperature=10", "--top_k=6", f"--out={out}", tmp_path=tmp_path,
@@ -397,6 +398,9 @@ def test_sampled_run_records_its_parameters_and_skips_the_token_check(tmp_path):
     assert res["config"]["sampling"] == {"temperature": 10.0, "top_k": 6, "top_p": 1.0, "min_p": 0.0, "seed": 0}
     mtp = res["cases"][0]["modes"][1]
     assert mtp["name"] == "mtp K=2 natural" and 0 < mtp["acceptance_rate"] <= 1 and mtp["tokens_match_plain"]
+
+
+def test_a_bad_sampling_value_is_one_error_line_before_anything_loads(tmp_path):
     bad = run_bench("--checkpoint=/nonexistent", "--temperature=1", "--top_p=2", tmp_path=tmp_path,
                     cache=tmp_path / "cache")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "error: --top_p=2.0 must be in (0, 1]"
