@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8_config import BLOCK, cdiv
 from pallas_kernels.fp8_kernels import _bf16_pieces, _dot_sum, _load_w, _load_x, _mask2
-from pallas_kernels.fp8_matmul import dequantize_ref
+from pallas_kernels.fp8_matmul import _split_sum, dequantize_ref
 
 BLOCK_ROWS = 16  # rows per block: the tensor cores' smallest dot
 
@@ -107,7 +107,7 @@ def _launch(x, block_expert, w, scale, *, out_dtype, interpret, config):
         interpret=interpret,
         name="moe_expert_matmul",
     )(block_expert, x, w, scale)
-    return functools.reduce(jnp.add, [y[s] for s in range(split)]).astype(out_dtype)  # run order
+    return _split_sum(y).astype(out_dtype)  # the runs' partials in run order
 
 
 def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_o, per_split, split):

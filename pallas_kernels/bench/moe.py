@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import moe_matmul
+from pallas_kernels.bench import common
 
 EXPERTS, HIDDEN, WIDTH = 256, 2048, 512
 CASES = {"decode": (8, 9), "verify": (16, 34)}  # (experts used, blocks)
@@ -59,13 +58,8 @@ def _time_config(x, w, s, sets, config, interpret: bool, repeats: int) -> float:
             return acc + y[0, 0].astype(jnp.float32)
         return jax.lax.fori_loop(0, sets.shape[0], body, jnp.float32(0))
 
-    jax.block_until_ready(loop(x, w, s, sets))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(x, w, s, sets))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / sets.shape[0]
+    median, _ = common.timed(loop, x, w, s, sets, trials=repeats)
+    return median / sets.shape[0]
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, sweep: bool = False) -> None:

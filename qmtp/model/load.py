@@ -70,15 +70,19 @@ def fuse_router_gates(tree, mesh=None):
     """The tree with each MoE block's router [X, E] and shared_gate [1, E] (both bf16, replicated under TP)
     replaced by router_gate [X + 1, E] = [router | shared_gate]: one projection for both, each output the
     same dot product (moe.router_logits)."""
-    if isinstance(tree, dict):
-        if "router" in tree and "shared_gate" in tree:
-            join = jax.jit(lambda r, g: jnp.concatenate([r, g], axis=0), out_shardings=tp_lib.replicated(mesh))
-            rest = {k: v for k, v in tree.items() if k not in ("router", "shared_gate")}
-            return {**rest, "router_gate": join(tree["router"], tree["shared_gate"])}
-        return {k: fuse_router_gates(v, mesh) for k, v in tree.items()}
-    if type(tree) in (tuple, list):
-        return type(tree)(fuse_router_gates(v, mesh) for v in tree)
-    return tree
+    join = jax.jit(lambda r, g: jnp.concatenate([r, g], axis=0), out_shardings=tp_lib.replicated(mesh))
+
+    def fuse(tree):
+        if isinstance(tree, dict):
+            if "router" in tree and "shared_gate" in tree:
+                rest = {k: v for k, v in tree.items() if k not in ("router", "shared_gate")}
+                return {**rest, "router_gate": join(tree["router"], tree["shared_gate"])}
+            return {k: fuse(v) for k, v in tree.items()}
+        if type(tree) in (tuple, list):
+            return type(tree)(fuse(v) for v in tree)
+        return tree
+
+    return fuse(tree)
 
 
 def _fp8_copy(w: jax.Array, mesh) -> fp8_lib.Fp8Block:

@@ -99,25 +99,23 @@ def group_rows(experts: jax.Array, n_experts: int):
     # padded_start[x] = sum of padded over the experts before x, as a masked sum (no scan)
     padded_start = jnp.sum(jnp.where(jnp.arange(n_experts)[None] < jnp.arange(n_experts)[:, None], padded[None], 0),
                            axis=1, dtype=jnp.int32)  # [X]
+    n_blocks = -(-pairs // BLOCK_ROWS) + min(n_experts, pairs)
+    row_ids = jnp.arange(n_blocks * BLOCK_ROWS, dtype=jnp.int32)
     if pairs <= COMPARE_MAX_PAIRS:
         earlier_same = (flat[None] == flat[:, None]) & (pair_ids[None] < pair_ids[:, None])  # [P, P]
-        rank = jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # earlier pairs of the same expert
+        row = padded_start[flat] + jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # [P]
+        # the one pair whose row it is, else -1
+        row_pair = jnp.sum(jnp.where(row[None] == row_ids[:, None], pair_ids[None] + 1, 0), axis=1) - 1
     else:
         order = jnp.argsort(flat, stable=True)  # pairs by expert
         by_expert = flat[order]
         in_group = pair_ids - (jnp.cumsum(counts) - counts)[by_expert]  # place within its group, by expert
-        rank = jnp.zeros((pairs,), jnp.int32).at[order].set(in_group)
-    row = padded_start[flat] + rank  # [P]
-    n_blocks = -(-pairs // BLOCK_ROWS) + min(n_experts, pairs)
+        row = padded_start[flat] + jnp.zeros((pairs,), jnp.int32).at[order].set(in_group)
+        row_pair = jnp.full(row_ids.shape, -1, jnp.int32).at[row].set(pair_ids)
     block_start = jnp.arange(n_blocks, dtype=jnp.int32) * BLOCK_ROWS
     padded_end = padded_start + padded
     owner = jnp.searchsorted(padded_end, block_start, side="right", method="compare_all").astype(jnp.int32)
     block_expert = jnp.where(block_start < padded_end[-1], owner, -1)
-    row_ids = jnp.arange(n_blocks * BLOCK_ROWS, dtype=jnp.int32)
-    if pairs <= COMPARE_MAX_PAIRS:  # the one pair whose row it is, else -1
-        row_pair = jnp.sum(jnp.where(row[None] == row_ids[:, None], pair_ids[None] + 1, 0), axis=1) - 1
-    else:
-        row_pair = jnp.full(row_ids.shape, -1, jnp.int32).at[row].set(pair_ids)
     return row, block_expert, row_pair.astype(jnp.int32)
 
 
