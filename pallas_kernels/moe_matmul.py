@@ -1,5 +1,6 @@
-"""Grouped expert matmul of the sparse MoE block (qmtp/model/moe.py): rows in blocks of BLOCK_ROWS, each
-block multiplied by one expert's weight, the experts' weights stacked:
+"""Grouped expert matmul of the sparse MoE block (qmtp/model/moe.py): rows in blocks of BR rows (BR = rows /
+blocks: BLOCK_ROWS at decode and verify, more for prefills), each block multiplied by one expert's weight,
+the experts' weights stacked:
 
     y[r, o] = sum_i x[r, i] W[e_b, o, i]     for the rows r of block b, e_b = block_expert[b]
                                             (e_b = -1: an unused block, y = 0, no weight read)
@@ -29,7 +30,7 @@ from pallas_kernels.fp8_config import BLOCK, cdiv
 from pallas_kernels.fp8_kernels import _bf16_pieces, _dot_sum, _load_w, _load_x, _mask2
 from pallas_kernels.fp8_matmul import _split_sum, dequantize_ref
 
-BLOCK_ROWS = 16  # rows per block: the tensor cores' smallest dot
+BLOCK_ROWS = 16  # rows per block at decode and verify: the tensor cores' smallest dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +53,12 @@ def _check(x, block_expert, w, scale):
     rows, i = x.shape
     if w.ndim != 3 or w.shape[2] != i:
         raise ValueError(f"expert_matmul: x {x.shape} needs stacked weights [X, O, {i}], got {w.shape}")
-    if block_expert.ndim != 1 or rows != block_expert.shape[0] * BLOCK_ROWS:
-        raise ValueError(f"expert_matmul: x has {rows} rows, block_expert {block_expert.shape} needs "
-                         f"{BLOCK_ROWS} per block")
+    if block_expert.ndim != 1 or block_expert.shape[0] == 0 or rows % block_expert.shape[0]:
+        raise ValueError(f"expert_matmul: x has {rows} rows, not a whole number of rows for each of the "
+                         f"{block_expert.shape} blocks")
+    block_rows = rows // block_expert.shape[0]
+    if block_rows < BLOCK_ROWS or block_rows & (block_rows - 1):
+        raise ValueError(f"expert_matmul: {block_rows} rows per block, needs a power of two >= {BLOCK_ROWS}")
     fp8 = w.dtype == jnp.float8_e4m3fn
     if fp8 != (scale is not None):
         raise ValueError("expert_matmul: E4M3 weights come with a scale grid, other weights without")
@@ -65,15 +69,15 @@ def _check(x, block_expert, w, scale):
 def expert_matmul_ref(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale: jax.Array | None,
                       out_dtype=None) -> jax.Array:
     """The reference: each block's expert gathered and dequantized to f32, one einsum, f32 accumulation.
-    x [NB * BLOCK_ROWS, I], block_expert int32 [NB] -> y [NB * BLOCK_ROWS, O] in out_dtype (x's)."""
+    x [NB * BR, I], block_expert int32 [NB] -> y [NB * BR, O] in out_dtype (x's)."""
     _check(x, block_expert, w, scale)
     nb, (_, o, i) = block_expert.shape[0], w.shape
     e = jnp.maximum(block_expert, 0)
     wb = dequantize_ref(w[e], scale[e]) if scale is not None else w[e].astype(jnp.float32)  # [NB, O, I]
-    y = jnp.einsum("bri,boi->bro", x.reshape(nb, BLOCK_ROWS, i).astype(jnp.float32), wb,
+    y = jnp.einsum("bri,boi->bro", x.reshape(nb, -1, i).astype(jnp.float32), wb,
                    precision=jax.lax.Precision.HIGHEST)
     y = jnp.where(block_expert[:, None, None] >= 0, y, 0.0)
-    return y.reshape(nb * BLOCK_ROWS, o).astype(out_dtype or x.dtype)
+    return y.reshape(x.shape[0], o).astype(out_dtype or x.dtype)
 
 
 def expert_matmul(x: jax.Array, block_expert: jax.Array, w: jax.Array, scale: jax.Array | None,
@@ -100,7 +104,8 @@ def _launch(x, block_expert, w, scale, *, out_dtype, interpret, config):
     per_split = cdiv(chunks, config.split_k)
     split = cdiv(chunks, per_split)  # no empty run
     y = pl.pallas_call(
-        functools.partial(_kernel, o=o, i=i, block_o=config.block_o, per_split=per_split, split=split),
+        functools.partial(_kernel, o=o, i=i, block_rows=rows // block_expert.shape[0], block_o=config.block_o,
+                          per_split=per_split, split=split),
         out_shape=jax.ShapeDtypeStruct((split, rows, o), jnp.float32 if split > 1 else out_dtype),
         grid=(block_expert.shape[0], cdiv(o, config.block_o), split),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -110,22 +115,22 @@ def _launch(x, block_expert, w, scale, *, out_dtype, interpret, config):
     return _split_sum(y).astype(out_dtype)  # the runs' partials in run order
 
 
-def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_o, per_split, split):
+def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_rows, block_o, per_split, split):
     # e_ref [NB]; x_ref [NB * BR, I]; w_ref [X, O, I]; s_ref [X, GO, GI]; o_ref [split, NB * BR, O]
     pb, po, ps = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = e_ref[pb]
-    r0 = pl.multiple_of(pb * BLOCK_ROWS, BLOCK_ROWS)
+    r0 = pl.multiple_of(pb * block_rows, block_rows)
     o0 = pl.multiple_of(po * block_o, block_o)
     srow = po // (BLOCK // block_o)  # block_o divides 128: the program's outputs share one scale row
     rows_ok = (o0 + jnp.arange(block_o)) < o if o % block_o else None
-    out = o_ref.at[ps, pl.ds(r0, BLOCK_ROWS), pl.ds(o0, block_o)]
+    out = o_ref.at[ps, pl.ds(r0, block_rows), pl.ds(o0, block_o)]
     e = jnp.maximum(expert, 0)
     wide = w_ref.dtype == jnp.float32  # f32 weights: three bf16 pieces, like f32 x
 
     def chunk(c, acc):
         k0 = pl.multiple_of(c * BLOCK, BLOCK)
         cols_ok = (k0 + jnp.arange(BLOCK)) < i if i % BLOCK else None
-        xc = _load_x(x_ref.at[pl.ds(r0, BLOCK_ROWS), pl.ds(k0, BLOCK)], _mask2(None, cols_ok))
+        xc = _load_x(x_ref.at[pl.ds(r0, block_rows), pl.ds(k0, BLOCK)], _mask2(None, cols_ok))
         wc = _load_w(w_ref.at[e, pl.ds(o0, block_o), pl.ds(k0, BLOCK)], _mask2(rows_ok, cols_ok),
                      jnp.float32 if wide else jnp.bfloat16)
         x_pieces = _bf16_pieces(xc)
@@ -136,9 +141,9 @@ def _kernel(e_ref, x_ref, w_ref, s_ref, o_ref, *, o, i, block_o, per_split, spli
     def _():
         first = ps * per_split  # this program's run of chunks
         last = jnp.minimum(first + per_split, cdiv(i, BLOCK))
-        acc = jax.lax.fori_loop(first, last, chunk, jnp.zeros((BLOCK_ROWS, block_o), jnp.float32))
+        acc = jax.lax.fori_loop(first, last, chunk, jnp.zeros((block_rows, block_o), jnp.float32))
         plgpu.store(out, acc.astype(o_ref.dtype), mask=_mask2(None, rows_ok))
 
     @pl.when(expert < 0)
     def _():
-        plgpu.store(out, jnp.zeros((BLOCK_ROWS, block_o), o_ref.dtype), mask=_mask2(None, rows_ok))
+        plgpu.store(out, jnp.zeros((block_rows, block_o), o_ref.dtype), mask=_mask2(None, rows_ok))

@@ -36,6 +36,19 @@ def test_kernel_matches_the_reference(kind, x_dtype):
     assert not np.asarray(got[unused]).any()
 
 
+def test_taller_blocks_match_the_reference():
+    """Blocks of 4 x BLOCK_ROWS rows (a prefill's blocks): the block height comes from the shapes."""
+    rng = np.random.default_rng(3)
+    w, scale = _weights("fp8", rng)
+    x = jnp.asarray(rng.standard_normal((BLOCKS.shape[0] * 4 * mm.BLOCK_ROWS, I)), jnp.bfloat16)
+    got = mm.expert_matmul(x, BLOCKS, w, scale, jnp.float32, interpret=True)
+    want = mm.expert_matmul_ref(x, BLOCKS, w, scale, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got[4 * mm.BLOCK_ROWS:8 * mm.BLOCK_ROWS]).any()  # block 1 unused
+    with pytest.raises(ValueError, match="power of two"):
+        mm.expert_matmul(x[:BLOCKS.shape[0] * 24], BLOCKS, w, scale, interpret=True)
+
+
 SPLIT = mm.ExpertMatmulConfig(block_o=32, split_k=2)  # I = 300: 3 chunks in runs of 2 and 1
 
 

@@ -75,10 +75,12 @@ def test_group_rows_give_each_pair_a_row_of_its_experts_block(tokens):
     experts = jnp.asarray(np.sort(rng.choice(E, size=(tokens, K), replace=True), axis=-1), jnp.int32)
     row, block_expert, row_pair = map(np.asarray, moe.group_rows(experts, E))
     flat = np.asarray(experts).reshape(-1)
-    assert len(set(row.tolist())) == flat.size and row.max() < block_expert.size * moe.BLOCK_ROWS
-    np.testing.assert_array_equal(block_expert[row // moe.BLOCK_ROWS], flat)  # each row in a block of its expert
+    br = moe.BLOCK_ROWS if flat.size <= moe.COMPARE_MAX_PAIRS else moe.PREFILL_BLOCK_ROWS
+    assert row_pair.size == block_expert.size * br
+    assert len(set(row.tolist())) == flat.size and row.max() < row_pair.size
+    np.testing.assert_array_equal(block_expert[row // br], flat)  # each row in a block of its expert
     rank = np.array([np.sum(flat[:p] == flat[p]) for p in range(flat.size)])  # earlier pairs of its expert
-    np.testing.assert_array_equal(row % moe.BLOCK_ROWS, rank % moe.BLOCK_ROWS)  # from a block boundary, in order
+    np.testing.assert_array_equal(row % br, rank % br)  # from a block boundary, in order
     np.testing.assert_array_equal(row_pair[row], np.arange(flat.size))  # the inverse map
     assert (np.delete(row_pair, row) == -1).all()
     used = block_expert >= 0
@@ -96,10 +98,12 @@ def test_by_expert_index_orders_each_tokens_pairs_as_a_sort():
 
 
 @pytest.mark.parametrize("kernels", [REF, PALLAS], ids=["ref", "pallas"])
-def test_routed_form_equals_every_expert_over_every_token(kernels):
+@pytest.mark.parametrize("tokens", [7, moe.COMPARE_MAX_PAIRS // K + 3], ids=["decode", "prefill"])
+def test_routed_form_equals_every_expert_over_every_token(kernels, tokens):
+    """Both block heights: a step's (BLOCK_ROWS) and a prefill's (PREFILL_BLOCK_ROWS)."""
     rng = np.random.default_rng(3)
     p = jax_tree(_params(rng))
-    x = jnp.asarray(rng.standard_normal((3, 7, H)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, tokens, H)), jnp.float32)
     routed = moe.sparse_moe(p, x, top_k=K, norm_topk_prob=True, kernels=kernels)
     full = moe.sparse_moe_ref(p, x, top_k=K, norm_topk_prob=True, kernels=kernels)
     np.testing.assert_allclose(np.asarray(routed), np.asarray(full), rtol=1e-6, atol=1e-6)

@@ -10,6 +10,12 @@ it); share_of_copy against the copy bandwidth of the same process; rel_err = max
 of the first call in f32 against `expert_matmul_ref`. One row per ExpertMatmulConfig, the
 default first; `sweep` adds candidate tiles (narrower outputs and split-K for more programs: the
 default's 9 x 16 gate_up programs do not fill 132 SMs).
+
+Case "prefill": a 2048-token prefill chunk routed at random (top-8: 16384 pairs, ~64 per expert), its
+pairs grouped into blocks of 16, 32, 64 and 128 rows (each expert's group padded to a block boundary, as
+`moe.group_rows` lays them out) with the default tile: taller blocks read each expert's weight fewer
+times and feed the tensor cores taller tiles, shorter ones pad less. tflop_s counts the pairs' work
+(2 x pairs x O x I); rel_err is taken on the first 8 blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from pallas_kernels.bench import common
 EXPERTS, HIDDEN, WIDTH = 256, 2048, 512
 CASES = {"decode": (8, 9), "verify": (16, 34)}  # (experts used, blocks)
 CALLS = 64  # expert sets per timed program
+PREFILL_TOKENS, TOP_K = 2048, 8
+PREFILL_BLOCK_ROWS = (16, 32, 64, 128)
+PREFILL_CALLS = 4
 
 
 def candidates() -> list[moe_matmul.ExpertMatmulConfig]:
@@ -46,6 +55,21 @@ def _expert_sets(used: int, blocks: int, experts: int, calls: int, rng) -> jax.A
     """[calls, blocks] int32: each call's block experts, `used` distinct ones then -1 (unused blocks)."""
     sets = [np.concatenate([rng.choice(experts, used, replace=False), -np.ones(blocks - used, int)])
             for _ in range(calls)]
+    return jnp.asarray(np.stack(sets), jnp.int32)
+
+
+def _prefill_sets(tokens: int, experts: int, block_rows: int, calls: int, rng) -> jax.Array:
+    """[calls, blocks] int32: the block experts of `tokens` tokens routed at random to TOP_K distinct
+    experts each, each expert's pairs from a block boundary (blocks = ceil(pairs / BR) + experts, the
+    most any routing needs; the rest -1)."""
+    pairs = tokens * min(TOP_K, experts)
+    blocks = -(-pairs // block_rows) + experts
+    sets = []
+    for _ in range(calls):
+        chosen = np.stack([rng.choice(experts, min(TOP_K, experts), replace=False) for _ in range(tokens)])
+        counts = np.bincount(chosen.reshape(-1), minlength=experts)
+        per_expert = np.repeat(np.arange(experts), -(-counts // block_rows))
+        sets.append(np.concatenate([per_expert, -np.ones(blocks - per_expert.size, int)]))
     return jnp.asarray(np.stack(sets), jnp.int32)
 
 
@@ -91,3 +115,23 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 emit({**base, "s_per_call": t, "bytes": nbytes, "tb_s": tb_s, "share_of_copy": tb_s / copy_tb_s,
                       "rel_err": err,
                       **{f"config_{k}": v for k, v in dataclasses.asdict(config).items()}})
+        _prefill(proj, w, s, experts, interpret, rng, emit)
+
+
+def _prefill(proj: str, w, s, experts: int, interpret: bool, rng, emit) -> None:
+    """The prefill rows (module doc) of one projection: one row per block height."""
+    _, o, i = w.shape
+    tokens = 8 if interpret else PREFILL_TOKENS
+    for block_rows in PREFILL_BLOCK_ROWS[:2] if interpret else PREFILL_BLOCK_ROWS:
+        sets = _prefill_sets(tokens, experts, block_rows, 2 if interpret else PREFILL_CALLS, rng)
+        x = jax.random.normal(jax.random.key(block_rows), (sets.shape[1] * block_rows, i)).astype(jnp.bfloat16)
+        t = _time_config(x, w, s, sets, None, interpret, 2 if interpret else 5)
+        head, head_sets = x[:8 * block_rows], sets[0, :8]
+        y = moe_matmul.expert_matmul(head, head_sets, w, s, jnp.float32, interpret=interpret)
+        ref = moe_matmul.expert_matmul_ref(head, head_sets, w, s, jnp.float32)
+        err = float(jnp.max(jnp.abs(y - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+        pairs = tokens * min(TOP_K, experts)
+        emit({"kernel": "moe_expert_matmul", "case": f"{proj} prefill {tokens} tok, {block_rows}-row blocks", "impl": "pallas",
+              "block_rows": block_rows, "blocks": int(sets.shape[1]),
+              "used_blocks": float(jnp.mean(jnp.sum(sets >= 0, axis=1))), "s_per_call": t,
+              "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})

@@ -19,7 +19,7 @@ of every expert's width (and of the shared expert's): the down projections' part
 across devices (qmtp/model/shard_layout.py), so the same code runs on a shard.
 
 `sparse_moe` runs the routed form: the (token, chosen expert) pairs grouped by expert into blocks of
-BLOCK_ROWS rows, one expert per block (`group_rows`), through the grouped expert matmul
+rows, one expert per block (`group_rows`), through the grouped expert matmul
 (ops.expert_matmul), so a step reads only the chosen experts' weights. `sparse_moe_ref` is the
 reference form: every expert over every token (a lax.scan over the experts), the unchosen ones' terms
 dropped; E / k times the work.
@@ -36,8 +36,17 @@ from qmtp.runtime import ops, tp
 from qmtp.runtime.kernel_config import KernelConfig
 
 F32 = jnp.float32
-BLOCK_ROWS = ops.EXPERT_BLOCK_ROWS
+BLOCK_ROWS = ops.EXPERT_BLOCK_ROWS  # rows of a block up to COMPARE_MAX_PAIRS pairs (decode, verify)
 COMPARE_MAX_PAIRS = 1024  # group_rows by comparisons up to here: a batch of 32 verifying K = 3 at top-8
+# Rows of a block past COMPARE_MAX_PAIRS (prefills): a block reads its expert's weight once, so taller
+# blocks read the weights fewer times and give the tensor cores taller tiles, at the cost of the padding
+# up to a block boundary in each expert's group.
+PREFILL_BLOCK_ROWS = 64
+
+
+def block_rows_for(pairs: int) -> int:
+    """Rows per block of group_rows for `pairs` (token, expert) pairs."""
+    return BLOCK_ROWS if pairs <= COMPARE_MAX_PAIRS else PREFILL_BLOCK_ROWS
 
 
 def router_logits(p: dict, x2: jax.Array, kernels: KernelConfig):
@@ -83,10 +92,10 @@ def softmax_fixed_order(logits: jax.Array) -> jax.Array:
 
 def group_rows(experts: jax.Array, n_experts: int):
     """The row blocks of the grouped matmul for the pairs p = t * k + j of experts [T, k] (token t's j-th
-    expert): (row [P] int32, the row pair p takes; block_expert [NB] int32, each block's expert, -1 for
-    blocks past the last group; row_pair [NB * BLOCK_ROWS] int32, the pair in each row, -1 for an empty
-    row). Each expert's pairs take consecutive rows from a block boundary, in pair order;
-    NB = ceil(P / BLOCK_ROWS) + min(X, P), the most blocks any routing needs.
+    expert), BR = block_rows_for(P) rows each: (row [P] int32, the row pair p takes; block_expert [NB]
+    int32, each block's expert, -1 for blocks past the last group; row_pair [NB * BR] int32, the pair in
+    each row, -1 for an empty row). Each expert's pairs take consecutive rows from a block boundary, in
+    pair order; NB = ceil(P / BR) + min(X, P), the most blocks any routing needs.
 
     Up to COMPARE_MAX_PAIRS pairs (decode and verify) every index comes from comparisons and sums, which
     XLA fuses into a few kernels; more pairs (prefill) sort them by expert instead, as the [P, P]
@@ -94,13 +103,14 @@ def group_rows(experts: jax.Array, n_experts: int):
     flat = experts.reshape(-1)  # [P]
     pairs = flat.shape[0]
     pair_ids = jnp.arange(pairs, dtype=jnp.int32)
+    block_rows = block_rows_for(pairs)
     counts = jnp.sum(flat[:, None] == jnp.arange(n_experts)[None], axis=0, dtype=jnp.int32)  # [X]
-    padded = -(-counts // BLOCK_ROWS) * BLOCK_ROWS
+    padded = -(-counts // block_rows) * block_rows
     # padded_start[x] = sum of padded over the experts before x, as a masked sum (no scan)
     padded_start = jnp.sum(jnp.where(jnp.arange(n_experts)[None] < jnp.arange(n_experts)[:, None], padded[None], 0),
                            axis=1, dtype=jnp.int32)  # [X]
-    n_blocks = -(-pairs // BLOCK_ROWS) + min(n_experts, pairs)
-    row_ids = jnp.arange(n_blocks * BLOCK_ROWS, dtype=jnp.int32)
+    n_blocks = -(-pairs // block_rows) + min(n_experts, pairs)
+    row_ids = jnp.arange(n_blocks * block_rows, dtype=jnp.int32)
     if pairs <= COMPARE_MAX_PAIRS:
         earlier_same = (flat[None] == flat[:, None]) & (pair_ids[None] < pair_ids[:, None])  # [P, P]
         row = padded_start[flat] + jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # [P]
@@ -112,7 +122,7 @@ def group_rows(experts: jax.Array, n_experts: int):
         in_group = pair_ids - (jnp.cumsum(counts) - counts)[by_expert]  # place within its group, by expert
         row = padded_start[flat] + jnp.zeros((pairs,), jnp.int32).at[order].set(in_group)
         row_pair = jnp.full(row_ids.shape, -1, jnp.int32).at[row].set(pair_ids)
-    block_start = jnp.arange(n_blocks, dtype=jnp.int32) * BLOCK_ROWS
+    block_start = jnp.arange(n_blocks, dtype=jnp.int32) * block_rows
     padded_end = padded_start + padded
     owner = jnp.searchsorted(padded_end, block_start, side="right", method="compare_all").astype(jnp.int32)
     block_expert = jnp.where(block_start < padded_end[-1], owner, -1)
