@@ -98,10 +98,9 @@ def test_by_expert_index_orders_each_tokens_pairs_as_a_sort():
 
 
 @pytest.mark.parametrize("kernels", [REF, PALLAS], ids=["ref", "pallas"])
-@pytest.mark.parametrize("tokens", [2, 7, moe.COMPARE_MAX_PAIRS // K + 3], ids=["step", "verify", "prefill"])
+@pytest.mark.parametrize("tokens", [7, moe.COMPARE_MAX_PAIRS // K + 3], ids=["decode", "prefill"])
 def test_routed_form_equals_every_expert_over_every_token(kernels, tokens):
-    """Each layout: expert-major (6 tokens), grouped in BLOCK_ROWS-row blocks (21) and in a prefill's
-    PREFILL_BLOCK_ROWS-row blocks."""
+    """Both block heights: a step's (BLOCK_ROWS) and a prefill's (PREFILL_BLOCK_ROWS)."""
     rng = np.random.default_rng(3)
     p = jax_tree(_params(rng))
     x = jnp.asarray(rng.standard_normal((3, tokens, H)), jnp.float32)
@@ -113,11 +112,10 @@ def test_routed_form_equals_every_expert_over_every_token(kernels, tokens):
 def test_a_token_alone_equals_it_among_others_under_deterministic():
     rng = np.random.default_rng(4)
     p = {k: jnp.asarray(v, jnp.bfloat16) for k, v in _params(rng).items()}
-    x = jnp.asarray(rng.standard_normal((40, H)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((9, H)), jnp.bfloat16)
     run = lambda v: np.asarray(moe.sparse_moe(p, v, top_k=K, norm_topk_prob=True, kernels=DETERMINISTIC),  # noqa: E731
                                np.float32)
-    alone = run(x[:1])[0]  # expert-major, as among 9 tokens; grouped among 40
-    assert np.array_equal(alone, run(x[:9])[0]) and np.array_equal(alone, run(x)[0])
+    assert np.array_equal(run(x[:1])[0], run(x)[0])
 
 
 @pytest.mark.parametrize("experts", [6, 256, 512])

@@ -115,10 +115,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 emit({**base, "s_per_call": t, "bytes": nbytes, "tb_s": tb_s, "share_of_copy": tb_s / copy_tb_s,
                       "rel_err": err,
                       **{f"config_{k}": v for k, v in dataclasses.asdict(config).items()}})
-        _prefill(proj, w, s, experts, copy_tb_s, interpret, rng, emit)
+        _prefill(proj, w, s, experts, interpret, rng, emit)
 
 
-def _prefill(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, rng, emit) -> None:
+def _prefill(proj: str, w, s, experts: int, interpret: bool, rng, emit) -> None:
     """The prefill rows (module doc) of one projection: one row per block height."""
     _, o, i = w.shape
     tokens = 8 if interpret else PREFILL_TOKENS
@@ -131,10 +131,7 @@ def _prefill(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, r
         ref = moe_matmul.expert_matmul_ref(head, head_sets, w, s, jnp.float32)
         err = float(jnp.max(jnp.abs(y - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
         pairs = tokens * min(TOP_K, experts)
-        used = float(jnp.mean(jnp.sum(sets >= 0, axis=1)))
-        nbytes = int(used * o * i)  # each used block reads its expert's E4M3 weight once
-        emit({"kernel": "moe_expert_matmul", "case": f"{proj} prefill {tokens} tok, {block_rows}-row blocks",
-              "impl": "pallas", "block_rows": block_rows, "blocks": int(sets.shape[1]), "used_blocks": used,
-              "s_per_call": t, "bytes": nbytes, "tb_s": nbytes / t / 1e12,
-              "share_of_copy": nbytes / t / 1e12 / copy_tb_s,
+        emit({"kernel": "moe_expert_matmul", "case": f"{proj} prefill {tokens} tok, {block_rows}-row blocks", "impl": "pallas",
+              "block_rows": block_rows, "blocks": int(sets.shape[1]),
+              "used_blocks": float(jnp.mean(jnp.sum(sets >= 0, axis=1))), "s_per_call": t,
               "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})

@@ -18,11 +18,9 @@ shared_mlp_down [H, S], shared_gate [1, H] (the loader joins router and shared_g
 of every expert's width (and of the shared expert's): the down projections' partial sums are reduced
 across devices (qmtp/model/shard_layout.py), so the same code runs on a shard.
 
-`sparse_moe` runs the routed form through the grouped expert matmul (ops.expert_matmul: gate_up and its
-SwiGLU in one launch, then down), so a step reads only the chosen experts' weights, each once. Its
-blocks of rows, one expert each: in a step of up to BLOCK_ROWS tokens, block x is expert x's and row t of
-it token t's, the blocks of experts no token chose skipped (expert-major: nothing to group); in larger
-ones the (token, chosen expert) pairs grouped by expert (`group_rows`). `sparse_moe_ref` is the
+`sparse_moe` runs the routed form: the (token, chosen expert) pairs grouped by expert into blocks of
+rows, one expert per block (`group_rows`), through the grouped expert matmul
+(ops.expert_matmul), so a step reads only the chosen experts' weights. `sparse_moe_ref` is the
 reference form: every expert over every token (a lax.scan over the experts), the unchosen ones' terms
 dropped; E / k times the work.
 """
@@ -136,39 +134,19 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     experts' index order, as the reference adds them."""
     lead, h = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, h)  # [T, H]
+    n_experts, two_i = p["experts_gate_up"].shape[:2]
     logits, gate = router_logits(p, x2, kernels)
     w, e = by_expert_index(*route(logits, top_k, norm_topk_prob, kernels))  # [T, k]
-    expert_major = x2.shape[0] <= BLOCK_ROWS
-    # [T k, H]: each pair's f32 partial sums over this shard's share of its expert's width (tensor
-    # parallelism), reduced, then rounded once as one device rounds its accumulator
-    y = (_expert_major if expert_major else _grouped)(p, x2, e, kernels)
-    y = tp.all_reduce(y).astype(x.dtype)
+    row, block_expert, row_pair = group_rows(e, n_experts)
+    rows = jnp.where((row_pair >= 0)[:, None], x2[jnp.maximum(row_pair, 0) // top_k], 0)  # [R, H]
+    gate_up = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x.dtype)  # [R, 2I]
+    act = ops.swiglu(gate_up[:, :two_i // 2], gate_up[:, two_i // 2:], kernels, x.dtype)  # [R, I]
+    # [R, H]: f32 partial sums over this shard's share of each expert's width (tensor parallelism),
+    # reduced, then rounded once as one device rounds its accumulator
+    y = tp.all_reduce(ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=F32))
+    y = y.astype(x.dtype)[row]  # [P, H]
     routed = ops.fenced(kernels, _weighted_sum, y.reshape(-1, top_k, h), w)
     return (routed + _shared(p, x2, gate, kernels)).reshape(lead + (h,))
-
-
-def _expert_major(p: dict, x2: jax.Array, e: jax.Array, kernels: KernelConfig) -> jax.Array:
-    """The pairs' down outputs [T k, H] f32 for T <= BLOCK_ROWS tokens x2 [T, H] with experts e [T, k]:
-    block x is expert x's (skipped unless a token chose it), row t of every block token t's."""
-    t = x2.shape[0]
-    n_experts = p["experts_gate_up"].shape[0]
-    chosen = jnp.any(e.reshape(-1)[:, None] == jnp.arange(n_experts)[None], axis=0)  # [X]
-    block_expert = jnp.where(chosen, jnp.arange(n_experts, dtype=jnp.int32), -1)
-    tokens = jnp.pad(x2, ((0, BLOCK_ROWS - t), (0, 0)))  # [BR, H]
-    act = ops.expert_matmul(tokens, block_expert, p["experts_gate_up"], kernels, out_dtype=x2.dtype, swiglu=True,
-                            x_shared=True)  # [X BR, I]
-    y = ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=F32, one_run=True)  # [X BR, H]
-    return y[(e * BLOCK_ROWS + jnp.arange(t)[:, None]).reshape(-1)]  # pair (t, j) is row e[t, j] BR + t
-
-
-def _grouped(p: dict, x2: jax.Array, e: jax.Array, kernels: KernelConfig) -> jax.Array:
-    """The pairs' down outputs [T k, H] f32 for tokens x2 [T, H] with experts e [T, k], the pairs grouped
-    by expert into blocks (group_rows)."""
-    row, block_expert, row_pair = group_rows(e, p["experts_gate_up"].shape[0])
-    rows = jnp.where((row_pair >= 0)[:, None], x2[jnp.maximum(row_pair, 0) // e.shape[1]], 0)  # [R, H]
-    act = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x2.dtype,
-                            swiglu=True)  # [R, I]
-    return ops.expert_matmul(act, block_expert, p["experts_down"], kernels, out_dtype=F32)[row]  # [P, H]
 
 
 def by_expert_index(w: jax.Array, e: jax.Array):

@@ -112,17 +112,14 @@ def rms_norm(x, w, eps, kernels: KernelConfig | None, *, plus_one: bool, z=None,
 EXPERT_BLOCK_ROWS = moe_matmul.BLOCK_ROWS  # rows of an expert_matmul block (one expert each)
 
 
-def expert_matmul(x: jax.Array, block_expert: jax.Array, w, kernels: KernelConfig, out_dtype=None, *,
-                  swiglu: bool = False, x_shared: bool = False, one_run: bool = False) -> jax.Array:
-    """y [NB * BR, O] for rows x [NB * BR, I] in NB blocks ([BR, I] for every block: x_shared), block b
-    times the stacked expert weight w [X, O, I] (an array or an Fp8Block) of expert block_expert[b] (-1:
-    rows left unwritten); f32 accumulation; swiglu: w is gate_up [X, 2 I', I] and y [.., I'] its SwiGLU
+def expert_matmul(x: jax.Array, block_expert: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
+    """y [R, O] for rows x [R, I] in blocks of moe_matmul.BLOCK_ROWS, block b times the stacked expert
+    weight w [X, O, I] (an array or an Fp8Block) of expert block_expert[b] (-1: zeros); f32 accumulation
     (pallas_kernels/moe_matmul.py: the kernel is row-invariant)."""
     weight, scale = (w.weight, w.scale) if isinstance(w, Fp8Block) else (w, None)
     if kernels.pallas:
-        return moe_matmul.expert_matmul(x, block_expert, weight, scale, out_dtype, interpret=_interpret(),
-                                        swiglu=swiglu, x_shared=x_shared, one_run=one_run)
-    return moe_matmul.expert_matmul_ref(x, block_expert, weight, scale, out_dtype, swiglu=swiglu, x_shared=x_shared)
+        return moe_matmul.expert_matmul(x, block_expert, weight, scale, out_dtype, interpret=_interpret())
+    return moe_matmul.expert_matmul_ref(x, block_expert, weight, scale, out_dtype)
 
 
 def fenced(kernels: KernelConfig, fn, *args):
