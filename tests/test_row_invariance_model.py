@@ -111,7 +111,7 @@ def _mixer_parted(checkpoint: str) -> list[str]:
             out["in_proj_qkv"], conv, p["conv"], out["in_proj_ba"], p["A_log"], p["dt_bias"], ssm,
             jnp.full((b,), t, jnp.int32), kernels, slots=jnp.zeros((b,), jnp.int32))
         out["gated norm"] = layers.gated_rms_norm(out["conv + recurrence"], z.reshape(out["conv + recurrence"].shape),
-                                                  p["gdn_norm"], eps, kernels).astype(z.dtype).reshape(b, t, -1)
+                                                  p["gdn_norm"], eps, kernels, out_dtype=z.dtype).reshape(b, t, -1)
         out["out_proj"] = layers.row_parallel(out["gated norm"], p["out_proj"], kernels)
         return out
 

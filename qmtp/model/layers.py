@@ -28,9 +28,10 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, kernels: KernelConfig | Non
 
 
 def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float,
-                   kernels: KernelConfig | None = None) -> jax.Array:
-    """GDN output norm (plain weight, not 1 + w): x / sqrt(mean(x^2) + eps) * w * silu(z), in f32."""
-    return ops.rms_norm(x, w, eps, kernels, plus_one=False, z=z, out_dtype=F32)
+                   kernels: KernelConfig | None = None, out_dtype=F32) -> jax.Array:
+    """GDN output norm (plain weight, not 1 + w): x / sqrt(mean(x^2) + eps) * w * silu(z), in f32, rounded
+    once to out_dtype."""
+    return ops.rms_norm(x, w, eps, kernels, plus_one=False, z=z, out_dtype=out_dtype)
 
 
 # ---- rotary embedding (§3.5) -------------------------------------------------------------------
@@ -167,5 +168,8 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
         # padding must not touch the state even if its inputs are not finite: zero k and v as well
         k, v = jnp.where(valid[..., None], k, 0.0), jnp.where(valid[..., None], v, 0.0)
         o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state)
-    o = gated_rms_norm(o, z, p["gdn_norm"], eps, kernels).astype(x.dtype).reshape(b, t, hv * dv)
+    # rounded to x's dtype by the norm itself: a convert left to XLA fused into out_proj's input
+    # preparation, whose fusion depends on the row count, and skipped the rounding in some of them
+    # (H100, deterministic: a decode step's out_proj parted from the same token's in a verify)
+    o = gated_rms_norm(o, z, p["gdn_norm"], eps, kernels, out_dtype=x.dtype).reshape(b, t, hv * dv)
     return row_parallel(o, p["out_proj"], kernels), new_conv, ssm.astype(ssm_state.dtype)
