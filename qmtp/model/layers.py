@@ -168,8 +168,8 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
         # padding must not touch the state even if its inputs are not finite: zero k and v as well
         k, v = jnp.where(valid[..., None], k, 0.0), jnp.where(valid[..., None], v, 0.0)
         o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state)
-    # rounded to x's dtype by the norm itself: a convert left to XLA fused into out_proj's input
-    # preparation, whose fusion depends on the row count, and skipped the rounding in some of them
-    # (H100, deterministic: a decode step's out_proj parted from the same token's in a verify)
+    # rounded to x's dtype by the norm kernel itself: with the convert left to XLA (fused into out_proj's
+    # input preparation), a decode step's out_proj gave other bits than the same token's in a verify
+    # (H100, --deterministic); with it in the kernel they agree
     o = gated_rms_norm(o, z, p["gdn_norm"], eps, kernels, out_dtype=x.dtype).reshape(b, t, hv * dv)
     return row_parallel(o, p["out_proj"], kernels), new_conv, ssm.astype(ssm_state.dtype)
