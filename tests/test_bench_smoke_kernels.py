@@ -21,7 +21,7 @@ def rel_err_bound(row: dict) -> float:
 
 @pytest.mark.parametrize("module, kernels, impls", [
     pytest.param(gdn, {"gdn_conv_decode", "gdn_prefill"}, {"pallas", "xla"}, marks=pytest.mark.slow),  # ~15 s
-    pytest.param(moe, {"moe_expert_matmul"}, {"pallas"}, marks=pytest.mark.slow),  # ~14 s
+    pytest.param(moe, {"moe_expert_matmul"}, {"pallas"}, marks=pytest.mark.slow),  # ~2 min
     (attention, {"paged_attention"}, {"pallas", "xla"})])
 def test_quick_interpret_run(module, kernels, impls):
     rows = []

@@ -8,8 +8,8 @@ Each call multiplies a new set of experts (64 sets in one jitted fori_loop, 1-2 
 reuse, no host dispatch per call). bytes = the used experts' E4M3 weights (scales and x are < 1% of
 it); share_of_copy against the copy bandwidth of the same process; rel_err = max |y - y_ref| / max |y_ref|
 of the first call in f32 against `expert_matmul_ref`. One row per ExpertMatmulConfig, the
-default first; `sweep` adds candidate tiles (narrower outputs and split-K for more programs: the
-default's 9 x 16 gate_up programs do not fill 132 SMs).
+default first; `sweep` adds the candidate tiles (outputs per program, split-K, warps, stages: at decode
+a launch has few row blocks, so the programs per block decide how many SMs stream weights).
 
 Case "prefill": a 2048-token prefill chunk routed at random (top-8: 16384 pairs, ~64 per expert), its
 pairs grouped into blocks of 16, 32, 64 and 128 rows (each expert's group padded to a block boundary, as
@@ -115,23 +115,25 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 emit({**base, "s_per_call": t, "bytes": nbytes, "tb_s": tb_s, "share_of_copy": tb_s / copy_tb_s,
                       "rel_err": err,
                       **{f"config_{k}": v for k, v in dataclasses.asdict(config).items()}})
-        _prefill(proj, w, s, experts, interpret, rng, emit)
+        _prefill(proj, w, s, experts, copy_tb_s, interpret, rng, emit)
 
 
-def _prefill(proj: str, w, s, experts: int, interpret: bool, rng, emit) -> None:
+def _prefill(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, rng, emit) -> None:
     """The prefill rows (module doc) of one projection: one row per block height."""
     _, o, i = w.shape
     tokens = 8 if interpret else PREFILL_TOKENS
-    for block_rows in PREFILL_BLOCK_ROWS[:2] if interpret else PREFILL_BLOCK_ROWS:
-        sets = _prefill_sets(tokens, experts, block_rows, 2 if interpret else PREFILL_CALLS, rng)
+    for block_rows in PREFILL_BLOCK_ROWS[:1] if interpret else PREFILL_BLOCK_ROWS:
+        sets = _prefill_sets(tokens, experts, block_rows, 1 if interpret else PREFILL_CALLS, rng)
         x = jax.random.normal(jax.random.key(block_rows), (sets.shape[1] * block_rows, i)).astype(jnp.bfloat16)
-        t = _time_config(x, w, s, sets, None, interpret, 2 if interpret else 5)
+        t = _time_config(x, w, s, sets, None, interpret, 1 if interpret else 5)
         head, head_sets = x[:8 * block_rows], sets[0, :8]
         y = moe_matmul.expert_matmul(head, head_sets, w, s, jnp.float32, interpret=interpret)
         ref = moe_matmul.expert_matmul_ref(head, head_sets, w, s, jnp.float32)
         err = float(jnp.max(jnp.abs(y - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
         pairs = tokens * min(TOP_K, experts)
-        emit({"kernel": "moe_expert_matmul", "case": f"{proj} prefill {tokens} tok, {block_rows}-row blocks", "impl": "pallas",
-              "block_rows": block_rows, "blocks": int(sets.shape[1]),
-              "used_blocks": float(jnp.mean(jnp.sum(sets >= 0, axis=1))), "s_per_call": t,
-              "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})
+        used = float(jnp.mean(jnp.sum(sets >= 0, axis=1)))
+        nbytes = int(used * o * i)  # each used block reads its expert's E4M3 weight once
+        emit({"kernel": "moe_expert_matmul", "case": f"{proj} prefill {tokens} tok, {block_rows}-row blocks",
+              "impl": "pallas", "block_rows": block_rows, "blocks": int(sets.shape[1]), "used_blocks": used,
+              "s_per_call": t, "bytes": nbytes, "tb_s": nbytes / t / 1e12,
+              "share_of_copy": nbytes / t / 1e12 / copy_tb_s, "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})
