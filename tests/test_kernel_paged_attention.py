@@ -245,12 +245,14 @@ def test_a_query_alone_equals_the_query_in_a_verify_of_a_batch(config, invariant
     """Under split_keys a query decoded alone (B = 1, T = 1, a wider page table) gives the bits it gets as
     token 1 of a 4-token verify in a batch of 3: its keys fall in the same splits and steps, the later
     tokens' keys and the extra splits add exact zeros. The default form moves the split edges with the
-    batch and the length, and its bits differ here (the control)."""
-    c = Case(b=3, t=4, hq=6, hkv=2, d=16, s=3, committed=[150, 90, 200], n_valid=[4, 4, 4], seed=7)
-    verify = run_kernel(c, config)[0, 1]  # sequence 0, token 1: position 151
+    batch and the length, and its bits differ here (the control: alone, 32 splits added in two groups of
+    COMBINE_GROUP, in the verify 11; at a 150-token context the two forms' sums happened to agree on one
+    CPU and differ on another)."""
+    c = Case(b=3, t=4, hq=6, hkv=2, d=16, s=3, committed=[400, 90, 200], n_valid=[4, 4, 4], seed=7)
+    verify = run_kernel(c, config)[0, 1]  # sequence 0, token 1: position 401
     q, k_pages, v_pages, table, _, _, scale = c.args()
     wide = jnp.concatenate([table[:1], jnp.full((1, table.shape[1]), -7, jnp.int32)], axis=1)
-    alone = pa.paged_attention(q[:1, 1:2], k_pages, v_pages, wide, jnp.array([[151]]), jnp.array([152]), scale,
+    alone = pa.paged_attention(q[:1, 1:2], k_pages, v_pages, wide, jnp.array([[401]]), jnp.array([402]), scale,
                                interpret=True, config=config)
     alone = np.asarray(alone).astype(np.float64)[0, 0]
     assert config.num_splits(1, 2, wide.shape[1] * 3) != config.num_splits(3, 2, table.shape[1] * 3)
