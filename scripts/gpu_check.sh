@@ -107,7 +107,6 @@ for s in "${steps[@]}"; do
                  >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8125 \
                  --concurrency=32 --requests=512 --duration_s=120 --prompt_tokens=16,60 --max_tokens=128 --vocab=4096 \
                  --output_json=$OUT/$s.json; rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
-    # the 35B-A3B-shaped FP8 MoE (first 8 of its 40 layers, controlled acceptance): plain and K=3 at batch 1, 8, 32
     # where a plain MoE decode step's device time goes (35B-A3B-shaped FP8, 8 layers, batch 1), by kernel
     moe_trace) run_step moe_trace 300 bash -c "rm -rf /tmp/qmtp_moe_trace; ${BENCH[*]} \
                  --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks= --repeats=1 --breakdown=false \
@@ -115,8 +114,10 @@ for s in "${steps[@]}"; do
                  && $PY scripts/trace_summary.py /tmp/qmtp_moe_trace/* --top=30" ;;
     # the expert matmul's tiles at the 35B-A3B shapes (decode and verify blocks): default vs candidates
     moe_sweep) run_step moe_sweep 300 "$PY" -m pallas_kernels.bench --parts=moe --moe_sweep --out="$OUT/moe_sweep.json" ;;
+    # the 35B-A3B-shaped FP8 MoE (first 8 of its 40 layers, controlled acceptance): plain and K=3 at batch 1, 8, 32
+    # (1024 new tokens: at 128 the K=3 profile is not realized, too few rounds)
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
-                 --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=128 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
+                 --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=1024 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
             "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
             "bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)"; exit 2 ;;
