@@ -10,12 +10,14 @@ Under KernelConfig.deterministic every one must be equal; the first that is not 
 block (mixer or MLP), or the part of the prefill, to look into; inside the first GDN mixer, each of its
 pieces is compared between a step and a verify. The control: the default Pallas kernels part a verify's
 rows and a batch's prefill on the CPU. The H200 cases run the 27B-shaped FP8 preset's first 8 layers
-(6 Gated DeltaNet, 2 attention).
+(6 Gated DeltaNet, 2 attention). On the CPU a structural check stands in for the GPU's finding that the
+GDN output norm must round in its kernel.
 """
 
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -146,6 +148,31 @@ def _prefill_parted(checkpoint: str, deterministic: bool, chunk: int) -> list[st
     return [name for name in alone if not all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                                               for a, b in zip(jax.tree_util.tree_leaves(alone[name]),
                                                               jax.tree_util.tree_leaves(batch[name])))]
+
+
+def _pallas_calls(jaxpr, name: str):
+    """Every pallas_call named `name` in a closed jaxpr, nested jits included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and name in str(eqn.params.get("name", "")):
+            found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _pallas_calls(sub, name)
+    return found
+
+
+def test_the_gdn_output_norm_rounds_to_bfloat16_in_its_kernel():
+    """Nothing of XLA's between the GDN output norm and out_proj: its kernel writes bfloat16 (on the H100
+    a convert left to XLA made a decode step's out_proj part from the same token's in a verify)."""
+    model = qmtp.load(resolve_checkpoint("preset:tiny", num_layers=2), dtype="bfloat16", impl="pallas",
+                      page_size=PAGE, progress=False, deterministic=True)
+    state = _random_state(model.cfg, np.random.default_rng(0))
+    tokens = jnp.zeros((len(LENGTHS), 1), jnp.int32)
+    closed = jax.make_jaxpr(lambda params, state: target.forward(
+        model.cfg, params, state, tokens, jnp.ones((len(LENGTHS),), jnp.int32), model.kernels,
+        gdn_slots=jnp.zeros((len(LENGTHS),), jnp.int32)))(model.params, state)
+    gated = [e for e in _pallas_calls(closed.jaxpr, "rms_norm_rows") if len(e.invars) == 3]  # x, w, z
+    assert gated and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in gated)
 
 
 def test_a_prompt_prefilled_alone_equals_it_in_a_batch():
