@@ -16,7 +16,10 @@ against the ~16 us of NCCL's all-reduce measured in the 27B TP2 step. `fits` say
 and serves everything else.
 
 The receive buffer is a second output of the kernel, so XLA allocates it with the collective
-metadata that makes a peer's buffer addressable (`plgpu.remote_ref`); the caller drops it.
+metadata that makes a peer's buffer addressable (`plgpu.remote_ref`); the caller drops it. Like JAX's
+own Mosaic GPU collectives (ops/gpu/all_gather_mgpu.py stores into its peers' outputs as it starts),
+it counts on that launch making every peer's buffer and semaphore ready before any device stores:
+the `gpu` test and scripts/bench_all_reduce.py check its sum against psum's bit for bit.
 """
 
 from __future__ import annotations
