@@ -49,9 +49,9 @@ for s in "${steps[@]}"; do
     # greedy tokens in bfloat16 with --deterministic: the demo on 32 code prompts (batch 1 / 8 / 32, K = 1..4)
     exactness_demo) run_step exactness_demo 580 "$PY" -m qmtp.bench.exactness --impl=pallas --deterministic \
                       --prompts=32 --batch=1,8,32 --out="$OUT/exactness_demo.json" ;;
-    # ... and the random (flat-logit) 27B-shaped FP8 preset, 8 layers, 4 prompts x 128 tokens, K = 1..4
+    # ... and the random (flat-logit) 27B-shaped FP8 preset, 8 layers, 32 prompts x 128 tokens, K = 1..4
     exactness_27b) run_step exactness_27b 580 "$PY" -m qmtp.bench.exactness --checkpoint=preset:qwen3_5_27b:fp8 \
-                     --num_layers=8 --impl=pallas --deterministic --prompts=4 --max_new_tokens=128 --batch=1,4 \
+                     --num_layers=8 --impl=pallas --deterministic --prompts=32 --max_new_tokens=128 --batch=1,8,32 \
                      --ks=1,2,3,4 --out="$OUT/exactness_27b.json" ;;
     bench_b1) run_step bench_b1 580 "${BENCH[@]}" --out="$OUT/bench_tp1_b1.json" "${EXTRA[@]}" ;;
     bench_b16) run_step bench_b16 420 "${BENCH[@]}" --batch=16 --max_new_tokens=256 --ks=3 \
