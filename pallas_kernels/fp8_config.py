@@ -27,6 +27,11 @@ VERIFY_WIDE_BLOCK_O = 128
 VERIFY_WIDE_MAX_ROWS = 64
 # The GEMM splits I until its grid has this many programs (a verify's o_proj: 40 tiles on 132 SMs).
 GEMM_SPLIT_PROGRAMS = SM_COUNT
+# row_invariant launches of fewer rows (decode steps, verify passes of batch x (K+1) rows) run the decode
+# kernel, in pieces of DECODE_MAX_ROWS rows past it, so a row has the sums it has alone; from here on
+# (prefill chunks) the GEMM. Its rows agree among themselves but not with the decode kernel's: a verify
+# pass of 160 rows on the GEMM parted from plain decoding (27B FP8 preset, batch 32 at K=4, H100).
+ROW_INVARIANT_GEMM_MIN_ROWS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +156,11 @@ def prefill_config(m: int, o: int, i: int) -> PrefillConfig:
 
 
 def row_invariant_config(m: int, o: int, i: int) -> DecodeConfig | PrefillConfig:
-    """A config that is the same at every M of its kernel, so a row's sums do not depend on M: decode_config's
-    16-row tile (its split-K depends on O and I only) with x in DOT_MIN-row groups, one dot per group, up to
-    DECODE_MAX_ROWS; above, the GEMM on fixed 64 x 128 tiles, one program per output tile (no split-K)."""
-    if m <= DECODE_MAX_ROWS:
+    """A config that is the same at every M of its kernel, so a row's sums do not depend on M: below
+    ROW_INVARIANT_GEMM_MIN_ROWS decode_config's 16-row tile (its split-K depends on O and I only) with x in
+    DOT_MIN-row groups, one dot per group (a launch holds DECODE_MAX_ROWS rows: the caller runs more in
+    pieces); from there the GEMM on fixed 64 x 128 tiles, one program per output tile (no split-K)."""
+    if m < ROW_INVARIANT_GEMM_MIN_ROWS:
         return dataclasses.replace(decode_config(DOT_MIN, o, i), row_groups=True)
     return PrefillConfig(block_m=64, block_n=BLOCK, num_warps=4, num_stages=3, split_k=1, x_f16_scaled=True)
 

@@ -8,7 +8,8 @@ fp8_config.py); act_quant=True runs on E4M3 activations (fp8_act_quant.py: an ap
 
 row_invariant=True: a row's output does not depend on how many rows share the call (fp8_config.
 row_invariant_config: one tile config per weight shape at every M, the decode kernel's rows in DOT_MIN-row
-dots), so a token decoded alone, inside a verify pass or inside a batch gets the same bits.
+dots, launches of DECODE_MAX_ROWS rows at most), so a token decoded alone, inside a verify pass or inside a
+batch gets the same bits, up to fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS rows per call.
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ def _matmul_many(x, ws, scales, out_dtype, *, interpret, config, act_quant, row_
     fp8_w = w_dtype == jnp.float8_e4m3fn
     if row_invariant and act_quant:
         raise ValueError("fp8_matmul: row_invariant has no act_quant form")
+    if row_invariant and config is None and DECODE_MAX_ROWS < m < fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS:
+        # one decode launch per DECODE_MAX_ROWS rows: each row keeps the sums it has in a launch of its own
+        x2 = x.reshape(m, i)
+        pieces = [_matmul_many(x2[r:r + DECODE_MAX_ROWS], ws, scales, out_dtype, interpret=interpret, config=None,
+                               act_quant=False, row_invariant=True, w_dtype=w_dtype)
+                  for r in range(0, m, DECODE_MAX_ROWS)]
+        return tuple(jnp.concatenate(ys).reshape(*lead, o) for ys, o in zip(zip(*pieces), os))
     if config is None and act_quant and m <= DECODE_MAX_ROWS:
         config = fp8_config.act_quant_config(m, sum(os), i)
     chosen = config is None  # a GEMM then takes each weight's own config

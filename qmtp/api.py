@@ -19,7 +19,7 @@ import numpy as np
 
 from qmtp.model import fp8 as fp8_lib, load as load_lib, mtp, target as model_lib
 from qmtp.model.config import ModelConfig
-from qmtp.runtime import adaptive_k, loop, prefill, tp as tp_lib
+from qmtp.runtime import adaptive_k, loop, ops, prefill, tp as tp_lib
 from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
@@ -281,6 +281,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
         mtp.check_supported(model.cfg)
     prompt_ids = encode(model, prompts)
     batch = len(prompt_ids)
+    ops.check_deterministic_rows(model.kernels, batch, mtp_k, "prompts x (mtp_k+1)")
     sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed)
     stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)
     # a round's pass writes K+1 positions past the committed length

@@ -143,9 +143,10 @@ def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> s
         return None
     fits = max((kk for kk in range(1, k) if batch * (kk + 1) <= limit), default=0)
     advice = f"--mtp_k={fits} keeps them on it" if fits else f"at most {limit // 2} {unit} at K=1 keep them on it"
+    runs = (f"they run as decode launches of {limit} rows, each reading all the weights" if model.kernels.deterministic
+            else "they run on GEMM tiles, which are compute-bound at that size")
     return (f"warning: {batch} {unit} x (K+1 = {k + 1}) = {rows} rows per MTP verify pass exceed the FP8 "
-            f"decode kernel's {limit}; they run on GEMM tiles, which are compute-bound at "
-            f"that size and may make MTP slower than plain decoding; {advice}")
+            f"decode kernel's {limit}; {runs} and may make MTP slower than plain decoding; {advice}")
 
 
 def check_output_file(flag: str, path: str | None) -> None:

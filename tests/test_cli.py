@@ -158,10 +158,27 @@ def test_verify_rows_warning(batch, k, impl, fp8, expected):
     tiles at 128 rows made K=3 at batch 32 barely faster than plain on the H200), and say which K fits."""
     import types
     from qmtp import cli_help
-    model = types.SimpleNamespace(impl=impl, cfg=types.SimpleNamespace(quantization=object() if fp8 else None))
+    model = types.SimpleNamespace(impl=impl, cfg=types.SimpleNamespace(quantization=object() if fp8 else None),
+                                  kernels=types.SimpleNamespace(deterministic=False))
     got = cli_help.verify_rows_warning(model, batch, k)
     if expected is None:
         assert got is None
     else:
         assert got is not None and expected in got and got.startswith("warning: "), got
         assert cli_help.verify_rows_warning(model, batch, k, unit="batch slots").startswith(f"warning: {batch} batch slots x")
+
+
+def test_deterministic_passes_stay_on_the_decode_kernel():
+    """Under --deterministic, verify rows past 128 run decode launches (the warning says so), and a pass
+    that would reach the GEMM (whose sums differ from the decode kernel's) is refused, naming the flags."""
+    import types
+    from qmtp import cli_help
+    from qmtp.runtime import ops
+    from qmtp.runtime.kernel_config import PALLAS, KernelConfig
+    det = KernelConfig("pallas", deterministic=True)
+    model = types.SimpleNamespace(impl="pallas", cfg=types.SimpleNamespace(quantization=object()), kernels=det)
+    assert "they run as decode launches of 128 rows" in cli_help.verify_rows_warning(model, 40, 3)
+    ops.check_deterministic_rows(det, 255, 3)  # 1020 rows
+    ops.check_deterministic_rows(PALLAS, 256, 3)  # not deterministic: no limit
+    with pytest.raises(ValueError, match=r"--batch_slots x \(K\+1\) = 256 x 4 = 1024 rows per pass; at most 1023"):
+        ops.check_deterministic_rows(det, 256, 3, "--batch_slots x (K+1)")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from h200_lowering import lower_for_h200, triton_calls
 
+from pallas_kernels import fp8_config
 from pallas_kernels import fp8_matmul as fm
 from qmtp.model.fp8 import Fp8Block, quantize_np
 from qmtp.runtime import ops
@@ -20,14 +21,14 @@ from qmtp.runtime.kernel_config import PALLAS, REF, KernelConfig
 ROWS = (2, 3, 5, 8, 9, 17, 33, 64, 128)
 
 
-def _row0_alone_and_in(fn, x) -> dict:
-    """{rows: row 0 of fn(x[:rows])} for 1 and ROWS, as f32 numpy."""
+def _row0_alone_and_in(fn, x, rows=ROWS) -> dict:
+    """{m: row 0 of fn(x[:m])} for 1 and each m of rows, as f32 numpy."""
     f = jax.jit(fn)
-    return {m: np.asarray(f(x[:m])[0].astype(jnp.float32)) for m in (1,) + ROWS}
+    return {m: np.asarray(f(x[:m])[0].astype(jnp.float32)) for m in (1,) + rows}
 
 
 def _parted(results: dict) -> list[int]:
-    return [m for m in ROWS if not np.array_equal(results[m], results[1])]
+    return [m for m in results if not np.array_equal(results[m], results[1])]
 
 
 # bf16 weights: out rows <= ops.BF16_REDUCE_MAX_OUT take the reduce form under Pallas, wider ones the dot
@@ -64,7 +65,11 @@ def test_a_leading_batch_shape_keeps_the_row_alone_form():
 
 # The Pallas block matmul (interpret mode here; `gpu` below on the H200): fp8_matmul's default configs
 # change tiles and split-K with M (rows part from 9 on), row_invariant keeps one config per shape.
-GEMM_ROWS = (129, 160, 256)  # the GEMM's M: its rows must also agree among themselves
+# Past DECODE_MAX_ROWS (a verify of batch 32 at K=4: 160 rows) row_invariant runs decode launches in pieces,
+# which keep the row's bits; from ROW_INVARIANT_GEMM_MIN_ROWS (prefill chunks) the GEMM, whose rows agree
+# among themselves.
+INVARIANT_ROWS = ROWS + (129, 160, 256)
+GEMM_ROWS = (fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS, fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS + 16)
 
 
 def _fp8_weight(rng, o, i):
@@ -88,7 +93,7 @@ def test_pallas_fp8_row_alone_equals_row_in_a_launch_only_when_row_invariant(row
         ys = fm.fp8_matmul_many(x, (w1, w2), (s1, s2), jnp.float32, interpret=True, row_invariant=row_invariant)
         return jnp.concatenate(ys, axis=-1)
 
-    parted = _parted(_row0_alone_and_in(fn, x)) + _gemm_parted(fn, x)
+    parted = _parted(_row0_alone_and_in(fn, x, INVARIANT_ROWS)) + _gemm_parted(fn, x)
     if row_invariant:
         assert parted == []
     else:  # the default configs are not row-invariant: this is what row_invariant fixes
@@ -105,7 +110,7 @@ def test_pallas_bf16_row_invariant_matmul(out_features, in_features):
     def fn(x):
         return fm.bf16_matmul(x, w, jnp.float32, interpret=True, row_invariant=True)
 
-    assert _parted(_row0_alone_and_in(fn, x)) == [] and _gemm_parted(fn, x) == []
+    assert _parted(_row0_alone_and_in(fn, x, INVARIANT_ROWS)) == [] and _gemm_parted(fn, x) == []
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     got = np.asarray(fn(x))
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -133,7 +138,7 @@ H200_SHAPES = [((10240, 6144), 5120), ((17408, 17408), 5120), ((5120,), 17408), 
 @pytest.mark.gpu
 @pytest.mark.parametrize("outs,in_features", H200_SHAPES, ids=lambda v: str(v))
 def test_h200_fp8_launches_of_the_27b_step_are_row_invariant(outs, in_features):
-    """The 27B step's FP8 launches (projections of one x joined) at 1..128 rows, on the H200."""
+    """The 27B step's FP8 launches (projections of one x joined) at 1..256 rows, on the H200."""
     key = jax.random.key(0)
     ws = [(jax.random.normal(jax.random.fold_in(key, j), (o, in_features)) * 64).clip(-448, 448)
           .astype(jnp.float8_e4m3fn) for j, o in enumerate(outs)]
@@ -143,7 +148,7 @@ def test_h200_fp8_launches_of_the_27b_step_are_row_invariant(outs, in_features):
     def fn(x):
         return jnp.concatenate(fm.fp8_matmul_many(x, ws, ss, jnp.float32, row_invariant=True), axis=-1)
 
-    assert _parted(_row0_alone_and_in(fn, x)) == [] and _gemm_parted(fn, x) == []
+    assert _parted(_row0_alone_and_in(fn, x, INVARIANT_ROWS)) == [] and _gemm_parted(fn, x) == []
 
 
 @pytest.mark.gpu
@@ -156,7 +161,7 @@ def test_h200_bf16_lm_head_and_gates_are_row_invariant(out_features):
     def fn(x):
         return fm.bf16_matmul(x, w, jnp.float32, row_invariant=True)
 
-    assert _parted(_row0_alone_and_in(fn, x)) == [] and _gemm_parted(fn, x) == []
+    assert _parted(_row0_alone_and_in(fn, x, INVARIANT_ROWS)) == [] and _gemm_parted(fn, x) == []
 
 
 def test_row_groups_lower_for_h200():

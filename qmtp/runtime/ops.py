@@ -32,6 +32,16 @@ BF16_REDUCE_MAX_OUT = 256
 DECODE_MAX_ROWS = fp8_config.DECODE_MAX_ROWS
 
 
+def check_deterministic_rows(kernels: KernelConfig, batch: int, k: int, flags: str = "batch x (K+1)") -> None:
+    """Under KernelConfig.deterministic, ValueError when a decode or verify pass (batch x (K+1) rows) would
+    reach fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS rows: its projections would run the GEMM, whose sums
+    differ from the decode kernel's, and greedy tokens would depend on the batch and K again."""
+    rows, limit = batch * (k + 1), fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS
+    if kernels.deterministic and rows >= limit:
+        raise ValueError(f"deterministic: {flags} = {batch} x {k + 1} = {rows} rows per pass; at most {limit - 1} "
+                         f"keep every row on the row-invariant decode kernel")
+
+
 def _interpret() -> bool:
     return jax.default_backend() == "cpu"
 

@@ -46,7 +46,7 @@ import traceback
 import numpy as np
 
 from qmtp import api
-from qmtp.runtime import adaptive_k, loop
+from qmtp.runtime import adaptive_k, loop, ops
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
 from qmtp.serve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig, RequestLimits, prefix_block
@@ -111,6 +111,7 @@ class Engine:
         if self.k:
             from qmtp.model import mtp
             mtp.check_supported(cfg)
+        ops.check_deterministic_rows(model.kernels, c.batch_slots, self.k, "--batch_slots x (K+1)")
         limit = cfg.max_position_embeddings - self.extra
         if c.max_model_len > limit:
             raise ValueError(f"--max_model_len={c.max_model_len} + {self.extra} (K+1 verify positions) exceeds "
