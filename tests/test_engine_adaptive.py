@@ -18,7 +18,7 @@ from qmtp.serve import metrics, round_costs
 from serving_fixtures import assert_all_free, make_engine
 
 RNG = np.random.default_rng(31)
-PROMPTS = [RNG.integers(0, 380, int(n)).tolist() for n in RNG.integers(2, 20, 7)]
+PROMPTS = [RNG.integers(0, 380, int(n)).tolist() for n in RNG.integers(2, 17, 7)]  # one prompt bucket: 16
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
@@ -26,7 +26,7 @@ def test_auto_times_rounds_and_keeps_greedy_tokens(model, tmp_path):
     lines = []
     engine = make_engine(model, "auto", start=False, log=lines.append, round_cost_dir=str(tmp_path))
     assert engine.k == adaptive_k.CANDIDATES[-1]
-    engine.warmup([16, 32])
+    engine.warmup([16])
     assert any(line.startswith("warm-up [") and "timing a round at K = 0, 1, 3" in line for line in lines), lines
     assert engine.round_cost is not None and np.all(engine.round_cost > 0) and engine.counters["admitted"] == 0
     assert engine.round_cost[0] < 3 * engine.round_cost[-1], engine.round_cost  # no compile inside a timing

@@ -68,7 +68,7 @@ def test_a_leading_batch_shape_keeps_the_row_alone_form():
 # Past DECODE_MAX_ROWS (a verify of batch 32 at K=4: 160 rows) row_invariant runs decode launches in pieces,
 # which keep the row's bits; from ROW_INVARIANT_GEMM_MIN_ROWS (prefill chunks) the GEMM, whose rows agree
 # among themselves.
-INVARIANT_ROWS = ROWS + (129, 160, 256)
+INVARIANT_ROWS = ROWS + (129, 160)
 GEMM_ROWS = (fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS, fp8_config.ROW_INVARIANT_GEMM_MIN_ROWS + 16)
 
 
@@ -127,7 +127,7 @@ def test_deterministic_linear_takes_the_row_invariant_kernels():
     for fn in (lambda x: ops.linear(x, fp8, det, out_dtype=jnp.float32),
                lambda x: ops.linear(x, w16, det, out_dtype=jnp.float32),
                lambda x: ops.linear_many(x, (fp8, fp8), det)[1].astype(jnp.float32)):
-        assert _parted(_row0_alone_and_in(fn, x)) == []
+        assert _parted(_row0_alone_and_in(fn, x, (5, 33, 128))) == []  # the kernels' own tests take every M
     with pytest.raises(ValueError, match="deterministic=True needs impl='pallas'"):
         KernelConfig("ref", deterministic=True)
 
