@@ -79,9 +79,10 @@ for s in "${steps[@]}"; do
     # the chunked GDN prefill (XLA) at the 27B shapes, T = 512 and 4096, against the layer's matmuls
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
                    --out="$OUT/gdn_prefill.json" ;;
-    # sampling's cost and acceptance: Qwen's recommended settings against the greedy bench_b1 (batch 1, K=3)
-    bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --repeats=1 --breakdown=false --temperature=0.6 \
-                      --top_p=0.95 --top_k=20 --out="$OUT/bench_tp1_sampling.json" "${EXTRA[@]}" ;;
+    # sampling's cost: Qwen's recommended settings, each mode beside its greedy twin in the same run (batch 1, K=3)
+    bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --profile= --repeats=1 --breakdown=false \
+                      --temperature=0.6 --top_p=0.95 --top_k=20 --sampling_cost --out="$OUT/bench_tp1_sampling.json" \
+                      "${EXTRA[@]}" ;;
     # the cost of --deterministic: both engines on the same weights, batch 1 and 16
     bench_deterministic) run_step bench_deterministic 580 "${BENCH[@]}" --engine=pallas,deterministic --ks=3 \
                            --repeats=1 --breakdown=false --batch=1,16 --max_new_tokens=256 \

@@ -391,19 +391,39 @@ def test_sampled_run_records_its_parameters_and_skips_the_token_check(tmp_path):
     demand plain greedy's tokens."""
     out = tmp_path / "s.json"
     r = run_bench(f"--flagfile={ROOT}/configs/bench_tiny.flags", "--ks=2", "--profile=", "--repeats=1",
-                  "--breakdown=false", "--temperature=10", "--top_k=6", f"--out={out}", tmp_path=tmp_path,
-                  cache=tmp_path / "cache")
+                  "--breakdown=false", "--temperature=10", "--top_k=6", "--sampling_cost", f"--out={out}",
+                  tmp_path=tmp_path, cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["config"]["sampling"] == {"temperature": 10.0, "top_k": 6, "top_p": 1.0, "min_p": 0.0, "seed": 0}
     mtp = res["cases"][0]["modes"][1]
     assert mtp["name"] == "mtp K=2 natural" and 0 < mtp["acceptance_rate"] <= 1 and mtp["tokens_match_plain"]
+    for m in res["cases"][0]["modes"]:  # --sampling_cost: each mode's greedy twin ran in this process
+        assert m["greedy_round_s"] > 0 and m["sampling_cost"] == pytest.approx(m["sampled_round_s"] / m["greedy_round_s"] - 1)
+    assert "sampling adds" in r.stdout and "B=1 P=16 K=2 natural greedy repeat 1/1" in r.stderr
+
+
+def test_sampling_cost_compares_time_per_round_with_the_greedy_twin():
+    """What sampling adds: the medians of decode seconds per round, sampled over greedy, and its target rows
+    for a plain step and a K=3 round."""
+    from types import SimpleNamespace as Run
+    sampled = [Run(stats={"decode_s": 1.03, "steps": 100}), Run(stats={"decode_s": 2.0, "steps": 100}),
+               Run(stats={"decode_s": 1.05, "steps": 100})]
+    greedy = [Run(stats={"decode_s": 1.0, "steps": 100})]
+    cost = br.sampling_cost(sampled, greedy)
+    assert cost["sampled_round_s"] == pytest.approx(0.0105) and cost["sampling_cost"] == pytest.approx(0.05)
+    modes = [dict(name="plain", **br.sampling_cost(greedy, greedy)), dict(name="mtp K=3 natural", **cost)]
+    assert "+5.0%" in br.sampling_cost_table(modes)
+    rows = {r["target"]: r["met"] for r in br.targets({"modes": modes, "batch": 1})}
+    assert rows == {"sampling adds <= 3% to a plain step": True, "sampling adds <= 3% to a K=3 round": False}
 
 
 def test_a_bad_sampling_value_is_one_error_line_before_anything_loads(tmp_path):
     bad = run_bench("--checkpoint=/nonexistent", "--temperature=1", "--top_p=2", tmp_path=tmp_path,
                     cache=tmp_path / "cache")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "error: --top_p=2.0 must be in (0, 1]"
+    greedy = run_bench("--checkpoint=/nonexistent", "--sampling_cost", tmp_path=tmp_path, cache=tmp_path / "cache")
+    assert greedy.returncode == 2 and "--sampling_cost" in greedy.stderr.strip().splitlines()[-1]
 
 
 def test_moe_roofline_counts_the_experts_a_pass_reads():

@@ -66,6 +66,9 @@ flags.DEFINE_bool("breakdown", True, "Also time the pieces of a speculative roun
 flags.DEFINE_list("breakdown_ks", [], "The K values of the breakdown (empty: every K of --ks). Each K compiles "
                   "its own verify and draft programs, which takes minutes at 64 layers.")
 cli_help.define_sampling_flags()  # every mode samples at --temperature > 0 (no token check)
+flags.DEFINE_bool("sampling_cost", False, "With --temperature > 0: also run each mode greedily on the same prompts "
+                  "and acceptance caps, and report what sampling adds to its time per step or round, both measured "
+                  "in this run (target: <= 3% for plain and K=3).")
 cli_help.define_fp8_act_quant_flag()
 cli_help.define_prefill_chunk_flag()
 cli_help.define_draft_head_flag()
@@ -122,17 +125,19 @@ def sampling() -> dict:
     return cli_help.sampling_from_flags(default_seed=0)
 
 
-def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, label: str) -> dict:
-    """Warm-up (compile), then `repeats` timed generations of one mode."""
+def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, label: str, greedy: bool = False) -> dict:
+    """Warm-up (compile), then `repeats` timed generations of one mode (greedy: at temperature 0 whatever
+    the flags say); with --sampling_cost a sampled mode's greedy twin runs after it, under "greedy"."""
     import qmtp
+    args = dict(sampling(), temperature=0.0) if greedy else sampling()
     t = time.perf_counter()
     qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
-                  accept_cap=cap, warmup=True, **sampling())
+                  accept_cap=cap, warmup=True, **args)
     compile_s = time.perf_counter() - t
     runs = []
     for r in range(repeats):
         res = qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
-                            accept_cap=cap, **sampling())
+                            accept_cap=cap, **args)
         runs.append(res)
         progress.show(f"{label} repeat {r + 1}/{repeats}: {res.stats['decode_tokens_per_s']:.1f} tok/s, "
                       f"TTFT {1e3 * res.stats['ttft_s']:.0f} ms")
@@ -144,7 +149,9 @@ def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, labe
         out["trace_dir"] = os.path.join(FLAGS.trace_dir, f"{engine_name(model)}_{trace_name(label)}")
         with jax.profiler.trace(out["trace_dir"], create_perfetto_trace=True):
             qmtp.generate(model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[], mtp_k=k,
-                          accept_cap=cap, **sampling())
+                          accept_cap=cap, **args)
+    if FLAGS.sampling_cost and not greedy:
+        out["greedy"] = run_mode(model, prompts, k, cap, repeats, progress, label + " greedy", greedy=True)
     return out
 
 
@@ -173,6 +180,8 @@ def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, byte
         out["prefill_tokens_per_s"] = prompt_tokens / out["ttft_s"]["median"]
     if mode.get("trace_dir"):
         out["trace_dir"] = mode["trace_dir"]
+    if mode.get("greedy"):
+        out.update(br.sampling_cost(runs, mode["greedy"]["runs"]))
     tokens = runs[-1].tokens
     out["tokens_match_plain"] = plain_tokens is None or tokens == plain_tokens
     if not out["tokens_match_plain"]:
@@ -345,6 +354,8 @@ def _run() -> int:
         raise ValueError(f"--engine={','.join(FLAGS.engine)}: expected one or more of {', '.join(ENGINES)}")
     other = br.load_comparison(FLAGS.compare_to) if FLAGS.compare_to else None  # checked before loading
     sampling()  # a bad value fails before anything loads
+    if FLAGS.sampling_cost and not FLAGS.temperature > 0:
+        raise ValueError("--sampling_cost compares sampled modes with greedy ones: it needs --temperature > 0")
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
     check_outputs(len(engines) * len(batches) * len(lengths))
@@ -353,7 +364,7 @@ def _run() -> int:
     n_profile = len([p for p in FLAGS.profile if p])
     n_modes = (1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= n_profile])
                + FLAGS.auto * (1 + (n_profile >= adaptive_k.CANDIDATES[-1])))  # auto_modes' count
-    progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats)
+    progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats * (1 + FLAGS.sampling_cost))
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
     from qmtp.bench import compute
     try:  # the prefill floor's rate; the benchmark runs without it if XLA cannot run an E4M3 dot here
@@ -411,6 +422,8 @@ def _run() -> int:
                 print(br.table(case["modes"], shares=br.has_ceiling(result["platform"])))
                 if case.get("breakdown"):
                     print(br.breakdown_table(case["breakdown"]))
+                if FLAGS.sampling_cost:
+                    print(br.sampling_cost_table(case["modes"]))
                 for k, pieces in (case.get("breakdown_kernels") or {}).items():
                     print(f"K={k}: " + br.kernel_diff_table(pieces))
                 case["targets"] = br.targets(case)

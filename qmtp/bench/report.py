@@ -278,6 +278,27 @@ def profile_shortfall(mode: dict) -> str:
             f"{PROFILE_TOLERANCE}: too few rounds; raise --max_new_tokens")
 
 
+SAMPLING_COST_TARGET = 0.03  # what sampling may add to a plain step and to a K=3 round
+
+
+def sampling_cost(sampled_runs, greedy_runs) -> dict:
+    """A sampled mode's time per step (plain) or round (MTP) against its greedy twin's in the same run
+    (each the median over the repeats of decode seconds / rounds), and what sampling adds: sampled /
+    greedy - 1."""
+    def per_round(runs):
+        return float(np.median([r.stats["decode_s"] / max(r.stats["steps"], 1) for r in runs]))
+    sampled, greedy = per_round(sampled_runs), per_round(greedy_runs)
+    return {"sampled_round_s": sampled, "greedy_round_s": greedy, "sampling_cost": sampled / greedy - 1}
+
+
+def sampling_cost_table(modes: list[dict]) -> str:
+    """One line per mode with a greedy twin: ms per step or round, greedy and sampled, and the difference."""
+    rows = [["mode", "greedy ms/round", "sampled ms/round", "sampling adds"]]
+    rows += [[m["name"], f"{m['greedy_round_s'] * 1e3:.3f}", f"{m['sampled_round_s'] * 1e3:.3f}",
+              f"{m['sampling_cost']:+.1%}"] for m in modes if "sampling_cost" in m]
+    return aligned(rows)
+
+
 def targets(case: dict) -> list[dict]:
     """The targets one case can check, each {target, value, goal, met, note}; a missed target's note
     names the pieces of the step or round that take the time (from the breakdown, when measured)."""
@@ -309,6 +330,11 @@ def targets(case: dict) -> list[dict]:
                          f"the rest (drafts, MTP refresh, commit) {(rnd - three['verify']) * 1e3:.2f} ms")
         row["note"] = "; ".join(n for n in notes if n)
         out.append(row)
+    for name, what in (("plain", "a plain step"), ("mtp K=3 natural", "a K=3 round")):
+        if "sampling_cost" in modes.get(name, {}):
+            value = modes[name]["sampling_cost"]
+            out.append({"target": f"sampling adds <= 3% to {what}", "value": value, "goal": SAMPLING_COST_TARGET,
+                        "met": value <= SAMPLING_COST_TARGET, "note": ""})
     return out
 
 
