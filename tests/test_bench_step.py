@@ -9,11 +9,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from qmtp.bench.step import count_launches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # CI time: a GPU measuring tool; its launch counter is tested below
 def test_quick_run_writes_both_paths(tmp_path):
     out = tmp_path / "step.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)

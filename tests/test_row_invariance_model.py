@@ -175,6 +175,7 @@ def test_the_gdn_output_norm_rounds_to_bfloat16_in_its_kernel():
     assert gated and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in gated)
 
 
+@pytest.mark.slow  # CI time: test_deterministic.py checks the tokens of prompts alone and in a batch
 def test_a_prompt_prefilled_alone_equals_it_in_a_batch():
     assert _prefill_parted(resolve_checkpoint("preset:tiny", num_layers=2), deterministic=True, chunk=16) == []
 
