@@ -364,7 +364,8 @@ def _run() -> int:
     n_profile = len([p for p in FLAGS.profile if p])
     n_modes = (1 + len(FLAGS.ks) + len([k for k in FLAGS.ks if int(k) <= n_profile])
                + FLAGS.auto * (1 + (n_profile >= adaptive_k.CANDIDATES[-1])))  # auto_modes' count
-    progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * FLAGS.repeats * (1 + FLAGS.sampling_cost))
+    runs_per_mode = FLAGS.repeats * (1 + FLAGS.sampling_cost)  # --sampling_cost: and the greedy twin's
+    progress = Progress(len(engines) * len(batches) * len(lengths) * n_modes * runs_per_mode)
     copy = copy_bandwidth(FLAGS.copy_gib, 10)
     from qmtp.bench import compute
     try:  # the prefill floor's rate; the benchmark runs without it if XLA cannot run an E4M3 dot here
