@@ -48,6 +48,7 @@ def test_requests_get_generate_logprobs_and_others_none(model, k):
     assert_all_free(engine)
 
 
+@pytest.mark.slow  # CI time: a resumed pass-wise prefill's first logprobs run in tests/test_prefix_cache.py
 def test_a_long_prompt_carries_the_first_tokens_logprobs(model):
     """(A prefix cache hit's: tests/test_prefix_cache.py.)"""
     chunked = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=16))
