@@ -68,3 +68,27 @@ def test_chunked_prefill_keeps_greedy_and_mtp_tokens(tiny):
 def test_prefill_chunk_must_be_a_power_of_two_of_16_or_more(chunk):
     with pytest.raises(ValueError, match=f"prefill_chunk={chunk}: a power of two >= 16"):
         KernelConfig(prefill_chunk=chunk)
+
+
+def test_prefill_weights_dequantize_once_what_linear_would_dequantize_per_pass():
+    """ops.prefill_weights: at DEQUANT_DOT_MIN_ROWS rows and more (Pallas, not deterministic) each 2-D FP8
+    projection becomes the bf16 weight that linear's dequantize-and-dot makes per call, so linear gives the
+    same bits from it; fewer rows, the deterministic kernels and expert stacks keep FP8."""
+    import jax
+
+    from qmtp.model.fp8 import Fp8Block, quantize_np
+    from qmtp.runtime import ops
+    rng = np.random.default_rng(0)
+    w = Fp8Block(*map(jnp.asarray, quantize_np(rng.standard_normal((256, 384)).astype(np.float32) * 0.05)))
+    experts = Fp8Block(jnp.stack([w.weight] * 2), jnp.stack([w.scale] * 2))
+    layer = {"proj": w, "experts": experts, "norm": jnp.ones(384, jnp.bfloat16)}
+    rows, pallas = ops.DEQUANT_DOT_MIN_ROWS, KernelConfig("pallas")
+    got = ops.prefill_weights(layer, rows, jnp.bfloat16, pallas)
+    assert got["proj"].dtype == jnp.bfloat16 and got["experts"] is experts and got["norm"] is layer["norm"]
+    for kept in (ops.prefill_weights(layer, rows - 1, jnp.bfloat16, pallas),
+                 ops.prefill_weights(layer, rows, jnp.bfloat16, KernelConfig("pallas", deterministic=True)),
+                 ops.prefill_weights(layer, rows, jnp.bfloat16, KernelConfig("ref"))):
+        assert kept is layer
+    x = jnp.asarray(rng.standard_normal((rows, 384)), jnp.bfloat16)
+    linear = jax.jit(lambda x, w: ops.linear(x, w, pallas, out_dtype=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(linear(x, got["proj"])), np.asarray(linear(x, w)))

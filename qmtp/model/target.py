@@ -92,6 +92,55 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     return hidden, new_state
 
 
+def forward_by_layer(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
+                     kernels: KernelConfig, chunk: int):
+    """`forward` over a prompt of whole chunks, tokens [B, N * chunk], one layer at a time: each layer runs
+    the N chunks in a lax.scan, chunk c after the KV and GDN/conv state that chunk c - 1 left, on weights
+    prepared once for the layer (ops.prefill_weights: FP8 projections dequantized once, not once per chunk
+    as a scan of whole-model chunk passes would). A chunk of padding only is skipped. Each chunk of a
+    layer computes what `forward` over that chunk computes for it."""
+    b, t = tokens.shape
+    n, eps = t // chunk, cfg.rms_norm_eps
+    offsets = jnp.arange(n, dtype=jnp.int32) * chunk
+    chunk_valid = jnp.clip(n_valid[None] - offsets[:, None], 0, chunk)  # [N, B] each chunk's real tokens
+    starts = state.lengths[None] + jnp.minimum(n_valid[None], offsets[:, None])  # [N, B] KV length before it
+    x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
+    x = x.reshape(b, n, chunk, -1).swapaxes(0, 1)  # [N, B, C, E]
+    new = {LINEAR: [], FULL: []}
+    for kind in cfg.layer_types:
+        j = len(new[kind])
+        if kind == LINEAR:
+            p = ops.prefill_weights(params["gdn"][j], b * chunk, x.dtype, kernels)
+            carry = (state.conv[j], state.ssm[j])
+
+            def run(carry, xc, nv, start, p=p):
+                mixer = lambda h: layers.gated_deltanet(p, h, *carry, nv, eps=eps, kernels=kernels)  # noqa: E731
+                y, layer_state = decoder_layer(cfg, p, xc, mixer, kernels)
+                return tuple(layer_state), y
+        else:
+            p = ops.prefill_weights(params["attn"][j], b * chunk, x.dtype, kernels)
+            carry = (state.kv.k[j], state.kv.v[j])
+
+            def run(carry, xc, nv, start, p=p):
+                mixer = lambda h: layers.attention(  # noqa: E731
+                    p, h, *carry, state.page_table, start, nv, eps=eps, rotary_dim=cfg.rotary_dim,
+                    theta=cfg.rope_theta, kernels=kernels)
+                y, layer_state = decoder_layer(cfg, p, xc, mixer, kernels)
+                return tuple(layer_state), y
+
+        def one(carry, xs, run=run):
+            xc, nv, start = xs
+            return jax.lax.cond(jnp.any(nv > 0), lambda c: run(c, xc, nv, start), lambda c: (c, jnp.zeros_like(xc)),
+                                carry)
+
+        carry, x = jax.lax.scan(one, carry, (x, chunk_valid, starts))
+        new[kind].append(carry)
+    hidden = layers.rms_norm(x.swapaxes(0, 1).reshape(b, t, -1), params["final_norm"], eps, kernels)
+    (convs, ssms), (ks, vs) = (tuple(zip(*new[kind])) or ((), ()) for kind in (LINEAR, FULL))
+    new_state = dataclasses.replace(state, kv=PagedKV(ks, vs), conv=convs, ssm=ssms, lengths=state.lengths + n_valid)
+    return hidden, new_state
+
+
 def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:
     """x [B, T, ...] -> x[b, n_valid[b] - 1] : [B, ...]."""
     idx = jnp.maximum(n_valid - 1, 0)

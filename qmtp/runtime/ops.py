@@ -96,6 +96,22 @@ def linear(x: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
     return y.astype(out_dtype)
 
 
+def prefill_weights(layer: dict, rows: int, dtype, kernels: KernelConfig) -> dict:
+    """A layer's params for prefill passes of `rows` rows that repeat over a long prompt: every FP8
+    projection that `linear` would dequantize at that many rows (DEQUANT_DOT_MIN_ROWS; not under
+    KernelConfig.deterministic) dequantized here once into `dtype`, as fp8_matmul_dequant_dot does per
+    call, so the passes share it. Expert stacks ([X, ...] scale grids) stay FP8."""
+    if not (kernels.pallas and not kernels.deterministic and rows >= DEQUANT_DOT_MIN_ROWS):
+        return layer
+
+    def dequantized(w):
+        if not (isinstance(w, Fp8Block) and w.scale.ndim == 2):
+            return w
+        return jax.lax.optimization_barrier(fp8_matmul.dequantize_ref(fp8_layout.untile_weight(w.weight), w.scale,
+                                                                      dtype))
+    return jax.tree_util.tree_map(dequantized, layer, is_leaf=lambda v: isinstance(v, Fp8Block))
+
+
 def linear_many(x: jax.Array, ws, kernels: KernelConfig) -> tuple[jax.Array, ...]:
     """(linear(x, w) for w in ws): several projections of the same x. Under Pallas with every weight an
     Fp8Block they share one kernel launch (the 64-layer 27B step 15.3 -> 14.2 ms); otherwise one each."""

@@ -92,8 +92,11 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
                    sampling=None, top_logprobs=None):
     start = state.lengths
     width = (cfg.hidden_size, params["embed"].dtype)  # a pass's output [B, T, E] is in the embedding's dtype
-    hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
-                             kernels.prefill_chunk, state, tokens, n_valid, None, width)
+    if tokens.shape[1] > kernels.prefill_chunk and not kernels.deterministic:  # deterministic: the engine's pieces
+        hidden, state = target.forward_by_layer(cfg, params, state, tokens, n_valid, kernels, kernels.prefill_chunk)
+    else:
+        hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
+                                 kernels.prefill_chunk, state, tokens, n_valid, None, width)
     logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [B, V]
     first = choose(logits, sampling, start + n_valid)  # the token at position n
     if use_mtp:
