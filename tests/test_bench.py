@@ -123,7 +123,7 @@ def test_step_bytes_counts_weights_state_and_kv():
 
 
 def test_a_token_mismatch_is_reported():
-    from qmtp.bench import harness as bench
+    from qmtp.bench import cases as bench
     run = lambda toks: types.SimpleNamespace(tokens=toks, stats={  # noqa: E731
         "decode_tokens_per_s": 1.0, "ttft_s": 0.1, "mean_accepted_length": 2.0, "acceptance_rate": 1.0,
         "position_acceptance": [1.0]})
