@@ -75,6 +75,6 @@ def test_decode_refuses_a_ring_made_for_another_k(model):
     from qmtp.api import _new_state
     from qmtp.runtime import loop
     state = loop.to_ring(_new_state(model, [16]), loop.ring_size(2))  # K+2 = 4 slots
-    slots = loop.Slots.empty(1, model.cfg.hidden_size, 1, jnp.float32)
+    slots = loop.Slots.empty(1, model.cfg.hidden_size, model.cfg.vocab_size, 1, jnp.float32)
     with pytest.raises(ValueError, match="4 GDN state slots; K = 3 needs 5"):
         loop.decode(model.cfg, REF, 3, 1, model.params, state, slots)

@@ -195,13 +195,19 @@ def test_the_distribution_test_rejects_a_residual_of_p(monkeypatch):
     assert chi2_pvalue(emitted[:, 0], p[0]) < 1e-6
 
 
-def test_greedy_rows_take_the_exact_match_rule():
-    """One-hot p and q (temperature 0): a = the leading drafts equal to p's argmax, then p's token."""
-    v, k = 10, 3
+@pytest.mark.parametrize("q", ["drafts", "zeros", "other ids", "random"])
+def test_greedy_rows_take_the_exact_match_rule_whatever_q_holds(q):
+    """One-hot p (temperature 0): a = the leading drafts equal to p's argmax, then p's token, with q one-hot
+    at the drafts and with any other log-probabilities (greedy rounds leave Slots.q1 stale: a greedy row
+    must not depend on it)."""
+    v = 10
     target = np.array([[4, 2, 7, 1], [4, 2, 7, 1], [5, 5, 5, 5]])  # argmax of p at the K+1 positions
     drafts = np.array([[4, 2, 7], [4, 3, 7], [1, 5, 5]])
     one_hot = lambda ids: jnp.where(jnp.arange(v) == jnp.asarray(ids)[..., None], 0.0, -jnp.inf)  # noqa: E731
-    a, last = sampling.speculative_accept(one_hot(target), one_hot(drafts), jnp.asarray(drafts, jnp.int32),
+    q_logp = {"drafts": lambda: one_hot(drafts), "zeros": lambda: jnp.zeros((3, 3, v)),
+              "other ids": lambda: one_hot((drafts + 1) % v),
+              "random": lambda: jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (3, 3, v)))}[q]()
+    a, last = sampling.speculative_accept(one_hot(target), q_logp, jnp.asarray(drafts, jnp.int32),
                                           jnp.arange(3, dtype=jnp.uint32), jnp.zeros(3, jnp.int32))
     np.testing.assert_array_equal(np.asarray(a), [3, 1, 0])
     np.testing.assert_array_equal(np.asarray(last), [1, 2, 5])

@@ -84,12 +84,15 @@ def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: Kernel
     return smp.logprobs(z, sampling)
 
 
-def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling, position) -> jax.Array:
-    """An MTP draft [B] for positions [B]: greedy, or drawn from q (draft_logprobs)."""
+def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
+          position) -> tuple[jax.Array, jax.Array]:
+    """An MTP draft [B] for positions [B] and the distribution it was drawn from, q [B, V] f32
+    (draft_logprobs; the next round's q_1, Slots.q1): greedy (q all zeros, unread: Slots.q1), or drawn
+    from q."""
     if sampling is None:
-        return target.draft_token(params, h, kernels)
+        return target.draft_token(params, h, kernels), jnp.zeros((h.shape[0], cfg.vocab_size), smp.F32)
     q = draft_logprobs(cfg, params, h, kernels, sampling)
-    return smp.gumbel_argmax(q, smp.keys(sampling.seed, position, smp.DRAFT))
+    return smp.gumbel_argmax(q, smp.keys(sampling.seed, position, smp.DRAFT)), q
 
 
 def is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:
@@ -117,6 +120,10 @@ class Slots:
         done       [B] bool       finished, retired or empty: rides along with n_valid = 0 (no writes)
         gdn_slot   [B] int32      the slot of the ring each row's GDN/conv state is read from
         accept_ema [B, MAX_K] f32 the row's acceptance estimate per draft position (adaptive K)
+        q1         [B, V] f32     under sampling, the log-probabilities d1 was drawn from (a sampled
+                                  round reads them, not the MTP's lm_head on mh again); greedy rounds
+                                  leave it: a row at temperature 0 keeps the target's argmax whatever
+                                  q1 holds (its p is one-hot: speculative_accept's doc)
     """
 
     pending: jax.Array
@@ -127,22 +134,25 @@ class Slots:
     done: jax.Array
     gdn_slot: jax.Array
     accept_ema: jax.Array
+    q1: jax.Array
 
     @staticmethod
-    def empty(batch: int, hidden: int, num_stop: int, dtype) -> "Slots":
+    def empty(batch: int, hidden: int, vocab: int, num_stop: int, dtype) -> "Slots":
         zeros = jnp.zeros((batch,), jnp.int32)
         return Slots(pending=zeros, d1=zeros, mh=jnp.zeros((batch, hidden), dtype), remaining=zeros,
                      stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool),
-                     gdn_slot=zeros, accept_ema=jnp.full((batch, MAX_K), adaptive_k.PRIOR, jnp.float32))
+                     gdn_slot=zeros, accept_ema=jnp.full((batch, MAX_K), adaptive_k.PRIOR, jnp.float32),
+                     q1=jnp.zeros((batch, vocab), smp.F32))
 
     @staticmethod
-    def started(first, d1, mh, max_tokens, stop) -> "Slots":
-        """Rows whose first token `first` [B] was just emitted by the prefill, with budgets max_tokens
-        [B] (counting that token) and stop ids stop [B, NS]; read slot 0."""
+    def started(first, d1, q1, mh, max_tokens, stop) -> "Slots":
+        """Rows whose first token `first` [B] was just emitted by the prefill, with their first draft d1
+        [B] drawn from q1 [B, V] (`draft`), budgets max_tokens [B] (counting that token) and stop ids
+        stop [B, NS]; read slot 0."""
         remaining = max_tokens - 1
         return Slots(pending=first, d1=d1, mh=mh, remaining=remaining, stop=stop,
                      done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first),
-                     accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.PRIOR, jnp.float32))
+                     accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.PRIOR, jnp.float32), q1=q1)
 
 
 def to_ring(state: DecodeState, n: int) -> DecodeState:
@@ -201,13 +211,13 @@ def _round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state:
 def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict, state: DecodeState,
                    slots: Slots, live: jax.Array, cap: jax.Array | None, sampling, refresh_mtp: bool = False):
     """_round under sampling (speculative sampling, qmtp/runtime/sampling.py): draft i (for position
-    L + 1 + i) is drawn from the MTP head's q_i (q_1 recomputed from the stored MTP hidden), the verify
+    L + 1 + i) is drawn from the MTP head's q_i (q_1 and d_1 from the previous round: Slots.q1), the verify
     pass gives p_0 .. p_K, speculative_accept keeps a drafts and draws the next token from the residual
     (or p_K). A cap below a accepts only the first cap drafts and draws the next token from p_cap, as a
     round of K = cap would. The emitted tokens feed the MTP refresh as the target's argmax does greedily."""
     base = state.lengths  # L [B]: the pending token's position
     drafts, h = [slots.d1][:k], slots.mh
-    q = [draft_logprobs(cfg, params, h, kernels, sampling)] if k else []  # q_i [B, V]
+    q = [slots.q1] if k else []  # q_i [B, V]
     for step in range(1, k):
         hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
         h = hs[:, 0]
@@ -232,12 +242,12 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     n_keep = (a + 1) * live
     state = dataclasses.replace(state, lengths=base + n_keep)
     read = ops.next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
-    d1, mh = slots.d1, slots.mh
+    d1, q1, mh = slots.d1, slots.q1, slots.mh
     if k or refresh_mtp:
         mh_all, state = mtp.forward(cfg, params, state, jnp.maximum(emitted, 0), hidden, base, n_keep, kernels)
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
-        d1 = draft(cfg, params, mh, kernels, sampling, base + a + 2)
-    return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, mh=mh, gdn_slot=read), logits
+        d1, q1 = draft(cfg, params, mh, kernels, sampling, base + a + 2)
+    return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, q1=q1, mh=mh, gdn_slot=read), logits
 
 
 def _padded_round(cfg, kernels, kc: int, k: int, params, state, slots, *, live, cap, sampling, keep_logits: bool):

@@ -106,10 +106,11 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         mh, state = _chunked(mtp_pass, kernels.prefill_chunk, state, mtp.shift_left(tokens, n_valid, first),
                              n_valid, hidden, width)
         mh = target.last_valid(mh, n_valid)
-        d1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1)
+        d1, q1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
-    return (first, Slots.started(first, d1, mh, max_tokens, stop), state,
+        q1 = jnp.zeros(first.shape + (cfg.vocab_size,), jnp.float32)
+    return (first, Slots.started(first, d1, q1, mh, max_tokens, stop), state,
             first_logprobs(logits, first, sampling, top_logprobs))
 
 

@@ -170,7 +170,11 @@ def speculative_accept(p_logp: jax.Array, q_logp: jax.Array, drafts: jax.Array, 
     base + K + 1 (base [B]: the position of the last committed token); q_logp [B, K, V]: the drafts'
     distributions. Returns (a [B] accepted drafts, the token [B] drawn at position base + a + 1 from
     the residual norm(max(0, p_a - q_a)), or from p_K when a = K). The emitted tokens are drafts[:a]
-    and that token."""
+    and that token.
+
+    A row whose p is one-hot (temperature 0) gets p's tokens whatever log-probabilities q holds: a draft
+    at p's argmax is accepted (log u < 0 <= -q(x)), another rejected (p(x) = 0), and the residual's
+    mass lies at p's argmax alone (or nowhere, and then p is drawn)."""
     b, k = drafts.shape
     pos = base[:, None] + 1 + jnp.arange(k + 1)[None]  # [B, K+1]
     p_x = jnp.take_along_axis(p_logp[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]

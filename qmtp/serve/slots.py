@@ -49,7 +49,7 @@ def _put_rows(state: DecodeState, slots: Slots, ids, conv, ssm, page_rows, lengt
         ssm=tuple(put_gdn(s, r) for s, r in zip(state.ssm, ssm)),
         page_table=put(state.page_table, page_rows), lengths=put(state.lengths, lengths))
     return state, dataclasses.replace(slots, **{f: put(getattr(slots, f), getattr(new, f))
-                                                for f in ("pending", "d1", "mh", "remaining", "stop", "done",
+                                                for f in ("pending", "d1", "q1", "mh", "remaining", "stop", "done",
                                                           "accept_ema")})
 
 
@@ -107,10 +107,11 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
         shifted = next_tokens.at[at].set(jnp.where(last, first, next_tokens[at]))
         mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offsets, n_valid, kernels)
         mh = target.last_valid(mh, n_valid)  # [n, E]
-        d1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1)
+        d1, q1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
-    new = Slots.started(first, d1, mh, max_tokens, stop_rows)
+        q1 = jnp.zeros(first.shape + (cfg.vocab_size,), jnp.float32)
+    new = Slots.started(first, d1, q1, mh, max_tokens, stop_rows)
     new = dataclasses.replace(new, done=new.done | ~last)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     lp = prefill.first_logprobs(logits, first, sampling, MAX_TOP_LOGPROBS)
@@ -163,7 +164,7 @@ class DeviceBatch:
         ring = loop.ring_size(mtp_k)
         self.state = (init_state(cfg, *args, gdn_slots=ring) if model.mesh is None
                       else tp_lib.init_state(cfg, model.mesh, *args, gdn_slots=ring))
-        self.slots = Slots.empty(batch_slots, cfg.hidden_size, max_stop_ids, dtype)
+        self.slots = Slots.empty(batch_slots, cfg.hidden_size, cfg.vocab_size, max_stop_ids, dtype)
 
     def prefill(self, ids, page_rows, tokens, n_valid, remaining, stop_rows, sampling=None):
         """prefill_into_slots; returns each row's first token [n] and its TokenLogprobs [n, 1] (host)."""
