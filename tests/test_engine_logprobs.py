@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import qmtp
+from qmtp.serve import metrics
 from qmtp.serve.requests import RequestError
 from serving_fixtures import assert_all_free, make_engine
 
@@ -35,6 +36,8 @@ def assert_same(got, want, n):
 
 @pytest.mark.parametrize("k", [2])
 def test_requests_get_generate_logprobs_and_others_none(model, k):
+    """A greedy and a seeded sampled request with logprobs beside a plain one: generate's tokens and
+    logprobs for each, and the sampled request's acceptance counted apart."""
     engine = make_engine(model, k)
     greedy = engine.submit(PROMPTS[0], 8, logprobs=3)
     sampled = engine.submit(PROMPTS[1], 8, logprobs=5, temperature=0.9, top_k=30, seed=7)
@@ -42,8 +45,15 @@ def test_requests_get_generate_logprobs_and_others_none(model, k):
     assert_same(greedy.result(300), qmtp.generate(model, [PROMPTS[0]], 8, mtp_k=k, logprobs=20), 3)
     assert_same(sampled.result(300), qmtp.generate(model, [PROMPTS[1]], 8, mtp_k=k, logprobs=20, temperature=0.9,
                                                    top_k=30, seed=7), 5)
+    assert sampled.tokens != qmtp.generate(model, [PROMPTS[1]], 8, mtp_k=k).tokens[0]
     result = plain.result(300)
     assert result.logprobs is None and result.tokens == qmtp.generate(model, [PROMPTS[2]], 8, mtp_k=k).tokens[0]
+    # acceptance is also counted apart for the sampled request
+    assert 0 < engine.counters["mtp_rounds_sampled"] < engine.counters["mtp_rounds"]
+    assert np.all(engine.sampled_position_accepts <= engine.position_accepts)
+    text = metrics.render(engine)
+    for decoding in ("greedy", "sampled"):
+        assert f'qmtp_mtp_position_acceptance_by_decoding{{decoding="{decoding}",position="2"}}' in text
     assert engine.stop(5)
     assert_all_free(engine)
 

@@ -21,8 +21,10 @@ SAMPLED = dict(temperature=1.5, top_k=40, top_p=0.95)
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
-# CI time: K = 0 under slow (K = 2 runs the same slot sampling; test_engine.py runs the plain engine)
-@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 2])
+# CI time: slow; tests/test_engine_logprobs.py serves a seeded request beside greedy ones at K = 2 and
+# checks the split acceptance metrics
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 2])
 def test_seeded_requests_get_generate_tokens_and_greedy_ones_stay_greedy(model, k):
     engine = make_engine(model, k)
     sampled = [engine.submit(p, 10, seed=100 + i, **SAMPLED) for i, p in enumerate(PROMPTS[:2])]
