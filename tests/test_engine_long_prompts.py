@@ -71,7 +71,7 @@ def test_long_prompts_in_pieces_give_generate_tokens(chunked, k):
 @pytest.mark.parametrize("prompt", [LONG[1], LONG[2]], ids=["ragged_last_piece", "whole_pieces"])
 def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
     """After the last piece the slot holds the first token, the MTP head's first draft d1 and its hidden
-    that prefill.prefill's chunked scan (qmtp.generate's) gives for the prompt."""
+    that prefill.prefill's chunks (qmtp.generate's, its target layer by layer) give for the prompt."""
     engine = make_engine(chunked, 2, start=False)
     handle, slot = engine.submit(prompt, 4), None
     with engine._cv:
@@ -86,7 +86,7 @@ def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
                                   np.array([4], np.int32), np.full((1, 8), loop.NO_STOP, np.int32))
     assert handle.tokens == [int(first[0])]
     assert int(got.pending[slot]) == int(want.pending[0]) and int(got.d1[slot]) == int(want.d1[0])
-    # float32, the same passes in another program: f32 rounding only (u = 2^-24, a few hundred sums deep)
+    # float32, the same sums in another program: f32 rounding only (u = 2^-24, a few hundred sums deep)
     np.testing.assert_allclose(np.asarray(got.mh[slot]), np.asarray(want.mh[0]), rtol=0,
                                atol=1e-5 * float(np.max(np.abs(np.asarray(want.mh[0])))))
 

@@ -1,9 +1,12 @@
 """The prefill: the target over the prompts, then the MTP head over the shifted prompts (MODEL_SPEC §4.2),
 giving the first token, the first draft and the decode loop's `Slots` (qmtp/runtime/loop.py).
 
-A prompt longer than `KernelConfig.prefill_chunk` runs in chunks (`_chunked`), each after the KV and
-GDN/conv state the one before left, so memory grows with the chunk, not the prompt. Under
-`KernelConfig.deterministic` the prompts run one at a time in whole chunks (`prefill`'s doc).
+A prompt longer than `KernelConfig.prefill_chunk` runs in chunks, each after the KV and GDN/conv state
+the one before left, so a pass's buffers are a chunk's (the hidden states [B, T, E] and the KV are the
+prompt's): the target layer by layer (`target.forward_by_layer`: a layer's chunks in one scan on its
+weights prepared once), then the MTP head chunk by chunk (`_chunked`). Under
+`KernelConfig.deterministic` the prompts run one at a time in whole chunks of the whole model
+(`prefill`'s doc), the passes the serving engine's pieces run.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
                    sampling=None, top_logprobs=None):
     start = state.lengths
     width = (cfg.hidden_size, params["embed"].dtype)  # a pass's output [B, T, E] is in the embedding's dtype
-    if tokens.shape[1] > kernels.prefill_chunk and not kernels.deterministic:  # deterministic: the engine's pieces
+    if tokens.shape[1] > kernels.prefill_chunk and not kernels.deterministic:  # deterministic: as the engine's pieces
         hidden, state = target.forward_by_layer(cfg, params, state, tokens, n_valid, kernels, kernels.prefill_chunk)
     else:
         hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),

@@ -82,7 +82,8 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
     """One pass of n prompts in progress into slots ids [n] (an id past the last slot: a padding row,
     n_valid 0): row i's tokens [n, C] at positions offsets[i] .. offsets[i] + n_valid[i] - 1, after the KV
     pages (page_rows [n, Pmax]) and the conv/ssm rows in its slot's read slot that its passes before left
-    (zero rows at offset 0). The same passes as one chunk of prefill.prefill's chunked scan: the target,
+    (zero rows at offset 0). The math of one chunk of prefill.prefill (there the target runs layer by layer
+    over all chunks; under KernelConfig.deterministic the same passes): the target,
     then the MTP head over next_tokens [n, C] (the prompt one token ahead; on a row's `last` [n] pass its
     last valid token becomes the first generated one). A row whose pass is not last leaves its slot done,
     so decode rounds skip it; a last one starts it like prefill_into_slots (budgets max_tokens [n], stop
