@@ -3,7 +3,7 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling
+#                                             bench_long prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill bench_sampling
 #                                             bench_deterministic chat_nocache chat_prefix bench_auto serve_k0
 #                                             serve_kauto moe_trace moe_sweep bench_moe
 #                                             (default: all)
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
-                                 serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
+                                 prefill_memory serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
                                  serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
 
 run_step() {  # name default_limit_s command...
@@ -69,6 +69,14 @@ for s in "${steps[@]}"; do
                       --checkpoint=preset:qwen3_5_27b:fp8 --num_layers=8 --prompt_lengths=8192 --ks= --repeats=3 \
                       --breakdown=false --max_new_tokens=4 --prefill_chunk=\$c --out=$OUT/prefill_chunk_\$c.json \
                       2>&1 | grep -E 'repeat|TTFT|rror' || exit 1; done" ;;
+    # what a 32k prefill's device memory holds at its peak (8 layers): XLA's memory-usage report of the prefill
+    # program, its largest buffers with their shapes, in $OUT/prefill_memory/
+    prefill_memory) run_step prefill_memory 300 bash -c "rm -rf /tmp/qmtp_prefill_dump; XLA_FLAGS='--xla_dump_to=/tmp/qmtp_prefill_dump \
+                      --xla_dump_hlo_module_re=.*prefill.*' $PY -m qmtp.bench --checkpoint=preset:qwen3_5_27b:fp8 --num_layers=8 \
+                      --prompt_lengths=32768 --ks= --repeats=1 --breakdown=false --max_new_tokens=4 \
+                      --out=$OUT/prefill_memory.json && mkdir -p $OUT/prefill_memory \
+                      && cp /tmp/qmtp_prefill_dump/*memory-usage-report.txt $OUT/prefill_memory/ \
+                      && head -n 30 \$(ls -S /tmp/qmtp_prefill_dump/*memory-usage-report.txt | head -n 1)" ;;
     # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece): their inter-token gaps
     serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \
                   --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=16,32,64,32768 --port=8123 \
@@ -120,7 +128,7 @@ for s in "${steps[@]}"; do
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=1024 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
-            "prefill_trace prefill_chunks serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
+            "prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
             "bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
