@@ -84,9 +84,10 @@ for s in "${steps[@]}"; do
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
                   rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
-    # the chunked GDN prefill (XLA) at the 27B shapes, T = 512 and 4096, against the layer's matmuls
+    # the chunked GDN prefill (XLA) at the 27B shapes, T = 512 and 4096, against the layer's matmuls, at
+    # WY chunks of 32, 64 (the model's) and 128 (an 8k prompt's scan runs 128 / 64 / 32 steps per layer)
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
-                   --out="$OUT/gdn_prefill.json" ;;
+                   --gdn_prefill_chunks=32,64,128 --out="$OUT/gdn_prefill.json" ;;
     # sampling's cost: Qwen's recommended settings, each mode beside its greedy twin in the same run (batch 1, K=3)
     bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --profile= --repeats=1 --breakdown=false \
                       --temperature=0.6 --top_p=0.95 --top_k=20 --sampling_cost --out="$OUT/bench_tp1_sampling.json" \

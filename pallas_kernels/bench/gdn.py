@@ -208,10 +208,10 @@ def bench_conv_decode(copy_tb_s: float, emit, sz: Sizes, configs, with_ref: bool
 
 # ---- chunked prefill ------------------------------------------------------------------------------
 
-def chunked_flops_per_token() -> float:
+def chunked_flops_per_token(chunk: int = CHUNK) -> float:
     """Multiply-adds x 2 of gdn_chunked_ref per token, all heads: intra-chunk C x C products (K K^T,
     U, W, Q K^T, the intra-chunk output) and the per-chunk state products (W S, Q S, K^T Vn)."""
-    return HV * (2 * CHUNK * (3 * DK + 2 * DV) + 6 * DK * DV)
+    return HV * (2 * chunk * (3 * DK + 2 * DV) + 6 * DK * DV)
 
 
 def prefill_bytes(b: int, t: int) -> int:
@@ -266,35 +266,46 @@ def _prefill_time(fn, t: int, sz: Sizes) -> dict:
     return {"s_per_call": med / n, "best_s_per_call": best / n, "first_call_s": first, "layers_per_program": n}
 
 
-def bench_prefill(copy_tb_s: float, emit, sz: Sizes) -> None:
+def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,)) -> None:
+    """One row per prompt length and chunk of the WY form (chunks: candidates for gdn_chunked_ref's chunk;
+    the layer's matmuls are timed once per length)."""
     for t in sz.prefill_tokens:
         nbytes = prefill_bytes(1, t)
-        base = lambda impl: {"kernel": "gdn_prefill", "case": f"B=1 T={t}", "impl": impl, "B": 1, "T": t}
-        try:
-            m = _prefill_time(gdn_kernel.gdn_chunked_ref, t, sz)
-            s = m.pop("s_per_call")
-            mm_s, mm_tflops = _layer_matmuls_time(t, sz)
-            row = {**base("xla"), **_rates(nbytes, s, copy_tb_s), **m,
-                   "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
-                   "tflops": chunked_flops_per_token() * t / s / 1e12,
-                   "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
-                   "share_of_layer": s / (s + mm_s)}
-        except Exception as e:
-            row = _error_row(base("xla"), nbytes, e)
-        emit(row)
+        mm = None
+        for chunk in chunks:
+            head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": "xla", "B": 1, "T": t,
+                    "chunk": chunk}
+            try:
+                m = _prefill_time(functools.partial(gdn_kernel.gdn_chunked_ref, chunk=chunk), t, sz)
+                s = m.pop("s_per_call")
+                if mm is None:
+                    mm = _layer_matmuls_time(t, sz)
+                mm_s, mm_tflops = mm
+                row = {**head, **_rates(nbytes, s, copy_tb_s), **m,
+                       "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
+                       "tflops": chunked_flops_per_token(chunk) * t / s / 1e12,
+                       "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
+                       "share_of_layer": s / (s + mm_s)}
+            except Exception as e:
+                row = _error_row(head, nbytes, e)
+            emit(row)
 
 
 CASES = ("conv", "prefill")
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, cases=CASES, batches=(),
-        tokens=(), conv_configs=()) -> None:
+        tokens=(), conv_configs=(), prefill_chunks=(CHUNK,)) -> None:
     """Times the kernels and their XLA/jnp references at the Qwen3.5-27B shapes; calls emit(row) per
     measured case. cases: a subset of CASES; batches, tokens: the conv case's B and T (default Sizes');
-    conv_configs: the conv case's configs (parse_conv_config; default CONV_CONFIGS)."""
+    conv_configs: the conv case's configs (parse_conv_config; default CONV_CONFIGS); prefill_chunks:
+    the chunk sizes of the prefill case."""
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise ValueError(f"gdn bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    bad = [c for c in prefill_chunks if c < 1 or c & (c - 1)]
+    if bad or not prefill_chunks:
+        raise ValueError(f"gdn bench: prefill chunks {list(prefill_chunks)}: powers of two, at least one")
     sz = sizes(quick, interpret)
     if batches:
         sz = dataclasses.replace(sz, batches=tuple(batches))
@@ -309,6 +320,6 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[:1], with_ref=True, interpret=interpret)
     if "prefill" in cases:
-        bench_prefill(copy_tb_s, emit, sz)
+        bench_prefill(copy_tb_s, emit, sz, tuple(prefill_chunks))
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[1:], with_ref=False, interpret=interpret)
