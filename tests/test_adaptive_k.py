@@ -14,6 +14,7 @@ from qmtp.api import _new_state, _prompt_batch
 from qmtp.runtime import adaptive_k, loop, prefill
 from qmtp.runtime.kernel_config import REF
 from qmtp.tools import make_checkpoint
+from marks import slow_except
 from tolerance import F32_MODEL, assert_close
 
 KS = (0, 1, 3)
@@ -76,7 +77,7 @@ def adaptive_decode(model, prompts, max_new, cost):
     return [[int(first[i])] + out[i, :count[i]].tolist() for i in range(b)], stats
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", slow_except([1, 8], {8}))  # CI time: batch 8's rows include what one row runs
 def test_tokens_equal_plain_greedy_whatever_k_each_round_runs(model, batch):
     prompts = PROMPTS[:batch]
     want = qmtp.generate(model, prompts, max_new_tokens=12, stop_token_ids=[]).tokens
