@@ -108,7 +108,7 @@ def time_step(cfg, params, kernels: KernelConfig, context: int, n_short: int, n_
 
     def slots(n):
         first = jnp.zeros((1,), jnp.int32)
-        return loop.Slots.started(first, first, jnp.zeros((1, cfg.vocab_size), jnp.float32),
+        return loop.Slots.started(first, first, loop.unread_q(cfg, 1),
                                   jnp.zeros((1, cfg.hidden_size), jnp.bfloat16),
                                   jnp.full((1,), n + 1, jnp.int32), loop.stop_rows((), 1))
 

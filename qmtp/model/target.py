@@ -63,6 +63,34 @@ def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, mixer, kernels: Kerne
     return h + mlp_out, new_state
 
 
+def _layer_inputs(params: dict, state: DecodeState, kind: str, j: int) -> tuple[dict, tuple]:
+    """The j-th layer of `kind`'s params and state: (conv, ssm) for GDN, (k pages, v pages) for attention."""
+    if kind == LINEAR:
+        return params["gdn"][j], (state.conv[j], state.ssm[j])
+    return params["attn"][j], (state.kv.k[j], state.kv.v[j])
+
+
+def _layer(cfg: ModelConfig, kind: str, p: dict, x: jax.Array, layer_state: tuple, page_table: jax.Array,
+           lengths: jax.Array, n_valid: jax.Array, kernels: KernelConfig, gdn_slots=None, taps=None):
+    """One decoder layer of `kind` over x [B, T, E] at positions lengths + t -> (x', its new state tuple)."""
+    eps = cfg.rms_norm_eps
+    if kind == LINEAR:
+        mixer = lambda h: layers.gated_deltanet(  # noqa: E731
+            p, h, *layer_state, n_valid, eps=eps, kernels=kernels, gdn_slots=gdn_slots)
+    else:
+        mixer = lambda h: layers.attention(  # noqa: E731
+            p, h, *layer_state, page_table, lengths, n_valid, eps=eps, rotary_dim=cfg.rotary_dim,
+            theta=cfg.rope_theta, kernels=kernels)
+    x, new_state = decoder_layer(cfg, p, x, mixer, kernels, taps)
+    return x, tuple(new_state)
+
+
+def _with_layer_states(state: DecodeState, new: dict, n_valid: jax.Array) -> DecodeState:
+    """state after a pass: new[kind] holds each layer's new state tuple, in layer order per kind."""
+    (convs, ssms), (ks, vs) = (tuple(zip(*new[kind])) or ((), ()) for kind in (LINEAR, FULL))
+    return dataclasses.replace(state, kv=PagedKV(ks, vs), conv=convs, ssm=ssms, lengths=state.lengths + n_valid)
+
+
 def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
             kernels: KernelConfig, gdn_slots=None, taps: dict | None = None):
     """Runs the target over tokens [B, T] (right-padded to n_valid [B]) -> (hidden [B, T, E]
@@ -72,24 +100,14 @@ def forward(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Arra
     mixer", "layer i mlp input", "layer i mlp"), for a caller that returns it from its traced function
     (where a row's numbers change: tests/test_row_invariance_model.py)."""
     x = tp.embed_lookup(params["embed"], tokens)  # [B, T, E]
-    eps, new = cfg.rms_norm_eps, {LINEAR: [], FULL: []}  # per kind, each layer's new (conv, ssm) / (k, v)
+    new = {LINEAR: [], FULL: []}  # per kind, each layer's new (conv, ssm) / (k, v)
     for i, kind in enumerate(cfg.layer_types):
-        j = len(new[kind])
-        if kind == LINEAR:
-            p = params["gdn"][j]
-            mixer = lambda h: layers.gated_deltanet(  # noqa: E731
-                p, h, state.conv[j], state.ssm[j], n_valid, eps=eps, kernels=kernels, gdn_slots=gdn_slots)
-        else:
-            p = params["attn"][j]
-            mixer = lambda h: layers.attention(  # noqa: E731
-                p, h, state.kv.k[j], state.kv.v[j], state.page_table, state.lengths, n_valid,
-                eps=eps, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, kernels=kernels)
-        x, layer_state = decoder_layer(cfg, p, x, mixer, kernels, None if taps is None else (taps, i))
+        p, layer_state = _layer_inputs(params, state, kind, len(new[kind]))
+        x, layer_state = _layer(cfg, kind, p, x, layer_state, state.page_table, state.lengths, n_valid, kernels,
+                                gdn_slots, None if taps is None else (taps, i))
         new[kind].append(layer_state)
-    hidden = layers.rms_norm(x, params["final_norm"], eps, kernels)
-    (convs, ssms), (ks, vs) = (tuple(zip(*new[kind])) or ((), ()) for kind in (LINEAR, FULL))
-    new_state = dataclasses.replace(state, kv=PagedKV(ks, vs), conv=convs, ssm=ssms, lengths=state.lengths + n_valid)
-    return hidden, new_state
+    hidden = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps, kernels)
+    return hidden, _with_layer_states(state, new, n_valid)
 
 
 def forward_by_layer(cfg: ModelConfig, params: dict, state: DecodeState, tokens: jax.Array, n_valid: jax.Array,
@@ -100,7 +118,7 @@ def forward_by_layer(cfg: ModelConfig, params: dict, state: DecodeState, tokens:
     as a scan of whole-model chunk passes would). A chunk of padding only is skipped. Each chunk of a
     layer computes what `forward` over that chunk computes for it."""
     b, t = tokens.shape
-    n, eps = t // chunk, cfg.rms_norm_eps
+    n = t // chunk
     offsets = jnp.arange(n, dtype=jnp.int32) * chunk
     chunk_valid = jnp.clip(n_valid[None] - offsets[:, None], 0, chunk)  # [N, B] each chunk's real tokens
     starts = state.lengths[None] + jnp.minimum(n_valid[None], offsets[:, None])  # [N, B] KV length before it
@@ -108,37 +126,21 @@ def forward_by_layer(cfg: ModelConfig, params: dict, state: DecodeState, tokens:
     x = x.reshape(b, n, chunk, -1).swapaxes(0, 1)  # [N, B, C, E]
     new = {LINEAR: [], FULL: []}
     for kind in cfg.layer_types:
-        j = len(new[kind])
-        if kind == LINEAR:
-            p = ops.prefill_weights(params["gdn"][j], b * chunk, x.dtype, kernels)
-            carry = (state.conv[j], state.ssm[j])
+        p, layer_state = _layer_inputs(params, state, kind, len(new[kind]))
+        p = ops.prefill_weights(p, b * chunk, x.dtype, kernels)
 
-            def run(carry, xc, nv, start, p=p):
-                mixer = lambda h: layers.gated_deltanet(p, h, *carry, nv, eps=eps, kernels=kernels)  # noqa: E731
-                y, layer_state = decoder_layer(cfg, p, xc, mixer, kernels)
-                return tuple(layer_state), y
-        else:
-            p = ops.prefill_weights(params["attn"][j], b * chunk, x.dtype, kernels)
-            carry = (state.kv.k[j], state.kv.v[j])
-
-            def run(carry, xc, nv, start, p=p):
-                mixer = lambda h: layers.attention(  # noqa: E731
-                    p, h, *carry, state.page_table, start, nv, eps=eps, rotary_dim=cfg.rotary_dim,
-                    theta=cfg.rope_theta, kernels=kernels)
-                y, layer_state = decoder_layer(cfg, p, xc, mixer, kernels)
-                return tuple(layer_state), y
-
-        def one(carry, xs, run=run):
+        def one(layer_state, xs, kind=kind, p=p):  # chunk c of this layer, after the state chunk c - 1 left
             xc, nv, start = xs
-            return jax.lax.cond(jnp.any(nv > 0), lambda c: run(c, xc, nv, start), lambda c: (c, jnp.zeros_like(xc)),
-                                carry)
 
-        carry, x = jax.lax.scan(one, carry, (x, chunk_valid, starts))
-        new[kind].append(carry)
-    hidden = layers.rms_norm(x.swapaxes(0, 1).reshape(b, t, -1), params["final_norm"], eps, kernels)
-    (convs, ssms), (ks, vs) = (tuple(zip(*new[kind])) or ((), ()) for kind in (LINEAR, FULL))
-    new_state = dataclasses.replace(state, kv=PagedKV(ks, vs), conv=convs, ssm=ssms, lengths=state.lengths + n_valid)
-    return hidden, new_state
+            def run(layer_state):
+                y, layer_state = _layer(cfg, kind, p, xc, layer_state, state.page_table, start, nv, kernels)
+                return layer_state, y
+            return jax.lax.cond(jnp.any(nv > 0), run, lambda c: (c, jnp.zeros_like(xc)), layer_state)
+
+        layer_state, x = jax.lax.scan(one, layer_state, (x, chunk_valid, starts))
+        new[kind].append(layer_state)
+    hidden = layers.rms_norm(x.swapaxes(0, 1).reshape(b, t, -1), params["final_norm"], cfg.rms_norm_eps, kernels)
+    return hidden, _with_layer_states(state, new, n_valid)
 
 
 def last_valid(x: jax.Array, n_valid: jax.Array) -> jax.Array:

@@ -90,9 +90,14 @@ def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, s
     (draft_logprobs; the next round's q_1, Slots.q1): greedy (q all zeros, unread: Slots.q1), or drawn
     from q."""
     if sampling is None:
-        return target.draft_token(params, h, kernels), jnp.zeros((h.shape[0], cfg.vocab_size), smp.F32)
+        return target.draft_token(params, h, kernels), unread_q(cfg, h.shape[0])
     q = draft_logprobs(cfg, params, h, kernels, sampling)
     return smp.gumbel_argmax(q, smp.keys(sampling.seed, position, smp.DRAFT)), q
+
+
+def unread_q(cfg: ModelConfig, batch: int) -> jax.Array:
+    """Slots.q1 where no round reads it (greedy rows, prefills without MTP): zeros [B, V] f32."""
+    return jnp.zeros((batch, cfg.vocab_size), smp.F32)
 
 
 def is_stop(tokens: jax.Array, stop: jax.Array) -> jax.Array:

@@ -51,6 +51,11 @@ def _act_quant(kernels: KernelConfig, rows: int) -> bool:
     return kernels.fp8_act_quant and 1 <= rows <= DECODE_MAX_ROWS
 
 
+def _dequant_dot(kernels: KernelConfig, rows: int) -> bool:
+    """Whether FP8 projections of `rows` rows dequantize the weight and use XLA's dot (DEQUANT_DOT_MIN_ROWS)."""
+    return kernels.pallas and not kernels.deterministic and rows >= DEQUANT_DOT_MIN_ROWS
+
+
 def _precision(dtype):
     # f32 runs (tests, oracle parity) must not silently drop to TF32 / bf16 passes on the GPU.
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -82,7 +87,7 @@ def linear(x: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
                 return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret(),
                                              act_quant=True)
             return fp8_act_quant.fp8_matmul_act_ref(x, w.weight, w.scale, out_dtype=out_dtype)
-        if pallas and rows >= DEQUANT_DOT_MIN_ROWS:
+        if _dequant_dot(kernels, rows):
             return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype)
         if pallas:
             return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
@@ -101,14 +106,13 @@ def prefill_weights(layer: dict, rows: int, dtype, kernels: KernelConfig) -> dic
     projection that `linear` would dequantize at that many rows (DEQUANT_DOT_MIN_ROWS; not under
     KernelConfig.deterministic) dequantized here once into `dtype`, as fp8_matmul_dequant_dot does per
     call, so the passes share it. Expert stacks ([X, ...] scale grids) stay FP8."""
-    if not (kernels.pallas and not kernels.deterministic and rows >= DEQUANT_DOT_MIN_ROWS):
+    if not _dequant_dot(kernels, rows):
         return layer
 
     def dequantized(w):
         if not (isinstance(w, Fp8Block) and w.scale.ndim == 2):
             return w
-        return jax.lax.optimization_barrier(fp8_matmul.dequantize_ref(fp8_layout.untile_weight(w.weight), w.scale,
-                                                                      dtype))
+        return fp8_matmul.dequantize_for_dot(w.weight, w.scale, dtype)
     return jax.tree_util.tree_map(dequantized, layer, is_leaf=lambda v: isinstance(v, Fp8Block))
 
 
@@ -119,7 +123,7 @@ def linear_many(x: jax.Array, ws, kernels: KernelConfig) -> tuple[jax.Array, ...
     if kernels.deterministic and all(isinstance(w, Fp8Block) for w in ws):
         return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret(),
                                           row_invariant=True)
-    if kernels.pallas and rows < DEQUANT_DOT_MIN_ROWS and all(isinstance(w, Fp8Block) for w in ws):
+    if kernels.pallas and not _dequant_dot(kernels, rows) and all(isinstance(w, Fp8Block) for w in ws):
         return fp8_matmul.fp8_matmul_many(x, [w.weight for w in ws], [w.scale for w in ws], interpret=_interpret(),
                                           act_quant=_act_quant(kernels, rows))
     return tuple(linear(x, w, kernels) for w in ws)

@@ -20,7 +20,7 @@ from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
 from qmtp.runtime import sampling as smp, tp
 from qmtp.runtime.kernel_config import KernelConfig
-from qmtp.runtime.loop import Slots, choose, draft
+from qmtp.runtime.loop import Slots, choose, draft, unread_q
 from qmtp.runtime.state import DecodeState
 
 
@@ -112,7 +112,7 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         d1, q1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
-        q1 = jnp.zeros(first.shape + (cfg.vocab_size,), jnp.float32)
+        q1 = unread_q(cfg, first.shape[0])
     return (first, Slots.started(first, d1, q1, mh, max_tokens, stop), state,
             first_logprobs(logits, first, sampling, top_logprobs))
 

@@ -111,7 +111,7 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
         d1, q1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
-        q1 = jnp.zeros(first.shape + (cfg.vocab_size,), jnp.float32)
+        q1 = loop.unread_q(cfg, first.shape[0])
     new = Slots.started(first, d1, q1, mh, max_tokens, stop_rows)
     new = dataclasses.replace(new, done=new.done | ~last)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
