@@ -3,7 +3,7 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill bench_sampling
+#                                             bench_long prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling
 #                                             bench_deterministic chat_nocache chat_prefix bench_auto serve_k0
 #                                             serve_kauto moe_trace moe_sweep bench_moe
 #                                             (default: all)
@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
-                                 prefill_memory serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
+                                 prefill_memory serve_long gdn_prefill attn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
                                  serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
 
 run_step() {  # name default_limit_s command...
@@ -84,10 +84,13 @@ for s in "${steps[@]}"; do
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
                   rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
-    # the chunked GDN prefill (XLA) at the 27B shapes, T = 512 and 4096, against the layer's matmuls, at
-    # WY chunks of 32, 64 (the model's) and 128 (an 8k prompt's scan runs 128 / 64 / 32 steps per layer)
+    # the chunked GDN prefill at the 27B shapes, T = 512 and 4096, its chain over chunks as a lax.scan (xla)
+    # and as one kernel (pallas), against the layer's matmuls, at WY chunks of 32, 64 (the model's) and 128
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
                    --gdn_prefill_chunks=32,64,128 --out="$OUT/gdn_prefill.json" ;;
+    # prefill attention: a 2048-token chunk at the end of 8k and 32k prompts, per query-tile config
+    attn_prefill) run_step attn_prefill 300 "$PY" -m pallas_kernels.bench --parts=attention --attention_cases=prefill \
+                    --out="$OUT/attn_prefill.json" ;;
     # sampling's cost: Qwen's recommended settings, each mode beside its greedy twin in the same run (batch 1, K=3)
     bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --profile= --repeats=1 --breakdown=false \
                       --temperature=0.6 --top_p=0.95 --top_k=20 --sampling_cost --out="$OUT/bench_tp1_sampling.json" \
@@ -129,7 +132,7 @@ for s in "${steps[@]}"; do
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=1024 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
     *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
-            "prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
+            "prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
             "bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1

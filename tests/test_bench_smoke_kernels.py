@@ -42,7 +42,6 @@ def test_quick_interpret_run(module, kernels, impls):
     assert any("rel_err" in r for r in rows if r["impl"] == "pallas")
 
 
-
 def test_gdn_cases_and_batches_choose_what_runs(monkeypatch):
     calls = []  # (case, batches) of each bench function run() calls (their rows: the quick run above)
     for name in ("bench_conv_decode", "bench_prefill"):
@@ -62,8 +61,23 @@ def test_gdn_cases_and_batches_choose_what_runs(monkeypatch):
 
 def test_gdn_prefill_times_each_chunk_and_refuses_other_than_powers_of_two():
     rows, sz = [], gdn.sizes(True, True)
-    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32))
-    assert [(r["T"], r["chunk"]) for r in rows] == [(sz.prefill_tokens[0], 16), (sz.prefill_tokens[0], 32)]
+    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32), interpret=True)
+    t = sz.prefill_tokens[0]
+    assert [(r["T"], r["chunk"], r["impl"]) for r in rows] == [(t, 16, "xla"), (t, 16, "pallas"),
+                                                               (t, 32, "xla"), (t, 32, "pallas")]
     assert all("error" not in r and r["s_per_call"] > 0 and r["tflops"] > 0 for r in rows), rows
+    assert all(r["rel_err"] < 1e-5 for r in rows if r["impl"] == "pallas"), rows
     with pytest.raises(ValueError, match="powers of two"):
         gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, cases=("prefill",), prefill_chunks=(48,))
+
+
+def test_attention_prefill_times_each_config_and_names_a_bad_one():
+    rows = []
+    attention.run_prefill(1.0, rows.append, quick=True, interpret=True)
+    assert [r["config"] for r in rows] == list(attention.PREFILL_CONFIGS[:2])
+    for row in rows:
+        assert "error" not in row and row["kernel"] == "paged_attention_prefill", row
+        assert row["tflop_s"] > 0 and row["rel_err"] < 2.0 ** -7, row
+    assert attention.parse_prefill_config("128x8x32x2").prefill_rows == 128
+    with pytest.raises(ValueError, match="'64x4'.*ROWSxWARPSxBKxSTAGES"):
+        attention.run_prefill(1.0, rows.append, interpret=True, configs=("32x4x64x2", "64x4"))

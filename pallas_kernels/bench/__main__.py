@@ -9,7 +9,8 @@ Parts: fp8 (block matmul, every FP8 shape of the 27B decode step at --fp8_ms row
 XLA's bf16 matmul; --fp8_sweep times candidate tile configs), fp8_launches (the step's FP8 launches as
 it makes them, projections of one x sharing a launch, at --fp8_launch_ms rows, against the 80%-of-copy
 target and each launch's read floor), gdn (the conv + recurrence kernel at batch 1-16, chunked prefill),
-attention (paged attention for 1..K+1 queries at 1K-32K context), moe (the grouped expert matmul at the
+attention (paged attention for 1..K+1 queries at 1K-32K context; a 2048-token prefill chunk's
+tile configs at 8K and 32K), moe (the grouped expert matmul at the
 35B-A3B shapes, decode and verify blocks; --moe_sweep times candidate tiles). `--quick --interpret`
 runs a CPU smoke test of the harness (no figures mean anything there).
 
@@ -25,6 +26,7 @@ import sys
 
 from absl import app, flags
 
+from pallas_kernels.bench.attention import PREFILL_CONFIGS
 from pallas_kernels.bench.fp8_launches import LAYOUTS
 
 PARTS = ("fp8", "fp8_launches", "gdn", "attention", "moe")
@@ -61,6 +63,12 @@ flags.DEFINE_list("gdn_prefill_chunks", ["64"], "gdn: chunk sizes of the prefill
 flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the conv case (default 1, 8, 16).")
 flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the conv case (default 1, 4, 5).")
 flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS (default: a tile sweep).")
+flags.DEFINE_enum("attention_cases", "both", ["decode", "prefill", "both"], "attention: decode / verify "
+                  "queries (1-5 per sequence), a prefill chunk's 2048 (one row per --attention_prefill_configs), "
+                  "or both.")
+flags.DEFINE_list("attention_prefill_configs", list(PREFILL_CONFIGS), "attention: the prefill "
+                  "tile configs, ROWSxWARPSxBKxSTAGES (query rows per program, warps, keys per step, stages; the "
+                  "first is the default's).")
 flags.DEFINE_bool("moe_sweep", False, "moe: also time candidate ExpertMatmulConfigs (block_o, split_k, warps, "
                   "stages).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
@@ -119,7 +127,10 @@ def main(argv):
             moe.run(tb, rec.emit, sweep=FLAGS.moe_sweep, **opts)
         else:
             from pallas_kernels.bench import attention
-            attention.run(tb, rec.emit, **opts)
+            if FLAGS.attention_cases in ("decode", "both"):
+                attention.run(tb, rec.emit, **opts)
+            if FLAGS.attention_cases in ("prefill", "both"):
+                attention.run_prefill(tb, rec.emit, configs=tuple(FLAGS.attention_prefill_configs), **opts)
     print(f"\ncopy bandwidth {copy['tb_per_s']:.3f} TB/s (fastest of the trials; median "
           f"{copy['tb_per_s_median']:.3f}), {copy['bytes'] / 2**30:.1f} GiB moved per pass")
     print(common.summary_table(rec.results["rows"]))

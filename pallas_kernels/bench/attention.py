@@ -6,6 +6,12 @@ at the full context in {1K, 4K, 8K, 32K}. Each case builds `layers` separate KV 
 pages), enough that the caches of one pass hold >= 8x the 50 MiB L2; one jitted program runs `reps`
 rounds over all layers (each round's queries depend on the previous round's output, so nothing is
 hoisted or overlapped across rounds). s_per_call = median wall time / (reps * layers).
+
+Prefill (kernel "paged_attention_prefill", `run_prefill`): B = 1, the last 2048-token chunk of a prompt
+of 8K or 32K tokens (its queries attend to every earlier key and causally to their own), one row per
+tile config "ROWSxWARPSxBKxSTAGES" (query rows per program, warps, keys per step, pipeline stages; the
+first the default). tflop_s counts the causal products, 4 Hq D per (query, key) pair; rel_err against
+`paged_attention_ref` (which holds the [T, context] scores).
 bytes = 2 (K and V) * B * context * Hkv * D * itemsize: the KV bytes attention must read, charged
 identically to both implementations. rel_err (pallas row) = max |o - o_ref| / max |o_ref| on one layer
 (both outputs are bf16: one bf16 ulp, up to 2^-8 = 4e-3, is the expected figure).
@@ -144,3 +150,58 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False)
                 for row in rows.values():
                     emit(row)
                 del inputs, q, ks, vs, one
+
+
+PREFILL_TOKENS = 2048  # the default prefill chunk
+PREFILL_CONTEXTS = (8192, 32768)
+PREFILL_CONFIGS = ("32x4x64x2", "64x4x64x2", "64x8x64x2", "64x4x32x3", "128x8x64x2", "128x8x32x2")
+
+
+def parse_prefill_config(text: str) -> pa.PagedAttentionConfig:
+    """"ROWSxWARPSxBKxSTAGES" -> the config a prefill of this tile runs (ValueError naming the text)."""
+    try:
+        rows, warps, block_k, stages = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise ValueError(f"attention prefill config {text!r}: expected ROWSxWARPSxBKxSTAGES, e.g. 64x4x64x2")
+    return pa.PagedAttentionConfig(prefill_rows=rows, num_warps=warps, block_k=block_k, num_stages=stages,
+                                   max_tile_bytes=max(pa.DEFAULT_CONFIG.max_tile_bytes, 2 * block_k * D * 2))
+
+
+def prefill_flops(t: int, context: int) -> float:
+    """4 Hq D per (query, key) pair: queries at positions context - t .. context - 1, each with its keys
+    up to itself."""
+    pairs = t * (context - t) + t * (t + 1) // 2
+    return 4.0 * HQ * D * pairs
+
+
+def run_prefill(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
+                configs=PREFILL_CONFIGS) -> None:
+    """Times the prefill tile configs (see the module docstring); calls emit(row) per config and context."""
+    parsed = [(c, parse_prefill_config(c)) for c in configs]  # a typo fails before anything runs
+    t, contexts, reps, trials = PREFILL_TOKENS, PREFILL_CONTEXTS, 3, 3
+    if quick:
+        contexts = contexts[:1]
+    if interpret:
+        t, contexts, reps, trials, parsed = 32, (64,), 1, 1, parsed[:2]
+    scale = D ** -0.5
+    rng = np.random.default_rng(1)
+    for context in contexts:
+        nbytes = 2 * context * HKV * D * jnp.dtype(DTYPE).itemsize
+        q, ks, vs, pt, qp, kl = make_case(rng, 1, t, context, 2)
+        want = np.asarray(jax.jit(lambda *a: pa.paged_attention_ref(*a, scale))(q, ks[0], vs[0], pt, qp, kl),
+                          np.float64)
+        for name, config in parsed:
+            base = {"kernel": "paged_attention_prefill", "case": f"T={t} ctx={context}", "impl": "pallas",
+                    "config": name, "B": 1, "T": t, "ctx": context, "layers": 2, "reps": reps}
+            attn = lambda *a, config=config: pa.paged_attention(*a, scale, config=config, interpret=interpret)
+            try:
+                got = np.asarray(jax.jit(attn)(q, ks[0], vs[0], pt, qp, kl), np.float64)
+                med, best = timed(make_program(attn, 2, reps), q, ks, vs, pt, qp, kl, trials=trials)
+                s = med / (2 * reps)
+                row = {**_row(base, nbytes, s, copy_tb_s), "best_s_per_call": best / (2 * reps),
+                       "tflop_s": prefill_flops(t, context) / s / 1e12,
+                       "rel_err": float(np.max(np.abs(got - want)) / np.max(np.abs(want)))}
+            except Exception as e:
+                row = _error_row(base, nbytes, e)
+            emit(row)
+        del q, ks, vs, want
