@@ -61,12 +61,9 @@ def test_gdn_cases_and_batches_choose_what_runs(monkeypatch):
 
 def test_gdn_prefill_times_each_chunk_and_refuses_other_than_powers_of_two():
     rows, sz = [], gdn.sizes(True, True)
-    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32), interpret=True)
-    t = sz.prefill_tokens[0]
-    assert [(r["T"], r["chunk"], r["impl"]) for r in rows] == [(t, 16, "xla"), (t, 16, "pallas"),
-                                                               (t, 32, "xla"), (t, 32, "pallas")]
+    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32))
+    assert [(r["T"], r["chunk"]) for r in rows] == [(sz.prefill_tokens[0], 16), (sz.prefill_tokens[0], 32)]
     assert all("error" not in r and r["s_per_call"] > 0 and r["tflops"] > 0 for r in rows), rows
-    assert all(r["rel_err"] < 1e-5 for r in rows if r["impl"] == "pallas"), rows
     with pytest.raises(ValueError, match="powers of two"):
         gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, cases=("prefill",), prefill_chunks=(48,))
 
