@@ -361,7 +361,8 @@ def test_fixed_splits_lower_for_h200(b, t):
 
 def test_prefill_lowers_for_h200_in_query_blocks():
     """A 2048-token prefill at the 27B shapes: prefill_rows // G tokens per program, one program per query
-    block and KV head (no key splits), [64, D] query tiles: no score matrix in memory."""
+    block and KV head (no key splits), [prefill_rows, D] query tiles on prefill_num_warps warps: no score
+    matrix in memory."""
     cfg0, t = pa.DEFAULT_CONFIG, 2048
     lowered = lower_for_h200(lambda *a: pa.paged_attention(*a, REAL["d"] ** -0.5), real_shapes(1, t, jnp.bfloat16))
     [(cfg, ir_text)] = triton_calls(lowered)
@@ -369,6 +370,7 @@ def test_prefill_lowers_for_h200_in_query_blocks():
     grid = [attr_int(cfg, f"grid_{a}") for a in "xyz"]
     assert math.prod(grid) == REAL["hkv"] * -(-t // t_block), grid
     assert f"tensor<{cfg0.prefill_rows}x{REAL['d']}xbf16> * tensor<{REAL['d']}x" in ir_text, "Q.K^T tile shapes"
+    assert attr_int(cfg, "num_warps") == cfg0.prefill_num_warps != cfg0.num_warps
 
 
 # ------------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False)
 
 PREFILL_TOKENS = 2048  # the default prefill chunk
 PREFILL_CONTEXTS = (8192, 32768)
-PREFILL_CONFIGS = ("32x4x64x2", "64x4x64x2", "64x8x64x2", "64x4x32x3", "128x8x64x2", "128x8x32x2")
+PREFILL_CONFIGS = ("128x8x64x2", "32x4x64x2", "64x4x32x3", "128x8x32x2", "128x8x64x3", "256x8x32x2")
 
 
 def parse_prefill_config(text: str) -> pa.PagedAttentionConfig:
@@ -163,7 +163,7 @@ def parse_prefill_config(text: str) -> pa.PagedAttentionConfig:
         rows, warps, block_k, stages = (int(v) for v in text.split("x"))
     except ValueError:
         raise ValueError(f"attention prefill config {text!r}: expected ROWSxWARPSxBKxSTAGES, e.g. 64x4x64x2")
-    return pa.PagedAttentionConfig(prefill_rows=rows, num_warps=warps, block_k=block_k, num_stages=stages,
+    return pa.PagedAttentionConfig(prefill_rows=rows, prefill_num_warps=warps, block_k=block_k, num_stages=stages,
                                    max_tile_bytes=max(pa.DEFAULT_CONFIG.max_tile_bytes, 2 * block_k * D * 2))
 
 
