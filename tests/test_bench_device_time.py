@@ -83,6 +83,8 @@ def test_summary_table_shows_the_device_time_where_measured():
     header, with_kernel, without = common.summary_table(rows).splitlines()
     assert header.split()[7:9] == ["kernel_us", "kernel_share"]
     assert with_kernel.split()[7:9] == ["10", "0.8"] and len(without.split()) == 4
+    failed = {"kernel": "gdn_prefill", "case": "c", "impl": "xla", "s_per_call": None, "error": "RESOURCE_EXHAUSTED"}
+    assert common.summary_table([failed]).splitlines()[1].split() == ["gdn_prefill", "c", "xla", "RESOURCE_EXHAUSTED"]
 
 
 @pytest.mark.gpu

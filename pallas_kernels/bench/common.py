@@ -73,9 +73,9 @@ def summary_table(rows: list[dict]) -> str:
     for r in rows:
         note = r.get("error", "")[:60] or (r.get("config", "") if not r.get("default", True) else "")
         lines.append([r.get("kernel", ""), r.get("case", ""), r.get("impl", ""),
-                      r["s_per_call"] * 1e6 if "s_per_call" in r else "", r.get("tb_s", ""),
+                      r["s_per_call"] * 1e6 if r.get("s_per_call") is not None else "", r.get("tb_s", ""),
                       r.get("share_of_copy", ""), r.get("tflop_s", ""),
-                      r["kernel_s_per_call"] * 1e6 if "kernel_s_per_call" in r else "",
+                      r["kernel_s_per_call"] * 1e6 if r.get("kernel_s_per_call") is not None else "",
                       r.get("kernel_share_of_copy", ""), note])
     table = [cols] + [[_fmt(v) for v in line] for line in lines]
     widths = [max(len(row[c]) for row in table) for c in range(len(cols))]
