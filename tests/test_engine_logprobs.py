@@ -34,6 +34,7 @@ def assert_same(got, want, n):
         np.testing.assert_allclose([v for _, v in g.top], [v for _, v in r.top[:n]], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # CI time: test_server.py's logprobs test takes the engine's logprobs through both routes
 @pytest.mark.parametrize("k", [2])
 def test_requests_get_generate_logprobs_and_others_none(model, k):
     """A greedy and a seeded sampled request with logprobs beside a plain one: generate's tokens and

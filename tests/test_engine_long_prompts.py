@@ -137,6 +137,7 @@ def test_warmup_compiles_the_piece_prefill_once_for_every_long_bucket(chunked):
     assert_all_free(engine)
 
 
+@pytest.mark.slow  # CI time: the pieces at TP1 above; TP2 prefill and decoding in test_tp_model.py
 def test_tp2_pieces_equal_tp1_generate(ckpt, chunked):
     tp2 = qmtp.load(ckpt, dtype="float32", page_size=chunked.page_size, progress=False, tp=2, prefill_chunk=CHUNK)
     engine = make_engine(tp2, 2)

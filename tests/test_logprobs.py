@@ -53,6 +53,7 @@ def test_sampled_logprobs_are_at_the_temperature_before_truncation(tiny, k):
     assert_logprobs(tiny, result, temperature=0.7)
 
 
+@pytest.mark.slow  # CI time: the deterministic prefill's tokens: test_deterministic.py; its logprobs are these
 def test_row_at_a_time_prefill_gives_the_same_logprobs(tiny):
     det = qmtp.load(tiny.checkpoint_dir, dtype="float32", progress=False, impl="pallas", deterministic=True,
                     prefill_chunk=16)

@@ -61,7 +61,9 @@ def test_a_missing_expert_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("checkpoint,dtype,impl", [
-    (f"{PRESET}:bf16", "float32", "ref"), ("preset:tiny_next_moe:bf16", "bfloat16", "ref"),
+    # CI time: float32 under slow (the bfloat16 case runs the same MoE MTP path, and at near-ties)
+    pytest.param(f"{PRESET}:bf16", "float32", "ref", marks=pytest.mark.slow),
+    ("preset:tiny_next_moe:bf16", "bfloat16", "ref"),
     pytest.param(f"{PRESET}:fp8", "bfloat16", "pallas", marks=pytest.mark.slow),  # ~140 s in interpret mode
     pytest.param("preset:tiny_next_moe:bf16", "bfloat16", "pallas", marks=pytest.mark.slow)])
 def test_mtp_tokens_equal_plain_on_an_moe_model(checkpoint, dtype, impl):
