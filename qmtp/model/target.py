@@ -129,15 +129,20 @@ def forward_by_layer(cfg: ModelConfig, params: dict, state: DecodeState, tokens:
         p, layer_state = _layer_inputs(params, state, kind, len(new[kind]))
         p = ops.prefill_weights(p, b * chunk, x.dtype, kernels)
 
-        def one(layer_state, xs, kind=kind, p=p):  # chunk c of this layer, after the state chunk c - 1 left
-            xc, nv, start = xs
+        def one(carry, xs, kind=kind, p=p):  # chunk c of this layer, after the state chunk c - 1 left
+            layer_state, x = carry
+            c, nv, start = xs
+            xc = x[c]
 
             def run(layer_state):
                 y, layer_state = _layer(cfg, kind, p, xc, layer_state, state.page_table, start, nv, kernels)
                 return layer_state, y
-            return jax.lax.cond(jnp.any(nv > 0), run, lambda c: (c, jnp.zeros_like(xc)), layer_state)
+            layer_state, y = jax.lax.cond(jnp.any(nv > 0), run, lambda s: (s, jnp.zeros_like(xc)), layer_state)
+            # the layer's output overwrites its input chunk in the carry: one [N, B, C, E] buffer for every
+            # layer (a scan's stacked outputs kept one per layer alive: +1 [T, E] per layer on CPU and GPU)
+            return (layer_state, x.at[c].set(y)), None
 
-        layer_state, x = jax.lax.scan(one, layer_state, (x, chunk_valid, starts))
+        (layer_state, x), _ = jax.lax.scan(one, (layer_state, x), (jnp.arange(n), chunk_valid, starts))
         new[kind].append(layer_state)
     hidden = layers.rms_norm(x.swapaxes(0, 1).reshape(b, t, -1), params["final_norm"], cfg.rms_norm_eps, kernels)
     return hidden, _with_layer_states(state, new, n_valid)
