@@ -14,7 +14,10 @@ use them all; each test still runs alone in its process, so nothing a test check
 tests that share state across processes use the cache's atomic writes: make_checkpoint.ensure_preset
 renames a finished directory into place, JAX's compile cache writes whole files.)
 
-The files of tests/ (test_*.py, sorted) are split into N groups of about equal count; each group is
+The files that load the serving tests' tiny model at the same shapes (SHARED_COMPILES) form the first
+group: in one process they compile its prefill and loops once (tests/test_engine.py + tests/test_server.py
+151 s together against 81 + 103 s apart, 2-core machine); it is also the longest, so it starts first.
+The other files of tests/ (test_*.py, sorted) are split into N - 1 groups of about equal count; each group is
 one `python -m pytest PYTEST ARGS FILES` run whose output is printed whole when it ends (so two
 groups' lines never interleave), with its wall time. After the first group that fails (pytest's exit
 code 5, "no tests collected", counts as a pass: a group may hold only deselected tests) no new group
@@ -23,6 +26,7 @@ starts, the running ones finish, and the runner exits with the first failure's c
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import subprocess
@@ -33,6 +37,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_TESTS_COLLECTED = 5
 MAX_DEFAULT_JOBS = 4  # beyond this the groups' memory (a JAX process holds ~1-2 GB) outweighs the gain
+# tests/serving_fixtures.py's engines: one model, one set of shapes, the same compiled programs
+SHARED_COMPILES = ("test_engine*.py", "test_server*.py", "test_prefix_cache.py", "test_gdn_state_slots.py")
 
 
 def split(files: list[str], groups: int) -> list[list[str]]:
@@ -45,6 +51,16 @@ def split(files: list[str], groups: int) -> list[list[str]]:
         out.append(files[start:end])
         start = end
     return out
+
+
+def plan(files: list[str], groups: int) -> list[list[str]]:
+    """The groups to run, in order: the SHARED_COMPILES files together, then the rest split in
+    groups - 1 (at least one)."""
+    shared = [f for f in files if any(fnmatch.fnmatch(os.path.basename(f), p) for p in SHARED_COMPILES)]
+    rest = [f for f in files if f not in shared]
+    if not shared or not rest:
+        return split(files, groups)
+    return [shared] + split(rest, max(1, groups - 1))
 
 
 def usable_cpus() -> int:
@@ -124,7 +140,7 @@ def main(argv: list[str]) -> int:
     if not files:
         print("pytest_groups: no tests/test_*.py found", file=sys.stderr)
         return 2
-    return run_groups(split(files, groups), args, jobs)
+    return run_groups(plan(files, groups), args, jobs)
 
 
 if __name__ == "__main__":

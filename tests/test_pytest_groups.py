@@ -21,6 +21,14 @@ def test_split_never_makes_empty_groups():
     assert pytest_groups.split(["a", "b", "c"], 1) == [["a", "b", "c"]]
 
 
+def test_plan_runs_the_files_that_share_compiles_first_and_together():
+    files = ["t/test_a.py", "t/test_engine.py", "t/test_engine_x.py", "t/test_m.py", "t/test_server.py", "t/test_z.py"]
+    assert pytest_groups.plan(files, 3) == [["t/test_engine.py", "t/test_engine_x.py", "t/test_server.py"],
+                                            ["t/test_a.py", "t/test_m.py"], ["t/test_z.py"]]
+    assert pytest_groups.plan(files[:1], 3) == [["t/test_a.py"]]  # nothing shared: split as before
+    assert pytest_groups.plan(files, 1) == [files[1:3] + files[4:5], ["t/test_a.py", "t/test_m.py", "t/test_z.py"]]
+
+
 def test_make_test_runs_the_groups():
     with open(os.path.join(ROOT, "Makefile")) as f:
         recipe = f.read().split("\ntest: ", 1)[1].split("\n\n", 1)[0]
