@@ -10,9 +10,10 @@ with no valid key outputs 0. `paged_attention_ref` gathers the pages into a cont
 
 Kernel grid (B, Hkv, NQ*NS): program (b, h, q, s) takes kv head h's R = pow2(max(16, G*TB)) query rows (r =
 t*G + g, G = Hq/Hkv) of TB tokens (TB = T up to max_block_queries; a prefill's NQ blocks of prefill_rows // G
-tokens on prefill_num_warps warps, NS = 1) so each K/V row is read once per kv head and block, and keys [s*L, min((s+1)*L, n)), n =
-min(kv_lengths[b], Pmax*S, the block's last position + 1), L = round_up(cdiv(n, NS), BK): keys past the
-length or the block's causal limit are never read and every split gets work. Each
+tokens on prefill_num_warps warps, NS = 1) so each K/V row is read once per kv head and block, and keys
+[s*L, min((s+1)*L, n)), n = min(kv_lengths[b], Pmax*S, the block's last position + 1), L =
+round_up(cdiv(n, NS), BK): keys past the length or the block's causal limit are never read and every
+split gets work. Each
 step gathers BK keys by page id (clamped to [0, P)), so any page size works; online softmax in base 2, masked
 scores -inf by `where`, masked K/V never loaded. A jnp step combines the splits (weights exp2(m_s - max m)).
 
@@ -247,8 +248,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
         out_shape=[out((b, hkv, n_qblocks * n_splits, rows, d), jnp.float32),
                    out((b, hkv, n_qblocks * n_splits, rows), jnp.float32),
                    out((b, hkv, n_qblocks * n_splits, rows), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=config.prefill_num_warps if n_qblocks > 1 else config.num_warps,
-                                             num_stages=config.num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.prefill_num_warps if n_qblocks > 1 else config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="paged_attention",
     )(q, k_pages, v_pages, page_table, q_positions, kv_lengths)

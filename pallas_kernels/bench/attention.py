@@ -6,16 +6,16 @@ at the full context in {1K, 4K, 8K, 32K}. Each case builds `layers` separate KV 
 pages), enough that the caches of one pass hold >= 8x the 50 MiB L2; one jitted program runs `reps`
 rounds over all layers (each round's queries depend on the previous round's output, so nothing is
 hoisted or overlapped across rounds). s_per_call = median wall time / (reps * layers).
+bytes = 2 (K and V) * B * context * Hkv * D * itemsize: the KV bytes attention must read, charged
+identically to both implementations. rel_err (pallas row) = max |o - o_ref| / max |o_ref| on one layer
+(both outputs are bf16: one bf16 ulp, up to 2^-8 = 4e-3, is the expected figure).
+speedup_vs_xla = xla s_per_call / pallas s_per_call.
 
 Prefill (kernel "paged_attention_prefill", `run_prefill`): B = 1, the last 2048-token chunk of a prompt
 of 8K or 32K tokens (its queries attend to every earlier key and causally to their own), one row per
 tile config "ROWSxWARPSxBKxSTAGES" (query rows per program, warps, keys per step, pipeline stages; the
 first the default). tflop_s counts the causal products, 4 Hq D per (query, key) pair; rel_err against
 `paged_attention_ref` (which holds the [T, context] scores).
-bytes = 2 (K and V) * B * context * Hkv * D * itemsize: the KV bytes attention must read, charged
-identically to both implementations. rel_err (pallas row) = max |o - o_ref| / max |o_ref| on one layer
-(both outputs are bf16: one bf16 ulp, up to 2^-8 = 4e-3, is the expected figure).
-speedup_vs_xla = xla s_per_call / pallas s_per_call.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def parse_prefill_config(text: str) -> pa.PagedAttentionConfig:
     try:
         rows, warps, block_k, stages = (int(v) for v in text.split("x"))
     except ValueError:
-        raise ValueError(f"attention prefill config {text!r}: expected ROWSxWARPSxBKxSTAGES, e.g. 64x4x64x2")
+        raise ValueError(f"attention prefill config {text!r}: expected ROWSxWARPSxBKxSTAGES, e.g. 64x4x64x2") from None
     return pa.PagedAttentionConfig(prefill_rows=rows, prefill_num_warps=warps, block_k=block_k, num_stages=stages,
                                    max_tile_bytes=max(pa.DEFAULT_CONFIG.max_tile_bytes, 2 * block_k * D * 2))
 

@@ -115,7 +115,8 @@ def forward_by_layer(cfg: ModelConfig, params: dict, state: DecodeState, tokens:
     """`forward` over a prompt of whole chunks, tokens [B, N * chunk], one layer at a time: each layer runs
     the N chunks in a lax.scan, chunk c after the KV and GDN/conv state that chunk c - 1 left, on weights
     prepared once for the layer (ops.prefill_weights: FP8 projections dequantized once, not once per chunk
-    as a scan of whole-model chunk passes would). A chunk of padding only is skipped. Each chunk of a
+    as a scan of whole-model chunk passes would), each chunk's output written over its input in the
+    scan's carry (one [N, B, C, E] buffer for all layers). A chunk of padding only is skipped. Each chunk of a
     layer computes what `forward` over that chunk computes for it."""
     b, t = tokens.shape
     n = t // chunk
