@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import numpy_ref / tolera
 
 
 # The tiny-model fixtures of tests/test_engine.py and tests/test_server.py (shapes and helpers:
-# tests/serving_fixtures.py). Module-scoped: each of those files writes and loads its own checkpoint.
+# tests/serving_fixtures.py). Session-scoped: the files that use them run in one process
+# (scripts/pytest_groups.py) and share one checkpoint and its loaded model (params are immutable).
 # A test file that defines its own `ckpt` or `model` fixture overrides these.
 import pytest  # noqa: E402
 
@@ -50,14 +51,14 @@ def single_threaded_cpu_blas():
     lib.scipy_openblas_set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
-    """The tiny random checkpoint (preset tiny, fp32, seed 0), written once per test module."""
+    """The tiny random checkpoint (preset tiny, fp32, seed 0), written once per process."""
     from qmtp.tools import make_checkpoint
     return make_checkpoint.write_checkpoint(str(tmp_path_factory.mktemp("serving") / "tiny"), "tiny", "fp32", seed=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model(ckpt):
     """`ckpt` loaded in float32 with the serving tests' page size (serving_fixtures.PAGE)."""
     import qmtp

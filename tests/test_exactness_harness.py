@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from qmtp.bench.exactness import first_difference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,6 +18,7 @@ def test_first_difference():
     assert first_difference([1, 2], [1, 2, 3]) == 2  # a shorter run differs where it ends
 
 
+@pytest.mark.slow  # CI time: float32 exactness in test_speculate.py; the harness's comparison in the test above
 def test_float32_modes_give_plain_batch1_tokens(tmp_path):
     """In float32 MTP and batching keep the greedy tokens (the documented guarantee): the harness runs
     every mode on real-text prompts and reports them exact, exit status 0."""

@@ -53,8 +53,8 @@ def test_conv_kernel_slotted(controlled, monkeypatch):
     _check_against_plain(controlled, prompts, out, stats, state, max_new, [rounds * a] * 2, f"pallas, a={a}")
 
 
-# CI time: K = 0 under slow (the same ring code with 2 slots; test_engine.py runs the plain engine)
-@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 3])
+@pytest.mark.slow  # CI time: every engine test with K > 0 runs the ring; test_engine.py checks their tokens
+@pytest.mark.parametrize("k", [0, 3])
 def test_engine_keeps_its_state_in_the_ring(model, k):
     """The one-device engine keeps its GDN state in K+2 slots between loop.decode calls (a few rounds
     each), the read slots in the carry: the same tokens as generate (plain), and the read slots have
