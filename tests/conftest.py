@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import numpy_ref / tolera
 
 
 # The tiny-model fixtures of tests/test_engine.py and tests/test_server.py (shapes and helpers:
-# tests/serving_fixtures.py). Session-scoped: the files that use them run in one process
+# tests/serving_fixtures.py). One per process: the files that use them run in one
 # (scripts/pytest_groups.py) and share one checkpoint and its loaded model (params are immutable).
 # A test file that defines its own `ckpt` or `model` fixture overrides these.
 import pytest  # noqa: E402
