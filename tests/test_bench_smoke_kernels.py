@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pallas_kernels.bench import attention, gdn, moe
+from pallas_kernels.bench import attention, common, gdn, moe
 
 REQUIRED = {"kernel", "case", "impl", "s_per_call", "bytes", "tb_s", "share_of_copy"}
 
@@ -72,6 +72,8 @@ def test_attention_prefill_times_each_config_and_names_a_bad_one():
     rows = []
     attention.run_prefill(1.0, rows.append, quick=True, interpret=True)
     assert [r["config"] for r in rows] == list(attention.PREFILL_CONFIGS[:2])
+    table = common.summary_table(rows).splitlines()  # the other configs named in the table's note
+    assert table[2].split()[-1] == attention.PREFILL_CONFIGS[1] != table[1].split()[-1]
     for row in rows:
         assert "error" not in row and row["kernel"] == "paged_attention_prefill", row
         assert row["tflop_s"] > 0 and row["rel_err"] < 2.0 ** -7, row

@@ -190,9 +190,9 @@ def run_prefill(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool 
         q, ks, vs, pt, qp, kl = make_case(rng, 1, t, context, 2)
         want = np.asarray(jax.jit(lambda *a: pa.paged_attention_ref(*a, scale))(q, ks[0], vs[0], pt, qp, kl),
                           np.float64)
-        for name, config in parsed:
+        for i, (name, config) in enumerate(parsed):
             base = {"kernel": "paged_attention_prefill", "case": f"T={t} ctx={context}", "impl": "pallas",
-                    "config": name, "B": 1, "T": t, "ctx": context, "layers": 2, "reps": reps}
+                    "config": name, "default": i == 0, "B": 1, "T": t, "ctx": context, "layers": 2, "reps": reps}
             attn = lambda *a, config=config: pa.paged_attention(*a, scale, config=config, interpret=interpret)
             try:
                 got = np.asarray(jax.jit(attn)(q, ks[0], vs[0], pt, qp, kl), np.float64)
