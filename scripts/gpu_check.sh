@@ -3,7 +3,7 @@
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
 #   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling
+#                                             bench_long bench_131k prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling
 #                                             bench_deterministic chat_nocache chat_prefix bench_auto serve_k0
 #                                             serve_kauto moe_trace moe_sweep bench_moe
 #                                             (default: all)
@@ -23,7 +23,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long prefill_trace prefill_chunks
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace prefill_chunks
                                  prefill_memory serve_long gdn_prefill attn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
                                  serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
 
@@ -59,6 +59,9 @@ for s in "${steps[@]}"; do
     # long prompts: TTFT and prefill rate at 8k and 32k (chunked prefill), decode after them, K=3 profiled
     bench_long) run_step bench_long 580 "${BENCH[@]}" --prompt_lengths=8192,32768 --ks=3 --repeats=1 \
                   --breakdown=false --max_new_tokens=256 --out="$OUT/bench_tp1_long.json" "${EXTRA[@]}" ;;
+    # 131,072 prompt tokens: TTFT and peak memory (target <= 80 GB), then plain and K=3 decoding after it
+    bench_131k) run_step bench_131k 580 "${BENCH[@]}" --prompt_lengths=131072 --ks=3 --repeats=1 --breakdown=false \
+                  --max_new_tokens=64 --out="$OUT/bench_tp1_131k.json" "${EXTRA[@]}" ;;
     # where an 8k prefill's device time goes (the 27B preset's first 8 layers: 6 GDN, 2 attention), by kernel
     prefill_trace) run_step prefill_trace 240 bash -c "rm -rf /tmp/qmtp_prefill_trace; $PY -m qmtp.bench \
                      --checkpoint=preset:qwen3_5_27b:fp8 --num_layers=8 --prompt_lengths=8192 --ks= --repeats=1 \
@@ -131,7 +134,7 @@ for s in "${steps[@]}"; do
     # (1024 new tokens: at 128 the K=3 profile is not realized, too few rounds)
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=1024 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
-    *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long" \
+    *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k" \
             "prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
             "bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)"; exit 2 ;;
   esac
