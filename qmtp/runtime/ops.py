@@ -212,7 +212,7 @@ def gdn_chunked(q, k, v, g, beta, state):
 
 def paged_attention_op(q, k_pages, v_pages, page_table, q_positions, kv_lengths, scale, kernels: KernelConfig):
     """Causal GQA attention of T queries over paged KV; see pallas_kernels/paged_attention.py. Under Pallas a
-    prefill (T > 8) runs the kernel in query blocks of 128 rows: no [T, context] scores.
+    prefill (T > 8) runs the kernel in query blocks (PagedAttentionConfig.prefill_rows): no [T, context] scores.
     Under KernelConfig.deterministic the key splits are fixed 512-key ranges added in one order, so a query's
     result does not depend on the batch, on K or on the other queries of its verify."""
     if kernels.pallas:
