@@ -2,11 +2,7 @@
 # The GPU checks of qmtp on an H200 machine: the `gpu`-marked kernel tests and the benchmark table
 # (27B-shaped FP8 controlled checkpoint, one GPU, batch 1 and batch 16).
 #
-#   bash scripts/gpu_check.sh [STEP ...]      steps: kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16
-#                                             bench_long bench_131k prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling
-#                                             bench_deterministic chat_nocache chat_prefix bench_auto serve_k0
-#                                             serve_kauto moe_trace moe_sweep bench_moe
-#                                             (default: all)
+#   bash scripts/gpu_check.sh [STEP ...]      STEP: one of ALL_STEPS below (default: all of them, in that order)
 #
 # Run from the repository root. Results and logs go under $OUT (default ./out): one log per step,
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
@@ -22,10 +18,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
+ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
+           prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling sampling_trace
+           bench_deterministic chat_nocache chat_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace prefill_chunks
-                                 prefill_memory serve_long gdn_prefill attn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix bench_auto
-                                 serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
+[ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
 
 run_step() {  # name default_limit_s command...
   local name=$1 var="LIMIT_$1"
@@ -98,6 +95,12 @@ for s in "${steps[@]}"; do
     bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --profile= --repeats=1 --breakdown=false \
                       --temperature=0.6 --top_p=0.95 --top_k=20 --sampling_cost --out="$OUT/bench_tp1_sampling.json" \
                       "${EXTRA[@]}" ;;
+    # where sampling's extra time in a round goes: plain and K=3, sampled and greedy, each traced (8 layers)
+    sampling_trace) run_step sampling_trace 400 bash -c "rm -rf /tmp/qmtp_sampling_trace; $PY -m qmtp.bench \
+                      --checkpoint=preset:qwen3_5_27b_controlled:fp8 --engine=pallas --num_layers=8 --ks=3 --profile= \
+                      --repeats=1 --breakdown=false --max_new_tokens=256 --temperature=0.6 --top_p=0.95 --top_k=20 \
+                      --sampling_cost --trace_dir=/tmp/qmtp_sampling_trace --out=$OUT/sampling_trace.json \
+                      && for d in /tmp/qmtp_sampling_trace/*; do $PY scripts/trace_summary.py \$d --top=40; done" ;;
     # the cost of --deterministic: both engines on the same weights, batch 1 and 16
     bench_deterministic) run_step bench_deterministic 580 "${BENCH[@]}" --engine=pallas,deterministic --ks=3 \
                            --repeats=1 --breakdown=false --batch=1,16 --max_new_tokens=256 \
@@ -134,9 +137,7 @@ for s in "${steps[@]}"; do
     # (1024 new tokens: at 128 the K=3 profile is not realized, too few rounds)
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=1024 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
-    *) echo "unknown step '$s' (kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k" \
-            "prefill_trace prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling bench_deterministic chat_nocache chat_prefix" \
-            "bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)"; exit 2 ;;
+    *) echo "unknown step '$s' (${ALL_STEPS[*]})"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
 done
