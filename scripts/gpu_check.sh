@@ -77,11 +77,12 @@ for s in "${steps[@]}"; do
                       --out=$OUT/prefill_memory.json && mkdir -p $OUT/prefill_memory \
                       && cp /tmp/qmtp_prefill_dump/*memory-usage-report.txt $OUT/prefill_memory/ \
                       && head -n 30 \$(ls -S /tmp/qmtp_prefill_dump/*memory-usage-report.txt | head -n 1)" ;;
-    # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece, pieces of
-    # SERVE_LONG_CHUNK tokens, default 2048): their inter-token gaps
+    # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece: while the streams
+    # decode, pieces of SERVE_LONG_PIECE tokens, the server's --interleave_piece; 0: --prefill_chunk's 2048):
+    # their inter-token gaps
     serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \
                   --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=16,32,64,32768 --port=8123 \
-                  --prefill_chunk=${SERVE_LONG_CHUNK:-2048} \
+                  --interleave_piece=${SERVE_LONG_PIECE:-0} \
                   >$OUT/serve_long_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8123 \
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \

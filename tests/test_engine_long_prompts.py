@@ -17,6 +17,8 @@ import pytest
 import qmtp
 from qmtp import api
 from qmtp.runtime import loop, prefill
+from qmtp.serve.engine_config import EngineConfig, interleave_piece
+from qmtp.serve.warmup import plan as warmup_plan
 from serving_fixtures import assert_all_free, make_engine
 
 CHUNK = 16
@@ -135,6 +137,54 @@ def test_warmup_compiles_the_piece_prefill_once_for_every_long_bucket(chunked):
     assert engine.counters["serving_compiles"] == 0
     assert engine.stop(5)
     assert_all_free(engine)
+
+
+def piece_widths(engine) -> list[int]:
+    """Records the padded width of each prefill pass the engine runs, in order."""
+    widths, run = [], engine._device.prefill_piece
+
+    def wrapped(ids, page_rows, offsets, tokens, *rest):
+        widths.append(tokens.shape[1])
+        return run(ids, page_rows, offsets, tokens, *rest)
+    engine._device.prefill_piece = wrapped
+    return widths
+
+
+def test_while_others_decode_prompts_go_in_interleave_pieces(model):
+    """prefill_chunk 32, --interleave_piece 16: a long prompt at an idle engine goes in 32-token pieces;
+    while a stream decodes, every prompt longer than 16 tokens goes in 16-token pieces, a decode call
+    after each; the tokens stay generate's (chunks of 32)."""
+    chunk32 = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=32))
+    engine = make_engine(chunk32, 0, start=False, interleave_piece=16)
+    steps = [s.name for s in warmup_plan(engine, [64])]
+    assert steps[:2] == ["long prompts: prefill piece of 32 tokens",
+                         "long prompts: prefill piece of 16 tokens (while others decode)"], steps
+    calls, widths = logged_device_calls(engine), piece_widths(engine)
+    alone = engine.submit(LONG[1], 4)  # 40 tokens: passes end at 32 and 40
+    step_until_done(engine, [alone])
+    assert widths == [32, 32] and calls[:3] == ["piece", "piece", "run"], (widths, calls)
+    del widths[:], calls[:]
+    stream = engine.submit(SHORT, 30)
+    engine._iteration()  # admits and starts the short prompt, then decodes
+    busy = [engine.submit(LONG[1], 4), engine.submit(LONG[0], 3)]  # 17 tokens: one pass at an idle engine
+    step_until_done(engine, busy)
+    assert widths == [16] * (3 + 2), widths
+    assert all(calls[i + 1] == "run" for i, c in enumerate(calls) if c == "piece"), calls
+    step_until_done(engine, [stream])
+    for handle, prompt, n in [(alone, LONG[1], 4), (stream, SHORT, 30), (busy[0], LONG[1], 4), (busy[1], LONG[0], 3)]:
+        assert handle.result(1).tokens == qmtp.generate(chunk32, [prompt], max_new_tokens=n).tokens[0]
+    assert_all_free(engine)
+
+
+def test_interleave_piece_is_a_bucket_within_the_chunk_and_the_chunk_under_deterministic(chunked):
+    for bad in (8, 24, 32):
+        with pytest.raises(ValueError, match=f"--interleave_piece={bad} must be a power of two from 16 to "
+                                             "--prefill_chunk=16"):
+            make_engine(chunked, 0, start=False, interleave_piece=bad)
+    assert make_engine(chunked, 0, start=False).interleave_piece == CHUNK
+    deterministic = dataclasses.replace(chunked.kernels, impl="pallas", prefill_chunk=32, deterministic=True)
+    with pytest.raises(ValueError, match="--interleave_piece=16: under --deterministic"):
+        interleave_piece(EngineConfig(interleave_piece=16), dataclasses.replace(chunked, kernels=deterministic))
 
 
 @pytest.mark.slow  # CI time: the pieces at TP1 above; TP2 prefill and decoding in test_tp_model.py

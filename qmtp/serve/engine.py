@@ -4,11 +4,13 @@ The scheduler thread owns the device side (slots.DeviceBatch). Each iteration (a
   1. drops cancelled requests and, while shutting down past the deadline, aborts the active ones;
   2. admits queued requests FIFO while a slot is free and the head's pages (prompt + max_tokens +
      K+1) fit: each is prefilled with the others of its prompt bucket in one pass, and its first
-     token emitted; a prompt longer than the model's prefill_chunk is prefilled piece by piece
-     instead, one piece of prefill_chunk tokens per scheduling point (FIFO), so a long prompt holds
-     the running streams up by one piece at a time, not its whole prefill. With the prefix cache
+     token emitted; a longer prompt is prefilled piece by piece instead, one piece per scheduling
+     point (FIFO), so it holds the running streams up by one piece at a time, not its whole prefill.
+     A piece is prefill_chunk tokens, or interleave_piece while other slots decode (a smaller piece
+     bounds their wait; a prompt that arrives at an idle engine still goes in prefill_chunk pieces),
+     and "longer" means longer than that. With the prefix cache
      (qmtp/serve/prefix_cache.py) every prompt is prefilled in passes, several prompts' of one width
-     together, up to prefill_chunk tokens of them per scheduling point: from the deepest checkpoint of
+     together, up to a piece's tokens of them per scheduling point: from the deepest checkpoint of
      its block chain (looked up at admission, whose pages it then shares, and again before its first
      pass), with passes ending where the cache keeps a checkpoint;
   3. runs `rounds_per_call` rounds of `loop.decode` over all slots (done or empty ones write nothing;
@@ -49,7 +51,7 @@ from qmtp import api
 from qmtp.runtime import adaptive_k, loop, ops
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
-from qmtp.serve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig, RequestLimits, prefix_block
+from qmtp.serve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig, RequestLimits, interleave_piece, prefix_block
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.prefix_cache import PrefixCache
@@ -121,6 +123,7 @@ class Engine:
             raise ValueError(f"{len(stop_ids)} default stop ids > --max_stop_ids={c.max_stop_ids}")
         self.model, self.default_stop_ids = model, stop_ids
         self.piece = model.kernels.prefill_chunk  # longer prompts are prefilled piece by piece
+        self.interleave_piece = interleave_piece(c, model)  # a pass's tokens at most while other slots decode
         self.max_model_len = c.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit)
         self.page_size = model.page_size
         self.pages_per_slot = -(-(self.max_model_len + self.extra) // self.page_size)  # Pmax
@@ -341,7 +344,7 @@ class Engine:
         self._admit()
         if self.passes.pending:
             self.passes.run()
-        if any(slot not in self.passes.pending for slot in self._active):
+        if self.decoding():
             self._run_loop()
         if self._stopping and not self._active:
             self._end_queue("abort", SHUTTING_DOWN)  # normally empty: shutdown() drained it
@@ -399,8 +402,9 @@ class Engine:
                     break
                 admitted.append((self._queue.popleft(), self._free_slots.pop(), self.allocator.reserve(capacity)))
         groups: dict[int, list] = {}
+        longest_pass = self.passes.limit()
         for handle, slot, reservation in admitted:
-            if len(handle.prompt_ids) > self.piece:
+            if len(handle.prompt_ids) > longest_pass:
                 self.passes.start(handle, slot, reservation)
             else:
                 groups.setdefault(api._bucket(len(handle.prompt_ids)), []).append((handle, slot, reservation))
@@ -408,6 +412,10 @@ class Engine:
             rows = self._group_rows(bucket)
             for i in range(0, len(group), rows):
                 self._prefill_group(group[i:i + rows])
+
+    def decoding(self) -> bool:
+        """Whether a slot decodes at this scheduling point (an active one not being prefilled)."""
+        return any(slot not in self.passes.pending for slot in self._active)
 
     def _group_rows(self, bucket: int) -> int:
         """Rows of a batched prefill for this prompt bucket (padding rows fill a smaller group)."""

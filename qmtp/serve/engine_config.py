@@ -25,6 +25,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 0  # prefix cache checkpoints and the KV pages only it holds; 0 = off
     prefix_block: int = 0  # tokens per prefix cache block; 0 = DEFAULT_PREFIX_BLOCK (prefill_chunk if deterministic)
     stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
+    interleave_piece: int = 0  # tokens of a prompt's prefill pass while other slots decode; 0 = prefill_chunk
     prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
     max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
     round_cost_dir: str | None = None  # mtp_k "auto": round costs kept here (round_costs.py); None: timed each start
@@ -35,7 +36,7 @@ class EngineConfig:
         for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
                           ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("prefill_batch", 1),
                           ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
-                          ("prefix_block", 0)):
+                          ("prefix_block", 0), ("interleave_piece", 0)):
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"--{name}={value} must be >= {low}")
@@ -52,6 +53,20 @@ def prefix_block(config: EngineConfig, model: api.Model) -> int:
         raise ValueError(f"--prefix_block={block}: under --deterministic it is --prefill_chunk={chunk} (a resumed "
                          "prefill then runs the same whole-chunk passes as a full one)")
     return block
+
+
+def interleave_piece(config: EngineConfig, model: api.Model) -> int:
+    """The most prompt tokens one prefill pass takes while other slots decode: --interleave_piece, or
+    --prefill_chunk; ValueError when it cannot work (it is a prompt bucket: one more program at most)."""
+    chunk = model.kernels.prefill_chunk
+    piece = config.interleave_piece or chunk
+    if piece & (piece - 1) or not api.MIN_PROMPT_BUCKET <= piece <= chunk:
+        raise ValueError(f"--interleave_piece={piece} must be a power of two from {api.MIN_PROMPT_BUCKET} to "
+                         f"--prefill_chunk={chunk}")
+    if model.kernels.deterministic and piece != chunk:
+        raise ValueError(f"--interleave_piece={piece}: under --deterministic a prompt is prefilled in whole chunks "
+                         f"of --prefill_chunk={chunk} (its numbers then do not depend on the other requests)")
+    return piece
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,15 @@
-"""Prompts prefilled pass by pass into their batch slots: the long prompts (longer than prefill_chunk,
-one pass of it per scheduling point, so the running streams wait for one pass at a time), and with the
-prefix cache every prompt (qmtp/serve/prefix_cache.py).
+"""Prompts prefilled pass by pass into their batch slots: the long prompts (longer than a piece, one
+pass of at most a piece per scheduling point, so the running streams wait for one pass at a time), and
+with the prefix cache every prompt (qmtp/serve/prefix_cache.py). A piece (`limit`) is prefill_chunk
+tokens, or the engine's interleave_piece while other slots decode.
 
 A prompt's passes end on multiples of prefill_chunk, at the points the prefix cache keeps a checkpoint
-at (block boundaries, the prompt's end but its last token), and at its end. With the cache, admission
+at (block boundaries, the prompt's end but its last token), and at its end, and a pass stops short of
+that end after a piece's tokens. With the cache, admission
 looks the prompt up (`reserve_with_prefix`: its reservation then shares the checkpoint's pages but the
 last) and the first pass looks again (a checkpoint kept since, e.g. by another choice of the same
 prompt: all its pages are copied); a prompt resumes from the checkpoint (`slots.resume_prefix`) before
-its first pass. Every pass runs `slots.prefill_piece`: one row padded to prefill_chunk, or with the
+its first pass. Every pass runs `slots.prefill_piece`: one row padded to the piece, or with the
 cache up to `--prefill_batch` rows (`Engine._group_rows`) of prompts whose next passes pad to the same
 prompt bucket (whole chunks and one row under --deterministic: a resumed prefill runs a full one's
 passes, and a prompt's numbers do not depend on the others).
@@ -93,34 +95,43 @@ class PassPrefill:
         p.offset, p.resume = boundary, ckpt
         p.handle.prefix_hit_tokens = boundary
 
+    def limit(self) -> int:
+        """The most tokens of a pass now (a piece): interleave_piece while other slots decode, else
+        prefill_chunk (the two are equal under --deterministic, whose passes are whole chunks)."""
+        e = self.engine
+        return e.interleave_piece if e.decoding() else e.piece
+
     def run(self) -> None:
         """Passes of the prompts in progress (FIFO): one; with the prefix cache, which runs every prompt's
-        prefill in passes, as many as prefill_chunk tokens allow (at least one)."""
+        prefill in passes, as many as a piece's tokens allow (at least one)."""
         e = self.engine
-        budget = e.piece if e.prefix is not None else 1
+        limit = self.limit()
+        budget = limit if e.prefix is not None else 1
         while self.pending and budget > 0:
-            budget -= self.run_one()
+            budget -= self.run_one(limit)
 
-    def _width(self, tokens: int) -> int:
-        """A pass's padded width: prefill_chunk (always under --deterministic, whose passes are whole
-        chunks), but with the prefix cache the prompt bucket of a shorter pass's tokens."""
+    def _width(self, tokens: int, limit: int) -> int:
+        """A pass's padded width: the piece `limit`, but with the prefix cache the prompt bucket of a pass of
+        fewer tokens (not under --deterministic, whose passes are whole chunks)."""
         e = self.engine
         if e.prefix is None or e.model.kernels.deterministic:
-            return e.piece
-        return min(e.piece, api._bucket(tokens))
+            return limit
+        return min(limit, api._bucket(tokens))
 
-    def run_one(self) -> int:
+    def run_one(self, limit: int | None = None) -> int:
         """The next pass: the first prompt in progress and, with the prefix cache (not under
         --deterministic, whose prefills run one prompt at a time), up to _group_rows(width) - 1 more
         whose next passes take the same padded width, in FIFO order; a prompt not yet started that shares
         its first block with one in the pass waits (it may resume from that one's checkpoints, as a
-        request's n choices do). After a prompt's last pass its request starts. Returns the pass's tokens."""
+        request's n choices do). After a prompt's last pass its request starts. limit: the piece (default:
+        `limit()`). Returns the pass's tokens."""
         e = self.engine
+        limit = self.limit() if limit is None else limit
         e._flush_retired()
         queue = list(self.pending.items())
         slot, p = queue[0]
         self._prepare(slot, p)
-        width = self._width(p.ends[0] - p.offset)
+        width = self._width(p.ends[0] - p.offset, limit)
         rows = [(slot, p)]
         if e.prefix is not None and not e.model.kernels.deterministic:
             most, heads = e._group_rows(width), {self._head(p)}
@@ -130,7 +141,7 @@ class PassPrefill:
                 if q.fresh and self._head(q) in heads:
                     continue
                 self._prepare(slot_q, q)
-                if self._width(q.ends[0] - q.offset) == width:
+                if self._width(q.ends[0] - q.offset, limit) == width:
                     rows.append((slot_q, q))
                     heads.add(self._head(q))
         return self._pass(rows, width)
@@ -152,8 +163,9 @@ class PassPrefill:
             self._resume(slot, p)
 
     def _pass(self, rows: list, width: int) -> int:
-        """One prefill pass of the prompts `rows` [(slot, Pieces)], each its next pass padded to `width`
-        tokens; 1 row, or _group_rows(width) with padding rows (slot id B, no token). Returns its tokens."""
+        """One prefill pass of the prompts `rows` [(slot, Pieces)], each its next pass (its first `width`
+        tokens at most) padded to `width` tokens; 1 row, or _group_rows(width) with padding rows (slot id B,
+        no token). Returns its tokens."""
         e = self.engine
         n = 1 if len(rows) == 1 else e._group_rows(width)
         ids = np.full(n, e.config.batch_slots, np.int32)
@@ -164,7 +176,9 @@ class PassPrefill:
         ends = []
         for i, (slot, p) in enumerate(rows):
             ids_p = p.handle.prompt_ids
-            end = p.ends.pop(0)
+            end = min(p.ends[0], p.offset + width)
+            if end == p.ends[0]:
+                p.ends.pop(0)
             piece = ids_p[p.offset:end]
             ahead = ids_p[p.offset + 1:end + 1]  # the MTP head's inputs, one token ahead
             tokens[i, :len(piece)], next_tokens[i, :len(ahead)] = piece, ahead

@@ -8,7 +8,8 @@ admit (Engine.prompt_buckets), and each bucket has its own programs (qmtp/serve/
 of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prompts fit in the page
 pool together (with the prefix cache: the passes of each width, one row and batched, a checkpoint and
 a resume). Buckets above the model's prefill_chunk are prefilled piece by piece: one program for all
-of them (qmtp/serve/prompt_passes.py). Then the decode loop, its sampled form (run while any slot
+of them (qmtp/serve/prompt_passes.py), and one more for the smaller pieces of --interleave_piece
+(prompts above it while other requests decode). Then the decode loop, its sampled form (run while any slot
 samples), the sampled form that returns logprobs (while any slot asks for them) and the
 slot-retire op of a cancelled request.
 
@@ -56,9 +57,14 @@ def plan(engine, buckets) -> list[Step]:
     if engine.prefix is not None:
         steps += _prefix_steps(engine, chosen)
         chosen = []
-    elif any(b > engine.piece for b in chosen):
-        steps.append(Step(f"{LONG_PROMPTS}: prefill piece of {engine.piece} tokens",
-                          functools.partial(_pieces, engine, engine.piece + 1)))
+    else:
+        if any(b > engine.piece for b in chosen):
+            steps.append(Step(f"{LONG_PROMPTS}: prefill piece of {engine.piece} tokens",
+                              functools.partial(_pieces, engine, engine.piece + 1, engine.piece)))
+        small = engine.interleave_piece
+        if small < engine.piece and any(b > small for b in chosen):
+            steps.append(Step(f"{LONG_PROMPTS}: prefill piece of {small} tokens (while others decode)",
+                              functools.partial(_pieces, engine, small + 1, small)))
         chosen = [b for b in chosen if b <= engine.piece]
     for b in chosen:
         n = _shortest(b)
@@ -146,11 +152,12 @@ def _prefill(engine, n: int, count: int) -> None:
     engine._flush_retired()
 
 
-def _pieces(engine, n: int) -> None:
-    """A request of n > prefill_chunk tokens prefilled in its two pieces (the one program of every piece)."""
+def _pieces(engine, n: int, piece: int) -> None:
+    """A request of n > piece tokens prefilled in its two pieces (the one program of every piece of that
+    size)."""
     slot = engine.passes.start(*_request(engine, n))
     while slot in engine.passes.pending:
-        engine.passes.run_one()
+        engine.passes.run_one(piece)
     engine._flush_retired()
 
 
