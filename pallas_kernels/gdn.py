@@ -58,7 +58,7 @@ def gdn_recurrence_ref(q, k, v, g, beta, state, return_states: bool = False):
     return o, final
 
 
-def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64, precision=HIGHEST):
+def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
     """Chunked WY form (the prefill path: sequential over chunks, parallel inside). Per chunk (local i, j),
     gamma = cumsum(g), Gam_ij = exp(gamma_i - gamma_j):
 
@@ -68,9 +68,7 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64, precision=HIGHEST)
         O   = (Q * exp(gamma)) S + ((Q K^T) * Gam * [i >= j]) Vn
         S  <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T Vn
 
-    T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged. `precision`:
-    that of the f32 products (a jax.lax.Precision; XLA on the GPU runs HIGHEST in f32, HIGH as three
-    bf16 products, DEFAULT in TF32, whose 10-bit mantissa puts ~5e-4 of relative error on o and S)."""
+    T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged."""
     _check(q, k, v, g, beta, state)
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -89,23 +87,23 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64, precision=HIGHEST)
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     diff = gamma[..., :, None] - gamma[..., None, :]
     gam = jnp.exp(jnp.where(lower_incl, diff, -jnp.inf))  # [N,B,H,C,C], 0 above the diagonal
-    kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=precision)
+    kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=HIGHEST)
     lmat = jnp.where(strict, bc[..., :, None] * kk * gam, 0.0)
     eye = jnp.eye(chunk, dtype=jnp.float32)
     tm = jax.scipy.linalg.solve_triangular(eye + lmat, jnp.broadcast_to(eye, lmat.shape), lower=True,
                                            unit_diagonal=True)
-    u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=precision)
-    w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=precision)
-    qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=precision) * gam, 0.0)
+    u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=HIGHEST)
+    w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=HIGHEST)
+    qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=HIGHEST) * gam, 0.0)
 
     def step(s, xs):
         q_c, k_c, u_c, w_c, qk_c, gamma_c = xs  # s: [B, H, Dk, Dv]
-        vn = u_c - jnp.einsum("bhcd,bhdv->bhcv", w_c, s, precision=precision)
-        o = (jnp.einsum("bhcd,bhdv->bhcv", q_c * jnp.exp(gamma_c)[..., None], s, precision=precision)
-             + jnp.einsum("bhij,bhjv->bhiv", qk_c, vn, precision=precision))
+        vn = u_c - jnp.einsum("bhcd,bhdv->bhcv", w_c, s, precision=HIGHEST)
+        o = (jnp.einsum("bhcd,bhdv->bhcv", q_c * jnp.exp(gamma_c)[..., None], s, precision=HIGHEST)
+             + jnp.einsum("bhij,bhjv->bhiv", qk_c, vn, precision=HIGHEST))
         last = gamma_c[..., -1:]  # [B, H, 1]
         s = (jnp.exp(last)[..., None] * s
-             + jnp.einsum("bhcd,bhcv->bhdv", k_c * jnp.exp(last - gamma_c)[..., None], vn, precision=precision))
+             + jnp.einsum("bhcd,bhcv->bhdv", k_c * jnp.exp(last - gamma_c)[..., None], vn, precision=HIGHEST))
         return s, o
 
     final, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, u, w, qk, gamma))

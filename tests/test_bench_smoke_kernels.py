@@ -59,19 +59,13 @@ def test_gdn_cases_and_batches_choose_what_runs(monkeypatch):
         gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, conv_configs=("32x4:hoisted",))
 
 
-def test_gdn_prefill_times_each_chunk_and_precision_and_refuses_bad_ones():
+def test_gdn_prefill_times_each_chunk_and_refuses_other_than_powers_of_two():
     rows, sz = [], gdn.sizes(True, True)
-    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32), precisions=("highest", "default"))
-    t = sz.prefill_tokens[0]
-    assert [(r["T"], r["chunk"], r["precision"]) for r in rows] == [
-        (t, 16, "highest"), (t, 16, "default"), (t, 32, "highest"), (t, 32, "default")]
+    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32))
+    assert [(r["T"], r["chunk"]) for r in rows] == [(sz.prefill_tokens[0], 16), (sz.prefill_tokens[0], 32)]
     assert all("error" not in r and r["s_per_call"] > 0 and r["tflops"] > 0 for r in rows), rows
-    assert all(r["rel_err"] < 1e-5 for r in rows), rows  # the CPU computes every precision in f32
     with pytest.raises(ValueError, match="powers of two"):
         gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, cases=("prefill",), prefill_chunks=(48,))
-    with pytest.raises(ValueError, match="at least one of highest, high, default"):
-        gdn.run(copy_tb_s=1.0, emit=None, quick=True, interpret=True, cases=("prefill",),
-                prefill_precisions=("tf32",))
 
 
 def test_attention_prefill_times_each_config_and_names_a_bad_one():

@@ -10,8 +10,7 @@ sequence: far more than the 50 MB L2, and no host dispatch per call). s_per_call
 raw inputs and o are ~1% of it). rel_err = max |x - x_ref| / max |x_ref| over o and the state.
 
 Chunked prefill (kernel "gdn_prefill", B = 1, T in {512, 4096}): `gdn_chunked_ref` (impl "xla"; the
-prefill path; one row per chunk and precision of its products, rel_err against HIGHEST) with
-`prefill_layers` layers in one jitted program. bytes = the state read +
+prefill path) with `prefill_layers` layers in one jitted program. bytes = the state read +
 written, q, k, v, g, beta read and o written (all f32). The argument the rows carry: is the chunked
 form cheap enough for prefill? tokens_per_s (one layer), tokens_per_s_48_layers (all GDN layers), and
 share_of_layer = t_gdn / (t_gdn + t_matmuls), where t_matmuls is the same run's time for the bf16 XLA
@@ -267,66 +266,46 @@ def _prefill_time(fn, t: int, sz: Sizes) -> dict:
     return {"s_per_call": med / n, "best_s_per_call": best / n, "first_call_s": first, "layers_per_program": n}
 
 
-PRECISIONS = ("highest", "high", "default")  # jax.lax.Precision of the WY form's products, by name
-
-
-def _prefill_rel_err(fn, t: int) -> float:
-    """max |x - x_ref| / max |x_ref| over o and the final state of fn against the HIGHEST-precision form at
-    the same chunk, on one layer's inputs."""
-    x = gdn_inputs(jax.random.key(100), 1, t)
-    got = jax.jit(fn)(*x)
-    want = jax.jit(functools.partial(fn, precision=jax.lax.Precision.HIGHEST))(*x)
-    return max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, want))
-
-
-def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,), precisions=("highest",)) -> None:
-    """One row per prompt length, chunk and precision of the WY form (chunks: candidates for
-    gdn_chunked_ref's chunk; precisions: names in PRECISIONS, each row's rel_err against HIGHEST; the
-    layer's matmuls are timed once per length)."""
+def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,)) -> None:
+    """One row per prompt length and chunk of the WY form (chunks: candidates for gdn_chunked_ref's chunk;
+    the layer's matmuls are timed once per length)."""
     for t in sz.prefill_tokens:
         nbytes = prefill_bytes(1, t)
         mm = None
         for chunk in chunks:
-            for name in precisions:
-                head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk} {name}", "impl": "xla", "B": 1,
-                        "T": t, "chunk": chunk, "precision": name}
-                fn = functools.partial(gdn_kernel.gdn_chunked_ref, chunk=chunk,
-                                       precision=jax.lax.Precision[name.upper()])
-                try:
-                    m = _prefill_time(fn, t, sz)
-                    s = m.pop("s_per_call")
-                    if mm is None:
-                        mm = _layer_matmuls_time(t, sz)
-                    mm_s, mm_tflops = mm
-                    row = {**head, **_rates(nbytes, s, copy_tb_s), **m,
-                           "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
-                           "tflops": chunked_flops_per_token(chunk) * t / s / 1e12,
-                           "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
-                           "share_of_layer": s / (s + mm_s), "rel_err": _prefill_rel_err(fn, t)}
-                except Exception as e:
-                    row = _error_row(head, nbytes, e)
-                emit(row)
+            head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": "xla", "B": 1, "T": t,
+                    "chunk": chunk}
+            try:
+                m = _prefill_time(functools.partial(gdn_kernel.gdn_chunked_ref, chunk=chunk), t, sz)
+                s = m.pop("s_per_call")
+                if mm is None:
+                    mm = _layer_matmuls_time(t, sz)
+                mm_s, mm_tflops = mm
+                row = {**head, **_rates(nbytes, s, copy_tb_s), **m,
+                       "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
+                       "tflops": chunked_flops_per_token(chunk) * t / s / 1e12,
+                       "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
+                       "share_of_layer": s / (s + mm_s)}
+            except Exception as e:
+                row = _error_row(head, nbytes, e)
+            emit(row)
 
 
 CASES = ("conv", "prefill")
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, cases=CASES, batches=(),
-        tokens=(), conv_configs=(), prefill_chunks=(CHUNK,), prefill_precisions=("highest",)) -> None:
+        tokens=(), conv_configs=(), prefill_chunks=(CHUNK,)) -> None:
     """Times the kernels and their XLA/jnp references at the Qwen3.5-27B shapes; calls emit(row) per
     measured case. cases: a subset of CASES; batches, tokens: the conv case's B and T (default Sizes');
     conv_configs: the conv case's configs (parse_conv_config; default CONV_CONFIGS); prefill_chunks:
-    the chunk sizes of the prefill case; prefill_precisions: its products' precisions (PRECISIONS)."""
+    the chunk sizes of the prefill case."""
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise ValueError(f"gdn bench: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     bad = [c for c in prefill_chunks if c < 1 or c & (c - 1)]
     if bad or not prefill_chunks:
         raise ValueError(f"gdn bench: prefill chunks {list(prefill_chunks)}: powers of two, at least one")
-    unknown = sorted(set(prefill_precisions) - set(PRECISIONS))
-    if unknown or not prefill_precisions:
-        raise ValueError(f"gdn bench: prefill precisions {list(prefill_precisions)}: at least one of "
-                         f"{', '.join(PRECISIONS)}")
     sz = sizes(quick, interpret)
     if batches:
         sz = dataclasses.replace(sz, batches=tuple(batches))
@@ -341,6 +320,6 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[:1], with_ref=True, interpret=interpret)
     if "prefill" in cases:
-        bench_prefill(copy_tb_s, emit, sz, tuple(prefill_chunks), tuple(prefill_precisions))
+        bench_prefill(copy_tb_s, emit, sz, tuple(prefill_chunks))
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[1:], with_ref=False, interpret=interpret)
