@@ -8,7 +8,7 @@
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
 # bench JSON files $OUT/bench_tp1_b1.json / bench_tp1_b16.json (the README's table). Each step has its own time
 # limit (seconds; override with LIMIT_<step>=N) so a slow one cannot eat the others. The first bench
-# on a fresh machine also writes the ~30 GB checkpoint into the cache (~45 s). A device call
+# on a fresh machine also writes the ~30 GB checkpoint into the cache (~180 s on the H200). A device call
 # limited to 10 minutes holds one step at these limits: name the steps one call at a time.
 # BENCH_ARGS is appended to both bench commands: the flagfile's whole table (K=1..4, 3 repeats,
 # the round breakdown) takes about 11 minutes at batch 1; BENCH_ARGS="--ks=3 --repeats=1
