@@ -19,7 +19,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
-           prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling sampling_trace
+           prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
            bench_deterministic chat_nocache chat_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
@@ -99,6 +99,9 @@ for s in "${steps[@]}"; do
     bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --profile= --repeats=1 --breakdown=false \
                       --temperature=0.6 --top_p=0.95 --top_k=20 --sampling_cost --out="$OUT/bench_tp1_sampling.json" \
                       "${EXTRA[@]}" ;;
+    # sampling's pieces alone at the 248,320-id vocabulary (1, 4, 16 rows): each cut, the draw, the acceptance,
+    # and a K=3 round's sampling work against a greedy round's argmaxes (no checkpoint: ~1 minute)
+    sampling_ops) run_step sampling_ops 240 "$PY" -m qmtp.bench.sampling_ops --out="$OUT/sampling_ops.json" ;;
     # where sampling's extra time in a round goes: plain and K=3, sampled and greedy, each traced (8 layers)
     sampling_trace) run_step sampling_trace 400 bash -c "rm -rf /tmp/qmtp_sampling_trace; $PY -m qmtp.bench \
                       --checkpoint=preset:qwen3_5_27b_controlled:fp8 --engine=pallas --num_layers=8 --ks=3 --profile= \
