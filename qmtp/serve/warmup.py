@@ -9,8 +9,8 @@ of one row; a batched prefill of `_group_rows(bucket)` rows when two of its prom
 pool together (with the prefix cache: the passes of each width, one row and batched, a checkpoint and
 a resume). Buckets above the model's prefill_chunk are prefilled piece by piece: one program for all
 of them (qmtp/serve/prompt_passes.py), and one more for the smaller pieces of --interleave_piece
-(prompts above it while other requests decode). Then the decode loop, its sampled form (run while any slot
-samples), the sampled form that returns logprobs (while any slot asks for them) and the
+(prompts above it while other requests decode). Then the decode loop, its sampled form (run while any
+slot samples), the sampled form that returns logprobs (while any slot asks for them) and the
 slot-retire op of a cancelled request.
 
 Each step drives the engine's own admission code on dummy requests (id -1; max_tokens 1: the first
