@@ -150,11 +150,15 @@ def piece_widths(engine) -> list[int]:
     return widths
 
 
-def test_while_others_decode_prompts_go_in_interleave_pieces(model):
+@pytest.fixture(scope="module")
+def chunk32(model):
+    return dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=32))
+
+
+def test_while_others_decode_prompts_go_in_interleave_pieces(chunk32):
     """prefill_chunk 32, --interleave_piece 16: a long prompt at an idle engine goes in 32-token pieces;
     while a stream decodes, every prompt longer than 16 tokens goes in 16-token pieces, a decode call
     after each; the tokens stay generate's (chunks of 32)."""
-    chunk32 = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=32))
     engine = make_engine(chunk32, 0, start=False, interleave_piece=16)
     steps = [s.name for s in warmup_plan(engine, [64])]
     assert steps[:2] == ["long prompts: prefill piece of 32 tokens",
@@ -172,6 +176,25 @@ def test_while_others_decode_prompts_go_in_interleave_pieces(model):
     assert all(calls[i + 1] == "run" for i, c in enumerate(calls) if c == "piece"), calls
     step_until_done(engine, [stream])
     for handle, prompt, n in [(alone, LONG[1], 4), (stream, SHORT, 30), (busy[0], LONG[1], 4), (busy[1], LONG[0], 3)]:
+        assert handle.result(1).tokens == qmtp.generate(chunk32, [prompt], max_new_tokens=n).tokens[0]
+    assert_all_free(engine)
+
+
+def test_with_the_prefix_cache_passes_take_at_most_the_interleave_piece_while_others_decode(chunk32):
+    """With the prefix cache every prompt goes in passes (ending at its block boundaries and at its end but
+    the last token): of up to 32 tokens at an idle engine, of up to 16 while a stream decodes."""
+    engine = make_engine(chunk32, 0, start=False, interleave_piece=16, prefix_cache_bytes=1 << 20, prefix_block=32)
+    widths = piece_widths(engine)
+    alone = engine.submit(LONG[1], 4)
+    step_until_done(engine, [alone])
+    assert widths == [32, 16, 16], widths  # to the block boundary, to the end but the last token, the last
+    del widths[:]
+    stream = engine.submit(SHORT, 30)
+    engine._iteration()
+    busy = engine.submit(LONG[2][:3] + LONG[1][3:], 4)  # shares no block with the first: prefilled from 0
+    step_until_done(engine, [busy, stream])
+    assert widths == [16, 16] + [16, 16, 16, 16], widths  # the short prompt's 2 passes, busy's 0-32 in two
+    for handle, prompt, n in [(alone, LONG[1], 4), (stream, SHORT, 30), (busy, LONG[2][:3] + LONG[1][3:], 4)]:
         assert handle.result(1).tokens == qmtp.generate(chunk32, [prompt], max_new_tokens=n).tokens[0]
     assert_all_free(engine)
 
