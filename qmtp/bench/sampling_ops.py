@@ -33,13 +33,17 @@ from qmtp.runtime import sampling as smp
 
 QWEN3_5_VOCAB = 248320
 
-flags.DEFINE_list("rows", ["1", "4", "16"], "Batch rows per call (each its own set of rows).")
-flags.DEFINE_integer("vocab", QWEN3_5_VOCAB, "Vocabulary size V.", lower_bound=2)
-flags.DEFINE_integer("k", 3, "Drafts per round of the round rows.", lower_bound=1)
-flags.DEFINE_integer("iters", 50, "Calls per timed loop.", lower_bound=1)
-flags.DEFINE_integer("trials", 5, "Timed loops per piece (the median counts).", lower_bound=1)
-flags.DEFINE_boolean("quick", False, "A CPU smoke run: vocabulary 4096, rows 1 and 4, 2 calls per loop, 1 trial.")
-flags.DEFINE_string("out", "sampling_ops.json", "Where to write the JSON rows.")
+
+def define_flags() -> None:
+    """The command line's flags (defined when run as a program: other bench modules share some names)."""
+    flags.DEFINE_list("rows", ["1", "4", "16"], "Batch rows per call (each its own set of rows).")
+    flags.DEFINE_integer("vocab", QWEN3_5_VOCAB, "Vocabulary size V.", lower_bound=2)
+    flags.DEFINE_integer("k", 3, "Drafts per round of the round rows.", lower_bound=1)
+    flags.DEFINE_integer("iters", 50, "Calls per timed loop.", lower_bound=1)
+    flags.DEFINE_integer("trials", 5, "Timed loops per piece (the median counts).", lower_bound=1)
+    flags.DEFINE_boolean("quick", False, "A CPU smoke run: vocabulary 4096, rows 1 and 4, 2 calls per loop, "
+                         "1 trial.")
+    flags.DEFINE_string("out", "sampling_ops.json", "Where to write the JSON rows.")
 
 
 def settings(rows: int) -> dict[str, smp.SamplingParams]:
@@ -149,4 +153,5 @@ def main(argv) -> int:
 FLAGS = flags.FLAGS
 
 if __name__ == "__main__":
+    define_flags()
     cli_help.run(lambda argv: sys.exit(main(argv)), __doc__, __name__)
