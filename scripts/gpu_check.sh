@@ -8,7 +8,7 @@
 # $OUT/<step>.log, ending with rc=N (124: the step hit its time limit), the exactness JSON files and the
 # bench JSON files $OUT/bench_tp1_b1.json / bench_tp1_b16.json (the README's table). Each step has its own time
 # limit (seconds; override with LIMIT_<step>=N) so a slow one cannot eat the others. The first bench
-# on a fresh machine also writes the ~30 GB checkpoint into the cache (~180 s on the H200). A device call
+# on a fresh machine also writes the ~30 GB checkpoint into the cache (H200: ~45 s, then ~30 s to load). A device call
 # limited to 10 minutes holds one step at these limits: name the steps one call at a time.
 # BENCH_ARGS is appended to both bench commands: the flagfile's whole table (K=1..4, 3 repeats,
 # the round breakdown) takes about 11 minutes at batch 1; BENCH_ARGS="--ks=3 --repeats=1
@@ -54,7 +54,7 @@ for s in "${steps[@]}"; do
     bench_b16) run_step bench_b16 420 "${BENCH[@]}" --batch=16 --max_new_tokens=256 --ks=3 \
                  --out="$OUT/bench_tp1_b16.json" "${EXTRA[@]}" ;;
     # long prompts: TTFT and prefill rate at 32k and 8k (chunked prefill), decode after them, K=3 profiled
-    # (32k first: on a fresh machine the checkpoint write takes ~210 s of the limit)
+    # (32k first: H200, 8k took ~250 s of compiles and runs, 32k plain alone ~130 s; the 32k rows come first)
     bench_long) run_step bench_long 580 "${BENCH[@]}" --prompt_lengths=32768,8192 --ks=3 --repeats=1 \
                   --breakdown=false --max_new_tokens=256 --out="$OUT/bench_tp1_long.json" "${EXTRA[@]}" ;;
     # 131,072 prompt tokens: TTFT and peak memory (target <= 80 GB), then plain and K=3 decoding after it
