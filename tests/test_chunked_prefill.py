@@ -95,8 +95,8 @@ def test_prefill_weights_dequantize_once_what_linear_would_dequantize_per_pass()
 
 
 def _prefill_temp_bytes(num_layers: int, t: int) -> tuple[int, int]:
-    """(XLA's temporary bytes of the layer-by-layer prefill program (bf16, MTP on) of a `num_layers` slice
-    of the tiny preset over one t-token prompt in chunks of t / 8, the model's hidden size)."""
+    """XLA's temporary bytes of the layer-by-layer prefill program (bf16, MTP on) of a `num_layers` slice of
+    the tiny preset over one t-token prompt in chunks of t / 8, and the model's hidden size."""
     model = qmtp.load(resolve_checkpoint("preset:tiny", num_layers), dtype="bfloat16", progress=False,
                       prefill_chunk=t // 8)
     state = _new_state(model, [t])

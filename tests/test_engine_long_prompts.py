@@ -192,10 +192,11 @@ def test_with_the_prefix_cache_passes_take_at_most_the_interleave_piece_while_ot
     del widths[:]
     stream = engine.submit(SHORT, 30)
     engine._iteration()
-    busy = engine.submit(LONG[2][:3] + LONG[1][3:], 4)  # shares no block with the first: prefilled from 0
+    other = LONG[2][:3] + LONG[1][3:]  # shares no block with the first: prefilled from 0
+    busy = engine.submit(other, 4)
     step_until_done(engine, [busy, stream])
     assert widths == [16, 16] + [16, 16, 16, 16], widths  # the short prompt's 2 passes, busy's 0-32 in two
-    assert busy.result(1).tokens == qmtp.generate(chunk32, [LONG[2][:3] + LONG[1][3:]], max_new_tokens=4).tokens[0]
+    assert busy.result(1).tokens == qmtp.generate(chunk32, [other], max_new_tokens=4).tokens[0]
     assert alone.result(1).tokens == qmtp.generate(chunk32, [LONG[1]], max_new_tokens=4).tokens[0]
     assert_all_free(engine)
 

@@ -174,6 +174,11 @@ def prefill_flops(t: int, context: int) -> float:
     return 4.0 * HQ * D * pairs
 
 
+def _prefill_tile(config: pa.PagedAttentionConfig) -> tuple:
+    """What a prefill config string sets: query rows, warps, keys per step, stages."""
+    return config.prefill_rows, config.prefill_num_warps, config.block_k, config.num_stages
+
+
 def run_prefill(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                 configs=PREFILL_CONFIGS) -> None:
     """Times the prefill tile configs (see the module docstring); calls emit(row) per config and context."""
@@ -190,9 +195,10 @@ def run_prefill(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool 
         q, ks, vs, pt, qp, kl = make_case(rng, 1, t, context, 2)
         want = np.asarray(jax.jit(lambda *a: pa.paged_attention_ref(*a, scale))(q, ks[0], vs[0], pt, qp, kl),
                           np.float64)
-        for i, (name, config) in enumerate(parsed):
+        for name, config in parsed:
             base = {"kernel": "paged_attention_prefill", "case": f"T={t} ctx={context}", "impl": "pallas",
-                    "config": name, "default": i == 0, "B": 1, "T": t, "ctx": context, "layers": 2, "reps": reps}
+                    "config": name, "default": _prefill_tile(config) == _prefill_tile(pa.DEFAULT_CONFIG), "B": 1,
+                    "T": t, "ctx": context, "layers": 2, "reps": reps}
             attn = lambda *a, config=config: pa.paged_attention(*a, scale, config=config, interpret=interpret)
             try:
                 got = np.asarray(jax.jit(attn)(q, ks[0], vs[0], pt, qp, kl), np.float64)

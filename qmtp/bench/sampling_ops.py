@@ -17,7 +17,6 @@ K+1 positions): their difference is what sampling adds to a round's device time.
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import sys
@@ -80,7 +79,7 @@ def pieces(rows: int, k: int) -> dict:
            "largest_64": lambda z, zk, i: smp.largest(z, smp.SHORT_TOP_K),
            "gumbel_argmax": lambda z, zk, i: smp.gumbel_argmax(z, keys(i))}
     for name, cut in cuts.items():
-        out[f"logprobs_{name}"] = functools.partial(lambda z, zk, i, cut: smp.logprobs(z, cut), cut=cut)
+        out[f"logprobs_{name}"] = lambda z, zk, i, cut=cut: smp.logprobs(z, cut)
     out[f"logprobs_{k + 1}_positions"] = lambda z, zk, i: smp.logprobs(zk, rec)
     out["speculative_accept"] = lambda z, zk, i: smp.speculative_accept(
         zk, zk[:, :k] - 0.1, jnp.argmax(zk[:, :k], axis=-1), rec.seed, base + i)
