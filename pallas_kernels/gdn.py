@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
+WY_CHUNK = 64  # tokens per chunk of the prefill's WY form
 
 
 def _expand_heads(x: jax.Array, hv: int) -> jax.Array:
@@ -58,7 +59,7 @@ def gdn_recurrence_ref(q, k, v, g, beta, state, return_states: bool = False):
     return o, final
 
 
-def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
+def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = WY_CHUNK):
     """Chunked WY form (the prefill path: sequential over chunks, parallel inside). Per chunk (local i, j),
     gamma = cumsum(g), Gam_ij = exp(gamma_i - gamma_j):
 
@@ -68,25 +69,40 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
         O   = (Q * exp(gamma)) S + ((Q K^T) * Gam * [i >= j]) Vn
         S  <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T Vn
 
-    T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged."""
+    T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged. The chunk-parallel
+    part is `wy_chunk_inputs`, the sequential part `wy_chunk_scan_ref` (its kernel: gdn_chunked.py)."""
+    xs = wy_chunk_inputs(q, k, v, g, beta, state, chunk)
+    o, final = wy_chunk_scan_ref(*xs, state.astype(jnp.float32))
+    return wy_chunk_output(o, q.shape[1]), final
+
+
+def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int):
+    """The chunk-parallel half of `gdn_chunked_ref`: for each chunk n of C = `chunk` tokens (T zero-padded to
+    N * C), with [B, Hv, N, C, ...] f32 outputs (key heads repeated to the value heads):
+
+        qg = Q * exp(gamma)                      [.., C, Dk]   (reads the state entering the chunk)
+        qk = (Q K^T) * Gam * [i >= j]            [.., C, C]
+        u  = U,  w = W                           [.., C, Dv], [.., C, Dk]
+        kd = K * exp(gamma_C - gamma)            [.., C, Dk]   (writes the state leaving it)
+        decay = exp(gamma_C)                     [B, Hv, N]"""
     _check(q, k, v, g, beta, state)
     b, t, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
+    hv = v.shape[2]
     n = -(-t // chunk)
     pad = n * chunk - t
 
-    def prep(x):  # [B, T, H, ...] -> [N, B, H, C, ...] f32, zero-padded
+    def prep(x):  # [B, T, H, ...] -> [B, H, N, C, ...] f32, zero-padded
         x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         x = x.reshape((b, n, chunk) + x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+        return jnp.moveaxis(x, 3, 1)
 
     qc, kc = prep(_expand_heads(q, hv)), prep(_expand_heads(k, hv))
-    vc, gc, bc = prep(v), prep(g), prep(beta)  # [N,B,H,C,Dv], [N,B,H,C], [N,B,H,C]
+    vc, gc, bc = prep(v), prep(g), prep(beta)  # [B,H,N,C,Dv], [B,H,N,C], [B,H,N,C]
     gamma = jnp.cumsum(gc, axis=-1)
     lower_incl = jnp.tril(jnp.ones((chunk, chunk), bool))
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     diff = gamma[..., :, None] - gamma[..., None, :]
-    gam = jnp.exp(jnp.where(lower_incl, diff, -jnp.inf))  # [N,B,H,C,C], 0 above the diagonal
+    gam = jnp.exp(jnp.where(lower_incl, diff, -jnp.inf))  # [B,H,N,C,C], 0 above the diagonal
     kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=HIGHEST)
     lmat = jnp.where(strict, bc[..., :, None] * kk * gam, 0.0)
     eye = jnp.eye(chunk, dtype=jnp.float32)
@@ -95,20 +111,33 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = 64):
     u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=HIGHEST)
     w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=HIGHEST)
     qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=HIGHEST) * gam, 0.0)
+    last = gamma[..., -1:]  # [B, H, N, 1]
+    qg = qc * jnp.exp(gamma)[..., None]
+    kd = kc * jnp.exp(last - gamma)[..., None]
+    return qg, qk, u, w, kd, jnp.exp(last[..., 0])
 
+
+def wy_chunk_scan_ref(qg, qk, u, w, kd, decay, state):
+    """The sequential half of `gdn_chunked_ref` over the chunks of `wy_chunk_inputs` ([B, H, N, ...]), from
+    state [B, H, Dk, Dv] f32: per chunk Vn = u - w S, O = qg S + qk Vn, S <- decay S + kd^T Vn.
+    Returns (O [B, H, N, C, Dv] f32, the final state)."""
     def step(s, xs):
-        q_c, k_c, u_c, w_c, qk_c, gamma_c = xs  # s: [B, H, Dk, Dv]
+        qg_c, qk_c, u_c, w_c, kd_c, decay_c = xs  # s: [B, H, Dk, Dv]
         vn = u_c - jnp.einsum("bhcd,bhdv->bhcv", w_c, s, precision=HIGHEST)
-        o = (jnp.einsum("bhcd,bhdv->bhcv", q_c * jnp.exp(gamma_c)[..., None], s, precision=HIGHEST)
+        o = (jnp.einsum("bhcd,bhdv->bhcv", qg_c, s, precision=HIGHEST)
              + jnp.einsum("bhij,bhjv->bhiv", qk_c, vn, precision=HIGHEST))
-        last = gamma_c[..., -1:]  # [B, H, 1]
-        s = (jnp.exp(last)[..., None] * s
-             + jnp.einsum("bhcd,bhcv->bhdv", k_c * jnp.exp(last - gamma_c)[..., None], vn, precision=HIGHEST))
+        s = decay_c[..., None, None] * s + jnp.einsum("bhcd,bhcv->bhdv", kd_c, vn, precision=HIGHEST)
         return s, o
 
-    final, o = jax.lax.scan(step, state.astype(jnp.float32), (qc, kc, u, w, qk, gamma))
-    o = jnp.moveaxis(o, 2, 3).swapaxes(0, 1).reshape(b, n * chunk, hv, dv)[:, :t]  # [N,B,H,C,Dv] -> [B,T,H,Dv]
-    return o, final
+    chunks = tuple(jnp.moveaxis(x, 2, 0) for x in (qg, qk, u, w, kd, decay))  # [N, B, H, ...]
+    final, o = jax.lax.scan(step, state, chunks)
+    return jnp.moveaxis(o, 0, 2), final
+
+
+def wy_chunk_output(o: jax.Array, t: int) -> jax.Array:
+    """O [B, H, N, C, Dv] of a chunk scan -> o [B, T, H, Dv] (the padding tokens dropped)."""
+    b, h, n, c, dv = o.shape
+    return jnp.moveaxis(o.reshape(b, h, n * c, dv), 1, 2)[:, :t]
 
 
 def gdn_gates_ref(a, b, a_log, dt_bias):

@@ -88,10 +88,11 @@ for s in "${steps[@]}"; do
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
                   rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
-    # the chunked GDN prefill (XLA) at the 27B shapes, T = 512 and 4096, against the layer's matmuls, at
-    # WY chunks of 32, 64 (the model's) and 128 (an 8k prompt's scan runs 128 / 64 / 32 steps per layer)
+    # the chunked GDN prefill at the 27B shapes, T = 512 and 4096, its chain over chunks as a lax.scan (xla)
+    # and as one kernel (pallas; a tile / warps sweep), against the layer's matmuls, at WY chunks of 32, 64
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
-                   --gdn_prefill_chunks=32,64,128 --out="$OUT/gdn_prefill.json" ;;
+                   --gdn_prefill_chunks=32,64 --gdn_chain_configs=32x4,64x8,16x4,32x8 \
+                   --out="$OUT/gdn_prefill.json" ;;
     # prefill attention: a 2048-token chunk at the end of 8k and 32k prompts, per query-tile config
     attn_prefill) run_step attn_prefill 300 "$PY" -m pallas_kernels.bench --parts=attention --attention_cases=prefill \
                     --out="$OUT/attn_prefill.json" ;;

@@ -6,8 +6,13 @@ import os
 import numpy as np
 import pytest
 
+import jax
+import jax.numpy as jnp
+
 import qmtp
-from qmtp.runtime.kernel_config import PALLAS
+from qmtp.runtime import ops
+from qmtp.runtime.kernel_config import PALLAS, REF
+from test_kernel_gdn import make_inputs
 from tolerance import F32_MODEL, assert_close
 
 ORACLE = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
@@ -34,6 +39,15 @@ def test_pallas_impl_on_an_fp8_checkpoint_matches_ref(tmp_path):
     assert_close(qmtp.target_logits(pallas, ids), qmtp.target_logits(ref, ids), F32_MODEL, "fp8 logits")
     want = qmtp.generate(ref, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=1)
     assert qmtp.generate(pallas, [ids], max_new_tokens=5, stop_token_ids=[], mtp_k=1).tokens == want.tokens
+
+
+def test_the_prefill_gdn_chain_is_the_kernel_under_pallas_only():
+    """ops.gdn_chunked: the chain over chunks is the Pallas kernel under impl="pallas" (the FP8 test above
+    runs it inside the model: its 21-token prompt takes the chunked path) and XLA's scan under "ref"."""
+    args = [jnp.asarray(a) for a in make_inputs(1, 40, 1, 2, 16, 16)]
+    for kernels, want in ((PALLAS, True), (REF, False)):
+        text = str(jax.make_jaxpr(lambda *a, kernels=kernels: ops.gdn_chunked(*a, kernels))(*args))
+        assert ("gdn_wy_chunk_scan" in text) == want, kernels
 
 
 @pytest.mark.slow  # ~90 s; the kernel's exact cases and lowering run in CI

@@ -60,6 +60,8 @@ flags.DEFINE_list("gdn_cases", ["conv", "prefill"], "gdn: which cases: conv (the
                   "tile sweep), prefill (the chunked form).")
 flags.DEFINE_list("gdn_prefill_chunks", ["64"], "gdn: chunk sizes of the prefill case's WY form (powers of two; "
                   "the model's is gdn_chunked_ref's default, 64), one row each.")
+flags.DEFINE_list("gdn_chain_configs", ["32x4"], "gdn: the prefill case's chain kernel configs (gdn_chunked), "
+                  "BVxWARPS, one pallas row each.")
 flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the conv case (default 1, 8, 16).")
 flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the conv case (default 1, 4, 5).")
 flags.DEFINE_list("gdn_conv_configs", [], "gdn: the conv case's kernel configs, BVxWARPS (default: a tile sweep).")
@@ -121,7 +123,8 @@ def main(argv):
             from pallas_kernels.bench import gdn
             gdn.run(tb, rec.emit, cases=tuple(FLAGS.gdn_cases), batches=tuple(int(b) for b in FLAGS.gdn_batches),
                     tokens=tuple(int(t) for t in FLAGS.gdn_tokens), conv_configs=tuple(FLAGS.gdn_conv_configs),
-                    prefill_chunks=tuple(int(c) for c in FLAGS.gdn_prefill_chunks), **opts)
+                    prefill_chunks=tuple(int(c) for c in FLAGS.gdn_prefill_chunks),
+                    chain_configs=tuple(FLAGS.gdn_chain_configs), **opts)
         elif part == "moe":
             from pallas_kernels.bench import moe
             moe.run(tb, rec.emit, sweep=FLAGS.moe_sweep, **opts)

@@ -9,8 +9,9 @@ sequence: far more than the 50 MB L2, and no host dispatch per call). s_per_call
 (layers * iters). bytes = 2 * B * Hv * Dk * Dv * 4: the f32 state read and written once per call (the
 raw inputs and o are ~1% of it). rel_err = max |x - x_ref| / max |x_ref| over o and the state.
 
-Chunked prefill (kernel "gdn_prefill", B = 1, T in {512, 4096}): `gdn_chunked_ref` (impl "xla"; the
-prefill path) with `prefill_layers` layers in one jitted program. bytes = the state read +
+Chunked prefill (kernel "gdn_prefill", B = 1, T in {512, 4096}): `gdn_chunked_ref` (impl "xla": the chain
+over chunks a lax.scan) and `gdn_chunked.gdn_chunked` (impl "pallas": the chain in one kernel; the prefill
+path under Pallas), `prefill_layers` layers in one jitted program. bytes = the state read +
 written, q, k, v, g, beta read and o written (all f32). The argument the rows carry: is the chunked
 form cheap enough for prefill? tokens_per_s (one layer), tokens_per_s_48_layers (all GDN layers), and
 share_of_layer = t_gdn / (t_gdn + t_matmuls), where t_matmuls is the same run's time for the bf16 XLA
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import gdn as gdn_kernel
+from pallas_kernels import gdn_chunked
 from pallas_kernels import gdn_conv
 
 HK, HV, DK, DV = 16, 48, 128, 128
@@ -266,36 +268,52 @@ def _prefill_time(fn, t: int, sz: Sizes) -> dict:
     return {"s_per_call": med / n, "best_s_per_call": best / n, "first_call_s": first, "layers_per_program": n}
 
 
-def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,)) -> None:
-    """One row per prompt length and chunk of the WY form (chunks: candidates for gdn_chunked_ref's chunk;
-    the layer's matmuls are timed once per length)."""
+CHAIN_CONFIGS = ("32x4", "64x8", "16x4", "32x8")  # the chain kernel's sweep, BVxWARPS (the first: the default)
+
+
+def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,), interpret: bool = False,
+                  chain_configs=CHAIN_CONFIGS[:1]) -> None:
+    """One row per prompt length, chunk of the WY form (chunks: candidates for gdn_chunked_ref's chunk) and
+    impl: "xla" runs the chain over chunks as a lax.scan (`gdn_chunked_ref`), "pallas" as one kernel
+    (`gdn_chunked.gdn_chunked`, one row per config, its rel_err against the xla row's o and state on one
+    layer). The layer's matmuls are timed once per length."""
     for t in sz.prefill_tokens:
         nbytes = prefill_bytes(1, t)
         mm = None
         for chunk in chunks:
-            head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": "xla", "B": 1, "T": t,
-                    "chunk": chunk}
-            try:
-                m = _prefill_time(functools.partial(gdn_kernel.gdn_chunked_ref, chunk=chunk), t, sz)
-                s = m.pop("s_per_call")
-                if mm is None:
-                    mm = _layer_matmuls_time(t, sz)
-                mm_s, mm_tflops = mm
-                row = {**head, **_rates(nbytes, s, copy_tb_s), **m,
-                       "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
-                       "tflops": chunked_flops_per_token(chunk) * t / s / 1e12,
-                       "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
-                       "share_of_layer": s / (s + mm_s)}
-            except Exception as e:
-                row = _error_row(head, nbytes, e)
-            emit(row)
+            impls = [("xla", None, functools.partial(gdn_kernel.gdn_chunked_ref, chunk=chunk))]
+            impls += [("pallas", c, functools.partial(gdn_chunked.gdn_chunked, chunk=chunk, interpret=interpret,
+                                                      config=gdn_chunked.parse_config(c))) for c in chain_configs]
+            for impl, config, fn in impls:
+                head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": impl, "B": 1,
+                        "T": t, "chunk": chunk}
+                if config is not None:
+                    head["config"] = config
+                try:
+                    m = _prefill_time(fn, t, sz)
+                    s = m.pop("s_per_call")
+                    if mm is None:
+                        mm = _layer_matmuls_time(t, sz)
+                    mm_s, mm_tflops = mm
+                    row = {**head, **_rates(nbytes, s, copy_tb_s), **m,
+                           "tokens_per_s": t / s, "tokens_per_s_48_layers": t / (GDN_LAYERS * s),
+                           "tflops": chunked_flops_per_token(chunk) * t / s / 1e12,
+                           "layer_matmuls_s": mm_s, "layer_matmuls_tflops": mm_tflops,
+                           "share_of_layer": s / (s + mm_s)}
+                    if impl == "pallas":
+                        args = gdn_inputs(jax.random.key(100), 1, t)
+                        got, want = jax.jit(fn)(*args), jax.jit(impls[0][2])(*args)
+                        row["rel_err"] = max(rel_err(a, e) for a, e in zip(got, want))
+                except Exception as e:
+                    row = _error_row(head, nbytes, e)
+                emit(row)
 
 
 CASES = ("conv", "prefill")
 
 
 def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False, cases=CASES, batches=(),
-        tokens=(), conv_configs=(), prefill_chunks=(CHUNK,)) -> None:
+        tokens=(), conv_configs=(), prefill_chunks=(CHUNK,), chain_configs=CHAIN_CONFIGS[:1]) -> None:
     """Times the kernels and their XLA/jnp references at the Qwen3.5-27B shapes; calls emit(row) per
     measured case. cases: a subset of CASES; batches, tokens: the conv case's B and T (default Sizes');
     conv_configs: the conv case's configs (parse_conv_config; default CONV_CONFIGS); prefill_chunks:
@@ -320,6 +338,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[:1], with_ref=True, interpret=interpret)
     if "prefill" in cases:
-        bench_prefill(copy_tb_s, emit, sz, tuple(prefill_chunks))
+        for c in chain_configs:
+            gdn_chunked.parse_config(c)  # a typo fails before anything runs
+        bench_prefill(copy_tb_s, emit, sz, tuple(prefill_chunks), interpret, tuple(chain_configs))
     if "conv" in cases:
         bench_conv_decode(copy_tb_s, emit, sz, sz.conv_configs[1:], with_ref=False, interpret=interpret)

@@ -167,7 +167,7 @@ def gated_deltanet(p: dict, x: jax.Array, conv_state: jax.Array, ssm_state: jax.
         beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)
         # padding must not touch the state even if its inputs are not finite: zero k and v as well
         k, v = jnp.where(valid[..., None], k, 0.0), jnp.where(valid[..., None], v, 0.0)
-        o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state)
+        o, ssm = ops.gdn_chunked(q, k, v, g, beta, ssm_state, kernels)
     # rounded to x's dtype by the norm kernel itself: with the convert left to XLA (fused into out_proj's
     # input preparation), a decode step's out_proj gave other bits than the same token's in a verify
     # (H100, --deterministic); with it in the kernel they agree
