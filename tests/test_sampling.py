@@ -93,6 +93,15 @@ def test_largest_equals_the_head_of_a_sort(shape, k):
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
 
 
+def test_largest_breaks_a_tie_across_blocks_by_the_lower_id():
+    """k = 2 over two blocks: the higher block holds the largest value and a tie at the 2nd in another of
+    its sub-blocks; the lower block's only value ties too, at a lower id, which must win."""
+    z = np.full((1, 2 * sampling.LARGEST_BLOCK), -5.0, np.float32)
+    z[0, 200], z[0, 230], z[0, 3] = 10.0, 5.0, 5.0
+    values, ids = sampling.largest(jnp.asarray(z), 2)
+    assert np.asarray(ids).tolist() == [[200, 3]] and np.asarray(values).tolist() == [[10.0, 5.0]]
+
+
 def test_rows_keep_their_own_parameters_and_greedy_rows_their_token():
     z = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 30)), jnp.float32)  # [B, positions, V]
     p = SamplingParams(jnp.array([0.0, 0.8]), jnp.array([0, 3]), jnp.array([1.0, 1.0]), jnp.array([0.0, 0.0]),

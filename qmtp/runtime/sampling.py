@@ -42,6 +42,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenA
 # would count the mass of ties at the k-th value only up to SHORT_TOP_K of them.
 SHORT_TOP_K = 64
 LARGEST_BLOCK = 128  # vocabulary ids per block of `largest`
+LARGEST_SUB_BLOCK = 16  # ids per sub-block of `largest`'s second level
 
 
 @jax.tree_util.register_dataclass
@@ -133,21 +134,26 @@ def logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def largest(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k largest values [..., k] of z [..., V] along the last axis, descending, and their ids [..., k]
     int32 (ties: the lower id first), as lax.top_k gives them, without sorting V (on the H200 XLA's top_k
-    sorts: 290 us for 4 x 248,320 logits; this form's values took 57 us there at k = 20, measured before
-    the ids became a second sort key). An id among the k largest lies in a block of
-    LARGEST_BLOCK ids whose maximum is at least the k-th largest value, and at most k blocks' maxima rank
-    that high, so the k blocks of largest maxima hold them (ties at the k-th value: those blocks still hold
-    k values >= it). Two short sorts: the V / LARGEST_BLOCK block maxima, then those blocks' values."""
+    sorts: 290 us for 4 x 248,320 logits; this form at k = 64: 61 / 58 / 64 us at 1 / 4 / 16 rows, H100,
+    `qmtp.bench.sampling_ops`, against 91 / 96 / 100 us with one level of blocks). An id among the k largest lies in a block of LARGEST_BLOCK ids
+    whose maximum ranks among the k largest block maxima (ties: the lower block first), so those k blocks
+    hold them; the same holds again for sub-blocks of LARGEST_SUB_BLOCK ids inside the kept blocks, kept in
+    id order. Three short sorts: the V / LARGEST_BLOCK block maxima, the k * LARGEST_BLOCK /
+    LARGEST_SUB_BLOCK sub-block maxima, then the k * LARGEST_SUB_BLOCK values left."""
     lead, v = z.shape[:-1], z.shape[-1]
     if not 0 <= k <= v:
         raise ValueError(f"largest: k={k} must be in [0, {v}] (the last axis)")
     rows = z.reshape(-1, v)
+    r = rows.shape[0]
     blocks = jnp.pad(rows, ((0, 0), (0, (-v) % LARGEST_BLOCK)), constant_values=-jnp.inf)
-    blocks = blocks.reshape(rows.shape[0], -1, LARGEST_BLOCK)  # [R, V / LARGEST_BLOCK, LARGEST_BLOCK]
-    order = jnp.argsort(-jnp.max(blocks, axis=-1), axis=-1)[:, :k]  # [R, k]: the blocks of largest maxima
-    held = jnp.take_along_axis(blocks, order[:, :, None], axis=1).reshape(rows.shape[0], -1)  # [R, k * BLOCK]
-    ids = (order[:, :, None] * LARGEST_BLOCK + jnp.arange(LARGEST_BLOCK)).reshape(held.shape).astype(jnp.int32)
-    neg, ids = jax.lax.sort((-held, ids), dimension=1, num_keys=2)  # descending values, ties by id
+    blocks = blocks.reshape(r, -1, LARGEST_BLOCK)  # [R, V / LARGEST_BLOCK, LARGEST_BLOCK]
+    ids = jnp.broadcast_to(jnp.arange(blocks.shape[1] * LARGEST_BLOCK, dtype=jnp.int32), (r, blocks[0].size))
+    for size in (LARGEST_BLOCK, LARGEST_SUB_BLOCK):
+        blocks, ids = blocks.reshape(r, -1, size), ids.reshape(r, -1, size)  # [R, n, size], in id order
+        order = jnp.sort(jnp.argsort(-jnp.max(blocks, axis=-1), axis=-1, stable=True)[:, :k], axis=-1)  # [R, <=k]
+        blocks = jnp.take_along_axis(blocks, order[:, :, None], axis=1)  # the kept blocks, in id order
+        ids = jnp.take_along_axis(ids, order[:, :, None], axis=1)
+    neg, ids = jax.lax.sort((-blocks.reshape(r, -1), ids.reshape(r, -1)), dimension=1, num_keys=2)
     return -neg[:, :k].reshape(lead + (k,)), ids[:, :k].reshape(lead + (k,))
 
 
