@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all venv clean-venv oracle-fixtures
+.PHONY: demo test test-all venv clean-venv oracle-fixtures device-wheels
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $$(scripts/find_python312.sh) -m venv $(VENV)
@@ -20,6 +20,16 @@ demo: $(STAMP)
 # The suite in a few fresh pytest processes (scripts/pytest_groups.py says why); same markers and flags.
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) scripts/pytest_groups.py -q -x --timeout=900
+
+# The HTTP server's and the load test's packages (fastapi, uvicorn, httpx and what they need) as Python 3.12
+# x86-64 wheels in .device-wheels/, at the versions of .venv, for a GPU machine that has JAX but not them:
+# carry the folder there (the device tool's carry); scripts/gpu_check.sh's server steps unpack it.
+device-wheels: $(STAMP)
+	rm -rf .device-wheels && mkdir -p .device-wheels
+	$(PY) -m pip freeze --exclude-editable > .device-wheels/constraints.txt
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_17_x86_64 -c .device-wheels/constraints.txt -d .device-wheels fastapi uvicorn httpx
+	@ls .device-wheels/*.whl | wc -l | xargs echo "device-wheels: wheels in .device-wheels:"
 
 # Includes tests marked slow (still CPU only).
 test-all: $(STAMP)

@@ -13,6 +13,8 @@
 # BENCH_ARGS is appended to both bench commands: the flagfile's whole table (K=1..4, 3 repeats,
 # the round breakdown) takes about 11 minutes at batch 1; BENCH_ARGS="--ks=3 --repeats=1
 # --breakdown=false" is the shorter run behind the README's rows. PYTHON: interpreter (python3).
+# The server steps (serve_*, chat_*) need fastapi, uvicorn and httpx: where the machine lacks them, run
+# `make device-wheels` here and carry .device-wheels along.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_PLATFORMS=cuda
 OUT=${OUT:-out}
@@ -34,10 +36,28 @@ run_step() {  # name default_limit_s command...
   tail -n 5 "$OUT/$name.log" | cut -c1-300
 }
 
+# The server steps' packages (fastapi, uvicorn, httpx): the machine's own, else the wheels of `make device-wheels`
+# carried in .device-wheels/, unpacked once and put after everything else on PYTHONPATH.
+SERVER_STEPS=" serve_long chat_nocache chat_prefix serve_k0 serve_kauto "
+server_packages() {
+  "$PY" -c "import fastapi, uvicorn, httpx" 2>/dev/null && return 0
+  local site=${TMPDIR:-/tmp}/qmtp_server_packages wheel
+  if ! ls .device-wheels/*.whl >/dev/null 2>&1; then
+    echo "server steps need fastapi, uvicorn and httpx: run 'make device-wheels' and carry .device-wheels" >&2
+    return 1
+  fi
+  for wheel in .device-wheels/*.whl; do "$PY" -m zipfile -e "$wheel" "$site" || return 1; done
+  export PYTHONPATH="$PYTHONPATH:$site"
+  "$PY" -c "import fastapi, uvicorn, httpx"
+}
+
 read -r -a EXTRA <<<"${BENCH_ARGS:-}"
 BENCH=("$PY" -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags)
 status=0
 for s in "${steps[@]}"; do
+  if [[ $SERVER_STEPS == *" $s "* ]] && ! server_packages; then
+    echo "== $s: skipped (no server packages)"; status=1; continue
+  fi
   case $s in
     kernel_tests) run_step kernel_tests 540 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_*.py \
                     tests/test_row_invariance.py ;;
