@@ -61,11 +61,11 @@ def test_gdn_cases_and_batches_choose_what_runs(monkeypatch):
 
 def test_gdn_prefill_times_each_chunk_and_refuses_other_than_powers_of_two():
     rows, sz = [], gdn.sizes(True, True)
-    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32), interpret=True, chain_configs=("16x4", "16x8"))
+    gdn.bench_prefill(1.0, rows.append, sz, chunks=(16, 32), interpret=True, chain_configs=("16x4",))
     t = sz.prefill_tokens[0]
     assert [(r["T"], r["chunk"], r["impl"], r.get("config")) for r in rows] == [
         (t, c, impl, config) for c in (16, 32) for impl, config in
-        (("xla", None), ("pallas", "16x4"), ("pallas", "16x8"))]
+        (("xla", None), ("pallas", "16x4"))]
     assert all("error" not in r and r["s_per_call"] > 0 and r["tflops"] > 0 for r in rows), rows
     assert all(r["rel_err"] < 1e-5 for r in rows if r["impl"] == "pallas"), rows
     with pytest.raises(ValueError, match="powers of two"):
