@@ -135,11 +135,12 @@ def largest(z: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k largest values [..., k] of z [..., V] along the last axis, descending, and their ids [..., k]
     int32 (ties: the lower id first), as lax.top_k gives them, without sorting V (on the H200 XLA's top_k
     sorts: 290 us for 4 x 248,320 logits; this form at k = 64: 61 / 58 / 64 us at 1 / 4 / 16 rows, H100,
-    `qmtp.bench.sampling_ops`, against 91 / 96 / 100 us with one level of blocks). An id among the k largest lies in a block of LARGEST_BLOCK ids
-    whose maximum ranks among the k largest block maxima (ties: the lower block first), so those k blocks
-    hold them; the same holds again for sub-blocks of LARGEST_SUB_BLOCK ids inside the kept blocks, kept in
-    id order. Three short sorts: the V / LARGEST_BLOCK block maxima, the k * LARGEST_BLOCK /
-    LARGEST_SUB_BLOCK sub-block maxima, then the k * LARGEST_SUB_BLOCK values left."""
+    `qmtp.bench.sampling_ops`, against 91 / 96 / 100 us with one level of blocks). An id among the k
+    largest lies in a block of LARGEST_BLOCK ids whose maximum ranks among the k largest block maxima
+    (ties: the lower block first), so those k blocks hold them; the same holds again for sub-blocks of
+    LARGEST_SUB_BLOCK ids inside the kept blocks, kept in id order. Three short sorts: the V /
+    LARGEST_BLOCK block maxima, the k * LARGEST_BLOCK / LARGEST_SUB_BLOCK sub-block maxima, then the
+    k * LARGEST_SUB_BLOCK values left."""
     lead, v = z.shape[:-1], z.shape[-1]
     if not 0 <= k <= v:
         raise ValueError(f"largest: k={k} must be in [0, {v}] (the last axis)")
