@@ -14,7 +14,8 @@ tokens on prefill_num_warps warps, NS = 1) so each K/V row is read once per kv h
 [s*L, min((s+1)*L, n)), n = min(kv_lengths[b], Pmax*S, the block's last position + 1), L =
 round_up(cdiv(n, NS), BK): keys past the length or the block's causal limit are never read and every
 split gets work. Each step gathers BK keys by page id (clamped to [0, P)), so any page size works; online
-softmax in base 2, masked scores -inf by `where`, masked K/V never loaded. A jnp step combines the splits (weights exp2(m_s - max m)).
+softmax in base 2, masked scores -inf by `where`, masked K/V never loaded. A jnp step combines the splits
+(weights exp2(m_s - max m)).
 
 Row-invariant form (PagedAttentionConfig.split_keys = L fixed, ROW_INVARIANT_CONFIG): split s covers keys
 [s*L, (s+1)*L) whatever B, T or n, NS = cdiv(Pmax*S, L), and the splits are added in one fixed order
