@@ -22,6 +22,12 @@ one `python -m pytest PYTEST ARGS FILES` run whose output is printed whole when 
 groups' lines never interleave), with its wall time. After the first group that fails (pytest's exit
 code 5, "no tests collected", counts as a pass: a group may hold only deselected tests) no new group
 starts, the running ones finish, and the runner exits with the first failure's code.
+
+The groups share one JAX persistent compile cache, new for each run and deleted after it, that keeps
+every program however fast it compiled (JAX's default keeps only those of 1 s or more: almost none of
+the tiny models' programs): a group loads what an earlier group compiled. Measured on the 2-core
+machine, the whole suite 945 -> 854 s (the serving group 507 -> 443 s). A JAX_* variable set by the
+caller wins.
 """
 
 from __future__ import annotations
@@ -89,9 +95,19 @@ def parse_args(argv: list[str]) -> tuple[int, int, list[str]]:
     return groups, jobs, args
 
 
-def run_groups(chunks: list[list[str]], args: list[str], jobs: int, out=sys.stdout) -> int:
-    """Runs each chunk of files as one pytest process, `jobs` at a time, printing each group's output
-    when it ends; returns 0 or the first failing group's exit code."""
+def shared_compile_cache_env(directory: str, environ=os.environ) -> dict:
+    """The groups' environment: `environ` with JAX's persistent compile cache in `directory`, keeping
+    every program (no minimum compile time or size), where `environ` does not set these itself."""
+    env = dict(environ)
+    for name, value in (("JAX_COMPILATION_CACHE_DIR", directory), ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+                        ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")):
+        env.setdefault(name, value)
+    return env
+
+
+def run_groups(chunks: list[list[str]], args: list[str], jobs: int, out=sys.stdout, env=None) -> int:
+    """Runs each chunk of files as one pytest process (environment `env`; None: this one's), `jobs` at a
+    time, printing each group's output when it ends; returns 0 or the first failing group's exit code."""
     n, t0 = len(chunks), time.perf_counter()
     pending = list(enumerate(chunks, 1))
     running: dict = {}  # group number -> (process, log file, start time, names)
@@ -102,7 +118,7 @@ def run_groups(chunks: list[list[str]], args: list[str], jobs: int, out=sys.stdo
             names = [os.path.relpath(f, ROOT) for f in chunk]
             log = tempfile.TemporaryFile(mode="w+")
             proc = subprocess.Popen([sys.executable, "-m", "pytest", *args, *names], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT, env=env)
             running[g] = (proc, log, time.perf_counter(), names)
             print(f"== group {g}/{n} started: {' '.join(os.path.basename(x) for x in names)}", file=out, flush=True)
         if first_failure:
@@ -140,7 +156,8 @@ def main(argv: list[str]) -> int:
     if not files:
         print("pytest_groups: no tests/test_*.py found", file=sys.stderr)
         return 2
-    return run_groups(plan(files, groups), args, jobs)
+    with tempfile.TemporaryDirectory(prefix="qmtp_test_compile_cache_") as cache:
+        return run_groups(plan(files, groups), args, jobs, env=shared_compile_cache_env(cache))
 
 
 if __name__ == "__main__":

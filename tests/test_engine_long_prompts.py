@@ -93,6 +93,7 @@ def test_pieces_leave_the_first_draft_of_the_chunked_prefill(chunked, prompt):
                                atol=1e-5 * float(np.max(np.abs(np.asarray(want.mh[0])))))
 
 
+@pytest.mark.slow  # CI time: test_while_others_decode_prompts_go_in_interleave_pieces checks piece, run, ... too
 def test_a_long_prompt_interleaves_with_running_streams(chunked):
     """One piece per scheduling point, a decode call of the running stream after each: the stream waits
     for one piece at a time, not for the whole prompt; its tokens stay those of generate."""

@@ -83,3 +83,17 @@ def test_groups_all_pass_and_deselected_count_as_pass(tmp_path):
     assert pytest_groups.run_groups([[ok], [empty]], ["-q", "-p", "no:cacheprovider", "-m", "not skipme"], jobs=3,
                                     out=out) == 0
     assert "all 2 groups passed" in out.getvalue() and "exit 5" in out.getvalue()
+
+
+def test_groups_share_a_compile_cache_that_keeps_every_program(tmp_path):
+    import io
+    probe = _write(tmp_path / "test_env.py", "import os, jax\ndef test_env():\n    print('cache', "
+                   "os.environ['JAX_COMPILATION_CACHE_DIR'], jax.config.jax_persistent_cache_min_compile_time_secs,"
+                   " jax.config.jax_persistent_cache_min_entry_size_bytes)\n")
+    env = pytest_groups.shared_compile_cache_env(str(tmp_path / "cache"), {"PATH": os.environ["PATH"]})
+    out = io.StringIO()
+    assert pytest_groups.run_groups([[probe], [probe]], ["-q", "-s", "-p", "no:cacheprovider"], jobs=2, out=out,
+                                    env=env) == 0
+    assert out.getvalue().count(f"cache {tmp_path / 'cache'} 0.0 0") == 2, out.getvalue()
+    assert pytest_groups.shared_compile_cache_env("x", {"JAX_COMPILATION_CACHE_DIR": "mine"})[
+        "JAX_COMPILATION_CACHE_DIR"] == "mine"  # the caller's own setting wins

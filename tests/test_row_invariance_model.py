@@ -180,6 +180,7 @@ def test_a_prompt_prefilled_alone_equals_it_in_a_batch():
     assert _prefill_parted(resolve_checkpoint("preset:tiny", num_layers=2), deterministic=True, chunk=16) == []
 
 
+@pytest.mark.slow  # CI time: test_deterministic.py checks the tokens alone and in a batch; the GPU check runs it
 def test_each_layer_of_a_row_alone_equals_it_in_a_batch():
     assert _parted(resolve_checkpoint("preset:tiny", num_layers=2), deterministic=True) == []
 
