@@ -21,7 +21,7 @@ OUT=${OUT:-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
-           prefill_chunks prefill_memory serve_long gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
+           prefill_chunks prefill_memory serve_long fp8_gemm_rows gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
            bench_deterministic chat_nocache chat_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
@@ -108,6 +108,10 @@ for s in "${steps[@]}"; do
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
                   rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
+    # the FP8 projections of a serving piece while others decode (--interleave_piece 256, 512: the GEMM; 128 takes
+    # the decode grid): each 27B shape's default tile against the sweep's candidates and XLA's dequantize + dot
+    fp8_gemm_rows) run_step fp8_gemm_rows 560 "$PY" -m pallas_kernels.bench --parts=fp8 --fp8_ms= \
+                     --fp8_prefill_ms=256,512 --fp8_sweep --out="$OUT/fp8_gemm_rows.json" ;;
     # the chunked GDN prefill at the 27B shapes, T = 512 and 4096, its chain over chunks as a lax.scan (xla)
     # and as one kernel (pallas; a tile / warps sweep), against the layer's matmuls, at WY chunks of 32, 64
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
