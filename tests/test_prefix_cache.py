@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp.serve import metrics
+from qmtp.serve import metrics, warmup
 from qmtp.serve.engine import Engine
 from qmtp.serve.engine_config import EngineConfig
 
@@ -224,6 +224,16 @@ def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
     assert engine.stop(10)
 
 
+def test_the_warmup_plan_holds_a_pass_of_each_width_and_a_checkpoint_and_resume(model):
+    """The plan alone (nothing compiles): with the cache every prompt goes in passes, so the plan names a pass
+    of each width up to the largest bucket asked for, and a checkpoint and resume, instead of prompt buckets."""
+    names = [step.name for step in warmup.plan(Engine(model, config(3, 1 << 24)), [16, 64])]
+    assert all(f"prefix cache: prefill pass of {w} tokens" in names for w in (16, 32, 64)), names
+    assert "prefix cache: checkpoint and resume" in names, names
+    assert not any(name.startswith("prompt bucket") for name in names), names
+
+
+@pytest.mark.slow  # CI time: the plan's steps are checked above; test_engine.py's warm-up test runs a plan
 def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
     lines = []
     engine = Engine(model, config(3, 1 << 24), log=lines.append)

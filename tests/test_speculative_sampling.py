@@ -103,6 +103,7 @@ def test_out_of_range_parameters_are_refused_by_name(controlled, prompt, kw, mes
         qmtp.generate(controlled, [prompt], max_new_tokens=2, **kw)
 
 
+@pytest.mark.slow  # CI time: test_tp_model.py's sampled logprobs case checks TP2's sampled MTP tokens == TP1's
 def test_tp2_samples_the_tp1_tokens(controlled, prompt):
     """Under TP every shard gathers the vocabulary and draws the same numbers: a seeded prompt gets the
     TP1 tokens (float32; MTP K = 2: the drafts' and the target's draws; CI time: plain's are the same draws)."""
