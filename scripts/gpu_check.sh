@@ -113,7 +113,8 @@ for s in "${steps[@]}"; do
     fp8_gemm_rows) run_step fp8_gemm_rows 560 "$PY" -m pallas_kernels.bench --parts=fp8 --fp8_ms= \
                      --fp8_prefill_ms=256,512 --fp8_sweep --out="$OUT/fp8_gemm_rows.json" ;;
     # the chunked GDN prefill at the 27B shapes, T = 512 and 4096, its chain over chunks as a lax.scan (xla)
-    # and as one kernel (pallas; a tile / warps sweep), against the layer's matmuls, at WY chunks of 32, 64
+    # and as one kernel (pallas; a tile / warps sweep), against the layer's matmuls, at WY chunks of 32, 64;
+    # and the chunk-parallel half alone (wy_inputs) at f32 and TF32 x3
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
                    --gdn_prefill_chunks=32,64 --gdn_chain_configs=32x4,64x8,16x4,32x8 \
                    --out="$OUT/gdn_prefill.json" ;;

@@ -16,7 +16,8 @@ written, q, k, v, g, beta read and o written (all f32). The argument the rows ca
 form cheap enough for prefill? tokens_per_s (one layer), tokens_per_s_48_layers (all GDN layers), and
 share_of_layer = t_gdn / (t_gdn + t_matmuls), where t_matmuls is the same run's time for the bf16 XLA
 matmuls of one 27B GDN decoder layer (in_proj qkv, z, b/a, out_proj, MLP gate/up/down) over the same
-T tokens.
+T tokens. Impl "wy_inputs" times the form's chunk-parallel half alone (`gdn.wy_chunk_inputs`, in both
+impls' rows) with its products at f32 and, on the GPU, as three TF32 products each.
 """
 
 from __future__ import annotations
@@ -307,6 +308,30 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,), interpret:
                 except Exception as e:
                     row = _error_row(head, nbytes, e)
                 emit(row)
+            _inputs_rows(copy_tb_s, emit, sz, t, chunk, nbytes, interpret)
+
+
+def _inputs_rows(copy_tb_s: float, emit, sz: Sizes, t: int, chunk: int, nbytes: int, interpret: bool) -> None:
+    """The WY form's chunk-parallel half alone (`gdn.wy_chunk_inputs`, impl "wy_inputs"), its four products at
+    HIGHEST (f32, what the prefill runs) and, on the GPU, as three TF32 products each (rel_err against f32):
+    how much of a kernel row it is, and what TF32 x3 would take off it."""
+    precisions = [("highest", gdn_kernel.HIGHEST)] + ([] if interpret else [("tf32x3", gdn_chunked.TF32_X3)])
+    args, want = gdn_inputs(jax.random.key(100), 1, t), None
+    for name, precision in precisions:
+        fn = functools.partial(gdn_kernel.wy_chunk_inputs, chunk=chunk, precision=precision)
+        head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": "wy_inputs", "B": 1, "T": t,
+                "chunk": chunk, "config": name, "default": name == "highest"}
+        try:
+            m = _prefill_time(lambda q, k, v, g, beta, s, fn=fn: (sum(jnp.sum(x) for x in fn(q, k, v, g, beta, s)), s),
+                              t, sz)
+            s = m.pop("s_per_call")
+            got = jax.jit(fn)(*args)
+            want = got if want is None else want
+            row = {**head, **_rates(nbytes, s, copy_tb_s), **m, "tokens_per_s": t / s,
+                   "rel_err": max(rel_err(a, e) for a, e in zip(got, want))}
+        except Exception as e:
+            row = _error_row(head, nbytes, e)
+        emit(row)
 
 
 CASES = ("conv", "prefill")
