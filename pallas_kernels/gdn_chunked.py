@@ -34,7 +34,6 @@ from pallas_kernels._vma import align
 from pallas_kernels.fp8_config import is_pow2
 
 F32 = jnp.float32
-HIGHEST = jax.lax.Precision.HIGHEST
 TF32_X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
@@ -107,7 +106,7 @@ def _wy_chunk_scan(qg, qk, u, w, kd, decay, state, *, interpret, config):
     s_tile = pl.BlockSpec((None, None, dk, bv), lambda i, j, l: (i, j, 0, l))
     (qg, qk, u, w, kd, decay, state), out = align(qg, qk, u, w, kd, decay, state)
     return pl.pallas_call(
-        functools.partial(_kernel, n_chunks=n, precision=HIGHEST if interpret else TF32_X3),
+        functools.partial(_kernel, n_chunks=n, precision=gdn.HIGHEST if interpret else TF32_X3),
         out_shape=(out((b, h, n, c, dv), F32), out((b, h, dk, dv), F32)),
         grid=(b, h, dv // bv),
         in_specs=[per_head(qg), per_head(qk), v_tile, per_head(w), per_head(kd), per_head(decay), s_tile],

@@ -280,17 +280,14 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,), interpret:
     layer). The layer's matmuls are timed once per length."""
     for t in sz.prefill_tokens:
         nbytes = prefill_bytes(1, t)
-        mm = None
+        args, mm = gdn_inputs(jax.random.key(100), 1, t), None  # args: one layer's, for the rel_err columns
         for chunk in chunks:
             impls = [("xla", None, functools.partial(gdn_kernel.gdn_chunked_ref, chunk=chunk))]
             impls += [("pallas", c, functools.partial(gdn_chunked.gdn_chunked, chunk=chunk, interpret=interpret,
                                                       config=gdn_chunked.parse_config(c))) for c in chain_configs]
-            args, want = gdn_inputs(jax.random.key(100), 1, t), None  # the xla row's o and state on one layer
+            want = None  # the xla row's o and state
             for impl, config, fn in impls:
-                head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": impl, "B": 1,
-                        "T": t, "chunk": chunk}
-                if config is not None:
-                    head["config"] = config
+                head = _prefill_head(t, chunk, impl, config)
                 try:
                     m = _prefill_time(fn, t, sz)
                     s = m.pop("s_per_call")
@@ -308,22 +305,29 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,), interpret:
                 except Exception as e:
                     row = _error_row(head, nbytes, e)
                 emit(row)
-            _inputs_rows(copy_tb_s, emit, sz, t, chunk, nbytes, interpret)
+            _inputs_rows(copy_tb_s, emit, sz, args, chunk, nbytes, interpret)
 
 
-def _inputs_rows(copy_tb_s: float, emit, sz: Sizes, t: int, chunk: int, nbytes: int, interpret: bool) -> None:
+def _prefill_head(t: int, chunk: int, impl: str, config: str | None) -> dict:
+    head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": impl, "B": 1, "T": t, "chunk": chunk}
+    return head if config is None else {**head, "config": config}
+
+
+def _inputs_rows(copy_tb_s: float, emit, sz: Sizes, args, chunk: int, nbytes: int, interpret: bool) -> None:
     """The WY form's chunk-parallel half alone (`gdn.wy_chunk_inputs`, impl "wy_inputs"), its four products at
     HIGHEST (f32, what the prefill runs) and, on the GPU, as three TF32 products each (rel_err against f32):
-    how much of a kernel row it is, and what TF32 x3 would take off it."""
+    how much of a kernel row it is, and what TF32 x3 would take off it. args: one layer's inputs."""
+    t = args[0].shape[1]
     precisions = [("highest", gdn_kernel.HIGHEST)] + ([] if interpret else [("tf32x3", gdn_chunked.TF32_X3)])
-    args, want = gdn_inputs(jax.random.key(100), 1, t), None
+    want = None
     for name, precision in precisions:
         fn = functools.partial(gdn_kernel.wy_chunk_inputs, chunk=chunk, precision=precision)
-        head = {"kernel": "gdn_prefill", "case": f"B=1 T={t} chunk={chunk}", "impl": "wy_inputs", "B": 1, "T": t,
-                "chunk": chunk, "config": name, "default": name == "highest"}
+        head = {**_prefill_head(t, chunk, "wy_inputs", name), "default": name == "highest"}
+
+        def summed(q, k, v, g, beta, s, fn=fn):  # what _prefill_time sums, and the state it carries
+            return sum(jnp.sum(x) for x in fn(q, k, v, g, beta, s)), s
         try:
-            m = _prefill_time(lambda q, k, v, g, beta, s, fn=fn: (sum(jnp.sum(x) for x in fn(q, k, v, g, beta, s)), s),
-                              t, sz)
+            m = _prefill_time(summed, t, sz)
             s = m.pop("s_per_call")
             got = jax.jit(fn)(*args)
             want = got if want is None else want
