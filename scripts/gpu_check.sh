@@ -31,8 +31,11 @@ run_step() {  # name default_limit_s command...
   local limit=${!var:-$2}
   shift 2
   echo "== $name (limit ${limit}s, log $OUT/$name.log)"
+  local start=$SECONDS rc
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "rc=$?" >>"$OUT/$name.log"
+  rc=$?
+  echo "took $((SECONDS - start)) s" >>"$OUT/$name.log"
+  echo "rc=$rc" >>"$OUT/$name.log"
   tail -n 5 "$OUT/$name.log" | cut -c1-300
 }
 
