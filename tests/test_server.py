@@ -566,11 +566,14 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     assert h.returncode == 0
     for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
                  "max_queue", "prefix_cache_bytes", "prefix_block", "host", "port", "tp",
-                 "shutdown_timeout_s", "warmup_buckets"):
+                 "shutdown_timeout_s", "warmup_buckets", "num_layers"):
         assert f"--{flag}" in h.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: /nonexistent")
+    sliced = subprocess.run([sys.executable, "-m", "qmtp.server", f"--checkpoint={tmp_path}", "--num_layers=2"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert sliced.returncode == 2 and "--num_layers slices synthetic presets only" in sliced.stderr
     port = _free_port()
     # the warm-up compiles every prompt bucket (16 and 32 for prompts of up to 23 tokens) before /health
     # says ok; then prompts of new lengths compile nothing ("compiled while serving" would say so). The

@@ -50,6 +50,9 @@ def define_flags() -> None:
     """The server's flags (defined on demand: qmtp.generate defines flags of the same names)."""
     flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory, or 'preset:NAME[:DTYPE]' for a "
                         "synthetic checkpoint built on first use (e.g. preset:tiny).")
+    flags.DEFINE_integer("num_layers", None, "Presets only: serve a slice of the preset with this many decoder layers "
+                         "(default: all), e.g. to measure serving at real layer shapes with shorter compiles.",
+                         lower_bound=1)
     flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype (FP8 weights stay FP8).")
     flags.DEFINE_enum("impl", "ref", ["ref", "pallas"], "Kernels: 'ref' (pure XLA) or 'pallas' (GPU kernels).")
     flags.DEFINE_integer("tp", 1, "Tensor parallelism: split the model over this many devices.", lower_bound=1)
@@ -295,7 +298,7 @@ def build(argv) -> tuple:
     except ValueError:
         raise ValueError(f"--stop_token_ids={','.join(FLAGS.stop_token_ids)}: expected integers") from None
     cli_help.apply_compile_cache_flag()
-    path = resolve_checkpoint(FLAGS.checkpoint)
+    path = resolve_checkpoint(FLAGS.checkpoint, FLAGS.num_layers)
     model = qmtp.load(path, dtype=FLAGS.dtype, page_size=FLAGS.page_size, impl=FLAGS.impl, tp=FLAGS.tp,
                       fp8_act_quant=FLAGS.fp8_act_quant, deterministic=FLAGS.deterministic,
                       prefill_chunk=FLAGS.prefill_chunk, progress=False, draft_head=FLAGS.draft_head,
