@@ -17,7 +17,7 @@ import pytest
 import qmtp
 from qmtp import api
 from qmtp.runtime import loop, prefill
-from qmtp.serve.engine_config import EngineConfig, interleave_piece
+from qmtp.serve.engine_config import DEFAULT_INTERLEAVE_PIECE, EngineConfig, interleave_piece
 from qmtp.serve.warmup import plan as warmup_plan
 from serving_fixtures import assert_all_free, make_engine
 
@@ -207,8 +207,11 @@ def test_interleave_piece_is_a_bucket_within_the_chunk_and_the_chunk_under_deter
         with pytest.raises(ValueError, match=f"--interleave_piece={bad} must be a power of two from 16 to "
                                              "--prefill_chunk=16"):
             make_engine(chunked, 0, start=False, interleave_piece=bad)
-    assert make_engine(chunked, 0, start=False).interleave_piece == CHUNK
+    assert make_engine(chunked, 0, start=False).interleave_piece == CHUNK  # the default, cut to the chunk
+    long_chunk = dataclasses.replace(chunked, kernels=dataclasses.replace(chunked.kernels, prefill_chunk=2048))
+    assert interleave_piece(EngineConfig(), long_chunk) == DEFAULT_INTERLEAVE_PIECE == 256
     deterministic = dataclasses.replace(chunked.kernels, impl="pallas", prefill_chunk=32, deterministic=True)
+    assert interleave_piece(EngineConfig(), dataclasses.replace(chunked, kernels=deterministic)) == 32
     with pytest.raises(ValueError, match="--interleave_piece=16: under --deterministic"):
         interleave_piece(EngineConfig(interleave_piece=16), dataclasses.replace(chunked, kernels=deterministic))
 

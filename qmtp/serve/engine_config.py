@@ -11,6 +11,12 @@ from qmtp.serve.requests import RequestError
 
 DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
 DEFAULT_PREFIX_BLOCK = 64  # until measured on the GPU: a short system prompt still fills whole blocks
+# A long prompt's pass while other slots decode (H100, 27B-shaped FP8, 4 plain streams, a 32k prompt,
+# `gpu_check.sh serve_long`): at 256 tokens the streams' gaps are p50 66.7 / p99 162.7 ms and the prompt's
+# first token comes after 19.6 s; at 128, 68.6 / 139.5 ms and 31.5 s; at the 2048-token chunk each gap
+# waits for a whole chunk (~0.3 s). 256 keeps the streams within ~2.5x their median, the prompt within ~5x
+# its time alone.
+DEFAULT_INTERLEAVE_PIECE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +31,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 0  # prefix cache checkpoints and the KV pages only it holds; 0 = off
     prefix_block: int = 0  # tokens per prefix cache block; 0 = DEFAULT_PREFIX_BLOCK (prefill_chunk if deterministic)
     stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
-    interleave_piece: int = 0  # tokens of a prompt's prefill pass while other slots decode; 0 = prefill_chunk
+    interleave_piece: int = 0  # tokens of a prompt's prefill pass while other slots decode; 0 = the default
     prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
     max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
     round_cost_dir: str | None = None  # mtp_k "auto": round costs kept here (round_costs.py); None: timed each start
@@ -57,9 +63,10 @@ def prefix_block(config: EngineConfig, model: api.Model) -> int:
 
 def interleave_piece(config: EngineConfig, model: api.Model) -> int:
     """The most prompt tokens one prefill pass takes while other slots decode: --interleave_piece, or
-    --prefill_chunk; ValueError when it cannot work (it is a prompt bucket: one more program at most)."""
+    DEFAULT_INTERLEAVE_PIECE (at most --prefill_chunk; under --deterministic the chunk); ValueError when
+    it cannot work (it is a prompt bucket: one more program at most)."""
     chunk = model.kernels.prefill_chunk
-    piece = config.interleave_piece or chunk
+    piece = config.interleave_piece or (chunk if model.kernels.deterministic else min(DEFAULT_INTERLEAVE_PIECE, chunk))
     if piece & (piece - 1) or not api.MIN_PROMPT_BUCKET <= piece <= chunk:
         raise ValueError(f"--interleave_piece={piece} must be a power of two from {api.MIN_PROMPT_BUCKET} to "
                          f"--prefill_chunk={chunk}")
