@@ -76,10 +76,11 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = WY_CHUNK):
     return wy_chunk_output(o, q.shape[1]), final
 
 
-def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int, precision=HIGHEST):
+def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int):
     """The chunk-parallel half of `gdn_chunked_ref`: for each chunk n of C = `chunk` tokens (T zero-padded to
-    N * C), with [B, Hv, N, C, ...] f32 outputs (key heads repeated to the value heads), its four products at
-    `precision` (f32 on the CPU; on the GPU also e.g. DotAlgorithmPreset.TF32_TF32_F32_X3):
+    N * C), with [B, Hv, N, C, ...] f32 outputs (key heads repeated to the value heads), its four products in
+    f32 (Precision.HIGHEST; three TF32 products each were no faster: H100, 4,096 tokens, chunk 64: 1.24 vs
+    1.22 ms a layer, `gpu_check.sh gdn_prefill`):
 
         qg = Q * exp(gamma)                      [.., C, Dk]   (reads the state entering the chunk)
         qk = (Q K^T) * Gam * [i >= j]            [.., C, C]
@@ -104,14 +105,14 @@ def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int, precision=HIGHEST):
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     diff = gamma[..., :, None] - gamma[..., None, :]
     gam = jnp.exp(jnp.where(lower_incl, diff, -jnp.inf))  # [B,H,N,C,C], 0 above the diagonal
-    kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=precision)
+    kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=HIGHEST)
     lmat = jnp.where(strict, bc[..., :, None] * kk * gam, 0.0)
     eye = jnp.eye(chunk, dtype=jnp.float32)
     tm = jax.scipy.linalg.solve_triangular(eye + lmat, jnp.broadcast_to(eye, lmat.shape), lower=True,
                                            unit_diagonal=True)
-    u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=precision)
-    w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=precision)
-    qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=precision) * gam, 0.0)
+    u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=HIGHEST)
+    w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=HIGHEST)
+    qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=HIGHEST) * gam, 0.0)
     last = gamma[..., -1:]  # [B, H, N, 1]
     qg = qc * jnp.exp(gamma)[..., None]
     kd = kc * jnp.exp(last - gamma)[..., None]

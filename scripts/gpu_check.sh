@@ -102,7 +102,7 @@ for s in "${steps[@]}"; do
                       && cp /tmp/qmtp_prefill_dump/*memory-usage-report.txt $OUT/prefill_memory/ \
                       && head -n 30 \$(ls -S /tmp/qmtp_prefill_dump/*memory-usage-report.txt | head -n 1)" ;;
     # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece: while the streams
-    # decode, pieces of SERVE_LONG_PIECE tokens, the server's --interleave_piece; 0: --prefill_chunk's 2048):
+    # decode, pieces of SERVE_LONG_PIECE tokens, the server's --interleave_piece; 0: its default, 256):
     # their inter-token gaps
     serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \
                   --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=16,32,64,32768 --port=8123 \
@@ -117,7 +117,7 @@ for s in "${steps[@]}"; do
                      --fp8_prefill_ms=256,512 --fp8_sweep --out="$OUT/fp8_gemm_rows.json" ;;
     # the chunked GDN prefill at the 27B shapes, T = 512 and 4096, its chain over chunks as a lax.scan (xla)
     # and as one kernel (pallas; a tile / warps sweep), against the layer's matmuls, at WY chunks of 32, 64;
-    # and the chunk-parallel half alone (wy_inputs) at f32 and TF32 x3
+    # and the chunk-parallel half alone (wy_inputs)
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
                    --gdn_prefill_chunks=32,64 --gdn_chain_configs=32x4,64x8,16x4,32x8 \
                    --out="$OUT/gdn_prefill.json" ;;

@@ -65,7 +65,7 @@ def test_gdn_prefill_times_each_chunk_and_refuses_other_than_powers_of_two():
     t = sz.prefill_tokens[0]
     assert [(r["T"], r["chunk"], r["impl"], r.get("config")) for r in rows] == [
         (t, c, impl, config) for c in (16, 32) for impl, config in
-        (("xla", None), ("pallas", "16x4"), ("wy_inputs", "highest"))]  # on the CPU no TF32 x3 row
+        (("xla", None), ("pallas", "16x4"), ("wy_inputs", None))]
     assert all("error" not in r and r["s_per_call"] > 0 for r in rows), rows
     assert all(r["tflops"] > 0 for r in rows if r["impl"] != "wy_inputs"), rows
     assert all(r["rel_err"] < 1e-5 for r in rows if r["impl"] == "pallas"), rows

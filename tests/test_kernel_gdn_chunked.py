@@ -96,12 +96,3 @@ def test_gpu_kernel_matches_the_scan_at_27b_shapes(t):
     assert_close(o, ref_o, tol, "kernel o vs the scan")
     assert_close(s, ref_s, tol, "kernel state vs the scan")
     assert np.isfinite(np.asarray(o)).all()
-
-
-def test_the_chunk_parallel_half_lowers_its_four_products_at_the_precision_asked_for():
-    """gdn.wy_chunk_inputs passes `precision` to every product: lowered for the GPU with TF32 x3 (what the
-    prefill bench times against f32), each of its four dot_generals carries that algorithm."""
-    args = [jnp.asarray(a) for a in make_inputs(1, 64, 2, 4, 32, 32)]
-    fn = jax.jit(gdn.wy_chunk_inputs, static_argnames=("chunk", "precision"))
-    text = fn.trace(*args, chunk=32, precision=gdn_chunked.TF32_X3).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.dot_general") == 4 and text.count("num_primitive_operations = 3") == 4, text

@@ -17,7 +17,7 @@ form cheap enough for prefill? tokens_per_s (one layer), tokens_per_s_48_layers 
 share_of_layer = t_gdn / (t_gdn + t_matmuls), where t_matmuls is the same run's time for the bf16 XLA
 matmuls of one 27B GDN decoder layer (in_proj qkv, z, b/a, out_proj, MLP gate/up/down) over the same
 T tokens. Impl "wy_inputs" times the form's chunk-parallel half alone (`gdn.wy_chunk_inputs`, in both
-impls' rows) with its products at f32 and, on the GPU, as three TF32 products each.
+impls' rows).
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,), interpret:
                 except Exception as e:
                     row = _error_row(head, nbytes, e)
                 emit(row)
-            _inputs_rows(copy_tb_s, emit, sz, args, chunk, nbytes, interpret)
+            _inputs_rows(copy_tb_s, emit, sz, args, chunk, nbytes)
 
 
 def _prefill_head(t: int, chunk: int, impl: str, config: str | None) -> dict:
@@ -313,29 +313,22 @@ def _prefill_head(t: int, chunk: int, impl: str, config: str | None) -> dict:
     return head if config is None else {**head, "config": config}
 
 
-def _inputs_rows(copy_tb_s: float, emit, sz: Sizes, args, chunk: int, nbytes: int, interpret: bool) -> None:
-    """The WY form's chunk-parallel half alone (`gdn.wy_chunk_inputs`, impl "wy_inputs"), its four products at
-    HIGHEST (f32, what the prefill runs) and, on the GPU, as three TF32 products each (rel_err against f32):
-    how much of a kernel row it is, and what TF32 x3 would take off it. args: one layer's inputs."""
+def _inputs_rows(copy_tb_s: float, emit, sz: Sizes, args, chunk: int, nbytes: int) -> None:
+    """The WY form's chunk-parallel half alone (`gdn.wy_chunk_inputs`, impl "wy_inputs"): how much of a
+    kernel row it is. args: one layer's inputs."""
     t = args[0].shape[1]
-    precisions = [("highest", gdn_kernel.HIGHEST)] + ([] if interpret else [("tf32x3", gdn_chunked.TF32_X3)])
-    want = None
-    for name, precision in precisions:
-        fn = functools.partial(gdn_kernel.wy_chunk_inputs, chunk=chunk, precision=precision)
-        head = {**_prefill_head(t, chunk, "wy_inputs", name), "default": name == "highest"}
+    fn = functools.partial(gdn_kernel.wy_chunk_inputs, chunk=chunk)
+    head = _prefill_head(t, chunk, "wy_inputs", None)
 
-        def summed(q, k, v, g, beta, s, fn=fn):  # what _prefill_time sums, and the state it carries
-            return sum(jnp.sum(x) for x in fn(q, k, v, g, beta, s)), s
-        try:
-            m = _prefill_time(summed, t, sz)
-            s = m.pop("s_per_call")
-            got = jax.jit(fn)(*args)
-            want = got if want is None else want
-            row = {**head, **_rates(nbytes, s, copy_tb_s), **m, "tokens_per_s": t / s,
-                   "rel_err": max(rel_err(a, e) for a, e in zip(got, want))}
-        except Exception as e:
-            row = _error_row(head, nbytes, e)
-        emit(row)
+    def summed(q, k, v, g, beta, s):  # what _prefill_time sums, and the state it carries
+        return sum(jnp.sum(x) for x in fn(q, k, v, g, beta, s)), s
+    try:
+        m = _prefill_time(summed, t, sz)
+        s = m.pop("s_per_call")
+        row = {**head, **_rates(nbytes, s, copy_tb_s), **m, "tokens_per_s": t / s}
+    except Exception as e:
+        row = _error_row(head, nbytes, e)
+    emit(row)
 
 
 CASES = ("conv", "prefill")
