@@ -142,17 +142,19 @@ for s in "${steps[@]}"; do
                            --repeats=1 --breakdown=false --batch=1,16 --max_new_tokens=256 \
                            --out="$OUT/bench_tp1_deterministic.json" "${EXTRA[@]}" ;;
     # multi-turn chat: 8 conversations of 8 turns (2048-token system prompt, 200 user tokens and 200 generated
-    # per turn), the server without and with the prefix cache: time to first token per turn. The preset's first
-    # CHAT_LAYERS layers (default 16 of 64: the two servers' warm-ups fit one device call; the second reuses
-    # the first's compiled programs through the compile cache)
+    # per turn), the server without and with the prefix cache: time to first token per turn (chat_prefix after
+    # chat_nocache in one call: also each turn's as a ratio to chat_nocache's). The preset's first CHAT_LAYERS
+    # layers (default 16 of 64: ~4x shorter compiles; H100: chat_nocache 112 s, chat_prefix's warm-up of 20
+    # programs ~300 s, so both fit one call with LIMIT_chat_nocache=150 LIMIT_chat_prefix=420)
     chat_nocache|chat_prefix)
-      cache=(); [ "$s" = chat_prefix ] && cache=(--prefix_cache_bytes=16000000000)
+      cache=(); compare=(); [ "$s" = chat_prefix ] && cache=(--prefix_cache_bytes=16000000000)
+      [ "$s" = chat_prefix ] && [ -f "$OUT/chat_nocache.json" ] && compare=(--compare_to="$OUT/chat_nocache.json")
       run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
                  --num_layers=${CHAT_LAYERS:-16} \
                  --mtp_k=3 --batch_slots=8 --max_model_len=8192 --warmup_buckets=4096 --port=8124 ${cache[*]} \
                  >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8124 \
                  --concurrency=8 --requests=64 --turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200 \
-                 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json; rc=\$?; kill \$server; \
+                 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; kill \$server; \
                  wait \$server; exit \$rc" ;;
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \

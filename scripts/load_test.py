@@ -15,7 +15,9 @@ one engine call), and the errors by HTTP status. Exit status 1 when any request 
 conversation so far (an optional --system_tokens prefix, one of --systems, then each turn's user
 tokens and the ids the server generated) plus new --prompt_tokens user tokens; the report adds, per
 turn, the prompt length and the time to first token (what a prefix cache saves), and the server's
-prefix cache counters from GET /metrics when it has them.
+prefix cache counters from GET /metrics when it has them. --compare_to=FILE (an earlier run's
+--output_json, e.g. without the prefix cache) adds each turn's time to first token and the generated
+tok/s as ratios to that run's.
 
 --long_prompt_tokens=N (with --stream) sends one more request, with an N-token prompt,
 --long_prompt_after_s after the start, and reports its time to first token and the other requests'
@@ -62,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--systems", type=int, default=1, help="distinct system prompts (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_json", default=None, help="also write the report here")
+    p.add_argument("--compare_to", default=None, help="an earlier run's --output_json (e.g. the same load without "
+                   "the prefix cache): each turn's time to first token and the generated tok/s beside its, as ratios")
     args = p.parse_args(argv)
     try:
         lo, hi = (int(x) for x in args.prompt_tokens.split(","))
@@ -225,9 +229,24 @@ async def run(args) -> dict:
     return report
 
 
+def compare(report: dict, base: dict) -> dict:
+    """This run beside an earlier one (--compare_to): generated tok/s over its, and per turn both in the
+    two runs, time to first token p50 over its (turns of the same number: the same history length when
+    both runs sent the same conversations)."""
+    ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
+    theirs = {t["turn"]: t for t in base.get("turns", [])}
+    turns = [{"turn": t["turn"], "ttft_p50_s": t["ttft_s"]["p50"], "base_ttft_p50_s": b["ttft_s"]["p50"],
+              "ttft_ratio": ratio(t["ttft_s"]["p50"], b["ttft_s"]["p50"])}
+             for t in report.get("turns", []) if (b := theirs.get(t["turn"]))]
+    return {"tokens_per_s_ratio": ratio(report["tokens_per_s"], base.get("tokens_per_s")), "turns": turns}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = asyncio.run(run(args))
+    if args.compare_to:
+        with open(args.compare_to) as f:
+            report["compared_to"] = {"file": args.compare_to, **compare(report, json.load(f))}
     lat = report["latency_s"]
     fmt = lambda x: "n/a" if x is None else f"{x * 1e3:.1f} ms"  # noqa: E731
     print(f"{report['succeeded']}/{report['requests']} requests in {report['elapsed_s']:.2f} s: "
@@ -250,6 +269,14 @@ def main(argv=None) -> int:
         print(f"long prompt of {lp['prompt_tokens']} tokens: time to first token {fmt(lp['ttft_s'])}"
               + (f"; the other streams' gaps meanwhile: {d['count']}, p50 {fmt(d['p50'])}, p99 {fmt(d['p99'])}, "
                  f"max {fmt(d['max'])}" if d else ""))
+    if "compared_to" in report:
+        c = report["compared_to"]
+        rate = c["tokens_per_s_ratio"]
+        print(f"against {c['file']}: generated tok/s x{rate:.3f}" if rate is not None else
+              f"against {c['file']}: no generated tok/s to compare")
+        for t in c["turns"]:
+            print(f"  turn {t['turn']}: time to first token p50 {fmt(t['ttft_p50_s'])} vs {fmt(t['base_ttft_p50_s'])}"
+                  + (f" ({t['ttft_ratio']:.1%})" if t["ttft_ratio"] is not None else ""))
     if report["errors"]:
         print(f"errors by status: {report['errors']}")
     if args.output_json:

@@ -10,6 +10,7 @@ once. The tiny checkpoint's `model` and `single_threaded_cpu_blas` are fixtures 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -510,11 +511,12 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
 def test_load_script_holds_conversations_and_reports_turns_and_the_prefix_cache(model, tmp_path):
     server, url = serve(model, 2, prefix_cache_bytes=1 << 22, prefix_block=8)
     try:
-        out = tmp_path / "chat.json"
+        out, base = tmp_path / "chat.json", tmp_path / "base.json"  # base: an earlier run's report, in part
+        base.write_text(json.dumps({"tokens_per_s": 1.0, "turns": [{"turn": 1, "ttft_s": {"p50": 1.0}}]}))
         r = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={url}", "--requests=12", "--concurrency=2",
                             "--turns=3", "--system_tokens=16", "--prompt_tokens=2,5", "--max_tokens=3", "--stream",
-                            "--vocab=380", f"--output_json={out}"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+                            "--vocab=380", f"--output_json={out}", f"--compare_to={base}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         report = json.loads(out.read_text())
         turns = report["turns"]
@@ -522,8 +524,24 @@ def test_load_script_holds_conversations_and_reports_turns_and_the_prefix_cache(
         assert turns[0]["prompt_tokens_mean"] < turns[1]["prompt_tokens_mean"] < turns[2]["prompt_tokens_mean"]
         assert report["prefix_cache"]["hits_total"] >= 4 and report["prefix_cache"]["hit_tokens_total"] > 0
         assert "turn 2: 4 requests" in r.stdout and "prefix cache: " in r.stdout
+        compared = report["compared_to"]
+        assert compared["tokens_per_s_ratio"] == report["tokens_per_s"]
+        assert [t["turn"] for t in compared["turns"]] == [1], compared  # the turns both runs have
+        assert f"against {base}: generated tok/s x" in r.stdout and "vs 1000.0 ms (" in r.stdout, r.stdout
     finally:
         assert server.stop(60)
+
+
+def test_load_script_compares_each_turn_and_the_throughput_with_an_earlier_run():
+    spec = importlib.util.spec_from_file_location("load_test", os.path.join(ROOT, "scripts", "load_test.py"))
+    load_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load_test)
+    turn = lambda t, p50: {"turn": t, "ttft_s": {"p50": p50}}  # noqa: E731
+    now = {"tokens_per_s": 99.0, "turns": [turn(0, 1.0), turn(1, 0.1), turn(2, None)]}
+    before = {"tokens_per_s": 100.0, "turns": [turn(1, 0.8), turn(2, 0.9)]}
+    c = load_test.compare(now, before)
+    assert c["tokens_per_s_ratio"] == 0.99
+    assert [(t["turn"], t["ttft_ratio"]) for t in c["turns"]] == [(1, 0.125), (2, None)]
 
 
 def test_load_script_waits_for_health_before_sending():
