@@ -103,12 +103,13 @@ for s in "${steps[@]}"; do
                       && head -n 30 \$(ls -S /tmp/qmtp_prefill_dump/*memory-usage-report.txt | head -n 1)" ;;
     # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece: while the streams
     # decode, pieces of SERVE_LONG_PIECE tokens, the server's --interleave_piece; 0: its default, 256):
-    # their inter-token gaps
+    # their inter-token gaps. The streams' prompts (17-32 tokens) all take bucket 32: at 27B each prompt
+    # bucket's two programs take ~90 s of the warm-up
     serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \
-                  --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=16,32,64,32768 --port=8123 \
+                  --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=32,32768 --port=8123 \
                   --interleave_piece=${SERVE_LONG_PIECE:-0} \
                   >$OUT/serve_long_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8123 \
-                  --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=16,60 --max_tokens=128 --stream \
+                  --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=17,32 --max_tokens=128 --stream \
                   --long_prompt_tokens=32768 --long_prompt_after_s=20 --vocab=4096 --output_json=$OUT/serve_long.json; \
                   rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
     # the FP8 projections of a serving piece while others decode (--interleave_piece 256, 512: the GEMM; 128 takes
@@ -160,12 +161,13 @@ for s in "${steps[@]}"; do
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
     # the server under 32 concurrent clients, plain and with the draft length chosen per round: output tok/s
+    # (prompts of 17-32 tokens: one prompt bucket to compile)
     serve_k0|serve_kauto)
       k=0; [ "$s" = serve_kauto ] && k=auto
       run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
-                 --mtp_k=$k --batch_slots=32 --max_model_len=512 --warmup_buckets=16,32,64 --port=8125 \
+                 --mtp_k=$k --batch_slots=32 --max_model_len=512 --warmup_buckets=32 --port=8125 \
                  >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8125 \
-                 --concurrency=32 --requests=512 --duration_s=120 --prompt_tokens=16,60 --max_tokens=128 --vocab=4096 \
+                 --concurrency=32 --requests=512 --duration_s=120 --prompt_tokens=17,32 --max_tokens=128 --vocab=4096 \
                  --output_json=$OUT/$s.json; rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
     # where a plain MoE decode step's device time goes (35B-A3B-shaped FP8, 8 layers, batch 1), by kernel
     moe_trace) run_step moe_trace 300 bash -c "rm -rf /tmp/qmtp_moe_trace; ${BENCH[*]} \
