@@ -56,8 +56,8 @@ from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, R
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.prefix_cache import PrefixCache
 from qmtp.serve.textstream import TextStream
-from qmtp.serve.prompt_passes import LONG_PROMPTS, PassPrefill
-from qmtp.serve.warmup import Step, plan as warmup_plan
+from qmtp.serve.prompt_passes import PassPrefill
+from qmtp.serve.warmup import Step, plan as warmup_plan, run as warmup_run
 
 IDLE_WAIT_S = 0.5  # the thread re-checks deadlines this often while idle
 SHUTTING_DOWN = "the server is shutting down"
@@ -244,7 +244,7 @@ class Engine:
         seconds. ValueError for a bucket no request can reach."""
         if self._thread is not None:
             raise RuntimeError("warmup() must run before start()")
-        return self._warmup(warmup_plan(self, self.prompt_buckets() if buckets is None else buckets))
+        return warmup_run(self, warmup_plan(self, self.prompt_buckets() if buckets is None else buckets))
 
     def longest_prompt(self) -> int:
         """The most prompt tokens a request can have: one token of completion must fit in max_model_len
@@ -271,33 +271,7 @@ class Engine:
         """KV positions a request reserves while active."""
         return len(handle.prompt_ids) + handle.max_tokens + self.extra
 
-    # ---- warm-up and compiles ------------------------------------------------------------------------
-    def _warmup(self, steps: list[Step]) -> float:
-        """Runs the warm-up steps (stopping early when shut down), logging each; then clears the counters
-        they moved (refused requests stay counted). Returns the seconds."""
-        t0, total = time.perf_counter(), len(steps)
-        buckets = sorted({s.bucket for s in steps if s.bucket is not None})
-        long = any(s.bucket is None and s.name.startswith(LONG_PROMPTS) for s in steps)
-        self.warming = (0, total)
-        self._log(f"warm-up: {total} programs to compile (prompt buckets {', '.join(map(str, buckets)) or 'none'}; "
-                  + (f"longer prompts in pieces of {self.piece} tokens; " if long else "") + "the decode loop)")
-        for i, step in enumerate(steps, 1):
-            if self._stopping:
-                self._log(f"warm-up stopped after {i - 1} of {total} programs: shutting down")
-                break
-            t = time.perf_counter()
-            step.run()
-            self.warming = (i, total)
-            self._log(f"warm-up [{i}/{total}] {step.name}: {time.perf_counter() - t:.2f} s")
-        else:
-            self._log(f"warm-up done: {total} programs in {time.perf_counter() - t0:.1f} s")
-        with self._cv:
-            refused = {k: v for k, v in self.counters.items() if k.startswith("rejected_")}
-            self.counters.clear()
-            self.counters.update(refused)
-            self.warming = None
-        return time.perf_counter() - t0
-
+    # ---- compiles while serving -----------------------------------------------------------------------
     @contextlib.contextmanager
     def _watch(self, program: str):
         """Logs a compile (or compile-cache load) inside the block with its seconds, once warm-up is over
@@ -318,7 +292,7 @@ class Engine:
     def _loop(self, warmup_steps: list[Step] | None = None) -> None:
         try:
             if warmup_steps is not None:
-                self._warmup(warmup_steps)
+                warmup_run(self, warmup_steps)
             while self._iteration():
                 pass
         except Exception as e:  # a device or program failure: fail every request, release everything

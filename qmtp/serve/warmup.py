@@ -1,4 +1,4 @@
-"""The serving engine's warm-up plan: every program a request can call, as steps run before serving.
+"""The serving engine's warm-up: every program a request can call, as steps planned and run before serving.
 
 Why: a program first called inside a scheduling point compiles there, and every slot waits for it
 (the tiny test model on the CPU, after a warm-up of bucket 16 only: a 20-token prompt took 7.6 s, 6.5 s
@@ -88,6 +88,34 @@ def plan(engine, buckets) -> list[Step]:
         else:
             steps.append(Step(f"timing a round at K = {ks}", functools.partial(_time_rounds, engine)))
     return steps
+
+
+def run(engine, steps: list[Step]) -> float:
+    """Runs the warm-up steps (stopping early when the engine shuts down), logging each with its seconds
+    and `engine.warming` its progress; then clears the counters they moved (refused requests stay
+    counted). Returns the seconds."""
+    t0, total = time.perf_counter(), len(steps)
+    buckets = sorted({s.bucket for s in steps if s.bucket is not None})
+    long = any(s.bucket is None and s.name.startswith(LONG_PROMPTS) for s in steps)
+    engine.warming = (0, total)
+    engine._log(f"warm-up: {total} programs to compile (prompt buckets {', '.join(map(str, buckets)) or 'none'}; "
+                + (f"longer prompts in pieces of {engine.piece} tokens; " if long else "") + "the decode loop)")
+    for i, step in enumerate(steps, 1):
+        if engine._stopping:
+            engine._log(f"warm-up stopped after {i - 1} of {total} programs: shutting down")
+            break
+        t = time.perf_counter()
+        step.run()
+        engine.warming = (i, total)
+        engine._log(f"warm-up [{i}/{total}] {step.name}: {time.perf_counter() - t:.2f} s")
+    else:
+        engine._log(f"warm-up done: {total} programs in {time.perf_counter() - t0:.1f} s")
+    with engine._cv:
+        refused = {k: v for k, v in engine.counters.items() if k.startswith("rejected_")}
+        engine.counters.clear()
+        engine.counters.update(refused)
+        engine.warming = None
+    return time.perf_counter() - t0
 
 
 def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
