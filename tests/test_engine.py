@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import qmtp
+from qmtp.serve import compile_watch
 from qmtp.serve.engine import Engine
 from qmtp.serve.engine_config import EngineConfig
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError
@@ -350,7 +351,9 @@ def backend_compiles():
 def test_warmup_compiles_every_prompt_bucket_so_no_request_compiles(model):
     """Prompts of up to 47 tokens: buckets 16, 32 and 64. No other test here sends a bucket-64 prompt, so
     JAX's in-process cache holds no bucket-64 program when this test starts: the first engine, not warmed
-    up, compiles one while serving and says so; the second, warmed up, compiles nothing while serving."""
+    up, compiles one while serving and says so; the second, warmed up, compiles nothing while serving.
+    The second compiles on two threads (warmup.precompile), so its serial pass, on this thread, finds
+    the bucket-64 batched prefill (compiled by no one before) compiled."""
     lines = []
     cold = make_engine(model, 0, log=lines.append)
     assert cold.prompt_buckets() == [16, 32, 64]
@@ -363,8 +366,12 @@ def test_warmup_compiles_every_prompt_bucket_so_no_request_compiles(model):
     assert cold.stop(5)
 
     lines.clear()
-    warm = make_engine(model, 0, start=False, log=lines.append)
-    assert warm.warmup() > 0  # every bucket
+    warm = make_engine(model, 0, start=False, log=lines.append, warmup_threads=2)
+    with compile_watch.watch() as on_this_thread:
+        assert warm.warmup() > 0  # every bucket
+    programs = ("jit(prefill_into_slots)", "jit(decode)")
+    assert not [name for name, _ in on_this_thread if name in programs], on_this_thread
+    assert any(re.fullmatch(r"warm-up: \d+ programs compiled on 2 threads in \d+\.\d s", line) for line in lines)
     steps = [line for line in lines if line.startswith("warm-up [")]
     for bucket in (16, 32, 64):
         for what in ("prefill x 1 row", f"prefill x {SLOTS} rows"):

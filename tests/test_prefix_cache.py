@@ -254,8 +254,9 @@ def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
 
 def test_prompts_arriving_together_share_passes(model):
     """Prompts admitted together run their passes as the rows of one (programs the warm-up compiled); one
-    that shares its first block with a prompt in the pass waits for it and resumes from its checkpoint."""
-    engine = Engine(model, config(2, 1 << 24))
+    that shares its first block with a prompt in the pass waits for it and resumes from its checkpoint.
+    The warm-up compiles on two threads: its dry pass of checkpoints and resumes leaves nothing behind."""
+    engine = Engine(model, config(2, 1 << 24, warmup_threads=2))
     engine.warmup([16, 32])
     rng = np.random.default_rng(16)
     first, second = (rng.integers(0, 380, 20).tolist() for _ in range(2))

@@ -584,7 +584,7 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     assert h.returncode == 0
     for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
                  "max_queue", "prefix_cache_bytes", "prefix_block", "host", "port", "tp",
-                 "shutdown_timeout_s", "warmup_buckets", "num_layers"):
+                 "shutdown_timeout_s", "warmup_buckets", "warmup_threads", "num_layers"):
         assert f"--{flag}" in h.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)

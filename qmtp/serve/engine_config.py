@@ -35,6 +35,7 @@ class EngineConfig:
     prefill_batch: int = 4  # prompts of one bucket admitted together are prefilled in one pass (1: one by one)
     max_prefill_tokens: int = 8192  # rows x bucket of one batched prefill at most
     round_cost_dir: str | None = None  # mtp_k "auto": round costs kept here (round_costs.py); None: timed each start
+    warmup_threads: int = 0  # programs the warm-up compiles at once; 0 = half the usable CPUs, at most 8
 
     def validate(self) -> None:
         if self.mtp_k != api.AUTO and not (isinstance(self.mtp_k, int) and 0 <= self.mtp_k <= loop.MAX_K):
@@ -42,7 +43,7 @@ class EngineConfig:
         for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
                           ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("prefill_batch", 1),
                           ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
-                          ("prefix_block", 0), ("interleave_piece", 0)):
+                          ("prefix_block", 0), ("interleave_piece", 0), ("warmup_threads", 0)):
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"--{name}={value} must be >= {low}")

@@ -108,6 +108,10 @@ def define_flags() -> None:
                          "{\"status\": \"warming up\"} and requests 503 (code warming_up). --nowarmup: each "
                          "program compiles inside the first request that needs it (logged as 'compiled while "
                          "serving').")
+    flags.DEFINE_integer("warmup_threads", 0, "Programs the warm-up compiles at once (one device; under --tp one "
+                         "at a time): it first traces every program and compiles them on this many threads, then "
+                         "runs each once. 0 = half the usable CPUs, at most 8; 1 = one program at a time.",
+                         lower_bound=0)
     flags.DEFINE_list("warmup_buckets", ["all"], "With --warmup: the prompt buckets to compile (prompts are padded to "
                       "a power of two >= 16 tokens; each bucket is a 1-row prefill and a --prefill_batch-row prefill, "
                       "or with the prefix cache its pass programs). 'all' (default): every bucket up to max_model_len, "

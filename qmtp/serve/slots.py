@@ -160,18 +160,27 @@ class DeviceBatch:
     def __init__(self, model: api.Model, batch_slots: int, pages_per_slot: int, num_pages: int, max_stop_ids: int,
                  mtp_k: int):
         self.model, self.k, self.num_pages = model, mtp_k, num_pages
+        # every device call goes through this (api._call's signature): the warm-up's precompile swaps in a
+        # recorder for one pass (qmtp/serve/warmup.py)
+        self.call = api._call
         cfg, dtype = model.cfg, api.DTYPES[model.dtype]
         args = (np.zeros((batch_slots, pages_per_slot), np.int32), num_pages, model.page_size, dtype)  # [B, Pmax]
         ring = loop.ring_size(mtp_k)
         self.state = (init_state(cfg, *args, gdn_slots=ring) if model.mesh is None
                       else tp_lib.init_state(cfg, model.mesh, *args, gdn_slots=ring))
         self.slots = Slots.empty(batch_slots, cfg.hidden_size, cfg.vocab_size, max_stop_ids, dtype)
+        # one device: the params' (None under TP). State and carry are committed to it from the start, as the
+        # outputs of the calls that replace them are: a program compiled for uncommitted arguments is not the
+        # one a call with committed ones looks up (the warm-up's precompile relies on that)
+        self.device = None if model.mesh is None else next(iter(jax.tree.leaves(model.params)[0].devices()))
+        if self.device is not None:
+            self.state, self.slots = jax.device_put((self.state, self.slots), self.device)
 
     def prefill(self, ids, page_rows, tokens, n_valid, remaining, stop_rows, sampling=None):
         """prefill_into_slots; returns each row's first token [n] and its TokenLogprobs [n, 1] (host)."""
         m = self.model
         args = (m.params, self.state, self.slots, ids, page_rows, tokens, n_valid, remaining, stop_rows)
-        first, self.state, self.slots, lp = api._call(
+        first, self.state, self.slots, lp = self.call(
             m, prefill_into_slots, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
             ("params", "state") + ("rep",) * (7 + len(_optional(sampling))), ("rep", "state", "rep", "rep"))
         return jax.device_get((first, lp))
@@ -185,14 +194,14 @@ class DeviceBatch:
         i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
         args = (m.params, self.state, self.slots, i32(ids), i32(page_rows), i32(offsets), i32(tokens),
                 i32(next_tokens), i32(n_valid), np.asarray(last, bool), i32(max_tokens), i32(stop_rows))
-        first, self.state, self.slots, lp, hidden = api._call(
+        first, self.state, self.slots, lp, hidden = self.call(
             m, prefill_piece, (m.cfg, m.kernels, bool(self.k)), args + _optional(sampling),
             ("params", "state") + ("rep",) * (10 + len(_optional(sampling))), ("rep", "state", "rep", "rep", "rep"))
         return (*jax.device_get((first, lp)), hidden)
 
     def take_gdn_rows(self, slot: int) -> tuple:
         """take_gdn_rows: the slot's (conv rows, ssm rows)."""
-        self.state, rows = api._call(self.model, take_gdn_rows, (), (self.state, self.slots, np.int32(slot)),
+        self.state, rows = self.call(self.model, take_gdn_rows, (), (self.state, self.slots, np.int32(slot)),
                                      ("state", "rep", "rep"), ("state", "gdn_rows"))
         return rows
 
@@ -210,7 +219,7 @@ class DeviceBatch:
                boundary: int) -> None:
         """resume_prefix; hidden None: a response's end (no MTP entry rewritten)."""
         m = self.model
-        (self.state,) = api._call(
+        (self.state,) = self.call(
             m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
             (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, copy_from, copy_to,
              np.zeros((1, m.cfg.hidden_size), m.params["embed"].dtype) if hidden is None else hidden,
@@ -233,7 +242,7 @@ class DeviceBatch:
         statics = {"top_logprobs": MAX_TOP_LOGPROBS} if logprobs else {}
         if round_cost is not None:
             statics["adaptive_ks"] = adaptive_k.CANDIDATES
-        out, count, stats, self.state, self.slots, *lp = api._call(
+        out, count, stats, self.state, self.slots, *lp = self.call(
             m, loop.decode, (m.cfg, m.kernels, self.k, n), args,
             ("params", "state") + ("rep",) * (len(args) - 2),
             ("rep", "rep", "rep", "state", "rep") + ("rep",) * logprobs, **statics)

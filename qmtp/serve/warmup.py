@@ -17,16 +17,25 @@ Each step drives the engine's own admission code on dummy requests (id -1; max_t
 token finishes them), so the shapes are exactly those of serving; this module
 reaches into Engine's private methods for that reason. The seconds a step logs are its compile (or its
 load from JAX's persistent compilation cache, --compile_cache) and one run.
+
+With more than one compile thread (--warmup_threads; single device) the steps first run once with
+their device calls recorded instead of made (`precompile`): each new program is traced and lowered on
+the calling thread (Python) and compiled on a pool thread (XLA's compile releases the GIL), its
+outputs stood in for by zeros of their shapes, the state passed through unchanged. The steps then run
+for real, serially, and find every program compiled: JAX keeps a lowering's executable where the
+jitted call looks it up.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
+import time
 from typing import Callable
 
-import time
-
+import jax
 import numpy as np
 
 from qmtp import api
@@ -36,11 +45,15 @@ from qmtp.serve import round_costs
 from qmtp.serve.requests import RequestHandle
 
 
+MAX_COMPILE_THREADS = 8  # warm-up compiles at once by default (each holds a few GB of host memory at 27B)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     name: str  # the program, as the log line names it: "prompt bucket 64: prefill x 4 rows"
     run: Callable[[], None]
     bucket: int | None = None  # None: the decode loop or the piece prefill
+    recordable: bool = True  # False: the step times or stores something, so precompile's dry pass skips it
 
 
 def plan(engine, buckets) -> list[Step]:
@@ -84,22 +97,38 @@ def plan(engine, buckets) -> list[Step]:
         stored = None if directory is None else round_costs.load(directory, engine)
         if stored is not None:
             steps.append(Step(f"round costs at K = {ks} from {round_costs.path(directory, engine)}",
-                              functools.partial(setattr, engine, "round_cost", stored)))
+                              functools.partial(setattr, engine, "round_cost", stored), recordable=False))
         else:
-            steps.append(Step(f"timing a round at K = {ks}", functools.partial(_time_rounds, engine)))
+            steps.append(Step(f"timing a round at K = {ks}", functools.partial(_time_rounds, engine),
+                              recordable=False))
     return steps
+
+
+def compile_threads(engine) -> int:
+    """Programs the warm-up compiles at once: --warmup_threads, or half the usable CPUs (XLA's compile of
+    one program uses more than one core) up to MAX_COMPILE_THREADS; 1 under TP (its calls are not
+    recorded)."""
+    if engine.model.mesh is not None:
+        return 1
+    if engine.config.warmup_threads:
+        return engine.config.warmup_threads
+    return max(1, min(MAX_COMPILE_THREADS, len(os.sched_getaffinity(0)) // 2))
 
 
 def run(engine, steps: list[Step]) -> float:
     """Runs the warm-up steps (stopping early when the engine shuts down), logging each with its seconds
-    and `engine.warming` its progress; then clears the counters they moved (refused requests stay
-    counted). Returns the seconds."""
+    and `engine.warming` its progress, after `precompile` where compile_threads > 1; then clears the
+    counters they moved (refused requests stay counted). Returns the seconds."""
     t0, total = time.perf_counter(), len(steps)
     buckets = sorted({s.bucket for s in steps if s.bucket is not None})
     long = any(s.bucket is None and s.name.startswith(LONG_PROMPTS) for s in steps)
     engine.warming = (0, total)
     engine._log(f"warm-up: {total} programs to compile (prompt buckets {', '.join(map(str, buckets)) or 'none'}; "
                 + (f"longer prompts in pieces of {engine.piece} tokens; " if long else "") + "the decode loop)")
+    threads = compile_threads(engine)
+    if threads > 1:
+        compiled = precompile(engine, steps, threads)
+        engine._log(f"warm-up: {compiled} programs compiled on {threads} threads in {time.perf_counter() - t0:.1f} s")
     for i, step in enumerate(steps, 1):
         if engine._stopping:
             engine._log(f"warm-up stopped after {i - 1} of {total} programs: shutting down")
@@ -116,6 +145,50 @@ def run(engine, steps: list[Step]) -> float:
         engine.counters.update(refused)
         engine.warming = None
     return time.perf_counter() - t0
+
+
+def precompile(engine, steps: list[Step], threads: int) -> int:
+    """Compiles the programs the steps call, `threads` at a time: each recordable step runs with its device
+    calls recorded (_Recorder), then the device state and carry are put back as they were. Returns the
+    number of programs compiled."""
+    device = engine._device
+    state, slots = device.state, device.slots
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="qmtp-compile") as pool:
+        recorder = _Recorder(pool, device.device)
+        device.call = recorder
+        try:
+            for step in steps:
+                if engine._stopping:
+                    break
+                if step.recordable:
+                    step.run()
+        finally:
+            device.call, device.state, device.slots = api._call, state, slots
+        for future in recorder.compiles.values():
+            future.result()  # a compile's error, here rather than in the serial pass
+    return len(recorder.compiles)
+
+
+class _Recorder:
+    """Stands in for DeviceBatch.call (api._call's signature, single device) in precompile's dry pass: each
+    program not seen yet is traced and lowered here and compiled on the pool; the call returns its input
+    state for each "state" output and device zeros of the output's shape for the rest, so the step's host
+    code runs on as it would (its dummy requests finish on their first token either way)."""
+
+    def __init__(self, pool: concurrent.futures.Executor, device: jax.Device):
+        self.pool, self.device = pool, device
+        self.compiles: dict = {}  # program key -> the future of its compile
+
+    def __call__(self, model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, **statics):
+        traced = fn.trace(*lead, *args, **statics)
+        key = (fn, lead, tuple(sorted(statics.items())), jax.tree.structure(args),
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves(traced.in_avals)))
+        if key not in self.compiles:
+            self.compiles[key] = self.pool.submit(traced.lower().compile)
+        state = args[kinds.index("state")] if "state" in kinds else None
+        zeros = lambda s: jax.device_put(np.zeros(s.shape, s.dtype), self.device)  # noqa: E731  (committed)
+        return tuple(state if kind == "state" else jax.tree.map(zeros, out)
+                     for kind, out in zip(out_kinds, traced.out_info))
 
 
 def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
