@@ -178,12 +178,15 @@ def _bucket(n: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
 
 
-def _new_state(model: Model, capacities: list[int]):
-    """Reserves pages for each sequence's capacity and returns a zero state with that page table."""
+def _new_state(model: Model, capacities: list[int], padded: int = 0):
+    """Reserves pages for each sequence's capacity (at least `padded` positions, where the model has them
+    and sizes the pool by its sequences: no --num_pages) and returns a zero state with that page table."""
     limit = model.cfg.max_position_embeddings
     for b, c in enumerate(capacities):
         if c > limit:
             raise CapacityError(f"sequence {b} needs {c} positions > max_position_embeddings={limit}")
+    if not model.num_pages:
+        capacities = [max(c, min(padded, limit)) for c in capacities]
     pages_needed = [-(-c // model.page_size) for c in capacities]
     allocator = PageAllocator(model.num_pages or sum(pages_needed), model.page_size)
     handles = [allocator.reserve(c) for c in capacities]
@@ -287,11 +290,16 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     # a round's pass writes K+1 positions past the committed length
     capacities = [len(p) + max_new_tokens + mtp_k + 1 for p in prompt_ids]
     tokens, n_valid = _prompt_batch(prompt_ids)
+    # The loop's bound and the KV pool come from power-of-two buckets (of max_new_tokens, and of the prompt
+    # as its tokens are padded): calls that differ only in those within a bucket share their compiled
+    # programs (the loop stops at each row's budget of max_new_tokens either way).
+    rounds = _bucket(max_new_tokens)
+    padded = tokens.shape[1] + rounds + mtp_k + 1
     cap = _cap_schedule(accept_cap, batch, mtp_k) if mtp_k and accept_cap is not None else None
     statics = (model.cfg, model.kernels)
 
     def run(limit, round_cost=None):
-        state = _new_state(model, capacities)
+        state = _new_state(model, capacities, padded)
         budget = jnp.full((batch,), limit, jnp.int32)
         t0 = time.perf_counter()
         args, kinds = (model.params, state, tokens, n_valid, budget, stop), ("params", "state") + ("rep",) * 4
@@ -307,7 +315,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
             args, kinds = args + (cap, sampling), kinds + ("rep", "rep")
         if adaptive:
             args, kinds = args + (jnp.asarray(round_cost, jnp.float32),), kinds + ("rep",)
-        out, count, stats, _, _, *lp = _call(model, loop.decode, statics + (mtp_k, max_new_tokens), args, kinds,
+        out, count, stats, _, _, *lp = _call(model, loop.decode, statics + (mtp_k, rounds), args, kinds,
                                              ("rep", "rep", "rep", "state", "rep") + ("rep",) * len(first_lp),
                                              top_logprobs=logprobs,
                                              **({"adaptive_ks": adaptive_k.CANDIDATES} if adaptive else {}))

@@ -13,6 +13,7 @@ import qmtp
 from qmtp.model import target as model_lib
 from qmtp.runtime.kernel_config import REF
 from qmtp.runtime.paging import PageAllocator
+from qmtp.serve import compile_watch
 from qmtp.runtime.state import init_state, PagedKV
 from tolerance import F32_MODEL, assert_close
 
@@ -70,6 +71,17 @@ def test_batched_generation_equals_each_alone(tiny):
     batched = qmtp.generate(tiny, prompts, max_new_tokens=9, stop_token_ids=[])
     for p, toks in zip(prompts, batched.tokens):
         assert qmtp.generate(tiny, [p], max_new_tokens=9, stop_token_ids=[]).tokens[0] == toks
+
+
+def test_calls_within_one_bucket_share_their_programs(tiny):
+    """Prompt lengths and max_new_tokens within one power-of-two bucket (18 and 27 tokens: 32; 13, 11 and 9
+    new tokens: 16): the later calls compile nothing, and a smaller budget gives a prefix of the tokens."""
+    a, b = (RNG.integers(0, 250, n).tolist() for n in (18, 27))
+    first = qmtp.generate(tiny, [a], max_new_tokens=13, stop_token_ids=[]).tokens[0]
+    with compile_watch.watch() as compiles:
+        assert len(qmtp.generate(tiny, [b], max_new_tokens=11, stop_token_ids=[]).tokens[0]) == 11
+        assert qmtp.generate(tiny, [a], max_new_tokens=9, stop_token_ids=[]).tokens[0] == first[:9]
+    assert not [name for name, _ in compiles if name in ("jit(prefill)", "jit(decode)")], compiles
 
 
 def test_stop_ids_end_each_sequence_independently(tiny):
