@@ -41,7 +41,7 @@ class Model:
     checkpoint_dir: str
     dtype: str = "bfloat16"
     page_size: int = 16
-    num_pages: int | None = None  # None: exactly what each call needs
+    num_pages: int | None = None  # None: what each call needs, at its padded lengths (generate)
     kernels: KernelConfig = KernelConfig()
     mesh: object | None = None  # jax.sharding.Mesh over the "tp" axis when loaded with tp > 1
 
