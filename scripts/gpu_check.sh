@@ -22,7 +22,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
            prefill_chunks prefill_memory serve_long fp8_gemm_rows gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
-           bench_deterministic chat_nocache chat_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe)
+           bench_deterministic chat_nocache chat_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe
+           warmup_threads)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
 
@@ -41,7 +42,7 @@ run_step() {  # name default_limit_s command...
 
 # The server steps' packages (fastapi, uvicorn, httpx): the machine's own, else the wheels of `make device-wheels`
 # carried in .device-wheels/, unpacked once and put after everything else on PYTHONPATH.
-SERVER_STEPS=" serve_long chat_nocache chat_prefix serve_k0 serve_kauto "
+SERVER_STEPS=" serve_long chat_nocache chat_prefix serve_k0 serve_kauto warmup_threads "
 server_packages() {
   "$PY" -c "import fastapi, uvicorn, httpx" 2>/dev/null && return 0
   local site=${TMPDIR:-/tmp}/qmtp_server_packages wheel
@@ -180,6 +181,14 @@ for s in "${steps[@]}"; do
     # (1024 new tokens: at 128 the K=3 profile is not realized, too few rounds)
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=1024 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
+    # the server's warm-up (the 27B preset's first 8 layers, K=3, bucket 32, no compile cache) compiling one
+    # program at a time and on 8 threads: each start's log lines from "warm-up" on, until it reports done
+    warmup_threads) run_step warmup_threads 290 bash -c "for t in 1 8; do $PY -m qmtp.server \
+                      --checkpoint=preset:qwen3_5_27b_controlled:fp8 --num_layers=8 --impl=pallas --mtp_k=3 \
+                      --batch_slots=8 --max_model_len=4096 --warmup_buckets=32 --compile_cache= --warmup_threads=\$t \
+                      --port=8126 >$OUT/warmup_threads_\$t.log 2>&1 & server=\$!; \
+                      until grep -q 'warm-up done' $OUT/warmup_threads_\$t.log; do kill -0 \$server || exit 1; sleep 1; done; \
+                      kill \$server; wait \$server; grep -E 'warm-up' $OUT/warmup_threads_\$t.log; done" ;;
     *) echo "unknown step '$s' (${ALL_STEPS[*]})"; exit 2 ;;
   esac
   tail -n 1 "$OUT/$s.log" | grep -qx 'rc=0' || status=1
