@@ -179,8 +179,9 @@ def _bucket(n: int) -> int:
 
 
 def _new_state(model: Model, capacities: list[int], padded: int = 0):
-    """Reserves pages for each sequence's capacity (at least `padded` positions, where the model has them
-    and sizes the pool by its sequences: no --num_pages) and returns a zero state with that page table."""
+    """Reserves pages for each sequence's capacity and returns a zero state with that page table. Unless
+    the model fixes the pool (num_pages), each sequence gets at least `padded` positions (capped at
+    max_position_embeddings), so calls of one padded shape share their programs."""
     limit = model.cfg.max_position_embeddings
     for b, c in enumerate(capacities):
         if c > limit:

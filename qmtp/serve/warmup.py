@@ -112,7 +112,9 @@ def compile_threads(engine) -> int:
         return 1
     if engine.config.warmup_threads:
         return engine.config.warmup_threads
-    return max(1, min(MAX_COMPILE_THREADS, len(os.sched_getaffinity(0)) // 2))
+    # the CPUs this process may run on (containers narrow them); os.cpu_count() where that is not known
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_THREADS, cpus // 2))
 
 
 def run(engine, steps: list[Step]) -> float:
