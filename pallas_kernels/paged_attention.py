@@ -8,13 +8,14 @@ q [B, T, Hq, D]; k_pages, v_pages [P, S, Hkv, D]; page_table [B, Pmax], q_positi
 int32 -> o [B, T, Hq, D] in q's dtype, softmax in f32. Masked slots may hold anything (NaN included); a row
 with no valid key outputs 0. `paged_attention_ref` gathers the pages into a contiguous context.
 
-Kernel grid (B, Hkv, NQ*NS): program (b, h, q, s) takes kv head h's R = pow2(max(16, G*TB)) query rows (r =
-t*G + g, G = Hq/Hkv) of TB tokens (TB = T up to max_block_queries; a prefill's NQ blocks of prefill_rows // G
-tokens on prefill_num_warps warps, NS = 1) so each K/V row is read once per kv head and block, and keys
-[s*L, min((s+1)*L, n)), n = min(kv_lengths[b], Pmax*S, the block's last position + 1), L =
-round_up(cdiv(n, NS), BK): keys past the length or the block's causal limit are never read and every
-split gets work. Each step gathers BK keys by page id (clamped to [0, P)), so any page size works; online
-softmax in base 2, masked scores -inf by `where`, masked K/V never loaded. A jnp step combines the splits
+Kernel grid (B, Hkv, NQ*NS): program (b, h, q, s) takes kv head h's R = pow2(max(16, G*TB)) query rows
+(r = t*G + g, G = Hq/Hkv) of TB tokens (TB = T up to max_block_queries; a prefill's NQ blocks of
+prefill_rows // G tokens on prefill_num_warps warps) so each K/V row is read once per kv head, block and
+split, and keys [s*L, min((s+1)*L, n)), n = min(kv_lengths[b], Pmax*S, the block's last position + 1),
+L = round_up(cdiv(n, NS), BK): keys past the length or the block's causal limit are never read and every
+split gets work (NS from the B * NQ programs; 1 for a prefill in the row-invariant form). Each step gathers
+BK keys by page id (clamped to [0, P)), so any page size works; online softmax in base 2, masked scores
+-inf by `where`, masked K/V never loaded. A jnp step combines the splits
 (weights exp2(m_s - max m)).
 
 Row-invariant form (PagedAttentionConfig.split_keys = L fixed, ROW_INVARIANT_CONFIG): split s covers keys
@@ -89,9 +90,11 @@ class PagedAttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     # More than max_block_queries query tokens (a prefill) run in blocks of prefill_rows // G tokens per
-    # program (G query heads share a KV head), one program per block and KV head, no key splits, on
-    # prefill_num_warps warps. 128 rows x 8 warps: a 2048-token chunk at 8k / 32k context 1.07 / 4.31 ms
-    # (338 / 371 TFLOP/s) against 2.48 / 10.73 at 32 x 4, the best of `--attention_cases=prefill` (H100).
+    # program (G query heads share a KV head), on prefill_num_warps warps; their keys split where the blocks
+    # are fewer than target_programs (a 128-token serving piece: 7 blocks x 4 KV heads, split 10 ways at 32k /
+    # 8k context 1.55 -> 0.57 / 0.46 -> 0.22 ms a layer, H100, `--attention_prefill_tokens=128`). 128 rows x
+    # 8 warps: a 2048-token chunk at 8k / 32k context 1.07 / 4.31 ms (338 / 371 TFLOP/s) against 2.48 / 10.73
+    # at 32 x 4, the best of `--attention_cases=prefill` (H100).
     max_block_queries: int = 8
     prefill_rows: int = 128
     prefill_num_warps: int = 8
@@ -228,7 +231,10 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
     n_qblocks = -(-t // t_block)
     rows = max(16, next_pow2(g * t_block))
     n_ctx = page_table.shape[1] * page_size
-    n_splits = config.num_splits(b, hkv, n_ctx) if n_qblocks == 1 else 1
+    if n_qblocks == 1:
+        n_splits = config.num_splits(b, hkv, n_ctx)
+    else:  # few query blocks over a long context (a serving piece) split their keys as a decode does
+        n_splits = 1 if config.split_keys is not None else config.num_splits(b * n_qblocks, hkv, n_ctx)
     block_k = config.keys_per_step(d, jnp.dtype(k_pages.dtype).itemsize)
     f32 = jnp.dtype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(k_pages.dtype) == f32 else None
@@ -253,21 +259,23 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
         interpret=interpret,
         name="paged_attention",
     )(q, k_pages, v_pages, page_table, q_positions, kv_lengths)
-    if n_qblocks > 1:  # [B, Hkv, NQ, R, ...] (one split each) -> the query blocks' rows in token order
-        o = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)[:, :, :, :g * t_block]
-        o = o.reshape(b, hkv, n_qblocks * t_block, g, d)[:, :, :t].transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-        return o.astype(q.dtype)
-    # Combine the splits: weights exp2(m_s - max_s m_s); empty splits have m = -inf -> weight 0.
-    m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [B, Hkv, NS, R]
-    if config.split_keys is None:
-        l_tot = jnp.sum(w * l, axis=2)  # [B, Hkv, R]
-        acc_tot = jnp.sum(w[..., None] * acc, axis=2)  # [B, Hkv, R, D]
-    else:
-        l_tot, acc_tot = _sum_splits_in_order(w * l), _sum_splits_in_order(w[..., None] * acc)
+    acc = acc.reshape(b, hkv, n_qblocks, n_splits, rows, d)
+    m, l = (x.reshape(b, hkv, n_qblocks, n_splits, rows) for x in (m, l))
+    if n_splits == 1:
+        l_tot, acc_tot = l[:, :, :, 0], acc[:, :, :, 0]
+    else:  # combine the splits: weights exp2(m_s - max_s m_s); empty splits have m = -inf -> weight 0
+        m_max = jnp.max(m, axis=3, keepdims=True)
+        w = jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [B, Hkv, NQ, NS, R]
+        if config.split_keys is None:
+            l_tot = jnp.sum(w * l, axis=3)  # [B, Hkv, NQ, R]
+            acc_tot = jnp.sum(w[..., None] * acc, axis=3)  # [B, Hkv, NQ, R, D]
+        else:  # one query block
+            l_tot = _sum_splits_in_order((w * l)[:, :, 0])[:, :, None]
+            acc_tot = _sum_splits_in_order((w[..., None] * acc)[:, :, 0])[:, :, None]
     o = jnp.where(l_tot[..., None] > 0, acc_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
-    o = o[:, :, :g * t].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-    return o.astype(q.dtype)
+    # [B, Hkv, NQ, R, D] -> the query blocks' rows in token order
+    o = o[:, :, :, :g * t_block].reshape(b, hkv, n_qblocks * t_block, g, d)[:, :, :t]
+    return o.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
 
 def _sum_splits_in_order(x: jax.Array) -> jax.Array:

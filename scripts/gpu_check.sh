@@ -123,9 +123,10 @@ for s in "${steps[@]}"; do
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
                    --gdn_prefill_chunks=32,64 --gdn_chain_configs=32x4,64x8,16x4,32x8 \
                    --out="$OUT/gdn_prefill.json" ;;
-    # prefill attention: a 2048-token chunk at the end of 8k and 32k prompts, per query-tile config
+    # prefill attention: a 2048-token chunk and a 128-token serving piece at the end of 8k and 32k prompts, per
+    # query-tile config
     attn_prefill) run_step attn_prefill 300 "$PY" -m pallas_kernels.bench --parts=attention --attention_cases=prefill \
-                    --out="$OUT/attn_prefill.json" ;;
+                    --attention_prefill_tokens=2048,128 --out="$OUT/attn_prefill.json" ;;
     # sampling's cost: Qwen's recommended settings, each mode beside its greedy twin in the same run (batch 1, K=3)
     bench_sampling) run_step bench_sampling 580 "${BENCH[@]}" --ks=3 --profile= --repeats=1 --breakdown=false \
                       --temperature=0.6 --top_p=0.95 --top_k=20 --sampling_cost --out="$OUT/bench_tp1_sampling.json" \

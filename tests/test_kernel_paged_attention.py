@@ -139,6 +139,8 @@ def case_f64(c: Case):
 
 SPLIT = pa.PagedAttentionConfig(block_k=16, min_keys_per_split=16, target_programs=64)  # many splits
 PREFILL_BLOCKS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16)
+PREFILL_SPLITS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16, min_keys_per_split=16,
+                                         target_programs=64)  # 3 query blocks x 2 KV heads x 2 rows: 6 splits
 
 CASES = {
     "b1_t1_mha_s1": (dict(b=1, t=1, hq=2, hkv=2, d=16, s=1, committed=[6], n_valid=[1]), None),
@@ -156,6 +158,9 @@ CASES = {
     "b2_t40_gqa_s16_prefill_blocks": (dict(b=2, t=40, hq=6, hkv=2, d=32, s=16, committed=[0, 13], n_valid=[40, 29]),
                                       PREFILL_BLOCKS),
     "b1_t24_mha_s3_prefill_one_block": (dict(b=1, t=24, hq=2, hkv=2, d=16, s=3, committed=[21], n_valid=[24]), None),
+    # a short prefill after a long context (a serving piece): few query blocks, their keys split
+    "b2_t12_gqa_s16_prefill_split_keys": (dict(b=2, t=12, hq=6, hkv=2, d=32, s=16, committed=[70, 100],
+                                               n_valid=[12, 7]), PREFILL_SPLITS),
 }
 
 
@@ -371,6 +376,23 @@ def test_prefill_lowers_for_h200_in_query_blocks():
     assert math.prod(grid) == REAL["hkv"] * -(-t // t_block), grid
     assert f"tensor<{cfg0.prefill_rows}x{REAL['d']}xbf16> * tensor<{REAL['d']}x" in ir_text, "Q.K^T tile shapes"
     assert attr_int(cfg, "num_warps") == cfg0.prefill_num_warps != cfg0.num_warps
+
+
+def test_a_short_prefill_at_long_context_splits_its_keys():
+    """A 128-token piece at 32k context (27B shapes) has 7 query blocks x 4 KV heads: without key splits 28
+    programs would each read the whole context. It runs num_splits(7, 4, 32k) of them per block."""
+    cfg0, t, context = pa.DEFAULT_CONFIG, 128, 32768
+    shapes = list(real_shapes(1, t, jnp.bfloat16))
+    pmax = context // REAL["s"]
+    shapes[1] = shapes[2] = jax.ShapeDtypeStruct((pmax, REAL["s"], REAL["hkv"], REAL["d"]), jnp.bfloat16)
+    shapes[3] = jax.ShapeDtypeStruct((1, pmax), jnp.int32)
+    lowered = lower_for_h200(lambda *a: pa.paged_attention(*a, REAL["d"] ** -0.5), shapes)
+    [(cfg, _)] = triton_calls(lowered)
+    n_qblocks = -(-t // (cfg0.prefill_rows // (REAL["hq"] // REAL["hkv"])))
+    n_splits = cfg0.num_splits(n_qblocks, REAL["hkv"], context)
+    assert n_qblocks == 7 and n_splits > 1
+    grid = [attr_int(cfg, f"grid_{a}") for a in "xyz"]
+    assert math.prod(grid) == REAL["hkv"] * n_qblocks * n_splits, grid
 
 
 # ------------------------------------------------------------------------------------------------

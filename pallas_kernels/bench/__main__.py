@@ -71,6 +71,8 @@ flags.DEFINE_enum("attention_cases", "both", ["decode", "prefill", "both"], "att
 flags.DEFINE_list("attention_prefill_configs", list(PREFILL_CONFIGS), "attention: the prefill "
                   "tile configs, ROWSxWARPSxBKxSTAGES (query rows per program, warps, keys per step, stages; the "
                   "first is the default's).")
+flags.DEFINE_list("attention_prefill_tokens", [str(2048)], "attention: the prefill case's new tokens at the end of "
+                  "each context (2048: a prefill chunk; 128: a serving piece beside decoding streams).")
 flags.DEFINE_bool("moe_sweep", False, "moe: also time candidate ExpertMatmulConfigs (block_o, split_k, warps, "
                   "stages).")
 flags.DEFINE_float("copy_gib", 4.0, "Size of the f32 array of the copy-bandwidth measurement.")
@@ -133,7 +135,8 @@ def main(argv):
             if FLAGS.attention_cases in ("decode", "both"):
                 attention.run(tb, rec.emit, **opts)
             if FLAGS.attention_cases in ("prefill", "both"):
-                attention.run_prefill(tb, rec.emit, configs=tuple(FLAGS.attention_prefill_configs), **opts)
+                attention.run_prefill(tb, rec.emit, configs=tuple(FLAGS.attention_prefill_configs),
+                                      tokens=tuple(int(t) for t in FLAGS.attention_prefill_tokens), **opts)
     print(f"\ncopy bandwidth {copy['tb_per_s']:.3f} TB/s (fastest of the trials; median "
           f"{copy['tb_per_s_median']:.3f}), {copy['bytes'] / 2**30:.1f} GiB moved per pass")
     print(common.summary_table(rec.results["rows"]))

@@ -11,11 +11,11 @@ identically to both implementations. rel_err (pallas row) = max |o - o_ref| / ma
 (both outputs are bf16: one bf16 ulp, up to 2^-8 = 4e-3, is the expected figure).
 speedup_vs_xla = xla s_per_call / pallas s_per_call.
 
-Prefill (kernel "paged_attention_prefill", `run_prefill`): B = 1, the last 2048-token chunk of a prompt
-of 8K or 32K tokens (its queries attend to every earlier key and causally to their own), one row per
-tile config "ROWSxWARPSxBKxSTAGES" (query rows per program, warps, keys per step, pipeline stages; the
-first the default). tflop_s counts the causal products, 4 Hq D per (query, key) pair; rel_err against
-`paged_attention_ref` (which holds the [T, context] scores).
+Prefill (kernel "paged_attention_prefill", `run_prefill`): B = 1, the last T tokens (2048: a prefill chunk;
+128: a serving piece) of a prompt of 8K or 32K tokens (its queries attend to every earlier key and
+causally to their own), one row per tile config "ROWSxWARPSxBKxSTAGES" (query rows per program, warps,
+keys per step, pipeline stages; the first the default). tflop_s counts the causal products, 4 Hq D per
+(query, key) pair; rel_err against `paged_attention_ref` (which holds the [T, context] scores).
 """
 
 from __future__ import annotations
@@ -180,14 +180,21 @@ def _prefill_tile(config: pa.PagedAttentionConfig) -> tuple:
 
 
 def run_prefill(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
-                configs=PREFILL_CONFIGS) -> None:
-    """Times the prefill tile configs (see the module docstring); calls emit(row) per config and context."""
+                configs=PREFILL_CONFIGS, tokens=(PREFILL_TOKENS,)) -> None:
+    """Times the prefill tile configs (see the module docstring); calls emit(row) per config, context and
+    number of new tokens."""
     parsed = [(c, parse_prefill_config(c)) for c in configs]  # a typo fails before anything runs
-    t, contexts, reps, trials = PREFILL_TOKENS, PREFILL_CONTEXTS, 3, 3
+    contexts, reps, trials = PREFILL_CONTEXTS, 3, 3
     if quick:
         contexts = contexts[:1]
     if interpret:
-        t, contexts, reps, trials, parsed = 32, (64,), 1, 1, parsed[:2]
+        tokens, contexts, reps, trials, parsed = (32,), (64,), 1, 1, parsed[:2]
+    for t in tokens:
+        _prefill_rows(copy_tb_s, emit, parsed, t, contexts, reps, trials, interpret)
+
+
+def _prefill_rows(copy_tb_s, emit, parsed, t, contexts, reps, trials, interpret) -> None:
+    """One row per (config, context) for the last t tokens of each context."""
     scale = D ** -0.5
     rng = np.random.default_rng(1)
     for context in contexts:
