@@ -140,7 +140,7 @@ def case_f64(c: Case):
 SPLIT = pa.PagedAttentionConfig(block_k=16, min_keys_per_split=16, target_programs=64)  # many splits
 PREFILL_BLOCKS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16)
 PREFILL_SPLITS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16, min_keys_per_split=16,
-                                         target_programs=64)  # 3 query blocks x 2 KV heads x 2 rows: 6 splits
+                                         target_programs=64)  # 2 sequences x 3 query blocks x 2 KV heads: 6 splits
 
 CASES = {
     "b1_t1_mha_s1": (dict(b=1, t=1, hq=2, hkv=2, d=16, s=1, committed=[6], n_valid=[1]), None),
