@@ -81,7 +81,8 @@ def paged_attention_ref(q, k_pages, v_pages, page_table, q_positions, kv_lengths
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionConfig:
     """Tile config. block_k: keys per inner step (power of two >= 16). The number of key splits is
-    NS = clamp(cdiv(target_programs, B*Hkv), 1, cdiv(Pmax*S, min_keys_per_split)) (static)."""
+    NS = clamp(cdiv(target_programs, B*Hkv), 1, cdiv(Pmax*S, min_keys_per_split)) (static); a prefill's,
+    with B*NQ programs per KV head, at least prefill_min_keys_per_split keys of the page table a split."""
 
     block_k: int = 64
     max_tile_bytes: int = 64 * 1024  # K+V tiles of one step; block_k shrinks to fit (f32 KV, big D)
@@ -91,13 +92,17 @@ class PagedAttentionConfig:
     num_stages: int = 2
     # More than max_block_queries query tokens (a prefill) run in blocks of prefill_rows // G tokens per
     # program (G query heads share a KV head), on prefill_num_warps warps; their keys split where the blocks
-    # are fewer than target_programs (a 128-token serving piece: 7 blocks x 4 KV heads, split 10 ways at 32k /
-    # 8k context 1.55 -> 0.57 / 0.46 -> 0.22 ms a layer, H100, `--attention_prefill_tokens=128`). 128 rows x
-    # 8 warps: a 2048-token chunk at 8k / 32k context 1.07 / 4.31 ms (338 / 371 TFLOP/s) against 2.48 / 10.73
-    # at 32 x 4, the best of `--attention_cases=prefill` (H100).
+    # are fewer than target_programs (a 128-token serving piece: 7 blocks x 4 KV heads; 10 splits at 32k / 8k
+    # context 1.55 -> 0.57 / 0.46 -> 0.22 ms a layer, H100, `--attention_prefill_tokens=128`; 8 at 8k now).
+    # 128 rows x 8 warps: a 2048-token chunk at 8k / 32k context 1.07 / 4.31 ms (338 / 371 TFLOP/s) against
+    # 2.48 / 10.73 at 32 x 4, the best of `--attention_cases=prefill` (H100).
     max_block_queries: int = 8
     prefill_rows: int = 128
     prefill_num_warps: int = 8
+    # A prefill split writes a [prefill_rows, D] f32 partial tile (128 KiB at D 256) that the combine reads
+    # back: 1024 keys of bf16 K and V (1 MiB) per split keep that at most 1/8 of its reads, and bound the
+    # splits of a short prompt, most of them empty, where the page table is short (4 at 4k).
+    prefill_min_keys_per_split: int = 1024
     # Keys per split, fixed (a multiple of every block_k: a power of two >= 64), for row-invariant
     # results; None: NS from target_programs and the split length from the sequence length.
     split_keys: int | None = None
@@ -105,8 +110,8 @@ class PagedAttentionConfig:
     def __post_init__(self):
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"PagedAttentionConfig: block_k={self.block_k} must be a power of two >= 16")
-        if self.target_programs < 1 or self.min_keys_per_split < 1:
-            raise ValueError(f"PagedAttentionConfig: target_programs and min_keys_per_split must be >= 1: {self}")
+        if self.target_programs < 1 or self.min_keys_per_split < 1 or self.prefill_min_keys_per_split < 1:
+            raise ValueError(f"PagedAttentionConfig: target_programs and the min keys per split must be >= 1: {self}")
         if self.split_keys is not None and (self.split_keys < self.block_k or self.split_keys & (self.split_keys - 1)):
             raise ValueError(f"PagedAttentionConfig: split_keys={self.split_keys} must be a power of two >= "
                              f"block_k={self.block_k}")
@@ -115,11 +120,13 @@ class PagedAttentionConfig:
         fit = self.max_tile_bytes // (2 * d * itemsize)
         return max(16, min(self.block_k, 1 << max(0, fit.bit_length() - 1)))
 
-    def num_splits(self, b: int, hkv: int, n_ctx: int) -> int:
+    def num_splits(self, b: int, hkv: int, n_ctx: int, min_keys: int | None = None) -> int:
+        """Key splits for b query blocks per KV head over a page table of n_ctx keys (min_keys: keys per
+        split at least, default min_keys_per_split)."""
         if self.split_keys is not None:
             return -(-n_ctx // self.split_keys)
         want = -(-self.target_programs // (b * hkv))
-        cap = -(-n_ctx // self.min_keys_per_split)
+        cap = -(-n_ctx // (self.min_keys_per_split if min_keys is None else min_keys))
         return max(1, min(want, cap))
 
 
@@ -234,7 +241,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, kv_lengths, *
     if n_qblocks == 1:
         n_splits = config.num_splits(b, hkv, n_ctx)
     else:  # few query blocks over a long context (a serving piece) split their keys as a decode does
-        n_splits = 1 if config.split_keys is not None else config.num_splits(b * n_qblocks, hkv, n_ctx)
+        n_splits = 1 if config.split_keys is not None else config.num_splits(b * n_qblocks, hkv, n_ctx,
+                                                                                config.prefill_min_keys_per_split)
     block_k = config.keys_per_step(d, jnp.dtype(k_pages.dtype).itemsize)
     f32 = jnp.dtype(jnp.float32)
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(k_pages.dtype) == f32 else None

@@ -139,8 +139,8 @@ def case_f64(c: Case):
 
 SPLIT = pa.PagedAttentionConfig(block_k=16, min_keys_per_split=16, target_programs=64)  # many splits
 PREFILL_BLOCKS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16)
-PREFILL_SPLITS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16, min_keys_per_split=16,
-                                         target_programs=64)  # 2 sequences x 3 query blocks x 2 KV heads: 6 splits
+PREFILL_SPLITS = pa.PagedAttentionConfig(block_k=16, max_block_queries=2, prefill_rows=16, target_programs=64,
+                                         prefill_min_keys_per_split=16)  # 2 seqs x 3 blocks x 2 KV heads: 6 splits
 
 CASES = {
     "b1_t1_mha_s1": (dict(b=1, t=1, hq=2, hkv=2, d=16, s=1, committed=[6], n_valid=[1]), None),
@@ -285,6 +285,9 @@ def test_config_rules():
     assert cfg.keys_per_step(256, 4) == 32  # f32 halves the step
     assert cfg.num_splits(1, 4, 4096) == 32 and cfg.num_splits(8, 4, 4096) == 9  # >= 128 programs
     assert cfg.num_splits(8, 4, 64) == 1
+    # prefills: 1024 keys of the page table a split at least (a 64-token prompt's 4 blocks at 4k: 4 splits)
+    assert cfg.num_splits(4, 4, 4096, cfg.prefill_min_keys_per_split) == 4
+    assert cfg.num_splits(7, 4, 32768, cfg.prefill_min_keys_per_split) == 10
     with pytest.raises(ValueError, match="power of two"):
         pa.PagedAttentionConfig(block_k=48)
     fixed = pa.ROW_INVARIANT_CONFIG  # splits of 512 keys whatever the batch
@@ -389,7 +392,7 @@ def test_a_short_prefill_at_long_context_splits_its_keys():
     lowered = lower_for_h200(lambda *a: pa.paged_attention(*a, REAL["d"] ** -0.5), shapes)
     [(cfg, _)] = triton_calls(lowered)
     n_qblocks = -(-t // (cfg0.prefill_rows // (REAL["hq"] // REAL["hkv"])))
-    n_splits = cfg0.num_splits(n_qblocks, REAL["hkv"], context)
+    n_splits = cfg0.num_splits(n_qblocks, REAL["hkv"], context, cfg0.prefill_min_keys_per_split)
     assert n_qblocks == 7 and n_splits > 1
     grid = [attr_int(cfg, f"grid_{a}") for a in "xyz"]
     assert math.prod(grid) == REAL["hkv"] * n_qblocks * n_splits, grid
