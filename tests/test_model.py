@@ -13,8 +13,8 @@ import qmtp
 from qmtp.model import target as model_lib
 from qmtp.runtime.kernel_config import REF
 from qmtp.runtime.paging import PageAllocator
-from qmtp.serve import compile_watch
 from qmtp.runtime.state import init_state, PagedKV
+from qmtp.serve import compile_watch
 from tolerance import F32_MODEL, assert_close
 
 CKPT = os.path.join(os.path.dirname(__file__), "fixtures", "oracle", "qwen3_5")
