@@ -103,7 +103,7 @@ for s in "${steps[@]}"; do
                       && cp /tmp/qmtp_prefill_dump/*memory-usage-report.txt $OUT/prefill_memory/ \
                       && head -n 30 \$(ls -S /tmp/qmtp_prefill_dump/*memory-usage-report.txt | head -n 1)" ;;
     # 4 streams decoding, one 32k prompt arriving after 20 s (prefilled piece by piece: while the streams
-    # decode, pieces of SERVE_LONG_PIECE tokens, the server's --interleave_piece; 0: its default, 256):
+    # decode, pieces of SERVE_LONG_PIECE tokens, the server's --interleave_piece; 0: its default, 128):
     # their inter-token gaps. The streams' prompts (17-32 tokens) all take bucket 32: at 27B each prompt
     # bucket's two programs take ~90 s of the warm-up
     serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \

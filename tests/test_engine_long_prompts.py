@@ -209,7 +209,7 @@ def test_interleave_piece_is_a_bucket_within_the_chunk_and_the_chunk_under_deter
             make_engine(chunked, 0, start=False, interleave_piece=bad)
     assert make_engine(chunked, 0, start=False).interleave_piece == CHUNK  # the default, cut to the chunk
     long_chunk = dataclasses.replace(chunked, kernels=dataclasses.replace(chunked.kernels, prefill_chunk=2048))
-    assert interleave_piece(EngineConfig(), long_chunk) == DEFAULT_INTERLEAVE_PIECE == 256
+    assert interleave_piece(EngineConfig(), long_chunk) == DEFAULT_INTERLEAVE_PIECE == 128
     deterministic = dataclasses.replace(chunked.kernels, impl="pallas", prefill_chunk=32, deterministic=True)
     assert interleave_piece(EngineConfig(), dataclasses.replace(chunked, kernels=deterministic)) == 32
     with pytest.raises(ValueError, match="--interleave_piece=16: under --deterministic"):

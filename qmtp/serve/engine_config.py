@@ -12,11 +12,11 @@ from qmtp.serve.requests import RequestError
 DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
 DEFAULT_PREFIX_BLOCK = 64  # until measured on the GPU: a short system prompt still fills whole blocks
 # A long prompt's pass while other slots decode (H100, 27B-shaped FP8, 4 plain streams, a 32k prompt,
-# `gpu_check.sh serve_long`): at 256 tokens the streams' gaps are p50 66.7 / p99 162.7 ms and the prompt's
-# first token comes after 19.6 s; at 128, 68.6 / 139.5 ms and 31.5 s; at the 2048-token chunk each gap
-# waits for a whole chunk (~0.3 s). 256 keeps the streams within ~2.5x their median, the prompt within ~5x
-# its time alone.
-DEFAULT_INTERLEAVE_PIECE = 256
+# `gpu_check.sh serve_long`, one machine): at 128 tokens the streams' gaps are p50 65.6 / p99 129.1 ms
+# (1.97x) and the prompt's first token comes after 28.3 s; at 256, 65.3 / 149.8 ms (2.29x) and 18.6 s; at
+# the 2048-token chunk each gap waits for a whole chunk (~0.3 s). 128 keeps the streams' p99 within 2x
+# their median, at 6.5x the prompt's time alone (4.3 s).
+DEFAULT_INTERLEAVE_PIECE = 128
 
 
 @dataclasses.dataclass(frozen=True)

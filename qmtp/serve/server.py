@@ -76,7 +76,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("interleave_piece", 0, "While other requests decode, a prompt longer than this many tokens "
                          "is prefilled in pieces of it, one per scheduling point, so their streams wait for one "
                          "piece at a time (a power of two from 16 to --prefill_chunk; smaller: shorter waits, a "
-                         "slower prefill). A prompt arriving at an idle server goes in --prefill_chunk pieces. 0 = 256 "
+                         "slower prefill). A prompt arriving at an idle server goes in --prefill_chunk pieces. 0 = 128 "
                          "(at most --prefill_chunk; under --deterministic, --prefill_chunk).", lower_bound=0)
     flags.DEFINE_integer("rounds_per_call", 4, "MTP rounds (or plain steps) per device call between scheduling "
                          "points: lower = new requests join sooner, higher = fewer host round trips.", lower_bound=1)
