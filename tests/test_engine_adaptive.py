@@ -43,17 +43,17 @@ def test_auto_times_rounds_and_keeps_greedy_tokens(model, tmp_path):
     assert_all_free(engine)
 
 
-def test_a_new_request_starts_from_the_prior_acceptance(model):
+def test_a_new_request_starts_with_no_acceptance_seen(model):
     engine = make_engine(model, "auto", start=False)
     engine.warmup([16])
     first = engine.submit(PROMPTS[0], 10)
     while not first.finished:
         engine._iteration()
     slot = 0  # the first free slot, handed out again
-    assert not np.allclose(np.asarray(engine._device.slots.accept_ema[slot]), adaptive_k.PRIOR)
+    assert not np.allclose(np.asarray(engine._device.slots.accept_ema[slot]), adaptive_k.UNSEEN)
     engine.submit(PROMPTS[1], 10)
     engine._admit()
-    np.testing.assert_allclose(np.asarray(engine._device.slots.accept_ema[slot]), adaptive_k.PRIOR)
+    np.testing.assert_allclose(np.asarray(engine._device.slots.accept_ema[slot]), adaptive_k.UNSEEN)
 
 
 @pytest.mark.slow  # CI time: another warm-up

@@ -124,7 +124,7 @@ class Slots:
         stop       [B, NS] int32  the row's stop ids, NO_STOP-padded
         done       [B] bool       finished, retired or empty: rides along with n_valid = 0 (no writes)
         gdn_slot   [B] int32      the slot of the ring each row's GDN/conv state is read from
-        accept_ema [B, MAX_K] f32 the row's acceptance estimate per draft position (adaptive K)
+        accept_ema [B, MAX_K] f32 the row's acceptance average per draft position (adaptive K; UNSEEN)
         q1         [B, V] f32     under sampling, the log-probabilities d1 was drawn from (a sampled
                                   round reads them, not the MTP's lm_head on mh again); greedy rounds
                                   leave it: a row at temperature 0 keeps the target's argmax whatever
@@ -146,7 +146,7 @@ class Slots:
         zeros = jnp.zeros((batch,), jnp.int32)
         return Slots(pending=zeros, d1=zeros, mh=jnp.zeros((batch, hidden), dtype), remaining=zeros,
                      stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool),
-                     gdn_slot=zeros, accept_ema=jnp.full((batch, MAX_K), adaptive_k.PRIOR, jnp.float32),
+                     gdn_slot=zeros, accept_ema=jnp.full((batch, MAX_K), adaptive_k.UNSEEN, jnp.float32),
                      q1=jnp.zeros((batch, vocab), smp.F32))
 
     @staticmethod
@@ -157,7 +157,7 @@ class Slots:
         remaining = max_tokens - 1
         return Slots(pending=first, d1=d1, mh=mh, remaining=remaining, stop=stop,
                      done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first),
-                     accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.PRIOR, jnp.float32), q1=q1)
+                     accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.UNSEEN, jnp.float32), q1=q1)
 
 
 def to_ring(state: DecodeState, n: int) -> DecodeState:
