@@ -271,6 +271,52 @@ def test_prompts_arriving_together_share_passes(model):
     assert engine.stop(10)
 
 
+def test_prompts_arriving_together_prefill_their_common_system_prompt_once(model):
+    """Three prompts of one 40-token system prompt arrive at an empty cache: the first keeps a checkpoint at
+    their deepest common block boundary (32; its own deepest is 64), the others wait for it and resume."""
+    engine = Engine(model, config(2, 1 << 24))
+    rng = np.random.default_rng(21)
+    system = rng.integers(0, 380, 40).tolist()
+    prompts = [system + rng.integers(0, 380, n).tolist() for n in (30, 5, 7)]
+    handles = [engine.submit(p, 4) for p in prompts]
+    engine.start()
+    want = [qmtp.generate(model, [p], 4, mtp_k=2).tokens[0] for p in prompts]
+    assert [h.result(300).tokens for h in handles] == want
+    assert [h.prefix_hit_tokens for h in handles] == [0, 2 * BLOCK, 2 * BLOCK]
+    assert engine.prefix.hits == 2 and engine.prefix.hit_tokens == 4 * BLOCK
+    assert engine.stop(10)
+
+
+def _drive(engine: Engine, handles) -> None:
+    """Runs the scheduling points of an engine not started, on this thread, until the handles finish."""
+    while not all(h.finished for h in handles):
+        engine._iteration()
+
+
+def test_a_prompt_waits_only_for_a_deeper_checkpoint_than_its_own(model):
+    """After a finished request A (cache: A's deepest block 64 and its prompt's end 69), a cold prompt B of
+    A's system prompt, then Q (A's prompt and 5 more tokens: it resumes at 69) and C (the system prompt and 5
+    tokens) are admitted together: C waits for B's checkpoint at their common block boundary 32, Q waits for
+    nothing (B shares less with it than Q resumes from) and joins B's passes."""
+    engine = Engine(model, config(0, 1 << 24))
+    rng = np.random.default_rng(22)
+    system = rng.integers(0, 380, 40).tolist()
+    a = system + rng.integers(0, 380, 30).tolist()
+    _drive(engine, [engine.submit(a, 3)])
+    prompts = [system + rng.integers(0, 380, 30).tolist(), a + rng.integers(0, 380, 5).tolist(),
+               system + rng.integers(0, 380, 5).tolist()]
+    handles = [engine.submit(p, 3) for p in prompts]
+    engine._admit()
+    b, q, c = engine.passes.pending.values()
+    assert b.awaits is None and q.awaits is None and c.awaits == (b, 2 * BLOCK)
+    assert 2 * BLOCK in b.keep
+    _drive(engine, handles)
+    want = [qmtp.generate(model, [p], 3).tokens[0] for p in prompts]
+    assert [h.result(0).tokens for h in handles] == want
+    assert [h.prefix_hit_tokens for h in handles] == [0, len(a) - 1, 2 * BLOCK]
+    assert engine.prefix.hits == 2
+
+
 def test_choices_of_one_prompt_share_its_prefill(model):
     """Requests admitted together with one prompt (a request's n choices): the first keeps a checkpoint
     at its end but the last token, the others resume there (copying its pages) and prefill that token."""

@@ -92,7 +92,7 @@ class PrefixCache:
     def lookup(self, tokens, again: bool = False) -> tuple[int, Checkpoint | None, list[bytes]]:
         """The deepest checkpoint a prompt can resume from (boundary b <= len - 1: at least its last token
         is prefilled), now the most recently used: (b, checkpoint, the prompt's chain) or (0, None, chain).
-        again: a second look for a prompt that missed (not counted as a lookup; a hit counts)."""
+        again: a second look for an admitted prompt, counted by `count_second_look` where its caller takes it."""
         digests = chain(tokens, self.block)
         self.lookups += not again
         for k in range(min(len(digests), (len(tokens) - 1) // self.block), -1, -1):
@@ -102,10 +102,17 @@ class PrefixCache:
             if key is not None:
                 self._entries.move_to_end(key)
                 ckpt = self._entries[key]
-                self.hits += 1
-                self.hit_tokens += ckpt.boundary
+                if not again:
+                    self.hits += 1
+                    self.hit_tokens += ckpt.boundary
                 return ckpt.boundary, ckpt, digests
         return 0, None, digests
+
+    def count_second_look(self, boundary: int, before: int) -> None:
+        """Counts a second look's checkpoint at `boundary` taken by a prompt whose first found `before`
+        (0: it missed, and this is its hit)."""
+        self.hits += before == 0
+        self.hit_tokens += boundary - before
 
     def keep_points(self, n_tokens: int, digests: list[bytes], start: int) -> list[int]:
         """The points (token counts, > start, ascending) a prefill of n_tokens from `start` should

@@ -47,6 +47,8 @@ class Pieces:
     digests: list = dataclasses.field(default_factory=list)  # the prompt's block chain
     shared_pages: int = 0  # leading pages shared with the checkpoint (the rest of its pages are copied)
     fresh: bool = True  # no pass has run yet
+    awaits: tuple | None = None  # (Pieces, point): an earlier prompt's checkpoint to come, deeper than `offset`
+    awaited: set = dataclasses.field(default_factory=set)  # points later prompts wait for (kept too)
 
 
 class PassPrefill:
@@ -81,16 +83,52 @@ class PassPrefill:
         e = self.engine
         p = Pieces(handle, *e._activate(handle, slot, reservation), ends=[], digests=list(digests),
                    shared_pages=_shared_pages(boundary, e.page_size))
-        self.pending[slot] = p
         self._plan(p, boundary, ckpt)
+        if e.prefix is not None:
+            self._await_shared(p)
+        self.pending[slot] = p
         return slot
+
+    def _await_shared(self, q: Pieces) -> None:
+        """With the cache: where a prompt being prefilled shares more of q's beginning than q resumes from,
+        q waits for that one's checkpoint at the deepest point of their common prefix (which it then keeps),
+        so prompts arriving together with one system prompt prefill it once. That point: the earlier
+        prompt's end but its last token where q extends it (as a request's n choices do), else their
+        deepest common block boundary; only where q's shared pages (from its own checkpoint) are the
+        earlier prompt's too, and at least one token of q is left to prefill."""
+        e, ids_q = self.engine, q.handle.prompt_ids
+        best = q.offset
+        for p in self.pending.values():
+            ids_p = p.handle.prompt_ids
+            if list(p.page_row[:q.shared_pages]) != list(q.page_row[:q.shared_pages]):
+                continue
+            common = _common_prefix(ids_p, ids_q)
+            point = (len(ids_p) - 1 if common >= len(ids_p) and len(ids_p) <= len(ids_q) else
+                     min(common, len(ids_p) - 1, len(ids_q) - 1) // e.prefix.block * e.prefix.block)
+            if point > max(best, p.offset):
+                best, q.awaits = point, (p, point)
+        if q.awaits is not None:
+            p, point = q.awaits
+            p.awaited.add(point)
+            p.keep, p.ends = tuple(sorted({*p.keep, point})), sorted({*p.ends, point})
+
+    def _waiting(self, q: Pieces) -> bool:
+        """Whether q still waits for an earlier prompt's checkpoint (`_await_shared`): that prompt is still
+        being prefilled and has not reached the point."""
+        if q.awaits is not None:
+            p, point = q.awaits
+            if p.offset < point and any(r is p for r in self.pending.values()):
+                return True
+            q.awaits = None
+        return False
 
     def _plan(self, p: Pieces, boundary: int, ckpt) -> None:
         """p's passes from `boundary` (resuming from `ckpt` there, if any): they end on multiples of
         prefill_chunk, at the boundaries the prefix cache keeps, and at the prompt's end."""
         e = self.engine
         n = len(p.handle.prompt_ids)
-        p.keep = tuple(e.prefix.keep_points(n, p.digests, boundary)) if e.prefix is not None else ()
+        p.keep = (tuple(sorted({*e.prefix.keep_points(n, p.digests, boundary), *(b for b in p.awaited if b > boundary)}))
+                  if e.prefix is not None else ())
         p.ends = sorted(set(range(boundary - boundary % e.piece + e.piece, n, e.piece)) | set(p.keep) | {n})
         p.offset, p.resume = boundary, ckpt
         p.handle.prefix_hit_tokens = boundary
@@ -121,10 +159,9 @@ class PassPrefill:
     def run_one(self, limit: int | None = None) -> int:
         """The next pass: the first prompt in progress and, with the prefix cache (not under
         --deterministic, whose prefills run one prompt at a time), up to _group_rows(width) - 1 more
-        whose next passes take the same padded width, in FIFO order; a prompt not yet started that shares
-        its first block with one in the pass waits (it may resume from that one's checkpoints, as a
-        request's n choices do). After a prompt's last pass its request starts. limit: the piece (default:
-        `limit()`). Returns the pass's tokens."""
+        whose next passes take the same padded width, in FIFO order, but those waiting for an earlier
+        one's checkpoint (`_await_shared`). After a prompt's last pass its request starts. limit: the piece
+        (default: `limit()`). Returns the pass's tokens."""
         e = self.engine
         limit = self.limit() if limit is None else limit
         e._flush_retired()
@@ -134,29 +171,28 @@ class PassPrefill:
         width = self._width(p.ends[0] - p.offset, limit)
         rows = [(slot, p)]
         if e.prefix is not None and not e.model.kernels.deterministic:
-            most, heads = e._group_rows(width), {self._head(p)}
+            most = e._group_rows(width)
             for slot_q, q in queue[1:]:
                 if len(rows) == most:
                     break
-                if q.fresh and self._head(q) in heads:
+                if self._waiting(q):
                     continue
                 self._prepare(slot_q, q)
                 if self._width(q.ends[0] - q.offset, limit) == width:
                     rows.append((slot_q, q))
-                    heads.add(self._head(q))
         return self._pass(rows, width)
 
-    def _head(self, p: Pieces) -> tuple:
-        return tuple(p.handle.prompt_ids[:self.engine.prefix.block])
-
     def _prepare(self, slot: int, p: Pieces) -> None:
-        """Before a prompt's first pass: a checkpoint kept since its admission (an earlier request's
-        prefill, e.g. a choice of the same prompt) is resumed from, with a copy of all its pages; and a
-        planned resume is done."""
+        """Before a prompt's first pass: a checkpoint kept since its admission deeper than the one it
+        resumes from (an earlier request's prefill, e.g. a choice of the same prompt) is resumed from
+        instead, with a copy of its pages but those the reservation shares (the same ones); and a planned
+        resume is done."""
         e = self.engine
-        if p.fresh and p.resume is None and e.prefix is not None:
+        if p.fresh and e.prefix is not None:
             boundary, ckpt, _ = e.prefix.lookup(p.handle.prompt_ids, again=True)
-            if ckpt is not None:
+            if (ckpt is not None and boundary > p.offset
+                    and list(ckpt.pages[:p.shared_pages]) == list(p.page_row[:p.shared_pages])):
+                e.prefix.count_second_look(boundary, p.offset)
                 self._plan(p, boundary, ckpt)
         p.fresh = False
         if p.resume is not None:
@@ -249,6 +285,13 @@ class PassPrefill:
             gdn = e._device.take_gdn_rows(slot)
         pages = e.allocator.pages(reservation)[:-(-(len(tokens) - 1) // e.page_size)]
         e.prefix.put_end(tokens, pages, gdn, state_bytes)
+
+
+def _common_prefix(a, b) -> int:
+    """The number of leading tokens two prompts share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 def _shared_pages(boundary: int, page_size: int) -> int:
