@@ -13,7 +13,8 @@ one engine call), and the errors by HTTP status. Exit status 1 when any request 
 
 --turns=T makes each client hold conversations of T turns instead: turn t's prompt is the whole
 conversation so far (an optional --system_tokens prefix, one of --systems, then each turn's user
-tokens and the ids the server generated) plus new --prompt_tokens user tokens; the report adds, per
+tokens and the ids the server generated) plus new --prompt_tokens user tokens (a client starts no
+conversation that --requests cannot finish); the report adds, per
 turn, the prompt length and the time to first token (what a prefix cache saves), and the server's
 prefix cache counters from GET /metrics when it has them. --compare_to=FILE (an earlier run's
 --output_json, e.g. without the prefix cache) adds each turn's time to first token and the generated
@@ -75,8 +76,8 @@ def parse_args(argv=None):
         p.error("need 1 <= MIN <= MAX, --requests >= 1, --concurrency >= 1, --max_tokens >= 1")
     if args.long_prompt_tokens < 0 or (args.long_prompt_tokens and not args.stream):
         p.error("--long_prompt_tokens needs --stream and a value >= 0")
-    if args.turns < 1 or args.system_tokens < 0 or args.systems < 1:
-        p.error("need --turns >= 1, --system_tokens >= 0, --systems >= 1")
+    if not 1 <= args.turns <= args.requests or args.system_tokens < 0 or args.systems < 1:
+        p.error("need 1 <= --turns <= --requests, --system_tokens >= 0, --systems >= 1")
     args.prompt_range = (lo, hi)
     return args
 
@@ -159,17 +160,19 @@ async def run(args) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
         await wait_ready(client, args.wait_ready_s)
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        sent, results = 0, []
+        taken, results = 0, []  # requests taken by the clients' conversations (each one its turns)
         start = time.perf_counter()
 
         systems = [[rng.randrange(args.vocab) for _ in range(args.system_tokens)] for _ in range(args.systems)]
 
         async def worker():
-            nonlocal sent
+            nonlocal taken
             turn, history = args.turns, []
-            while sent < args.requests and time.perf_counter() - start < args.duration_s:
-                sent += 1
+            while time.perf_counter() - start < args.duration_s:
                 if turn == args.turns:  # a new conversation (each request one, without --turns)
+                    if taken + args.turns > args.requests:  # one --requests cannot finish is not started
+                        break
+                    taken += args.turns
                     turn, history = 0, list(rng.choice(systems))
                 user = (rng.choice(pool) if pool else
                         [rng.randrange(args.vocab) for _ in range(rng.randint(*args.prompt_range))])
