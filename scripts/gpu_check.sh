@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
            prefill_chunks prefill_memory serve_long fp8_gemm_rows gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
-           bench_deterministic chat_nocache chat_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe
+           bench_deterministic chat_nocache chat_prefix decode_nocache decode_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe
            warmup_threads)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
@@ -42,7 +42,7 @@ run_step() {  # name default_limit_s command...
 
 # The server steps' packages (fastapi, uvicorn, httpx): the machine's own, else the wheels of `make device-wheels`
 # carried in .device-wheels/, unpacked once and put after everything else on PYTHONPATH.
-SERVER_STEPS=" serve_long chat_nocache chat_prefix serve_k0 serve_kauto warmup_threads "
+SERVER_STEPS=" serve_long chat_nocache chat_prefix decode_nocache decode_prefix serve_k0 serve_kauto warmup_threads "
 server_packages() {
   "$PY" -c "import fastapi, uvicorn, httpx" 2>/dev/null && return 0
   local site=${TMPDIR:-/tmp}/qmtp_server_packages wheel
@@ -159,6 +159,18 @@ for s in "${steps[@]}"; do
                  --concurrency=8 --requests=64 --turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200 \
                  --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; kill \$server; \
                  wait \$server; exit \$rc" ;;
+    # the prefix cache's cost to decoding: the chat steps' server (bucket 32 warmed up) under 8 clients of
+    # distinct prompts (17-32 tokens: nothing to reuse), 200 tokens each, without and with the cache: the
+    # inter-token gaps and generated tok/s (decode_prefix after decode_nocache in one call: as ratios)
+    decode_nocache|decode_prefix)
+      cache=(); compare=(); [ "$s" = decode_prefix ] && cache=(--prefix_cache_bytes=16000000000)
+      [ "$s" = decode_prefix ] && [ -f "$OUT/decode_nocache.json" ] && compare=(--compare_to="$OUT/decode_nocache.json")
+      run_step "$s" 400 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
+                 --num_layers=${CHAT_LAYERS:-16} \
+                 --mtp_k=3 --batch_slots=8 --max_model_len=8192 --warmup_buckets=32 --port=8127 ${cache[*]} \
+                 >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8127 \
+                 --concurrency=8 --requests=64 --prompt_tokens=17,32 --max_tokens=200 --stream --vocab=4096 \
+                 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;

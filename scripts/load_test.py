@@ -233,15 +233,17 @@ async def run(args) -> dict:
 
 
 def compare(report: dict, base: dict) -> dict:
-    """This run beside an earlier one (--compare_to): generated tok/s over its, and per turn both in the
-    two runs, time to first token p50 over its (turns of the same number: the same history length when
-    both runs sent the same conversations)."""
+    """This run beside an earlier one (--compare_to): generated tok/s and (streamed) the inter-token gap p50
+    over its, and per turn both in the two runs, time to first token p50 over its (turns of the same
+    number: the same history length when both runs sent the same conversations)."""
     ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
     theirs = {t["turn"]: t for t in base.get("turns", [])}
     turns = [{"turn": t["turn"], "ttft_p50_s": t["ttft_s"]["p50"], "base_ttft_p50_s": b["ttft_s"]["p50"],
               "ttft_ratio": ratio(t["ttft_s"]["p50"], b["ttft_s"]["p50"])}
              for t in report.get("turns", []) if (b := theirs.get(t["turn"]))]
-    return {"tokens_per_s_ratio": ratio(report["tokens_per_s"], base.get("tokens_per_s")), "turns": turns}
+    gap = lambda r: (r.get("inter_token_s") or {}).get("p50")  # noqa: E731
+    return {"tokens_per_s_ratio": ratio(report["tokens_per_s"], base.get("tokens_per_s")),
+            "inter_token_p50_ratio": ratio(gap(report), gap(base)), "turns": turns}
 
 
 def main(argv=None) -> int:
@@ -277,6 +279,8 @@ def main(argv=None) -> int:
         rate = c["tokens_per_s_ratio"]
         print(f"against {c['file']}: generated tok/s x{rate:.3f}" if rate is not None else
               f"against {c['file']}: no generated tok/s to compare")
+        if c["inter_token_p50_ratio"] is not None:
+            print(f"  inter-token gap p50 x{c['inter_token_p50_ratio']:.3f}")
         for t in c["turns"]:
             print(f"  turn {t['turn']}: time to first token p50 {fmt(t['ttft_p50_s'])} vs {fmt(t['base_ttft_p50_s'])}"
                   + (f" ({t['ttft_ratio']:.1%})" if t["ttft_ratio"] is not None else ""))

@@ -538,10 +538,11 @@ def test_load_script_compares_each_turn_and_the_throughput_with_an_earlier_run()
     load_test = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(load_test)
     turn = lambda t, p50: {"turn": t, "ttft_s": {"p50": p50}}  # noqa: E731
-    now = {"tokens_per_s": 99.0, "turns": [turn(0, 1.0), turn(1, 0.1), turn(2, None)]}
-    before = {"tokens_per_s": 100.0, "turns": [turn(1, 0.8), turn(2, 0.9)]}
+    now = {"tokens_per_s": 99.0, "inter_token_s": {"p50": 0.05}, "turns": [turn(0, 1.0), turn(1, 0.1), turn(2, None)]}
+    before = {"tokens_per_s": 100.0, "inter_token_s": {"p50": 0.04}, "turns": [turn(1, 0.8), turn(2, 0.9)]}
     c = load_test.compare(now, before)
-    assert c["tokens_per_s_ratio"] == 0.99
+    assert c["tokens_per_s_ratio"] == 0.99 and c["inter_token_p50_ratio"] == 1.25
+    assert load_test.compare({"tokens_per_s": 1.0}, before)["inter_token_p50_ratio"] is None  # not streamed
     assert [(t["turn"], t["ttft_ratio"]) for t in c["turns"]] == [(1, 0.125), (2, None)]
 
 
