@@ -213,13 +213,16 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
 
 def auto_modes(profile: list[float], rounds: int, batch: int) -> list[tuple[str, object]]:
     """With --auto: (acceptance, accept_cap) of the mtp_k='auto' modes: natural, and profiled when the
-    profile covers the most drafts of a round."""
+    profile covers the most drafts of a round (natural's "no cap" has the profiled schedule's shape: the
+    two share one compiled loop, ~95 s of compile at the 27B shapes)."""
+    import numpy as np
+
     from qmtp.bench.profile import acceptance_schedule
     from qmtp.runtime import adaptive_k
     if not FLAGS.auto:
         return []
     k = adaptive_k.CANDIDATES[-1]
-    modes = [("natural", None)]
+    modes = [("natural", np.full((rounds, batch), k, np.int32))]
     if len(profile) >= k:
         modes.append(("profiled", acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)))
     return modes
