@@ -171,7 +171,8 @@ for s in "${steps[@]}"; do
                  >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8127 \
                  --concurrency=8 --requests=64 --prompt_tokens=17,32 --max_tokens=200 --stream --vocab=4096 \
                  --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
-    # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled)
+    # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled);
+    # other batches one call each (BENCH_ARGS=--batch=1,4 / =64: ~280 s a batch, 64 at K=3 wants an H200's memory)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
     # the server under 32 concurrent clients, plain and with the draft length chosen per round: output tok/s
