@@ -298,7 +298,7 @@ def test_a_prompt_waits_only_for_a_deeper_checkpoint_than_its_own(model):
     A's system prompt, then Q (A's prompt and 5 more tokens: it resumes at 69) and C (the system prompt and 5
     tokens) are admitted together: C waits for B's checkpoint at their common block boundary 32, Q waits for
     nothing (B shares less with it than Q resumes from) and joins B's passes."""
-    engine = Engine(model, config(0, 1 << 24))
+    engine = Engine(model, config(2, 1 << 24))  # K=2: the other tests' programs
     rng = np.random.default_rng(22)
     system = rng.integers(0, 380, 40).tolist()
     a = system + rng.integers(0, 380, 30).tolist()
@@ -311,7 +311,7 @@ def test_a_prompt_waits_only_for_a_deeper_checkpoint_than_its_own(model):
     assert b.awaits is None and q.awaits is None and c.awaits == (b, 2 * BLOCK)
     assert 2 * BLOCK in b.keep
     _drive(engine, handles)
-    want = [qmtp.generate(model, [p], 3).tokens[0] for p in prompts]
+    want = [qmtp.generate(model, [p], 3, mtp_k=2).tokens[0] for p in prompts]
     assert [h.result(0).tokens for h in handles] == want
     assert [h.prefix_hit_tokens for h in handles] == [0, len(a) - 1, 2 * BLOCK]
     assert engine.prefix.hits == 2
