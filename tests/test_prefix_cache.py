@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp.serve import metrics, warmup
+from qmtp.serve import metrics, slots, warmup
 from qmtp.serve.engine import Engine
 from qmtp.serve.engine_config import EngineConfig
 
@@ -315,6 +315,23 @@ def test_a_prompt_waits_only_for_a_deeper_checkpoint_than_its_own(model):
     assert [h.result(0).tokens for h in handles] == want
     assert [h.prefix_hit_tokens for h in handles] == [0, len(a) - 1, 2 * BLOCK]
     assert engine.prefix.hits == 2
+
+
+def test_serving_resumes_from_either_kind_of_checkpoint_on_the_warm_ups_program(model):
+    """A resume at a response's or prompt's end (no hidden) and one at a block (the checkpoint's hidden,
+    committed to the device) call resume_prefix alike: after the warm-up, serving adds no entry to its
+    jit cache (an uncommitted argument where serving passes a committed one compiled it again, 1 s, H100)."""
+    slots.resume_prefix.clear_cache()
+    engine = Engine(model, config(2, 1 << 24))
+    engine.warmup([16])
+    warmed = slots.resume_prefix._cache_size()
+    engine.start()
+    rng = np.random.default_rng(23)
+    first = rng.integers(0, 380, 20).tolist()
+    for prompt, hit in ((first, 0), (first, 19), (first[:BLOCK] + [5, 6], BLOCK)):
+        assert engine.submit(prompt, 3).result(300).cached_tokens == hit
+    assert slots.resume_prefix._cache_size() == warmed == 1
+    assert engine.stop(10)
 
 
 def test_choices_of_one_prompt_share_its_prefill(model):

@@ -175,6 +175,10 @@ class DeviceBatch:
         self.device = next(iter(jax.tree.leaves(model.params)[0].devices())) if model.mesh is None else None
         if self.device is not None:
             self.state, self.slots = jax.device_put((self.state, self.slots), self.device)
+        # a response end's resume has no hidden: these zeros [1, E], placed as a pass's hiddens are, so that
+        # both kinds of resume are one program
+        self._no_hidden = jax.device_put(np.zeros((1, cfg.hidden_size), model.params["embed"].dtype),
+                                         self.device or tp_lib.replicated(model.mesh))
 
     def prefill(self, ids, page_rows, tokens, n_valid, remaining, stop_rows, sampling=None):
         """prefill_into_slots; returns each row's first token [n] and its TokenLogprobs [n, 1] (host)."""
@@ -222,7 +226,7 @@ class DeviceBatch:
         (self.state,) = self.call(
             m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
             (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, copy_from, copy_to,
-             np.zeros((1, m.cfg.hidden_size), m.params["embed"].dtype) if hidden is None else hidden,
+             self._no_hidden if hidden is None else hidden,
              np.int32(next_token), np.int32(boundary), np.bool_(hidden is not None)),
             ("params", "state", "gdn_rows") + ("rep",) * 9, ("state",))
 
