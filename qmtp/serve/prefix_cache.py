@@ -24,7 +24,8 @@ a request's n choices) prefills one token, however short it is.
 Only committed tokens are ever checkpointed (a prefill's prompt tokens, a finished response's emitted
 ones), never a draft: nothing speculative enters the cache. Which points a prefill keeps
 (`keep_points`): the deepest block boundary before its last token, the deepest its chain shares with
-a cached one (the branch point: where a system prompt or a few-shot block ends), and its end.
+a cached one (the branch point: where a system prompt or a few-shot block ends), and its end; also
+where a prompt admitted while it is prefilled waits for one (qmtp/serve/prompt_passes.py).
 
 Bytes: the cache's `bytes` are its checkpoints' GDN states and hiddens plus the pages only it holds
 alive, counted once each; at most `budget_bytes` (LRU eviction). Pages it holds come out of the

@@ -5,14 +5,16 @@ tokens, or the engine's interleave_piece while other slots decode.
 
 A prompt's passes end on multiples of prefill_chunk, at the points the prefix cache keeps a checkpoint
 at (block boundaries, the prompt's end but its last token), and at its end, and a pass stops short of
-that end after a piece's tokens. With the cache, admission
-looks the prompt up (`reserve_with_prefix`: its reservation then shares the checkpoint's pages but the
-last) and the first pass looks again (a checkpoint kept since, e.g. by another choice of the same
-prompt: all its pages are copied); a prompt resumes from the checkpoint (`slots.resume_prefix`) before
-its first pass. Every pass runs `slots.prefill_piece`: one row padded to the piece, or with the
-cache up to `--prefill_batch` rows (`Engine._group_rows`) of prompts whose next passes pad to the same
-prompt bucket (whole chunks and one row under --deterministic: a resumed prefill runs a full one's
-passes, and a prompt's numbers do not depend on the others).
+that end after a piece's tokens. With the cache, admission looks the prompt up (`reserve_with_prefix`:
+its reservation then shares the checkpoint's pages but the last); where a prompt being prefilled shares
+more of its beginning, it waits for that one's checkpoint at the end of what they share
+(`_await_shared`); and the first pass looks again (a deeper checkpoint kept since, e.g. by another
+choice of the same prompt: its pages are copied but those the reservation shares); a prompt resumes
+from the checkpoint (`slots.resume_prefix`) before its first pass. Every pass runs
+`slots.prefill_piece`: one row padded to the piece, or with the cache up to `--prefill_batch` rows
+(`Engine._group_rows`) of prompts whose next passes pad to the same prompt bucket (whole chunks and one
+row under --deterministic: a resumed prefill runs a full one's passes, and a prompt's numbers do not
+depend on the others).
 
 `PassPrefill` belongs to the Engine and works on its state (device, allocator, prefix cache, slots'
 sampling rows, the first-token delivery) on the scheduler thread.
@@ -124,11 +126,15 @@ class PassPrefill:
 
     def _plan(self, p: Pieces, boundary: int, ckpt) -> None:
         """p's passes from `boundary` (resuming from `ckpt` there, if any): they end on multiples of
-        prefill_chunk, at the boundaries the prefix cache keeps, and at the prompt's end."""
+        prefill_chunk, at the boundaries the prefix cache keeps (and those later prompts await), and at
+        the prompt's end."""
         e = self.engine
         n = len(p.handle.prompt_ids)
-        p.keep = (tuple(sorted({*e.prefix.keep_points(n, p.digests, boundary), *(b for b in p.awaited if b > boundary)}))
-                  if e.prefix is not None else ())
+        if e.prefix is not None:
+            awaited = {b for b in p.awaited if b > boundary}
+            p.keep = tuple(sorted({*e.prefix.keep_points(n, p.digests, boundary), *awaited}))
+        else:
+            p.keep = ()
         p.ends = sorted(set(range(boundary - boundary % e.piece + e.piece, n, e.piece)) | set(p.keep) | {n})
         p.offset, p.resume = boundary, ckpt
         p.handle.prefix_hit_tokens = boundary
