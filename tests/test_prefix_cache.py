@@ -334,6 +334,27 @@ def test_serving_resumes_from_either_kind_of_checkpoint_on_the_warm_ups_program(
     assert engine.stop(10)
 
 
+def test_checkpoint_states_stay_within_the_device_memory_the_warm_up_left(model, monkeypatch):
+    """Where the device reports its memory, the warm-up bounds the checkpoints' states by what it left
+    (less a margin), evicting before a state is taken: here room for two of them, under a budget of 400."""
+    lines = []
+    engine = Engine(model, config(2, 1 << 24), log=lines.append)
+    state = engine._device.gdn_row_bytes() + model.cfg.hidden_size * 4  # a block checkpoint's (f32 hidden)
+    headroom = int(2.5 * state / (1 - warmup.PREFIX_STATE_MARGIN))
+    monkeypatch.setattr(slots.DeviceBatch, "memory_headroom", lambda self: headroom)
+    engine.warmup([16])
+    assert engine.prefix.state_limit == int(headroom * (1 - warmup.PREFIX_STATE_MARGIN))
+    assert any(line.startswith("prefix cache: its checkpoint states take at most") for line in lines), lines
+    engine.start()
+    rng = np.random.default_rng(24)
+    prompts = [rng.integers(0, 380, 40).tolist() for _ in range(4)]
+    for p in prompts:
+        assert engine.submit(p, 3).result(300).tokens == qmtp.generate(model, [p], 3, mtp_k=2).tokens[0]
+        assert 0 < engine.prefix.state_bytes <= engine.prefix.state_limit
+    assert engine.prefix.evicted > 0
+    assert engine.stop(10)
+
+
 def test_choices_of_one_prompt_share_its_prefill(model):
     """Requests admitted together with one prompt (a request's n choices): the first keeps a checkpoint
     at its end but the last token, the others resume there (copying its pages) and prefill that token."""

@@ -29,7 +29,9 @@ where a prompt admitted while it is prefilled waits for one (qmtp/serve/prompt_p
 
 Bytes: the cache's `bytes` are its checkpoints' GDN states and hiddens plus the pages only it holds
 alive, counted once each; at most `budget_bytes` (LRU eviction). Pages it holds come out of the
-engine's KV pool, so admission also evicts (`evict_for_pages`) when a request's pages do not fit.
+engine's KV pool, so admission also evicts (`evict_for_pages`) when a request's pages do not fit. The
+states are new device memory: where the device reports how much the warm-up left (`state_limit`, set
+after it), they stay within it, room made before a state is taken (`make_room`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class PrefixCache:
         self._ends: dict[bytes, set[bytes]] = {}  # d_k (b"" for none) -> keys of response ends after it
         self._page_holds = collections.Counter()  # page -> checkpoints holding it
         self.state_bytes = 0
+        self.state_limit: int | None = None  # device bytes the states may take (None: the budget's)
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -129,7 +132,14 @@ class PrefixCache:
         return sorted(points)
 
     def fits(self, state_bytes: int) -> bool:
-        return 0 < state_bytes + self.page_bytes <= self.budget_bytes
+        return 0 < state_bytes + self.page_bytes <= self.budget_bytes and (
+            self.state_limit is None or state_bytes <= self.state_limit)
+
+    def make_room(self, state_bytes: int) -> None:
+        """Evicts LRU checkpoints until one more state of state_bytes stays within state_limit (before the
+        device allocates it)."""
+        while self.state_limit is not None and self.state_bytes + state_bytes > self.state_limit and self._entries:
+            self._evict()
 
     def put(self, digests: list[bytes], pages: list[int], gdn, hidden, state_bytes: int) -> None:
         """Stores the checkpoint at the end of the chain `digests` (its pages: those of positions < b,

@@ -269,6 +269,7 @@ class PassPrefill:
         state_bytes = e._device.gdn_row_bytes() + (0 if end else hidden.size * hidden.dtype.itemsize)
         if not e.prefix.fits(state_bytes):
             return
+        e.prefix.make_room(state_bytes)
         with e._watch("prefix cache: checkpoint"):
             gdn = e._device.take_gdn_rows(slot)
         if end:
@@ -287,6 +288,7 @@ class PassPrefill:
         state_bytes = e._device.gdn_row_bytes()
         if int(e._device.state.lengths[slot]) != len(tokens) - 1 or not e.prefix.fits(state_bytes):
             return
+        e.prefix.make_room(state_bytes)
         with e._watch("prefix cache: checkpoint"):
             gdn = e._device.take_gdn_rows(slot)
         pages = e.allocator.pages(reservation)[:-(-(len(tokens) - 1) // e.page_size)]

@@ -214,6 +214,16 @@ class DeviceBatch:
         size = lambda a: a.size * a.dtype.itemsize  # noqa: E731
         return sum(map(size, self.state.conv + self.state.ssm)) // self.state.batch // loop.ring_size(self.k)
 
+    def memory_headroom(self) -> int | None:
+        """Device bytes beyond the most used so far (peak_bytes_in_use), summed over the model's devices,
+        where a sharded state's rows spread (the least on any one, times their count); None where a device
+        reports no memory statistics (the CPU)."""
+        devices = jax.tree.leaves(self.model.params)[0].devices()
+        stats = [d.memory_stats() for d in devices]
+        if not all(s and "bytes_limit" in s and "peak_bytes_in_use" in s for s in stats):
+            return None
+        return len(stats) * min(s["bytes_limit"] - s["peak_bytes_in_use"] for s in stats)
+
     def page_bytes(self) -> int:
         """Device bytes of one KV page (every attention layer's, target and MTP)."""
         s = self.state

@@ -46,6 +46,7 @@ from qmtp.serve.requests import RequestHandle
 
 
 MAX_COMPILE_THREADS = 8  # warm-up compiles at once by default (each holds a few GB of host memory at 27B)
+PREFIX_STATE_MARGIN = 0.1  # of the device memory the warm-up left: kept free of prefix cache states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +120,9 @@ def compile_threads(engine) -> int:
 
 def run(engine, steps: list[Step]) -> float:
     """Runs the warm-up steps (stopping early when the engine shuts down), logging each with its seconds
-    and `engine.warming` its progress, after `precompile` where compile_threads > 1; then clears the
-    counters they moved (refused requests stay counted). Returns the seconds."""
+    and `engine.warming` its progress, after `precompile` where compile_threads > 1; then bounds the
+    prefix cache's states by the device memory left and clears the counters the steps moved (refused
+    requests stay counted). Returns the seconds."""
     t0, total = time.perf_counter(), len(steps)
     buckets = sorted({s.bucket for s in steps if s.bucket is not None})
     long = any(s.bucket is None and s.name.startswith(LONG_PROMPTS) for s in steps)
@@ -141,12 +143,28 @@ def run(engine, steps: list[Step]) -> float:
         engine._log(f"warm-up [{i}/{total}] {step.name}: {time.perf_counter() - t:.2f} s")
     else:
         engine._log(f"warm-up done: {total} programs in {time.perf_counter() - t0:.1f} s")
+        if engine.prefix is not None:
+            _limit_prefix_states(engine)
     with engine._cv:
         refused = {k: v for k, v in engine.counters.items() if k.startswith("rejected_")}
         engine.counters.clear()
         engine.counters.update(refused)
         engine.warming = None
     return time.perf_counter() - t0
+
+
+def _limit_prefix_states(engine) -> None:
+    """Bounds the prefix cache's checkpoint states by the device memory the warm-up left (its programs ran:
+    the peak so far is what serving needs besides them), keeping PREFIX_STATE_MARGIN of it free."""
+    headroom = engine._device.memory_headroom()
+    if headroom is None:
+        return
+    cache = engine.prefix
+    cache.state_limit = max(int(headroom * (1 - PREFIX_STATE_MARGIN)), 0)
+    if cache.state_limit < cache.budget_bytes:
+        engine._log(f"prefix cache: its checkpoint states take at most {cache.state_limit / 1e9:.2f} GB, the device "
+                    f"memory the warm-up left ({headroom / 1e9:.2f} GB) less {PREFIX_STATE_MARGIN:.0%}; "
+                    f"--prefix_cache_bytes={cache.budget_bytes} bounds them and its pages")
 
 
 def precompile(engine, steps: list[Step], threads: int) -> int:
