@@ -355,6 +355,25 @@ def test_checkpoint_states_stay_within_the_device_memory_the_warm_up_left(model,
     assert engine.stop(10)
 
 
+def test_while_others_decode_a_pass_pads_to_at_most_a_piece(model):
+    """With a request decoding, passes take --interleave_piece (16) tokens: two prompts' passes of that
+    width do not share a batched pass (3 rows x 16 padded tokens), each runs alone."""
+    engine = Engine(model, config(2, 1 << 24, interleave_piece=16, stop_token_ids=())).start()
+    rng = np.random.default_rng(25)
+    running = engine.submit(rng.integers(0, 380, 10).tolist(), 120)
+    while running.first_token_s is None:
+        time.sleep(0.01)
+    pieces, rows = engine.counters["prefill_pieces"], engine.counters["prefill_piece_rows"]
+    prompts = [rng.integers(0, 380, 40).tolist() for _ in range(2)]
+    handles = [engine.submit(p, 3) for p in prompts]
+    got = [h.result(300).tokens for h in handles]
+    assert not running.finished  # the passes ran while it decoded
+    assert engine.counters["prefill_piece_rows"] - rows == engine.counters["prefill_pieces"] - pieces >= 6
+    assert got == [qmtp.generate(model, [p], 3, mtp_k=2).tokens[0] for p in prompts]
+    running.cancel()
+    assert engine.stop(10)
+
+
 def test_choices_of_one_prompt_share_its_prefill(model):
     """Requests admitted together with one prompt (a request's n choices): the first keeps a checkpoint
     at its end but the last token, the others resume there (copying its pages) and prefill that token."""

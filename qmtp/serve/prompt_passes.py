@@ -147,7 +147,7 @@ class PassPrefill:
 
     def run(self) -> None:
         """Passes of the prompts in progress (FIFO): one; with the prefix cache, which runs every prompt's
-        prefill in passes, as many as a piece's tokens allow (at least one)."""
+        prefill in passes, as many as a piece's padded tokens allow (at least one)."""
         e = self.engine
         limit = self.limit()
         budget = limit if e.prefix is not None else 1
@@ -166,8 +166,10 @@ class PassPrefill:
         """The next pass: the first prompt in progress and, with the prefix cache (not under
         --deterministic, whose prefills run one prompt at a time), up to _group_rows(width) - 1 more
         whose next passes take the same padded width, in FIFO order, but those waiting for an earlier
-        one's checkpoint (`_await_shared`). After a prompt's last pass its request starts. limit: the piece
-        (default: `limit()`). Returns the pass's tokens."""
+        one's checkpoint (`_await_shared`), where the batched program's rows x width stay within the piece
+        (a pass costs at most a piece: at the 27B shapes a 512-row pass's FP8 launches take 3.5x a 128-row one's).
+        After a prompt's last pass its request starts. limit: the piece (default: `limit()`). Returns the
+        pass's padded tokens."""
         e = self.engine
         limit = self.limit() if limit is None else limit
         e._flush_retired()
@@ -177,7 +179,7 @@ class PassPrefill:
         width = self._width(p.ends[0] - p.offset, limit)
         rows = [(slot, p)]
         if e.prefix is not None and not e.model.kernels.deterministic:
-            most = e._group_rows(width)
+            most = e._group_rows(width) if e._group_rows(width) * width <= limit else 1
             for slot_q, q in queue[1:]:
                 if len(rows) == most:
                     break
@@ -207,7 +209,7 @@ class PassPrefill:
     def _pass(self, rows: list, width: int) -> int:
         """One prefill pass of the prompts `rows` [(slot, Pieces)], each its next pass (its first `width`
         tokens at most) padded to `width` tokens; 1 row, or _group_rows(width) with padding rows (slot id B,
-        no token). Returns its tokens."""
+        no token). Returns its padded tokens."""
         e = self.engine
         n = 1 if len(rows) == 1 else e._group_rows(width)
         ids = np.full(n, e.config.batch_slots, np.int32)
@@ -243,7 +245,7 @@ class PassPrefill:
                 del self.pending[slot]
                 e.counters["prefills"] += 1
                 e._started(p.handle, slot, int(first[i]), first_lp, i)
-        return int(n_valid.sum())
+        return n * width
 
     def _resume(self, slot: int, p: Pieces) -> None:
         """Puts the prefix cache checkpoint p.resume into the slot (its GDN rows, a copy of its pages that
