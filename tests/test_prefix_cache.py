@@ -231,6 +231,10 @@ def test_the_warmup_plan_holds_a_pass_of_each_width_and_a_checkpoint_and_resume(
     assert all(f"prefix cache: prefill pass of {w} tokens" in names for w in (16, 32, 64)), names
     assert "prefix cache: checkpoint and resume" in names, names
     assert not any(name.startswith("prompt bucket") for name in names), names
+    # batched passes only where their rows pad to at most a piece (prefill_chunk 64: 3 rows x 16)
+    chunk64 = dataclasses.replace(model, kernels=dataclasses.replace(model.kernels, prefill_chunk=64))
+    names = [step.name for step in warmup.plan(Engine(chunk64, config(3, 1 << 24)), [64])]
+    assert [n for n in names if "rows" in n] == ["prefix cache: prefill pass of 16 tokens x 3 rows"], names
 
 
 @pytest.mark.slow  # CI time: the plan's steps are checked above; test_engine.py's warm-up test runs a plan

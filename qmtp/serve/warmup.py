@@ -214,8 +214,8 @@ class _Recorder:
 def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
     """With the prefix cache every prompt is prefilled in passes (qmtp/serve/prompt_passes.py) of padded widths
     up to prefill_chunk (under --deterministic, that one width): a program of one row per width and one of
-    its batched rows where two prompts fit in the page pool (not under --deterministic), then a checkpoint
-    and a resume from it."""
+    its batched rows where two prompts fit in the page pool and the rows pad to at most a piece (not under
+    --deterministic), then a checkpoint and a resume from it."""
     deterministic = engine.model.kernels.deterministic
     widths = [engine.piece] if deterministic else [
         w for w in engine.prompt_buckets() if w <= min(engine.piece, max(chosen))]
@@ -223,8 +223,8 @@ def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
     for w in widths:
         steps.append(Step(f"prefix cache: prefill pass of {w} tokens", functools.partial(_pass, engine, w, 1), w))
         rows, n = engine._group_rows(w), _shortest(w)
-        if not deterministic and rows > 1 and 2 * engine.allocator.pages_for(n + 1 + engine.extra) <= \
-                engine.allocator.num_pages:
+        if not deterministic and 1 < rows and rows * w <= engine.piece and \
+                2 * engine.allocator.pages_for(n + 1 + engine.extra) <= engine.allocator.num_pages:
             steps.append(Step(f"prefix cache: prefill pass of {w} tokens x {rows} rows",
                               functools.partial(_pass, engine, w, 2), w))
     steps.append(Step("prefix cache: checkpoint and resume", functools.partial(_checkpoint_and_resume, engine)))
