@@ -14,11 +14,11 @@ one engine call), and the errors by HTTP status. Exit status 1 when any request 
 --turns=T makes each client hold conversations of T turns instead: turn t's prompt is the whole
 conversation so far (an optional --system_tokens prefix, one of --systems, then each turn's user
 tokens and the ids the server generated) plus new --prompt_tokens user tokens (a client starts no
-conversation that --requests cannot finish); the report adds, per
-turn, the prompt length and the time to first token (what a prefix cache saves), and the server's
-prefix cache counters from GET /metrics when it has them. --compare_to=FILE (an earlier run's
---output_json, e.g. without the prefix cache) adds each turn's time to first token and the generated
-tok/s as ratios to that run's.
+conversation that --requests cannot finish); the report adds, per turn, the prompt length and the
+time to first token (what a prefix cache saves), and the server's prefix cache counters from GET
+/metrics when it has them. --compare_to=FILE (an earlier run's --output_json, e.g. without the
+prefix cache) adds each turn's time to first token, the generated tok/s and the inter-token gap p50
+as ratios to that run's.
 
 --long_prompt_tokens=N (with --stream) sends one more request, with an N-token prompt,
 --long_prompt_after_s after the start, and reports its time to first token and the other requests'
@@ -170,7 +170,7 @@ async def run(args) -> dict:
             turn, history = args.turns, []
             while time.perf_counter() - start < args.duration_s:
                 if turn == args.turns:  # a new conversation (each request one, without --turns)
-                    if taken + args.turns > args.requests:  # one --requests cannot finish is not started
+                    if taken + args.turns > args.requests:  # --requests could not finish it: not started
                         break
                     taken += args.turns
                     turn, history = 0, list(rng.choice(systems))
