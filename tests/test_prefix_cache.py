@@ -378,6 +378,25 @@ def test_while_others_decode_a_pass_pads_to_at_most_a_piece(model):
     assert engine.stop(10)
 
 
+def test_a_prompt_waiting_for_a_cancelled_one_prefills_on_its_own(model):
+    """A prompt waiting for an earlier one's checkpoint goes on without it when that one is cancelled first:
+    its tokens are generate's, and afterwards every page is free or held by the cache alone."""
+    engine = Engine(model, config(2, 1 << 24))
+    rng = np.random.default_rng(26)
+    system = rng.integers(0, 380, 40).tolist()
+    first, second = (system + rng.integers(0, 380, n).tolist() for n in (60, 6))
+    cancelled, waiting = engine.submit(first, 3), engine.submit(second, 3)
+    engine._admit()
+    p, q = engine.passes.pending.values()
+    assert q.awaits == (p, 2 * BLOCK)
+    cancelled.cancel()
+    _drive(engine, [cancelled, waiting])
+    assert cancelled.result(0).finish_reason == "cancelled"
+    assert waiting.result(0).tokens == qmtp.generate(model, [second], 3, mtp_k=2).tokens[0]
+    assert waiting.result(0).cached_tokens == 0
+    assert_only_the_cache_holds_pages(engine)
+
+
 def test_choices_of_one_prompt_share_its_prefill(model):
     """Requests admitted together with one prompt (a request's n choices): the first keeps a checkpoint
     at its end but the last token, the others resume there (copying its pages) and prefill that token."""
