@@ -144,33 +144,27 @@ for s in "${steps[@]}"; do
     bench_deterministic) run_step bench_deterministic 580 "${BENCH[@]}" --engine=pallas,deterministic --ks=3 \
                            --repeats=1 --breakdown=false --batch=1,16 --max_new_tokens=256 \
                            --out="$OUT/bench_tp1_deterministic.json" "${EXTRA[@]}" ;;
-    # multi-turn chat: 8 conversations of 8 turns (2048-token system prompt, 200 user tokens and 200 generated
-    # per turn), the server without and with the prefix cache: time to first token per turn (chat_prefix after
-    # chat_nocache in one call: also each turn's as a ratio to chat_nocache's). The preset's first CHAT_LAYERS
-    # layers (default 16 of 64: ~4x shorter compiles; H100: chat_nocache 112 s, chat_prefix's warm-up of 20
-    # programs ~300 s, so both fit one call with LIMIT_chat_nocache=150 LIMIT_chat_prefix=420)
-    chat_nocache|chat_prefix)
-      cache=(); compare=(); [ "$s" = chat_prefix ] && cache=(--prefix_cache_bytes=16000000000)
-      [ "$s" = chat_prefix ] && [ -f "$OUT/chat_nocache.json" ] && compare=(--compare_to="$OUT/chat_nocache.json")
+    # the prefix cache's steps, each pair without and with the cache on one server setup (the 27B preset's first
+    # CHAT_LAYERS layers, default 16 of 64: ~4x shorter compiles; K=3, 8 slots); the *_prefix step after its
+    # *_nocache one in a call also reports its figures as ratios to those. chat: 8 conversations of 8 turns
+    # (2048-token system prompt, 200 user tokens and 200 generated per turn): time to first token per turn
+    # (H100: chat_nocache ~100 s, chat_prefix ~100-130 s with its warm-up). decode: the cost to decoding, 8
+    # clients of distinct prompts (17-32 tokens: nothing to reuse), 200 tokens each: inter-token gaps, tok/s
+    chat_nocache|chat_prefix|decode_nocache|decode_prefix)
+      kind=${s%_*}; cache=(); compare=()
+      [ "${s#*_}" = prefix ] && cache=(--prefix_cache_bytes=16000000000)
+      [ "${s#*_}" = prefix ] && [ -f "$OUT/${kind}_nocache.json" ] && compare=(--compare_to="$OUT/${kind}_nocache.json")
+      if [ "$kind" = chat ]; then
+        buckets=4096; load="--turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200"
+      else
+        buckets=32; load="--prompt_tokens=17,32"
+      fi
       run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
-                 --num_layers=${CHAT_LAYERS:-16} \
-                 --mtp_k=3 --batch_slots=8 --max_model_len=8192 --warmup_buckets=4096 --port=8124 ${cache[*]} \
-                 >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8124 \
-                 --concurrency=8 --requests=64 --turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200 \
-                 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; kill \$server; \
-                 wait \$server; exit \$rc" ;;
-    # the prefix cache's cost to decoding: the chat steps' server (bucket 32 warmed up) under 8 clients of
-    # distinct prompts (17-32 tokens: nothing to reuse), 200 tokens each, without and with the cache: the
-    # inter-token gaps and generated tok/s (decode_prefix after decode_nocache in one call: as ratios)
-    decode_nocache|decode_prefix)
-      cache=(); compare=(); [ "$s" = decode_prefix ] && cache=(--prefix_cache_bytes=16000000000)
-      [ "$s" = decode_prefix ] && [ -f "$OUT/decode_nocache.json" ] && compare=(--compare_to="$OUT/decode_nocache.json")
-      run_step "$s" 400 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
-                 --num_layers=${CHAT_LAYERS:-16} \
-                 --mtp_k=3 --batch_slots=8 --max_model_len=8192 --warmup_buckets=32 --port=8127 ${cache[*]} \
-                 >$OUT/${s}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8127 \
-                 --concurrency=8 --requests=64 --prompt_tokens=17,32 --max_tokens=200 --stream --vocab=4096 \
-                 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; kill \$server; wait \$server; exit \$rc" ;;
+                 --num_layers=${CHAT_LAYERS:-16} --mtp_k=3 --batch_slots=8 --max_model_len=8192 \
+                 --warmup_buckets=$buckets --port=8124 ${cache[*]} >$OUT/${s}_server.log 2>&1 & server=\$!; \
+                 $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 --requests=64 $load \
+                 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; \
+                 kill \$server; wait \$server; exit \$rc" ;;
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled);
     # other batches one call each (BENCH_ARGS=--batch=1,4 / =64: ~280 s a batch, 64 at K=3 wants an H200's memory)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
