@@ -93,7 +93,8 @@ class PagedAttentionConfig:
     # More than max_block_queries query tokens (a prefill) run in blocks of prefill_rows // G tokens per
     # program (G query heads share a KV head), on prefill_num_warps warps; their keys split where the blocks
     # are fewer than target_programs (a 128-token serving piece: 7 blocks x 4 KV heads; 10 splits at 32k / 8k
-    # context 1.55 -> 0.57 / 0.46 -> 0.22 ms a layer, H100, `--attention_prefill_tokens=128`; 8 at 8k now).
+    # context 1.55 -> 0.57 / 0.46 -> 0.22 ms a layer, H100, `--attention_prefill_tokens=128`; the key floor
+    # below leaves 8 splits at 8k: 0.156 ms).
     # 128 rows x 8 warps: a 2048-token chunk at 8k / 32k context 1.07 / 4.31 ms (338 / 371 TFLOP/s) against
     # 2.48 / 10.73 at 32 x 4, the best of `--attention_cases=prefill` (H100).
     max_block_queries: int = 8
