@@ -189,11 +189,14 @@ def test_queue_bound(model):
 
 
 def test_the_same_prompt_again_resumes_from_the_prefix_cache_until_a_reload(model, ckpt, reference):
-    """With the prefix cache a repeated prompt prefills only its last token (from the checkpoint at its
-    end) and gives the same tokens; reloading the model empties the cache: the next one prefills again."""
-    engine = make_engine(model, 2, prefix_cache_bytes=1 << 22, prefix_block=16)
+    """With the prefix cache a prompt admitted with the same one (as a request's choices) prefills only its
+    last token (from the checkpoint the first keeps at its end) and gives the same tokens; reloading the
+    model empties the cache: the next one prefills again."""
+    engine = make_engine(model, 2, start=False, prefix_cache_bytes=1 << 22, prefix_block=16)
     a = PROMPTS[1]
-    results = [engine.generate(a, 14, timeout=60) for _ in range(2)]
+    handles = [engine.submit(a, 14) for _ in range(2)]
+    engine.start()
+    results = [h.result(60) for h in handles]
     assert [r.tokens for r in results] == [reference[1]] * 2
     assert [r.cached_tokens for r in results] == [0, len(a) - 1]
     engine.reload(qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False), timeout=60)
@@ -209,9 +212,11 @@ def test_tp2_engine_equals_tp1_generate(ckpt, model, reference):
     import jax
     assert len(jax.devices()) >= 2, "needs 2 devices (jax_num_cpu_devices=2 in conftest.py)"
     tp2 = qmtp.load(ckpt, dtype="float32", page_size=PAGE, progress=False, tp=2)
-    engine = make_engine(tp2, 2, prefix_cache_bytes=1 << 22, prefix_block=16)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # the third resumes at its end
-    results = [engine.generate(p, 14, timeout=300) for p in prompts]
+    engine = make_engine(tp2, 2, start=False, prefix_cache_bytes=1 << 22, prefix_block=16)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # admitted together: the third resumes at the first's end
+    handles = [engine.submit(p, 14) for p in prompts]
+    engine.start()
+    results = [h.result(300) for h in handles]
     assert [r.tokens for r in results] == [reference[0], reference[1], reference[0]]
     assert results[2].cached_tokens == len(PROMPTS[0]) - 1
     assert all(s.shape[0] == 4 and s.ndim == 5 for s in engine._device.state.ssm), "kept in K+2 slots, sharded"

@@ -183,20 +183,20 @@ def test_while_others_decode_prompts_go_in_interleave_pieces(chunk32):
 
 
 def test_with_the_prefix_cache_passes_take_at_most_the_interleave_piece_while_others_decode(chunk32):
-    """With the prefix cache every prompt goes in passes (ending at its block boundaries and at its end but
-    the last token): of up to 32 tokens at an idle engine, of up to 16 while a stream decodes."""
+    """With the prefix cache every prompt goes in passes (a prompt longer than a piece also ending at its
+    deepest block boundary): of up to 32 tokens at an idle engine, of up to 16 while a stream decodes."""
     engine = make_engine(chunk32, 0, start=False, interleave_piece=16, prefix_cache_bytes=1 << 20, prefix_block=32)
     widths = piece_widths(engine)
     alone = engine.submit(LONG[1], 4)
     step_until_done(engine, [alone])
-    assert widths == [32, 16, 16], widths  # to the block boundary, to the end but the last token, the last
+    assert widths == [32, 16], widths  # to the block boundary, the rest
     del widths[:]
     stream = engine.submit(SHORT, 30)
     engine._iteration()
     other = LONG[2][:3] + LONG[1][3:]  # shares no block with the first: prefilled from 0
     busy = engine.submit(other, 4)
     step_until_done(engine, [busy, stream])
-    assert widths == [16, 16] + [16, 16, 16, 16], widths  # the short prompt's 2 passes, busy's 0-32 in two
+    assert widths == [16] + [16, 16, 16], widths  # the short prompt's pass, busy's 0-32 in two, the rest
     assert busy.result(1).tokens == qmtp.generate(chunk32, [other], max_new_tokens=4).tokens[0]
     assert alone.result(1).tokens == qmtp.generate(chunk32, [LONG[1]], max_new_tokens=4).tokens[0]
     assert_all_free(engine)

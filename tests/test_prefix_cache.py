@@ -148,22 +148,27 @@ def test_a_resumed_prefill_leaves_the_state_of_a_full_one(model):
     for the first of two prompts resumed from one checkpoint, after the second (pages it shares are
     never written)."""
     system = np.random.default_rng(8).integers(0, 380, 2 * BLOCK).tolist()
-    # the second and third resume at 32, their tokens there differ from the first's and each other's
-    prompts = [system + [1, 2, 3], system + [9, 8, 7, 6, 5], system + [4] * 9]
     on = Engine(model, config(2, 1 << 24))
+    _drive(on, [on.submit(system + [1, 2, 3], 2)])  # prefilled: the cache saw its blocks
+    # the first keeps their branch point 32, the second and third resume there; their tokens at 32 differ
+    prompts = [system + [7, 7], system + [9, 8, 7, 6, 5], system + [4] * 9]
     got = _prefilled_state(on, prompts, which=1)
     assert on.prefix.hits == 2
     assert_same_state(got, _prefilled_state(Engine(model, config(2, 0)), prompts[1:2]))
 
 
-def test_the_same_prompt_again_resumes_at_its_end(model):
-    """A prompt shorter than a block, sent twice: the second prefills its last token only, from the
-    first one's end checkpoint, and leaves a full prefill's state."""
-    prompt = np.random.default_rng(13).integers(0, 380, 11).tolist()
+def test_a_prompt_that_shares_nothing_is_prefilled_in_one_pass(model):
+    """Nothing to resume from and no branch point: a prompt shorter than a piece keeps no checkpoint (it
+    would end a pass there: a short prompt's prefill in two passes costs decoding 28%, 27B, H100) and is
+    prefilled in one pass, as without the cache. Sent again, it shares its blocks with the first: it keeps
+    its deepest block boundary (their branch point), which a third copy resumes from."""
+    prompt = np.random.default_rng(13).integers(0, 380, 3 * BLOCK + 5).tolist()
     on = Engine(model, config(3, 1 << 24))
-    got = _prefilled_state(on, [prompt, prompt])
-    assert (on.prefix.hits, on.prefix.hit_tokens) == (1, 10)
-    assert_same_state(got, _prefilled_state(Engine(model, config(3, 0)), [prompt]))
+    _prefilled_state(on, [prompt])
+    assert on.counters["prefill_pieces"] == 1 and len(on.prefix) == 0
+    _prefilled_state(on, [prompt, prompt])
+    assert on.counters["prefill_pieces"] == 1 + 2 + 1
+    assert (on.prefix.hits, on.prefix.hit_tokens) == (1, 3 * BLOCK)
 
 
 def test_a_resumed_response_end_leaves_the_state_of_a_full_prefill(model):
@@ -210,7 +215,8 @@ def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
     """A hit resumes at a boundary; a seeded, logprobs request then gets qmtp.generate's tokens and values."""
     engine = Engine(model, config(2, 1 << 24)).start()
     system = np.random.default_rng(7).integers(0, 380, 40).tolist()
-    engine.generate(system + [1, 2, 3], 4, timeout=300)
+    for tail in ([1, 2, 3], [5, 5]):  # the second keeps their branch point, 32
+        engine.generate(system + tail, 4, timeout=300)
     prompt = system + [9, 8, 7, 6]
     got = engine.submit(prompt, 6, temperature=0.9, top_k=40, seed=3, logprobs=3)
     result = got.result(300)
@@ -247,11 +253,11 @@ def test_the_warmup_covers_passes_checkpoints_and_resumes(model):
     engine.start()
     system = list(range(100, 140))
     first = engine.generate(system + [1, 2], 4, timeout=300)
-    for tail in ([3, 4, 5], [6] * 20):
+    for tail in ([3, 4, 5], [6] * 20):  # the first keeps their branch point 32, the second resumes there
         engine.generate(system + tail, 4, timeout=300)
     turn = engine.submit(system + [1, 2] + first.tokens + [7, 8], 4)  # resumed from the first one's end
     turn.result(300)
-    assert turn.prefix_hit_tokens == 45 and engine.prefix.hits == 3
+    assert turn.prefix_hit_tokens == 45 and engine.prefix.hits == 2
     assert engine.counters["serving_compiles"] == 0
     assert engine.stop(10)
 
@@ -298,16 +304,17 @@ def _drive(engine: Engine, handles) -> None:
 
 
 def test_a_prompt_waits_only_for_a_deeper_checkpoint_than_its_own(model):
-    """After a finished request A (cache: A's deepest block 64 and its prompt's end 69), a cold prompt B of
-    A's system prompt, then Q (A's prompt and 5 more tokens: it resumes at 69) and C (the system prompt and 5
-    tokens) are admitted together: C waits for B's checkpoint at their common block boundary 32, Q waits for
-    nothing (B shares less with it than Q resumes from) and joins B's passes."""
+    """After a finished request A (cache: its response's end, 72), a prompt B of A's system prompt, then Q
+    (A's prompt and response and 5 more tokens: it resumes at 72) and C (the system prompt and 5 tokens) are
+    admitted together: C waits for B's checkpoint at their common block boundary 32 (B's branch point with
+    A), Q waits for nothing (B shares less with it than Q resumes from) and joins B's passes."""
     engine = Engine(model, config(2, 1 << 24))  # K=2: the other tests' programs
     rng = np.random.default_rng(22)
     system = rng.integers(0, 380, 40).tolist()
     a = system + rng.integers(0, 380, 30).tolist()
-    _drive(engine, [engine.submit(a, 3)])
-    prompts = [system + rng.integers(0, 380, 30).tolist(), a + rng.integers(0, 380, 5).tolist(),
+    first = engine.submit(a, 3)
+    _drive(engine, [first])
+    prompts = [system + rng.integers(0, 380, 30).tolist(), a + first.tokens + rng.integers(0, 380, 5).tolist(),
                system + rng.integers(0, 380, 5).tolist()]
     handles = [engine.submit(p, 3) for p in prompts]
     engine._admit()
@@ -317,7 +324,7 @@ def test_a_prompt_waits_only_for_a_deeper_checkpoint_than_its_own(model):
     _drive(engine, handles)
     want = [qmtp.generate(model, [p], 3, mtp_k=2).tokens[0] for p in prompts]
     assert [h.result(0).tokens for h in handles] == want
-    assert [h.prefix_hit_tokens for h in handles] == [0, len(a) - 1, 2 * BLOCK]
+    assert [h.prefix_hit_tokens for h in handles] == [0, len(a) + 2, 2 * BLOCK]
     assert engine.prefix.hits == 2
 
 
@@ -332,7 +339,9 @@ def test_serving_resumes_from_either_kind_of_checkpoint_on_the_warm_ups_program(
     engine.start()
     rng = np.random.default_rng(23)
     first = rng.integers(0, 380, 20).tolist()
-    for prompt, hit in ((first, 0), (first, 19), (first[:BLOCK] + [5, 6], BLOCK)):
+    response = engine.submit(first, 3).result(300).tokens
+    # a response's end, then a branch point kept (at BLOCK) and a resume there
+    for prompt, hit in ((first + response + [5], 22), (first[:BLOCK] + [5, 6], 0), (first[:BLOCK] + [7, 8], BLOCK)):
         assert engine.submit(prompt, 3).result(300).cached_tokens == hit
     assert slots.resume_prefix._cache_size() == warmed == 1
     assert engine.stop(10)

@@ -1,11 +1,12 @@
 """qmtp/serve/prefix_cache.py's host side: the hash chain, the deepest usable checkpoint, the boundaries a
-prefill keeps, byte accounting over shared pages, and LRU eviction that gives the pages back."""
+prefill keeps (from the prompts it saw), byte accounting over shared pages, and LRU eviction that gives the pages back."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from qmtp.runtime.paging import PageAllocator
+from qmtp.serve import prefix_cache
 from qmtp.serve.prefix_cache import PrefixCache, chain
 
 BLOCK, PAGE = 8, 4
@@ -42,20 +43,32 @@ def test_lookup_finds_the_deepest_checkpoint_before_the_last_token():
     assert (cache.lookups, cache.hits, cache.hit_tokens) == (4, 2, 32)
 
 
-def test_keep_points_are_the_deepest_the_branch_point_and_the_end():
+def test_keep_points_are_the_branch_point_and_in_a_long_prefill_the_deepest():
     cache, alloc = make()
     first = SYSTEM + [1] * 20  # 40 tokens
     digests = chain(first, BLOCK)
-    assert cache.keep_points(len(first), digests, 0) == [32, 39]  # nothing shared yet: the deepest, the end
-    store(cache, alloc, first, 32)
+    assert cache.keep_points(len(first), digests, 0, several_passes=False) == []  # nothing shared: no pass more
+    assert cache.keep_points(len(first), digests, 0, several_passes=True) == [32]  # the deepest before 39
+    cache.remember(digests)  # prefilled: its blocks are seen
     second = SYSTEM + [2] * 20  # shares blocks 1-2 (16 tokens) with the first
     b, hit, d2 = cache.lookup(second)
-    assert hit is None and cache.keep_points(len(second), d2, b) == [16, 32, 39]
+    assert hit is None and cache.keep_points(len(second), d2, b, several_passes=False) == [16]  # the branch point
+    assert cache.keep_points(len(second), d2, b, several_passes=True) == [16, 32]
     store(cache, alloc, second, 16)
     b, hit, d3 = cache.lookup(SYSTEM + [3] * 20)
-    assert b == 16 and cache.keep_points(40, d3, b) == [32, 39]
-    assert cache.keep_points(33, d3, b) == [32]  # its end but one is the deepest block boundary
-    assert cache.keep_points(40, d3, 39) == []  # resumed at its end (the same prompt again)
+    assert b == 16 and cache.keep_points(40, d3, b, several_passes=False) == []  # resumed at the branch point
+    assert cache.keep_points(40, d3, b, several_passes=True) == [32]
+
+
+def test_remembered_prompts_are_bounded(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "SEEN_BLOCKS", 3)
+    cache, _ = make()
+    old, new = chain([1] * 16, BLOCK), chain([2] * 24, BLOCK)
+    cache.remember(old)
+    assert cache.keep_points(17, old, 0, several_passes=False) == [16]
+    cache.remember(new)  # 5 digests: the oldest two go
+    assert cache.keep_points(17, old, 0, several_passes=False) == []
+    assert cache.keep_points(24, new, 0, several_passes=False) == [16]
 
 
 def test_bytes_count_shared_pages_once_and_eviction_frees_them():

@@ -469,16 +469,16 @@ def test_shutdown_with_active_and_queued_requests(model):
 def test_prefix_cache_hits_are_exact_and_reported(model, mtp_server):
     server, url = mtp_server
     c = client(url)
-    prompt = "cache me, please"
+    prompt = [11, 29, 7, 301, 42, 5, 88]
     metrics = httpx.get(url + "/metrics").text
     hits0, lookups0 = (_metric(metrics, f"qmtp_prefix_cache_{m}_total") for m in ("hits", "lookups"))
     cold = c.completions.create(model=NAME, prompt=prompt, max_tokens=6)
-    warm = c.completions.create(model=NAME, prompt=prompt, max_tokens=6)
-    assert warm.choices[0].token_ids == cold.choices[0].token_ids
+    turn = prompt + cold.choices[0].token_ids + [17, 3]  # the next turn: resumed at the response's end
+    warm = c.completions.create(model=NAME, prompt=turn, max_tokens=6)
     assert cold.choices[0].token_ids == qmtp.generate(model, [prompt], max_new_tokens=6).tokens[0]
-    n = warm.usage.prompt_tokens  # the same prompt again: all but its last token from the cache
+    assert warm.choices[0].token_ids == qmtp.generate(model, [turn], max_new_tokens=6).tokens[0]
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in (cold, warm)]
-    assert cached == [0, n - 1]
+    assert cached == [0, len(turn) - 3]
     metrics = httpx.get(url + "/metrics").text
     assert _metric(metrics, "qmtp_prefix_cache_hits_total") == hits0 + 1
     assert _metric(metrics, "qmtp_prefix_cache_lookups_total") == lookups0 + 2
@@ -597,7 +597,7 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     port = _free_port()
     # the warm-up compiles every prompt bucket (16 and 32 for prompts of up to 23 tokens) before /health
     # says ok; then prompts of new lengths compile nothing ("compiled while serving" would say so). The
-    # flagfile turns the prefix cache on: no block (64 tokens) fits in --max_model_len=24, but a prompt
+    # flagfile turns the prefix cache on: no block (64 tokens) fits in --max_model_len=24, but a response
     # still keeps its end, whose checkpoint and resume the warm-up compiled too. One prompt per pass (CI
     # time: tests/test_prefix_cache.py warms up and serves batched passes)
     proc = subprocess.Popen([sys.executable, "-m", "qmtp.server", "--flagfile=configs/server_tiny.flags",
@@ -607,9 +607,13 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     try:
         assert "warming up" in _wait_healthy(proc, port, 240)
         c = client(f"http://127.0.0.1:{port}")
-        for _ in range(2):  # the second one from the prefix cache
-            r = c.completions.create(model="tiny", prompt="def fibonacci(", max_tokens=3)
-            assert len(r.choices[0].token_ids) == 3
+        r = c.completions.create(model="tiny", prompt="def fibonacci(", max_tokens=3)
+        assert len(r.choices[0].token_ids) == 3
+        first = list(range(3, 9))
+        r = c.completions.create(model="tiny", prompt=first, max_tokens=3)
+        turn = first + r.choices[0].token_ids + [9]  # the next turn: from the prefix cache, at the response's end
+        r = c.completions.create(model="tiny", prompt=turn, max_tokens=3)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(turn) - 2
         r = c.completions.create(model="tiny", prompt=list(range(1, 21)), max_tokens=2)  # bucket 32
         assert len(r.choices[0].token_ids) == 2
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text

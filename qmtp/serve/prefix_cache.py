@@ -17,15 +17,19 @@ holds the state after its committed tokens, positions < L, where L is not a bloc
 keyed by the chain of its whole blocks and the tokens after them up to and including the token at L
 (the last one generated, emitted but not yet consumed), whose MTP entry at L - 1 the decode loop
 wrote already; so a prompt resumes there only if its token at L is that one, and nothing is rewritten.
-A prompt's end is kept the same way, at L = its length - 1 (a prefill pass ends there, so its MTP
-entry at L - 1 was written for the prompt's last token): the same prompt again (a repeated request,
-a request's n choices) prefills one token, however short it is.
+A prompt's end can be kept the same way, at L = its length - 1 (a prefill pass ends there, so its MTP
+entry at L - 1 was written for the prompt's last token): where the same prompt, admitted while it is
+prefilled (a request's n choices), waits for it and then prefills one token.
 
 Only committed tokens are ever checkpointed (a prefill's prompt tokens, a finished response's emitted
-ones), never a draft: nothing speculative enters the cache. Which points a prefill keeps
-(`keep_points`): the deepest block boundary before its last token, the deepest its chain shares with
-a cached one (the branch point: where a system prompt or a few-shot block ends), and its end; also
-where a prompt admitted while it is prefilled waits for one (qmtp/serve/prompt_passes.py).
+ones), never a draft: nothing speculative enters the cache. A checkpoint inside a prompt ends a
+prefill pass there, and a pass costs about a short prompt's whole prefill (a 32-token prompt kept at
+its end took two passes: 0.72x the tokens/s of the cache off, 27B's first 16 layers, H100), so a
+prefill keeps (`keep_points`) only the points that pay: the deepest block boundary its chain shares
+with a cached one or a recent prompt's (`remember`; the branch point: where a system prompt or a
+few-shot block ends, which the next prompts resume from), and, where it takes several passes anyway, its deepest block boundary before its
+last token (the same long prompt again resumes there); also the point a prompt admitted while it is
+prefilled waits for (qmtp/serve/prompt_passes.py). A finished response's end costs no pass.
 
 Bytes: the cache's `bytes` are its checkpoints' GDN states and hiddens plus the pages only it holds
 alive, counted once each; at most `budget_bytes` (LRU eviction). Pages it holds come out of the
@@ -43,6 +47,7 @@ import hashlib
 import numpy as np
 
 DIGEST_BYTES = 16
+SEEN_BLOCKS = 1 << 16  # block digests of recent prompts remembered (~7 MB of host memory) to find branch points
 
 
 def chain(tokens, block: int) -> list[bytes]:
@@ -73,6 +78,7 @@ class PrefixCache:
         self.block, self.budget_bytes, self.allocator, self.page_bytes = block, budget_bytes, allocator, page_bytes
         self._entries: collections.OrderedDict[bytes, Checkpoint] = collections.OrderedDict()
         self._through = collections.Counter()  # digest -> checkpoints whose chain passes through it
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent prompts' blocks, LRU
         self._ends: dict[bytes, set[bytes]] = {}  # d_k (b"" for none) -> keys of response ends after it
         self._page_holds = collections.Counter()  # page -> checkpoints holding it
         self.state_bytes = 0
@@ -118,18 +124,25 @@ class PrefixCache:
         self.hits += before == 0
         self.hit_tokens += boundary - before
 
-    def keep_points(self, n_tokens: int, digests: list[bytes], start: int) -> list[int]:
-        """The points (token counts, > start, ascending) a prefill of n_tokens from `start` should
-        checkpoint: the deepest block boundary before its last token and the deepest its chain shares
-        with the cache's (when neither is already a checkpoint), and its end, n_tokens - 1 (a prompt end,
-        `put_end`, where that is no block boundary)."""
+    def keep_points(self, n_tokens: int, digests: list[bytes], start: int, several_passes: bool) -> list[int]:
+        """The block boundaries (token counts, > start, ascending, not checkpoints already) a prefill of
+        n_tokens from `start` keeps: the deepest its chain shares with a checkpoint's or a prompt prefilled
+        before (the branch point), and where the prefill takes several passes anyway, the deepest before its
+        last token."""
         deepest = min(len(digests), (n_tokens - 1) // self.block)
-        shared = max((k for k in range(1, deepest + 1) if digests[k - 1] in self._through), default=0)
-        points = {k * self.block for k in (deepest, shared)
-                  if k * self.block > start and digests[k - 1] not in self._entries}
-        if (n_tokens - 1) % self.block and n_tokens - 1 > start:
-            points.add(n_tokens - 1)
-        return sorted(points)
+        shared = max((k for k in range(1, deepest + 1) if digests[k - 1] in self._through
+                      or digests[k - 1] in self._seen), default=0)
+        return sorted({k * self.block for k in ((deepest, shared) if several_passes else (shared,))
+                       if k * self.block > start and digests[k - 1] not in self._entries})
+
+    def remember(self, digests: list[bytes]) -> None:
+        """Notes a prefilled prompt's chain (no state kept): a later prompt that shares its first blocks keeps a
+        checkpoint at their branch point (`keep_points`), which the ones after it resume from."""
+        for d in digests:
+            self._seen[d] = None
+            self._seen.move_to_end(d)
+        while len(self._seen) > SEEN_BLOCKS:
+            self._seen.popitem(last=False)
 
     def fits(self, state_bytes: int) -> bool:
         return 0 < state_bytes + self.page_bytes <= self.budget_bytes and (

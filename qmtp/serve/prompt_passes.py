@@ -4,8 +4,8 @@ with the prefix cache every prompt (qmtp/serve/prefix_cache.py). A piece (`limit
 tokens, or the engine's interleave_piece while other slots decode.
 
 A prompt's passes end on multiples of prefill_chunk, at the points the prefix cache keeps a checkpoint
-at (block boundaries, the prompt's end but its last token), and at its end, and a pass stops short of
-that end after a piece's tokens. With the cache, admission looks the prompt up (`reserve_with_prefix`:
+at (`PrefixCache.keep_points`, and the ones later prompts await), and at its end, and a pass stops short
+of that end after a piece's tokens. With the cache, admission looks the prompt up (`reserve_with_prefix`:
 its reservation then shares the checkpoint's pages but the last); where a prompt being prefilled shares
 more of its beginning, it waits for that one's checkpoint at the end of what they share
 (`_await_shared`); and the first pass looks again (a deeper checkpoint kept since, e.g. by another
@@ -132,7 +132,8 @@ class PassPrefill:
         n = len(p.handle.prompt_ids)
         if e.prefix is not None:
             awaited = {b for b in p.awaited if b > boundary}
-            p.keep = tuple(sorted({*e.prefix.keep_points(n, p.digests, boundary), *awaited}))
+            several = n - boundary > e.piece
+            p.keep = tuple(sorted({*e.prefix.keep_points(n, p.digests, boundary, several), *awaited}))
         else:
             p.keep = ()
         p.ends = sorted(set(range(boundary - boundary % e.piece + e.piece, n, e.piece)) | set(p.keep) | {n})
@@ -242,6 +243,8 @@ class PassPrefill:
             if end in p.keep:
                 self._checkpoint(slot, p, hidden[i:i + 1])
             if last[i]:
+                if e.prefix is not None:
+                    e.prefix.remember(p.digests)
                 del self.pending[slot]
                 e.counters["prefills"] += 1
                 e._started(p.handle, slot, int(first[i]), first_lp, i)

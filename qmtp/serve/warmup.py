@@ -248,12 +248,15 @@ def _pass(engine, width: int, count: int) -> None:
 
 
 def _checkpoint_and_resume(engine) -> None:
-    """A prompt of two tokens (a checkpoint at its end but the last token: the programs of every kind of
-    checkpoint), then the same prompt (resumed there); the cache is emptied after."""
+    """A prompt of two tokens kept at its end but the last token (as where another prompt awaits it: the
+    programs of every kind of checkpoint), then the same prompt (resumed there); the cache is emptied after."""
     n = 2
-    for _ in range(2):
+    for i in range(2):
         handle = RequestHandle(engine, -1, [0] * n, 1, (), (), listener=lambda event: None)
-        engine.passes.start(handle, engine._free_slots.pop(), *engine.passes.reserve_with_prefix(handle))
+        slot = engine.passes.start(handle, engine._free_slots.pop(), *engine.passes.reserve_with_prefix(handle))
+        if i == 0:
+            p = engine.passes.pending[slot]
+            p.keep, p.ends = (n - 1,), [n - 1, n]
         while engine.passes.pending:
             engine.passes.run_one()
         engine._flush_retired()
