@@ -149,20 +149,20 @@ for s in "${steps[@]}"; do
     # *_nocache one in a call also reports its figures as ratios to those. chat: 8 conversations of 8 turns
     # (2048-token system prompt, 200 user tokens and 200 generated per turn): time to first token per turn
     # (H100: chat_nocache ~100 s, chat_prefix ~100-130 s with its warm-up). decode: the cost to decoding, 8
-    # clients of distinct prompts (17-32 tokens: nothing to reuse), 200 tokens each: inter-token gaps, tok/s
+    # clients, 256 distinct prompts (17-32 tokens: nothing to reuse), 200 tokens each (~20 s): inter-token gaps, tok/s
     chat_nocache|chat_prefix|decode_nocache|decode_prefix)
       kind=${s%_*}; cache=(); compare=()
       [ "${s#*_}" = prefix ] && cache=(--prefix_cache_bytes=16000000000)
       [ "${s#*_}" = prefix ] && [ -f "$OUT/${kind}_nocache.json" ] && compare=(--compare_to="$OUT/${kind}_nocache.json")
       if [ "$kind" = chat ]; then
-        buckets=4096; load="--turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200"
+        buckets=4096; load="--requests=64 --turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200"
       else
-        buckets=32; load="--prompt_tokens=17,32"
+        buckets=32; load="--requests=256 --prompt_tokens=17,32"
       fi
       run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
                  --num_layers=${CHAT_LAYERS:-16} --mtp_k=3 --batch_slots=8 --max_model_len=8192 \
                  --warmup_buckets=$buckets --port=8124 ${cache[*]} >$OUT/${s}_server.log 2>&1 & server=\$!; \
-                 $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 --requests=64 $load \
+                 $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 $load \
                  --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; \
                  kill \$server; wait \$server; exit \$rc" ;;
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled);
