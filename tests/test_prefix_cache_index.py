@@ -1,5 +1,6 @@
 """qmtp/serve/prefix_cache.py's host side: the hash chain, the deepest usable checkpoint, the boundaries a
-prefill keeps (from the prompts it saw), byte accounting over shared pages, and LRU eviction that gives the pages back."""
+prefill keeps (from the prompts it saw), byte accounting over shared pages, and LRU eviction that gives
+the pages back."""
 
 from __future__ import annotations
 

@@ -27,9 +27,10 @@ prefill pass there, and a pass costs about a short prompt's whole prefill (a 32-
 its end took two passes: 0.72x the tokens/s of the cache off, 27B's first 16 layers, H100), so a
 prefill keeps (`keep_points`) only the points that pay: the deepest block boundary its chain shares
 with a cached one or a recent prompt's (`remember`; the branch point: where a system prompt or a
-few-shot block ends, which the next prompts resume from), and, where it takes several passes anyway, its deepest block boundary before its
-last token (the same long prompt again resumes there); also the point a prompt admitted while it is
-prefilled waits for (qmtp/serve/prompt_passes.py). A finished response's end costs no pass.
+few-shot block ends, which the next prompts resume from); where it takes several passes anyway, its
+deepest block boundary before its last token (the same long prompt again resumes there); and the point
+a prompt admitted while it is prefilled waits for (qmtp/serve/prompt_passes.py). A finished
+response's end costs no pass.
 
 Bytes: the cache's `bytes` are its checkpoints' GDN states and hiddens plus the pages only it holds
 alive, counted once each; at most `budget_bytes` (LRU eviction). Pages it holds come out of the
@@ -192,6 +193,8 @@ class PrefixCache:
             self._evict()
 
     def clear(self) -> None:
+        """Drops every checkpoint and forgets the prompts seen."""
+        self._seen.clear()
         while self._entries:
             self._drop(next(iter(self._entries)))
 
