@@ -188,7 +188,7 @@ def test_queue_bound(model):
     assert_all_free(engine)
 
 
-def test_the_same_prompt_again_resumes_from_the_prefix_cache_until_a_reload(model, ckpt, reference):
+def test_choices_of_one_prompt_resume_from_the_prefix_cache_until_a_reload(model, ckpt, reference):
     """With the prefix cache a prompt admitted with the same one (as a request's choices) prefills only its
     last token (from the checkpoint the first keeps at its end) and gives the same tokens; reloading the
     model empties the cache: the next one prefills again."""
