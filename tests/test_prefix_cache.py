@@ -407,11 +407,16 @@ def test_a_prompt_waiting_for_a_cancelled_one_prefills_on_its_own(model):
 
 
 def test_choices_of_one_prompt_share_its_prefill(model):
-    """Requests admitted together with one prompt (a request's n choices): the first keeps a checkpoint
-    at its end but the last token, the others resume there (copying its pages) and prefill that token."""
+    """Requests submitted together with one prompt (a request's n choices, `Engine.together`: nothing is
+    admitted until the last is queued): the first keeps a checkpoint at its end but the last token, the
+    others resume there (copying its pages) and prefill that token."""
     engine = Engine(model, config(2, 1 << 24)).start()
     prompt = np.random.default_rng(9).integers(0, 380, 45).tolist()
-    handles = [engine.submit(prompt, 5) for _ in range(3)]
+    with engine.together():
+        handles = [engine.submit(prompt, 5)]
+        time.sleep(0.3)  # the scheduler, woken by the submit, waits
+        assert len(engine._queue) == 1
+        handles += [engine.submit(prompt, 5) for _ in range(2)]
     want = qmtp.generate(model, [prompt], 5, mtp_k=2).tokens[0]
     assert [h.result(300).tokens for h in handles] == [want] * 3
     assert [h.prefix_hit_tokens for h in handles] == [0, 44, 44]

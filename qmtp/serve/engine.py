@@ -201,6 +201,14 @@ class Engine:
             self._cv.notify_all()
         return handle
 
+    @contextlib.contextmanager
+    def together(self):
+        """Holds admission while the caller submits several requests (a request's n choices), so that one
+        scheduling point admits them all where slots allow: choices of one prompt then share its prefill
+        (the prefix cache keeps a prompt's end only for the prompts admitted with it)."""
+        with self._cv:  # reentrant: submit() takes it too
+            yield
+
     def generate(self, prompt_ids, max_tokens: int, stop_token_ids=None, stop=(), timeout: float | None = None,
                  **sampling):
         """submit() (sampling: its temperature, top_k, top_p, min_p, seed, logprobs) and wait: a Completion."""

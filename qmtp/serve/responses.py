@@ -23,19 +23,22 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that
 
 def submit(engine, parsed: oai.Parsed, ids, max_tokens: int, stop_ids, loop, events: asyncio.Queue) -> list:
     """The request's n choices as engine requests (a seeded choice i draws with seed + i), their events
-    going to `events` as (i, event); all or none: a refused one cancels those before it."""
+    going to `events` as (i, event); admitted together (Engine.together); all or none: a refused one
+    cancels those before it."""
     handles = []
-    try:
-        for i in range(parsed.n):
-            sampling = dict(parsed.sampling)
-            if sampling["seed"] is not None:
-                sampling["seed"] = (sampling["seed"] + i) % 2 ** 32
-            handles.append(engine.submit(ids, max_tokens, stop_ids, parsed.stop, listener=to_loop(loop, events, i),
-                                         logprobs=parsed.top_logprobs, **sampling))
-    except BaseException:
-        for handle in handles:
-            handle.cancel()
-        raise
+    with engine.together():
+        try:
+            for i in range(parsed.n):
+                sampling = dict(parsed.sampling)
+                if sampling["seed"] is not None:
+                    sampling["seed"] = (sampling["seed"] + i) % 2 ** 32
+                handles.append(engine.submit(ids, max_tokens, stop_ids, parsed.stop,
+                                             listener=to_loop(loop, events, i), logprobs=parsed.top_logprobs,
+                                             **sampling))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
     return handles
 
 
