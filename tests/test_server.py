@@ -295,7 +295,10 @@ def test_logprobs_in_both_routes_streamed_or_not(model, mtp_server):
     streamed = c.chat.completions.create(model=NAME, messages=messages, max_tokens=5, logprobs=True, top_logprobs=2,
                                          stream=True)
     entries = [e for chunk in streamed for ch in chunk.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    # the same prompt again: the prefix cache keeps its branch point and prefills it in two passes (float32
+    # rounding: the logprobs agree to the reference's tolerance, not bit for bit)
+    assert [e.token for e in entries] == [e.token for e in content]
+    np.testing.assert_allclose([e.logprob for e in entries], [e.logprob for e in content], rtol=1e-5, atol=1e-6)
     plain = c.chat.completions.create(model=NAME, messages=messages, max_tokens=5)
     assert plain.choices[0].logprobs is None
     r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": messages, "top_logprobs": 2})
