@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 
 from qmtp.runtime.paging import PageAllocator
-from qmtp.serve import prefix_cache
 from qmtp.serve.prefix_cache import PrefixCache, chain
 
 BLOCK, PAGE = 8, 4
@@ -61,9 +60,8 @@ def test_keep_points_are_the_branch_point_and_in_a_long_prefill_the_deepest():
     assert cache.keep_points(40, d3, b, several_passes=True) == [32]
 
 
-def test_remembered_prompts_are_bounded(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "SEEN_BLOCKS", 3)
-    cache, _ = make()
+def test_remembered_prompts_are_bounded():
+    cache = PrefixCache(BLOCK, 10_000, PageAllocator(64, PAGE), page_bytes=100, seen_blocks=3)
     old, new = chain([1] * 16, BLOCK), chain([2] * 24, BLOCK)
     cache.remember(old)
     assert cache.keep_points(17, old, 0, several_passes=False) == [16]

@@ -48,7 +48,7 @@ import hashlib
 import numpy as np
 
 DIGEST_BYTES = 16
-SEEN_BLOCKS = 1 << 16  # block digests of recent prompts remembered (~7 MB of host memory) to find branch points
+SEEN_BLOCKS = 1 << 16  # block digests of recent prompts remembered by default (~7 MB of host memory)
 
 
 def chain(tokens, block: int) -> list[bytes]:
@@ -75,8 +75,9 @@ class Checkpoint:
 class PrefixCache:
     """Checkpoints keyed by their last digest, LRU-ordered, within budget_bytes."""
 
-    def __init__(self, block: int, budget_bytes: int, allocator, page_bytes: int):
+    def __init__(self, block: int, budget_bytes: int, allocator, page_bytes: int, seen_blocks: int = SEEN_BLOCKS):
         self.block, self.budget_bytes, self.allocator, self.page_bytes = block, budget_bytes, allocator, page_bytes
+        self.seen_blocks = seen_blocks  # how many block digests of recent prompts `remember` keeps
         self._entries: collections.OrderedDict[bytes, Checkpoint] = collections.OrderedDict()
         self._through = collections.Counter()  # digest -> checkpoints whose chain passes through it
         self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent prompts' blocks, LRU
@@ -142,7 +143,7 @@ class PrefixCache:
         for d in digests:
             self._seen[d] = None
             self._seen.move_to_end(d)
-        while len(self._seen) > SEEN_BLOCKS:
+        while len(self._seen) > self.seen_blocks:
             self._seen.popitem(last=False)
 
     def fits(self, state_bytes: int) -> bool:

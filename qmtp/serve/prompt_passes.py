@@ -272,11 +272,9 @@ class PassPrefill:
         b = p.offset
         end = b % e.prefix.block != 0
         state_bytes = e._device.gdn_row_bytes() + (0 if end else hidden.size * hidden.dtype.itemsize)
-        if not e.prefix.fits(state_bytes):
+        gdn = self._take_rows(slot, state_bytes)
+        if gdn is None:
             return
-        e.prefix.make_room(state_bytes)
-        with e._watch("prefix cache: checkpoint"):
-            gdn = e._device.take_gdn_rows(slot)
         if end:
             e.prefix.put_end(p.handle.prompt_ids, p.page_row[:-(-b // e.page_size)].tolist(), gdn, state_bytes)
         else:
@@ -291,13 +289,23 @@ class PassPrefill:
         e = self.engine
         tokens = list(handle.prompt_ids) + list(handle.tokens)
         state_bytes = e._device.gdn_row_bytes()
-        if int(e._device.state.lengths[slot]) != len(tokens) - 1 or not e.prefix.fits(state_bytes):
+        if int(e._device.state.lengths[slot]) != len(tokens) - 1:
             return
-        e.prefix.make_room(state_bytes)
-        with e._watch("prefix cache: checkpoint"):
-            gdn = e._device.take_gdn_rows(slot)
+        gdn = self._take_rows(slot, state_bytes)
+        if gdn is None:
+            return
         pages = e.allocator.pages(reservation)[:-(-(len(tokens) - 1) // e.page_size)]
         e.prefix.put_end(tokens, pages, gdn, state_bytes)
+
+    def _take_rows(self, slot: int, state_bytes: int):
+        """The slot's GDN rows for a checkpoint of state_bytes, room made for them in the cache first; None
+        where they cannot fit."""
+        e = self.engine
+        if not e.prefix.fits(state_bytes):
+            return None
+        e.prefix.make_room(state_bytes)
+        with e._watch("prefix cache: checkpoint"):
+            return e._device.take_gdn_rows(slot)
 
 
 def _common_prefix(a, b) -> int:

@@ -92,9 +92,10 @@ def define_flags() -> None:
                          "leading blocks of --prefix_block tokens (a system prompt, a chat history) resume from the "
                          "GDN state kept at a block boundary and share its KV pages, prefilling only the rest; the "
                          "next turn after a response resumes at its end, the other choices of a request at the "
-                         "prompt's end (one token prefilled). Greedy output is the same as without it. With it every prompt is prefilled "
-                         "in passes of at most --prefill_chunk tokens. Its GDN states also stay within the device "
-                         "memory the warm-up left, less 10% (logged where that binds first).", lower_bound=0)
+                         "prompt's end (one token prefilled). Greedy output is the same as without it. With it "
+                         "every prompt is prefilled in passes of at most --prefill_chunk tokens. Its GDN states "
+                         "also stay within the device memory the warm-up left, less 10% (logged where that binds "
+                         "first).", lower_bound=0)
     flags.DEFINE_integer("prefix_block", 0, "Tokens per prefix cache block: a power of two, a multiple of "
                          "--page_size, at most --prefill_chunk; 0 = 64 (under --deterministic: --prefill_chunk, so "
                          "a resumed prefill runs the same passes as a full one).", lower_bound=0)
