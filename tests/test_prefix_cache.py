@@ -387,6 +387,30 @@ def test_while_others_decode_a_pass_pads_to_at_most_a_piece(model):
     assert engine.stop(10)
 
 
+def test_while_others_decode_every_short_prompt_goes_in_at_one_scheduling_point(model):
+    """Two prompts of 20-30 tokens arrive while a request decodes, with --interleave_piece 32: each pass takes
+    one row (3 rows x 32 padded tokens exceed the piece), yet both go in before the next decode call, as
+    the admission without the cache prefills them; a short prompt left for the next scheduling point
+    would wait a decode call."""
+    engine = Engine(model, config(2, 1 << 24, interleave_piece=32, stop_token_ids=()))
+    calls = []
+    for name in ("prefill_piece", "run"):
+        def logged(*a, _f=getattr(engine._device, name), _name=name, **kw):
+            calls.append(_name)
+            return _f(*a, **kw)
+        setattr(engine._device, name, logged)
+    rng = np.random.default_rng(27)
+    running = engine.submit(rng.integers(0, 380, 10).tolist(), 20)
+    engine._iteration()
+    prompts = [rng.integers(0, 380, n).tolist() for n in (20, 30)]
+    handles = [engine.submit(p, 3) for p in prompts]
+    calls.clear()
+    engine._iteration()
+    assert calls == ["prefill_piece", "prefill_piece", "run"]
+    _drive(engine, handles + [running])
+    assert [h.result(0).tokens for h in handles] == [qmtp.generate(model, [p], 3, mtp_k=2).tokens[0] for p in prompts]
+
+
 def test_a_prompt_waiting_for_a_cancelled_one_prefills_on_its_own(model):
     """A prompt waiting for an earlier one's checkpoint goes on without it when that one is cancelled first:
     its tokens are generate's, and afterwards every page is free or held by the cache alone."""

@@ -148,12 +148,22 @@ class PassPrefill:
 
     def run(self) -> None:
         """Passes of the prompts in progress (FIFO): one; with the prefix cache, which runs every prompt's
-        prefill in passes, as many as a piece's padded tokens allow (at least one)."""
+        prefill in passes, as many as a piece's padded tokens allow (at least one), then those of the short
+        prompts (at most a piece to prefill after what they resume from) until all of these are in, as the
+        admission without the cache prefills every short prompt at once. A short prompt left for a later
+        scheduling point would wait a decode call, and its pass would take a scheduling point of its own
+        (prompts arriving a little apart then stay apart, in more passes of fewer rows)."""
         e = self.engine
         limit = self.limit()
-        budget = limit if e.prefix is not None else 1
+        if e.prefix is None:
+            if self.pending:
+                self.run_one(limit)
+            return
+        budget = limit
         while self.pending and budget > 0:
             budget -= self.run_one(limit)
+        while self.run_one(limit, short_only=True):
+            pass
 
     def _width(self, tokens: int, limit: int) -> int:
         """A pass's padded width: the piece `limit`, but with the prefix cache the prompt bucket of a pass of
@@ -163,18 +173,24 @@ class PassPrefill:
             return limit
         return min(limit, api._bucket(tokens))
 
-    def run_one(self, limit: int | None = None) -> int:
+    def run_one(self, limit: int | None = None, short_only: bool = False) -> int:
         """The next pass: the first prompt in progress and, with the prefix cache (not under
         --deterministic, whose prefills run one prompt at a time), up to _group_rows(width) - 1 more
         whose next passes take the same padded width, in FIFO order, but those waiting for an earlier
         one's checkpoint (`_await_shared`), where the batched program's rows x width stay within the piece
         (a pass costs at most a piece: at the 27B shapes a 512-row pass's FP8 launches take 3.5x a 128-row one's).
-        After a prompt's last pass its request starts. limit: the piece (default: `limit()`). Returns the
-        pass's padded tokens."""
+        After a prompt's last pass its request starts. limit: the piece (default: `limit()`); short_only:
+        only the short prompts (see run), not waiting (none: no pass). Returns the pass's padded
+        tokens."""
         e = self.engine
         limit = self.limit() if limit is None else limit
         e._flush_retired()
         queue = list(self.pending.items())
+        if short_only:
+            queue = [(s, q) for s, q in queue
+                     if len(q.handle.prompt_ids) - q.handle.prefix_hit_tokens <= limit and not self._waiting(q)]
+            if not queue:
+                return 0
         slot, p = queue[0]
         self._prepare(slot, p)
         width = self._width(p.ends[0] - p.offset, limit)
