@@ -107,7 +107,7 @@ for s in "${steps[@]}"; do
     # their inter-token gaps. The streams' prompts (17-32 tokens) all take bucket 32: at 27B each prompt
     # bucket's two programs take ~90 s of the warm-up
     serve_long) run_step serve_long 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 \
-                  --impl=pallas --batch_slots=5 --max_model_len=33024 --warmup_buckets=32,32768 --port=8123 \
+                  --impl=pallas --mtp_k=0 --batch_slots=5 --max_model_len=33024 --warmup_buckets=32,32768 --port=8123 \
                   --interleave_piece=${SERVE_LONG_PIECE:-0} \
                   >$OUT/serve_long_server.log 2>&1 & server=\$!; $PY scripts/load_test.py --url=http://127.0.0.1:8123 \
                   --concurrency=4 --requests=100000 --duration_s=90 --prompt_tokens=17,32 --max_tokens=128 --stream \
@@ -166,7 +166,8 @@ for s in "${steps[@]}"; do
                  --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; \
                  kill \$server; wait \$server; exit \$rc" ;;
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled);
-    # other batches one call each (BENCH_ARGS=--batch=1,4 / =64: ~280 s a batch, 64 at K=3 wants an H200's memory)
+    # other batches one call each (BENCH_ARGS=--batch=N: over 270 s a batch on an H100: load, then each mode compiles;
+    # 64 at K=3 wants an H200's memory)
     bench_auto) run_step bench_auto 580 "${BENCH[@]}" --ks=1,3 --auto --repeats=1 --breakdown=false --batch=16,32 \
                   --max_new_tokens=128 --out="$OUT/bench_tp1_auto.json" "${EXTRA[@]}" ;;
     # the server under 32 concurrent clients, plain and with the draft length chosen per round: output tok/s

@@ -582,6 +582,40 @@ def _wait_healthy(proc, port: int, timeout_s: float) -> list[str]:
         time.sleep(0.2)
 
 
+BUILD_SCRIPT = """
+import sys
+from absl import flags
+from qmtp.serve import server
+server.define_flags()
+for checkpoint in sys.argv[1:]:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["server", "--checkpoint=" + checkpoint, "--dtype=float32", "--compile_cache=off"])
+    print("mtp_k", server.build(["server"])[1].config.mtp_k, flush=True)
+"""
+
+
+def test_the_default_draft_length_is_auto_and_plain_without_an_mtp_layer(tmp_path):
+    """Without --mtp_k the server chooses K per round, on a checkpoint with an MTP layer; one without any
+    (its config and tensors stripped of it) is served plainly, and the log says why."""
+    import safetensors.numpy
+    from qmtp.tools import make_checkpoint
+    path = make_checkpoint.write_checkpoint(str(tmp_path / "no_mtp"), "tiny", "fp32", seed=1)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["text_config"]["mtp_num_hidden_layers"] = 0
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    weights = os.path.join(path, "model.safetensors")
+    tensors = safetensors.numpy.load_file(weights)
+    safetensors.numpy.save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, weights)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(tmp_path), PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, "preset:tiny", path], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("\n")[:2] == ["mtp_k auto", "mtp_k 0"], r.stdout
+    assert f"{path}: no MTP layer (mtp_num_hidden_layers=0): plain decoding" in r.stderr
+
+
 def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", QMTP_CACHE=str(tmp_path), PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
     h = subprocess.run([sys.executable, "-m", "qmtp.server", "--help"], cwd=ROOT, env=env, capture_output=True,

@@ -59,11 +59,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.", lower_bound=1)
     flags.DEFINE_integer("num_pages", 0, "KV pages in the pool; 0 = batch_slots x the pages of one max_model_len "
                          "request (a request then never waits for pages).", lower_bound=0)
-    flags.DEFINE_enum("mtp_k", "0", ["0", "1", "2", "3", "4", "auto"], "MTP drafts per round (1-4); 0 = plain "
-                      "decoding; 'auto' = each round runs the K of 0, 1, 3 with the most expected tokens per second, "
-                      "from each request's recent acceptance and the seconds of a round at each K (timed in the "
-                      "warm-up and kept with --compile_cache, so a later start on the same model, shapes and GPU "
-                      "reuses them). Same greedy tokens either way.")
+    flags.DEFINE_enum("mtp_k", "auto", ["0", "1", "2", "3", "4", "auto"], "MTP drafts per round (1-4); 0 = plain "
+                      "decoding; 'auto' (default) = each round runs the K of 0, 1, 3 with the most expected tokens per "
+                      "second, from each request's recent acceptance and the seconds of a round at each K (timed in "
+                      "the warm-up and kept with --compile_cache, so a later start on the same model, shapes and GPU "
+                      "reuses them); by default, plain decoding for a checkpoint without an MTP layer. Same greedy "
+                      "tokens either way.")
     flags.DEFINE_integer("batch_slots", 4, "Requests decoded together (every slot, busy or not, is a row of each "
                          "step). An MTP round verifies batch_slots x (K+1) rows: up to 128 stay on the FP8 decode "
                          "kernels, more run on compute-bound GEMM tiles (a warning names the K that fits).",
@@ -312,6 +313,10 @@ def build(argv) -> tuple:
     same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig)
                   if f.name not in ("stop_token_ids", "round_cost_dir")}
     same_named["mtp_k"] = cli_help.mtp_k_from_flag(FLAGS.mtp_k)
+    if not FLAGS["mtp_k"].present and model.cfg.mtp_layers != 1:
+        print(f"{path}: no MTP layer (mtp_num_hidden_layers={model.cfg.mtp_layers}): plain decoding", file=sys.stderr,
+              flush=True)
+        same_named["mtp_k"] = 0
     cache = compile_cache.resolve(FLAGS.compile_cache)  # auto's round costs are kept beside compiled programs
     engine = Engine(model, EngineConfig(stop_token_ids=stop, round_cost_dir=cache and os.path.join(
         cache, round_costs.SUBDIR), **same_named))
@@ -348,8 +353,8 @@ def main(argv):
         _, engine, app = build(argv)
         buckets = warmup_buckets(engine, FLAGS.warmup_buckets) if FLAGS.warmup else None
         cache = compile_cache.resolve(FLAGS.compile_cache)
-        print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} (mtp_k={FLAGS.mtp_k}, "
-              f"{engine.config.batch_slots} slots, max_model_len={engine.max_model_len}); compile cache: "
+        print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} "
+              f"(mtp_k={engine.config.mtp_k}, {engine.config.batch_slots} slots, max_model_len={engine.max_model_len}); compile cache: "
               f"{cache or 'off'}", flush=True)
         # the engine thread warms up while uvicorn starts: /health answers 503 "warming up" meanwhile (the
         # app's lifespan start() is then a no-op)
