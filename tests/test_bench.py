@@ -322,6 +322,39 @@ def test_plot_draws_the_bandwidth_ceilings_on_a_gpu_only():
     assert _drawn(_plot_case(device=["cuda:0", "cuda:1"]))[0] == gpu
 
 
+def _batch_cases() -> list[dict]:
+    """Cases at batches 1, 4 and 16 (one engine, one prompt length), K=3 natural missing at 16."""
+    cases = []
+    for b in (1, 4, 16):
+        case = {k: v for k, v in _plot_case(batch=b).items() if k != "config"}
+        case["modes"] = [dict(m, decode_tokens_per_s={"median": m["decode_tokens_per_s"]["median"] * b})
+                         for m in case["modes"] if not (b == 16 and m["name"] == "mtp K=2 natural")]
+        cases.append(case)
+    return cases
+
+
+def test_the_batch_plot_draws_each_mode_against_batch(tmp_path):
+    """One line per mode through its batches, tokens/s by batch; a mode at one batch only has no line,
+    and several engines or prompt lengths are told apart in the labels."""
+    cases = _batch_cases()
+    lines = br.batch_lines(cases)
+    assert lines["plain"] == [(1, 100.0), (4, 400.0), (16, 1600.0)]
+    assert lines["mtp K=2 natural"] == [(1, 240.0), (4, 960.0)] and len(lines) == 5
+    assert br.batch_lines(cases[:1]) == {}
+    other = dict(cases[0], engine="pallas", prompt_length=64)
+    assert "plain (pallas, P64)" not in br.batch_lines(cases + [other])  # at one batch only
+    assert br.batch_lines(cases + [other, dict(other, batch=4)])["plain (pallas, P64)"] == [(1, 100.0), (4, 100.0)]
+    path = br.plot_batches({"config": {"title": "tiny"}, "cases": cases}, str(tmp_path / "b.png"))
+    assert path == str(tmp_path / "b.png") and os.path.getsize(path) > 1000
+    assert br.plot_batches({"config": {}, "cases": cases[:1]}, str(tmp_path / "none.png")) is None
+    # --plot_from draws it beside the cases' plots
+    src = tmp_path / "src.json"
+    src.write_text(json.dumps({"config": {"title": "tiny"}, "cases": cases}))
+    r = run_bench(f"--plot_from={src}", tmp_path=tmp_path, cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == [str(tmp_path / f"src_{i}.png") for i in range(3)] + [str(tmp_path / "src_batches.png")]
+
+
 def _refused_at_once(r, flag: str, tmp_path) -> None:
     """Exit status 2 with one `error: --flag=...` line, before anything ran (no progress, no bandwidth
     figure, no checkpoint built into the cache)."""

@@ -12,9 +12,10 @@ sampling.
 Per mode: decode tokens/s = sum(output_tokens - 1) / sum(wall - TTFT) (median, min, max over the
 repeats), TTFT, mean accepted length, per-position acceptance, speedup over plain, share of the
 bandwidth roofline (`qmtp.bench.report`), peak device memory. Writes one JSON (config, versions,
-platform, device, figures, raw timings) and one PNG plot (tokens/s vs K, natural and profiled, with the
-roofline and the MTP ceilings on a GPU; on a CPU the copy bandwidth is no ceiling, since a small
-model's weights stay in cache, and neither plot nor table quotes one). Output paths are checked
+platform, device, figures, raw timings) and one PNG plot per case (tokens/s vs K, natural and profiled,
+with the roofline and the MTP ceilings on a GPU; on a CPU the copy bandwidth is no ceiling, since a small
+model's weights stay in cache, and neither plot nor table quotes one); with several --batch sizes, one
+more of tokens/s against batch, one line per mode (`<plot>_batches.png`). Output paths are checked
 before anything runs. `--engine=ref` runs the pure-XLA path, `--engine=pallas` the
 kernels, `--engine=pallas,ref` both on the same loaded weights with a comparison table; on the CPU the tiny presets give a quick smoke run (configs/bench_tiny.flags).
 """
@@ -81,8 +82,9 @@ flags.DEFINE_string("compare_to", None, "An earlier bench JSON (e.g. the TP1 tab
                     "tok/s over the same mode's there, for the same engine, batch and prompt length; a TP2 run "
                     "against a TP1 result also checks the TP2 >= 1.6x TP1 target.")
 flags.DEFINE_string("out", "bench_result.json", "Where to write the JSON result.")
-flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png).")
-flags.DEFINE_string("plot_from", None, "Only draw the plot of an existing result JSON (no benchmark).")
+flags.DEFINE_string("plot", None, "Where to write the PNG plot (default: --out with .png; several cases: _0, _1, "
+                    "... before .png; several --batch sizes: also _batches, tokens/s against batch).")
+flags.DEFINE_string("plot_from", None, "Only draw the plots of an existing result JSON (no benchmark).")
 
 
 def main(argv):
@@ -106,11 +108,14 @@ def _plot_from(src: str) -> int:
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"--plot_from={src}: not a qmtp.bench result ({e!r})") from None
     paths = [_plot_path(src, i, len(cases)) for i in range(len(cases))]
-    for path in paths:
+    several = len({c.get("batch") for c in cases}) > 1
+    for path in paths + [_batch_plot_path(src)] * several:
         cli_help.check_output_file("plot", path)
     where = br.platform_of(result)
     drawn = [br.plot(dict(case, config=result.get("config") or {}, platform=where), path)
              for case, path in zip(cases, paths)]
+    if several:
+        drawn.append(br.plot_batches(dict(result, config=result.get("config") or {}), _batch_plot_path(src)))
     print("\n".join(p or "matplotlib is not installed" for p in drawn))
     return 0
 
@@ -120,11 +125,18 @@ def _plot_path(out: str, i: int, n: int) -> str:
     return base if n == 1 else f"{os.path.splitext(base)[0]}_{i}.png"
 
 
-def check_outputs(n_cases: int) -> None:
+def _batch_plot_path(out: str) -> str:
+    """Where a run of several batch sizes draws tokens/s against batch: beside the cases' plots."""
+    return os.path.splitext(FLAGS.plot or out)[0] + "_batches.png"
+
+
+def check_outputs(n_cases: int, several_batches: bool = False) -> None:
     """ValueError naming the flag unless --out, every plot path and --trace_dir can be written."""
     cli_help.check_output_file("out", FLAGS.out)
     for i in range(n_cases):
         cli_help.check_output_file("plot", _plot_path(FLAGS.out, i, n_cases))
+    if several_batches:
+        cli_help.check_output_file("plot", _batch_plot_path(FLAGS.out))
     cli_help.check_output_dir("trace_dir", FLAGS.trace_dir)
 
 
@@ -150,7 +162,7 @@ def _run() -> int:
         raise ValueError("--sampling_cost compares sampled modes with greedy ones: it needs --temperature > 0")
     if FLAGS.prompt_text:
         batches, lengths = [len(FLAGS.prompt_text)], [0]
-    check_outputs(len(engines) * len(batches) * len(lengths))
+    check_outputs(len(engines) * len(batches) * len(lengths), several_batches=len(set(batches)) > 1)
     compile_cache_dir = cli_help.apply_compile_cache_flag()
     from qmtp.runtime import adaptive_k
     n_profile = len([p for p in FLAGS.profile if p])
@@ -238,10 +250,13 @@ def _run() -> int:
         png = br.plot(dict(case, config=dict(config, title=title), platform=result["platform"]),
                       _plot_path(FLAGS.out, i, len(result["cases"])))
         case["plot"] = png
+    if len(set(batches)) > 1:  # tokens/s against batch, one line per mode
+        result["batch_plot"] = br.plot_batches(result, _batch_plot_path(FLAGS.out))
     result["all_tokens_match_plain"] = ok
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
-    print(f"\nwrote {FLAGS.out}" + "".join(f", {c['plot']}" for c in result["cases"] if c.get("plot")))
+    plots = [c.get("plot") for c in result["cases"]] + [result.get("batch_plot")]
+    print(f"\nwrote {FLAGS.out}" + "".join(f", {p}" for p in plots if p))
     if not ok:
         bad = [m["name"] for c in result["cases"] for m in c["modes"] if not m["tokens_match_plain"]]
         print(f"error: tokens differ from plain greedy in: {', '.join(bad)}", file=sys.stderr)

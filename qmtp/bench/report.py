@@ -192,6 +192,47 @@ def plot(result: dict, path: str) -> str | None:
     return path
 
 
+def batch_lines(cases: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{line label: [(batch, median decode tokens/s), ...] by batch} for each mode run at two or more batch
+    sizes (one engine and prompt length: the label is the mode's name; several: with them in brackets)."""
+    groups = {(c.get("engine"), c["prompt_length"]) for c in cases}
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for c in cases:
+        for m in c["modes"]:
+            label = m["name"] if len(groups) == 1 else f"{m['name']} ({c.get('engine')}, P{c['prompt_length']})"
+            lines.setdefault(label, []).append((c["batch"], m["decode_tokens_per_s"]["median"]))
+    return {label: sorted(pts) for label, pts in lines.items() if len({b for b, _ in pts}) > 1}
+
+
+def plot_batches(result: dict, path: str) -> str | None:
+    """Writes the figure of tokens/s against batch, one line per mode (`batch_lines` of result["cases"]), to
+    `path` as a PNG; returns the path, or None where no mode ran at two batch sizes or matplotlib is missing."""
+    lines = batch_lines(result["cases"])
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in lines.items():
+        ax.plot(*zip(*pts), marker="o", label=label)
+    batches = sorted({b for pts in lines.values() for b, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch (sequences decoded together)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(result["config"].get("title", "qmtp decode throughput") + ": tokens/s by batch", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def figure(result: dict):
     """tokens/s vs K for natural and profiled acceptance (mtp_k="auto" modes as horizontal lines), with the
     plain roofline and the MTP ceilings drawn where the copy bandwidth is a ceiling (has_ceiling: not on
