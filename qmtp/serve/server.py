@@ -354,8 +354,8 @@ def main(argv):
         buckets = warmup_buckets(engine, FLAGS.warmup_buckets) if FLAGS.warmup else None
         cache = compile_cache.resolve(FLAGS.compile_cache)
         print(f"serving {engine.model.checkpoint_dir} on http://{FLAGS.host}:{FLAGS.port} "
-              f"(mtp_k={engine.config.mtp_k}, {engine.config.batch_slots} slots, max_model_len={engine.max_model_len}); compile cache: "
-              f"{cache or 'off'}", flush=True)
+              f"(mtp_k={engine.config.mtp_k}, {engine.config.batch_slots} slots, "
+              f"max_model_len={engine.max_model_len}); compile cache: {cache or 'off'}", flush=True)
         # the engine thread warms up while uvicorn starts: /health answers 503 "warming up" meanwhile (the
         # app's lifespan start() is then a no-op)
         engine.start(warmup_buckets=buckets)
