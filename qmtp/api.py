@@ -20,6 +20,7 @@ import numpy as np
 from qmtp.model import fp8 as fp8_lib, load as load_lib, mtp, target as model_lib
 from qmtp.model.config import ModelConfig
 from qmtp.runtime import adaptive_k, loop, ops, prefill, tp as tp_lib
+from qmtp.runtime.compile_only import CompileRecorder
 from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
@@ -254,7 +255,7 @@ def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
 def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int | str = 0,
              accept_cap=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | None = None, logprobs: int | None = None, warmup: bool = False,
-             progress=None) -> GenerationResult:
+             progress=None, compile_only: bool = False) -> GenerationResult | None:
     """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at
     temperature 0, else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature,
     top_k, top_p, min_p), with keys from (seed, position), so a seeded prompt gives the same tokens in
@@ -271,7 +272,10 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     the accepted drafts per round: an int, or a schedule [R] / [R, B] (round r uses row min(r, R-1));
     capping never changes the tokens. With warmup=True the compiled programs are built first (timed as
     warmup_s), so ttft_s / decode_s measure execution. `progress`: None, or a callable that is handed a
-    line as each phase (compiling, generating) starts (qmtp.cli_progress.Phases prints them)."""
+    line as each phase (compiling, generating) starts (qmtp.cli_progress.Phases prints them).
+    compile_only=True (one device): compiles the call's programs without running them and returns None
+    (qmtp/runtime/compile_only.py); several threads may do so at once, for other modes of one batch, and
+    the calls then find their programs compiled."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     adaptive = mtp_k == AUTO
@@ -298,15 +302,24 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     padded = tokens.shape[1] + rounds + mtp_k + 1
     cap = _cap_schedule(accept_cap, batch, mtp_k) if mtp_k and accept_cap is not None else None
     statics = (model.cfg, model.kernels)
+    device = None if model.mesh is not None else next(iter(jax.tree.leaves(model.params)[0].devices()))
+    if compile_only and device is None:
+        raise ValueError("compile_only: one device only (not under tensor parallelism)")
+    call = CompileRecorder(lambda compile_: compile_(), device) if compile_only else _call
 
     def run(limit, round_cost=None):
-        state = _new_state(model, capacities, padded)
+        if compile_only:  # its shapes, committed to the device: no memory taken
+            state = tp_lib.committed_shapes(jax.eval_shape(lambda: _new_state(model, capacities, padded)), device)
+        else:
+            state = _new_state(model, capacities, padded)
+            if device is not None:  # committed, as the prefill's outputs are: one compiled loop for both (no copy)
+                state = jax.device_put(state, device)
         budget = jnp.full((batch,), limit, jnp.int32)
         t0 = time.perf_counter()
         args, kinds = (model.params, state, tokens, n_valid, budget, stop), ("params", "state") + ("rep",) * 4
         if sampling is not None:
             args, kinds = args + (sampling,), kinds + ("rep",)
-        first, slots, state, *first_lp = _call(model, prefill.prefill, statics + (bool(mtp_k),), args, kinds,
+        first, slots, state, *first_lp = call(model, prefill.prefill, statics + (bool(mtp_k),), args, kinds,
                                                ("rep", "rep", "state") + ("rep",) * (logprobs is not None),
                                                top_logprobs=logprobs)
         first.block_until_ready()
@@ -316,7 +329,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
             args, kinds = args + (cap, sampling), kinds + ("rep", "rep")
         if adaptive:
             args, kinds = args + (jnp.asarray(round_cost, jnp.float32),), kinds + ("rep",)
-        out, count, stats, _, _, *lp = _call(model, loop.decode, statics + (mtp_k, rounds), args, kinds,
+        out, count, stats, _, _, *lp = call(model, loop.decode, statics + (mtp_k, rounds), args, kinds,
                                              ("rep", "rep", "rep", "state", "rep") + ("rep",) * len(first_lp),
                                              top_logprobs=logprobs,
                                              **({"adaptive_ks": adaptive_k.CANDIDATES} if adaptive else {}))
@@ -338,6 +351,10 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
                  f"the MTP K={mtp_k} decode loop" if mtp_k else "the plain decode loop")
     compiling = f"compiling prefill (batch {batch}, prompt bucket {tokens.shape[1]}) and {loop_name}"
     warmup_s, round_cost = 0.0, None
+    if compile_only:
+        progress(compiling)
+        run(1, np.ones(len(adaptive_k.CANDIDATES)) if adaptive else None)
+        return None
     if warmup or adaptive:  # "auto" times rounds: compiled first
         progress(compiling)
         t0 = time.perf_counter()

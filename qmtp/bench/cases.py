@@ -1,6 +1,6 @@
 """One benchmark case of the harness (qmtp/bench/harness.py, whose flags it reads): every mode of a
-(batch, prompt length) on the same prompts, each timed over --repeats generations after a compile
-warm-up, and the figures of each (`summarize`): decode tokens/s, TTFT, acceptance, speedup, shares of
+(batch, prompt length) on the same prompts, their programs compiled first all at once (`precompile`), each
+timed over --repeats generations after a warm-up run, and the figures of each (`summarize`): decode tokens/s, TTFT, acceptance, speedup, shares of
 the bandwidth roofline and of the MTP ceiling, what sampling adds, the round breakdown."""
 
 from __future__ import annotations
@@ -87,6 +87,27 @@ def run_mode(model, prompts, k: int, cap, repeats: int, progress: Progress, labe
     return out
 
 
+def precompile(model, prompts, modes: list[tuple[object, object]]) -> float | None:
+    """Compiles the programs of every mode (k, accept_cap) at once, a thread each (qmtp.generate's
+    compile_only; a cap schedule's shape, not its values, makes the program), before the modes run, so
+    a mode's compile does not wait for the one before it (XLA compiles release the GIL). Returns the
+    seconds, or None under tensor parallelism (one device only: each mode then compiles in its warm-up)."""
+    import concurrent.futures
+
+    import qmtp
+    if model.mesh is not None:
+        return None
+    programs = {(str(k), cap is None): (k, cap) for k, cap in modes}
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(programs), thread_name_prefix="bench-compile") as pool:
+        futures = [pool.submit(qmtp.generate, model, prompts, max_new_tokens=FLAGS.max_new_tokens, stop_token_ids=[],
+                               mtp_k=k, accept_cap=cap, compile_only=True, **sampling())
+                   for k, cap in programs.values()]
+        for f in futures:
+            f.result()
+    return time.perf_counter() - t
+
+
 def engine_name(model) -> str:
     """The --engine value of a model's KernelConfig."""
     return next(name for name, kc in ENGINES.items() if kc == (model.impl, model.kernels.deterministic))
@@ -170,24 +191,30 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
                            moe_top_k=model.cfg.moe.top_k if model.cfg.moe else None)
     del state
     case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
+    rounds = FLAGS.max_new_tokens + 1
+    no_cap = {k: np.full((rounds, batch), k, np.int32) for k in ks}  # natural: the profiled runs' shape
+    caps = {k: acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)
+            for k in ks if k <= len(profile)}
+    autos = auto_modes(profile, rounds, batch)
+    case["precompile_s"] = precompile(model, prompts, [(0, None)] + [(k, c) for k, c in no_cap.items()]
+                                      + [(api.AUTO, cap) for _, cap in autos])
+    if case["precompile_s"] is not None:
+        progress.note(f"B={batch} P={length}: every mode's programs compiled at once in {case['precompile_s']:.0f} s")
     plain = run_mode(model, prompts, 0, None, FLAGS.repeats, progress, f"B={batch} P={length} plain")
     plain_tokens = plain["runs"][-1].tokens if FLAGS.temperature == 0 else None  # sampled: no token check
     n_prompt = sum(len(p) for p in prompts)
     case["modes"].append(summarize("plain", 0, "-", plain, None, bytes_, copy_bps, n_prompt))
-    rounds = FLAGS.max_new_tokens + 1
     for k in ks:
         # "no cap" as a schedule of the profiled runs' shape: both runs of a K share one compiled loop
-        no_cap = np.full((rounds, batch), k, np.int32)
-        m = run_mode(model, prompts, k, no_cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} natural")
+        m = run_mode(model, prompts, k, no_cap[k], FLAGS.repeats, progress, f"B={batch} P={length} K={k} natural")
         case["modes"].append(summarize(f"mtp K={k} natural", k, "natural", m, plain_tokens, bytes_, copy_bps,
                                        n_prompt))
-    for k in [k for k in ks if k <= len(profile)]:
-        cap = acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)
+    for k, cap in caps.items():
         m = run_mode(model, prompts, k, cap, FLAGS.repeats, progress, f"B={batch} P={length} K={k} profiled")
         s = summarize(f"mtp K={k} profiled", k, "profiled", m, plain_tokens, bytes_, copy_bps, n_prompt)
         s["imposed_profile"] = profile[:k]
         case["modes"].append(s)
-    for acceptance, cap in auto_modes(profile, rounds, batch):
+    for acceptance, cap in autos:
         m = run_mode(model, prompts, api.AUTO, cap, FLAGS.repeats, progress, f"B={batch} P={length} auto {acceptance}")
         s = summarize(f"mtp auto {acceptance}", api.AUTO, acceptance, m, plain_tokens, bytes_, copy_bps, n_prompt)
         s["k_rounds"], s["round_cost_s"] = m["runs"][-1].stats["k_rounds"], m["runs"][-1].stats["round_cost_s"]

@@ -229,6 +229,13 @@ def replicated(mesh: Mesh | None):
     return None if mesh is None else NamedSharding(mesh, P())
 
 
+def committed_shapes(tree, device: jax.Device):
+    """ShapeDtypeStructs of tree's arrays (or shapes) committed to one device: what jax.device_put(tree,
+    device) gives a program to compile for, without the memory."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+
+
 def map_row_shards(fn, mesh: Mesh):
     """jit(fn) applied to each device's rows of [R, ...] arrays split along dim 0 ([R/n, ...] pieces in,
     pieces out): e.g. quantizing each vocabulary shard of the lm_head in its own 128-blocks, or joining

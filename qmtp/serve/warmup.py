@@ -35,11 +35,11 @@ import os
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from qmtp import api
 from qmtp.runtime import adaptive_k
+from qmtp.runtime.compile_only import CompileRecorder
 from qmtp.serve.prompt_passes import LONG_PROMPTS
 from qmtp.serve import round_costs
 from qmtp.serve.requests import RequestHandle
@@ -169,12 +169,12 @@ def _limit_prefix_states(engine) -> None:
 
 def precompile(engine, steps: list[Step], threads: int) -> int:
     """Compiles the programs the steps call, `threads` at a time: each recordable step runs with its device
-    calls recorded (_Recorder), then the device state and carry are put back as they were. Returns the
+    calls recorded (CompileRecorder), then the device state and carry are put back as they were. Returns the
     number of programs compiled."""
     device = engine._device
     state, slots = device.state, device.slots
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="qmtp-compile") as pool:
-        recorder = _Recorder(pool, device.device)
+        recorder = CompileRecorder(pool.submit, device.device)
         device.call = recorder
         try:
             for step in steps:
@@ -187,28 +187,6 @@ def precompile(engine, steps: list[Step], threads: int) -> int:
         for future in recorder.compiles.values():
             future.result()  # a compile's error, here rather than in the serial pass
     return len(recorder.compiles)
-
-
-class _Recorder:
-    """Stands in for DeviceBatch.call (api._call's signature, single device) in precompile's dry pass: each
-    program not seen yet is traced and lowered here and compiled on the pool; the call returns its input
-    state for each "state" output and device zeros of the output's shape for the rest, so the step's host
-    code runs on as it would (its dummy requests finish on their first token either way)."""
-
-    def __init__(self, pool: concurrent.futures.Executor, device: jax.Device):
-        self.pool, self.device = pool, device
-        self.compiles: dict = {}  # program key -> the future of its compile
-
-    def __call__(self, model, fn, lead: tuple, args: tuple, kinds: tuple, out_kinds: tuple, **statics):
-        traced = fn.trace(*lead, *args, **statics)
-        key = (fn, lead, tuple(sorted(statics.items())), jax.tree.structure(args),
-               tuple((a.shape, a.dtype) for a in jax.tree.leaves(traced.in_avals)))
-        if key not in self.compiles:
-            self.compiles[key] = self.pool.submit(traced.lower().compile)
-        state = args[kinds.index("state")] if "state" in kinds else None
-        zeros = lambda s: jax.device_put(np.zeros(s.shape, s.dtype), self.device)  # noqa: E731  (committed)
-        return tuple(state if kind == "state" else jax.tree.map(zeros, out)
-                     for kind, out in zip(out_kinds, traced.out_info))
 
 
 def _prefix_steps(engine, chosen: list[int]) -> list[Step]:
