@@ -1,7 +1,8 @@
 """One benchmark case of the harness (qmtp/bench/harness.py, whose flags it reads): every mode of a
-(batch, prompt length) on the same prompts, their programs compiled first all at once (`precompile`), each
-timed over --repeats generations after a warm-up run, and the figures of each (`summarize`): decode tokens/s, TTFT, acceptance, speedup, shares of
-the bandwidth roofline and of the MTP ceiling, what sampling adds, the round breakdown."""
+(batch, prompt length) on the same prompts, their programs compiled first all at once (`precompile`),
+each timed over --repeats generations after a warm-up run, and the figures of each (`summarize`):
+decode tokens/s, TTFT, acceptance, speedup, shares of the bandwidth roofline and of the MTP ceiling,
+what sampling adds, the round breakdown."""
 
 from __future__ import annotations
 
