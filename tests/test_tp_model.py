@@ -103,6 +103,15 @@ def test_logprobs_tp2_equal_tp1(tiny_pair, sampled):
                "logprobs")
 
 
+def test_the_draft_length_chosen_per_round_keeps_tp1_plain_tokens(tiny_pair):
+    """mtp_k="auto" (the server's default) at TP2: its rounds' costs are timed over the mesh and whichever K
+    runs, the tokens are TP1's plain greedy ones."""
+    one, two = tiny_pair
+    want = qmtp.generate(one, PROMPTS, max_new_tokens=10).tokens
+    got = qmtp.generate(two, PROMPTS, max_new_tokens=10, mtp_k="auto")
+    assert got.tokens == want and sum(got.stats["k_rounds"].values()) > 0
+
+
 def test_logits_and_mtp_logits_within_tolerance(tiny_pair):
     ids = PROMPTS[2]
     _close(qmtp.target_logits(tiny_pair[0], ids), qmtp.target_logits(tiny_pair[1], ids), "target logits")
