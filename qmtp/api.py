@@ -55,6 +55,11 @@ class Model:
         return 1 if self.mesh is None else self.mesh.size
 
     @property
+    def device(self):
+        """The one jax.Device the parameters live on; None under tensor parallelism (a mesh)."""
+        return next(iter(jax.tree.leaves(self.params)[0].devices())) if self.mesh is None else None
+
+    @property
     def draft_head(self) -> str:
         """What MTP drafts read for their logits: "fp8" (the copy load(draft_head=...) made) or "bf16"
         (the shared lm_head, or its rows of a draft vocabulary)."""
@@ -302,7 +307,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     padded = tokens.shape[1] + rounds + mtp_k + 1
     cap = _cap_schedule(accept_cap, batch, mtp_k) if mtp_k and accept_cap is not None else None
     statics = (model.cfg, model.kernels)
-    device = None if model.mesh is not None else next(iter(jax.tree.leaves(model.params)[0].devices()))
+    device = model.device
     if compile_only and device is None:
         raise ValueError("compile_only: one device only (not under tensor parallelism)")
     call = CompileRecorder(lambda compile_: compile_(), device) if compile_only else _call

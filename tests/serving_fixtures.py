@@ -36,3 +36,15 @@ def assert_all_free(engine: Engine, internals: bool = True) -> None:
     if internals:
         assert s["num_pages"] == engine.allocator.num_pages, s
         assert not engine._active and sorted(engine._free_slots) == list(range(SLOTS))
+
+
+def logged_device_calls(engine: Engine) -> list[str]:
+    """Records each device call of the engine ("piece", "prefill", "run") in order (the engine instance's
+    methods wrapped; nothing global)."""
+    calls, device = [], engine._device
+    for name, label in (("prefill_piece", "piece"), ("prefill", "prefill"), ("run", "run")):
+        def wrapped(*a, _f=getattr(device, name), _label=label, **kw):
+            calls.append(_label)
+            return _f(*a, **kw)
+        setattr(device, name, wrapped)
+    return calls

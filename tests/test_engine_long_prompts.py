@@ -19,7 +19,7 @@ from qmtp import api
 from qmtp.runtime import loop, prefill
 from qmtp.serve.engine_config import DEFAULT_INTERLEAVE_PIECE, EngineConfig, interleave_piece
 from qmtp.serve.warmup import plan as warmup_plan
-from serving_fixtures import assert_all_free, make_engine
+from serving_fixtures import assert_all_free, logged_device_calls, make_engine
 
 CHUNK = 16
 RNG = np.random.default_rng(11)
@@ -35,17 +35,6 @@ def chunked(model):
 
 def pieces(n: int) -> int:
     return -(-n // CHUNK)
-
-
-def logged_device_calls(engine) -> list[str]:
-    """Records each device call of the engine ("piece", "prefill", "run") in order."""
-    calls, device = [], engine._device
-    for name, label in (("prefill_piece", "piece"), ("prefill", "prefill"), ("run", "run")):
-        def wrapped(*a, _f=getattr(device, name), _label=label, **kw):
-            calls.append(_label)
-            return _f(*a, **kw)
-        setattr(device, name, wrapped)
-    return calls
 
 
 def step_until_done(engine, handles, limit: int = 200) -> None:

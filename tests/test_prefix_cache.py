@@ -20,6 +20,7 @@ import qmtp
 from qmtp.serve import metrics, slots, warmup
 from qmtp.serve.engine import Engine
 from qmtp.serve.engine_config import EngineConfig
+from serving_fixtures import logged_device_calls
 
 BLOCK, SLOTS, MAX_LEN = 16, 3, 160
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
@@ -393,12 +394,7 @@ def test_while_others_decode_every_short_prompt_goes_in_at_one_scheduling_point(
     the admission without the cache prefills them; a short prompt left for the next scheduling point
     would wait a decode call."""
     engine = Engine(model, config(2, 1 << 24, interleave_piece=32, stop_token_ids=()))
-    calls = []
-    for name in ("prefill_piece", "run"):
-        def logged(*a, _f=getattr(engine._device, name), _name=name, **kw):
-            calls.append(_name)
-            return _f(*a, **kw)
-        setattr(engine._device, name, logged)
+    calls = logged_device_calls(engine)
     rng = np.random.default_rng(27)
     running = engine.submit(rng.integers(0, 380, 10).tolist(), 20)
     engine._iteration()
@@ -406,7 +402,7 @@ def test_while_others_decode_every_short_prompt_goes_in_at_one_scheduling_point(
     handles = [engine.submit(p, 3) for p in prompts]
     calls.clear()
     engine._iteration()
-    assert calls == ["prefill_piece", "prefill_piece", "run"]
+    assert calls == ["piece", "piece", "run"]
     _drive(engine, handles + [running])
     assert [h.result(0).tokens for h in handles] == [qmtp.generate(model, [p], 3, mtp_k=2).tokens[0] for p in prompts]
 

@@ -172,7 +172,7 @@ class DeviceBatch:
         # one device: the params' (None under TP). State and carry are committed to it from the start, as the
         # outputs of the calls that replace them are: a program compiled for uncommitted arguments is not the
         # one a call with committed ones looks up (the warm-up's precompile relies on that)
-        self.device = next(iter(jax.tree.leaves(model.params)[0].devices())) if model.mesh is None else None
+        self.device = model.device
         if self.device is not None:
             self.state, self.slots = jax.device_put((self.state, self.slots), self.device)
         # a response end's resume has no hidden: these zeros [1, E], placed as a pass's hiddens are, so that
