@@ -180,13 +180,18 @@ def plot(result: dict, path: str) -> str | None:
     """Writes figure(result) to `path` as a PNG; returns the path, or None when matplotlib is missing
     (the JSON has everything: `python -m qmtp.bench --plot_from=result.json` draws it later on any
     machine)."""
+    return _write_png(lambda: figure(result), path)
+
+
+def _write_png(draw, path: str) -> str | None:
+    """Saves the matplotlib Figure draw() makes to `path` and closes it; the path, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig = figure(result)
+    fig = draw()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -205,17 +210,15 @@ def batch_lines(cases: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot_batches(result: dict, path: str) -> str | None:
-    """Writes the figure of tokens/s against batch, one line per mode (`batch_lines` of result["cases"]), to
-    `path` as a PNG; returns the path, or None where no mode ran at two batch sizes or matplotlib is missing."""
+    """Writes batch_figure(result) to `path` as a PNG; returns the path, or None where no mode ran at two
+    batch sizes or matplotlib is missing."""
     lines = batch_lines(result["cases"])
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    if not lines:
-        return None
+    return _write_png(lambda: batch_figure(result, lines), path) if lines else None
+
+
+def batch_figure(result: dict, lines: dict):
+    """Tokens/s against batch, one line per mode (`batch_lines` of result["cases"]): a matplotlib Figure."""
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, pts in lines.items():
         ax.plot(*zip(*pts), marker="o", label=label)
@@ -228,9 +231,7 @@ def plot_batches(result: dict, path: str) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def figure(result: dict):
