@@ -70,10 +70,41 @@ def gdn_chunked_ref(q, k, v, g, beta, state, chunk: int = WY_CHUNK):
         S  <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T Vn
 
     T is padded to a multiple of `chunk` with g = beta = 0 tokens, which leave S unchanged. The chunk-parallel
-    part is `wy_chunk_inputs`, the sequential part `wy_chunk_scan_ref` (its kernel: gdn_chunked.py)."""
-    xs = wy_chunk_inputs(q, k, v, g, beta, state, chunk)
-    o, final = wy_chunk_scan_ref(*xs, state.astype(jnp.float32))
-    return wy_chunk_output(o, q.shape[1]), final
+    part is `wy_chunk_inputs`, the sequential part `wy_chunk_states_ref` (its kernel: gdn_chunked.py), then
+    every chunk's O at once (`wy_chunk_outputs`)."""
+    qg, qk, u, w, kd, decay = wy_chunk_inputs(q, k, v, g, beta, state, chunk)
+    vn, entering, final = wy_chunk_states_ref(u, w, kd, decay, state.astype(jnp.float32))
+    return wy_chunk_output(wy_chunk_outputs(qg, qk, vn, entering), q.shape[1]), final
+
+
+def unit_lower_inverse(lmat: jax.Array, block: int = 16) -> jax.Array:
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C]: each diagonal block of `block` rows by forward
+    substitution (row i of X: e_i - L_i X), then neighbouring blocks merged, C / block -> 1:
+    [[A, 0], [M, D]]^-1 = [[A^-1, 0], [-D^-1 M A^-1, D^-1]]. Batched matmuls where XLA's triangular solve
+    ran cuBLAS's trsm: the chunk-parallel half of a layer at 4,096 tokens 1.23 -> 1.10 ms (H100)."""
+    c = lmat.shape[-1]
+    n_blocks = c // block
+    # merges halve the block count: other sizes (C < block, C not block x 2^m) substitute over all C rows
+    size = block if c % block == 0 and n_blocks & (n_blocks - 1) == 0 else c
+
+    def diagonal_blocks(x, s, offset=0):  # [..., C, C] -> [..., C / s - offset, s, s]: block (i + offset, i)
+        return jnp.stack([x[..., (i + offset) * s:(i + offset + 1) * s, i * s:(i + 1) * s]
+                          for i in range(c // s - offset)], axis=-3)
+
+    low = diagonal_blocks(lmat, size)
+    inv = jnp.broadcast_to(jnp.eye(size, dtype=lmat.dtype), low.shape)
+    for i in range(1, size):
+        row = jnp.eye(size, dtype=lmat.dtype)[i] - jnp.einsum("...j,...jk->...k", low[..., i, :], inv,
+                                                              precision=HIGHEST)
+        inv = inv.at[..., i, :].set(row)
+    while size < c:
+        a, d = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        m = diagonal_blocks(lmat, size, offset=1)[..., 0::2, :, :]  # block (2p + 1, 2p)
+        off = -jnp.einsum("...ij,...jk,...kl->...il", d, m, a, precision=HIGHEST)
+        top = jnp.concatenate([a, jnp.zeros_like(a)], axis=-1)
+        inv = jnp.concatenate([top, jnp.concatenate([off, d], axis=-1)], axis=-2)
+        size *= 2
+    return inv[..., 0, :, :]
 
 
 def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int):
@@ -107,9 +138,7 @@ def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int):
     gam = jnp.exp(jnp.where(lower_incl, diff, -jnp.inf))  # [B,H,N,C,C], 0 above the diagonal
     kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=HIGHEST)
     lmat = jnp.where(strict, bc[..., :, None] * kk * gam, 0.0)
-    eye = jnp.eye(chunk, dtype=jnp.float32)
-    tm = jax.scipy.linalg.solve_triangular(eye + lmat, jnp.broadcast_to(eye, lmat.shape), lower=True,
-                                           unit_diagonal=True)
+    tm = unit_lower_inverse(lmat)  # [B,H,N,C,C]
     u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=HIGHEST)
     w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=HIGHEST)
     qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=HIGHEST) * gam, 0.0)
@@ -119,21 +148,25 @@ def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int):
     return qg, qk, u, w, kd, jnp.exp(last[..., 0])
 
 
-def wy_chunk_scan_ref(qg, qk, u, w, kd, decay, state):
+def wy_chunk_states_ref(u, w, kd, decay, state):
     """The sequential half of `gdn_chunked_ref` over the chunks of `wy_chunk_inputs` ([B, H, N, ...]), from
-    state [B, H, Dk, Dv] f32: per chunk Vn = u - w S, O = qg S + qk Vn, S <- decay S + kd^T Vn.
-    Returns (O [B, H, N, C, Dv] f32, the final state)."""
+    state [B, H, Dk, Dv] f32: per chunk Vn = u - w S, S <- decay S + kd^T Vn. Returns (Vn [B, H, N, C, Dv],
+    the state entering each chunk [B, H, N, Dk, Dv], the final state), f32."""
     def step(s, xs):
-        qg_c, qk_c, u_c, w_c, kd_c, decay_c = xs  # s: [B, H, Dk, Dv]
+        u_c, w_c, kd_c, decay_c = xs  # s: [B, H, Dk, Dv]
         vn = u_c - jnp.einsum("bhcd,bhdv->bhcv", w_c, s, precision=HIGHEST)
-        o = (jnp.einsum("bhcd,bhdv->bhcv", qg_c, s, precision=HIGHEST)
-             + jnp.einsum("bhij,bhjv->bhiv", qk_c, vn, precision=HIGHEST))
-        s = decay_c[..., None, None] * s + jnp.einsum("bhcd,bhcv->bhdv", kd_c, vn, precision=HIGHEST)
-        return s, o
+        return decay_c[..., None, None] * s + jnp.einsum("bhcd,bhcv->bhdv", kd_c, vn, precision=HIGHEST), (vn, s)
 
-    chunks = tuple(jnp.moveaxis(x, 2, 0) for x in (qg, qk, u, w, kd, decay))  # [N, B, H, ...]
-    final, o = jax.lax.scan(step, state, chunks)
-    return jnp.moveaxis(o, 0, 2), final
+    chunks = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, kd, decay))  # [N, B, H, ...]
+    final, (vn, entering) = jax.lax.scan(step, state, chunks)
+    return jnp.moveaxis(vn, 0, 2), jnp.moveaxis(entering, 0, 2), final
+
+
+def wy_chunk_outputs(qg, qk, vn, entering):
+    """O [B, H, N, C, Dv] = qg S_n + qk Vn for every chunk at once, from the state entering each chunk
+    (entering [B, H, N, Dk, Dv]) and Vn of the chain."""
+    return (jnp.einsum("bhncd,bhndv->bhncv", qg, entering, precision=HIGHEST)
+            + jnp.einsum("bhnij,bhnjv->bhniv", qk, vn, precision=HIGHEST))
 
 
 def wy_chunk_output(o: jax.Array, t: int) -> jax.Array:

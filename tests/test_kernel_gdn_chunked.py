@@ -47,29 +47,29 @@ def test_kernel_carries_the_state_across_calls():
 
 
 def test_inputs_are_checked_by_name():
-    xs = gdn.wy_chunk_inputs(*map(jnp.asarray, make_inputs(1, 32, 1, 2, 16, 16)), chunk=16)
+    _, _, u, w, kd, decay = gdn.wy_chunk_inputs(*map(jnp.asarray, make_inputs(1, 32, 1, 2, 16, 16)), chunk=16)
     state = jnp.zeros((1, 2, 16, 16), jnp.float32)
     with pytest.raises(ValueError, match="decay has shape"):
-        gdn_chunked.wy_chunk_scan(*xs[:5], xs[5][..., :1], state, interpret=True)
+        gdn_chunked.wy_chunk_states(u, w, kd, decay[..., :1], state, interpret=True)
     with pytest.raises(ValueError, match="state must be float32"):
-        gdn_chunked.wy_chunk_scan(*xs, state.astype(jnp.bfloat16), interpret=True)
-    odd = gdn.wy_chunk_inputs(*map(jnp.asarray, make_inputs(1, 24, 1, 2, 16, 16)), chunk=24)
+        gdn_chunked.wy_chunk_states(u, w, kd, decay, state.astype(jnp.bfloat16), interpret=True)
+    _, _, *odd = gdn.wy_chunk_inputs(*map(jnp.asarray, make_inputs(1, 24, 1, 2, 16, 16)), chunk=24)
     with pytest.raises(ValueError, match="C=24 must be a power of two"):
-        gdn_chunked.wy_chunk_scan(*odd, state, interpret=True)
+        gdn_chunked.wy_chunk_states(*odd, state, interpret=True)
     with pytest.raises(ValueError, match="block_v=24"):
         gdn_chunked.ChunkScanConfig(block_v=24)
 
 
 def test_kernel_lowers_for_the_h200_with_three_tf32_products_per_dot():
-    """The Triton module at the 27B shapes (T 128): its four dots are 3xTF32 (without the algorithm they
-    would lower as plain f32 dots), at the config's warps."""
+    """The Triton module at the 27B shapes (T 128): the chain's two dots are 3xTF32 (without the algorithm
+    they would lower as plain f32 dots), at the config's warps."""
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in map(jnp.asarray, make_inputs(1, 128, 16, 48, 128, 128))]
     config = gdn_chunked.parse_config("32x8")
     lowered = lower_for_h200(lambda *a: gdn_chunked.gdn_chunked(*a, config=config), args)
     [(cfg, text)] = triton_calls(lowered)
     assert attr_int(cfg, "num_warps") == 8
     dots = [line for line in text.splitlines() if "tt.dot" in line]
-    assert len(dots) == 4 and all("inputPrecision = tf32x3" in line for line in dots), dots
+    assert len(dots) == 2 and all("inputPrecision = tf32x3" in line for line in dots), dots
 
 
 def test_configs_parse_and_refuse_by_name():

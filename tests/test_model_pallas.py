@@ -47,7 +47,7 @@ def test_the_prefill_gdn_chain_is_the_kernel_under_pallas_only():
     args = [jnp.asarray(a) for a in make_inputs(1, 40, 1, 2, 16, 16)]
     for kernels, want in ((PALLAS, True), (REF, False)):
         text = str(jax.make_jaxpr(lambda *a, kernels=kernels: ops.gdn_chunked(*a, kernels))(*args))
-        assert ("gdn_wy_chunk_scan" in text) == want, kernels
+        assert ("gdn_wy_chunk_states" in text) == want, kernels
 
 
 @pytest.mark.slow  # ~90 s; the kernel's exact cases and lowering run in CI
