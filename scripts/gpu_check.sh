@@ -13,6 +13,8 @@
 # BENCH_ARGS is appended to both bench commands: the flagfile's whole table (K=1..4, 3 repeats,
 # the round breakdown) takes about 11 minutes at batch 1; BENCH_ARGS="--ks=3 --repeats=1
 # --breakdown=false" is the shorter run behind the README's rows. PYTHON: interpreter (python3).
+# PROFILE=1: the chat_* and decode_* steps also trace the server's device work over the load and summarize
+# it (scripts/trace_summary.py) into $OUT/<step>_trace.txt.
 # The server steps (serve_*, chat_*) need fastapi, uvicorn and httpx: where the machine lacks them, run
 # `make device-wheels` here and carry .device-wheels along.
 set -u
@@ -151,7 +153,10 @@ for s in "${steps[@]}"; do
     # (H100: chat_nocache ~100 s, chat_prefix ~100-130 s with its warm-up). decode: the cost to decoding, 8
     # clients, 256 distinct prompts (17-32 tokens: nothing to reuse), 200 tokens each (~20 s): inter-token gaps, tok/s
     chat_nocache|chat_prefix|decode_nocache|decode_prefix)
-      kind=${s%_*}; cache=(); compare=()
+      kind=${s%_*}; cache=(); compare=(); profile=(); summary=true
+      if [ "${PROFILE:-0}" = 1 ]; then  # a device trace over the load, summarized into $OUT/<step>_trace.txt
+        profile=(--profile); summary="$PY scripts/trace_summary.py $OUT/${s}_profile >$OUT/${s}_trace.txt"
+      fi
       [ "${s#*_}" = prefix ] && cache=(--prefix_cache_bytes=16000000000)
       [ "${s#*_}" = prefix ] && [ -f "$OUT/${kind}_nocache.json" ] && compare=(--compare_to="$OUT/${kind}_nocache.json")
       if [ "$kind" = chat ]; then
@@ -161,10 +166,11 @@ for s in "${steps[@]}"; do
       fi
       run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
                  --num_layers=${CHAT_LAYERS:-16} --mtp_k=3 --batch_slots=8 --max_model_len=8192 \
-                 --warmup_buckets=$buckets --port=8124 ${cache[*]} >$OUT/${s}_server.log 2>&1 & server=\$!; \
-                 $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 $load \
+                 --warmup_buckets=$buckets --port=8124 --profile_dir=$OUT/${s}_profile ${cache[*]} \
+                 >$OUT/${s}_server.log 2>&1 & server=\$!; \
+                 $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 $load ${profile[*]} \
                  --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; \
-                 kill \$server; wait \$server; exit \$rc" ;;
+                 kill \$server; wait \$server; $summary; exit \$rc" ;;
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled);
     # other batches one call each (BENCH_ARGS=--batch=N: over 270 s a batch on an H100: load, then each mode compiles;
     # 64 at K=3 wants an H200's memory)

@@ -64,6 +64,9 @@ def parse_args(argv=None):
                    "--systems prompts of this many tokens (default %(default)s)")
     p.add_argument("--systems", type=int, default=1, help="distinct system prompts (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="trace the server's device work over the load: POST "
+                   "/start_profile before the first request and /stop_profile after the last (the server needs "
+                   "--profile_dir)")
     p.add_argument("--output_json", default=None, help="also write the report here")
     p.add_argument("--compare_to", default=None, help="an earlier run's --output_json (e.g. the same load without "
                    "the prefix cache): each turn's time to first token and the generated tok/s beside its, as ratios")
@@ -150,6 +153,14 @@ async def prefix_cache_metrics(client: httpx.AsyncClient) -> dict:
             (line.split(" ", 1) for line in text.splitlines() if line.startswith("qmtp_prefix_cache_"))}
 
 
+async def profile(client: httpx.AsyncClient, action: str) -> str:
+    """POST /start_profile or /stop_profile: the server's profile directory; exits with its error."""
+    r = await client.post(f"/{action}_profile")
+    if r.status_code != 200:
+        raise SystemExit(f"error: --profile: POST /{action}_profile answered {r.status_code}: {r.text}")
+    return r.json()["profile_dir"]
+
+
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     pool = None
@@ -160,6 +171,8 @@ async def run(args) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
         await wait_ready(client, args.wait_ready_s)
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        if args.profile:
+            await profile(client, "start")
         taken, results = 0, []  # requests taken by the clients' conversations (each one its turns)
         start = time.perf_counter()
 
@@ -197,6 +210,8 @@ async def run(args) -> dict:
         await asyncio.gather(*tasks)
         long = await long if long is not None else None
         elapsed = time.perf_counter() - start
+        if args.profile:
+            print(f"profile written to {await profile(client, 'stop')}", flush=True)
         metrics = await prefix_cache_metrics(client)
     ok = [r for r in results if r["ok"]]
     errors: dict = {}

@@ -511,6 +511,33 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     assert h.returncode == 0 and "--concurrency" in h.stdout and "p50/p90/p99" in h.stdout
 
 
+def test_profile_endpoints_write_a_trace_of_the_load_script(model, mtp_server, tmp_path):
+    """Without --profile_dir both endpoints refuse, naming the flag; with it, start / stop around the load
+    script's requests (--profile) write a trace there, and a second start or a stop without one is refused."""
+    for action in ("start", "stop"):
+        r = httpx.post(f"{mtp_server[1]}/{action}_profile")
+        assert r.status_code == 400 and "--profile_dir" in r.json()["error"]["message"]
+    engine = make_engine(model, 0, start=False)
+    app = create_app(engine, ServerSettings(NAME, profile_dir=str(tmp_path / "trace")))
+    server = Server(app, engine, port=0).start_in_thread()
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        r = httpx.post(url + "/stop_profile")
+        assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
+        run = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={url}", "--requests=4",
+                              "--concurrency=2", "--prompt_tokens=2,8", "--max_tokens=3", "--profile"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert f"profile written to {tmp_path / 'trace'}" in run.stdout
+        assert list((tmp_path / "trace").rglob("*.xplane.pb")) and list((tmp_path / "trace").rglob("perfetto_trace.json.gz"))
+        assert httpx.post(url + "/start_profile").status_code == 200
+        r = httpx.post(url + "/start_profile")
+        assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
+        assert httpx.post(url + "/stop_profile").status_code == 200
+    finally:
+        assert server.stop(60)
+
+
 def test_load_script_holds_conversations_and_reports_turns_and_the_prefix_cache(model, tmp_path):
     server, url = serve(model, 2, prefix_cache_bytes=1 << 22, prefix_block=8)
     try:

@@ -5,6 +5,7 @@ decoding, MTP speculative decoding with --mtp_k). Listens on 127.0.0.1 unless --
 
     POST /v1/completions, /v1/chat/completions   ("stream": true -> server-sent events)
     GET  /v1/models, /health, /metrics           (/metrics: Prometheus text)
+    POST /start_profile, /stop_profile           (a device trace into --profile_dir: qmtp/serve/profiling.py)
 
 Request fields, error statuses and bodies: qmtp/serve/protocol.py. A client that disconnects cancels
 its request.
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qmtp import cli_help
 from qmtp.serve import metrics, protocol as oai, responses
 from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError
+from qmtp.serve.profiling import ProfileError, Profiler
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError, WarmingUp
 from qmtp.tools.make_checkpoint import PRESET_PREFIX, resolve_checkpoint
 
@@ -122,6 +124,8 @@ def define_flags() -> None:
                       "load them from disk). Or a list such as 16,32,64 (a number is rounded up to its bucket) for "
                       "a quicker start: a prompt of another bucket then compiles in its first request, logged with "
                       "its seconds.")
+    flags.DEFINE_string("profile_dir", "", "Directory for device traces: POST /start_profile begins a JAX "
+                        "profiler trace, POST /stop_profile writes it there (empty: both endpoints answer 400).")
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
     cli_help.define_fp8_act_quant_flag()
     cli_help.define_deterministic_flag()
@@ -137,6 +141,7 @@ class ServerSettings:
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
     shutdown_timeout_s: float = 30.0
+    profile_dir: str = ""  # where POST /start_profile writes a device trace ("" = the endpoints refuse)
 
 
 def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
@@ -174,6 +179,22 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         if not engine.running:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
+
+    profiler = Profiler(settings.profile_dir)
+
+    @api.post("/start_profile")
+    async def start_profile():
+        try:
+            return {"status": "profiling", "profile_dir": await asyncio.to_thread(profiler.start)}
+        except ProfileError as e:
+            return JSONResponse(oai.error_body(str(e), "invalid_request_error", None, "profile"), status_code=400)
+
+    @api.post("/stop_profile")
+    async def stop_profile():
+        try:
+            return {"status": "written", "profile_dir": await asyncio.to_thread(profiler.stop)}
+        except ProfileError as e:
+            return JSONResponse(oai.error_body(str(e), "invalid_request_error", None, "profile"), status_code=400)
 
     @api.get("/v1/models")
     async def models():
@@ -325,7 +346,8 @@ def build(argv) -> tuple:
         print(warning, file=sys.stderr, flush=True)
     name = FLAGS.served_model_name or (FLAGS.checkpoint.split(":")[1] if FLAGS.checkpoint.startswith(PRESET_PREFIX)
                                        else os.path.basename(os.path.normpath(path)))
-    settings = ServerSettings(name, FLAGS.max_tokens_limit, FLAGS.default_max_tokens, FLAGS.shutdown_timeout_s)
+    settings = ServerSettings(name, FLAGS.max_tokens_limit, FLAGS.default_max_tokens, FLAGS.shutdown_timeout_s,
+                              FLAGS.profile_dir)
     return model, engine, create_app(engine, settings)
 
 
