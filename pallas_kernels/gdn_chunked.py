@@ -68,9 +68,9 @@ def parse_config(text: str) -> ChunkScanConfig:
 def _check(u, w, kd, decay, state) -> None:
     b, h, n, c, dk = w.shape
     dv = u.shape[-1]
-    want = {"u": (b, h, n, c, dv), "kd": (b, h, n, c, dk), "decay": (b, h, n), "state": (b, h, dk, dv)}
+    want = {"w": w.shape, "u": (b, h, n, c, dv), "kd": (b, h, n, c, dk), "decay": (b, h, n), "state": (b, h, dk, dv)}
     for name, a in (("w", w), ("u", u), ("kd", kd), ("decay", decay), ("state", state)):
-        if name != "w" and a.shape != want[name]:
+        if a.shape != want[name]:
             raise ValueError(f"wy_chunk_states: {name} has shape {a.shape}, expected {want[name]} from w {w.shape} "
                              f"and u {u.shape}")
         if a.dtype != F32:
