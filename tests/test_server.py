@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import signal
 import socket
@@ -41,10 +42,10 @@ ID_PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (2, 7, 13, 21, 29)]
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
-def serve(model, k, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, **engine_kw):
+def serve(model, k, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, profile_dir="", **engine_kw):
     engine = make_engine(model, k, start=False, max_queue=max_queue, **engine_kw)
     settings = ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4,
-                              shutdown_timeout_s=shutdown_timeout_s)
+                              shutdown_timeout_s=shutdown_timeout_s, profile_dir=profile_dir)
     app = create_app(engine, settings, manage_engine=start_engine)
     server = Server(app, engine, port=0, shutdown_timeout_s=shutdown_timeout_s).start_in_thread()
     return server, f"http://127.0.0.1:{server.port}"
@@ -58,8 +59,8 @@ def mtp_server(model):
 
 
 @pytest.fixture(scope="module")
-def plain_server(model):
-    server, url = serve(model, 0)
+def plain_server(model, tmp_path_factory):
+    server, url = serve(model, 0, profile_dir=str(tmp_path_factory.mktemp("profile")))
     yield server, url
     assert server.stop(60)
 
@@ -511,31 +512,25 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     assert h.returncode == 0 and "--concurrency" in h.stdout and "p50/p90/p99" in h.stdout
 
 
-def test_profile_endpoints_write_a_trace_of_the_load_script(model, mtp_server, tmp_path):
+def test_profile_endpoints_write_a_trace_of_the_load_script(mtp_server, plain_server):
     """Without --profile_dir both endpoints refuse, naming the flag; with it, start / stop around the load
     script's requests (--profile) write a trace there, and a second start or a stop without one is refused."""
     for action in ("start", "stop"):
         r = httpx.post(f"{mtp_server[1]}/{action}_profile")
         assert r.status_code == 400 and "--profile_dir" in r.json()["error"]["message"]
-    engine = make_engine(model, 0, start=False)
-    app = create_app(engine, ServerSettings(NAME, profile_dir=str(tmp_path / "trace")))
-    server = Server(app, engine, port=0).start_in_thread()
-    url = f"http://127.0.0.1:{server.port}"
-    try:
-        r = httpx.post(url + "/stop_profile")
-        assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
-        run = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={url}", "--requests=4",
-                              "--concurrency=2", "--prompt_tokens=2,8", "--max_tokens=3", "--profile"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stdout + run.stderr
-        assert f"profile written to {tmp_path / 'trace'}" in run.stdout
-        assert list((tmp_path / "trace").rglob("*.xplane.pb")) and list((tmp_path / "trace").rglob("perfetto_trace.json.gz"))
-        assert httpx.post(url + "/start_profile").status_code == 200
-        r = httpx.post(url + "/start_profile")
-        assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
-        assert httpx.post(url + "/stop_profile").status_code == 200
-    finally:
-        assert server.stop(60)
+    server, url = plain_server
+    r = httpx.post(url + "/stop_profile")
+    assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
+    run = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={url}", "--requests=2", "--concurrency=2",
+                          "--prompt_tokens=2,8", "--max_tokens=2", "--profile"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    trace = pathlib.Path(run.stdout.split("profile written to ")[1].split()[0])
+    assert list(trace.rglob("*.xplane.pb")) and list(trace.rglob("perfetto_trace.json.gz"))
+    assert httpx.post(url + "/start_profile").status_code == 200
+    r = httpx.post(url + "/start_profile")
+    assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
+    assert httpx.post(url + "/stop_profile").status_code == 200
 
 
 def test_load_script_holds_conversations_and_reports_turns_and_the_prefix_cache(model, tmp_path):
