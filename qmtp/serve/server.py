@@ -182,19 +182,16 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
 
     profiler = Profiler(settings.profile_dir)
 
-    @api.post("/start_profile")
-    async def start_profile():
-        try:
-            return {"status": "profiling", "profile_dir": await asyncio.to_thread(profiler.start)}
-        except ProfileError as e:
-            return JSONResponse(oai.error_body(str(e), "invalid_request_error", None, "profile"), status_code=400)
+    def profile_route(action: str, step, status: str) -> None:  # POST /<action>_profile runs step()
+        async def route():
+            try:
+                return {"status": status, "profile_dir": await asyncio.to_thread(step)}
+            except ProfileError as e:
+                return JSONResponse(oai.error_body(str(e), "invalid_request_error", None, "profile"), status_code=400)
+        api.post(f"/{action}_profile", name=f"{action}_profile")(route)
 
-    @api.post("/stop_profile")
-    async def stop_profile():
-        try:
-            return {"status": "written", "profile_dir": await asyncio.to_thread(profiler.stop)}
-        except ProfileError as e:
-            return JSONResponse(oai.error_body(str(e), "invalid_request_error", None, "profile"), status_code=400)
+    profile_route("start", profiler.start, "profiling")
+    profile_route("stop", profiler.stop, "written")
 
     @api.get("/v1/models")
     async def models():
