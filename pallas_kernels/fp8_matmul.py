@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config
+from pallas_kernels import _fp8_dot, fp8_act_quant, fp8_config, fp8_dequant
 from pallas_kernels._vma import align
 from pallas_kernels.fp8_config import (BLOCK, DECODE_MAX_ROWS, DOT_MIN, DecodeConfig, PrefillConfig, cdiv,
                                        default_config, next_pow2)
@@ -76,18 +76,22 @@ def fp8_matmul_ref(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None)
     return y.astype(out_dtype)
 
 
-def dequantize_for_dot(w: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """W [O, I] (either layout) dequantized into `dtype` for an XLA dot, behind an optimization barrier:
-    XLA fused into the dot, the dequantize ran ~10x slower."""
+def dequantize_for_dot(w: jax.Array, scale: jax.Array, dtype, *, interpret: bool = False) -> jax.Array:
+    """W [O, I] (either layout) dequantized into `dtype` for an XLA dot: fp8_dequant's kernel where it reads
+    w's layout (XLA's own fusion of the tiles ran at ~1/3 of copy), else dequantize_ref behind an
+    optimization barrier (fused into the dot, it ran ~10x slower)."""
+    if fp8_dequant.tile_rows(w) is not None:
+        return fp8_dequant.dequantize(w, scale, dtype, interpret=interpret)
     return jax.lax.optimization_barrier(dequantize_ref(untile_weight(w), scale, dtype))
 
 
-def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
+def fp8_matmul_dequant_dot(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None, *,
+                           interpret: bool = False) -> jax.Array:
     """Many rows (long prefills): W dequantized once into x's dtype (one rounding per weight; exact for f32
     x), then one XLA dot with f32 accumulation (XLA's bf16 dot beats the Pallas GEMM at large M)."""
     _check(x, w, scale)
     out_dtype = out_dtype or x.dtype
-    deq = dequantize_for_dot(w, scale, x.dtype)  # [O, I]
+    deq = dequantize_for_dot(w, scale, x.dtype, interpret=interpret)  # [O, I]
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     y = jnp.einsum("...i,oi->...o", x, deq, preferred_element_type=jnp.float32, precision=precision)
     return y.astype(out_dtype)

@@ -99,21 +99,25 @@ def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int):
         x = x.reshape((b, n, chunk) + x.shape[2:])
         return jnp.moveaxis(x, 3, 1)
 
-    qc, kc = prep(_expand_heads(q, hv)), prep(_expand_heads(k, hv))
+    value_heads = lambda x: jnp.repeat(x, hv // hk, axis=1)  # noqa: E731  [B, Hk, ...] -> [B, Hv, ...] (h // r)
+    qc_heads, kc_heads = prep(q), prep(k)  # [B, Hk, N, C, Dk]
+    qc, kc = value_heads(qc_heads), value_heads(kc_heads)  # [B, Hv, N, C, Dk]
     vc, gc, bc = prep(v), prep(g), prep(beta)  # [B,H,N,C,Dv], [B,H,N,C], [B,H,N,C]
     gamma = jnp.cumsum(gc, axis=-1)
     lower_incl = jnp.tril(jnp.ones((chunk, chunk), bool))
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     diff = gamma[..., :, None] - gamma[..., None, :]
     gam = jnp.exp(jnp.where(lower_incl, diff, -jnp.inf))  # [B,H,N,C,C], 0 above the diagonal
-    kk = jnp.einsum("...id,...jd->...ij", kc, kc, precision=HIGHEST)
+    # K K^T and Q K^T depend on the key head only: once per key head, then repeated to its value heads
+    kk = value_heads(jnp.einsum("...id,...jd->...ij", kc_heads, kc_heads, precision=HIGHEST))
     lmat = jnp.where(strict, bc[..., :, None] * kk * gam, 0.0)
     eye = jnp.eye(chunk, dtype=jnp.float32)
     tm = jax.scipy.linalg.solve_triangular(eye + lmat, jnp.broadcast_to(eye, lmat.shape), lower=True,
                                            unit_diagonal=True)
     u = jnp.einsum("...ij,...jd->...id", tm, bc[..., None] * vc, precision=HIGHEST)
     w = jnp.einsum("...ij,...jd->...id", tm, (bc * jnp.exp(gamma))[..., None] * kc, precision=HIGHEST)
-    qk = jnp.where(lower_incl, jnp.einsum("...id,...jd->...ij", qc, kc, precision=HIGHEST) * gam, 0.0)
+    qk = jnp.where(lower_incl, value_heads(jnp.einsum("...id,...jd->...ij", qc_heads, kc_heads,
+                                                      precision=HIGHEST)) * gam, 0.0)
     last = gamma[..., -1:]  # [B, H, N, 1]
     qg = qc * jnp.exp(gamma)[..., None]
     kd = kc * jnp.exp(last - gamma)[..., None]

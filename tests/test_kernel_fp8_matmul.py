@@ -388,7 +388,7 @@ def test_tiled_weights_give_the_same_bits(m):
                             config=PrefillConfig(block_m=16, block_n=bn))
         np.testing.assert_array_equal(np.asarray(pre), f64_formula(x, w0, s0), err_msg=f"prefill block_n={bn}")
     np.testing.assert_array_equal(np.asarray(fm.fp8_matmul_dequant_dot(xj.astype(jnp.float32), tiled[1], ss[1],
-                                                                       jnp.float32)), f64_formula(x, w1, s1))
+                                                                       jnp.float32, interpret=True)), f64_formula(x, w1, s1))
     # E4M3 activations: the tiled weights give the checkpoint layout's bits
     a8 = jax.jit(lambda x, ws, ss: fm.fp8_matmul_many(x, ws, ss, jnp.float32, interpret=True, act_quant=True))
     for a, b in zip(a8(xj, ws, ss), a8(xj, tiled, ss)):
@@ -673,7 +673,7 @@ def test_dequant_dot_is_exact_on_exact_problems(x_dtype):
     rng = np.random.default_rng(3)
     x, wq, scale = exact_problem(rng, 40, 300, 257)  # ragged O and I
     got = fm.fp8_matmul_dequant_dot(jnp.asarray(x, x_dtype), jnp.asarray(wq), jnp.asarray(scale),
-                                    out_dtype=jnp.float32)
+                                    out_dtype=jnp.float32, interpret=True)
     np.testing.assert_array_equal(np.asarray(got, np.float64), f64_formula(x, wq, scale))
 
 
@@ -686,7 +686,7 @@ def test_dequant_dot_error_is_one_bf16_rounding_per_weight():
     wq = (rng.standard_normal((o, i)) * 4).astype(np.float32).astype(E4M3)
     scale = rng.uniform(0.01, 0.1, (2, 3)).astype(np.float32)
     got = np.asarray(fm.fp8_matmul_dequant_dot(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wq), jnp.asarray(scale),
-                                               out_dtype=jnp.float32), np.float64)
+                                               out_dtype=jnp.float32, interpret=True), np.float64)
     want = f64_formula(x, wq, scale)
     w64 = np.asarray(fm.dequantize_ref(jnp.asarray(wq), jnp.asarray(scale)), np.float64)
     bound = 2.0**-9 * np.abs(x.astype(np.float64)) @ np.abs(w64).T * (1 + 1e-3) + 1e-6

@@ -211,7 +211,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                         mm = functools.partial(fm.fp8_matmul, config=cfg, interpret=interpret, act_quant=a8)
                         prog, args = loop_program(mm, reps, False), (x, ws_pallas, ss)
                     elif impl in ("xla", "dequant_dot"):
-                        mm = fm.fp8_matmul_ref if impl == "xla" else fm.fp8_matmul_dequant_dot
+                        mm = (fm.fp8_matmul_ref if impl == "xla"
+                              else functools.partial(fm.fp8_matmul_dequant_dot, interpret=interpret))
                         prog, args = loop_program(_pinned_dequantize(mm), reps, True), (x, ws, ss)
                     else:
                         if bf16 is None:

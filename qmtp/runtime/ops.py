@@ -89,7 +89,8 @@ def linear(x: jax.Array, w, kernels: KernelConfig, out_dtype=None) -> jax.Array:
                                              act_quant=True)
             return fp8_act_quant.fp8_matmul_act_ref(x, w.weight, w.scale, out_dtype=out_dtype)
         if _dequant_dot(kernels, rows):
-            return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype)
+            return fp8_matmul.fp8_matmul_dequant_dot(x, w.weight, w.scale, out_dtype=out_dtype,
+                                                       interpret=_interpret())
         if pallas:
             return fp8_matmul.fp8_matmul(x, w.weight, w.scale, out_dtype=out_dtype, interpret=_interpret())
         return fp8_matmul.fp8_matmul_ref(x, w.weight, w.scale, out_dtype=out_dtype)
@@ -113,7 +114,7 @@ def prefill_weights(layer: dict, rows: int, dtype, kernels: KernelConfig) -> dic
     def dequantized(w):
         if not (isinstance(w, Fp8Block) and w.scale.ndim == 2):
             return w
-        return fp8_matmul.dequantize_for_dot(w.weight, w.scale, dtype)
+        return fp8_matmul.dequantize_for_dot(w.weight, w.scale, dtype, interpret=_interpret())
     return jax.tree_util.tree_map(dequantized, layer, is_leaf=lambda v: isinstance(v, Fp8Block))
 
 
