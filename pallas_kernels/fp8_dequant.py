@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._vma import align
 from pallas_kernels.fp8_layout import BLOCK, MIN_TILE_ROWS
 
 CHUNKS = 4  # [bo, 128] chunks per program: 4 x 128-row chunks = 64 KiB read, 128 KiB written (bf16)
@@ -57,9 +58,10 @@ def dequantize(w: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, *, interpret:
 def _launch(tiles, scale, *, dtype, interpret):
     n_o, n_c, bo, _ = tiles.shape  # tiles [O / bo, I / 128, bo, 128]
     chunks = next(c for c in (CHUNKS, 2, 1) if n_c % c == 0)
+    (tiles, scale), out = align(tiles, scale)
     return pl.pallas_call(
         functools.partial(_kernel, chunks=chunks, bo=bo),
-        out_shape=jax.ShapeDtypeStruct((n_o * bo, n_c * BLOCK), dtype),
+        out_shape=out((n_o * bo, n_c * BLOCK), dtype),
         grid=(n_o, n_c // chunks),
         in_specs=[pl.BlockSpec((None, chunks, bo, BLOCK), lambda r, c: (r, c, 0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY)],

@@ -34,6 +34,20 @@ def test_equals_the_reference_bitwise(o, i, rows, dtype):
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
 
+def test_weight_shards_inside_shard_map():
+    """TP: each device dequantizes its shard of the tiles (as the model's shard_map runs Pallas kernels:
+    check_vma off, see qmtp/api.py) and the shards make up the whole weight's values."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    w, scale = _weight(512, 256)
+    mesh = jax.make_mesh((2,), ("x",))
+    shard = NamedSharding(mesh, P("x"))
+    f = jax.jit(jax.shard_map(lambda w, s: fp8_dequant.dequantize(w, s, jnp.bfloat16, interpret=True), mesh=mesh,
+                              in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False))
+    got = f(jax.device_put(tile_weight(w), shard), jax.device_put(scale, shard))
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(fp8_matmul.dequantize_ref(w, scale, jnp.bfloat16).astype(jnp.float32)))
+
+
 def test_bad_inputs_name_the_shape():
     w, scale = _weight(256, 256)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
