@@ -19,20 +19,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._vma import align
-from pallas_kernels.fp8_layout import BLOCK, MIN_TILE_ROWS
+from pallas_kernels.fp8_layout import BLOCK, MIN_TILE_ROWS, TILE_ROWS, tile_rows_for, tile_weight, weight_shape
 
 CHUNKS = 4  # [bo, 128] chunks per program: 4 x 128-row chunks = 64 KiB read, 128 KiB written (bf16)
-NUM_WARPS = 4
+NUM_WARPS = 4  # a copy-like kernel: one warpgroup per program
 
 
 def tile_rows(w: jax.Array) -> int | None:
-    """The tile height the kernel reads w in: tile_weight's, or for [O, I] 128 (64 where O is no multiple of
-    128); None where w is neither a tiled weight nor an [O, I] one with O a multiple of 64 and I of 128."""
-    if w.ndim == 4 and w.shape[3] == BLOCK and w.shape[2] in (BLOCK, MIN_TILE_ROWS):
-        return w.shape[2]
-    if w.ndim == 2 and w.shape[0] % MIN_TILE_ROWS == 0 and w.shape[1] % BLOCK == 0:
-        return BLOCK if w.shape[0] % BLOCK == 0 else MIN_TILE_ROWS
-    return None
+    """The tile height the kernel reads w in: tile_weight's, or for [O, I] fp8_layout.tile_rows_for's; None
+    where w is neither such a tiled weight nor an [O, I] one that tiles."""
+    if w.ndim == 4:
+        return w.shape[2] if w.shape[3] == BLOCK and w.shape[2] in (TILE_ROWS, MIN_TILE_ROWS) else None
+    return tile_rows_for(*w.shape) if w.ndim == 2 else None
 
 
 def dequantize(w: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, *, interpret: bool = False) -> jax.Array:
@@ -44,11 +42,9 @@ def dequantize(w: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, *, interpret:
         raise ValueError(f"fp8_dequant: w {w.shape} is neither [O, I] with O a multiple of {MIN_TILE_ROWS} and I "
                          f"of {BLOCK} nor tile_weight's [O / bo, I / {BLOCK}, bo, {BLOCK}] with bo {BLOCK} or "
                          f"{MIN_TILE_ROWS}")
-    if w.ndim == 2:
-        o, i = w.shape
-        tiles = w.reshape(o // bo, bo, i // BLOCK, BLOCK).transpose(0, 2, 1, 3)  # [O / bo, I / 128, bo, 128]
-    else:
-        tiles, (o, i) = w, (w.shape[0] * bo, w.shape[1] * BLOCK)
+    # [O / bo, I / 128, bo, 128]; an [O, I] weight is tiled by a copy first (the engine's weights are tiled at load)
+    tiles = tile_weight(w, bo) if w.ndim == 2 else w
+    o, i = weight_shape(w)
     if tuple(scale.shape) != (-(-o // BLOCK), i // BLOCK):
         raise ValueError(f"fp8_dequant: scale {scale.shape} is not the {BLOCK}x{BLOCK} grid of W [{o}, {i}]")
     return _launch(tiles, scale.astype(jnp.float32), dtype=jnp.dtype(dtype), interpret=interpret)
