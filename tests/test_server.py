@@ -59,8 +59,14 @@ def mtp_server(model):
 
 
 @pytest.fixture(scope="module")
-def plain_server(model, tmp_path_factory):
-    server, url = serve(model, 0, profile_dir=str(tmp_path_factory.mktemp("profile")))
+def profile_dir(tmp_path_factory) -> pathlib.Path:
+    """plain_server's --profile_dir."""
+    return tmp_path_factory.mktemp("profile")
+
+
+@pytest.fixture(scope="module")
+def plain_server(model, profile_dir):
+    server, url = serve(model, 0, profile_dir=str(profile_dir))
     yield server, url
     assert server.stop(60)
 
@@ -512,7 +518,7 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     assert h.returncode == 0 and "--concurrency" in h.stdout and "p50/p90/p99" in h.stdout
 
 
-def test_profile_endpoints_write_a_trace_of_the_load_script(mtp_server, plain_server):
+def test_profile_endpoints_write_a_trace_of_the_load_script(mtp_server, plain_server, profile_dir):
     """Without --profile_dir both endpoints refuse, naming the flag; with it, start / stop around the load
     script's requests (--profile) write a trace there, and a second start or a stop without one is refused."""
     for action in ("start", "stop"):
@@ -525,8 +531,8 @@ def test_profile_endpoints_write_a_trace_of_the_load_script(mtp_server, plain_se
                           "--prompt_tokens=2,8", "--max_tokens=2", "--profile"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    trace = pathlib.Path(run.stdout.split("profile written to ")[1].split()[0])
-    assert list(trace.rglob("*.xplane.pb")) and list(trace.rglob("perfetto_trace.json.gz"))
+    assert f"profile written to {profile_dir}" in run.stdout
+    assert list(profile_dir.rglob("*.xplane.pb")) and list(profile_dir.rglob("perfetto_trace.json.gz"))
     assert httpx.post(url + "/start_profile").status_code == 200
     r = httpx.post(url + "/start_profile")
     assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
