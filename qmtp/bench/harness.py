@@ -5,9 +5,9 @@ against), plain greedy decoding, MTP K = 1..4 with natural acceptance, and MTP w
 drafts capped by a seeded acceptance profile (default 0.85 / 0.70 / 0.57 cumulative per position,
 what Qwen 3.x heads show on code). Every mode's programs compile first, all at once on threads (one
 device), then each mode runs --repeats times after a warm-up run (compile times reported separately);
-every mode's tokens must equal plain greedy's (a mismatch fails the run, exit status 1). With --temperature > 0 every mode samples (speculative sampling with MTP: the same
-distribution, not the same tokens, so no token check), seeded by --seed: acceptance and speed under
-sampling.
+every mode's tokens must equal plain greedy's (a mismatch fails the run, exit status 1). With
+--temperature > 0 every mode samples (speculative sampling with MTP: the same distribution, not the
+same tokens, so no token check), seeded by --seed: acceptance and speed under sampling.
 
 Per mode: decode tokens/s = sum(output_tokens - 1) / sum(wall - TTFT) (median, min, max over the
 repeats), TTFT, mean accepted length, per-position acceptance, speedup over plain, share of the
