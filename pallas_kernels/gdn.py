@@ -15,6 +15,8 @@ state after every token [B, T, Hv, Dk, Dv]. The fused decode / verify kernel is 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -22,9 +24,9 @@ HIGHEST = jax.lax.Precision.HIGHEST
 WY_CHUNK = 64  # tokens per chunk of the prefill's WY form
 
 
-def _expand_heads(x: jax.Array, hv: int) -> jax.Array:
-    """[B, T, Hk, D] -> [B, T, Hv, D]: each key head repeated r times consecutively (h // r)."""
-    return jnp.repeat(x, hv // x.shape[2], axis=2)
+def _expand_heads(x: jax.Array, hv: int, axis: int = 2) -> jax.Array:
+    """[B, T, Hk, D] -> [B, T, Hv, D] (heads on `axis`): each key head repeated r times consecutively (h // r)."""
+    return jnp.repeat(x, hv // x.shape[axis], axis=axis)
 
 
 def _check(q, k, v, g, beta, state) -> None:
@@ -99,7 +101,7 @@ def wy_chunk_inputs(q, k, v, g, beta, state, chunk: int):
         x = x.reshape((b, n, chunk) + x.shape[2:])
         return jnp.moveaxis(x, 3, 1)
 
-    value_heads = lambda x: jnp.repeat(x, hv // hk, axis=1)  # noqa: E731  [B, Hk, ...] -> [B, Hv, ...] (h // r)
+    value_heads = functools.partial(_expand_heads, hv=hv, axis=1)  # [B, Hk, ...] -> [B, Hv, ...]
     qc_heads, kc_heads = prep(q), prep(k)  # [B, Hk, N, C, Dk]
     qc, kc = value_heads(qc_heads), value_heads(kc_heads)  # [B, Hv, N, C, Dk]
     vc, gc, bc = prep(v), prep(g), prep(beta)  # [B,H,N,C,Dv], [B,H,N,C], [B,H,N,C]
