@@ -93,6 +93,20 @@ def test_largest_equals_the_head_of_a_sort(shape, k):
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
 
 
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_largest_equals_lax_top_k_where_most_values_tie(k):
+    """Logits of five distinct values over 20,000 ids (and a row of one value): ties inside and across
+    blocks and sub-blocks at every level, broken by the lower id as lax.top_k breaks them."""
+    import jax
+    rng = np.random.default_rng(8)
+    z = rng.integers(0, 5, (3, 20_000)).astype(np.float32)
+    z[1] = 2.0
+    values, ids = sampling.largest(jnp.asarray(z), k)
+    want_values, want_ids = jax.lax.top_k(jnp.asarray(z), k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
 def test_largest_breaks_a_tie_across_blocks_by_the_lower_id():
     """k = 2 over two blocks: the higher block holds the largest value and a tie at the 2nd in another of
     its sub-blocks; the lower block's only value ties too, at a lower id, which must win."""
