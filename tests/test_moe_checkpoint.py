@@ -61,11 +61,12 @@ def test_a_missing_expert_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("checkpoint,dtype,impl", [
-    # CI time: float32 under slow (the bfloat16 case runs the same MoE MTP path, and at near-ties)
+    # float32, where MTP == plain is promised for every impl (bfloat16 only under --deterministic, whose
+    # whole-chunk prefills take too long in interpret mode here; bf16 with impl ref held on tiny_next_moe by
+    # chance: the same model with a 128-wide shared expert parts at a prompt's token 23)
+    ("preset:tiny_next_moe:bf16", "float32", "ref"),
     pytest.param(f"{PRESET}:bf16", "float32", "ref", marks=pytest.mark.slow),
-    ("preset:tiny_next_moe:bf16", "bfloat16", "ref"),
-    pytest.param(f"{PRESET}:fp8", "bfloat16", "pallas", marks=pytest.mark.slow),  # ~140 s in interpret mode
-    pytest.param("preset:tiny_next_moe:bf16", "bfloat16", "pallas", marks=pytest.mark.slow)])
+    pytest.param(f"{PRESET}:fp8", "float32", "pallas", marks=pytest.mark.slow)])  # ~7 minutes in interpret mode
 def test_mtp_tokens_equal_plain_on_an_moe_model(checkpoint, dtype, impl):
     model = qmtp.load(resolve_checkpoint(checkpoint), dtype=dtype, impl=impl, progress=False)
     prompts = [[5, 17, 33, 2, 90, 41, 7], [200, 3, 3, 18], [77] * 12]
