@@ -97,7 +97,6 @@ def test_largest_equals_the_head_of_a_sort(shape, k):
 def test_largest_equals_lax_top_k_where_most_values_tie(k):
     """Logits of five distinct values over 20,000 ids (and a row of one value): ties inside and across
     blocks and sub-blocks at every level, broken by the lower id as lax.top_k breaks them."""
-    import jax
     rng = np.random.default_rng(8)
     z = rng.integers(0, 5, (3, 20_000)).astype(np.float32)
     z[1] = 2.0
