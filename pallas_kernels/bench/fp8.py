@@ -13,7 +13,8 @@ PROJECTIONS) and every row count M:
 impl: pallas (the default config, plus candidate_configs with `sweep`), pallas_a8 (decode rows: E4M3
 activations, `act_quant=True`; rel_err_a8 against fp8_act_quant's reference), xla (fp8_matmul_ref:
 dequantize + einsum), xla_bf16 (bf16 weights, plain einsum), dequant_dot (prefill rows: a
-materialized bf16 dequantize, then XLA's dot). rel_err: max |y - y_ref| / max |y_ref| of the first
+materialized bf16 dequantize, then XLA's dot, on the weights as the engine loads them: tiled where they
+tile, whatever --fp8_layout says; from the checkpoint layout the kernel would first copy them into tiles). rel_err: max |y - y_ref| / max |y_ref| of the first
 output against exact x. A per-step aggregate weights each shape by its count in a decode step.
 """
 
@@ -181,6 +182,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         ws, ss = make_weights(o, i, n, seed=si)
         tiled = layout == "tiled" and fp8_layout.tile_rows_for(o, i) is not None
         ws_pallas = tuple(fp8_layout.tile_as_loaded(w) for w in ws) if tiled else ws
+        ws_loaded = tuple(fp8_layout.tile_as_loaded(w) for w in ws)  # the engine's layout (dequant_dot)
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
@@ -202,7 +204,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             for impl, config in runs:
                 row = {"kernel": "fp8_matmul", "case": f"{o}x{i} M={m}", "o": o, "i": i, "m": m, "impl": impl,
                        "tensors": sorted(set(keys)), "count_per_step": len(keys), "n_weights": n,
-                       "layout": "tiled" if tiled and impl.startswith("pallas") else "checkpoint"}
+                       "layout": ("tiled" if tiled and impl.startswith("pallas") or impl == "dequant_dot"
+                                  and ws_loaded[0].ndim == 4 else "checkpoint")}
                 try:
                     if impl.startswith("pallas"):
                         a8 = impl == "pallas_a8"
@@ -213,7 +216,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                     elif impl in ("xla", "dequant_dot"):
                         mm = (fm.fp8_matmul_ref if impl == "xla"
                               else functools.partial(fm.fp8_matmul_dequant_dot, interpret=interpret))
-                        prog, args = loop_program(_pinned_dequantize(mm), reps, True), (x, ws, ss)
+                        weights = ws_loaded if impl == "dequant_dot" else ws
+                        prog, args = loop_program(_pinned_dequantize(mm), reps, True), (x, weights, ss)
                     else:
                         if bf16 is None:
                             deq = jax.jit(lambda w, s: fm.dequantize_ref(w, s, jnp.bfloat16))
