@@ -11,11 +11,18 @@ their summed time, the wall span from the first start to the last end, the busy 
 gaps and host waits), and the events with the most summed time. A decode step that is bound by
 launches shows many short kernels and a low busy share; one bound by HBM, a high busy share with
 the matmuls on top.
+
+Per process also: the device time of each compiled program (the kernels' `hlo_module`, so a served
+run splits into its decode loop, prefills and cache copies) and, where the trace holds the host's
+Python frames (jax.profiler's Python tracer, on by default), which frames ran while the device idled
+for --gap_us or longer: each frame's summed overlap with those gaps (callers include their callees'),
+i.e. what the host was doing while the device waited for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -59,10 +66,49 @@ def idle_gaps(events: list[dict], top: int = 10) -> dict:
             "largest": [{"us": g, "after": p, "before": n} for g, p, n in largest]}
 
 
-def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15) -> list[dict]:
+def per_program(events: list[dict], top: int) -> list[dict]:
+    """Device time by compiled program (the events' args.hlo_module; "?" where absent), most first."""
+    sums = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        name = e.get("args", {}).get("hlo_module", "?")
+        sums[name][0] += 1
+        sums[name][1] += float(e["dur"])
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"program": n, "kernels": c, "us": t} for n, (c, t) in ranked]
+
+
+def host_during_gaps(device_events: list[dict], host_events: list[dict], min_gap_us: float,
+                     top: int) -> dict:
+    """The host's Python frames (events named "$file:line function") during the device's idle gaps of at
+    least min_gap_us: per frame name, the summed overlap of its events with those gaps (a caller's
+    includes its callees'), most first."""
+    evs = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device_events)
+    gaps, end = [], float("-inf")
+    for a, b in evs:
+        if end > float("-inf") and a - end >= min_gap_us:
+            gaps.append((end, a))
+        end = max(end, b)
+    starts = [g[0] for g in gaps]
+    overlap = collections.defaultdict(float)
+    for e in host_events:
+        name = e.get("name", "")
+        if not name.startswith("$"):
+            continue
+        a, b = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        while i < len(gaps) and gaps[i][0] < b:
+            overlap[name] += max(0.0, min(b, gaps[i][1]) - max(a, gaps[i][0]))
+            i += 1
+    ranked = sorted(((n, t) for n, t in overlap.items() if t > 0), key=lambda kv: -kv[1])[:top]
+    return {"min_gap_us": min_gap_us, "gaps": len(gaps), "gap_us": sum(b - a for a, b in gaps),
+            "frames": [{"frame": n[1:], "us": t} for n, t in ranked]}
+
+
+def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15, gap_us: float = 100.0) -> list[dict]:
     names = {e["pid"]: e.get("args", {}).get("name", "")
              for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     by_pid = trace_events.process_events(events, process_filter)
+    host = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") not in by_pid]
     out = []
     for pid, evs in sorted(by_pid.items()):
         intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
@@ -77,7 +123,8 @@ def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15) ->
                     "summed_us": sum(float(e["dur"]) for e in evs), "span_us": span, "busy_us": busy,
                     "busy_share": busy / span if span > 0 else 0.0,
                     "top": [{"name": n, "count": c, "us": t} for n, (c, t) in ranked],
-                    "idle_gaps": idle_gaps(evs)})
+                    "programs": per_program(evs, top), "idle_gaps": idle_gaps(evs),
+                    "host_during_gaps": host_during_gaps(evs, host, gap_us, top)})
     return out
 
 
@@ -86,10 +133,12 @@ def main(argv=None) -> int:
     ap.add_argument("path")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--process", default="GPU", help="substring of the process names to keep ('' = all)")
+    ap.add_argument("--gap_us", type=float, default=100.0,
+                    help="the shortest device idle gap whose host Python frames are summed (us)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(argv)
     trace = find_trace(args.path)
-    summary = summarize(trace_events.load_events(trace), args.process, args.top)
+    summary = summarize(trace_events.load_events(trace), args.process, args.top, args.gap_us)
     if args.json:
         print(json.dumps({"trace": trace, "processes": summary}, indent=1))
         return 0
@@ -107,6 +156,15 @@ def main(argv=None) -> int:
             f"[{b['from_us']:g}, {b['to_us']:g}) us {b['count']} x {b['us'] / 1e3:.2f} ms" for b in gaps["buckets"]))
         for g in gaps["largest"][:5]:
             print(f"    {g['us']:9.1f} us after {g['after'][:50]} before {g['before'][:50]}")
+        print("  device time by program:")
+        for q in p["programs"]:
+            print(f"  {q['us'] / 1e3:9.3f} ms  {q['kernels']:7d} kernels  {q['program'][:90]}")
+        h = p["host_during_gaps"]
+        if h["frames"]:
+            print(f"  host Python frames during the {h['gaps']} idle gaps of >= {h['min_gap_us']:g} us "
+                  f"({h['gap_us'] / 1e3:.2f} ms):")
+            for f in h["frames"]:
+                print(f"  {f['us'] / 1e3:9.3f} ms  {f['frame'][:100]}")
     return 0
 
 

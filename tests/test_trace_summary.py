@@ -1,5 +1,6 @@
 """scripts/trace_summary.py on a crafted perfetto trace: busy time is the union of the kernels'
-intervals, idle gaps are what remains of the span, only the asked-for processes count."""
+intervals, idle gaps are what remains of the span, only the asked-for processes count, device time
+splits by program, and the host's Python frames are charged with the idle gaps they overlap."""
 
 import gzip
 import json
@@ -16,9 +17,9 @@ EVENTS = [
     {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
     {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
     # GPU: [0, 10) matmul, [5, 12) overlapping copy, gap, [20, 24) matmul: busy 12 + 4 of a 24 span
-    {"ph": "X", "pid": 1, "tid": 1, "name": "matmul", "ts": 0, "dur": 10},
-    {"ph": "X", "pid": 1, "tid": 2, "name": "copy", "ts": 5, "dur": 7},
-    {"ph": "X", "pid": 1, "tid": 1, "name": "matmul", "ts": 20, "dur": 4},
+    {"ph": "X", "pid": 1, "tid": 1, "name": "matmul", "ts": 0, "dur": 10, "args": {"hlo_module": "jit_decode"}},
+    {"ph": "X", "pid": 1, "tid": 2, "name": "copy", "ts": 5, "dur": 7, "args": {"hlo_module": "jit_take_rows"}},
+    {"ph": "X", "pid": 1, "tid": 1, "name": "matmul", "ts": 20, "dur": 4, "args": {"hlo_module": "jit_decode"}},
     {"ph": "X", "pid": 2, "tid": 1, "name": "host work", "ts": 0, "dur": 100},
 ]
 
@@ -40,6 +41,29 @@ def test_idle_gaps_lie_between_the_union_of_the_kernels():
     (gpu,) = trace_summary.summarize(events, "GPU")
     assert [b["count"] for b in gpu["idle_gaps"]["buckets"]] == [0, 1, 0, 0, 1]  # 1100 us: >= 1 ms
     assert gpu["idle_gaps"]["largest"][0] == {"us": 1100, "after": "matmul", "before": "after a sync"}
+
+
+def test_device_time_by_program():
+    (gpu,) = trace_summary.summarize(EVENTS, "GPU")
+    assert gpu["programs"] == [{"program": "jit_decode", "kernels": 2, "us": 14.0},
+                               {"program": "jit_take_rows", "kernels": 1, "us": 7.0}]
+
+
+def test_host_frames_are_charged_with_the_gaps_they_overlap():
+    # device busy [0, 12) and [20, 24), then [124, 125): gaps [12, 20) (8 us) and [24, 124) (100 us)
+    host = [{"ph": "X", "pid": 2, "tid": 7, "name": "$engine.py:1 _iteration", "ts": 10, "dur": 120},
+            {"ph": "X", "pid": 2, "tid": 7, "name": "$prompt_passes.py:2 keep", "ts": 30, "dur": 50},
+            {"ph": "X", "pid": 2, "tid": 7, "name": "$engine.py:3 _deliver", "ts": 14, "dur": 4},
+            {"ph": "X", "pid": 2, "tid": 8, "name": "not a Python frame", "ts": 30, "dur": 50}]
+    events = EVENTS + host + [{"ph": "X", "pid": 1, "tid": 1, "name": "late", "ts": 124, "dur": 1}]
+    (gpu,) = trace_summary.summarize(events, "GPU", gap_us=5)
+    h = gpu["host_during_gaps"]
+    assert h["gaps"] == 2 and h["gap_us"] == 108
+    assert h["frames"] == [{"frame": "engine.py:1 _iteration", "us": 108.0}, {"frame": "prompt_passes.py:2 keep", "us": 50.0},
+                           {"frame": "engine.py:3 _deliver", "us": 4.0}]
+    (gpu,) = trace_summary.summarize(events, "GPU", gap_us=50)  # only the 100 us gap
+    assert gpu["host_during_gaps"]["frames"] == [{"frame": "engine.py:1 _iteration", "us": 100.0},
+                                                 {"frame": "prompt_passes.py:2 keep", "us": 50.0}]
 
 
 def test_cli_finds_the_trace_in_a_directory(tmp_path):
