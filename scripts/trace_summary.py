@@ -47,23 +47,41 @@ def idle_gaps(events: list[dict], top: int = 10) -> dict:
     """The device's idle gaps between kernels: where no event runs, from the end of the union of the
     events so far to the next start. A sync of the host (a while loop's or a cond's predicate read,
     as XLA on the GPU does) shows as a gap before the kernels that follow it; launch-bound stretches
-    as many short gaps. Returns per-bucket counts and microseconds, and the largest gaps with the
-    kernels on either side."""
-    evs = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?")) for e in events))
-    gaps, end, last = [], float("-inf"), None
-    for a, b, name in evs:
+    as many short gaps. Returns per-bucket counts and microseconds, the largest gaps with the kernels on
+    either side, and the gaps split by where they fall: inside one run of a program (the kernels on
+    both sides carry the same args hlo_module and run_id: the program's own control flow or launches)
+    or between runs (the host's work between device calls), the inside ones summed per program. A trace
+    without run ids counts back-to-back runs of one program as one run."""
+    evs = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?"), _run(e)) for e in events)
+    gaps, end, last, last_run = [], float("-inf"), None, None
+    in_run = collections.defaultdict(lambda: [0, 0.0])
+    for a, b, name, run in evs:
         if last is not None and a > end:
             gaps.append((a - end, last, name))
+            if run is not None and run == last_run:
+                in_run[run[0]][0] += 1
+                in_run[run[0]][1] += a - end
         if b > end:
-            end, last = b, name
+            end, last, last_run = b, name, run
     edges = (0,) + GAP_BUCKETS_US + (float("inf"),)
     buckets = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         inside = [g for g, _, _ in gaps if lo <= g < hi]
         buckets.append({"from_us": lo, "to_us": hi, "count": len(inside), "us": sum(inside)})
     largest = sorted(gaps, key=lambda g: -g[0])[:top]
-    return {"count": len(gaps), "us": sum(g for g, _, _ in gaps), "buckets": buckets,
-            "largest": [{"us": g, "after": p, "before": n} for g, p, n in largest]}
+    total = sum(g for g, _, _ in gaps)
+    inside_us = sum(t for _, t in in_run.values())
+    return {"count": len(gaps), "us": total, "buckets": buckets,
+            "largest": [{"us": g, "after": p, "before": n} for g, p, n in largest],
+            "inside_runs_us": inside_us, "between_runs_us": total - inside_us,
+            "inside_by_program": [{"program": n, "count": c, "us": t}
+                                  for n, (c, t) in sorted(in_run.items(), key=lambda kv: -kv[1][1])[:top]]}
+
+
+def _run(event: dict):
+    """(program, run id) of a kernel event, None where the trace does not say."""
+    args = event.get("args", {})
+    return (args["hlo_module"], args.get("run_id")) if "hlo_module" in args else None
 
 
 def per_program(events: list[dict], top: int) -> list[dict]:
@@ -156,6 +174,10 @@ def main(argv=None) -> int:
             f"[{b['from_us']:g}, {b['to_us']:g}) us {b['count']} x {b['us'] / 1e3:.2f} ms" for b in gaps["buckets"]))
         for g in gaps["largest"][:5]:
             print(f"    {g['us']:9.1f} us after {g['after'][:50]} before {g['before'][:50]}")
+        print(f"  idle inside a program's run {gaps['inside_runs_us'] / 1e3:.2f} ms, between runs "
+              f"{gaps['between_runs_us'] / 1e3:.2f} ms; inside, by program:")
+        for q in gaps["inside_by_program"][:5]:
+            print(f"  {q['us'] / 1e3:9.3f} ms  {q['count']:7d} gaps  {q['program'][:90]}")
         print("  device time by program:")
         for q in p["programs"]:
             print(f"  {q['us'] / 1e3:9.3f} ms  {q['kernels']:7d} kernels  {q['program'][:90]}")

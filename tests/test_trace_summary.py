@@ -43,6 +43,18 @@ def test_idle_gaps_lie_between_the_union_of_the_kernels():
     assert gpu["idle_gaps"]["largest"][0] == {"us": 1100, "after": "matmul", "before": "after a sync"}
 
 
+def test_idle_gaps_inside_a_run_and_between_runs():
+    kernels = [{"ph": "X", "pid": 1, "tid": 1, "name": n, "ts": ts, "dur": 2, "args": {"hlo_module": m, "run_id": r}}
+               for n, ts, m, r in (("a", 0, "jit_loop", 1), ("b", 5, "jit_loop", 1),  # 3 us inside run 1
+                                   ("c", 20, "jit_loop", 2),  # 13 us between runs 1 and 2
+                                   ("d", 30, "jit_prefill", 7), ("e", 33, "jit_prefill", 7))]  # 8 between, 1 inside
+    (gpu,) = trace_summary.summarize(EVENTS[:1] + kernels, "GPU")
+    gaps = gpu["idle_gaps"]
+    assert gaps["us"] == 25 and gaps["inside_runs_us"] == 4 and gaps["between_runs_us"] == 21
+    assert gaps["inside_by_program"] == [{"program": "jit_loop", "count": 1, "us": 3.0},
+                                         {"program": "jit_prefill", "count": 1, "us": 1.0}]
+
+
 def test_device_time_by_program():
     (gpu,) = trace_summary.summarize(EVENTS, "GPU")
     assert gpu["programs"] == [{"program": "jit_decode", "kernels": 2, "us": 14.0},
