@@ -120,6 +120,11 @@ def test_step_bytes_counts_weights_state_and_kv():
     b8 = br.step_bytes(dict(params, mtp=dict(params["mtp"], draft_head=head)), state, context=100)
     assert b8["draft"]["lm_head"] == v * e + -(-v // 128) * -(-e // 128) * 4
     assert b8["draft"]["mtp_weights"] == b["draft"]["mtp_weights"] and b8["target"] == b["target"]
+    # a K=3 verify reads the states once and writes them after each of its 4 tokens; weights as plain
+    v3 = br.step_bytes(params, state, context=100, verify_ks=[3])["verify"]["3"]
+    assert v3["gdn_state"] == 5 * b["target"]["gdn_state"] // 2 and v3["conv_state"] == 5 * b["target"]["conv_state"] // 2
+    assert v3["weights"] == b["target"]["weights"] and v3["kv"] == b["target"]["kv"]
+    assert v3["total"] == sum(v for n, v in v3.items() if n != "total") > b["target_total"]
 
 
 def test_a_token_mismatch_is_reported():
@@ -131,6 +136,10 @@ def test_a_token_mismatch_is_reported():
     good = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 3]])]}, [[1, 2, 3]], bytes_, 1e3)
     bad = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 4]])]}, [[1, 2, 3]], bytes_, 1e3)
     assert good["tokens_match_plain"] and not bad["tokens_match_plain"] and bad["first_mismatch"] == [2]
+    # the MTP ceiling counts the verify pass's bytes at the mode's K: 2 tokens of 14 + 1 bytes at 1 kB/s
+    verified = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 3]])]}, [[1, 2, 3]],
+                               dict(bytes_, verify={"1": {"total": 14}}), 1e3)
+    assert good["ceiling_tok_s"] == pytest.approx(2 / 11 * 1e3) and verified["ceiling_tok_s"] == pytest.approx(2 / 15 * 1e3)
 
 
 def test_breakdown_ks_must_be_among_ks(tmp_path):
@@ -471,6 +480,10 @@ def test_moe_roofline_counts_the_experts_a_pass_reads():
     many = br.step_bytes(model.params, api._new_state(model, [64] * 64), 64, moe_top_k=2)["target"]["weights"]
     assert abs(one - (full - experts * 6 / 8)) <= 8  # 2 of 8 experts; each of the 8 stacks rounds to a byte
     assert full - many < experts * 1e-3
+    # a K=3 verify of one sequence reads the experts of 4 tokens: a plain pass of 4 sequences' share
+    four = br.step_bytes(model.params, api._new_state(model, [64] * 4), 64, moe_top_k=2)["target"]["weights"]
+    verify = br.step_bytes(model.params, api._new_state(model, [64]), 64, moe_top_k=2, verify_ks=[3])["verify"]["3"]
+    assert verify["weights"] == four > one
 
 
 @pytest.mark.slow  # CI time: generate's auto is tested in test_adaptive_k.py; this is the bench's report of it

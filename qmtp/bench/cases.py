@@ -146,7 +146,8 @@ def summarize(name: str, k: int, acceptance: str, mode: dict, plain_tokens, byte
     if k:
         out.update(mean_accepted_length=s0["mean_accepted_length"], acceptance_rate=s0["acceptance_rate"],
                    position_acceptance=s0["position_acceptance"])
-        out["ceiling_tok_s"] = br.mtp_ceiling_tok_s(bytes_["target_total"], bytes_["draft_total"],
+        verify = bytes_.get("verify", {}).get(str(len(s0["position_acceptance"])), {"total": bytes_["target_total"]})
+        out["ceiling_tok_s"] = br.mtp_ceiling_tok_s(verify["total"], bytes_["draft_total"],
                                                     s0["position_acceptance"], batch, copy_bps)
         out["share_of_ceiling"] = out["decode_tokens_per_s"]["median"] / out["ceiling_tok_s"]
     out["share_of_roofline"] = out["decode_tokens_per_s"]["median"] / roof
@@ -183,13 +184,15 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
     from qmtp import api
     from qmtp.bench import report as br
     from qmtp.bench.profile import acceptance_schedule
+    from qmtp.runtime.loop import MAX_K
     if prompts is None:
         prompts = random_prompts(model, batch, length, FLAGS.prompt_seed)
     ks = [int(k) for k in FLAGS.ks]
     profile = [float(p) for p in FLAGS.profile if p]
     state = api._new_state(model, [length + FLAGS.max_new_tokens + 5] * batch)
     bytes_ = br.step_bytes(model.params, state, context=length + FLAGS.max_new_tokens // 2,
-                           moe_top_k=model.cfg.moe.top_k if model.cfg.moe else None)
+                           moe_top_k=model.cfg.moe.top_k if model.cfg.moe else None,
+                           verify_ks=range(1, MAX_K + 1))
     del state
     case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
     rounds = FLAGS.max_new_tokens + 1

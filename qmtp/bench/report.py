@@ -8,9 +8,13 @@ Roofline (PERFORMANCE.md), from the actual parameter tree and decode state:
     draft_bytes  = the MTP subtree + the lm_head it shares + its K/V at `context` positions.
     MoE layers count the experts a pass reads: of X experts, each of B tokens choosing k, the expected
     number chosen at least once under uniform routing, X (1 - (1 - k/X)^B), is the read share.
+    verify_bytes(K) = target_bytes of a pass of K+1 tokens per sequence: an MoE layer's experts read
+                   for B (K+1) tokens, and the GDN and conv states read once and written after each
+                   of the K+1 tokens (the commit ring's slots), so (K+2) times a state where a plain
+                   step moves it twice.
     plain roofline       = 1 / (target_bytes / copy_bandwidth)                          tok/s
     MTP K ceiling at cumulative per-position acceptance p_1 >= ... >= p_K:
-        tokens per round = 1 + sum_i p_i;  bytes per round = target_bytes + K * draft_bytes
+        tokens per round = 1 + sum_i p_i;  bytes per round = verify_bytes(K) + K * draft_bytes
         (K-1 draft steps, the verify pass, the draft refresh after the commit)
         ceiling          = (1 + sum_i p_i) / (bytes per round / copy_bandwidth)          tok/s
 All bandwidth figures are the copy bandwidth measured in the same run. On a CPU that bandwidth is no
@@ -57,10 +61,11 @@ def _unread_expert_bytes(tree, top_k: int | None, tokens: int) -> int:
     return unread
 
 
-def step_bytes(params: dict, state, context: int, moe_top_k: int | None = None) -> dict:
+def step_bytes(params: dict, state, context: int, moe_top_k: int | None = None, verify_ks=()) -> dict:
     """Bytes one target pass and one MTP draft step over the state's whole batch must read (see the
     module docstring; weights once, state and K/V per sequence, every sequence at `context`);
-    moe_top_k: the experts per token of an MoE model (its expert stacks count the share read)."""
+    moe_top_k: the experts per token of an MoE model (its expert stacks count the share read);
+    verify_ks: the K whose verify pass's bytes to add (`verify`, by str(K))."""
     kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.kv.k) * 2  # K and V, per position
     mtp_kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.mtp_kv.k) * 2
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"]
@@ -75,8 +80,15 @@ def step_bytes(params: dict, state, context: int, moe_top_k: int | None = None) 
     mtp_layers = {k: v for k, v in mtp_params.items() if k != "draft_head"}
     draft = {"mtp_weights": nbytes(mtp_layers) - _unread_expert_bytes(mtp_layers, moe_top_k, state.batch),
              "lm_head": nbytes(draft_head), "kv": mtp_kv_pos * context * state.batch}
+    verify = {}
+    for k in verify_ks:
+        tokens = state.batch * (k + 1)
+        parts = dict(target, gdn_state=(k + 2) * nbytes(state.ssm), conv_state=(k + 2) * nbytes(state.conv),
+                     weights=target["weights"] + _unread_expert_bytes(target_params, moe_top_k, state.batch)
+                     - _unread_expert_bytes(target_params, moe_top_k, tokens))
+        verify[str(k)] = dict(parts, total=sum(parts.values()))
     return {"batch": state.batch, "target": target, "draft": draft, "target_total": sum(target.values()),
-            "draft_total": sum(draft.values())}
+            "draft_total": sum(draft.values()), "verify": verify}
 
 
 def roofline_tok_s(target_total: int, batch: int, copy_bytes_per_s: float) -> float:
@@ -84,10 +96,11 @@ def roofline_tok_s(target_total: int, batch: int, copy_bytes_per_s: float) -> fl
     return batch * copy_bytes_per_s / target_total
 
 
-def mtp_ceiling_tok_s(target_total: int, draft_total: int, acceptance, batch: int, copy_bytes_per_s: float) -> float:
-    """Tokens/s at the bandwidth ceiling for K = len(acceptance) drafts per round."""
+def mtp_ceiling_tok_s(verify_total: int, draft_total: int, acceptance, batch: int, copy_bytes_per_s: float) -> float:
+    """Tokens/s at the bandwidth ceiling for K = len(acceptance) drafts per round (verify_total: the
+    verify pass's bytes at that K)."""
     k = len(acceptance)
-    return batch * (1.0 + float(np.sum(acceptance))) * copy_bytes_per_s / (target_total + k * draft_total)
+    return batch * (1.0 + float(np.sum(acceptance))) * copy_bytes_per_s / (verify_total + k * draft_total)
 
 
 def spread(values: list[float]) -> dict:
