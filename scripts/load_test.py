@@ -9,7 +9,9 @@
 prefix cache hits unless --repeat_prompts). Reports requests/s, generated tokens/s, latency percentiles
 (p50/p90/p99 of the whole request; with --stream also of the time to first token and of the
 inter-token gap: the time between two streamed chunks of one request, each holding the tokens of
-one engine call), and the errors by HTTP status. Exit status 1 when any request failed.
+one engine call), the errors by HTTP status, and what the server's unlabelled counters from GET
+/metrics (a qmtp server's prefills, prefill passes, loop calls, rounds, ...) grew by during the load.
+Exit status 1 when any request failed.
 
 --turns=T makes each client hold conversations of T turns instead: turn t's prompt is the whole
 conversation so far (an optional --system_tokens prefix, one of --systems, then each turn's user
@@ -153,6 +155,16 @@ async def prefix_cache_metrics(client: httpx.AsyncClient) -> dict:
             (line.split(" ", 1) for line in text.splitlines() if line.startswith("qmtp_prefix_cache_"))}
 
 
+async def server_counters(client: httpx.AsyncClient) -> dict:
+    """The server's unlabelled counters (`*_total` samples) from GET /metrics ({} when it has none)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    samples = (line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples if name.endswith("_total") and "{" not in name}
+
+
 async def profile(client: httpx.AsyncClient, action: str) -> str:
     """POST /start_profile or /stop_profile: the server's profile directory; exits with its error."""
     r = await client.post(f"/{action}_profile")
@@ -171,6 +183,7 @@ async def run(args) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
         await wait_ready(client, args.wait_ready_s)
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        counters_before = await server_counters(client)
         if args.profile:
             await profile(client, "start")
         taken, results = 0, []  # requests taken by the clients' conversations (each one its turns)
@@ -213,6 +226,7 @@ async def run(args) -> dict:
         if args.profile:
             print(f"profile written to {await profile(client, 'stop')}", flush=True)
         metrics = await prefix_cache_metrics(client)
+        counters_after = await server_counters(client)
     ok = [r for r in results if r["ok"]]
     errors: dict = {}
     for r in results:
@@ -224,6 +238,8 @@ async def run(args) -> dict:
               "stream": args.stream, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,
               "generated_tokens": tokens, "tokens_per_s": tokens / elapsed,
               "latency_s": percentiles([r["latency_s"] for r in ok])}
+    if counters_after:  # what the load added (the warm-up's calls came before)
+        report["server_counters"] = {n: v - counters_before.get(n, 0.0) for n, v in counters_after.items()}
     if args.stream:
         report["ttft_s"] = percentiles([r["ttft_s"] for r in ok if r.get("ttft_s") is not None])
         gaps = [g for r in ok for g in r["gaps"]]

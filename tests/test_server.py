@@ -514,6 +514,13 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     assert report["requests_per_s"] > 0 and report["tokens_per_s"] > 0 and report["generated_tokens"] > 0
     assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p90"] <= report["latency_s"]["p99"]
     assert "req/s" in r.stdout and "p99" in r.stdout
+    counters = report["server_counters"]  # what the load added on the server: 24 requests and the long one
+    assert counters["qmtp_prefills_total"] == 25 and counters["qmtp_loop_calls_total"] > 0
+    assert counters["qmtp_generation_tokens_total"] == report["generated_tokens"] + long["generated_tokens"]
+    again = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={mtp_server[1]}", "--requests=3",
+                            "--concurrency=3", "--prompt_tokens=2,20", "--max_tokens=4", f"--output_json={out}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and json.loads(out.read_text())["server_counters"]["qmtp_prefills_total"] == 3
     h = subprocess.run([sys.executable, "scripts/load_test.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert h.returncode == 0 and "--concurrency" in h.stdout and "p50/p90/p99" in h.stdout
 
