@@ -212,6 +212,21 @@ def test_a_response_cut_mid_round_is_kept_at_its_end(tmp_path):
     assert engine.stop(10)
 
 
+def test_a_response_a_stop_string_cut_is_not_kept(model):
+    """A stop string ends a response on the host, after the round whose tokens the device has already
+    committed past the cut: that state does not hold the response the client got, so its end is not
+    kept (one the device finished is: the test above)."""
+    engine = Engine(model, config(3, 1 << 24)).start()
+    prompt = np.random.default_rng(16).integers(0, 380, 9).tolist()  # under a block: no block checkpoint
+    free = qmtp.generate(model, [prompt], 14, mtp_k=3).tokens[0]
+    text = model.tokenizer.decode(free, skip_special_tokens=True)
+    cut = next(i for i in range(3, len(text)) if text[i] != "\ufffd")
+    r = engine.generate(prompt, 14, stop=(text[cut:cut + 2],), timeout=300)
+    assert r.finish_reason == "stop" and len(r.tokens) < len(free)
+    assert len(engine.prefix) == 0 and engine.prefix.lookup(prompt + r.tokens + [7])[0] == 0
+    assert engine.stop(10)
+
+
 def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
     """A hit resumes at a boundary; a seeded, logprobs request then gets qmtp.generate's tokens and values."""
     engine = Engine(model, config(2, 1 << 24)).start()

@@ -519,7 +519,7 @@ class Engine:
         still live on the device is retired there before the next device call."""
         active = self._active.pop(slot)
         self.passes.pending.pop(slot, None)
-        if self.prefix is not None and reason in ("stop", "length") and active.handle.id >= 0:
+        if self.prefix is not None and not retire and active.handle.id >= 0:  # finished on the device
             self.passes.keep_response_end(slot, active.handle, active.reservation)
         self.allocator.release(active.reservation)
         if retire:

@@ -298,15 +298,14 @@ class PassPrefill:
                          state_bytes)
 
     def keep_response_end(self, slot: int, handle: RequestHandle, reservation: int) -> None:
-        """With the prefix cache, keeps a finished request's end (prefix_cache.put_end): its state holds
-        the prompt and the response but the last token (the loop commits a row that a stop id or its
-        budget finished through its emitted tokens only), unless the host cut the response (a stop
-        string, matched in the text after the round), which it then does not keep."""
+        """With the prefix cache, keeps the end of a request the device finished (a stop id or its budget;
+        not one the host cut, e.g. at a stop string, whose state runs past its tokens) in the cache
+        (prefix_cache.put_end): its state holds the prompt and the response but the last token (the loop
+        commits a row that a stop id or its budget finished through its emitted tokens only), which the
+        host knows without reading the device."""
         e = self.engine
         tokens = list(handle.prompt_ids) + list(handle.tokens)
         state_bytes = e._device.gdn_row_bytes()
-        if int(e._device.state.lengths[slot]) != len(tokens) - 1:
-            return
         gdn = self._take_rows(slot, state_bytes)
         if gdn is None:
             return
