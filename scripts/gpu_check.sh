@@ -190,7 +190,8 @@ for s in "${steps[@]}"; do
                  --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks= --repeats=1 --breakdown=false \
                  --max_new_tokens=32 --trace_dir=/tmp/qmtp_moe_trace --out=$OUT/moe_trace.json \
                  && $PY scripts/trace_summary.py /tmp/qmtp_moe_trace/* --top=30" ;;
-    # the expert matmul's tiles at the 35B-A3B shapes (decode and verify blocks): default vs candidates
+    # the expert matmul's tiles at the 35B-A3B shapes (decode and verify blocks): default vs candidates; a
+    # 2048-token prefill chunk at 16-128-row blocks against XLA's ragged dot (dequantizing in each call or before)
     moe_sweep) run_step moe_sweep 300 "$PY" -m pallas_kernels.bench --parts=moe --moe_sweep --out="$OUT/moe_sweep.json" ;;
     # the 35B-A3B-shaped FP8 MoE (first 8 of its 40 layers, controlled acceptance): plain and K=3 at batch 1, 8, 32
     # (1024 new tokens: at 128 the K=3 profile is not realized, too few rounds)

@@ -11,7 +11,8 @@ it makes them, projections of one x sharing a launch, at --fp8_launch_ms rows, a
 target and each launch's read floor), gdn (the conv + recurrence kernel at batch 1-16, chunked prefill),
 attention (paged attention for 1..K+1 queries at 1K-32K context; a 2048-token prefill chunk's
 tile configs at 8K and 32K), moe (the grouped expert matmul at the
-35B-A3B shapes, decode and verify blocks; --moe_sweep times candidate tiles). `--quick --interpret`
+35B-A3B shapes, decode and verify blocks, a prefill chunk against XLA's ragged dot; --moe_sweep times
+candidate tiles). `--quick --interpret`
 runs a CPU smoke test of the harness (no figures mean anything there).
 
     JAX_PLATFORMS=cuda PYTHONPATH=. python -m pallas_kernels.bench --out=$OUT/bench.json

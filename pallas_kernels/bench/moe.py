@@ -15,7 +15,12 @@ Case "prefill": a 2048-token prefill chunk routed at random (top-8: 16384 pairs,
 pairs grouped into blocks of 16, 32, 64 and 128 rows (each expert's group padded to a block boundary, as
 `moe.group_rows` lays them out) with the default tile: taller blocks read each expert's weight fewer
 times and feed the tensor cores taller tiles, shorter ones pad less. tflop_s counts the pairs' work
-(2 x pairs x O x I); rel_err is taken on the first 8 blocks.
+(2 x pairs x O x I); rel_err is taken on the first 8 blocks. Beside them, XLA's grouped GEMM on the same
+chunk: `lax.ragged_dot_general` over the pairs sorted by expert (no padding) against every expert's weight
+dequantized to bf16 (E4M3 x block scale, in XLA), timed with the dequantize in each call
+(xla_dequant_ragged_dot) and on weights dequantized beforehand (xla_ragged_dot: what a prompt's later
+chunks pay when a layer's chunks share one dequantize, as the dense prefill's do); rel_err on its first
+64 rows.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
                       "rel_err": err,
                       **{f"config_{k}": v for k, v in dataclasses.asdict(config).items()}})
         _prefill(proj, w, s, experts, copy_tb_s, interpret, rng, emit)
+        _ragged(proj, w, s, experts, copy_tb_s, interpret, rng, emit)
 
 
 def _prefill(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, rng, emit) -> None:
@@ -137,3 +143,54 @@ def _prefill(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, r
               "impl": "pallas", "block_rows": block_rows, "blocks": int(sets.shape[1]), "used_blocks": used,
               "s_per_call": t, "bytes": nbytes, "tb_s": nbytes / t / 1e12,
               "share_of_copy": nbytes / t / 1e12 / copy_tb_s, "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})
+
+
+def _dequantize(w: jax.Array, s: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """E4M3 experts [X, O, I] with block scales [X, O/128, I/128] in dtype (XLA: one fused elementwise pass)."""
+    full = jnp.repeat(jnp.repeat(s, 128, axis=1), 128, axis=2)[:, :w.shape[1], :w.shape[2]]  # [X, O, I]
+    return (w.astype(jnp.float32) * full).astype(dtype)
+
+
+def _ragged(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, rng, emit) -> None:
+    """XLA's grouped GEMM on a prefill chunk's pairs (module doc): two rows, dequantizing in each call or not."""
+    _, o, i = w.shape
+    tokens, calls = (8, 1) if interpret else (PREFILL_TOKENS, PREFILL_CALLS)
+    top_k = min(TOP_K, experts)
+    pairs = tokens * top_k
+    group_sizes = jnp.asarray(np.stack([  # [calls, X]: each call's pairs per expert, a new routing each
+        np.bincount(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).reshape(-1),
+                    minlength=experts) for _ in range(calls)]), jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (pairs, i)).astype(jnp.bfloat16)  # [P, I]: pairs by expert
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+    def grouped(x, wb, sizes):  # [P, O] in bf16, f32 accumulation
+        return jax.lax.ragged_dot_general(x, wb, sizes, dims, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    @jax.jit
+    def dequant_each(x, w, s, group_sizes):
+        def body(c, acc):
+            return acc + grouped(x, _dequantize(w, s), group_sizes[c])[0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, group_sizes.shape[0], body, jnp.float32(0))
+
+    @jax.jit
+    def dequantized(x, wb, group_sizes):
+        def body(c, acc):
+            return acc + grouped(x, wb, group_sizes[c])[0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, group_sizes.shape[0], body, jnp.float32(0))
+
+    wb = jax.jit(_dequantize)(w, s)
+    head = 64
+    rows = jnp.repeat(jnp.arange(experts), group_sizes[0], total_repeat_length=pairs)[:head]  # each row's expert
+    ref = jnp.einsum("ri,roi->ro", x[:head].astype(jnp.float32), _dequantize(w[rows], s[rows], jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)  # [head, O]
+    got = grouped(x, wb, group_sizes[0])[:head].astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+    trials = 1 if interpret else 5
+    for impl, t in (("xla_dequant_ragged_dot", common.timed(dequant_each, x, w, s, group_sizes, trials=trials)[0]),
+                    ("xla_ragged_dot", common.timed(dequantized, x, wb, group_sizes, trials=trials)[0])):
+        t /= calls
+        nbytes = experts * o * i * (1 if impl == "xla_dequant_ragged_dot" else 2)  # E4M3 read, or bf16
+        emit({"kernel": "moe_expert_matmul", "case": f"{proj} prefill {tokens} tok, ragged", "impl": impl,
+              "dtype": "bfloat16", "s_per_call": t, "bytes": nbytes, "tb_s": nbytes / t / 1e12, "share_of_copy": nbytes / t / 1e12 / copy_tb_s,
+              "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})
