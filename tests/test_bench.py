@@ -219,6 +219,12 @@ def test_targets_name_the_pieces_of_a_miss():
     assert text.count("target missed") == 2
     modes[0]["share_of_roofline"], modes[1]["speedup"] = 0.8, 2.6
     assert all(r["met"] and not r["note"] for r in br.targets(case))
+    # an MoE checkpoint's own targets; a K=3 miss says what the round's bytes allow
+    modes[0]["share_of_roofline"], modes[1]["speedup"], modes[1]["ceiling_tok_s"] = 0.62, 1.4, 182.0
+    plain, k3 = br.targets(dict(case, moe=True))
+    assert plain["met"] and plain["target"] == "plain decode >= 60% of the bandwidth roofline"
+    assert not k3["met"] and k3["target"] == "MTP K=3 with the default profile >= 2x plain"
+    assert "its bytes allow 1.40x" in k3["note"]
 
 
 def test_targets_say_when_a_short_run_missed_its_profile():

@@ -194,7 +194,7 @@ def bench_case(model, batch: int, length: int, copy_bps: float, progress: Progre
                            moe_top_k=model.cfg.moe.top_k if model.cfg.moe else None,
                            verify_ks=range(1, MAX_K + 1))
     del state
-    case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": []}
+    case = {"batch": batch, "prompt_length": length, "bytes": bytes_, "modes": [], "moe": model.cfg.moe is not None}
     rounds = FLAGS.max_new_tokens + 1
     no_cap = {k: np.full((rounds, batch), k, np.int32) for k in ks}  # natural: the profiled runs' shape
     caps = {k: acceptance_schedule(profile[:k], k, rounds, batch, FLAGS.profile_seed)

@@ -313,6 +313,9 @@ def kernel_diff_table(pieces: dict, base: str = "target_step", other: str = "ver
 # PERFORMANCE.md's targets a single run can check (TP2 >= 1.6x TP1 needs two runs: compare their JSONs)
 PLAIN_ROOFLINE_TARGET = 0.75
 K3_PROFILED_SPEEDUP_TARGET = 2.5
+# ... and the mixture-of-experts checkpoints' (roofline: the chosen experts' bytes)
+MOE_PLAIN_ROOFLINE_TARGET = 0.60
+MOE_K3_PROFILED_SPEEDUP_TARGET = 2.0
 # A profiled mode whose realized per-position acceptance strays further than this from the imposed
 # profile did not measure that profile: a short run has too few rounds (counts are whole rounds, and
 # the last round is clipped at max_new_tokens). At 128 tokens K=3 ran 42 rounds and realized
@@ -355,16 +358,20 @@ def sampling_cost_table(modes: list[dict]) -> str:
 
 
 def targets(case: dict) -> list[dict]:
-    """The targets one case can check, each {target, value, goal, met, note}; a missed target's note
-    names the pieces of the step or round that take the time (from the breakdown, when measured)."""
+    """The targets one case can check (an MoE checkpoint's, case["moe"], its own), each {target, value,
+    goal, met, note}; a missed target's note names the pieces of the step or round that take the time
+    (from the breakdown, when measured) and, for K=3, the speedup the round's bytes allow."""
     modes = {m["name"]: m for m in case["modes"]}
     pieces = next(iter((case.get("breakdown") or {}).values()), {})
+    moe = case.get("moe", False)
+    plain_goal = MOE_PLAIN_ROOFLINE_TARGET if moe else PLAIN_ROOFLINE_TARGET
+    k3_goal = MOE_K3_PROFILED_SPEEDUP_TARGET if moe else K3_PROFILED_SPEEDUP_TARGET
     out = []
     plain = modes.get("plain")
     if plain and plain.get("share_of_roofline") is not None:
         value = plain["share_of_roofline"]
-        row = {"target": "plain decode >= 75% of the bandwidth roofline", "value": value,
-               "goal": PLAIN_ROOFLINE_TARGET, "met": value >= PLAIN_ROOFLINE_TARGET, "note": ""}
+        row = {"target": f"plain decode >= {plain_goal:.0%} of the bandwidth roofline", "value": value,
+               "goal": plain_goal, "met": value >= plain_goal, "note": ""}
         if not row["met"] and "measured_plain_step" in pieces:
             step, roof = pieces["measured_plain_step"], case["batch"] / case["roofline"]["plain_tok_s"]
             row["note"] = f"a step takes {step * 1e3:.2f} ms against {roof * 1e3:.2f} ms at the roofline"
@@ -374,10 +381,13 @@ def targets(case: dict) -> list[dict]:
     k3 = modes.get("mtp K=3 profiled")
     if k3:
         value = k3["speedup"]
-        row = {"target": "MTP K=3 with the default profile >= 2.5x plain", "value": value,
-               "goal": K3_PROFILED_SPEEDUP_TARGET, "met": value >= K3_PROFILED_SPEEDUP_TARGET, "note": ""}
+        row = {"target": f"MTP K=3 with the default profile >= {k3_goal:g}x plain", "value": value,
+               "goal": k3_goal, "met": value >= k3_goal, "note": ""}
         three = (case.get("breakdown") or {}).get("3", {})
         notes = [profile_shortfall(k3)]
+        if not row["met"] and k3.get("ceiling_tok_s") and (case.get("roofline") or {}).get("plain_tok_s"):
+            bound = k3["ceiling_tok_s"] / case["roofline"]["plain_tok_s"]
+            notes.append(f"its bytes allow {bound:.2f}x (round and step at one share of the bandwidth)")
         if not row["met"] and {"measured_round", "measured_plain_step", "verify"} <= three.keys():
             rnd, step = three["measured_round"], three["measured_plain_step"]
             notes.append(f"a round takes {rnd * 1e3:.2f} ms = {rnd / step:.2f} plain steps for "
