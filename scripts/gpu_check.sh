@@ -25,7 +25,7 @@ mkdir -p "$OUT"
 ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
            prefill_chunks prefill_memory serve_long fp8_gemm_rows gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
            bench_deterministic chat_nocache chat_prefix decode_nocache decode_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe
-           warmup_threads)
+           bench_moe_vocab warmup_threads)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
 
@@ -197,6 +197,12 @@ for s in "${steps[@]}"; do
     # (1024 new tokens: at 128 the K=3 profile is not realized, too few rounds)
     bench_moe) run_step bench_moe 580 "${BENCH[@]}" --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 \
                  --repeats=1 --breakdown=false --batch=1,8,32 --max_new_tokens=1024 --out="$OUT/bench_moe.json" "${EXTRA[@]}" ;;
+    # ... at batch 1 with drafts over a 32,768-id vocabulary (ids 0-32767: they hold the controlled tokenizer's 384,
+    # so acceptance is unchanged): each draft step reads 1/8 of the 0.5 GB FP8 draft head (bytes bound 1.23x -> 1.87x)
+    bench_moe_vocab) run_step bench_moe_vocab 400 bash -c "$PY -c 'import json; json.dump(list(range(32768)), \
+                       open(\"/tmp/qmtp_draft_vocab.json\", \"w\"))' && ${BENCH[*]} \
+                       --checkpoint=preset:qwen3_5_35b_a3b_controlled:fp8 --num_layers=8 --ks=3 --repeats=1 --breakdown=false \
+                       --batch=1 --max_new_tokens=1024 --draft_vocab=/tmp/qmtp_draft_vocab.json --out=$OUT/bench_moe_vocab.json" ;;
     # the server's warm-up (the 27B preset's first 8 layers, K=3, bucket 32, no compile cache) compiling one
     # program at a time and on 8 threads: each start's log lines from "warm-up" on, until it reports done
     warmup_threads) run_step warmup_threads 290 bash -c "for t in 1 8; do $PY -m qmtp.server \
