@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
            prefill_chunks prefill_memory serve_long fp8_gemm_rows gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
-           bench_deterministic chat_nocache chat_prefix decode_nocache decode_prefix bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe
+           bench_deterministic chat_nocache chat_prefix decode_nocache decode_prefix loop_trace bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe
            bench_moe_vocab warmup_threads)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
@@ -171,6 +171,13 @@ for s in "${steps[@]}"; do
                  $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 $load ${profile[*]} \
                  --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; \
                  kill \$server; wait \$server; $summary; exit \$rc" ;;
+    # the decode_* steps' loop (the 27B preset's first 16 layers, 8 sequences, K=3, 200 tokens) in the bench, not
+    # the server: plain and K=3 traced, by program and idle gap; beside decode_nocache's trace it tells the
+    # loop's own idle time from the server's
+    loop_trace) run_step loop_trace 400 bash -c "rm -rf /tmp/qmtp_loop_trace; ${BENCH[*]} \
+                  --checkpoint=preset:qwen3_5_27b_controlled:fp8 --num_layers=16 --batch=8 --ks=3 --profile= \
+                  --repeats=1 --breakdown=false --max_new_tokens=200 --trace_dir=/tmp/qmtp_loop_trace \
+                  --out=$OUT/loop_trace.json && for d in /tmp/qmtp_loop_trace/*; do $PY scripts/trace_summary.py \$d; done" ;;
     # the draft length chosen per round against plain, K=1 and K=3 at batch 16 and 32 (natural and profiled);
     # other batches one call each (BENCH_ARGS=--batch=N: over 270 s a batch on an H100: load, then each mode compiles;
     # 64 at K=3 wants an H200's memory)
