@@ -122,7 +122,8 @@ def test_step_bytes_counts_weights_state_and_kv():
     assert b8["draft"]["mtp_weights"] == b["draft"]["mtp_weights"] and b8["target"] == b["target"]
     # a K=3 verify reads the states once and writes them after each of its 4 tokens; weights as plain
     v3 = br.step_bytes(params, state, context=100, verify_ks=[3])["verify"]["3"]
-    assert v3["gdn_state"] == 5 * b["target"]["gdn_state"] // 2 and v3["conv_state"] == 5 * b["target"]["conv_state"] // 2
+    assert v3["gdn_state"] == 5 * b["target"]["gdn_state"] // 2
+    assert v3["conv_state"] == 5 * b["target"]["conv_state"] // 2
     assert v3["weights"] == b["target"]["weights"] and v3["kv"] == b["target"]["kv"]
     assert v3["total"] == sum(v for n, v in v3.items() if n != "total") > b["target_total"]
 
@@ -139,7 +140,8 @@ def test_a_token_mismatch_is_reported():
     # the MTP ceiling counts the verify pass's bytes at the mode's K: 2 tokens of 14 + 1 bytes at 1 kB/s
     verified = bench.summarize("m", 1, "natural", {"compile_s": 0, "runs": [run([[1, 2, 3]])]}, [[1, 2, 3]],
                                dict(bytes_, verify={"1": {"total": 14}}), 1e3)
-    assert good["ceiling_tok_s"] == pytest.approx(2 / 11 * 1e3) and verified["ceiling_tok_s"] == pytest.approx(2 / 15 * 1e3)
+    assert good["ceiling_tok_s"] == pytest.approx(2 / 11 * 1e3)
+    assert verified["ceiling_tok_s"] == pytest.approx(2 / 15 * 1e3)
 
 
 def test_breakdown_ks_must_be_among_ks(tmp_path):

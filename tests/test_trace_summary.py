@@ -71,8 +71,8 @@ def test_host_frames_are_charged_with_the_gaps_they_overlap():
     (gpu,) = trace_summary.summarize(events, "GPU", gap_us=5)
     h = gpu["host_during_gaps"]
     assert h["gaps"] == 2 and h["gap_us"] == 108
-    assert h["frames"] == [{"frame": "engine.py:1 _iteration", "us": 108.0}, {"frame": "prompt_passes.py:2 keep", "us": 50.0},
-                           {"frame": "engine.py:3 _deliver", "us": 4.0}]
+    assert h["frames"] == [{"frame": "engine.py:1 _iteration", "us": 108.0},
+                           {"frame": "prompt_passes.py:2 keep", "us": 50.0}, {"frame": "engine.py:3 _deliver", "us": 4.0}]
     (gpu,) = trace_summary.summarize(events, "GPU", gap_us=50)  # only the 100 us gap
     assert gpu["host_during_gaps"]["frames"] == [{"frame": "engine.py:1 _iteration", "us": 100.0},
                                                  {"frame": "prompt_passes.py:2 keep", "us": 50.0}]

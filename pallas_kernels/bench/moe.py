@@ -190,7 +190,8 @@ def _ragged(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, rn
     for impl, t in (("xla_dequant_ragged_dot", common.timed(dequant_each, x, w, s, group_sizes, trials=trials)[0]),
                     ("xla_ragged_dot", common.timed(dequantized, x, wb, group_sizes, trials=trials)[0])):
         t /= calls
-        nbytes = experts * o * i * (1 if impl == "xla_dequant_ragged_dot" else 2)  # E4M3 read, or bf16
+        nbytes = experts * o * i * (1 if impl == "xla_dequant_ragged_dot" else 2)  # the E4M3 weights, or bf16
+        tb_s = nbytes / t / 1e12
         emit({"kernel": "moe_expert_matmul", "case": f"{proj} prefill {tokens} tok, ragged", "impl": impl,
-              "dtype": "bfloat16", "s_per_call": t, "bytes": nbytes, "tb_s": nbytes / t / 1e12, "share_of_copy": nbytes / t / 1e12 / copy_tb_s,
+              "dtype": "bfloat16", "s_per_call": t, "bytes": nbytes, "tb_s": tb_s, "share_of_copy": tb_s / copy_tb_s,
               "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})
