@@ -87,6 +87,16 @@ def test_group_rows_give_each_pair_a_row_of_its_experts_block(tokens):
     assert used[:used.sum()].all()  # the used blocks first, the rest -1
 
 
+@pytest.mark.parametrize("k, experts", [(K, E), (8, 256), (10, 512), (20, 64)])
+def test_one_tokens_rows_are_group_rows(k, experts):
+    """A single token's layout from constants equals the general one for its (ascending) experts."""
+    rng = np.random.default_rng(k)
+    for _ in range(5):
+        e = jnp.asarray(np.sort(rng.choice(experts, size=k, replace=False))[None], jnp.int32)
+        for got, want in zip(moe.one_token_rows(e, experts), moe.group_rows(e, experts)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_by_expert_index_orders_each_tokens_pairs_as_a_sort():
     rng = np.random.default_rng(5)
     e = np.stack([rng.choice(256, size=8, replace=False) for _ in range(33)]).astype(np.int32)

@@ -130,6 +130,21 @@ def group_rows(experts: jax.Array, n_experts: int):
     return row, block_expert, row_pair.astype(jnp.int32)
 
 
+def one_token_rows(experts: jax.Array, n_experts: int):
+    """group_rows for one token, experts [1, k] ascending and distinct (as by_expert_index leaves a
+    token's): pair j alone in block j at row j * BR, then the unused blocks, the layout group_rows gives
+    them, but built from constants and the experts themselves, with no counting or search (decode at
+    batch 1: fewer small launches per MoE layer)."""
+    k = experts.shape[-1]
+    block_rows = block_rows_for(k)
+    n_blocks = -(-k // block_rows) + min(n_experts, k)
+    row = jnp.arange(k, dtype=jnp.int32) * block_rows  # [k]
+    block_expert = jnp.full((n_blocks,), -1, jnp.int32).at[:k].set(experts.reshape(-1).astype(jnp.int32))
+    row_ids = jnp.arange(n_blocks * block_rows, dtype=jnp.int32)
+    row_pair = jnp.where((row_ids % block_rows == 0) & (row_ids < k * block_rows), row_ids // block_rows, -1)
+    return row, block_expert, row_pair
+
+
 def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kernels: KernelConfig) -> jax.Array:
     """The block's output [..., H] for x [..., H] (module doc), routed: each token's terms added in its
     experts' index order, as the reference adds them."""
@@ -138,7 +153,7 @@ def sparse_moe(p: dict, x: jax.Array, *, top_k: int, norm_topk_prob: bool, kerne
     n_experts, two_i = p["experts_gate_up"].shape[:2]
     logits, gate = router_logits(p, x2, kernels)
     w, e = by_expert_index(*route(logits, top_k, norm_topk_prob, kernels))  # [T, k]
-    row, block_expert, row_pair = group_rows(e, n_experts)
+    row, block_expert, row_pair = (one_token_rows if x2.shape[0] == 1 else group_rows)(e, n_experts)
     rows = jnp.where((row_pair >= 0)[:, None], x2[jnp.maximum(row_pair, 0) // top_k], 0)  # [R, H]
     gate_up = ops.expert_matmul(rows, block_expert, p["experts_gate_up"], kernels, out_dtype=x.dtype)  # [R, 2I]
     act = ops.swiglu(gate_up[:, :two_i // 2], gate_up[:, two_i // 2:], kernels, x.dtype)  # [R, I]
