@@ -10,9 +10,11 @@
 # limit (seconds; override with LIMIT_<step>=N) so a slow one cannot eat the others. The first bench
 # on a fresh machine also writes the ~30 GB checkpoint into the cache (H200: ~45 s, then ~30 s to load). A device call
 # limited to 10 minutes holds one step at these limits: name the steps one call at a time.
-# BENCH_ARGS is appended to both bench commands: the flagfile's whole table (K=1..4, 3 repeats,
-# the round breakdown) takes about 11 minutes at batch 1; BENCH_ARGS="--ks=3 --repeats=1
-# --breakdown=false" is the shorter run behind the README's rows. PYTHON: interpreter (python3).
+# BENCH_ARGS is appended to every step that ends in a qmtp.bench command (bench_*), BENCH_ARGS_<step> to
+# that step's instead (BENCH_ARGS_bench_long=--prompt_lengths=8192 leaves bench_sampling alone in one
+# call): the flagfile's whole table (K=1..4, 3 repeats, the round breakdown) takes about 11 minutes at
+# batch 1; BENCH_ARGS="--ks=3 --repeats=1 --breakdown=false" is the shorter run behind the README's
+# rows. PYTHON: interpreter (python3).
 # PROFILE=1: the chat_* and decode_* steps also trace the server's device work over the load and summarize
 # it (scripts/trace_summary.py) into $OUT/<step>_trace.txt.
 # The server steps (serve_*, chat_*) need fastapi, uvicorn and httpx: where the machine lacks them, run
@@ -57,10 +59,11 @@ server_packages() {
   "$PY" -c "import fastapi, uvicorn, httpx"
 }
 
-read -r -a EXTRA <<<"${BENCH_ARGS:-}"
 BENCH=("$PY" -m qmtp.bench --flagfile=configs/bench_27b_fp8_tp1.flags)
 status=0
 for s in "${steps[@]}"; do
+  step_args="BENCH_ARGS_$s"
+  read -r -a EXTRA <<<"${!step_args-${BENCH_ARGS:-}}"
   if [[ $SERVER_STEPS == *" $s "* ]] && ! server_packages; then
     echo "== $s: skipped (no server packages)"; status=1; continue
   fi

@@ -30,3 +30,14 @@ def test_an_unknown_step_is_refused(tmp_path):
     r = subprocess.run(["bash", SCRIPT, "no_such_step"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "unknown step 'no_such_step'" in r.stdout
+
+
+def test_bench_args_for_every_bench_step_or_one(tmp_path):
+    env = dict(os.environ, PYTHON="echo", OUT=str(tmp_path), BENCH_ARGS="--repeats=1",
+               BENCH_ARGS_bench_long="--prompt_lengths=8192")
+    subprocess.run(["bash", SCRIPT, "bench_long", "bench_sampling"], cwd=ROOT, env=env, capture_output=True,
+                   text=True, timeout=60)
+    long, sampling = ((tmp_path / f"{s}.log").read_text() for s in ("bench_long", "bench_sampling"))
+    # each command's own flags, then the extra ones last
+    assert long.split("\n")[0].endswith("bench_tp1_long.json --prompt_lengths=8192")
+    assert sampling.split("\n")[0].endswith("bench_tp1_sampling.json --repeats=1")
