@@ -229,6 +229,20 @@ def test_targets_name_the_pieces_of_a_miss():
     assert "its bytes allow 1.40x" in k3["note"]
 
 
+def test_a_batch_16_verify_is_checked_against_a_plain_step():
+    """Batch 16: the K=3 verify (64 rows) against the plain step, from the breakdown, with its bytes' ratio."""
+    breakdown = {"3": {"target_step": 0.0100, "verify": 0.0150}}
+    case = {"modes": [], "batch": 16, "breakdown": breakdown,
+            "bytes": {"target_total": 32e9, "verify": {"3": {"total": 39.36e9}}}}
+    (row,) = br.targets(case)
+    assert row["value"] == pytest.approx(1.5) and not row["met"] and row["note"] == "its bytes are 1.23x a step's"
+    assert "1.50x" in br.breakdown_table(breakdown)
+    breakdown["3"]["verify"] = 0.0130
+    (row,) = br.targets(case)
+    assert row["met"] and row["note"] == ""
+    assert br.targets(dict(case, batch=1)) == []  # the target names batch 16
+
+
 def test_targets_say_when_a_short_run_missed_its_profile():
     """A 128-token K=3 run: 0.83 / 0.69 / 0.57 realized for 0.85 / 0.70 / 0.57 is 0.02 off
     at the first position, so its speedup is not the profile's; 1024 tokens realized it."""

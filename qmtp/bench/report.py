@@ -283,14 +283,23 @@ def figure(result: dict):
 
 
 def breakdown_table(breakdown: dict) -> str:
-    """Milliseconds per piece of a round, per K (qmtp.bench.breakdown), with the measured round."""
+    """Milliseconds per piece of a round, per K (qmtp.bench.breakdown), with the measured round, and what
+    the verify pass costs in target steps."""
     names = ["target_step", "verify", "draft", "all_reduce", "predicted_round", "measured_round",
              "measured_plain_step"]
     names += [f"device_{n}" for n in names[:5]]  # busy time from a profiler trace (GPU runs)
     present = [n for n in names if any(n in v for v in breakdown.values())]
-    rows = [["K"] + present] + [[k] + [f"{v[n] * 1e3:.3f}" if n in v else "-" for n in present]
-                                for k, v in breakdown.items()]
+    rows = [["K"] + present + ["verify/step"]]
+    for k, v in breakdown.items():
+        ratio = verify_per_step(v)
+        rows.append([k] + [f"{v[n] * 1e3:.3f}" if n in v else "-" for n in present]
+                    + [f"{ratio:.2f}x" if ratio else "-"])
     return "milliseconds per piece of a round:\n" + aligned(rows)
+
+
+def verify_per_step(pieces: dict) -> float | None:
+    """A verify pass's time over a target step's (one K's breakdown pieces), None without both."""
+    return pieces["verify"] / pieces["target_step"] if pieces.get("verify") and pieces.get("target_step") else None
 
 
 def kernel_diff_table(pieces: dict, base: str = "target_step", other: str = "verify", top: int = 20) -> str:
@@ -313,6 +322,7 @@ def kernel_diff_table(pieces: dict, base: str = "target_step", other: str = "ver
 # PERFORMANCE.md's targets a single run can check (TP2 >= 1.6x TP1 needs two runs: compare their JSONs)
 PLAIN_ROOFLINE_TARGET = 0.75
 K3_PROFILED_SPEEDUP_TARGET = 2.5
+VERIFY_COST_TARGET = 1.35  # a K=3 verify of batch 16 (64 rows) against a plain batch-16 step
 # ... and the mixture-of-experts checkpoints' (roofline: the chosen experts' bytes)
 MOE_PLAIN_ROOFLINE_TARGET = 0.60
 MOE_K3_PROFILED_SPEEDUP_TARGET = 2.0
@@ -394,6 +404,15 @@ def targets(case: dict) -> list[dict]:
                          f"{k3['mean_accepted_length']:.2f} tokens: verify {three['verify'] * 1e3:.2f} ms, "
                          f"the rest (drafts, MTP refresh, commit) {(rnd - three['verify']) * 1e3:.2f} ms")
         row["note"] = "; ".join(n for n in notes if n)
+        out.append(row)
+    ratio = verify_per_step((case.get("breakdown") or {}).get("3", {}))
+    if case.get("batch") == 16 and ratio:
+        row = {"target": "a K=3 verify of 16 rows <= 1.35x a plain step", "value": ratio,
+               "goal": VERIFY_COST_TARGET, "met": ratio <= VERIFY_COST_TARGET, "note": ""}
+        bytes_ = case.get("bytes") or {}
+        verify, plain_bytes = bytes_.get("verify", {}).get("3"), bytes_.get("target_total")
+        if not row["met"] and verify and plain_bytes:
+            row["note"] = f"its bytes are {verify['total'] / plain_bytes:.2f}x a step's"
         out.append(row)
     for name, what in (("plain", "a plain step"), ("mtp K=3 natural", "a K=3 round")):
         if "sampling_cost" in modes.get(name, {}):
