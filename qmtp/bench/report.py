@@ -407,7 +407,7 @@ def targets(case: dict) -> list[dict]:
         out.append(row)
     ratio = verify_per_step((case.get("breakdown") or {}).get("3", {}))
     if case.get("batch") == 16 and ratio:
-        row = {"target": "a K=3 verify of 16 rows <= 1.35x a plain step", "value": ratio,
+        row = {"target": "a K=3 verify at batch 16 (64 rows) <= 1.35x a plain step", "value": ratio,
                "goal": VERIFY_COST_TARGET, "met": ratio <= VERIFY_COST_TARGET, "note": ""}
         bytes_ = case.get("bytes") or {}
         verify, plain_bytes = bytes_.get("verify", {}).get("3"), bytes_.get("target_total")
