@@ -130,7 +130,7 @@ def test_breakdown_table_adds_the_device_columns_when_measured():
     wall = {"3": {"verify": 0.0105, "draft": 0.0006, "predicted_round": 0.0123}}
     assert "device_" not in br.breakdown_table(wall)  # a CPU run
     header = br.breakdown_table({"3": dict(wall["3"], device_verify=0.0099, device_draft=0.0005)}).splitlines()[1]
-    assert header.split()[-2:] == ["device_verify", "device_draft"]
+    assert header.split()[-3:] == ["device_verify", "device_draft", "verify/step"]  # no target_step: "-"
 
 
 def test_kernel_diff_table_orders_the_kinds_by_what_verify_adds():
