@@ -14,7 +14,8 @@ impl: pallas (the default config, plus candidate_configs with `sweep`), pallas_a
 activations, `act_quant=True`; rel_err_a8 against fp8_act_quant's reference), xla (fp8_matmul_ref:
 dequantize + einsum), xla_bf16 (bf16 weights, plain einsum), dequant_dot (prefill rows: a
 materialized bf16 dequantize, then XLA's dot, on the weights as the engine loads them: tiled where they
-tile, whatever --fp8_layout says; from the checkpoint layout the kernel would first copy them into tiles). rel_err: max |y - y_ref| / max |y_ref| of the first
+tile, whatever --fp8_layout says; from the checkpoint layout the kernel would first copy them into
+tiles). rel_err: max |y - y_ref| / max |y_ref| of the first
 output against exact x. A per-step aggregate weights each shape by its count in a decode step.
 """
 
@@ -180,9 +181,10 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
         # weights rotated per call so that none is read from L2; one far past L2 needs few
         n = 2 if quick else 4 if o * i >= 8 * L2_BYTES else min(96, max(16, math.ceil(8 * L2_BYTES / (o * i))))
         ws, ss = make_weights(o, i, n, seed=si)
-        tiled = layout == "tiled" and fp8_layout.tile_rows_for(o, i) is not None
-        ws_pallas = tuple(fp8_layout.tile_as_loaded(w) for w in ws) if tiled else ws
         ws_loaded = tuple(fp8_layout.tile_as_loaded(w) for w in ws)  # the engine's layout (dequant_dot)
+        loaded_tiled = fp8_layout.tile_rows_for(o, i) is not None
+        tiled = layout == "tiled" and loaded_tiled
+        ws_pallas = ws_loaded if tiled else ws
         bf16 = None
         for m in (*decode_ms, *prefill_ms):
             x = jax.random.normal(jax.random.key(m), (m, i), jnp.float32).astype(jnp.bfloat16)
@@ -204,8 +206,8 @@ def run(copy_tb_s: float, emit, *, quick: bool = False, interpret: bool = False,
             for impl, config in runs:
                 row = {"kernel": "fp8_matmul", "case": f"{o}x{i} M={m}", "o": o, "i": i, "m": m, "impl": impl,
                        "tensors": sorted(set(keys)), "count_per_step": len(keys), "n_weights": n,
-                       "layout": ("tiled" if tiled and impl.startswith("pallas") or impl == "dequant_dot"
-                                  and ws_loaded[0].ndim == 4 else "checkpoint")}
+                       "layout": "tiled" if (impl.startswith("pallas") and tiled
+                                             or impl == "dequant_dot" and loaded_tiled) else "checkpoint"}
                 try:
                     if impl.startswith("pallas"):
                         a8 = impl == "pallas_a8"

@@ -35,6 +35,7 @@ import numpy as np
 
 from pallas_kernels import moe_matmul
 from pallas_kernels.bench import common
+from pallas_kernels.fp8_matmul import dequantize_ref
 
 EXPERTS, HIDDEN, WIDTH = 256, 2048, 512
 CASES = {"decode": (8, 9), "verify": (16, 34)}  # (experts used, blocks)
@@ -145,12 +146,6 @@ def _prefill(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, r
               "share_of_copy": nbytes / t / 1e12 / copy_tb_s, "tflop_s": 2 * pairs * o * i / t / 1e12, "rel_err": err})
 
 
-def _dequantize(w: jax.Array, s: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
-    """E4M3 experts [X, O, I] with block scales [X, O/128, I/128] in dtype (XLA: one fused elementwise pass)."""
-    full = jnp.repeat(jnp.repeat(s, 128, axis=1), 128, axis=2)[:, :w.shape[1], :w.shape[2]]  # [X, O, I]
-    return (w.astype(jnp.float32) * full).astype(dtype)
-
-
 def _ragged(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, rng, emit) -> None:
     """XLA's grouped GEMM on a prefill chunk's pairs (module doc): two rows, dequantizing in each call or not."""
     _, o, i = w.shape
@@ -168,27 +163,22 @@ def _ragged(proj: str, w, s, experts: int, copy_tb_s: float, interpret: bool, rn
         return jax.lax.ragged_dot_general(x, wb, sizes, dims, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     @jax.jit
-    def dequant_each(x, w, s, group_sizes):
+    def calls_of(x, weights, group_sizes):  # weights: (w, s) dequantized in each call, or (bf16 w,)
         def body(c, acc):
-            return acc + grouped(x, _dequantize(w, s), group_sizes[c])[0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, group_sizes.shape[0], body, jnp.float32(0))
-
-    @jax.jit
-    def dequantized(x, wb, group_sizes):
-        def body(c, acc):
+            wb = dequantize_ref(*weights, jnp.bfloat16) if len(weights) == 2 else weights[0]
             return acc + grouped(x, wb, group_sizes[c])[0, 0].astype(jnp.float32)
         return jax.lax.fori_loop(0, group_sizes.shape[0], body, jnp.float32(0))
 
-    wb = jax.jit(_dequantize)(w, s)
+    wb = jax.jit(dequantize_ref, static_argnums=2)(w, s, jnp.bfloat16)
     head = 64
     rows = jnp.repeat(jnp.arange(experts), group_sizes[0], total_repeat_length=pairs)[:head]  # each row's expert
-    ref = jnp.einsum("ri,roi->ro", x[:head].astype(jnp.float32), _dequantize(w[rows], s[rows], jnp.float32),
+    ref = jnp.einsum("ri,roi->ro", x[:head].astype(jnp.float32), dequantize_ref(w[rows], s[rows]),
                      precision=jax.lax.Precision.HIGHEST)  # [head, O]
     got = grouped(x, wb, group_sizes[0])[:head].astype(jnp.float32)
     err = float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
     trials = 1 if interpret else 5
-    for impl, t in (("xla_dequant_ragged_dot", common.timed(dequant_each, x, w, s, group_sizes, trials=trials)[0]),
-                    ("xla_ragged_dot", common.timed(dequantized, x, wb, group_sizes, trials=trials)[0])):
+    for impl, t in (("xla_dequant_ragged_dot", common.timed(calls_of, x, (w, s), group_sizes, trials=trials)[0]),
+                    ("xla_ragged_dot", common.timed(calls_of, x, (wb,), group_sizes, trials=trials)[0])):
         t /= calls
         nbytes = experts * o * i * (1 if impl == "xla_dequant_ragged_dot" else 2)  # the E4M3 weights, or bf16
         tb_s = nbytes / t / 1e12
