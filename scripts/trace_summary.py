@@ -43,45 +43,52 @@ def find_trace(path: str) -> str:
 GAP_BUCKETS_US = (5, 20, 100, 1000)  # idle gaps counted as < 5 us, 5-20, 20-100, 100-1000, >= 1000
 
 
-def idle_gaps(events: list[dict], top: int = 10) -> dict:
+def device_gaps(events: list[dict]) -> list[tuple]:
     """The device's idle gaps between kernels: where no event runs, from the end of the union of the
-    events so far to the next start. A sync of the host (a while loop's or a cond's predicate read,
-    as XLA on the GPU does) shows as a gap before the kernels that follow it; launch-bound stretches
-    as many short gaps. Returns per-bucket counts and microseconds, the largest gaps with the kernels on
-    either side, and the gaps split by where they fall: inside one run of a program (the kernels on
-    both sides carry the same args hlo_module and run_id: the program's own control flow or launches)
-    or between runs (the host's work between device calls), the inside ones summed per program. A trace
-    without run ids counts back-to-back runs of one program as one run."""
+    events so far to the next start, each (start us, end us, kernel before, kernel after, program) with
+    program the args hlo_module of the kernels on both sides where they belong to one run of it (same
+    hlo_module and run_id: the program's own control flow or launches), else None (between runs: the
+    host's work between device calls). A trace without run ids counts back-to-back runs of one program
+    as one run."""
     evs = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?"), _run(e)) for e in events)
     gaps, end, last, last_run = [], float("-inf"), None, None
-    in_run = collections.defaultdict(lambda: [0, 0.0])
     for a, b, name, run in evs:
         if last is not None and a > end:
-            gaps.append((a - end, last, name))
-            if run is not None and run == last_run:
-                in_run[run[0]][0] += 1
-                in_run[run[0]][1] += a - end
+            gaps.append((end, a, last, name, run[0] if run is not None and run == last_run else None))
         if b > end:
             end, last, last_run = b, name, run
-    edges = (0,) + GAP_BUCKETS_US + (float("inf"),)
-    buckets = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        inside = [g for g, _, _ in gaps if lo <= g < hi]
-        buckets.append({"from_us": lo, "to_us": hi, "count": len(inside), "us": sum(inside)})
-    largest = sorted(gaps, key=lambda g: -g[0])[:top]
-    total = sum(g for g, _, _ in gaps)
-    inside_us = sum(t for _, t in in_run.values())
-    return {"count": len(gaps), "us": total, "buckets": buckets,
-            "largest": [{"us": g, "after": p, "before": n} for g, p, n in largest],
-            "inside_runs_us": inside_us, "between_runs_us": total - inside_us,
-            "inside_by_program": [{"program": n, "count": c, "us": t}
-                                  for n, (c, t) in sorted(in_run.items(), key=lambda kv: -kv[1][1])[:top]]}
+    return gaps
 
 
 def _run(event: dict):
     """(program, run id) of a kernel event, None where the trace does not say."""
     args = event.get("args", {})
     return (args["hlo_module"], args.get("run_id")) if "hlo_module" in args else None
+
+
+def idle_gaps(gaps: list[tuple], top: int = 10) -> dict:
+    """device_gaps summed: per-bucket counts and microseconds, the largest gaps with the kernels on
+    either side, and the time inside a program's run against between runs, the inside summed per program.
+    A sync of the host (a while loop's or a cond's predicate read, as XLA on the GPU does) shows as a gap
+    before the kernels that follow it; launch-bound stretches as many short gaps."""
+    edges = (0,) + GAP_BUCKETS_US + (float("inf"),)
+    buckets = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = [b - a for a, b, *_ in gaps if lo <= b - a < hi]
+        buckets.append({"from_us": lo, "to_us": hi, "count": len(inside), "us": sum(inside)})
+    in_run = collections.defaultdict(lambda: [0, 0.0])
+    for a, b, _, _, program in gaps:
+        if program is not None:
+            in_run[program][0] += 1
+            in_run[program][1] += b - a
+    largest = sorted(gaps, key=lambda g: g[0] - g[1])[:top]
+    total = sum(b - a for a, b, *_ in gaps)
+    inside_us = sum(t for _, t in in_run.values())
+    return {"count": len(gaps), "us": total, "buckets": buckets,
+            "largest": [{"us": b - a, "after": p, "before": n} for a, b, p, n, _ in largest],
+            "inside_runs_us": inside_us, "between_runs_us": total - inside_us,
+            "inside_by_program": [{"program": n, "count": c, "us": t}
+                                  for n, (c, t) in sorted(in_run.items(), key=lambda kv: -kv[1][1])[:top]]}
 
 
 def per_program(events: list[dict], top: int) -> list[dict]:
@@ -95,18 +102,12 @@ def per_program(events: list[dict], top: int) -> list[dict]:
     return [{"program": n, "kernels": c, "us": t} for n, (c, t) in ranked]
 
 
-def host_during_gaps(device_events: list[dict], host_events: list[dict], min_gap_us: float,
-                     top: int) -> dict:
-    """The host's Python frames (events named "$file:line function") during the device's idle gaps of at
-    least min_gap_us: per frame name, the summed overlap of its events with those gaps (a caller's
-    includes its callees'), most first."""
-    evs = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device_events)
-    gaps, end = [], float("-inf")
-    for a, b in evs:
-        if end > float("-inf") and a - end >= min_gap_us:
-            gaps.append((end, a))
-        end = max(end, b)
-    starts = [g[0] for g in gaps]
+def host_during_gaps(gaps: list[tuple], host_events: list[dict], min_gap_us: float, top: int) -> dict:
+    """The host's Python frames (events named "$file:line function") during the device's idle gaps
+    (device_gaps) of at least min_gap_us: per frame name, the summed overlap of its events with those
+    gaps (a caller's includes its callees'), most first."""
+    gaps = [(a, b) for a, b, *_ in gaps if b - a >= min_gap_us]
+    starts = [a for a, _ in gaps]
     overlap = collections.defaultdict(float)
     for e in host_events:
         name = e.get("name", "")
@@ -129,6 +130,7 @@ def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15, ga
     host = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") not in by_pid]
     out = []
     for pid, evs in sorted(by_pid.items()):
+        gaps = device_gaps(evs)
         intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]
         span = max(b for _, b in intervals) - min(a for a, _ in intervals)
         per_name = collections.defaultdict(lambda: [0, 0.0])
@@ -141,8 +143,8 @@ def summarize(events: list[dict], process_filter: str = "GPU", top: int = 15, ga
                     "summed_us": sum(float(e["dur"]) for e in evs), "span_us": span, "busy_us": busy,
                     "busy_share": busy / span if span > 0 else 0.0,
                     "top": [{"name": n, "count": c, "us": t} for n, (c, t) in ranked],
-                    "programs": per_program(evs, top), "idle_gaps": idle_gaps(evs),
-                    "host_during_gaps": host_during_gaps(evs, host, gap_us, top)})
+                    "programs": per_program(evs, top), "idle_gaps": idle_gaps(gaps),
+                    "host_during_gaps": host_during_gaps(gaps, host, gap_us, top)})
     return out
 
 
