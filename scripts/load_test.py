@@ -145,24 +145,19 @@ async def wait_ready(client: httpx.AsyncClient, limit_s: float) -> None:
                      f"(last: {last})")
 
 
-async def prefix_cache_metrics(client: httpx.AsyncClient) -> dict:
-    """The server's qmtp_prefix_cache_* samples from GET /metrics ({} when it has none)."""
-    try:
-        text = (await client.get("/metrics")).text
-    except httpx.HTTPError:
-        return {}
-    return {name.removeprefix("qmtp_prefix_cache_"): float(value) for name, value in
-            (line.split(" ", 1) for line in text.splitlines() if line.startswith("qmtp_prefix_cache_"))}
-
-
-async def server_counters(client: httpx.AsyncClient) -> dict:
-    """The server's unlabelled counters (`*_total` samples) from GET /metrics ({} when it has none)."""
+async def metric_samples(client: httpx.AsyncClient) -> dict:
+    """The server's unlabelled samples from GET /metrics, name -> value ({} when it has none)."""
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
         return {}
     samples = (line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {name: float(value) for name, value in samples if name.endswith("_total") and "{" not in name}
+    return {name: float(value) for name, value in samples if "{" not in name}
+
+
+def counters(samples: dict) -> dict:
+    """The `*_total` samples (counters) of metric_samples."""
+    return {name: v for name, v in samples.items() if name.endswith("_total")}
 
 
 async def profile(client: httpx.AsyncClient, action: str) -> str:
@@ -183,7 +178,7 @@ async def run(args) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
         await wait_ready(client, args.wait_ready_s)
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        counters_before = await server_counters(client)
+        counters_before = counters(await metric_samples(client))
         if args.profile:
             await profile(client, "start")
         taken, results = 0, []  # requests taken by the clients' conversations (each one its turns)
@@ -225,8 +220,10 @@ async def run(args) -> dict:
         elapsed = time.perf_counter() - start
         if args.profile:
             print(f"profile written to {await profile(client, 'stop')}", flush=True)
-        metrics = await prefix_cache_metrics(client)
-        counters_after = await server_counters(client)
+        samples = await metric_samples(client)
+    prefix_cache = {n.removeprefix("qmtp_prefix_cache_"): v for n, v in samples.items()
+                    if n.startswith("qmtp_prefix_cache_")}
+    counters_after = counters(samples)
     ok = [r for r in results if r["ok"]]
     errors: dict = {}
     for r in results:
@@ -249,7 +246,7 @@ async def run(args) -> dict:
                             / len(rs), "ttft_s": percentiles([r["ttft_s"] for r in rs if r.get("ttft_s") is not None]),
                             "latency_s": percentiles([r["latency_s"] for r in rs])}
                            for t in range(args.turns) if (rs := [r for r in ok if r["turn"] == t])]
-        report["prefix_cache"] = metrics
+        report["prefix_cache"] = prefix_cache
     if long is not None:
         report["long_prompt"] = {"prompt_tokens": args.long_prompt_tokens, "generated_tokens": long.get("tokens"),
                                  **{k: long.get(k) for k in ("ok", "status", "ttft_s", "latency_s")}}
