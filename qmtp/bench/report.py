@@ -70,10 +70,14 @@ def step_bytes(params: dict, state, context: int, moe_top_k: int | None = None, 
     mtp_kv_pos = sum(k.shape[2] * k.shape[3] * k.dtype.itemsize for k in state.mtp_kv.k) * 2
     lm_head = params["lm_head"] if "lm_head" in params else params["embed"]
     target_params = {k: v for k, v in params.items() if k not in ("embed", "mtp")}
-    target = {"weights": nbytes(target_params) - _unread_expert_bytes(target_params, moe_top_k, state.batch)
-              + (0 if "lm_head" in params else nbytes(lm_head)),
-              "gdn_state": 2 * nbytes(state.ssm), "conv_state": 2 * nbytes(state.conv),
-              "kv": kv_pos * context * state.batch}
+    all_weights = nbytes(target_params) + (0 if "lm_head" in params else nbytes(lm_head))
+
+    def target_pass(tokens: int, state_moves: int) -> dict:  # a pass of `tokens` tokens over the batch
+        return {"weights": all_weights - _unread_expert_bytes(target_params, moe_top_k, tokens),
+                "gdn_state": state_moves * nbytes(state.ssm), "conv_state": state_moves * nbytes(state.conv),
+                "kv": kv_pos * context * state.batch}
+
+    target = target_pass(state.batch, 2)  # the states read and written once
     mtp_params = params.get("mtp", {})
     # a draft reads the FP8 draft head when the model has one (qmtp.load's draft_head), else lm_head
     draft_head = mtp_params.get("draft_head", lm_head)
@@ -81,11 +85,8 @@ def step_bytes(params: dict, state, context: int, moe_top_k: int | None = None, 
     draft = {"mtp_weights": nbytes(mtp_layers) - _unread_expert_bytes(mtp_layers, moe_top_k, state.batch),
              "lm_head": nbytes(draft_head), "kv": mtp_kv_pos * context * state.batch}
     verify = {}
-    for k in verify_ks:
-        tokens = state.batch * (k + 1)
-        parts = dict(target, gdn_state=(k + 2) * nbytes(state.ssm), conv_state=(k + 2) * nbytes(state.conv),
-                     weights=target["weights"] + _unread_expert_bytes(target_params, moe_top_k, state.batch)
-                     - _unread_expert_bytes(target_params, moe_top_k, tokens))
+    for k in verify_ks:  # K+1 tokens per sequence, the states read once and written after each
+        parts = target_pass(state.batch * (k + 1), k + 2)
         verify[str(k)] = dict(parts, total=sum(parts.values()))
     return {"batch": state.batch, "target": target, "draft": draft, "target_total": sum(target.values()),
             "draft_total": sum(draft.values()), "verify": verify}
