@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from qmtp.bench import report as br
+from qmtp.bench import targets as bt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,16 +215,16 @@ def test_targets_name_the_pieces_of_a_miss():
     breakdown = {"3": {"measured_round": 0.0161, "measured_plain_step": 0.0127, "verify": 0.0135,
                        "all_reduce": 0.002}}
     case = {"modes": modes, "breakdown": breakdown, "batch": 1, "roofline": {"plain_tok_s": 130.0}}
-    plain, k3 = br.targets(case)
+    plain, k3 = bt.check(case)
     assert not plain["met"] and "12.70 ms against 7.69 ms" in plain["note"] and "all-reduces 2.00 ms" in plain["note"]
     assert not k3["met"] and "1.27 plain steps for 2.98 tokens" in k3["note"] and "the rest" in k3["note"]
-    text = br.targets_text([plain, k3])
+    text = bt.text([plain, k3])
     assert text.count("target missed") == 2
     modes[0]["share_of_roofline"], modes[1]["speedup"] = 0.8, 2.6
-    assert all(r["met"] and not r["note"] for r in br.targets(case))
+    assert all(r["met"] and not r["note"] for r in bt.check(case))
     # an MoE checkpoint's own targets; a K=3 miss says what the round's bytes allow
     modes[0]["share_of_roofline"], modes[1]["speedup"], modes[1]["ceiling_tok_s"] = 0.62, 1.4, 182.0
-    plain, k3 = br.targets(dict(case, moe=True))
+    plain, k3 = bt.check(dict(case, moe=True))
     assert plain["met"] and plain["target"] == "plain decode >= 60% of the bandwidth roofline"
     assert not k3["met"] and k3["target"] == "MTP K=3 with the default profile >= 2x plain"
     assert "its bytes allow 1.40x" in k3["note"]
@@ -234,13 +235,13 @@ def test_a_batch_16_verify_is_checked_against_a_plain_step():
     breakdown = {"3": {"target_step": 0.0100, "verify": 0.0150}}
     case = {"modes": [], "batch": 16, "breakdown": breakdown,
             "bytes": {"target_total": 32e9, "verify": {"3": {"total": 39.36e9}}}}
-    (row,) = br.targets(case)
+    (row,) = bt.check(case)
     assert row["value"] == pytest.approx(1.5) and not row["met"] and row["note"] == "its bytes are 1.23x a step's"
     assert "1.50x" in br.breakdown_table(breakdown)
     breakdown["3"]["verify"] = 0.0130
-    (row,) = br.targets(case)
+    (row,) = bt.check(case)
     assert row["met"] and row["note"] == ""
-    assert br.targets(dict(case, batch=1)) == []  # the target names batch 16
+    assert bt.check(dict(case, batch=1)) == []  # the target names batch 16
 
 
 def test_targets_say_when_a_short_run_missed_its_profile():
@@ -249,13 +250,13 @@ def test_targets_say_when_a_short_run_missed_its_profile():
     k3 = {"name": "mtp K=3 profiled", "speedup": 2.47, "mean_accepted_length": 3.10,
           "imposed_profile": [0.85, 0.70, 0.57], "position_acceptance": [0.8333, 0.6905, 0.5714]}
     case = {"modes": [k3], "batch": 1}
-    (row,) = br.targets(case)
+    (row,) = bt.check(case)
     assert "0.83 / 0.69 / 0.57 strays from the profile 0.85 / 0.70 / 0.57" in row["note"]
     assert "--max_new_tokens" in row["note"]
     k3.update(speedup=2.57, position_acceptance=[0.8506, 0.6996, 0.5703])
-    (row,) = br.targets(case)
+    (row,) = bt.check(case)
     assert row["met"] and row["note"] == ""
-    assert br.profile_shortfall({"name": "mtp K=3 natural", "position_acceptance": [1.0, 1.0, 1.0]}) == ""
+    assert bt.profile_shortfall({"name": "mtp K=3 natural", "position_acceptance": [1.0, 1.0, 1.0]}) == ""
 
 
 def test_in_program_copy_keeps_every_pass_and_reports_both_clocks():
@@ -477,7 +478,7 @@ def test_sampling_cost_compares_time_per_round_with_the_greedy_twin():
     assert cost["sampled_round_s"] == pytest.approx(0.0105) and cost["sampling_cost"] == pytest.approx(0.05)
     modes = [dict(name="plain", **br.sampling_cost(greedy, greedy)), dict(name="mtp K=3 natural", **cost)]
     assert "+5.0%" in br.sampling_cost_table(modes)
-    rows = {r["target"]: r["met"] for r in br.targets({"modes": modes, "batch": 1})}
+    rows = {r["target"]: r["met"] for r in bt.check({"modes": modes, "batch": 1})}
     assert rows == {"sampling adds <= 3% to a plain step": True, "sampling adds <= 3% to a K=3 round": False}
 
 

@@ -145,7 +145,7 @@ def _run() -> int:
 
     import qmtp
     from qmtp import api
-    from qmtp.bench import bandwidth, report as br
+    from qmtp.bench import bandwidth, report as br, targets
     from qmtp.bench.bandwidth import copy_bandwidth
     from qmtp.runtime import ops
     batches, lengths = [int(b) for b in FLAGS.batch], [int(p) for p in FLAGS.prompt_lengths]
@@ -231,7 +231,7 @@ def _run() -> int:
                     print(br.sampling_cost_table(case["modes"]))
                 for k, pieces in (case.get("breakdown_kernels") or {}).items():
                     print(f"K={k}: " + br.kernel_diff_table(pieces))
-                case["targets"] = br.targets(case)
+                case["targets"] = targets.check(case)
                 comparison = br.compare(case, FLAGS.tp, other) if other else None
                 if comparison:
                     case["comparison"] = dict(comparison, path=FLAGS.compare_to)
@@ -240,7 +240,7 @@ def _run() -> int:
                 elif other:
                     print(f"{FLAGS.compare_to} has no case with engine {engine}, batch {b}, prompt {p}: not compared")
                 if case["targets"] and jax.default_backend() != "cpu":  # GPU targets (PERFORMANCE.md)
-                    print(br.targets_text(case["targets"]))
+                    print(targets.text(case["targets"]))
     if len(engines) > 1:
         result["engine_comparison"] = br.engine_comparison(result["cases"], engines)
         print(f"\ndecode tok/s by engine ({engines[0]} / {engines[1]}):")
