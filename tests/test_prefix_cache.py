@@ -227,6 +227,22 @@ def test_a_response_a_stop_string_cut_is_not_kept(model):
     assert engine.stop(10)
 
 
+def test_requests_finishing_together_are_kept_before_any_finishes(model):
+    """Three requests the device finishes in one decode call: the three ends are kept, then the three
+    requests finish. A checkpoint between two finishes would delay the later clients, so that the early
+    ones' next requests reach an admission alone (more passes of fewer rows)."""
+    engine = Engine(model, config(3, 1 << 24, stop_token_ids=()))
+    events = []
+    take, finish = engine._device.take_gdn_rows, engine._finish
+    engine._device.take_gdn_rows = lambda slot: events.append("keep") or take(slot)
+    engine._finish = lambda handle, *a, **kw: events.append("finish") or finish(handle, *a, **kw)
+    rng = np.random.default_rng(31)
+    handles = [engine.submit(rng.integers(0, 380, 12).tolist(), 2) for _ in range(SLOTS)]  # one round each after
+    engine._iteration()  # the prefill of all three and the decode call
+    assert all(h.finished for h in handles) and len(engine.prefix) == SLOTS
+    assert events == ["keep"] * SLOTS + ["finish"] * SLOTS
+
+
 def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
     """A hit resumes at a boundary; a seeded, logprobs request then gets qmtp.generate's tokens and values."""
     engine = Engine(model, config(2, 1 << 24)).start()

@@ -447,7 +447,7 @@ class Engine:
         [n, 1] of the prefill, the token's at `row`."""
         self._deliver(slot, [token], logprobs, row)
         if slot in self._active and (token in handle.stop_ids or handle.max_tokens == 1):
-            self._release_done(slot)  # done on the device too (the prefill's done flag)
+            self._release_done([slot])  # done on the device too (the prefill's done flag)
 
     # ---- decoding and delivery ----------------------------------------------------------------------
     def _run_loop(self) -> None:
@@ -471,14 +471,11 @@ class Engine:
             self.sampled_position_accepts += stats["sampled_position_accepts"]
             if self.adaptive:
                 self.k_rounds += stats["k_rounds"]
-        for slot in list(self._active):
-            if slot in self.passes.pending:  # done on the device until its last piece
-                continue
+        for slot in decoding:  # every slot's tokens first, then the finishes (_release_done)
             tokens = out[slot, :count[slot]].tolist()
             if tokens:
                 self._deliver(slot, tokens, lp, slot)
-            if slot in self._active and done[slot]:
-                self._release_done(slot)
+        self._release_done([slot for slot in decoding if slot in self._active and done[slot]])
 
     def _round_costs(self) -> np.ndarray | None:
         """What the loop chooses K from (adaptive; None: K = self.k every round): the seconds the warm-up
@@ -509,18 +506,26 @@ class Engine:
         if active.stream is not None and active.stream.stopped:
             self._release(slot, "stop")
 
-    def _release_done(self, slot: int) -> None:
-        """Releases a slot the device marked done itself (a stop id or max_tokens): nothing to retire."""
-        handle = self._active[slot].handle
-        self._release(slot, "stop" if handle.tokens[-1] in handle.stop_ids else "length", retire=False)
+    def _release_done(self, slots: list[int]) -> None:
+        """Releases slots the device marked done itself (a stop id or max_tokens): nothing to retire. With
+        the prefix cache their ends are kept first, all before any of the requests finishes: a finished
+        client's next request then meets the next admission with the others' (a checkpoint between two
+        finishes let some arrive a scheduling point earlier, alone: 153 prefill passes instead of 115 for
+        256 requests in 8 clients, H100)."""
+        if self.prefix is not None:
+            for slot in slots:
+                active = self._active[slot]
+                if active.handle.id >= 0:  # not a warm-up request
+                    self.passes.keep_response_end(slot, active.handle, active.reservation)
+        for slot in slots:
+            handle = self._active[slot].handle
+            self._release(slot, "stop" if handle.tokens[-1] in handle.stop_ids else "length", retire=False)
 
     def _release(self, slot: int, reason: str, error: str | None = None, retire: bool = True) -> None:
         """Finishes the slot's request and returns its pages and the slot: the only place that does. A slot
         still live on the device is retired there before the next device call."""
         active = self._active.pop(slot)
         self.passes.pending.pop(slot, None)
-        if self.prefix is not None and not retire and active.handle.id >= 0:  # finished on the device
-            self.passes.keep_response_end(slot, active.handle, active.reservation)
         self.allocator.release(active.reservation)
         if retire:
             self._retire_mask[slot] = True
