@@ -311,7 +311,8 @@ def test_waiting_prompts_share_a_prefill_and_give_the_same_tokens(model, referen
     engine.start()
     assert [h.result(300).tokens for h in handles] == reference
     assert engine.counters["admitted"] == len(PROMPTS)
-    assert engine.counters["prefills"] < len(PROMPTS)  # at least one pass held several prompts
+    assert engine.counters["prefills"] == len(PROMPTS)
+    assert engine.counters["prefill_passes"] < len(PROMPTS)  # at least one pass held several prompts
     assert engine.stop(5)
     assert_all_free(engine)
 
@@ -321,7 +322,7 @@ def test_one_prompt_per_pass_when_asked_and_first_token_finishes(model, referenc
     handles = [engine.submit(p, 14) for p in PROMPTS[:SLOTS]]
     engine.start()
     assert [h.result(300).tokens for h in handles] == reference[:SLOTS]
-    assert engine.counters["prefills"] == SLOTS
+    assert engine.counters["prefill_passes"] == engine.counters["prefills"] == SLOTS
     assert engine.stop(5)
     batched = make_engine(model, 2, start=False)
     short = [batched.submit(p, 1) for p in PROMPTS[:SLOTS]]  # each ends with its first token
@@ -396,7 +397,7 @@ def test_warmup_compiles_every_prompt_bucket_so_no_request_compiles(model):
         warm.start()
         results = [h.result(300) for h in handles]
     assert compiles == [] and lines == []
-    assert warm.counters["prefills"] == 7
+    assert warm.counters["prefill_passes"] == 7 and warm.counters["prefills"] == len(order)
     assert results[-1].tokens == results[2].tokens
     assert warm.stop(5)
     assert_all_free(warm)

@@ -54,7 +54,7 @@ def test_long_prompts_in_pieces_give_generate_tokens(chunked, k):
     handles = [engine.submit(p, 6) for p in LONG]
     got = [h.result(300).tokens for h in handles]
     assert got == want
-    assert engine.counters["prefill_pieces"] == sum(pieces(len(p)) for p in LONG)
+    assert engine.counters["prefill_passes"] == sum(pieces(len(p)) for p in LONG)
     assert engine.stop(5)
     assert_all_free(engine)
 
@@ -104,7 +104,7 @@ def test_cancelling_a_long_prompt_between_pieces_frees_its_slot_and_pages(chunke
     engine = make_engine(chunked, 0, start=False)
     long = engine.submit(LONG[1], 4)
     engine._iteration()  # admitted, first piece
-    assert engine.passes.pending and engine.counters["prefill_pieces"] == 1
+    assert engine.passes.pending and engine.counters["prefill_passes"] == 1
     long.cancel()
     engine._iteration()
     assert long.finished and long.result(1).finish_reason == "cancelled" and not engine.passes.pending
@@ -211,6 +211,6 @@ def test_tp2_pieces_equal_tp1_generate(ckpt, chunked):
     engine = make_engine(tp2, 2)
     got = engine.generate(LONG[1], 6, timeout=300).tokens
     assert got == qmtp.generate(chunked, [LONG[1]], max_new_tokens=6, mtp_k=2).tokens[0]
-    assert engine.counters["prefill_pieces"] == pieces(len(LONG[1]))
+    assert engine.counters["prefill_passes"] == pieces(len(LONG[1]))
     assert engine.stop(5)
     assert_all_free(engine)

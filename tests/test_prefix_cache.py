@@ -93,7 +93,7 @@ def assert_only_the_cache_holds_pages(engine: Engine) -> None:
 def test_conversations_with_the_cache_equal_those_without(model, k):
     sent, compared, on = run_workload(model, k, seed=k, n_conv=6, turns=4)
     assert sent == 24 and compared >= 15
-    assert on.counters["prefill_piece_rows"] > on.counters["prefill_pieces"]  # some passes held several prompts
+    assert on.counters["prefill_pass_rows"] > on.counters["prefill_passes"]  # some passes held several prompts
     assert on.prefix.hits >= 6 and on.end_hits >= 3 and on.prefix.evicted > 0, (on.prefix.hits, on.end_hits,
                                                                                  on.prefix.evicted)
     assert_only_the_cache_holds_pages(on)
@@ -166,9 +166,9 @@ def test_a_prompt_that_shares_nothing_is_prefilled_in_one_pass(model):
     prompt = np.random.default_rng(13).integers(0, 380, 3 * BLOCK + 5).tolist()
     on = Engine(model, config(3, 1 << 24))
     _prefilled_state(on, [prompt])
-    assert on.counters["prefill_pieces"] == 1 and len(on.prefix) == 0
+    assert on.counters["prefill_passes"] == 1 and len(on.prefix) == 0
     _prefilled_state(on, [prompt, prompt])
-    assert on.counters["prefill_pieces"] == 1 + 2 + 1
+    assert on.counters["prefill_passes"] == 1 + 2 + 1
     assert (on.prefix.hits, on.prefix.hit_tokens) == (1, 3 * BLOCK)
 
 
@@ -308,7 +308,7 @@ def test_prompts_arriving_together_share_passes(model):
     want = [qmtp.generate(model, [p], 4, mtp_k=2).tokens[0] for p in prompts]
     assert [h.result(300).tokens for h in handles] == want
     assert [h.prefix_hit_tokens for h in handles] == [0, 0, BLOCK]
-    assert engine.counters["prefill_piece_rows"] > engine.counters["prefill_pieces"]
+    assert engine.counters["prefill_pass_rows"] > engine.counters["prefill_passes"]
     assert engine.counters["serving_compiles"] == 0
     assert engine.stop(10)
 
@@ -408,12 +408,12 @@ def test_while_others_decode_a_pass_pads_to_at_most_a_piece(model):
     running = engine.submit(rng.integers(0, 380, 10).tolist(), 120)
     while running.first_token_s is None:
         time.sleep(0.01)
-    pieces, rows = engine.counters["prefill_pieces"], engine.counters["prefill_piece_rows"]
+    pieces, rows = engine.counters["prefill_passes"], engine.counters["prefill_pass_rows"]
     prompts = [rng.integers(0, 380, 40).tolist() for _ in range(2)]
     handles = [engine.submit(p, 3) for p in prompts]
     got = [h.result(300).tokens for h in handles]
     assert not running.finished  # the passes ran while it decoded
-    assert engine.counters["prefill_piece_rows"] - rows == engine.counters["prefill_pieces"] - pieces >= 6
+    assert engine.counters["prefill_pass_rows"] - rows == engine.counters["prefill_passes"] - pieces >= 6
     assert got == [qmtp.generate(model, [p], 3, mtp_k=2).tokens[0] for p in prompts]
     running.cancel()
     assert engine.stop(10)

@@ -438,7 +438,9 @@ class Engine:
             tokens, n_valid = api._prompt_batch(prompts + [[]] * (n - len(group)))  # [n, T], [n]: padding rows empty
             first, first_lp = self._device.prefill(ids, page_rows, tokens, n_valid, remaining, stop_rows,
                                                    self._sampling.rows(ids, always=True))
-        self.counters["prefills"] += 1
+        self.counters["prefills"] += len(group)
+        self.counters["prefill_passes"] += 1
+        self.counters["prefill_pass_rows"] += len(group)
         for j, (handle, slot, _) in enumerate(group):
             self._started(handle, slot, int(first[j]), first_lp, j)
 

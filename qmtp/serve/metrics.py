@@ -30,11 +30,11 @@ def render(engine, invalid_requests: int = 0) -> str:
            "it did not cover; each stalled every slot).", c["serving_compiles"])
     metric("qmtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", c["prompt_tokens"])
     metric("qmtp_generation_tokens_total", "counter", "Generated tokens.", c["generation_tokens"])
-    metric("qmtp_prefills_total", "counter", "Prompt prefills run.", c["prefills"])
-    metric("qmtp_prefill_passes_total", "counter", "Prefill passes of prompts prefilled pass by pass (long prompts, "
-           "and every prompt with the prefix cache).", c["prefill_pieces"])
+    metric("qmtp_prefills_total", "counter", "Prompts prefilled.", c["prefills"])
+    metric("qmtp_prefill_passes_total", "counter", "Prefill passes (device calls): prompts admitted together, a "
+           "piece of a long prompt, with the prefix cache every pass.", c["prefill_passes"])
     metric("qmtp_prefill_pass_rows_total", "counter", "Prompts in those passes, summed over the passes.",
-           c["prefill_piece_rows"])
+           c["prefill_pass_rows"])
     metric("qmtp_loop_calls_total", "counter", "Bounded device loop calls.", c["loop_calls"])
     rounds, drafted, accepted = c["mtp_rounds"], c["mtp_drafted"], c["mtp_accepted"]
     metric("qmtp_mtp_k", "gauge", "MTP drafts per round (0 = plain decoding).", engine.k)

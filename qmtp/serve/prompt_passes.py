@@ -252,8 +252,8 @@ class PassPrefill:
             first, first_lp, hidden = e._device.prefill_piece(
                 ids, page_rows, offsets, tokens, next_tokens, n_valid, last.astype(bool), max_tokens, stop_rows,
                 e._sampling.rows(ids, always=True))
-        e.counters["prefill_pieces"] += 1
-        e.counters["prefill_piece_rows"] += len(rows)
+        e.counters["prefill_passes"] += 1
+        e.counters["prefill_pass_rows"] += len(rows)
         for i, ((slot, p), end) in enumerate(zip(rows, ends)):
             p.offset = end
             if end in p.keep:
