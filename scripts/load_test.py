@@ -10,7 +10,8 @@ prefix cache hits unless --repeat_prompts). Reports requests/s, generated tokens
 (p50/p90/p99 of the whole request; with --stream also of the time to first token and of the
 inter-token gap: the time between two streamed chunks of one request, each holding the tokens of
 one engine call), the errors by HTTP status, and what the server's unlabelled counters from GET
-/metrics (a qmtp server's prefills, prefill passes, loop calls, rounds, ...) grew by during the load.
+/metrics (a qmtp server's prefills, prefill passes, loop calls, rounds, ...) grew by during the load
+(printed: prompts prefilled, passes, rows a pass, decode calls).
 Exit status 1 when any request failed.
 
 --turns=T makes each client hold conversations of T turns instead: turn t's prompt is the whole
@@ -297,6 +298,12 @@ def main(argv=None) -> int:
         print(f"prefix cache: {pc.get('hits_total', 0):.0f} hits of {pc.get('lookups_total', 0):.0f} lookups, "
               f"{pc.get('hit_tokens_total', 0):.0f} prompt tokens not prefilled "
               f"({pc.get('token_hit_rate', 0):.1%}), {pc.get('evictions_total', 0):.0f} evictions")
+    sc = report.get("server_counters", {})
+    if sc.get("qmtp_prefill_passes_total"):  # how the server batched the prompts it prefilled
+        passes = sc["qmtp_prefill_passes_total"]
+        print(f"server: {sc.get('qmtp_prefills_total', 0):.0f} prompts prefilled in {passes:.0f} passes "
+              f"({sc.get('qmtp_prefill_pass_rows_total', 0) / passes:.2f} rows a pass), "
+              f"{sc.get('qmtp_loop_calls_total', 0):.0f} decode calls")
     if "long_prompt" in report:
         lp, d = report["long_prompt"], report.get("inter_token_s_during_long_prefill")
         print(f"long prompt of {lp['prompt_tokens']} tokens: time to first token {fmt(lp['ttft_s'])}"

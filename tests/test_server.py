@@ -516,6 +516,8 @@ def test_load_script_reports_throughput_and_latency(mtp_server, tmp_path):
     assert "req/s" in r.stdout and "p99" in r.stdout
     counters = report["server_counters"]  # what the load added on the server: 24 requests and the long one
     assert counters["qmtp_prefills_total"] == 25 and counters["qmtp_loop_calls_total"] > 0
+    passes = counters["qmtp_prefill_passes_total"]
+    assert 0 < passes <= 25 and f"server: 25 prompts prefilled in {passes:.0f} passes" in r.stdout
     assert counters["qmtp_generation_tokens_total"] == report["generated_tokens"] + long["generated_tokens"]
     again = subprocess.run([sys.executable, "scripts/load_test.py", f"--url={mtp_server[1]}", "--requests=3",
                             "--concurrency=3", "--prompt_tokens=2,20", "--max_tokens=4", f"--output_json={out}"],
