@@ -50,6 +50,13 @@ def block_rows_for(pairs: int) -> int:
     return BLOCK_ROWS if pairs <= COMPARE_MAX_PAIRS else PREFILL_BLOCK_ROWS
 
 
+def _blocks(pairs: int, n_experts: int) -> tuple[int, int]:
+    """(BR, NB) of group_rows' layout for `pairs` pairs: rows per block, and the most blocks any routing
+    needs (ceil(P / BR) + min(X, P): each expert's group may start a block it leaves part empty)."""
+    block_rows = block_rows_for(pairs)
+    return block_rows, -(-pairs // block_rows) + min(n_experts, pairs)
+
+
 def router_logits(p: dict, x2: jax.Array, kernels: KernelConfig):
     """(router logits [T, X], shared-expert gate logit [T, 1]) in x2's dtype, as the linears give them: one
     projection where the loader joined the two (router_gate = [router | shared_gate], load.fuse_router_gates:
@@ -104,13 +111,12 @@ def group_rows(experts: jax.Array, n_experts: int):
     flat = experts.reshape(-1)  # [P]
     pairs = flat.shape[0]
     pair_ids = jnp.arange(pairs, dtype=jnp.int32)
-    block_rows = block_rows_for(pairs)
+    block_rows, n_blocks = _blocks(pairs, n_experts)
     counts = jnp.sum(flat[:, None] == jnp.arange(n_experts)[None], axis=0, dtype=jnp.int32)  # [X]
     padded = -(-counts // block_rows) * block_rows
     # padded_start[x] = sum of padded over the experts before x, as a masked sum (no scan)
     padded_start = jnp.sum(jnp.where(jnp.arange(n_experts)[None] < jnp.arange(n_experts)[:, None], padded[None], 0),
                            axis=1, dtype=jnp.int32)  # [X]
-    n_blocks = -(-pairs // block_rows) + min(n_experts, pairs)
     row_ids = jnp.arange(n_blocks * block_rows, dtype=jnp.int32)
     if pairs <= COMPARE_MAX_PAIRS:
         earlier_same = (flat[None] == flat[:, None]) & (pair_ids[None] < pair_ids[:, None])  # [P, P]
@@ -136,8 +142,7 @@ def one_token_rows(experts: jax.Array, n_experts: int):
     them, but built from constants and the experts themselves, with no counting or search (decode at
     batch 1: fewer small launches per MoE layer)."""
     k = experts.shape[-1]
-    block_rows = block_rows_for(k)
-    n_blocks = -(-k // block_rows) + min(n_experts, k)
+    block_rows, n_blocks = _blocks(k, n_experts)
     row = jnp.arange(k, dtype=jnp.int32) * block_rows  # [k]
     block_expert = jnp.full((n_blocks,), -1, jnp.int32).at[:k].set(experts.reshape(-1).astype(jnp.int32))
     row_ids = jnp.arange(n_blocks * block_rows, dtype=jnp.int32)
