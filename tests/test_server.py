@@ -118,6 +118,12 @@ def test_completion_chat_and_streaming_equal_generate_with_mtp_on_and_off(model,
         listed = c.models.list()
         assert [m.id for m in listed.data] == [NAME]
     assert texts["mtp"] == texts["plain"]
+    # the template's own variables (chat_template_kwargs): here without the assistant turn's header
+    bare_ids = encode(model, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n")
+    chat = client(mtp_server[1]).chat.completions.create(
+        model=NAME, messages=messages, max_tokens=8, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert chat.choices[0].token_ids == qmtp.generate(model, [bare_ids], max_new_tokens=8).tokens[0]
+    assert chat.usage.prompt_tokens == len(bare_ids) < len(chat_ids)
     metrics = httpx.get(mtp_server[1] + "/metrics").text
     assert "qmtp_mtp_draft_tokens_total" in metrics and 'qmtp_mtp_position_acceptance{position="2"}' in metrics
     assert _metric(metrics, "qmtp_mtp_draft_tokens_total") == 2 * _metric(metrics, "qmtp_mtp_rounds_total") > 0
@@ -227,6 +233,10 @@ def test_bad_requests_through_the_openai_client(mtp_server):
     with pytest.raises(openai.BadRequestError, match=r"min_p=2.0 must be in \[0, 1\]"):
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=1.0,
                                   extra_body={"min_p": 2.0})
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs cannot set messages") as e:
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                  extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.param == "chat_template_kwargs"
     with pytest.raises(openai.BadRequestError, match=r"context limit (is )?max_model_len=48"):
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello " * 30}], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match=r"exceeds the server limit of 20 \(--max_tokens_limit\)"):
@@ -720,6 +730,15 @@ def test_chat_template_default_and_errors(tmp_path):
     assert custom.render([{"role": "user", "content": "a\"b"}]) == '[user] "a\\"b"</s>'
     with pytest.raises(ChatTemplateError, match="no tools"):
         custom.render([{"role": "tool", "content": "x"}])
+    # chat_template.jinja wins over the config's field (as in transformers); a request's variables reach it
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}{% if enable_thinking is defined and not "
+                                                  "enable_thinking %} /no_think{% endif %}{{ eos_token }}")
+    sidecar = ChatTemplate.from_checkpoint(str(tmp_path))
+    assert sidecar.origin == str(tmp_path / "chat_template.jinja")
+    assert sidecar.render([{"role": "user", "content": "q"}]) == "q</s>"
+    assert sidecar.render([{"role": "user", "content": "q"}], {"enable_thinking": False}) == "q /no_think</s>"
+    with pytest.raises(ChatTemplateError, match="chat_template_kwargs cannot set messages, tools"):
+        sidecar.render([{"role": "user", "content": "q"}], {"tools": [], "messages": []})
 
 
 def test_the_shipped_model_serves_with_mtp_by_default(tmp_path):

@@ -1,9 +1,11 @@
 """Chat messages -> prompt text through the checkpoint's jinja2 chat template.
 
-The template is `chat_template` of the checkpoint's tokenizer_config.json (a string, or a list of
-{name, template} of which "default" is used), rendered as Hugging Face transformers does: a sandboxed
-jinja2 environment with trim_blocks and lstrip_blocks, `raise_exception(msg)`, `strftime_now(fmt)` and
-a `tojson` filter; variables messages, add_generation_prompt=True, bos_token, eos_token, tools=None.
+The template is the checkpoint's `chat_template.jinja` where it has one (transformers prefers that file
+to the config's field, as here), else `chat_template` of its tokenizer_config.json (a string, or a list
+of {name, template} of which "default" is used), rendered as Hugging Face transformers does: a
+sandboxed jinja2 environment with trim_blocks and lstrip_blocks, `raise_exception(msg)`,
+`strftime_now(fmt)` and a `tojson` filter; variables messages, add_generation_prompt=True, bos_token,
+eos_token, tools=None, and a request's own (`chat_template_kwargs`, e.g. Qwen3's enable_thinking).
 Without one, DEFAULT_TEMPLATE: ChatML, the format of the Qwen family.
 """
 
@@ -16,6 +18,8 @@ import os
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+TEMPLATE_FILE = "chat_template.jinja"
+RESERVED = ("messages", "tools")  # variables a request's chat_template_kwargs cannot set
 DEFAULT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -45,23 +49,34 @@ class ChatTemplate:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str) -> "ChatTemplate":
-        """The checkpoint's template, or DEFAULT_TEMPLATE when it has none."""
+        """The checkpoint's template (chat_template.jinja, else tokenizer_config.json's), or DEFAULT_TEMPLATE
+        when it has none; bos and eos tokens from tokenizer_config.json."""
         path = os.path.join(checkpoint_dir, "tokenizer_config.json")
-        if not os.path.isfile(path):
-            return cls(DEFAULT_TEMPLATE)
-        with open(path) as f:
-            config = json.load(f)
+        config = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                config = json.load(f)
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates
             source = {t.get("name"): t.get("template") for t in source}.get("default")
+        file = os.path.join(checkpoint_dir, TEMPLATE_FILE)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                source, path = f.read(), file
         # a token is a string, or {"content": "<|im_end|>", ...} in some tokenizer configs
         tokens = [t.get("content") if isinstance(t, dict) else t for t in map(config.get, ("bos_token", "eos_token"))]
         return cls(source, *tokens, origin=path) if source else cls(DEFAULT_TEMPLATE, *tokens)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], variables: dict | None = None) -> str:
+        """The prompt text; variables: a request's own template variables (chat_template_kwargs), which may
+        replace the defaults (add_generation_prompt, bos_token, eos_token) but not RESERVED."""
+        names = sorted(set(variables or ()) & set(RESERVED))
+        if names:
+            raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(names)}")
+        context = dict(add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        context.update(variables or {})
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, tools=None,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._template.render(messages=messages, tools=None, **context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:

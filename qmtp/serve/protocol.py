@@ -6,7 +6,9 @@ Requests (JSON bodies; unknown fields are ignored):
                         logprobs (0-20: each token's logprob and that many alternatives)
   /v1/chat/completions  model, messages [{role, content: string | [{type: "text", text}]}],
                         max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options,
-                        logprobs (true/false), top_logprobs (0-20, with logprobs true)
+                        logprobs (true/false), top_logprobs (0-20, with logprobs true),
+                        chat_template_kwargs (extension, as vLLM's: the chat template's own variables,
+                        e.g. {"enable_thinking": false} for Qwen3's)
 Sampling: temperature (absent or 0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed;
 out-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue):
 n choices of one prompt, each a request of the engine (seeded: choice i draws with seed + i), admitted
@@ -36,6 +38,7 @@ from typing import Any
 import pydantic
 
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
+from qmtp.serve.chat_template import RESERVED as TEMPLATE_RESERVED
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
@@ -97,6 +100,7 @@ class ChatRequest(_Common):
     tools: list | None = None
     logprobs: bool | None = None
     top_logprobs: pydantic.StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -183,8 +187,9 @@ def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: 
     return parsed
 
 
-def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int) -> tuple[Parsed, list[dict]]:
-    """The parsed request (prompt still None) and the messages as plain dicts for the template."""
+def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int) -> tuple[Parsed, list[dict], dict]:
+    """The parsed request (prompt still None), the messages as plain dicts for the template and the
+    request's own template variables (chat_template_kwargs)."""
     req = _validate(ChatRequest, body)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     parsed = _common(req, model_name, max_tokens_limit, max_tokens, max_choices)
@@ -193,6 +198,10 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int) -
     if req.logprobs:
         parsed.top_logprobs = _check_top_logprobs(req.top_logprobs or 0, "top_logprobs")
     _refuse(("tools", req.tools, "tools are not supported"))
+    reserved = sorted(set(req.chat_template_kwargs or ()) & set(TEMPLATE_RESERVED))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}", param="chat_template_kwargs",
+                       code="invalid_value")
     if not req.messages:
         raise APIError(400, "messages is empty", param="messages", code="invalid_value")
     messages = []
@@ -200,7 +209,7 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int) -
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(
             p.text for p in m.content if p.type == "text")
         messages.append({"role": m.role, "content": content or ""})
-    return parsed, messages
+    return parsed, messages, req.chat_template_kwargs or {}
 
 
 # ---- responses -------------------------------------------------------------------------------------

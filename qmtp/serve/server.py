@@ -218,9 +218,9 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise oai.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
             if chat:
-                parsed, messages = oai.parse_chat(body, *limits)
+                parsed, messages, variables = oai.parse_chat(body, *limits)
                 try:
-                    parsed.prompt = template.render(messages)
+                    parsed.prompt = template.render(messages, variables)
                 except ChatTemplateError as e:
                     raise oai.APIError(400, str(e), param="messages", code="invalid_value") from None
             else:
