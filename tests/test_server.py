@@ -741,6 +741,28 @@ def test_chat_template_default_and_errors(tmp_path):
         sidecar.render([{"role": "user", "content": "q"}], {"tools": [], "messages": []})
 
 
+def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path):
+    from qmtp.serve import protocol, sampling_defaults
+    assert sampling_defaults.from_checkpoint(str(tmp_path)) == {}  # no generation_config.json
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
+    assert sampling_defaults.from_checkpoint(str(tmp_path)) == {}
+    gen.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 1}))
+    defaults = sampling_defaults.from_checkpoint(str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert sampling_defaults.describe(defaults).startswith("sampling defaults from generation_config.json: "
+                                                           "temperature 0.6, top_p 0.95, top_k 20")
+    limits = (NAME, MAX_TOKENS_LIMIT, 4, defaults)
+    left_out = protocol.parse_completion({"model": NAME, "prompt": "x"}, *limits)
+    assert left_out.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "seed": None}
+    own, _, _ = protocol.parse_chat({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": 0,
+                                     "top_k": 0, "min_p": 0.1, "seed": 3}, *limits)
+    assert own.sampling == {"temperature": 0, "top_k": 0, "top_p": 0.95, "min_p": 0.1, "seed": 3}
+    gen.write_text(json.dumps({"do_sample": True, "top_p": 1.5}))
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p=1.5 must be in \(0, 1\]"):
+        sampling_defaults.from_checkpoint(str(tmp_path))
+
+
 def test_the_shipped_model_serves_with_mtp_by_default(tmp_path):
     """`python -m qmtp.server --checkpoint=models/qmtp-demo --mtp_k=3` starts with the default context
     limit: min(4096, max_position_embeddings - (K+1)) = 4092 for the demo's 4096 positions."""
@@ -756,6 +778,7 @@ def test_the_shipped_model_serves_with_mtp_by_default(tmp_path):
             if line.startswith("serving"):
                 break
         assert lines and lines[-1].startswith("serving") and "max_model_len=4092" in lines[-1], "".join(lines)
+        assert "sampling: greedy unless a request sets temperature\n" in lines  # its do_sample is false
         _wait_healthy(proc, port, 60)  # SIGTERM is a clean stop once uvicorn listens
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

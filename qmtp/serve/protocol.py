@@ -9,8 +9,9 @@ Requests (JSON bodies; unknown fields are ignored):
                         logprobs (true/false), top_logprobs (0-20, with logprobs true),
                         chat_template_kwargs (extension, as vLLM's: the chat template's own variables,
                         e.g. {"enable_thinking": false} for Qwen3's)
-Sampling: temperature (absent or 0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed;
-out-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue):
+Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed; one left
+out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json,
+else greedy and no cut); out-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue):
 n choices of one prompt, each a request of the engine (seeded: choice i draws with seed + i), admitted
 together, so one batched prefill pass computes them. best_of absent or 1; echo, suffix, logit_bias,
 penalties and tools are refused. An option the server cannot honour is refused rather than ignored:
@@ -41,6 +42,7 @@ from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
 from qmtp.serve.chat_template import RESERVED as TEMPLATE_RESERVED
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # a field no request or default sets
 
 
 class APIError(Exception):
@@ -135,8 +137,10 @@ def _refuse(*checks) -> None:
             raise APIError(400, message, param=param, code="unsupported_value")
 
 
-def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: int | None, max_choices: int) -> Parsed:
-    """Checks what both routes share; the Parsed request, its prompt not yet set."""
+def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: int | None, max_choices: int,
+            defaults: dict) -> Parsed:
+    """Checks what both routes share; the Parsed request, its prompt not yet set. defaults: the sampling
+    values a request that leaves them out gets (sampling_defaults)."""
     if req.model != model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
@@ -156,8 +160,9 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop", code="invalid_value")
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    sampling = {"temperature": 0.0 if req.temperature is None else req.temperature, "top_k": req.top_k or 0,
-                "top_p": 1.0 if req.top_p is None else req.top_p, "min_p": req.min_p or 0.0, "seed": req.seed}
+    given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p}
+    sampling = {name: value if value is not None else defaults.get(name, GREEDY[name]) for name, value in given.items()}
+    sampling["seed"] = req.seed
     return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
                   req.n or 1)
 
@@ -168,9 +173,9 @@ def _check_top_logprobs(n: int, param: str) -> int:
     return n
 
 
-def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: int) -> Parsed:
+def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: int, defaults: dict) -> Parsed:
     req = _validate(CompletionRequest, body)
-    parsed = _common(req, model_name, max_tokens_limit, req.max_tokens, max_choices)
+    parsed = _common(req, model_name, max_tokens_limit, req.max_tokens, max_choices, defaults)
     if req.logprobs is not None:
         parsed.top_logprobs = _check_top_logprobs(req.logprobs, "logprobs")
     prompt = req.prompt
@@ -187,12 +192,13 @@ def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: 
     return parsed
 
 
-def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int) -> tuple[Parsed, list[dict], dict]:
+def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, defaults: dict
+               ) -> tuple[Parsed, list[dict], dict]:
     """The parsed request (prompt still None), the messages as plain dicts for the template and the
     request's own template variables (chat_template_kwargs)."""
     req = _validate(ChatRequest, body)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    parsed = _common(req, model_name, max_tokens_limit, max_tokens, max_choices)
+    parsed = _common(req, model_name, max_tokens_limit, max_tokens, max_choices, defaults)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     if req.logprobs:

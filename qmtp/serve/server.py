@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qmtp import cli_help
-from qmtp.serve import metrics, protocol as oai, responses
+from qmtp.serve import metrics, protocol as oai, responses, sampling_defaults
 from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError
 from qmtp.serve.profiling import ProfileError, Profiler
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError, WarmingUp
@@ -103,6 +103,10 @@ def define_flags() -> None:
                          "--page_size, at most --prefill_chunk; 0 = 64 (under --deterministic: --prefill_chunk, so "
                          "a resumed prefill runs the same passes as a full one).", lower_bound=0)
     flags.DEFINE_list("stop_token_ids", None, "Default stop ids (default: eos_token_id of generation_config.json).")
+    flags.DEFINE_enum("generation_config", "auto", ["auto", "none"], "auto: a request that leaves temperature, "
+                      "top_p, top_k or min_p out gets the value of the checkpoint's generation_config.json, where it "
+                      "sets do_sample: true (as transformers and vLLM; e.g. Qwen3's temperature 0.6, top_p 0.95, "
+                      "top_k 20); none: such a request decodes greedily.")
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
     flags.DEFINE_integer("port", 8000, "TCP port.", lower_bound=0, upper_bound=65535)
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint "
@@ -142,13 +146,15 @@ class ServerSettings:
     default_max_tokens: int = 256
     shutdown_timeout_s: float = 30.0
     profile_dir: str = ""  # where POST /start_profile writes a device trace ("" = the endpoints refuse)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # what a request leaves out (sampling_defaults)
 
 
 def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
     """The FastAPI app over `engine`. manage_engine: start it on startup and stop it on shutdown."""
     model = engine.model
-    # model, max_tokens, n: what a request may ask for
-    limits = settings.model_name, min(settings.max_tokens_limit, engine.max_model_len - 1), engine.config.max_queue
+    # model, max_tokens, n: what a request may ask for; the sampling a request leaves out
+    limits = (settings.model_name, min(settings.max_tokens_limit, engine.max_model_len - 1), engine.config.max_queue,
+              settings.sampling_defaults)
     template = ChatTemplate.from_checkpoint(model.checkpoint_dir)
     invalid = {"count": 0}
 
@@ -343,8 +349,10 @@ def build(argv) -> tuple:
         print(warning, file=sys.stderr, flush=True)
     name = FLAGS.served_model_name or (FLAGS.checkpoint.split(":")[1] if FLAGS.checkpoint.startswith(PRESET_PREFIX)
                                        else os.path.basename(os.path.normpath(path)))
+    defaults = sampling_defaults.from_checkpoint(path) if FLAGS.generation_config == "auto" else {}
+    print(sampling_defaults.describe(defaults), file=sys.stderr, flush=True)
     settings = ServerSettings(name, FLAGS.max_tokens_limit, FLAGS.default_max_tokens, FLAGS.shutdown_timeout_s,
-                              FLAGS.profile_dir)
+                              FLAGS.profile_dir, defaults)
     return model, engine, create_app(engine, settings)
 
 
