@@ -70,9 +70,7 @@ class ChatTemplate:
     def render(self, messages: list[dict], variables: dict | None = None) -> str:
         """The prompt text; variables: a request's own template variables (chat_template_kwargs), which may
         replace the defaults (add_generation_prompt, bos_token, eos_token) but not RESERVED."""
-        names = sorted(set(variables or ()) & set(RESERVED))
-        if names:
-            raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(names)}")
+        check_variables(variables or {})
         context = dict(add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         context.update(variables or {})
         try:
@@ -81,6 +79,13 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}) failed: {e}") from None
+
+
+def check_variables(variables: dict) -> None:
+    """ChatTemplateError where a request's template variables name one of RESERVED."""
+    names = sorted(set(variables) & set(RESERVED))
+    if names:
+        raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(names)}")
 
 
 def _raise(message: str):

@@ -9,13 +9,13 @@ Requests (JSON bodies; unknown fields are ignored):
                         logprobs (true/false), top_logprobs (0-20, with logprobs true),
                         chat_template_kwargs (extension, as vLLM's: the chat template's own variables,
                         e.g. {"enable_thinking": false} for Qwen3's)
-Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed; one left
-out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json,
-else greedy and no cut); out-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue):
-n choices of one prompt, each a request of the engine (seeded: choice i draws with seed + i), admitted
-together, so one batched prefill pass computes them. best_of absent or 1; echo, suffix, logit_bias,
-penalties and tools are refused. An option the server cannot honour is refused rather than ignored:
-the client would believe it applied.
+Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed; one left out
+takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json,
+else greedy and no cut); out-of-range values get a 400 naming them (the engine checks them). n (>= 1,
+at most --max_queue): n choices of one prompt, each a request of the engine (seeded: choice i draws
+with seed + i), admitted together, so one batched prefill pass computes them. best_of absent or 1;
+echo, suffix, logit_bias, penalties and tools are refused. An option the server cannot honour is
+refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
 
@@ -39,7 +39,7 @@ from typing import Any
 import pydantic
 
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
-from qmtp.serve.chat_template import RESERVED as TEMPLATE_RESERVED
+from qmtp.serve import chat_template
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # a field no request or default sets
@@ -204,10 +204,10 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, d
     if req.logprobs:
         parsed.top_logprobs = _check_top_logprobs(req.top_logprobs or 0, "top_logprobs")
     _refuse(("tools", req.tools, "tools are not supported"))
-    reserved = sorted(set(req.chat_template_kwargs or ()) & set(TEMPLATE_RESERVED))
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}", param="chat_template_kwargs",
-                       code="invalid_value")
+    try:
+        chat_template.check_variables(req.chat_template_kwargs or {})
+    except chat_template.ChatTemplateError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
     if not req.messages:
         raise APIError(400, "messages is empty", param="messages", code="invalid_value")
     messages = []

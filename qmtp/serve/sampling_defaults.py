@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 
+from qmtp import api
+
 FIELDS = ("temperature", "top_p", "top_k", "min_p")
 FILE = "generation_config.json"
 
@@ -20,7 +22,6 @@ FILE = "generation_config.json"
 def from_checkpoint(checkpoint_dir: str) -> dict:
     """{field: value} of FIELDS that the checkpoint's generation_config.json sets with do_sample true ({}
     without the file or do_sample); ValueError naming the file for a value out of range."""
-    from qmtp import api
     path = os.path.join(checkpoint_dir, FILE)
     if not os.path.isfile(path):
         return {}
