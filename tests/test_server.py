@@ -211,6 +211,12 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
     (json.dumps({"model": NAME, "prompt": "x", "logprobs": True}).encode(), 400, "logprobs", "invalid_type"),
     (json.dumps({"model": NAME, "prompt": "x", "best_of": 2}).encode(), 400, "best_of", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": ["a", "b"]}).encode(), 400, "prompt", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "response_format": {"type": "json_object"}}).encode(), 400,
+     "response_format", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "repetition_penalty": 1.1}).encode(), 400, "repetition_penalty",
+     "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "min_tokens": 4}).encode(), 400, "min_tokens", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "ignore_eos": True}).encode(), 400, "ignore_eos", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop",
      "invalid_value"),
     (json.dumps({"model": NAME, "prompt": [1, 99999]}).encode(), 400, "prompt", "invalid_value"),
@@ -739,6 +745,14 @@ def test_chat_template_default_and_errors(tmp_path):
     assert sidecar.render([{"role": "user", "content": "q"}], {"enable_thinking": False}) == "q /no_think</s>"
     with pytest.raises(ChatTemplateError, match="chat_template_kwargs cannot set messages, tools"):
         sidecar.render([{"role": "user", "content": "q"}], {"tools": [], "messages": []})
+
+
+def test_options_at_their_neutral_values_are_accepted():
+    """Clients that send every option at its default (LangChain, the openai client's extras) are served."""
+    from qmtp.serve import protocol
+    body = {"model": NAME, "prompt": "x", "response_format": {"type": "text"}, "repetition_penalty": 1.0,
+            "min_tokens": 0, "ignore_eos": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+    assert protocol.parse_completion(body, NAME, MAX_TOKENS_LIMIT, 4, {}).prompt == "x"
 
 
 def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path):

@@ -14,7 +14,8 @@ takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's ge
 else greedy and no cut); out-of-range values get a 400 naming them (the engine checks them). n (>= 1,
 at most --max_queue): n choices of one prompt, each a request of the engine (seeded: choice i draws
 with seed + i), admitted together, so one batched prefill pass computes them. best_of absent or 1;
-echo, suffix, logit_bias, penalties and tools are refused. An option the server cannot honour is
+echo, suffix, logit_bias, penalties (presence, frequency, repetition), tools, a response_format other
+than text, and vLLM's min_tokens and ignore_eos are refused. An option the server cannot honour is
 refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
@@ -76,6 +77,11 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     frequency_penalty: float | None = None
     seed: int | None = None
     user: str | None = None
+    # options that would change the output, refused unless they leave it as it is (vLLM's extensions too)
+    response_format: dict | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
 
 
 class CompletionRequest(_Common):
@@ -146,7 +152,12 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
                        param="model", code="model_not_found")
     _refuse(("presence_penalty", req.presence_penalty, "presence_penalty is not supported"),
             ("frequency_penalty", req.frequency_penalty, "frequency_penalty is not supported"),
-            ("logit_bias", req.logit_bias, "logit_bias is not supported"))
+            ("logit_bias", req.logit_bias, "logit_bias is not supported"),
+            ("response_format", (req.response_format or {}).get("type", "text") != "text",
+             "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)"),
+            ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"),
+            ("min_tokens", req.min_tokens, "min_tokens is not supported"),
+            ("ignore_eos", req.ignore_eos, "ignore_eos is not supported"))
     if req.n is not None and not 1 <= req.n <= max_choices:
         raise APIError(400, f"n={req.n} must be in [1, {max_choices}] (each choice is a queued request: "
                        "--max_queue)", param="n", code="invalid_value")
