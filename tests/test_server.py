@@ -39,13 +39,16 @@ MAX_TOKENS_LIMIT = 20
 RNG = np.random.default_rng(3)
 TEXTS = ["def fibonacci(", "The quick brown fox", "class Counter:", "x"]
 ID_PROMPTS = [RNG.integers(0, 380, n).tolist() for n in (2, 7, 13, 21, 29)]
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
-def serve(model, k, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, profile_dir="", **engine_kw):
+def serve(model, k, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, profile_dir="", reasoning_parser="auto",
+          tool_call_parser="auto", **engine_kw):
     engine = make_engine(model, k, start=False, max_queue=max_queue, **engine_kw)
     settings = ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4,
-                              shutdown_timeout_s=shutdown_timeout_s, profile_dir=profile_dir)
+                              shutdown_timeout_s=shutdown_timeout_s, profile_dir=profile_dir,
+                              reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     app = create_app(engine, settings, manage_engine=start_engine)
     server = Server(app, engine, port=0, shutdown_timeout_s=shutdown_timeout_s).start_in_thread()
     return server, f"http://127.0.0.1:{server.port}"
@@ -243,12 +246,41 @@ def test_bad_requests_through_the_openai_client(mtp_server):
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
                                   extra_body={"chat_template_kwargs": {"messages": []}})
     assert e.value.param == "chat_template_kwargs"
+    # the tiny checkpoint's ChatML template writes no tool calls: auto chose no tool call parser
+    with pytest.raises(openai.BadRequestError, match="tools need a tool call parser") as e:
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], tools=[TOOL])
+    assert e.value.param == "tools"
     with pytest.raises(openai.BadRequestError, match=r"context limit (is )?max_model_len=48"):
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello " * 30}], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match=r"exceeds the server limit of 20 \(--max_tokens_limit\)"):
         c.completions.create(model=NAME, prompt="x", max_tokens=21)
     r = httpx.get(mtp_server[1] + "/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_chat_parsers_on_keep_a_reply_without_tags_as_its_content(model):
+    """With the reasoning and tool-call parsers forced on (auto leaves them off for the tiny checkpoint),
+    the tiny model's reply, which holds no tags, is all content, whole or streamed; a request with tools
+    is served (its template ignores them). tests/test_chat_output.py covers replies with tags."""
+    server, url = serve(model, 0, reasoning_parser="qwen3", tool_call_parser="hermes")
+    try:
+        chat_ids = encode(model, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        want = qmtp.generate(model, [chat_ids], max_new_tokens=8)
+        c = client(url)
+        for tools in (None, [TOOL]):
+            kw = dict(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                      **({"tools": tools} if tools else {}))
+            r = c.chat.completions.create(**kw)
+            message = r.choices[0].message
+            assert (message.content or "") == want.texts[0] and message.model_extra["reasoning_content"] is None
+            assert r.choices[0].token_ids == want.tokens[0] and r.choices[0].finish_reason == "length"
+            assert message.tool_calls is None
+            chunks = list(c.chat.completions.create(**kw, stream=True))
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.texts[0]
+            assert chunks[-1].choices[0].finish_reason == "length"
+        assert_all_free(server.engine, internals=False)
+    finally:
+        assert server.stop(60)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -667,6 +699,8 @@ def test_the_default_draft_length_is_auto_and_plain_without_an_mtp_layer(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split("\n")[:2] == ["mtp_k auto", "mtp_k 0"], r.stdout
     assert f"{path}: no MTP layer (mtp_num_hidden_layers=0): plain decoding" in r.stderr
+    assert ("chat replies: reasoning parser none (auto: the tokenizer has no <think> and </think> tokens), tool call "
+            "parser none (auto: the chat template writes no tool calls)") in r.stderr
 
 
 def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
@@ -676,7 +710,8 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     assert h.returncode == 0
     for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
                  "max_queue", "prefix_cache_bytes", "prefix_block", "host", "port", "tp",
-                 "shutdown_timeout_s", "warmup_buckets", "warmup_threads", "num_layers"):
+                 "shutdown_timeout_s", "warmup_buckets", "warmup_threads", "num_layers", "reasoning_parser",
+                 "tool_call_parser"):
         assert f"--{flag}" in h.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)

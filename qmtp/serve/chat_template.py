@@ -5,7 +5,8 @@ to the config's field, as here), else `chat_template` of its tokenizer_config.js
 of {name, template} of which "default" is used), rendered as Hugging Face transformers does: a
 sandboxed jinja2 environment with trim_blocks and lstrip_blocks, `raise_exception(msg)`,
 `strftime_now(fmt)` and a `tojson` filter; variables messages, add_generation_prompt=True, bos_token,
-eos_token, tools=None, and a request's own (`chat_template_kwargs`, e.g. Qwen3's enable_thinking).
+eos_token, tools (the request's, as given in the OpenAI API, else None), and a request's own
+(`chat_template_kwargs`, e.g. Qwen3's enable_thinking).
 Without one, DEFAULT_TEMPLATE: ChatML, the format of the Qwen family.
 """
 
@@ -67,14 +68,15 @@ class ChatTemplate:
         tokens = [t.get("content") if isinstance(t, dict) else t for t in map(config.get, ("bos_token", "eos_token"))]
         return cls(source, *tokens, origin=path) if source else cls(DEFAULT_TEMPLATE, *tokens)
 
-    def render(self, messages: list[dict], variables: dict | None = None) -> str:
+    def render(self, messages: list[dict], variables: dict | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text; variables: a request's own template variables (chat_template_kwargs), which may
-        replace the defaults (add_generation_prompt, bos_token, eos_token) but not RESERVED."""
+        replace the defaults (add_generation_prompt, bos_token, eos_token) but not RESERVED; tools: the
+        request's tools ([{type: "function", function: {...}}], None: none)."""
         check_variables(variables or {})
         context = dict(add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         context.update(variables or {})
         try:
-            return self._template.render(messages=messages, tools=None, **context)
+            return self._template.render(messages=messages, tools=tools or None, **context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:

@@ -8,21 +8,36 @@ Requests (JSON bodies; unknown fields are ignored):
                         max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options,
                         logprobs (true/false), top_logprobs (0-20, with logprobs true),
                         chat_template_kwargs (extension, as vLLM's: the chat template's own variables,
-                        e.g. {"enable_thinking": false} for Qwen3's)
+                        e.g. {"enable_thinking": false} for Qwen3's),
+                        tools [{type: "function", function: {name, description, parameters}}] (given
+                        to the template as its `tools`; function.strict is accepted, not enforced),
+                        tool_choice ("auto", the default, or "none"), parallel_tool_calls (false: the
+                        first call only); messages may also be {role: "tool", tool_call_id, content} and
+                        assistant messages with tool_calls [{id, type, function: {name, arguments: a
+                        JSON string}}] (the template gets arguments as an object, as vLLM gives them)
+                        and reasoning_content (or vLLM's `reasoning`)
+Chat replies (qmtp/serve/chat_output.py): with --reasoning_parser qwen3, `<think>` ... `</think>` goes to
+message.reasoning_content (delta.reasoning_content when streaming); with tools, tool_choice auto and a
+--tool_call_parser, the model's calls go to message.tool_calls (streamed whole, one delta entry each)
+and finish_reason is "tool_calls". Tools without a tool-call parser are refused unless tool_choice is
+"none" (then the template still shows them and the text is returned as generated), as are
+tool_choice "required" and a named function (they need decoding constrained to a call).
 Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed; one left out
 takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json,
 else greedy and no cut); out-of-range values get a 400 naming them (the engine checks them). n (>= 1,
 at most --max_queue): n choices of one prompt, each a request of the engine (seeded: choice i draws
 with seed + i), admitted together, so one batched prefill pass computes them. best_of absent or 1;
-echo, suffix, logit_bias, penalties (presence, frequency, repetition), tools, a response_format other
-than text, and vLLM's min_tokens and ignore_eos are refused. An option the server cannot honour is
-refused rather than ignored: the client would believe it applied.
+echo, suffix, logit_bias, penalties (presence, frequency, repetition), a response_format other than
+text, and vLLM's min_tokens and ignore_eos are refused. An option the server cannot honour is refused
+rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
 
 Errors are {"error": {"message", "type", "param", "code"}} with these statuses:
   400 invalid_request_error   malformed JSON, wrong types, unsupported options, max_tokens beyond
-                              --max_tokens_limit (max_tokens_exceeded), context_length_exceeded
+                              --max_tokens_limit (max_tokens_exceeded), context_length_exceeded; a bad
+                              tool or tool call names its field in param (tools[2].function.name,
+                              messages[3].tool_calls[0].function.arguments)
   404 invalid_request_error   unknown model (code model_not_found); unknown route
   429 rate_limit_error        the request queue is full (code queue_full)
   503 service_unavailable     warming up: compiling before serving (code warming_up); shutting down (code
@@ -35,6 +50,8 @@ openai client raises APIError on it) and `data: [DONE]`. Each choice carries `to
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from typing import Any
 
 import pydantic
@@ -97,15 +114,33 @@ class _TextPart(pydantic.BaseModel):
     text: str = ""
 
 
+class _Function(pydantic.BaseModel):
+    name: str
+    arguments: str | dict = ""  # the OpenAI API's JSON string (an object accepted too)
+
+
+class _ToolCall(pydantic.BaseModel):
+    id: str | None = None
+    type: str = "function"
+    function: _Function
+
+
 class ChatMessage(pydantic.BaseModel):
     role: str
     content: str | list[_TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None  # role "tool": the call it answers
+    tool_calls: list[_ToolCall] | None = None  # role "assistant": the calls it made
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    tools: list | None = None
+    tools: list | None = None  # checked by _check_tools, which names the offending entry's field
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: pydantic.StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -122,6 +157,9 @@ class Parsed:
     sampling: dict  # Engine.submit's temperature, top_k, top_p, min_p, seed
     n: int = 1  # choices
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token
+    tools: list[dict] | None = None  # chat: the request's tools (None: none given)
+    tool_choice: str = "auto"  # chat: "auto" or "none"
+    parallel_tool_calls: bool = True  # chat: false keeps the first call only
 
 
 def _validate(model_cls, body) -> Any:
@@ -203,10 +241,11 @@ def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: 
     return parsed
 
 
-def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, defaults: dict
-               ) -> tuple[Parsed, list[dict], dict]:
+def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, defaults: dict,
+               tool_parser: str = "none") -> tuple[Parsed, list[dict], dict]:
     """The parsed request (prompt still None), the messages as plain dicts for the template and the
-    request's own template variables (chat_template_kwargs)."""
+    request's own template variables (chat_template_kwargs). tool_parser: the server's tool-call
+    parser ("none": tools are refused unless tool_choice is "none")."""
     req = _validate(ChatRequest, body)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     parsed = _common(req, model_name, max_tokens_limit, max_tokens, max_choices, defaults)
@@ -214,19 +253,91 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, d
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     if req.logprobs:
         parsed.top_logprobs = _check_top_logprobs(req.top_logprobs or 0, "top_logprobs")
-    _refuse(("tools", req.tools, "tools are not supported"))
+    parsed.tool_choice = _tool_choice(req.tool_choice)
+    parsed.tools = _check_tools(req.tools) if req.tools else None
+    parsed.parallel_tool_calls = req.parallel_tool_calls is not False
+    _refuse(("tools", parsed.tools and parsed.tool_choice == "auto" and tool_parser == "none",
+             "tools need a tool call parser, and this server has none (--tool_call_parser=none, or auto with "
+             "a chat template that writes no tool calls); tool_choice \"none\" shows the tools to the model "
+             "without parsing calls"))
     try:
         chat_template.check_variables(req.chat_template_kwargs or {})
     except chat_template.ChatTemplateError as e:
         raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
     if not req.messages:
         raise APIError(400, "messages is empty", param="messages", code="invalid_value")
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(
-            p.text for p in m.content if p.type == "text")
-        messages.append({"role": m.role, "content": content or ""})
-    return parsed, messages, req.chat_template_kwargs or {}
+    return parsed, [_template_message(i, m) for i, m in enumerate(req.messages)], req.chat_template_kwargs or {}
+
+
+def _invalid(param: str, problem: str) -> APIError:
+    return APIError(400, f"{param}: {problem}", param=param, code="invalid_value")
+
+
+def _tool_choice(choice) -> str:
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required" or isinstance(choice, dict):
+        what = "\"required\"" if choice == "required" else "a named function"
+        raise APIError(400, f"tool_choice: {what} is not supported (it needs decoding constrained to a call); "
+                       "use \"auto\" or \"none\"", param="tool_choice", code="unsupported_value")
+    raise _invalid("tool_choice", f"{choice!r} is not one of \"auto\", \"none\"")
+
+
+def _check_tools(tools: list) -> list[dict]:
+    """The request's tools as given, each checked: {type: "function", function: {name, description?,
+    parameters?}}; a name must be unique and free of blank space, '<' and '>' (they would break the
+    `<function=NAME>` format)."""
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _invalid(where, "must be an object {\"type\": \"function\", \"function\": {...}}")
+        if tool.get("type") != "function":
+            raise _invalid(f"{where}.type", f"must be \"function\", not {tool.get('type')!r}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _invalid(f"{where}.function", "must be an object {name, description, parameters}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise _invalid(f"{where}.function.name", "a non-empty string is required")
+        if re.search(r"[\s<>]", name):
+            raise _invalid(f"{where}.function.name", f"{name!r} holds blank space, '<' or '>'")
+        if name in names:
+            raise _invalid(f"{where}.function.name", f"{name!r} names an earlier tool too")
+        names.add(name)
+        if not isinstance(function.get("description", ""), str):
+            raise _invalid(f"{where}.function.description", "must be a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise _invalid(f"{where}.function.parameters", "must be a JSON Schema object")
+    return tools
+
+
+def _template_message(index: int, m: ChatMessage) -> dict:
+    """A message as the chat template reads it: text parts joined, tool calls' arguments as objects."""
+    content = m.content if isinstance(m.content, str) or m.content is None else "".join(
+        p.text for p in m.content if p.type == "text")
+    message = {"role": m.role, "content": content or ""}
+    for key, value in (("name", m.name), ("tool_call_id", m.tool_call_id),
+                       ("reasoning_content", m.reasoning_content if m.reasoning_content is not None else m.reasoning)):
+        if value is not None:
+            message[key] = value
+    if m.tool_calls:
+        message["tool_calls"] = [_template_call(f"messages[{index}].tool_calls[{j}]", c)
+                                 for j, c in enumerate(m.tool_calls)]
+    return message
+
+
+def _template_call(where: str, call: _ToolCall) -> dict:
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise _invalid(f"{where}.function.arguments", f"not valid JSON ({e})") from None
+    if not isinstance(arguments, dict):
+        raise _invalid(f"{where}.function.arguments", "must be a JSON object")
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    return {"id": call.id, **out} if call.id is not None else out
 
 
 # ---- responses -------------------------------------------------------------------------------------

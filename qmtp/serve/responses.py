@@ -3,7 +3,9 @@ requests, their events gathered into one JSON body or streamed as server-sent ev
 
 A non-streamed request polls its client every DISCONNECT_POLL_S and cancels its choices when the client
 has gone (status 499); a choice that ends otherwise than by stop or length turns the reply into the
-engine's error (503 when aborted at shutdown, 500 when the engine failed).
+engine's error (503 when aborted at shutdown, 500 when the engine failed). A chat choice's text becomes
+its message or deltas through chat_output (reasoning and tool calls split out where the server parses
+them).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 from fastapi.responses import JSONResponse
 
-from qmtp.serve import openai_logprobs, protocol as oai
+from qmtp.serve import chat_output, openai_logprobs, protocol as oai
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
@@ -61,6 +63,7 @@ class Reply:
     created: int
     tokenizer: object
     handles: list
+    parsing: chat_output.ChatParsing | None = None  # chat: what each choice's text is parsed for (None: nothing)
 
     @property
     def obj(self) -> str:
@@ -116,8 +119,11 @@ async def complete(request, reply: Reply, events):
         return JSONResponse(body, status_code=status)
     choices = []
     for i, h in enumerate(reply.handles):
-        part = {"message": {"role": "assistant", "content": h.text}} if reply.chat else {"text": h.text}
-        choices.append(oai.choice(i, part, list(h.tokens), h.finish_reason, reply.logprobs(h.logprobs)))
+        part, reason = {"text": h.text}, h.finish_reason
+        if reply.chat:
+            message, reason = (reply.parsing or chat_output.ChatParsing()).message(h.text, h.finish_reason)
+            part = {"message": message}
+        choices.append(oai.choice(i, part, list(h.tokens), reason, reply.logprobs(h.logprobs)))
     return JSONResponse(oai.body(reply.rid, reply.obj, reply.model_name, reply.created, choices, reply.usage()))
 
 
@@ -131,6 +137,8 @@ async def stream(reply: Reply, events, include_usage: bool):
         return f"data: {json.dumps(oai.body(reply.rid, obj, reply.model_name, reply.created, choices, usage))}\n\n"
 
     offsets = [0] * len(reply.handles)  # characters of each choice's token texts so far (text_offset)
+    parsing = reply.parsing if reply.chat and reply.parsing is not None and reply.parsing.active else None
+    parsers = [parsing.stream() for _ in reply.handles] if parsing else []  # each choice's
     try:
         for i in range(len(reply.handles) if reply.chat else 0):
             yield sse([oai.choice(i, {"delta": {"role": "assistant", "content": ""}}, [], None)])
@@ -139,11 +147,19 @@ async def stream(reply: Reply, events, include_usage: bool):
             i, event = await events.get()
             reason = event.finish_reason
             if reason in (None, "stop", "length") and (event.text or event.tokens or reason):
-                delta = {"content": event.text} if event.text or not reason else {}
+                shown = reason  # the finish reason sent: "tool_calls" where the choice made calls
+                if parsers:
+                    delta = parsers[i].push(event.text)
+                    if reason:
+                        delta = chat_output.merge(delta, parsers[i].finish())
+                        shown = parsers[i].finish_reason(reason)
+                    delta = delta or ({} if reason else {"content": ""})
+                else:
+                    delta = {"content": event.text} if event.text or not reason else {}
                 logprobs = reply.logprobs(event.logprobs, offsets[i])
                 if logprobs is not None and not reply.chat:
                     offsets[i] += sum(map(len, logprobs["tokens"]))
-                yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": event.text}, event.tokens, reason,
+                yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": event.text}, event.tokens, shown,
                                       logprobs)])
             if reason is None:
                 continue

@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qmtp import cli_help
-from qmtp.serve import metrics, protocol as oai, responses, sampling_defaults
+from qmtp.serve import chat_output, metrics, protocol as oai, reasoning, responses, sampling_defaults, tool_calls
 from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError
 from qmtp.serve.profiling import ProfileError, Profiler
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError, WarmingUp
@@ -107,6 +107,22 @@ def define_flags() -> None:
                       "top_p, top_k or min_p out gets the value of the checkpoint's generation_config.json, where it "
                       "sets do_sample: true (as transformers and vLLM; e.g. Qwen3's temperature 0.6, top_p 0.95, "
                       "top_k 20); none: such a request decodes greedily.")
+    flags.DEFINE_enum("reasoning_parser", "auto", ["auto", "qwen3", "none"], "Chat replies: qwen3 puts the text "
+                      "between <think> and </think> in message.reasoning_content (streaming: delta.reasoning_content) "
+                      "and the rest in content, as vLLM's and SGLang's qwen3 parser do; a reply whose prompt ends "
+                      "inside <think> (Qwen3.5's template, thinking on) starts in the reasoning, one whose prompt "
+                      "closed it (chat_template_kwargs enable_thinking=false) in the content. auto (default): qwen3 "
+                      "when the tokenizer has <think> and </think> tokens (Qwen3, Qwen3.5), else none; the choice "
+                      "is logged at start. none: the text as generated, all in content. /v1/completions always "
+                      "returns the text as generated.")
+    flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "qwen3_coder", "hermes", "none"], "Chat requests with "
+                      "tools: the format of the model's calls, parsed into message.tool_calls (finish_reason "
+                      "tool_calls). qwen3_coder: <tool_call><function=NAME><parameter=KEY>VALUE</parameter>"
+                      "</function></tool_call> (Qwen3.5, Qwen3-Coder; a value typed by the tool's JSON schema); "
+                      "hermes: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen3, Qwen2.5). auto "
+                      "(default): from the chat template, qwen3_coder where it writes <function=, else hermes where "
+                      "it writes <tool_call>, else none; logged at start. none: a request with tools is refused "
+                      "(400) unless its tool_choice is \"none\".")
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
     flags.DEFINE_integer("port", 8000, "TCP port.", lower_bound=0, upper_bound=65535)
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint "
@@ -147,6 +163,8 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0
     profile_dir: str = ""  # where POST /start_profile writes a device trace ("" = the endpoints refuse)
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # what a request leaves out (sampling_defaults)
+    reasoning_parser: str = "auto"  # reasoning.PARSERS or auto (reasoning.resolve)
+    tool_call_parser: str = "auto"  # tool_calls.PARSERS or auto (tool_calls.resolve)
 
 
 def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
@@ -156,6 +174,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
     limits = (settings.model_name, min(settings.max_tokens_limit, engine.max_model_len - 1), engine.config.max_queue,
               settings.sampling_defaults)
     template = ChatTemplate.from_checkpoint(model.checkpoint_dir)
+    reasoning_parser = reasoning.resolve(settings.reasoning_parser, model.tokenizer)[0]
+    tool_parser = tool_calls.resolve(settings.tool_call_parser, template.source)[0]
     invalid = {"count": 0}
 
     @contextlib.asynccontextmanager
@@ -223,12 +243,15 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise oai.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+            parsing = None  # chat: how each choice's text becomes a message (chat_output)
             if chat:
-                parsed, messages, variables = oai.parse_chat(body, *limits)
+                parsed, messages, variables = oai.parse_chat(body, *limits, tool_parser=tool_parser)
                 try:
-                    parsed.prompt = template.render(messages, variables)
+                    parsed.prompt = template.render(messages, variables, parsed.tools)
                 except ChatTemplateError as e:
                     raise oai.APIError(400, str(e), param="messages", code="invalid_value") from None
+                parsing = chat_output.for_request(reasoning_parser, tool_parser, parsed.prompt, parsed.tools,
+                                                  parsed.tool_choice, parsed.parallel_tool_calls)
             else:
                 parsed = oai.parse_completion(body, *limits)
             ids = tokenize(parsed.prompt)
@@ -254,7 +277,7 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         except EngineStopped as e:
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles)
+        reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles, parsing)
         if parsed.stream:
             return StreamingResponse(responses.stream(reply, events, parsed.include_usage),
                                      media_type="text/event-stream")
@@ -351,8 +374,12 @@ def build(argv) -> tuple:
                                        else os.path.basename(os.path.normpath(path)))
     defaults = sampling_defaults.from_checkpoint(path) if FLAGS.generation_config == "auto" else {}
     print(sampling_defaults.describe(defaults), file=sys.stderr, flush=True)
+    reasoning_parser, why_reasoning = reasoning.resolve(FLAGS.reasoning_parser, model.tokenizer)
+    tool_parser, why_tools = tool_calls.resolve(FLAGS.tool_call_parser, ChatTemplate.from_checkpoint(path).source)
+    print(f"chat replies: reasoning parser {reasoning_parser} ({why_reasoning}), tool call parser {tool_parser} "
+          f"({why_tools})", file=sys.stderr, flush=True)
     settings = ServerSettings(name, FLAGS.max_tokens_limit, FLAGS.default_max_tokens, FLAGS.shutdown_timeout_s,
-                              FLAGS.profile_dir, defaults)
+                              FLAGS.profile_dir, defaults, reasoning_parser, tool_parser)
     return model, engine, create_app(engine, settings)
 
 
