@@ -283,18 +283,21 @@ def _chunked(text: str, *cuts: str) -> list[str]:
     return chunks + [rest]
 
 
-def _joined(stream) -> tuple[dict, list]:
-    """Streamed chat chunks as (reasoning_content, content, tool calls by index, finish reasons)."""
+def _joined(stream, index: int = 0) -> tuple[dict, list, list]:
+    """Choice `index` of streamed chat chunks: its joined reasoning_content and content, its tool calls
+    (name, arguments) by their index, and the finish reasons of its chunks."""
     out, calls, reasons = {"reasoning_content": "", "content": ""}, {}, []
     for chunk in stream:
-        choice = chunk.choices[0]
-        reasons.append(choice.finish_reason)
-        delta = choice.delta
-        out["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
-        out["content"] += delta.content or ""
-        for call in delta.tool_calls or ():
-            assert call.index not in calls and call.type == "function" and call.id.startswith("call_")
-            calls[call.index] = (call.function.name, json.loads(call.function.arguments))
+        for choice in chunk.choices:
+            if choice.index != index:
+                continue
+            reasons.append(choice.finish_reason)
+            delta = choice.delta
+            out["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            out["content"] += delta.content or ""
+            for call in delta.tool_calls or ():
+                assert call.index not in calls and call.type == "function" and call.id.startswith("call_")
+                calls[call.index] = (call.function.name, json.loads(call.function.arguments))
     return out, [calls[i] for i in sorted(calls)], reasons
 
 
@@ -320,6 +323,13 @@ def test_reasoning_and_a_tool_call_whole_and_streamed(tmp_path, tokenizer):
         assert fields == {"reasoning_content": choice.message.model_extra["reasoning_content"],
                           "content": choice.message.content}
         assert calls == [("get_weather", ARGUMENTS)] and reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+        # n = 2: each choice has its own parser (the second starts in the reasoning again)
+        engine.replies = [(_chunked(reply, "<tool_"), "stop"), (["Easy.\n</th", "ink>\n\nIt is 4."], "stop")]
+        chunks = list(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Paris?"}],
+                                                tools=[WEATHER], stream=True, n=2))
+        assert _joined(chunks, 0) == (fields, calls, reasons[:1] * 2 + ["tool_calls"])
+        assert _joined(chunks, 1) == ({"reasoning_content": "Easy.\n", "content": "\n\nIt is 4."}, [], [None, None,
+                                                                                                         "stop"])
 
 
 def test_a_hermes_template_and_two_calls(tmp_path, tokenizer):
