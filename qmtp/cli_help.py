@@ -57,7 +57,8 @@ def define_deterministic_flag() -> None:
 
 
 def define_sampling_flags() -> None:
-    """--temperature, --top_k, --top_p, --min_p, --seed (qmtp.generate's sampling), for generate and bench."""
+    """--temperature, --top_k, --top_p, --min_p, --seed, --presence_penalty, --frequency_penalty (qmtp.generate's
+    sampling), for generate and bench."""
     _define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling "
                  "applies, in this order, the temperature, --top_k, --top_p and --min_p; with MTP, speculative "
                  "sampling (the same distribution, not the same tokens).")
@@ -69,6 +70,11 @@ def define_sampling_flags() -> None:
     _define_once(flags.DEFINE_integer, "seed", None, "Seed of the sampling (a prompt's draws depend only on it and "
                  "the position, so a prompt gets the same tokens in any batch); default: a random one "
                  "(qmtp.bench: 0, the same draws in every repeat).")
+    _define_once(flags.DEFINE_float, "presence_penalty", 0.0, "Subtracted from the logit of every token the "
+                 "sequence already generated (the OpenAI API's; -2 .. 2, 0 = off); greedy decoding takes the argmax "
+                 "of the penalized logits. Applies before the temperature.")
+    _define_once(flags.DEFINE_float, "frequency_penalty", 0.0, "Subtracted from a token's logit once per time "
+                 "the sequence already generated it (the OpenAI API's; -2 .. 2, 0 = off).")
 
 
 def sampling_from_flags(default_seed: int | None = None) -> dict:
@@ -77,7 +83,8 @@ def sampling_from_flags(default_seed: int | None = None) -> dict:
     import qmtp
     f = flags.FLAGS
     args = dict(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, min_p=f.min_p,
-                seed=default_seed if f.seed is None else f.seed)
+                seed=default_seed if f.seed is None else f.seed, presence_penalty=f.presence_penalty,
+                frequency_penalty=f.frequency_penalty)
     try:
         qmtp.sampling_params(1, **args)
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""Sampled requests in the serving engine: a seeded request gets qmtp.generate's tokens with that seed
+"""Sampled and penalized requests in the serving engine: a seeded request gets qmtp.generate's tokens with that seed
 (plain and MTP), greedy requests beside it keep the greedy tokens, bad values are request errors
 naming the parameter, and the warm-up compiles the loop's sampled forms (with and without logprobs).
 
@@ -48,12 +48,28 @@ def test_seeded_requests_get_generate_tokens_and_greedy_ones_stay_greedy(model, 
                                        (dict(temperature=1.0, top_p=0.0), "top_p"),
                                        (dict(temperature=1.0, top_k=-2), "top_k"),
                                        (dict(temperature=1.0, min_p=1.5), "min_p"),
-                                       (dict(temperature=1.0, seed=2 ** 40), "seed")])
+                                       (dict(temperature=1.0, seed=2 ** 40), "seed"),
+                                       (dict(presence_penalty=2.5), "presence_penalty"),
+                                       (dict(frequency_penalty=-3.0), "frequency_penalty")])
 def test_bad_sampling_values_name_their_parameter(model, kw, param):
     engine = make_engine(model, 0, start=False)
     with pytest.raises(RequestError) as e:
         engine.submit(PROMPTS[0], 4, **kw)
     assert e.value.param == param and str(e.value).startswith(f"{param}=")
+
+
+def test_a_penalized_greedy_request_gets_generate_tokens_beside_a_plain_one(model):
+    """A greedy request with penalties decodes in the loop's sampled form (which counts the generated ids)
+    and gets qmtp.generate's tokens; the request beside it keeps its greedy tokens."""
+    engine = make_engine(model, 2)
+    penalty = dict(presence_penalty=-2.0, frequency_penalty=0.5)  # negative: the tiny model repeats ids
+    penalized, plain = engine.submit(PROMPTS[0], 10, **penalty), engine.submit(PROMPTS[1], 10)
+    want = qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=2, **penalty).tokens[0]
+    assert want != qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=2).tokens[0]
+    assert penalized.result(300).tokens == want
+    assert plain.result(300).tokens == qmtp.generate(model, [PROMPTS[1]], max_new_tokens=10, mtp_k=2).tokens[0]
+    assert engine.stop(5)
+    assert_all_free(engine)
 
 
 def test_the_warmup_compiles_the_sampled_and_logprobs_loops(model):

@@ -66,32 +66,36 @@ def greedy(logits: jax.Array) -> jax.Array:
 
 
 def choose(logits: jax.Array, sampling, position: jax.Array) -> jax.Array:
-    """The token [B] at positions [B] from logits [B, V]: greedy (sampling None) or drawn from each row's
-    processed distribution (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
+    """The first generated token [B] at positions [B] from logits [B, V] (nothing generated before it to
+    penalize): greedy (sampling None) or drawn from each row's processed distribution
+    (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
     if sampling is None:
         return greedy(logits)
     return smp.sample(smp.logprobs(tp.gather_vocab(logits), sampling), sampling.seed, position)
 
 
-def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling) -> jax.Array:
+def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
+                   counts: jax.Array) -> jax.Array:
     """q: the processed log-probabilities [B, V] of an MTP draft from its hidden h [B, E], over the whole
-    vocabulary (a draft vocabulary's other ids get probability 0). Under TP every shard gathers the
-    whole vocabulary and draws the same numbers."""
+    vocabulary (a draft vocabulary's other ids get probability 0), penalized as the target is after the
+    ids counted in counts [B, V] (any q keeps speculative sampling exact; the target's penalties make it
+    likelier to be accepted). Under TP every shard gathers the whole vocabulary and draws the same
+    numbers."""
     z = tp.gather_vocab(target.draft_logits(params, h, kernels))
     vocab = params.get("mtp", {}).get("draft_vocab")
     if vocab is not None:
         z = jnp.full(z.shape[:-1] + (cfg.vocab_size,), -jnp.inf, z.dtype).at[..., vocab].set(z)
-    return smp.logprobs(z, sampling)
+    return smp.logprobs(smp.penalize(z, sampling, counts), sampling)
 
 
 def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
-          position) -> tuple[jax.Array, jax.Array]:
+          position, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
     """An MTP draft [B] for positions [B] and the distribution it was drawn from, q [B, V] f32
-    (draft_logprobs; the next round's q_1, Slots.q1): greedy (q all zeros, unread: Slots.q1), or drawn
-    from q."""
+    (draft_logprobs after the ids in counts [B, V]; the next round's q_1, Slots.q1): greedy (q all zeros,
+    unread: Slots.q1), or drawn from q."""
     if sampling is None:
         return target.draft_token(params, h, kernels), unread_q(cfg, h.shape[0])
-    q = draft_logprobs(cfg, params, h, kernels, sampling)
+    q = draft_logprobs(cfg, params, h, kernels, sampling, counts)
     return smp.gumbel_argmax(q, smp.keys(sampling.seed, position, smp.DRAFT)), q
 
 
@@ -129,6 +133,9 @@ class Slots:
                                   round reads them, not the MTP's lm_head on mh again); greedy rounds
                                   leave it: a row at temperature 0 keeps the target's argmax whatever
                                   q1 holds (its p is one-hot: speculative_accept's doc)
+        counts     [B, V] int32   how often each id was generated (pending included): the penalties'
+                                  (qmtp/runtime/sampling.py). Sampled rounds keep it; greedy rounds leave
+                                  it, so a row with a penalty decodes with SamplingParams only
     """
 
     pending: jax.Array
@@ -140,6 +147,7 @@ class Slots:
     gdn_slot: jax.Array
     accept_ema: jax.Array
     q1: jax.Array
+    counts: jax.Array
 
     @staticmethod
     def empty(batch: int, hidden: int, vocab: int, num_stop: int, dtype) -> "Slots":
@@ -147,7 +155,7 @@ class Slots:
         return Slots(pending=zeros, d1=zeros, mh=jnp.zeros((batch, hidden), dtype), remaining=zeros,
                      stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool),
                      gdn_slot=zeros, accept_ema=jnp.full((batch, MAX_K), adaptive_k.UNSEEN, jnp.float32),
-                     q1=jnp.zeros((batch, vocab), smp.F32))
+                     q1=jnp.zeros((batch, vocab), smp.F32), counts=jnp.zeros((batch, vocab), jnp.int32))
 
     @staticmethod
     def started(first, d1, q1, mh, max_tokens, stop) -> "Slots":
@@ -157,7 +165,13 @@ class Slots:
         remaining = max_tokens - 1
         return Slots(pending=first, d1=d1, mh=mh, remaining=remaining, stop=stop,
                      done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first),
-                     accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.UNSEEN, jnp.float32), q1=q1)
+                     accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.UNSEEN, jnp.float32), q1=q1,
+                     counts=first_counts(first, q1.shape[-1]))
+
+
+def first_counts(first: jax.Array, vocab: int) -> jax.Array:
+    """Slots.counts [B, V] of rows whose only generated token is first [B]."""
+    return jax.nn.one_hot(first, vocab, dtype=jnp.int32)
 
 
 def to_ring(state: DecodeState, n: int) -> DecodeState:
@@ -223,15 +237,18 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     base = state.lengths  # L [B]: the pending token's position
     drafts, h = [slots.d1][:k], slots.mh
     q = [slots.q1] if k else []  # q_i [B, V]
+    counts = slots.counts  # [B, V]: before d_1
     for step in range(1, k):
         hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
         h = hs[:, 0]
-        q.append(draft_logprobs(cfg, params, h, kernels, sampling))
+        counts = smp.count_tokens(counts, drafts[-1][:, None], jnp.ones_like(base))  # before d_{step+1}
+        q.append(draft_logprobs(cfg, params, h, kernels, sampling, counts))
         drafts.append(smp.gumbel_argmax(q[-1], smp.keys(sampling.seed, base + 1 + step, smp.DRAFT)))
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
     logits = target.logits_from_hidden(params, hidden, kernels)  # [B, K+1, V]
-    p = smp.logprobs(tp.gather_vocab(logits), sampling)  # [B, K+1, V]
+    z = smp.penalize(tp.gather_vocab(logits), sampling, slots.counts, tokens[:, 1:])  # p_i after d_1 .. d_i
+    p = smp.logprobs(z, sampling)  # [B, K+1, V]
     if k:
         a, last = smp.speculative_accept(p, jnp.stack(q, axis=1), tokens[:, 1:], sampling.seed, base)
     else:
@@ -247,12 +264,14 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     n_keep = (a + 1) * live
     state = dataclasses.replace(state, lengths=base + n_keep)
     read = ops.next_slots(slots.gdn_slot, n_keep, gdn_slot_count(state))
+    counts = smp.count_tokens(slots.counts, emitted, a + 1)
     d1, q1, mh = slots.d1, slots.q1, slots.mh
     if k or refresh_mtp:
         mh_all, state = mtp.forward(cfg, params, state, jnp.maximum(emitted, 0), hidden, base, n_keep, kernels)
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
-        d1, q1 = draft(cfg, params, mh, kernels, sampling, base + a + 2)
-    return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, q1=q1, mh=mh, gdn_slot=read), logits
+        d1, q1 = draft(cfg, params, mh, kernels, sampling, base + a + 2, counts)
+    return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, q1=q1, mh=mh, gdn_slot=read,
+                                                  counts=counts), logits
 
 
 def _padded_round(cfg, kernels, kc: int, k: int, params, state, slots, *, live, cap, sampling, keep_logits: bool):

@@ -20,7 +20,7 @@ from qmtp.model import mtp, target
 from qmtp.model.config import ModelConfig
 from qmtp.runtime import sampling as smp, tp
 from qmtp.runtime.kernel_config import KernelConfig
-from qmtp.runtime.loop import Slots, choose, draft, unread_q
+from qmtp.runtime.loop import Slots, choose, draft, first_counts, unread_q
 from qmtp.runtime.state import DecodeState
 
 
@@ -109,7 +109,7 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         mh, state = _chunked(mtp_pass, kernels.prefill_chunk, state, mtp.shift_left(tokens, n_valid, first),
                              n_valid, hidden, width)
         mh = target.last_valid(mh, n_valid)
-        d1, q1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1)
+        d1, q1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1, first_counts(first, cfg.vocab_size))
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
         q1 = unread_q(cfg, first.shape[0])

@@ -1,14 +1,17 @@
 """Sampling and lossless speculative sampling, per row, as pure functions of logits and keys.
 
 Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k
-(0: off), top_p (1: off), min_p (0: off) and a seed. The distribution a row samples from is
-HF transformers' order of processors on the logits z:
+(0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off) and a seed. The
+distribution a row samples from is HF transformers' order of processors on the logits z, after the
+OpenAI API's penalties on the counts c_v of each id v among the tokens the request generated before
+the position (the prompt's are not counted):
 
-    z / T  ->  keep the top_k largest  ->  keep the smallest set of largest with mass >= top_p
+    z_v - frequency * c_v - presence * [c_v > 0]  ->  z / T  ->  keep the top_k largest  ->  keep the smallest set of largest with mass >= top_p
            ->  keep those with probability >= min_p * the largest probability  ->  softmax
 
-(ties at a threshold are all kept). A row with T = 0 gets the one-hot distribution of argmax z, so
-greedy rows go through the same code and keep greedy's tokens exactly.
+(ties at a threshold are all kept). A row with T = 0 gets the one-hot distribution of argmax z (the
+penalized z), so greedy rows go through the same code and keep greedy's tokens exactly; a row whose
+penalties are 0 keeps z bit for bit.
 
 Randomness: key(seed, position, purpose), so a seeded request draws the same numbers whatever batch
 it is in. A token is drawn by the Gumbel-max trick, argmax(log p + G) with G ~ Gumbel(0, 1) per
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 F32 = jnp.float32
 DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # purposes of a position's random numbers
 MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenAI API's limit)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (the OpenAI API's range)
 # Batches whose truncating rows all ask 1 <= top_k <= SHORT_TOP_K find their cut among the SHORT_TOP_K
 # largest logits (`largest`) instead of sorting the vocabulary (H200, 248,320 ids, top_k 20 and top_p
 # 0.95: 1 / 4 / 16 rows 89 / 281 / 813 us sorted, 73 / 78 / 85 us so). The same cut, except that top_p
@@ -55,6 +59,12 @@ class SamplingParams:
     top_p: jax.Array  # f32 in (0, 1], 1 = all
     min_p: jax.Array  # f32 in [0, 1], 0 = off
     seed: jax.Array  # uint32
+    presence_penalty: jax.Array  # f32, 0 = off: subtracted once from each id already generated
+    frequency_penalty: jax.Array  # f32, 0 = off: subtracted per occurrence of each id already generated
+
+    def penalized(self) -> jax.Array:
+        """[B] bool: the rows with a penalty (their decoding needs the counts of generated ids)."""
+        return (self.presence_penalty != 0) | (self.frequency_penalty != 0)
 
 
 @jax.tree_util.register_dataclass
@@ -93,9 +103,39 @@ def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
     return jax.vmap(row)(seed, position)
 
 
+def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array, drafts: jax.Array | None = None):
+    """The penalized logits f32 (module doc), shaped as logits: [B, V] at one position after the ids
+    counted in counts [B, V] int32, or [B, K+1, V] at the K+1 positions that follow counts and then
+    drafts [B, K] (position i also counts d_1 .. d_i). A row at penalties 0 keeps its logits bit for
+    bit (z - 0 * c - 0 = z); when no row has a penalty nothing is counted (a lax.cond)."""
+    z = logits.astype(F32)
+
+    def apply(z):
+        c = counts if drafts is None else _position_counts(counts, drafts)
+        shape = (-1,) + (1,) * (z.ndim - 1)
+        c = c.astype(F32)
+        return z - params.frequency_penalty.reshape(shape) * c - params.presence_penalty.reshape(shape) * (c > 0)
+
+    return jax.lax.cond(jnp.any(params.penalized()), apply, lambda z: z, z)
+
+
+def _position_counts(counts: jax.Array, drafts: jax.Array) -> jax.Array:
+    """[B, K+1, V]: counts [B, V], then at position i also d_1 .. d_i of drafts [B, K]."""
+    ahead = jnp.cumsum(jax.nn.one_hot(drafts, counts.shape[-1], dtype=counts.dtype), axis=1)  # [B, K, V]
+    return jnp.concatenate([counts[:, None], counts[:, None] + ahead], axis=1)
+
+
+def count_tokens(counts: jax.Array, tokens: jax.Array, n: jax.Array) -> jax.Array:
+    """counts [B, V] plus the first n [B] of tokens [B, T] of each row."""
+    b, t = tokens.shape
+    cols = jnp.where(jnp.arange(t)[None] < n[:, None], tokens, counts.shape[-1])  # past the vocabulary: dropped
+    return counts.at[jnp.arange(b)[:, None], cols].add(1, mode="drop")
+
+
 def logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Log-probabilities [B, ..., V] f32 of the processed distribution (module doc) of logits [B, ..., V];
-    ids outside it are -inf. A row's parameters apply to all its positions."""
+    """Log-probabilities [B, ..., V] f32 of the processed distribution (module doc) of logits [B, ..., V]
+    (already penalized: `penalize`); ids outside it are -inf. A row's parameters apply to all its
+    positions."""
     z = logits.astype(F32)
     shape = (-1,) + (1,) * (z.ndim - 1)
     t = params.temperature.reshape(shape)

@@ -2,7 +2,8 @@
 
 The engine hands the device the parameters of the slots a call covers as one SamplingParams (arrays
 [n]): a prefill always (greedy rows at temperature 0 keep the argmax, so each bucket has one prefill
-program), the decode loop only while some decoding slot samples (otherwise the loop's greedy form).
+program), the decode loop only while some decoding slot samples or has a penalty (otherwise the loop's
+greedy form, which keeps no counts of generated ids).
 """
 
 from __future__ import annotations
@@ -13,22 +14,24 @@ from qmtp import api
 from qmtp.runtime.sampling import SamplingParams
 from qmtp.serve.requests import RequestError
 
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0}
-DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "seed": np.uint32}
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "presence_penalty": 0.0,
+          "frequency_penalty": 0.0}
+DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "seed": np.uint32,
+          "presence_penalty": np.float32, "frequency_penalty": np.float32}
 
 
-def check(temperature, top_k, top_p, min_p, seed) -> dict | None:
-    """A request's sampling parameters (None: greedy; seed None: a random one), or RequestError naming
-    the one out of range."""
+def check(temperature, top_k, top_p, min_p, seed, presence_penalty=0.0, frequency_penalty=0.0) -> dict | None:
+    """A request's sampling parameters (None: greedy without penalties; seed None: a random one), or
+    RequestError naming the one out of range."""
     try:
-        api.sampling_params(1, temperature, top_k, top_p, min_p, seed)
+        api.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty)
     except ValueError as e:
         raise RequestError(str(e), str(e).split("=")[0]) from None
-    if temperature == 0:
+    if temperature == 0 and presence_penalty == 0 and frequency_penalty == 0:
         return None
     seed = int(np.random.default_rng().integers(2 ** 32)) if seed is None else int(seed)
     return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p), "min_p": float(min_p),
-            "seed": seed}
+            "seed": seed, "presence_penalty": float(presence_penalty), "frequency_penalty": float(frequency_penalty)}
 
 
 class SlotSampling:
@@ -44,7 +47,8 @@ class SlotSampling:
             column[slot] = (sampling or GREEDY)[name]
 
     def any_sampled(self, slots) -> bool:
-        return bool(np.any(self.columns["temperature"][list(slots)] > 0))
+        """Whether any of these slots samples or has a penalty (needs the loop's sampled form)."""
+        return bool(np.any(_needs_params(self.columns, list(slots))))
 
     def rows(self, slots, always: bool = False) -> SamplingParams | None:
         """The parameters of these slots (an id past the last slot: a greedy padding row); None, unless
@@ -52,6 +56,12 @@ class SlotSampling:
         ids = np.asarray(list(slots), np.int64)
         real = ids < self.batch_slots
         cols = {k: np.where(real, v[np.where(real, ids, 0)], v.dtype.type(GREEDY[k])) for k, v in self.columns.items()}
-        if not (always or np.any(cols["temperature"] > 0)):
+        if not (always or np.any(_needs_params(cols, slice(None)))):
             return None
         return SamplingParams(**cols)
+
+
+def _needs_params(cols: dict, rows):
+    """[n] bool: the rows that sample or have a penalty."""
+    return ((cols["temperature"][rows] > 0) | (cols["presence_penalty"][rows] != 0)
+            | (cols["frequency_penalty"][rows] != 0))

@@ -50,7 +50,7 @@ def _put_rows(state: DecodeState, slots: Slots, ids, conv, ssm, page_rows, lengt
         page_table=put(state.page_table, page_rows), lengths=put(state.lengths, lengths))
     return state, dataclasses.replace(slots, **{f: put(getattr(slots, f), getattr(new, f))
                                                 for f in ("pending", "d1", "q1", "mh", "remaining", "stop", "done",
-                                                          "accept_ema")})
+                                                          "accept_ema", "counts")})
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
@@ -108,7 +108,8 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
         shifted = next_tokens.at[at].set(jnp.where(last, first, next_tokens[at]))
         mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offsets, n_valid, kernels)
         mh = target.last_valid(mh, n_valid)  # [n, E]
-        d1, q1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1)
+        d1, q1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1,
+                            loop.first_counts(first, cfg.vocab_size))
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
         q1 = loop.unread_q(cfg, first.shape[0])

@@ -1,0 +1,94 @@
+"""Presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's): the penalized logits
+at each position of a verify pass against counts made here, and greedy decoding with penalties on the
+demo model (float32): each token the argmax of the teacher-forced logits (qmtp.target_logits, another
+program than the decode loop) penalized in numpy by the tokens generated before it, and MTP K = 1..4
+giving plain decoding's tokens at batch 1 and 3.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp import api
+from qmtp.runtime import sampling
+from qmtp.runtime.sampling import SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def"]
+NEW = 24
+# a negative presence penalty makes the demo repeat a token within a round, where the counts of the drafts
+# before a position matter (leaving them out parts MTP from plain at K = 3)
+PENALTIES = [dict(presence_penalty=2.0), dict(presence_penalty=-2.0), dict(presence_penalty=-1.0,
+                                                                           frequency_penalty=1.5)]
+
+
+def params(presence, frequency, temperature=0.0) -> SamplingParams:
+    b = len(presence)
+    full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))  # noqa: E731
+    return SamplingParams(full(temperature, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32),
+                          full(0.0, jnp.float32), jnp.arange(b, dtype=jnp.uint32), jnp.asarray(presence, jnp.float32),
+                          jnp.asarray(frequency, jnp.float32))
+
+
+def np_penalized(z, generated, presence, frequency):
+    """z [V] after the ids `generated` (the OpenAI API's formula, float64)."""
+    c = np.bincount(np.asarray(generated, np.int64), minlength=z.size).astype(np.float64)
+    return np.asarray(z, np.float64) - frequency * c - presence * (c > 0)
+
+
+def test_each_position_of_a_verify_pass_counts_the_drafts_before_it():
+    rng = np.random.default_rng(0)
+    b, k, v = 2, 3, 11
+    z = rng.standard_normal((b, k + 1, v)).astype(np.float32)
+    counts = rng.integers(0, 3, (b, v)).astype(np.int32)
+    drafts = np.array([[4, 4, 7], [1, 2, 3]], np.int32)  # a repeated draft, and ids already counted
+    prm = params([0.7, 0.0], [0.3, 0.0])  # row 1 without penalties
+    got = np.asarray(sampling.penalize(jnp.asarray(z), prm, jnp.asarray(counts), jnp.asarray(drafts)))
+    for i in range(k + 1):
+        before = np.repeat(np.arange(v), counts[0]).tolist() + drafts[0, :i].tolist()
+        np.testing.assert_allclose(got[0, i], np_penalized(z[0, i], before, 0.7, 0.3), atol=1e-6, err_msg=f"{i}")
+    np.testing.assert_array_equal(got[1], z[1])  # bit for bit
+    one = np.asarray(sampling.penalize(jnp.asarray(z[:, 0]), prm, jnp.asarray(counts)))  # one position
+    np.testing.assert_array_equal(one, got[:, 0])
+
+
+def test_no_penalties_leave_the_logits_and_counting_adds_the_first_n_tokens():
+    z = jnp.asarray(np.random.default_rng(1).standard_normal((2, 9)), jnp.float32)
+    counts = jnp.ones((2, 9), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(sampling.penalize(z, params([0.0, 0.0], [0.0, 0.0]), counts)), z)
+    got = sampling.count_tokens(jnp.zeros((2, 9), jnp.int32), jnp.asarray([[3, 3, 5], [8, -1, -1]]),
+                                jnp.asarray([2, 1]))
+    want = np.zeros((2, 9), np.int32)
+    want[0, 3], want[1, 8] = 2, 1
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return qmtp.load("models/qmtp-demo", dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("penalty", PENALTIES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_greedy_with_penalties_is_the_penalized_argmax_and_mtp_keeps_it(demo, penalty):
+    ids = api.encode(demo, PROMPTS)
+    plain = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], **penalty).tokens
+    unpenalized = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[]).tokens
+    assert plain != unpenalized  # the penalties change the greedy tokens of these prompts
+    presence, frequency = penalty.get("presence_penalty", 0.0), penalty.get("frequency_penalty", 0.0)
+    for prompt, out in zip(ids, plain):
+        logits = qmtp.target_logits(demo, prompt + out)  # [T, V]: position t predicts token t + 1
+        for i, token in enumerate(out):
+            z = np_penalized(logits[len(prompt) - 1 + i], out[:i], presence, frequency)
+            assert token == int(np.argmax(z)), (prompt, i)
+    for k in (1, 2, 3, 4):
+        assert qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=k, **penalty).tokens == plain
+    alone = qmtp.generate(demo, PROMPTS[1:2], max_new_tokens=NEW, stop_token_ids=[], mtp_k=3, **penalty).tokens
+    assert alone == plain[1:2]
+
+
+def test_out_of_range_penalties_name_their_parameter():
+    for name in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(ValueError, match=f"^{name}=2.5 must be in"):
+            qmtp.sampling_params(1, **{name: 2.5})
