@@ -233,7 +233,9 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     L + 1 + i) is drawn from the MTP head's q_i (q_1 and d_1 from the previous round: Slots.q1), the verify
     pass gives p_0 .. p_K, speculative_accept keeps a drafts and draws the next token from the residual
     (or p_K). A cap below a accepts only the first cap drafts and draws the next token from p_cap, as a
-    round of K = cap would. The emitted tokens feed the MTP refresh as the target's argmax does greedily."""
+    round of K = cap would. The emitted tokens feed the MTP refresh as the target's argmax does greedily.
+    Penalties: p_i and q_i count the row's generated ids (Slots.counts) and the drafts before them, as
+    plain decoding would count them had it emitted those drafts; the emitted tokens are then counted."""
     base = state.lengths  # L [B]: the pending token's position
     drafts, h = [slots.d1][:k], slots.mh
     q = [slots.q1] if k else []  # q_i [B, V]
