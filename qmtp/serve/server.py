@@ -113,8 +113,9 @@ def define_flags() -> None:
                       "inside <think> (Qwen3.5's template, thinking on) starts in the reasoning, one whose prompt "
                       "closed it (chat_template_kwargs enable_thinking=false) in the content. auto (default): qwen3 "
                       "when the tokenizer has <think> and </think> tokens (Qwen3, Qwen3.5), else none; the choice "
-                      "is logged at start. none: the text as generated, all in content. /v1/completions always "
-                      "returns the text as generated.")
+                      "is logged at start. qwen3 leaves a model that does not think as it was: a reply starts in the "
+                      "reasoning only where its prompt opened one or it opens with <think> itself. none: the text as "
+                      "generated, all in content. /v1/completions always returns the text as generated.")
     flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "qwen3_coder", "hermes", "none"], "Chat requests with "
                       "tools: the format of the model's calls, parsed into message.tool_calls (finish_reason "
                       "tool_calls). qwen3_coder: <tool_call><function=NAME><parameter=KEY>VALUE</parameter>"
