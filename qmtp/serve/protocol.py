@@ -22,12 +22,13 @@ message.reasoning_content (delta.reasoning_content when streaming); with tools, 
 and finish_reason is "tool_calls". Tools without a tool-call parser are refused unless tool_choice is
 "none" (then the template still shows them and the text is returned as generated), as are
 tool_choice "required" and a named function (they need decoding constrained to a call).
-Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed; one left out
-takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json,
+Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed, presence_penalty
+and frequency_penalty (-2 .. 2, on the tokens the choice generated; greedy takes the penalized argmax);
+one of the first four left out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json,
 else greedy and no cut); out-of-range values get a 400 naming them (the engine checks them). n (>= 1,
 at most --max_queue): n choices of one prompt, each a request of the engine (seeded: choice i draws
 with seed + i), admitted together, so one batched prefill pass computes them. best_of absent or 1;
-echo, suffix, logit_bias, penalties (presence, frequency, repetition), a response_format other than
+echo, suffix, logit_bias, repetition_penalty other than 1, a response_format other than
 text, and vLLM's min_tokens and ignore_eos are refused. An option the server cannot honour is refused
 rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
@@ -154,7 +155,7 @@ class Parsed:
     stop_token_ids: tuple[int, ...]
     stream: bool
     include_usage: bool
-    sampling: dict  # Engine.submit's temperature, top_k, top_p, min_p, seed
+    sampling: dict  # Engine.submit's temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty
     n: int = 1  # choices
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token
     tools: list[dict] | None = None  # chat: the request's tools (None: none given)
@@ -188,9 +189,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     if req.model != model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
-    _refuse(("presence_penalty", req.presence_penalty, "presence_penalty is not supported"),
-            ("frequency_penalty", req.frequency_penalty, "frequency_penalty is not supported"),
-            ("logit_bias", req.logit_bias, "logit_bias is not supported"),
+    _refuse(("logit_bias", req.logit_bias, "logit_bias is not supported"),
             ("response_format", (req.response_format or {}).get("type", "text") != "text",
              "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)"),
             ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"),
@@ -212,6 +211,8 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p}
     sampling = {name: value if value is not None else defaults.get(name, GREEDY[name]) for name, value in given.items()}
     sampling["seed"] = req.seed
+    sampling["presence_penalty"] = req.presence_penalty or 0.0
+    sampling["frequency_penalty"] = req.frequency_penalty or 0.0
     return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
                   req.n or 1)
 
