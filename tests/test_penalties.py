@@ -1,8 +1,8 @@
 """Presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's): the penalized logits
 at each position of a verify pass against counts made here, and greedy decoding with penalties on the
 demo model (float32): each token the argmax of the teacher-forced logits (qmtp.target_logits, another
-program than the decode loop) penalized in numpy by the tokens generated before it, and MTP K = 1..4
-giving plain decoding's tokens at batch 1 and 3.
+program than the decode loop) penalized in numpy by the tokens generated before it, and MTP giving
+plain decoding's tokens (K = 1 and 3 at batch 3, K = 4 at batch 1).
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def test_greedy_with_penalties_is_the_penalized_argmax_and_mtp_keeps_it(demo, pe
         for i, token in enumerate(out):
             z = np_penalized(logits[len(prompt) - 1 + i], out[:i], presence, frequency)
             assert token == int(np.argmax(z)), (prompt, i)
-    for k in (1, 2, 3, 4):
+    for k in (1, 3):
         assert qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=k, **penalty).tokens == plain
-    alone = qmtp.generate(demo, PROMPTS[1:2], max_new_tokens=NEW, stop_token_ids=[], mtp_k=3, **penalty).tokens
+    alone = qmtp.generate(demo, PROMPTS[1:2], max_new_tokens=NEW, stop_token_ids=[], mtp_k=4, **penalty).tokens
     assert alone == plain[1:2]
 
 
