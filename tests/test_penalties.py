@@ -1,8 +1,8 @@
 """Presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's): the penalized logits
 at each position of a verify pass against counts made here, and greedy decoding with penalties on the
 demo model (float32): each token the argmax of the teacher-forced logits (qmtp.target_logits, another
-program than the decode loop) penalized in numpy by the tokens generated before it, and MTP giving
-plain decoding's tokens (K = 1 and 3 at batch 3, K = 4 at batch 1).
+program than the decode loop) penalized in numpy by the tokens generated before it, and MTP K = 1 and 3
+giving plain decoding's tokens (tests/test_engine_sampling.py: a penalized request beside others).
 """
 
 from __future__ import annotations
@@ -74,18 +74,17 @@ def demo():
 def test_greedy_with_penalties_is_the_penalized_argmax_and_mtp_keeps_it(demo, penalty):
     ids = api.encode(demo, PROMPTS)
     plain = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], **penalty).tokens
-    unpenalized = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[]).tokens
-    assert plain != unpenalized  # the penalties change the greedy tokens of these prompts
     presence, frequency = penalty.get("presence_penalty", 0.0), penalty.get("frequency_penalty", 0.0)
+    changed = 0  # tokens other than the unpenalized argmax
     for prompt, out in zip(ids, plain):
         logits = qmtp.target_logits(demo, prompt + out)  # [T, V]: position t predicts token t + 1
         for i, token in enumerate(out):
-            z = np_penalized(logits[len(prompt) - 1 + i], out[:i], presence, frequency)
-            assert token == int(np.argmax(z)), (prompt, i)
+            z = logits[len(prompt) - 1 + i]
+            assert token == int(np.argmax(np_penalized(z, out[:i], presence, frequency))), (prompt, i)
+            changed += token != int(np.argmax(z))
+    assert changed  # the penalties decide some tokens
     for k in (1, 3):
         assert qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=k, **penalty).tokens == plain
-    alone = qmtp.generate(demo, PROMPTS[1:2], max_new_tokens=NEW, stop_token_ids=[], mtp_k=4, **penalty).tokens
-    assert alone == plain[1:2]
 
 
 def test_out_of_range_penalties_name_their_parameter():
