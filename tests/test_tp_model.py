@@ -93,8 +93,9 @@ def test_controlled_tp2_equals_tp1_with_full_acceptance(controlled_pair, k, batc
 
 @pytest.mark.parametrize("sampled", slow_except([False, True], {True}))  # CI time: the sampled case gathers too
 def test_logprobs_tp2_equal_tp1(tiny_pair, sampled):
-    """Each shard holds a slice of the vocabulary; the logprobs gather it (the values and the alternatives)."""
-    kw = dict(temperature=0.8, top_p=0.9, seed=2) if sampled else {}
+    """Each shard holds a slice of the vocabulary; the logprobs gather it (the values and the alternatives);
+    sampled, with penalties too (their counts are of the whole vocabulary)."""
+    kw = dict(temperature=0.8, top_p=0.9, seed=2, presence_penalty=-1.0, frequency_penalty=0.5) if sampled else {}
     one, two = (qmtp.generate(m, PROMPTS[:2], max_new_tokens=6, mtp_k=2, logprobs=4, **kw) for m in tiny_pair)
     assert one.tokens == two.tokens
     for a, b in zip(sum(one.logprobs, []), sum(two.logprobs, [])):
