@@ -25,10 +25,10 @@ tool_choice "required" and a named function (they need decoding constrained to a
 Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed,
 presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice generated; greedy takes the
 penalized argmax); one of the first four left out takes the server's default
-(qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json, else greedy and no cut); out-
-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue): n choices
-of one prompt, each a request of the engine (seeded: choice i draws with seed + i), admitted together,
-so one batched prefill pass computes them. best_of absent or 1; echo, suffix, logit_bias,
+(qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json, else greedy and no cut);
+out-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue): n
+choices of one prompt, each a request of the engine (seeded: choice i draws with seed + i), admitted
+together, so one batched prefill pass computes them. best_of absent or 1; echo, suffix, logit_bias,
 repetition_penalty other than 1, a response_format other than text, and vLLM's min_tokens and ignore_eos
 are refused. An option the server cannot honour is refused rather than ignored: the client would believe
 it applied.
