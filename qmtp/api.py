@@ -23,7 +23,8 @@ from qmtp.runtime import adaptive_k, loop, ops, prefill, tp as tp_lib
 from qmtp.runtime.compile_only import CompileRecorder
 from qmtp.runtime.kernel_config import DEFAULT_PREFILL_CHUNK, KernelConfig
 from qmtp.runtime.paging import CapacityError, PageAllocator
-from qmtp.runtime.sampling import MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from qmtp.runtime.sampling import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams,
+                                   TokenLogprobs)
 from qmtp.runtime.state import init_state
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -221,9 +222,11 @@ def _prompt_batch(prompt_ids: list[list[int]]):
 
 
 def sampling_params(batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                    seed=None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> SamplingParams | None:
-    """Every row's SamplingParams (None: greedy without penalties); ValueError naming a value out of range.
-    seed: an int for every row, one per row, or None: a random one (the tokens then differ run to run)."""
+                    seed=None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
+                    vocab_size: int | None = None) -> SamplingParams | None:
+    """Every row's SamplingParams (None: greedy without penalties or logit bias); ValueError naming a value
+    out of range. seed: an int for every row, one per row, or None: a random one (the tokens then differ
+    run to run). logit_bias: {token id: bias} (ids below vocab_size where given)."""
     if not temperature >= 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
@@ -235,16 +238,36 @@ def sampling_params(batch: int, temperature: float = 0.0, top_k: int = 0, top_p:
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise ValueError(f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off)")
+    bias_ids, bias = logit_bias_row(logit_bias, vocab_size)
     seeds = np.random.default_rng().integers(2 ** 32, size=batch) if seed is None else np.broadcast_to(
         np.asarray(seed, np.int64), (batch,))
     if seeds.min() < 0 or seeds.max() >= 2 ** 32:
         raise ValueError(f"seed={seed} must be in [0, 2^32)")
-    if temperature == 0 and presence_penalty == 0 and frequency_penalty == 0:
+    if temperature == 0 and presence_penalty == 0 and frequency_penalty == 0 and not logit_bias:
         return None
     full = lambda x, dt: jnp.full((batch,), x, dt)  # noqa: E731
+    rows = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape)  # noqa: E731
     return SamplingParams(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
                           full(min_p, jnp.float32), jnp.asarray(seeds, jnp.uint32),
-                          full(presence_penalty, jnp.float32), full(frequency_penalty, jnp.float32))
+                          full(presence_penalty, jnp.float32), full(frequency_penalty, jnp.float32), rows(bias_ids),
+                          rows(bias))
+
+
+def logit_bias_row(logit_bias, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """{token id: bias} (None: none) -> SamplingParams' row (ids [MAX_LOGIT_BIAS] int32, -1 past the
+    given ones; biases [MAX_LOGIT_BIAS] f32); ValueError naming what is out of range."""
+    items = list((logit_bias or {}).items())
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias={len(items)} ids: at most {MAX_LOGIT_BIAS}")
+    ids, bias = np.full(MAX_LOGIT_BIAS, -1, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
+    for i, (token, value) in enumerate(items):
+        token = int(token)
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ValueError(f"logit_bias={token}: a token id must be in [0, {vocab_size})")
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise ValueError(f"logit_bias={value} (token {token}) must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        ids[i], bias[i] = token, value
+    return ids, bias
 
 
 def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
@@ -264,12 +287,13 @@ def _cap_schedule(accept_cap, batch: int, k: int) -> jax.Array:
 def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=None, mtp_k: int | str = 0,
              accept_cap=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | None = None, logprobs: int | None = None, warmup: bool = False,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict | None = None,
              progress=None, compile_only: bool = False) -> GenerationResult | None:
     """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at
     temperature 0, else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature,
-    top_k, top_p, min_p), after the OpenAI API's presence_penalty and frequency_penalty on the ids the
-    sequence generated so far (greedy too: the argmax of the penalized logits), with keys from (seed, position), so a seeded prompt gives the same tokens in
+    top_k, top_p, min_p), after the OpenAI API's logit_bias ({token id: bias}, -100 .. 100),
+    presence_penalty and frequency_penalty on the ids the sequence generated so far (greedy too: the
+    argmax of the adjusted logits), with keys from (seed, position), so a seeded prompt gives the same tokens in
     any batch (seed None: a random seed). logprobs N (0 .. 20; None: off): each token's log-probability
     under the target and its N most likely alternatives (TokenLogprob), plain or MTP alike.
 
@@ -301,7 +325,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     prompt_ids = encode(model, prompts)
     batch = len(prompt_ids)
     ops.check_deterministic_rows(model.kernels, batch, mtp_k, "prompts x (mtp_k+1)")
-    sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty)
+    sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
+                               logit_bias, model.cfg.vocab_size)
     stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)
     # a round's pass writes K+1 positions past the committed length
     capacities = [len(p) + max_new_tokens + mtp_k + 1 for p in prompt_ids]

@@ -50,7 +50,8 @@ def test_seeded_requests_get_generate_tokens_and_greedy_ones_stay_greedy(model, 
                                        (dict(temperature=1.0, min_p=1.5), "min_p"),
                                        (dict(temperature=1.0, seed=2 ** 40), "seed"),
                                        (dict(presence_penalty=2.5), "presence_penalty"),
-                                       (dict(frequency_penalty=-3.0), "frequency_penalty")])
+                                       (dict(frequency_penalty=-3.0), "frequency_penalty"),
+                                       (dict(logit_bias={10 ** 6: 1.0}), "logit_bias")])
 def test_bad_sampling_values_name_their_parameter(model, kw, param):
     engine = make_engine(model, 0, start=False)
     with pytest.raises(RequestError) as e:
@@ -59,10 +60,11 @@ def test_bad_sampling_values_name_their_parameter(model, kw, param):
 
 
 def test_a_penalized_greedy_request_gets_generate_tokens_beside_a_plain_one(model):
-    """A greedy request with penalties decodes in the loop's sampled form (which counts the generated ids)
+    """A greedy request with penalties and a logit bias (against its first greedy token) decodes in the loop's sampled form (which counts the generated ids)
     and gets qmtp.generate's tokens; the request beside it keeps its greedy tokens."""
     engine = make_engine(model, 2)
-    penalty = dict(presence_penalty=-2.0, frequency_penalty=0.5)  # negative: the tiny model repeats ids
+    penalty = dict(presence_penalty=-2.0, frequency_penalty=0.5,  # negative: the tiny model repeats ids
+                   logit_bias={int(qmtp.generate(model, [PROMPTS[0]], max_new_tokens=1).tokens[0][0]): -50.0})
     penalized, plain = engine.submit(PROMPTS[0], 10, **penalty), engine.submit(PROMPTS[1], 10)
     want = qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=2, **penalty).tokens[0]
     assert want != qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=2).tokens[0]

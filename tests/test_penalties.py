@@ -1,5 +1,6 @@
-"""Presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's): the penalized logits
-at each position of a verify pass against counts made here, and greedy decoding with penalties on the
+"""Logit bias, presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's): the adjusted
+logits at each position of a verify pass against counts made here, a bias that bans or forces a token
+(plain and MTP), and greedy decoding with penalties on the
 demo model (float32): each token the argmax of the teacher-forced logits (qmtp.target_logits, another
 program than the decode loop) penalized in numpy by the tokens generated before it, and MTP K = 1 and 3
 giving plain decoding's tokens (tests/test_engine_sampling.py: a penalized request beside others).
@@ -24,12 +25,14 @@ PENALTIES = [dict(presence_penalty=2.0), dict(presence_penalty=-2.0), dict(prese
                                                                            frequency_penalty=1.5)]
 
 
-def params(presence, frequency, temperature=0.0) -> SamplingParams:
+def params(presence, frequency, bias=None, temperature=0.0) -> SamplingParams:
+    """Greedy rows with these penalties [B] and logit biases (a {id: bias} per row; None: none)."""
     b = len(presence)
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))  # noqa: E731
+    ids, values = zip(*(api.logit_bias_row(row) for row in (bias or [None] * b)))
     return SamplingParams(full(temperature, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32),
                           full(0.0, jnp.float32), jnp.arange(b, dtype=jnp.uint32), jnp.asarray(presence, jnp.float32),
-                          jnp.asarray(frequency, jnp.float32))
+                          jnp.asarray(frequency, jnp.float32), jnp.asarray(np.stack(ids)), jnp.asarray(np.stack(values)))
 
 
 def np_penalized(z, generated, presence, frequency):
@@ -44,11 +47,14 @@ def test_each_position_of_a_verify_pass_counts_the_drafts_before_it():
     z = rng.standard_normal((b, k + 1, v)).astype(np.float32)
     counts = rng.integers(0, 3, (b, v)).astype(np.int32)
     drafts = np.array([[4, 4, 7], [1, 2, 3]], np.int32)  # a repeated draft, and ids already counted
-    prm = params([0.7, 0.0], [0.3, 0.0])  # row 1 without penalties
+    prm = params([0.7, 0.0], [0.3, 0.0], [{2: 5.0, 9: -1.5}, None])  # row 1 without adjustments
     got = np.asarray(sampling.penalize(jnp.asarray(z), prm, jnp.asarray(counts), jnp.asarray(drafts)))
+    bias = np.zeros(v)
+    bias[2], bias[9] = 5.0, -1.5
     for i in range(k + 1):
         before = np.repeat(np.arange(v), counts[0]).tolist() + drafts[0, :i].tolist()
-        np.testing.assert_allclose(got[0, i], np_penalized(z[0, i], before, 0.7, 0.3), atol=1e-6, err_msg=f"{i}")
+        np.testing.assert_allclose(got[0, i], np_penalized(z[0, i] + bias, before, 0.7, 0.3), atol=1e-6,
+                                   err_msg=f"{i}")
     np.testing.assert_array_equal(got[1], z[1])  # bit for bit
     one = np.asarray(sampling.penalize(jnp.asarray(z[:, 0]), prm, jnp.asarray(counts)))  # one position
     np.testing.assert_array_equal(one, got[:, 0])
@@ -87,7 +93,29 @@ def test_greedy_with_penalties_is_the_penalized_argmax_and_mtp_keeps_it(demo, pe
         assert qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=k, **penalty).tokens == plain
 
 
-def test_out_of_range_penalties_name_their_parameter():
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_logit_bias_bans_or_forces_a_token(demo, k):
+    ids = api.encode(demo, PROMPTS)
+    plain = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[]).tokens
+    common = max(set(sum(plain, [])), key=sum(plain, []).count)  # the most frequent generated token
+    banned = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=k,
+                           logit_bias={common: -100.0}).tokens
+    assert all(common not in out for out in banned)
+    for prompt, out in zip(ids, banned):  # each token the argmax of the biased teacher-forced logits
+        logits = qmtp.target_logits(demo, prompt + out)
+        assert out == [int(np.argmax(logits[len(prompt) - 1 + i] + np.where(np.arange(logits.shape[1]) == common,
+                                                                              -100.0, 0.0))) for i in range(NEW)]
+    forced = qmtp.generate(demo, PROMPTS, max_new_tokens=8, stop_token_ids=[], mtp_k=k, logit_bias={7: 100.0})
+    assert forced.tokens == [[7] * 8] * len(PROMPTS)
+
+
+def test_out_of_range_adjustments_name_their_parameter():
     for name in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(ValueError, match=f"^{name}=2.5 must be in"):
             qmtp.sampling_params(1, **{name: 2.5})
+    with pytest.raises(ValueError, match=r"^logit_bias=-101.0 \(token 3\) must be in \[-100, 100\]"):
+        qmtp.sampling_params(1, logit_bias={3: -101.0})
+    with pytest.raises(ValueError, match=r"^logit_bias=500: a token id must be in \[0, 500\)"):
+        qmtp.sampling_params(1, logit_bias={500: 1.0}, vocab_size=500)
+    with pytest.raises(ValueError, match=f"^logit_bias=301 ids: at most {sampling.MAX_LOGIT_BIAS}"):
+        qmtp.sampling_params(1, logit_bias=dict.fromkeys(range(301), 1.0))

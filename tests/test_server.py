@@ -210,6 +210,10 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
      "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "presence_penalty": 2.5}).encode(), 400, "presence_penalty",
      "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "logit_bias": {"99999": 1}}).encode(), 400, "logit_bias",
+     "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "logit_bias": {"a": 1}}).encode(), 400, "logit_bias",
+     "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "n": 0}).encode(), 400, "n", "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "n": 65}).encode(), 400, "n", "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "logprobs": 21}).encode(), 400, "logprobs", "invalid_value"),
@@ -805,13 +809,14 @@ def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path
                                                            "temperature 0.6, top_p 0.95, top_k 20")
     limits = (NAME, MAX_TOKENS_LIMIT, 4, defaults)
     left_out = protocol.parse_completion({"model": NAME, "prompt": "x"}, *limits)
-    no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
+    no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
     assert left_out.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "seed": None,
                                  **no_penalties}
     own, _, _ = protocol.parse_chat({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": 0,
-                                     "top_k": 0, "min_p": 0.1, "seed": 3, "presence_penalty": 1.5}, *limits)
+                                     "top_k": 0, "min_p": 0.1, "seed": 3, "presence_penalty": 1.5,
+                                     "logit_bias": {"7": -100}}, *limits)
     assert own.sampling == {"temperature": 0, "top_k": 0, "top_p": 0.95, "min_p": 0.1, "seed": 3,
-                            **no_penalties, "presence_penalty": 1.5}
+                            **no_penalties, "presence_penalty": 1.5, "logit_bias": {7: -100.0}}
     gen.write_text(json.dumps({"do_sample": True, "top_p": 1.5}))
     with pytest.raises(ValueError, match=r"generation_config.json: top_p=1.5 must be in \(0, 1\]"):
         sampling_defaults.from_checkpoint(str(tmp_path))

@@ -51,7 +51,8 @@ def settings(rows: int) -> dict[str, smp.SamplingParams]:
         full = lambda v, dtype: jnp.full((rows,), v, dtype)  # noqa: E731
         return smp.SamplingParams(full(0.6, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
                                   full(0.0, jnp.float32), jnp.arange(rows, dtype=jnp.uint32), full(0.0, jnp.float32),
-                                  full(0.0, jnp.float32))
+                                  full(0.0, jnp.float32), jnp.full((rows, smp.MAX_LOGIT_BIAS), -1, jnp.int32),
+                                  jnp.zeros((rows, smp.MAX_LOGIT_BIAS), jnp.float32))
     return {"recommended": params(20, 0.95), "temperature": params(0, 1.0), "top_p": params(0, 0.95)}
 
 

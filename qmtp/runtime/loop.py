@@ -66,12 +66,13 @@ def greedy(logits: jax.Array) -> jax.Array:
 
 
 def choose(logits: jax.Array, sampling, position: jax.Array) -> jax.Array:
-    """The first generated token [B] at positions [B] from logits [B, V] (nothing generated before it to
-    penalize): greedy (sampling None) or drawn from each row's processed distribution
-    (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
+    """The first generated token [B] at positions [B] from logits [B, V] (its logit bias applies; nothing
+    generated before it to penalize): greedy (sampling None) or drawn from each row's processed
+    distribution (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
     if sampling is None:
         return greedy(logits)
-    return smp.sample(smp.logprobs(tp.gather_vocab(logits), sampling), sampling.seed, position)
+    z = smp.penalize(tp.gather_vocab(logits), sampling, None)
+    return smp.sample(smp.logprobs(z, sampling), sampling.seed, position)
 
 
 def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,

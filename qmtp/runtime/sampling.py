@@ -1,17 +1,18 @@
 """Sampling and lossless speculative sampling, per row, as pure functions of logits and keys.
 
 Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k
-(0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off) and a seed. The
-distribution a row samples from is HF transformers' order of processors on the logits z, after the
-OpenAI API's penalties on the counts c_v of each id v among the tokens the request generated before
-the position (the prompt's are not counted):
+(0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off), a logit bias (up to
+MAX_LOGIT_BIAS ids) and a seed. The distribution a row samples from is HF transformers' order of
+processors on the logits z after the OpenAI API's adjustments: the bias b_v of id v, and penalties on
+the count c_v of v among the tokens the request generated before the position (not the prompt's):
 
-    z_v - frequency * c_v - presence * [c_v > 0]  ->  z / T  ->  keep the top_k largest  ->  keep the smallest set of largest with mass >= top_p
-           ->  keep those with probability >= min_p * the largest probability  ->  softmax
+    z_v + b_v - frequency * c_v - presence * [c_v > 0]  ->  z / T  ->  keep the top_k largest
+        ->  keep the smallest set of largest with mass >= top_p
+        ->  keep those with probability >= min_p * the largest probability  ->  softmax
 
 (ties at a threshold are all kept). A row with T = 0 gets the one-hot distribution of argmax z (the
-penalized z), so greedy rows go through the same code and keep greedy's tokens exactly; a row whose
-penalties are 0 keeps z bit for bit.
+adjusted z), so greedy rows go through the same code and keep greedy's tokens exactly; a row without
+adjustments keeps z bit for bit.
 
 Randomness: key(seed, position, purpose), so a seeded request draws the same numbers whatever batch
 it is in. A token is drawn by the Gumbel-max trick, argmax(log p + G) with G ~ Gumbel(0, 1) per
@@ -40,6 +41,8 @@ F32 = jnp.float32
 DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # purposes of a position's random numbers
 MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenAI API's limit)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (the OpenAI API's range)
+MAX_LOGIT_BIAS = 300  # ids a row's logit bias may name (the width of SamplingParams.logit_bias_ids)
+MAX_BIAS = 100.0  # a logit bias lies in [-MAX_BIAS, MAX_BIAS] (the OpenAI API's range)
 # Batches whose truncating rows all ask 1 <= top_k <= SHORT_TOP_K find their cut among the SHORT_TOP_K
 # largest logits (`largest`) instead of sorting the vocabulary (H200, 248,320 ids, top_k 20 and top_p
 # 0.95: 1 / 4 / 16 rows 89 / 281 / 813 us sorted, 73 / 78 / 85 us so). The same cut, except that top_p
@@ -61,10 +64,13 @@ class SamplingParams:
     seed: jax.Array  # uint32
     presence_penalty: jax.Array  # f32, 0 = off: subtracted once from each id already generated
     frequency_penalty: jax.Array  # f32, 0 = off: subtracted per occurrence of each id already generated
+    logit_bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32: the ids whose logit gets a bias (-1: unused)
+    logit_bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32: added to those ids' logits
 
-    def penalized(self) -> jax.Array:
-        """[B] bool: the rows with a penalty (their decoding needs the counts of generated ids)."""
-        return (self.presence_penalty != 0) | (self.frequency_penalty != 0)
+    def adjusted(self) -> jax.Array:
+        """[B] bool: the rows whose logits are adjusted (a penalty or a logit bias) before the processing."""
+        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                | jnp.any(self.logit_bias_ids >= 0, axis=-1))
 
 
 @jax.tree_util.register_dataclass
@@ -103,20 +109,27 @@ def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
     return jax.vmap(row)(seed, position)
 
 
-def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array, drafts: jax.Array | None = None):
-    """The penalized logits f32 (module doc), shaped as logits: [B, V] at one position after the ids
-    counted in counts [B, V] int32, or [B, K+1, V] at the K+1 positions that follow counts and then
-    drafts [B, K] (position i also counts d_1 .. d_i). A row at penalties 0 keeps its logits bit for
-    bit (z - 0 * c - 0 = z); when no row has a penalty nothing is counted (a lax.cond)."""
+def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None,
+             drafts: jax.Array | None = None):
+    """The adjusted logits f32 (module doc: logit bias and penalties), shaped as logits: [B, V] at one
+    position after the ids counted in counts [B, V] int32 (None: nothing generated yet), or [B, K+1, V]
+    at the K+1 positions that follow counts and then drafts [B, K] (position i also counts d_1 ..
+    d_i). A row without adjustments keeps its logits bit for bit (z + 0 - 0 * c - 0 = z); when no row
+    has one nothing is counted (a lax.cond)."""
     z = logits.astype(F32)
 
     def apply(z):
-        c = counts if drafts is None else _position_counts(counts, drafts)
+        b, v = z.shape[0], z.shape[-1]
+        ids = jnp.where(params.logit_bias_ids >= 0, params.logit_bias_ids, v)  # unused entries: dropped
+        bias = jnp.zeros((b, v), F32).at[jnp.arange(b)[:, None], ids].add(params.logit_bias, mode="drop")
+        z = z + bias.reshape((b,) + (1,) * (z.ndim - 2) + (v,))
+        if counts is None:
+            return z
+        c = (counts if drafts is None else _position_counts(counts, drafts)).astype(F32)
         shape = (-1,) + (1,) * (z.ndim - 1)
-        c = c.astype(F32)
         return z - params.frequency_penalty.reshape(shape) * c - params.presence_penalty.reshape(shape) * (c > 0)
 
-    return jax.lax.cond(jnp.any(params.penalized()), apply, lambda z: z, z)
+    return jax.lax.cond(jnp.any(params.adjusted()), apply, lambda z: z, z)
 
 
 def _position_counts(counts: jax.Array, drafts: jax.Array) -> jax.Array:

@@ -23,15 +23,15 @@ and finish_reason is "tool_calls". Tools without a tool-call parser are refused 
 "none" (then the template still shows them and the text is returned as generated), as are
 tool_choice "required" and a named function (they need decoding constrained to a call).
 Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed,
-presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice generated; greedy takes the
-penalized argmax); one of the first four left out takes the server's default
-(qmtp/serve/sampling_defaults.py: the checkpoint's generation_config.json, else greedy and no cut);
-out-of-range values get a 400 naming them (the engine checks them). n (>= 1, at most --max_queue): n
-choices of one prompt, each a request of the engine (seeded: choice i draws with seed + i), admitted
-together, so one batched prefill pass computes them. best_of absent or 1; echo, suffix, logit_bias,
-repetition_penalty other than 1, a response_format other than text, and vLLM's min_tokens and ignore_eos
-are refused. An option the server cannot honour is refused rather than ignored: the client would believe
-it applied.
+presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice generated) and logit_bias
+({token id: -100 .. 100}, at most 300 ids; greedy takes the adjusted argmax); one of the first four left
+out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's
+generation_config.json, else greedy and no cut); out-of-range values get a 400 naming them (the engine
+checks them). n (>= 1, at most --max_queue): n choices of one prompt, each a request of the engine
+(seeded: choice i draws with seed + i), admitted together, so one batched prefill pass computes them.
+best_of absent or 1; echo, suffix, repetition_penalty other than 1, a response_format other than text,
+and vLLM's min_tokens and ignore_eos are refused. An option the server cannot honour is refused rather
+than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
 
@@ -190,8 +190,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     if req.model != model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
-    _refuse(("logit_bias", req.logit_bias, "logit_bias is not supported"),
-            ("response_format", (req.response_format or {}).get("type", "text") != "text",
+    _refuse(("response_format", (req.response_format or {}).get("type", "text") != "text",
              "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)"),
             ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"),
             ("min_tokens", req.min_tokens, "min_tokens is not supported"),
@@ -214,8 +213,24 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     sampling["seed"] = req.seed
     sampling["presence_penalty"] = req.presence_penalty or 0.0
     sampling["frequency_penalty"] = req.frequency_penalty or 0.0
+    sampling["logit_bias"] = _logit_bias(req.logit_bias)
     return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
                   req.n or 1)
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """The request's logit_bias ({"token id": bias}, as JSON keys are strings) with int keys; the engine
+    checks the ids and values."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise APIError(400, f"logit_bias: {key!r}: {value!r} must map a token id to a number", param="logit_bias",
+                           code="invalid_value") from None
+    return out
 
 
 def _check_top_logprobs(n: int, param: str) -> int:

@@ -11,35 +11,41 @@ from __future__ import annotations
 import numpy as np
 
 from qmtp import api
-from qmtp.runtime.sampling import SamplingParams
+from qmtp.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
 from qmtp.serve.requests import RequestError
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "presence_penalty": 0.0,
-          "frequency_penalty": 0.0}
+          "frequency_penalty": 0.0, "logit_bias_ids": -1, "logit_bias": 0.0}
 DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "seed": np.uint32,
-          "presence_penalty": np.float32, "frequency_penalty": np.float32}
+          "presence_penalty": np.float32, "frequency_penalty": np.float32, "logit_bias_ids": np.int32,
+          "logit_bias": np.float32}
+ROW_SHAPES = {"logit_bias_ids": (MAX_LOGIT_BIAS,), "logit_bias": (MAX_LOGIT_BIAS,)}  # a slot's [n] (others: a scalar)
 
 
-def check(temperature, top_k, top_p, min_p, seed, presence_penalty=0.0, frequency_penalty=0.0) -> dict | None:
-    """A request's sampling parameters (None: greedy without penalties; seed None: a random one), or
-    RequestError naming the one out of range."""
+def check(temperature, top_k, top_p, min_p, seed, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None,
+          vocab_size=None) -> dict | None:
+    """A request's sampling parameters (None: greedy without penalties or logit bias; seed None: a random
+    one), or RequestError naming the one out of range."""
     try:
-        api.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty)
+        api.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
+                            logit_bias, vocab_size)
     except ValueError as e:
         raise RequestError(str(e), str(e).split("=")[0]) from None
-    if temperature == 0 and presence_penalty == 0 and frequency_penalty == 0:
+    if temperature == 0 and presence_penalty == 0 and frequency_penalty == 0 and not logit_bias:
         return None
     seed = int(np.random.default_rng().integers(2 ** 32)) if seed is None else int(seed)
+    bias_ids, bias = api.logit_bias_row(logit_bias)
     return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p), "min_p": float(min_p),
-            "seed": seed, "presence_penalty": float(presence_penalty), "frequency_penalty": float(frequency_penalty)}
+            "seed": seed, "presence_penalty": float(presence_penalty), "frequency_penalty": float(frequency_penalty),
+            "logit_bias_ids": bias_ids, "logit_bias": bias}
 
 
 class SlotSampling:
-    """The parameters of B slots, host columns [B] (SamplingParams' fields)."""
+    """The parameters of B slots, host columns [B] or [B, n] (SamplingParams' fields)."""
 
     def __init__(self, batch_slots: int):
         self.batch_slots = batch_slots
-        self.columns = {k: np.full(batch_slots, v, DTYPES[k]) for k, v in GREEDY.items()}
+        self.columns = {k: np.full((batch_slots,) + ROW_SHAPES.get(k, ()), v, DTYPES[k]) for k, v in GREEDY.items()}
 
     def set(self, slot: int, sampling: dict | None) -> None:
         """A newly admitted request's parameters (None: greedy) for its slot."""
@@ -47,7 +53,7 @@ class SlotSampling:
             column[slot] = (sampling or GREEDY)[name]
 
     def any_sampled(self, slots) -> bool:
-        """Whether any of these slots samples or has a penalty (needs the loop's sampled form)."""
+        """Whether any of these slots samples or adjusts its logits (needs the loop's sampled form)."""
         return bool(np.any(_needs_params(self.columns, list(slots))))
 
     def rows(self, slots, always: bool = False) -> SamplingParams | None:
@@ -55,13 +61,14 @@ class SlotSampling:
         `always`, when all of them are greedy."""
         ids = np.asarray(list(slots), np.int64)
         real = ids < self.batch_slots
-        cols = {k: np.where(real, v[np.where(real, ids, 0)], v.dtype.type(GREEDY[k])) for k, v in self.columns.items()}
+        cols = {k: np.where(real.reshape((-1,) + (1,) * (v.ndim - 1)), v[np.where(real, ids, 0)],
+                            v.dtype.type(GREEDY[k])) for k, v in self.columns.items()}
         if not (always or np.any(_needs_params(cols, slice(None)))):
             return None
         return SamplingParams(**cols)
 
 
 def _needs_params(cols: dict, rows):
-    """[n] bool: the rows that sample or have a penalty."""
+    """[n] bool: the rows that sample, have a penalty or a logit bias."""
     return ((cols["temperature"][rows] > 0) | (cols["presence_penalty"][rows] != 0)
-            | (cols["frequency_penalty"][rows] != 0))
+            | (cols["frequency_penalty"][rows] != 0) | np.any(cols["logit_bias_ids"][rows] >= 0, axis=-1))
