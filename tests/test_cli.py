@@ -103,6 +103,10 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
      r"error: --prompt_file=/nonexistent/p.txt: .*No such file"),
     (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--temperature=0.8", "--top_p=1.5"),
      r"error: --top_p=1.5 must be in \(0, 1\]"),  # checked before the checkpoint
+    (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--logit_bias=5:-100,7"),
+     "error: --logit_bias=5:-100,7: expected ID:BIAS"),
+    (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--logit_bias=5:-200"),
+     r"error: --logit_bias=-200.0 \(token 5\) must be in \[-100, 100\]"),
     # checked before anything is loaded: the bad checkpoint is never reached
     (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--output_json=/nonexistent_dir/out.json"),
      "error: --output_json=/nonexistent_dir/out.json: directory /nonexistent_dir does not exist"),
