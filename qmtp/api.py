@@ -263,7 +263,8 @@ def logit_bias_row(logit_bias, vocab_size: int | None = None) -> tuple[np.ndarra
     for i, (token, value) in enumerate(items):
         token = int(token)
         if token < 0 or (vocab_size is not None and token >= vocab_size):
-            raise ValueError(f"logit_bias={token}: a token id must be in [0, {vocab_size})")
+            bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"logit_bias={token}: a token id must be {bound}")
         if not -MAX_BIAS <= value <= MAX_BIAS:
             raise ValueError(f"logit_bias={value} (token {token}) must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
         ids[i], bias[i] = token, value
@@ -289,13 +290,13 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
              seed: int | None = None, logprobs: int | None = None, warmup: bool = False,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict | None = None,
              progress=None, compile_only: bool = False) -> GenerationResult | None:
-    """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at
-    temperature 0, else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature,
-    top_k, top_p, min_p), after the OpenAI API's logit_bias ({token id: bias}, -100 .. 100),
-    presence_penalty and frequency_penalty on the ids the sequence generated so far (greedy too: the
-    argmax of the adjusted logits), with keys from (seed, position), so a seeded prompt gives the same tokens in
-    any batch (seed None: a random seed). logprobs N (0 .. 20; None: off): each token's log-probability
-    under the target and its N most likely alternatives (TokenLogprob), plain or MTP alike.
+    """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at temperature 0,
+    else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature, top_k, top_p,
+    min_p), after the OpenAI API's logit_bias ({token id: bias}, -100 .. 100), presence_penalty and
+    frequency_penalty on the ids the sequence generated so far (greedy too: the argmax of the adjusted
+    logits), with keys from (seed, position), so a seeded prompt gives the same tokens in any batch (seed
+    None: a random seed). logprobs N (0 .. 20; None: off): each token's log-probability under the target and
+    its N most likely alternatives (TokenLogprob), plain or MTP alike.
 
     mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (greedy: the same
     tokens; sampled: the same distribution, by speculative sampling); "auto": each round runs the K of

@@ -2,8 +2,8 @@
 
 The engine hands the device the parameters of the slots a call covers as one SamplingParams (arrays
 [n]): a prefill always (greedy rows at temperature 0 keep the argmax, so each bucket has one prefill
-program), the decode loop only while some decoding slot samples or has a penalty (otherwise the loop's
-greedy form, which keeps no counts of generated ids).
+program), the decode loop only while some decoding slot samples or adjusts its logits (a penalty, a logit
+bias; otherwise the loop's greedy form, which keeps no counts of generated ids).
 """
 
 from __future__ import annotations
