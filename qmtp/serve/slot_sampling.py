@@ -27,17 +27,13 @@ def check(temperature, top_k, top_p, min_p, seed, presence_penalty=0.0, frequenc
     """A request's sampling parameters (None: greedy without penalties or logit bias; seed None: a random
     one), or RequestError naming the one out of range."""
     try:
-        api.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
-                            logit_bias, vocab_size)
+        params = api.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
+                                     logit_bias, vocab_size)  # seed None: a random one
     except ValueError as e:
         raise RequestError(str(e), str(e).split("=")[0]) from None
-    if temperature == 0 and presence_penalty == 0 and frequency_penalty == 0 and not logit_bias:
+    if params is None:
         return None
-    seed = int(np.random.default_rng().integers(2 ** 32)) if seed is None else int(seed)
-    bias_ids, bias = api.logit_bias_row(logit_bias)
-    return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p), "min_p": float(min_p),
-            "seed": seed, "presence_penalty": float(presence_penalty), "frequency_penalty": float(frequency_penalty),
-            "logit_bias_ids": bias_ids, "logit_bias": bias}
+    return {name: np.asarray(getattr(params, name))[0] for name in GREEDY}  # the one row's values
 
 
 class SlotSampling:
