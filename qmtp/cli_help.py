@@ -148,6 +148,20 @@ def mtp_k_from_flag(value: str) -> int | str:
     return value if value == api.AUTO else int(value)
 
 
+def bytes_or_auto_from_flag(name: str, value: str) -> int | str:
+    """A flag's text that is "auto" or a byte count >= 0, as the engine takes it; ValueError naming the flag."""
+    from qmtp import api
+    if value == api.AUTO:
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"--{name}={value}: a byte count >= 0 or {api.AUTO!r}")
+    return count
+
+
 def verify_rows_warning(model, batch: int, k: int, unit: str = "sequences") -> str | None:
     """A warning when MTP verify passes (batch x (K+1) rows) leave the FP8 decode kernel (more than
     ops.DECODE_MAX_ROWS rows run compute-bound GEMM tiles: WORKSPACE.md), else None; unit: what the

@@ -160,7 +160,7 @@ for s in "${steps[@]}"; do
       if [ "${PROFILE:-0}" = 1 ]; then  # a device trace over the load, summarized into $OUT/<step>_trace.txt
         profile=(--profile); summary="$PY scripts/trace_summary.py $OUT/${s}_profile >$OUT/${s}_trace.txt"
       fi
-      [ "${s#*_}" = prefix ] && cache=(--prefix_cache_bytes=16000000000)
+      [ "${s#*_}" = nocache ] && cache=(--prefix_cache_bytes=0)  # *_prefix: the default, sized by the warm-up
       [ "${s#*_}" = prefix ] && [ -f "$OUT/${kind}_nocache.json" ] && compare=(--compare_to="$OUT/${kind}_nocache.json")
       if [ "$kind" = chat ]; then
         buckets=4096; load="--requests=64 --turns=8 --system_tokens=2048 --systems=1 --prompt_tokens=200,200"

@@ -15,9 +15,11 @@ SLOTS, PAGE, MAX_LEN, PAGES, ROUNDS = 3, 8, 48, 12, 2
 
 
 def make_engine(model, k, start=True, log=None, **kw) -> Engine:
-    """An engine of the shared shapes with mtp_k=k; **kw overrides or adds EngineConfig fields; log: the
-    engine's log-line callback (None: its default, stdout)."""
-    cfg = dict(batch_slots=SLOTS, mtp_k=k, rounds_per_call=ROUNDS, max_model_len=MAX_LEN, num_pages=PAGES)
+    """An engine of the shared shapes with mtp_k=k, without the prefix cache (its own tests turn it on);
+    **kw overrides or adds EngineConfig fields; log: the engine's log-line callback (None: its default,
+    stdout)."""
+    cfg = dict(batch_slots=SLOTS, mtp_k=k, rounds_per_call=ROUNDS, max_model_len=MAX_LEN, num_pages=PAGES,
+               prefix_cache_bytes=0)
     cfg.update(kw)
     engine = Engine(model, EngineConfig(**cfg), log=log)
     return engine.start() if start else engine

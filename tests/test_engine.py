@@ -231,6 +231,8 @@ def test_bad_engine_config_names_the_flag(model):
         Engine(model, EngineConfig(mtp_k=2, max_model_len=5000))
     with pytest.raises(ValueError, match=r"--batch_slots=0 must be >= 1"):
         Engine(model, EngineConfig(batch_slots=0))
+    with pytest.raises(ValueError, match=r"--prefix_cache_bytes=-1: a byte count >= 0 \(0 = off\) or 'auto'"):
+        Engine(model, EngineConfig(prefix_cache_bytes=-1))
 
 
 def test_an_idle_engine_wakes_up_for_a_new_request(model):

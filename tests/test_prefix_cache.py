@@ -19,7 +19,7 @@ import pytest
 import qmtp
 from qmtp.serve import metrics, slots, warmup
 from qmtp.serve.engine import Engine
-from qmtp.serve.engine_config import EngineConfig
+from qmtp.serve.engine_config import AUTO_PREFIX_STATE_BYTES, EngineConfig
 from serving_fixtures import logged_device_calls
 
 BLOCK, SLOTS, MAX_LEN = 16, 3, 160
@@ -398,6 +398,26 @@ def test_checkpoint_states_stay_within_the_device_memory_the_warm_up_left(model,
         assert 0 < engine.prefix.state_bytes <= engine.prefix.state_limit
     assert engine.prefix.evicted > 0
     assert engine.stop(10)
+
+
+def test_auto_sizes_the_cache_by_the_device_memory(model, monkeypatch):
+    """--prefix_cache_bytes=auto (the default): the states take at most AUTO_PREFIX_STATE_SHARE of the
+    memory free as the engine is built, after the warm-up what it left less the margin (the log says so),
+    AUTO_PREFIX_STATE_BYTES where the device reports no memory; the budget is that plus the KV pool."""
+    assert EngineConfig().prefix_cache_bytes == "auto"
+    cpu = Engine(model, config(2, "auto"))
+    pool = cpu.allocator.num_pages * cpu.prefix.page_bytes
+    assert cpu.prefix.state_limit == AUTO_PREFIX_STATE_BYTES and cpu.prefix.budget_bytes == pool + (1 << 30)
+    headroom = [10**9]
+    monkeypatch.setattr(slots.DeviceBatch, "memory_headroom", lambda self: headroom[0])
+    lines = []
+    engine = Engine(model, config(2, "auto"), log=lines.append)
+    assert engine.prefix.state_limit == 5 * 10**8 and engine.prefix.budget_bytes == pool + 5 * 10**8
+    headroom[0] = 4 * 10**8
+    engine.warmup([16])
+    assert engine.prefix.state_limit == 36 * 10**7 and engine.prefix.budget_bytes == pool + 36 * 10**7
+    assert "prefix cache: checkpoint states up to 0.36 GB, the device memory the warm-up left (0.40 GB) less 10%, " \
+           "and KV pages up to the pool's 80 (--prefix_cache_bytes=auto)" in lines, lines
 
 
 def test_while_others_decode_a_pass_pads_to_at_most_a_piece(model):

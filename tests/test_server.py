@@ -681,13 +681,15 @@ server.define_flags()
 for checkpoint in sys.argv[1:]:
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["server", "--checkpoint=" + checkpoint, "--dtype=float32", "--compile_cache=off"])
-    print("mtp_k", server.build(["server"])[1].config.mtp_k, flush=True)
+    engine = server.build(["server"])[1]
+    print("mtp_k", engine.config.mtp_k, "prefix cache states", engine.prefix.state_limit, flush=True)
 """
 
 
-def test_the_default_draft_length_is_auto_and_plain_without_an_mtp_layer(tmp_path):
+def test_by_default_the_draft_length_is_auto_and_the_prefix_cache_on(tmp_path):
     """Without --mtp_k the server chooses K per round, on a checkpoint with an MTP layer; one without any
-    (its config and tensors stripped of it) is served plainly, and the log says why."""
+    (its config and tensors stripped of it) is served plainly, and the log says why. Without
+    --prefix_cache_bytes the prefix cache is on, sized automatically."""
     import safetensors.numpy
     from qmtp.tools import make_checkpoint
     path = make_checkpoint.write_checkpoint(str(tmp_path / "no_mtp"), "tiny", "fp32", seed=1)
@@ -703,7 +705,8 @@ def test_the_default_draft_length_is_auto_and_plain_without_an_mtp_layer(tmp_pat
     r = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, "preset:tiny", path], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split("\n")[:2] == ["mtp_k auto", "mtp_k 0"], r.stdout
+    # the prefix cache is on, its states within AUTO_PREFIX_STATE_BYTES where the device reports no memory
+    assert r.stdout.split("\n")[:2] == [f"mtp_k {k} prefix cache states {1 << 30}" for k in ("auto", "0")], r.stdout
     assert f"{path}: no MTP layer (mtp_num_hidden_layers=0): plain decoding" in r.stderr
     assert ("chat replies: reasoning parser none (auto: the tokenizer has no <think> and </think> tokens), tool call "
             "parser none (auto: the chat template writes no tool calls)") in r.stderr
@@ -728,7 +731,7 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     port = _free_port()
     # the warm-up compiles every prompt bucket (16 and 32 for prompts of up to 23 tokens) before /health
     # says ok; then prompts of new lengths compile nothing ("compiled while serving" would say so). The
-    # flagfile turns the prefix cache on: no block (64 tokens) fits in --max_model_len=24, but a response
+    # prefix cache is on by default: no block (64 tokens) fits in --max_model_len=24, but a response
     # still keeps its end, whose checkpoint and resume the warm-up compiled too. One prompt per pass (CI
     # time: tests/test_prefix_cache.py warms up and serves batched passes)
     proc = subprocess.Popen([sys.executable, "-m", "qmtp.server", "--flagfile=configs/server_tiny.flags",

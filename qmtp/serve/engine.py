@@ -51,7 +51,8 @@ from qmtp import api
 from qmtp.runtime import adaptive_k, loop, ops
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
-from qmtp.serve.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig, RequestLimits, interleave_piece, prefix_block
+from qmtp.serve.engine_config import (DEFAULT_MAX_MODEL_LEN, EngineConfig, RequestLimits, interleave_piece, prefix_block,
+                                      prefix_cache_budget)
 from qmtp.serve.requests import EngineStopped, Event, QueueFull, RequestError, RequestHandle, WarmingUp
 from qmtp.serve.slots import DeviceBatch
 from qmtp.serve.prefix_cache import PrefixCache
@@ -138,8 +139,10 @@ class Engine:
             self.prefix.clear()  # its checkpoints belong to the weights they were computed with
         self.prefix = None
         if c.prefix_cache_bytes:
-            block = prefix_block(c, model)
-            self.prefix = PrefixCache(block, c.prefix_cache_bytes, self.allocator, self._device.page_bytes())
+            page_bytes = self._device.page_bytes()
+            budget, state_limit = prefix_cache_budget(c, num_pages * page_bytes, self._device.memory_headroom())
+            self.prefix = PrefixCache(prefix_block(c, model), budget, self.allocator, page_bytes)
+            self.prefix.state_limit = state_limit
 
     # ---- public API ---------------------------------------------------------------------------------
     def start(self, warmup_buckets=None) -> "Engine":

@@ -11,6 +11,11 @@ from qmtp.serve.requests import RequestError
 
 DEFAULT_MAX_MODEL_LEN = 4096  # max_model_len 0: this, or less where the model's positions end sooner
 DEFAULT_PREFIX_BLOCK = 64  # until measured on the GPU: a short system prompt still fills whole blocks
+# prefix_cache_bytes "auto": the checkpoints' states take at most this share of the device memory free when the
+# engine is built, until the warm-up measures what serving needs (warmup.py); where the device reports no
+# memory (the CPU), AUTO_PREFIX_STATE_BYTES. Their KV pages are bounded by the pool (admission evicts).
+AUTO_PREFIX_STATE_SHARE = 0.5
+AUTO_PREFIX_STATE_BYTES = 1 << 30
 # A long prompt's pass while other slots decode (H100, 27B-shaped FP8, 4 plain streams, a 32k prompt,
 # `gpu_check.sh serve_long`, one machine): at 128 tokens the streams' gaps are p50 65.6 / p99 129.1 ms
 # (1.97x) and the prompt's first token comes after 28.3 s; at 256, 65.3 / 149.8 ms (2.29x) and 18.6 s; at
@@ -28,7 +33,7 @@ class EngineConfig:
     num_pages: int = 0  # KV pages in the pool; 0 = every slot can hold a max_model_len request
     max_queue: int = 64  # queued (not yet admitted) requests beyond which submit() raises QueueFull
     max_stop_ids: int = 8  # stop token ids per request (device-side, NS)
-    prefix_cache_bytes: int = 0  # prefix cache checkpoints and the KV pages only it holds; 0 = off
+    prefix_cache_bytes: int | str = api.AUTO  # prefix cache checkpoints and the KV pages only it holds; 0 = off
     prefix_block: int = 0  # tokens per prefix cache block; 0 = DEFAULT_PREFIX_BLOCK (prefill_chunk if deterministic)
     stop_token_ids: tuple[int, ...] | None = None  # default stop ids (None: the checkpoint's eos ids)
     interleave_piece: int = 0  # tokens of a prompt's prefill pass while other slots decode; 0 = the default
@@ -42,11 +47,26 @@ class EngineConfig:
             raise ValueError(f"--mtp_k={self.mtp_k}: supported 0..{loop.MAX_K} or {api.AUTO!r}")
         for name, low in (("batch_slots", 1), ("rounds_per_call", 1), ("max_model_len", 0),
                           ("num_pages", 0), ("max_queue", 1), ("max_stop_ids", 1), ("prefill_batch", 1),
-                          ("max_prefill_tokens", 1), ("prefix_cache_bytes", 0),
-                          ("prefix_block", 0), ("interleave_piece", 0), ("warmup_threads", 0)):
+                          ("max_prefill_tokens", 1), ("prefix_block", 0), ("interleave_piece", 0),
+                          ("warmup_threads", 0)):
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"--{name}={value} must be >= {low}")
+        if self.prefix_cache_bytes != api.AUTO and not (isinstance(self.prefix_cache_bytes, int)
+                                                        and self.prefix_cache_bytes >= 0):
+            raise ValueError(f"--prefix_cache_bytes={self.prefix_cache_bytes}: a byte count >= 0 (0 = off) or "
+                             f"{api.AUTO!r}")
+
+
+def prefix_cache_budget(config: EngineConfig, pool_bytes: int, headroom: int | None) -> tuple[int, int | None]:
+    """The prefix cache's (budget_bytes, state_limit) as the engine is built: --prefix_cache_bytes and no state
+    limit until the warm-up sets one; under "auto", the KV pool's bytes plus the states' limit,
+    AUTO_PREFIX_STATE_SHARE of the device memory free now (headroom: None where the device reports none:
+    AUTO_PREFIX_STATE_BYTES)."""
+    if config.prefix_cache_bytes != api.AUTO:
+        return config.prefix_cache_bytes, None
+    states = AUTO_PREFIX_STATE_BYTES if headroom is None else int(headroom * AUTO_PREFIX_STATE_SHARE)
+    return pool_bytes + states, states
 
 
 def prefix_block(config: EngineConfig, model: api.Model) -> int:

@@ -91,14 +91,15 @@ def define_flags() -> None:
                          "left after the prompt).", lower_bound=1)
     flags.DEFINE_integer("max_queue", 64, "Requests waiting for a slot; beyond this: 429.", lower_bound=1)
     flags.DEFINE_integer("max_stop_ids", 8, "Stop token ids per request (the eos ids included).", lower_bound=1)
-    flags.DEFINE_integer("prefix_cache_bytes", 0, "Device bytes for the prefix cache (0 = off): prompts that share "
-                         "leading blocks of --prefix_block tokens (a system prompt, a chat history) resume from the "
-                         "GDN state kept at a block boundary and share its KV pages, prefilling only the rest; the "
-                         "next turn after a response resumes at its end, the other choices of a request at the "
-                         "prompt's end (one token prefilled). Greedy output is the same as without it. With it "
-                         "every prompt is prefilled in passes of at most --prefill_chunk tokens. Its GDN states "
-                         "also stay within the device memory the warm-up left, less 10% (logged where that binds "
-                         "first).", lower_bound=0)
+    flags.DEFINE_string("prefix_cache_bytes", "auto", "Device bytes for the prefix cache, 0 = off: prompts that "
+                        "share leading blocks of --prefix_block tokens (a system prompt, a chat history) resume from "
+                        "the GDN state kept at a block boundary and share its KV pages, prefilling only the rest; the "
+                        "next turn after a response resumes at its end, the other choices of a request at the "
+                        "prompt's end (one token prefilled). Greedy output is the same as without it. With it every "
+                        "prompt is prefilled in passes of at most --prefill_chunk tokens. Its GDN states also stay "
+                        "within the device memory the warm-up left, less 10% (logged where that binds first). auto: "
+                        "that memory for the states and the KV pool for its pages (half the memory free at start "
+                        "until the warm-up has run; 1 GiB of states where the device reports no memory).")
     flags.DEFINE_integer("prefix_block", 0, "Tokens per prefix cache block: a power of two, a multiple of "
                          "--page_size, at most --prefill_chunk; 0 = 64 (under --deterministic: --prefill_chunk, so "
                          "a resumed prefill runs the same passes as a full one).", lower_bound=0)
@@ -361,6 +362,7 @@ def build(argv) -> tuple:
     same_named = {f.name: FLAGS[f.name].value for f in dataclasses.fields(EngineConfig)
                   if f.name not in ("stop_token_ids", "round_cost_dir")}
     same_named["mtp_k"] = cli_help.mtp_k_from_flag(FLAGS.mtp_k)
+    same_named["prefix_cache_bytes"] = cli_help.bytes_or_auto_from_flag("prefix_cache_bytes", FLAGS.prefix_cache_bytes)
     if not FLAGS["mtp_k"].present and model.cfg.mtp_layers != 1:
         print(f"{path}: no MTP layer (mtp_num_hidden_layers={model.cfg.mtp_layers}): plain decoding", file=sys.stderr,
               flush=True)

@@ -155,13 +155,19 @@ def run(engine, steps: list[Step]) -> float:
 
 def _limit_prefix_states(engine) -> None:
     """Bounds the prefix cache's checkpoint states by the device memory the warm-up left (its programs ran:
-    the peak so far is what serving needs besides them), keeping PREFIX_STATE_MARGIN of it free."""
+    the peak so far is what serving needs besides them), keeping PREFIX_STATE_MARGIN of it free; under
+    --prefix_cache_bytes=auto its budget becomes that bound plus the KV pool's bytes."""
     headroom = engine._device.memory_headroom()
     if headroom is None:
         return
     cache = engine.prefix
     cache.state_limit = max(int(headroom * (1 - PREFIX_STATE_MARGIN)), 0)
-    if cache.state_limit < cache.budget_bytes:
+    if engine.config.prefix_cache_bytes == api.AUTO:
+        cache.budget_bytes = engine.allocator.num_pages * cache.page_bytes + cache.state_limit
+        engine._log(f"prefix cache: checkpoint states up to {cache.state_limit / 1e9:.2f} GB, the device memory the "
+                    f"warm-up left ({headroom / 1e9:.2f} GB) less {PREFIX_STATE_MARGIN:.0%}, and KV pages up to the "
+                    f"pool's {engine.allocator.num_pages} (--prefix_cache_bytes=auto)")
+    elif cache.state_limit < cache.budget_bytes:
         engine._log(f"prefix cache: its checkpoint states take at most {cache.state_limit / 1e9:.2f} GB, the device "
                     f"memory the warm-up left ({headroom / 1e9:.2f} GB) less {PREFIX_STATE_MARGIN:.0%}; "
                     f"--prefix_cache_bytes={cache.budget_bytes} bounds them and its pages")
