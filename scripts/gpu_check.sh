@@ -16,7 +16,8 @@
 # batch 1; BENCH_ARGS="--ks=3 --repeats=1 --breakdown=false" is the shorter run behind the README's
 # rows. PYTHON: interpreter (python3).
 # PROFILE=1: the chat_* and decode_* steps also trace the server's device work over the load and summarize
-# it (scripts/trace_summary.py) into $OUT/<step>_trace.txt.
+# it (scripts/trace_summary.py) into $OUT/<step>_trace.txt. SERVER_ARGS / LOAD_ARGS are appended to those
+# steps' server / load_test.py flags (a later flag wins: LOAD_ARGS=--system_tokens=2000).
 # The server steps (serve_*, chat_*) need fastapi, uvicorn and httpx: where the machine lacks them, run
 # `make device-wheels` here and carry .device-wheels along.
 set -u
@@ -169,10 +170,10 @@ for s in "${steps[@]}"; do
       fi
       run_step "$s" 580 bash -c "$PY -m qmtp.server --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas \
                  --num_layers=${CHAT_LAYERS:-16} --mtp_k=3 --batch_slots=8 --max_model_len=8192 \
-                 --warmup_buckets=$buckets --port=8124 --profile_dir=$OUT/${s}_profile ${cache[*]} \
+                 --warmup_buckets=$buckets --port=8124 --profile_dir=$OUT/${s}_profile ${cache[*]} ${SERVER_ARGS:-} \
                  >$OUT/${s}_server.log 2>&1 & server=\$!; \
                  $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 $load ${profile[*]} \
-                 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]}; rc=\$?; \
+                 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]} ${LOAD_ARGS:-}; rc=\$?; \
                  kill \$server; wait \$server; $summary; exit \$rc" ;;
     # the decode_* steps' loop (the 27B preset's first 16 layers, 8 sequences, K=3, 200 tokens) in the bench, not
     # the server: plain and K=3 traced, by program and idle gap; beside decode_nocache's trace it tells the
