@@ -15,7 +15,7 @@ import openai
 import pytest
 from tokenizers import AddedToken
 
-from qmtp.serve import chat_output, protocol
+from qmtp.serve import chat_output, protocol, tool_calls
 from qmtp.serve.chat_output import ChatParsing
 from qmtp.serve.requests import Event, RequestHandle
 from qmtp.serve.server import Server, ServerSettings, create_app
@@ -143,6 +143,34 @@ def test_for_request_parses_calls_only_with_tools_tool_choice_auto_and_a_parser(
     assert chat_output.for_request("qwen3", "qwen3_coder", "x", [WEATHER], "auto", False).max_calls == 1
 
 
+@pytest.mark.parametrize("parser,function,generated", [
+    ("qwen3_coder", None, CALL[len("<tool_call>\n<function="):]),
+    ("qwen3_coder", "get_weather", CALL[len("<tool_call>\n<function=get_weather>\n"):]),
+    ("hermes", None, HERMES_CALL[len('<tool_call>\n{"name": "'):]),
+    ("hermes", "get_weather", HERMES_CALL[len('<tool_call>\n{"name": "get_weather", "arguments": '):]),
+])
+def test_a_required_call_is_opened_in_the_prompt_and_read_before_the_generated_text(parser, function, generated):
+    """tool_choice "required" (or a named function): the prompt ends with the call's opening (after closing
+    the think block it left open); the parsers read it, then the model's rest of the call, whole or in
+    two-character chunks; a rest that does not complete a call comes back as content, opening included."""
+    parsing = chat_output.for_request("qwen3", parser, "...<|im_start|>assistant\n<think>\n", [WEATHER],
+                                      "required", True, function)
+    assert parsing.prompt_suffix == "\n</think>\n\n" + parsing.opening and not parsing.in_reasoning
+    assert (parsing.opening + generated) in (CALL, HERMES_CALL)
+    message, reason = parsing.message(generated, "stop")
+    assert message["content"] is None and message["reasoning_content"] is None and reason == "tool_calls"
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
+    stream = parsing.stream()
+    deltas = [stream.push(generated[i:i + 2]) for i in range(0, len(generated), 2)] + [stream.finish()]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and not any("content" in d for d in deltas)
+    broken, _ = parsing.message("{{{", "length")
+    assert broken["content"] == parsing.opening + "{{{" and "tool_calls" not in broken
+    thinking_off = chat_output.for_request("qwen3", parser, "<think>\n\n</think>\n\n", [WEATHER], "required", True)
+    assert thinking_off.prompt_suffix == thinking_off.opening == tool_calls.opening(parser)
+
+
 # ---- protocol: tools, tool_choice, tool messages ---------------------------------------------------
 def _chat(**fields) -> dict:
     return {"model": NAME, "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
@@ -177,11 +205,19 @@ def test_tool_choice_and_the_server_without_a_tool_call_parser():
     parsed, _, _ = _parse(_chat(tools=[WEATHER], tool_choice="none", parallel_tool_calls=False))
     assert (parsed.tool_choice, parsed.parallel_tool_calls) == ("none", False)
     assert _parse(_chat(tools=[]))[0].tools is None
-    for choice, code in (("required", "unsupported_value"), ({"type": "function", "function": {"name": "get_weather"}},
-                                                             "unsupported_value"), ("sometimes", "invalid_value")):
-        with pytest.raises(protocol.APIError, match="tool_choice") as e:
-            _parse(_chat(tools=[WEATHER], tool_choice=choice))
-        assert (e.value.param, e.value.code) == ("tool_choice", code)
+    assert _parse(_chat(tools=[WEATHER], tool_choice="required"))[0].tool_choice == "required"
+    named = _parse(_chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}))[0]
+    assert (named.tool_choice, named.tool_function) == ("required", "get_time")
+    for fields, param in (({"tool_choice": "sometimes"}, "tool_choice"),
+                          ({"tool_choice": "required"}, "tool_choice"),  # no tools
+                          ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 3}}},
+                           "tool_choice.function.name"),
+                          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                           "tool_choice.function.name")):
+        with pytest.raises(protocol.APIError, match="^" + param.replace(".", r"\.") + ": ") as e:
+            _parse(_chat(**fields))
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "invalid_value")
     with pytest.raises(protocol.APIError, match="--tool_call_parser=none") as e:
         _parse(_chat(tools=[WEATHER]), tool_parser="none")
     assert (e.value.status, e.value.param) == (400, "tools")
@@ -330,6 +366,26 @@ def test_reasoning_and_a_tool_call_whole_and_streamed(tmp_path, tokenizer):
         assert _joined(chunks, 0) == (fields, calls, reasons[:1] * 2 + ["tool_calls"])
         assert _joined(chunks, 1) == ({"reasoning_content": "Easy.\n", "content": "\n\nIt is 4."}, [], [None, None,
                                                                                                          "stop"])
+
+
+def test_a_named_function_opens_the_reply_with_its_call(tmp_path, tokenizer):
+    """tool_choice naming a function: the engine gets the prompt with the think block closed and the call
+    opened through the name; the model's rest of the call comes back as the call, whole or streamed."""
+    rest = CALL[len("<tool_call>\n<function=get_weather>\n"):]
+    with scripted_server(tmp_path, tokenizer) as (engine, url):  # auto: qwen3 and qwen3_coder
+        engine.replies = [([rest], "stop"), (_chunked(rest, "<parameter=ci", "</tool"), "stop")]
+        body = dict(model=NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        r = client(url).chat.completions.create(**body)
+        assert engine.prompts[0].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n"
+                                          "<function=get_weather>\n")
+        message = r.choices[0].message
+        assert message.content is None and message.model_extra["reasoning_content"] is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+            ("get_weather", ARGUMENTS)] and r.choices[0].finish_reason == "tool_calls"
+        fields, calls, reasons = _joined(client(url).chat.completions.create(**body, stream=True))
+        assert fields == {"reasoning_content": "", "content": ""} and calls == [("get_weather", ARGUMENTS)]
+        assert reasons[-1] == "tool_calls"
 
 
 def test_a_hermes_template_and_two_calls(tmp_path, tokenizer):

@@ -11,17 +11,20 @@ Requests (JSON bodies; unknown fields are ignored):
                         e.g. {"enable_thinking": false} for Qwen3's),
                         tools [{type: "function", function: {name, description, parameters}}] (given
                         to the template as its `tools`; function.strict is accepted, not enforced),
-                        tool_choice ("auto", the default, or "none"), parallel_tool_calls (false: the
-                        first call only); messages may also be {role: "tool", tool_call_id, content} and
+                        tool_choice ("auto", the default, "none", "required" or {type: "function",
+                        function: {name}}), parallel_tool_calls (false: the first call only);
+                        messages may also be {role: "tool", tool_call_id, content} and
                         assistant messages with tool_calls [{id, type, function: {name, arguments: a
                         JSON string}}] (the template gets arguments as an object, as vLLM gives them)
                         and reasoning_content (or vLLM's `reasoning`)
-Chat replies (qmtp/serve/chat_output.py): with --reasoning_parser qwen3, `<think>` ... `</think>` goes to
-message.reasoning_content (delta.reasoning_content when streaming); with tools, tool_choice auto and a
---tool_call_parser, the model's calls go to message.tool_calls (streamed whole, one delta entry each)
-and finish_reason is "tool_calls". Tools without a tool-call parser are refused unless tool_choice is
-"none" (then the template still shows them and the text is returned as generated), as are
-tool_choice "required" and a named function (they need decoding constrained to a call).
+Chat replies (qmtp/serve/chat_output.py): with --reasoning_parser qwen3, `<think>` ... `</think>` goes
+to message.reasoning_content (delta.reasoning_content when streaming); with tools, tool_choice other
+than "none" and a --tool_call_parser, the model's calls go to message.tool_calls (streamed whole, one
+delta entry each) and finish_reason is "tool_calls". tool_choice "required" or a named function opens
+the reply with a call (chat_output.py: the prompt ends with the call's opening, and the function's name
+where one is named; the model writes the rest, so a call that does not parse comes back as content).
+Tools without a tool-call parser are refused unless tool_choice is "none" (then the template still shows
+them and the text is returned as generated).
 Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed,
 presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice generated) and logit_bias
 ({token id: -100 .. 100}, at most 300 ids; greedy takes the adjusted argmax); one of the first four left
@@ -160,7 +163,8 @@ class Parsed:
     n: int = 1  # choices
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token
     tools: list[dict] | None = None  # chat: the request's tools (None: none given)
-    tool_choice: str = "auto"  # chat: "auto" or "none"
+    tool_choice: str = "auto"  # chat: "auto", "none" or "required" (a named function too)
+    tool_function: str | None = None  # chat: the function a named tool_choice calls
     parallel_tool_calls: bool = True  # chat: false keeps the first call only
 
 
@@ -270,10 +274,14 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, d
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     if req.logprobs:
         parsed.top_logprobs = _check_top_logprobs(req.top_logprobs or 0, "top_logprobs")
-    parsed.tool_choice = _tool_choice(req.tool_choice)
+    parsed.tool_choice, parsed.tool_function = _tool_choice(req.tool_choice)
     parsed.tools = _check_tools(req.tools) if req.tools else None
     parsed.parallel_tool_calls = req.parallel_tool_calls is not False
-    _refuse(("tools", parsed.tools and parsed.tool_choice == "auto" and tool_parser == "none",
+    if parsed.tool_choice == "required" and not parsed.tools:
+        raise _invalid("tool_choice", "a call is required but the request gives no tools")
+    if parsed.tool_function is not None and all(t["function"]["name"] != parsed.tool_function for t in parsed.tools):
+        raise _invalid("tool_choice.function.name", f"{parsed.tool_function!r} is none of the request's tools")
+    _refuse(("tools", parsed.tools and parsed.tool_choice != "none" and tool_parser == "none",
              "tools need a tool call parser, and this server has none (--tool_call_parser=none, or auto with "
              "a chat template that writes no tool calls); tool_choice \"none\" shows the tools to the model "
              "without parsing calls"))
@@ -290,14 +298,19 @@ def _invalid(param: str, problem: str) -> APIError:
     return APIError(400, f"{param}: {problem}", param=param, code="invalid_value")
 
 
-def _tool_choice(choice) -> str:
-    if choice is None or choice in ("auto", "none"):
-        return choice or "auto"
-    if choice == "required" or isinstance(choice, dict):
-        what = "\"required\"" if choice == "required" else "a named function"
-        raise APIError(400, f"tool_choice: {what} is not supported (it needs decoding constrained to a call); "
-                       "use \"auto\" or \"none\"", param="tool_choice", code="unsupported_value")
-    raise _invalid("tool_choice", f"{choice!r} is not one of \"auto\", \"none\"")
+def _tool_choice(choice) -> tuple[str, str | None]:
+    """(tool_choice, the function it names or None)."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice or "auto", None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict):
+            raise _invalid("tool_choice", "a named function is {\"type\": \"function\", \"function\": {\"name\": "
+                           "...}}")
+        if not isinstance(function.get("name"), str):
+            raise _invalid("tool_choice.function.name", "a string is required")
+        return "required", function["name"]
+    raise _invalid("tool_choice", f"{choice!r} is not one of \"auto\", \"none\", \"required\" or a named function")
 
 
 def _check_tools(tools: list) -> list[dict]:

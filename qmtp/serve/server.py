@@ -123,8 +123,9 @@ def define_flags() -> None:
                       "</function></tool_call> (Qwen3.5, Qwen3-Coder; a value typed by the tool's JSON schema); "
                       "hermes: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen3, Qwen2.5). auto "
                       "(default): from the chat template, qwen3_coder where it writes <function=, else hermes where "
-                      "it writes <tool_call>, else none; logged at start. none: a request with tools is refused "
-                      "(400) unless its tool_choice is \"none\".")
+                      "it writes <tool_call>, else none; logged at start. tool_choice \"required\" or a named function "
+                      "opens the reply with a call in this format (the model writes the rest). none: a request with "
+                      "tools is refused (400) unless its tool_choice is \"none\".")
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
     flags.DEFINE_integer("port", 8000, "TCP port.", lower_bound=0, upper_bound=65535)
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint "
@@ -253,7 +254,9 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 except ChatTemplateError as e:
                     raise oai.APIError(400, str(e), param="messages", code="invalid_value") from None
                 parsing = chat_output.for_request(reasoning_parser, tool_parser, parsed.prompt, parsed.tools,
-                                                  parsed.tool_choice, parsed.parallel_tool_calls)
+                                                  parsed.tool_choice, parsed.parallel_tool_calls,
+                                                  parsed.tool_function)
+                parsed.prompt += parsing.prompt_suffix  # tool_choice "required": the reply opens a call
             else:
                 parsed = oai.parse_completion(body, *limits)
             ids = tokenize(parsed.prompt)

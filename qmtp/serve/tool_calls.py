@@ -79,6 +79,16 @@ def resolve(name: str, template_source: str) -> tuple[str, str]:
     return "none", "auto: the chat template writes no tool calls"
 
 
+def opening(parser: str, function: str | None = None) -> str:
+    """The start of a call in the parser's format, through the function's name where one is given (then
+    the model writes its arguments), else up to the name (the model chooses it)."""
+    if parser == "qwen3_coder":
+        return f"{START}\n<function=" + ("" if function is None else f"{function}>\n")
+    if parser == "hermes":
+        return f"{START}\n{{\"name\": " + ('"' if function is None else f"{json.dumps(function)}, \"arguments\": ")
+    raise ValueError(f"no call format for the tool call parser {parser!r}")
+
+
 def schemas(tools: list[dict] | None) -> dict[str, dict]:
     """Each function's parameters schema by name, from a request's (validated) tools."""
     return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
