@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import api
+from qmtp import api, sampling_args
 from qmtp.runtime import sampling
 from qmtp.runtime.sampling import SamplingParams
 
@@ -29,7 +29,7 @@ def params(presence, frequency, bias=None, temperature=0.0) -> SamplingParams:
     """Greedy rows with these penalties [B] and logit biases (a {id: bias} per row; None: none)."""
     b = len(presence)
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))  # noqa: E731
-    ids, values = zip(*(api.logit_bias_row(row) for row in (bias or [None] * b)))
+    ids, values = zip(*(sampling_args.logit_bias_row(row) for row in (bias or [None] * b)))
     return SamplingParams(full(temperature, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32),
                           full(0.0, jnp.float32), jnp.arange(b, dtype=jnp.uint32), jnp.asarray(presence, jnp.float32),
                           jnp.asarray(frequency, jnp.float32), jnp.asarray(np.stack(ids)), jnp.asarray(np.stack(values)))

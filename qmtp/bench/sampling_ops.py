@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from qmtp import cli_help
+from qmtp import cli_help, sampling_args
 from qmtp.runtime import sampling as smp
 
 QWEN3_5_VOCAB = 248320
@@ -48,11 +48,7 @@ def define_flags() -> None:
 def settings(rows: int) -> dict[str, smp.SamplingParams]:
     """The three sampling settings of the module doc, each the same for every row."""
     def params(top_k: int, top_p: float) -> smp.SamplingParams:
-        full = lambda v, dtype: jnp.full((rows,), v, dtype)  # noqa: E731
-        return smp.SamplingParams(full(0.6, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
-                                  full(0.0, jnp.float32), jnp.arange(rows, dtype=jnp.uint32), full(0.0, jnp.float32),
-                                  full(0.0, jnp.float32), jnp.full((rows, smp.MAX_LOGIT_BIAS), -1, jnp.int32),
-                                  jnp.zeros((rows, smp.MAX_LOGIT_BIAS), jnp.float32))
+        return sampling_args.sampling_params(rows, 0.6, top_k, top_p, seed=np.arange(rows))
     return {"recommended": params(20, 0.95), "temperature": params(0, 1.0), "top_p": params(0, 0.95)}
 
 

@@ -47,7 +47,7 @@ import traceback
 
 import numpy as np
 
-from qmtp import api
+from qmtp import api, sampling_args
 from qmtp.runtime import adaptive_k, loop, ops
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
@@ -182,7 +182,7 @@ class Engine:
         sampling = slot_sampling.check(temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
                                        logit_bias, self.model.cfg.vocab_size)
         try:
-            api.check_logprobs(logprobs)
+            sampling_args.check_logprobs(logprobs)
         except ValueError as e:
             raise RequestError(str(e), "logprobs") from None
         stop_ids = self.default_stop_ids if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)

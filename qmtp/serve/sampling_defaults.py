@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from qmtp import api
+from qmtp import sampling_args
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p")
 FILE = "generation_config.json"
@@ -34,7 +34,7 @@ def from_checkpoint(checkpoint_dir: str) -> dict:
         return {}
     defaults = {name: config[name] for name in FIELDS if config.get(name) is not None}
     try:
-        api.sampling_params(1, **defaults, seed=0)
+        sampling_args.sampling_params(1, **defaults, seed=0)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
     return defaults

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qmtp import api
+from qmtp import sampling_args
 from qmtp.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
 from qmtp.serve.requests import RequestError
 
@@ -27,7 +27,7 @@ def check(temperature, top_k, top_p, min_p, seed, presence_penalty=0.0, frequenc
     """A request's sampling parameters (None: greedy without penalties or logit bias; seed None: a random
     one), or RequestError naming the one out of range."""
     try:
-        params = api.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
+        params = sampling_args.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
                                      logit_bias, vocab_size)  # seed None: a random one
     except ValueError as e:
         raise RequestError(str(e), str(e).split("=")[0]) from None
