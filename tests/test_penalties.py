@@ -58,6 +58,9 @@ def test_each_position_of_a_verify_pass_counts_the_drafts_before_it():
     np.testing.assert_array_equal(got[1], z[1])  # bit for bit
     one = np.asarray(sampling.penalize(jnp.asarray(z[:, 0]), prm, jnp.asarray(counts)))  # one position
     np.testing.assert_array_equal(one, got[:, 0])
+    # one position after the drafts (an MTP draft step's q): the verify's last position's counts
+    last = np.asarray(sampling.penalize(jnp.asarray(z[:, k]), prm, jnp.asarray(counts), jnp.asarray(drafts)))
+    np.testing.assert_array_equal(last, got[:, k])
 
 
 def test_no_penalties_leave_the_logits_and_counting_adds_the_first_n_tokens():

@@ -76,17 +76,17 @@ def choose(logits: jax.Array, sampling, position: jax.Array) -> jax.Array:
 
 
 def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
-                   counts: jax.Array) -> jax.Array:
+                   counts: jax.Array, drafts: jax.Array | None = None) -> jax.Array:
     """q: the processed log-probabilities [B, V] of an MTP draft from its hidden h [B, E], over the whole
     vocabulary (a draft vocabulary's other ids get probability 0), penalized as the target is after the
-    ids counted in counts [B, V] (any q keeps speculative sampling exact; the target's penalties make it
-    likelier to be accepted). Under TP every shard gathers the whole vocabulary and draws the same
+    ids counted in counts [B, V] and the drafts [B, n] before it (any q keeps speculative sampling exact;
+    the target's penalties make it likelier to be accepted). Under TP every shard gathers the whole vocabulary and draws the same
     numbers."""
     z = tp.gather_vocab(target.draft_logits(params, h, kernels))
     vocab = params.get("mtp", {}).get("draft_vocab")
     if vocab is not None:
         z = jnp.full(z.shape[:-1] + (cfg.vocab_size,), -jnp.inf, z.dtype).at[..., vocab].set(z)
-    return smp.logprobs(smp.penalize(z, sampling, counts), sampling)
+    return smp.logprobs(smp.penalize(z, sampling, counts, drafts), sampling)
 
 
 def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
@@ -240,12 +240,11 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     base = state.lengths  # L [B]: the pending token's position
     drafts, h = [slots.d1][:k], slots.mh
     q = [slots.q1] if k else []  # q_i [B, V]
-    counts = slots.counts  # [B, V]: before d_1
     for step in range(1, k):
         hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
         h = hs[:, 0]
-        counts = smp.count_tokens(counts, drafts[-1][:, None], jnp.ones_like(base))  # before d_{step+1}
-        q.append(draft_logprobs(cfg, params, h, kernels, sampling, counts))
+        # after d_1 .. d_step, counted only where a row has a penalty (penalize's lax.cond)
+        q.append(draft_logprobs(cfg, params, h, kernels, sampling, slots.counts, jnp.stack(drafts, axis=1)))
         drafts.append(smp.gumbel_argmax(q[-1], smp.keys(sampling.seed, base + 1 + step, smp.DRAFT)))
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)

@@ -112,10 +112,10 @@ def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
 def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None,
              drafts: jax.Array | None = None):
     """The adjusted logits f32 (module doc: logit bias and penalties), shaped as logits: [B, V] at one
-    position after the ids counted in counts [B, V] int32 (None: nothing generated yet), or [B, K+1, V]
-    at the K+1 positions that follow counts and then drafts [B, K] (position i also counts d_1 ..
-    d_i). A row without adjustments keeps its logits bit for bit (z + 0 - 0 * c - 0 = z); when no row
-    has one nothing is counted (a lax.cond)."""
+    position after the ids counted in counts [B, V] int32 (None: nothing generated yet) and then drafts
+    [B, n] where given, or [B, K+1, V] at the K+1 positions that follow counts and then drafts [B, K]
+    (position i also counts d_1 .. d_i). A row without adjustments keeps its logits bit for bit (z + 0 -
+    0 * c - 0 = z); when no row has one nothing is counted (a lax.cond)."""
     z = logits.astype(F32)
 
     def apply(z):
@@ -125,7 +125,13 @@ def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None
         z = z + bias.reshape((b,) + (1,) * (z.ndim - 2) + (v,))
         if counts is None:
             return z
-        c = (counts if drafts is None else _position_counts(counts, drafts)).astype(F32)
+        if drafts is None:
+            c = counts
+        elif z.ndim == 2:  # one position, after every draft
+            c = counts + jax.nn.one_hot(drafts, v, dtype=counts.dtype).sum(axis=1)
+        else:
+            c = _position_counts(counts, drafts)
+        c = c.astype(F32)
         shape = (-1,) + (1,) * (z.ndim - 1)
         return z - params.frequency_penalty.reshape(shape) * c - params.presence_penalty.reshape(shape) * (c > 0)
 
