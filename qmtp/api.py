@@ -231,7 +231,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
              accept_cap=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | None = None, logprobs: int | None = None, warmup: bool = False,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-             progress=None, compile_only: bool = False) -> GenerationResult | None:
+             min_tokens: int = 0, progress=None, compile_only: bool = False) -> GenerationResult | None:
     """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at temperature 0,
     else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature, top_k, top_p,
     min_p), after the OpenAI API's logit_bias ({token id: bias}, -100 .. 100), presence_penalty and
@@ -245,7 +245,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     adaptive_k.CANDIDATES with the most expected tokens per second, from the rows' recent acceptance
     and the seconds of a round at each K, measured first on this batch (one short run per K after the
     compile; stats k_rounds and round_cost_s say which ran and what they cost).
-    Stops each sequence at a stop id (default: generation_config's eos ids) or after `max_new_tokens`.
+    Stops each sequence at a stop id (default: generation_config's eos ids) or after `max_new_tokens`;
+    min_tokens (vLLM's): the stop ids get -inf until a sequence has generated that many tokens.
     `accept_cap` (MTP only; how benchmarks impose an acceptance profile, qmtp/bench/profile.py) caps
     the accepted drafts per round: an int, or a schedule [R] / [R, B] (round r uses row min(r, R-1));
     capping never changes the tokens. With warmup=True the compiled programs are built first (timed as
@@ -269,7 +270,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     batch = len(prompt_ids)
     ops.check_deterministic_rows(model.kernels, batch, mtp_k, "prompts x (mtp_k+1)")
     sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
-                               logit_bias, model.cfg.vocab_size)
+                               logit_bias, model.cfg.vocab_size, min_tokens)
     stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)
     # a round's pass writes K+1 positions past the committed length
     capacities = [len(p) + max_new_tokens + mtp_k + 1 for p in prompt_ids]

@@ -57,8 +57,8 @@ def define_deterministic_flag() -> None:
 
 
 def define_sampling_flags() -> None:
-    """--temperature, --top_k, --top_p, --min_p, --seed, --presence_penalty, --frequency_penalty, --logit_bias
-    (qmtp.generate's sampling), for generate and bench."""
+    """--temperature, --top_k, --top_p, --min_p, --seed, --presence_penalty, --frequency_penalty, --logit_bias,
+    --min_tokens (qmtp.generate's sampling), for generate and bench."""
     _define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling "
                  "applies, in this order, the temperature, --top_k, --top_p and --min_p; with MTP, speculative "
                  "sampling (the same distribution, not the same tokens).")
@@ -78,6 +78,8 @@ def define_sampling_flags() -> None:
     _define_once(flags.DEFINE_list, "logit_bias", [], "ID:BIAS,... added to those token ids' logits before the "
                  "penalties and the temperature (the OpenAI API's; -100 .. 100, up to 300 ids): -100 bans a token, "
                  "100 forces it.")
+    _define_once(flags.DEFINE_integer, "min_tokens", 0, "No stop id ends a sequence before it has generated this "
+                 "many tokens: until then the stop ids' logits are -inf (vLLM's; 0 = off).", lower_bound=0)
 
 
 def sampling_from_flags(default_seed: int | None = None) -> dict:
@@ -87,7 +89,7 @@ def sampling_from_flags(default_seed: int | None = None) -> dict:
     f = flags.FLAGS
     args = dict(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, min_p=f.min_p,
                 seed=default_seed if f.seed is None else f.seed, presence_penalty=f.presence_penalty,
-                frequency_penalty=f.frequency_penalty)
+                frequency_penalty=f.frequency_penalty, min_tokens=f.min_tokens)
     try:
         pairs = [entry.split(":") for entry in f.logit_bias]
         args["logit_bias"] = {int(token): float(bias) for token, bias in pairs} or None

@@ -261,6 +261,12 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings(model):
     stopped = TextStream(tok, ("bonac", "zzz"))
     out = "".join(stopped.push([t]) for t in ids)
     assert stopped.stopped and out == stopped.text == "def fi" and stopped.finish() == ""
+    # min_tokens: a stop string that ends within the first min_tokens ids' text does not stop the stream
+    ends = next(n for n in range(1, len(ids) + 1) if "bonac" in tok.decode(ids[:n], skip_special_tokens=True))
+    held = TextStream(tok, ("bonac",), min_tokens=ends)
+    assert "".join(held.push([t]) for t in ids) + held.finish() == text and not held.stopped
+    past = TextStream(tok, ("bonac",), min_tokens=ends - 1)  # the stop string ends past those ids' text
+    assert "".join(past.push([t]) for t in ids) == "def fi" and past.stopped
 
 
 def test_controlled_checkpoint_accepts_every_draft_and_metrics_show_it(tmp_path):

@@ -60,16 +60,23 @@ def test_bad_sampling_values_name_their_parameter(model, kw, param):
 
 
 def test_a_penalized_greedy_request_gets_generate_tokens_beside_a_plain_one(model):
-    """A greedy request with penalties and a logit bias (against its first greedy token) decodes in the loop's sampled form (which counts the generated ids)
-    and gets qmtp.generate's tokens; the request beside it keeps its greedy tokens."""
+    """A greedy request with penalties and a logit bias (against its first greedy token) decodes in the
+    loop's sampled form (which counts the generated ids) and gets qmtp.generate's tokens, as does one with
+    min_tokens past a stop id it would generate; the request beside them keeps its greedy tokens."""
     engine = make_engine(model, 2)
     penalty = dict(presence_penalty=-2.0, frequency_penalty=0.5,  # negative: the tiny model repeats ids
                    logit_bias={int(qmtp.generate(model, [PROMPTS[0]], max_new_tokens=1).tokens[0][0]): -50.0})
+    stop = [qmtp.generate(model, [PROMPTS[2]], max_new_tokens=2, stop_token_ids=[]).tokens[0][1]]
     penalized, plain = engine.submit(PROMPTS[0], 10, **penalty), engine.submit(PROMPTS[1], 10)
+    held = engine.submit(PROMPTS[2], 10, stop_token_ids=stop, min_tokens=6)
     want = qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=2, **penalty).tokens[0]
     assert want != qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=2).tokens[0]
     assert penalized.result(300).tokens == want
     assert plain.result(300).tokens == qmtp.generate(model, [PROMPTS[1]], max_new_tokens=10, mtp_k=2).tokens[0]
+    want = qmtp.generate(model, [PROMPTS[2]], max_new_tokens=10, mtp_k=2, stop_token_ids=stop, min_tokens=6).tokens[0]
+    assert len(want) > 6 and held.result(300).tokens == want
+    with pytest.raises(RequestError, match=r"^min_tokens=11 must be <= max_tokens=10"):
+        engine.submit(PROMPTS[2], 10, min_tokens=11)
     assert engine.stop(5)
     assert_all_free(engine)
 

@@ -1,9 +1,9 @@
-"""Logit bias, presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's): the adjusted
-logits at each position of a verify pass against counts made here, a bias that bans or forces a token
-(plain and MTP), and greedy decoding with penalties on the
-demo model (float32): each token the argmax of the teacher-forced logits (qmtp.target_logits, another
-program than the decode loop) penalized in numpy by the tokens generated before it, and MTP K = 1 and 3
-giving plain decoding's tokens (tests/test_engine_sampling.py: a penalized request beside others).
+"""Logit bias, presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's) and min_tokens
+(vLLM's): the adjusted logits at each position of a verify pass against counts made here, a bias that
+bans or forces a token (plain and MTP), and greedy decoding with penalties or min_tokens on the demo model
+(float32): each token the argmax of the teacher-forced logits (qmtp.target_logits, another program than
+the decode loop) adjusted in numpy for the tokens generated before it, and MTP K = 1 and 3 giving plain
+decoding's tokens (tests/test_engine_sampling.py: adjusted requests beside others in the engine).
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ PENALTIES = [dict(presence_penalty=2.0), dict(presence_penalty=-2.0), dict(prese
                                                                            frequency_penalty=1.5)]
 
 
-def params(presence, frequency, bias=None, temperature=0.0) -> SamplingParams:
-    """Greedy rows with these penalties [B] and logit biases (a {id: bias} per row; None: none)."""
+def params(presence, frequency, bias=None, temperature=0.0, min_tokens=0) -> SamplingParams:
+    """Greedy rows with these penalties [B], logit biases (a {id: bias} per row; None: none) and min_tokens."""
     b = len(presence)
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))  # noqa: E731
     ids, values = zip(*(sampling_args.logit_bias_row(row) for row in (bias or [None] * b)))
     return SamplingParams(full(temperature, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32),
                           full(0.0, jnp.float32), jnp.arange(b, dtype=jnp.uint32), jnp.asarray(presence, jnp.float32),
-                          jnp.asarray(frequency, jnp.float32), jnp.asarray(np.stack(ids)), jnp.asarray(np.stack(values)))
+                          jnp.asarray(frequency, jnp.float32), jnp.asarray(np.stack(ids)),
+                          jnp.asarray(np.stack(values)), full(min_tokens, jnp.int32))
 
 
 def np_penalized(z, generated, presence, frequency):
@@ -61,6 +62,27 @@ def test_each_position_of_a_verify_pass_counts_the_drafts_before_it():
     # one position after the drafts (an MTP draft step's q): the verify's last position's counts
     last = np.asarray(sampling.penalize(jnp.asarray(z[:, k]), prm, jnp.asarray(counts), jnp.asarray(drafts)))
     np.testing.assert_array_equal(last, got[:, k])
+
+
+def test_min_tokens_holds_back_the_stop_ids_at_each_position_before_it():
+    rng = np.random.default_rng(2)
+    b, k, v = 3, 3, 11
+    z = rng.standard_normal((b, k + 1, v)).astype(np.float32)
+    counts = np.zeros((b, v), np.int32)
+    counts[:, 5] = 2  # two tokens generated: position i follows 2 + i of them
+    drafts = np.array([[1, 2, 3]] * b, np.int32)
+    stop = np.array([[4, 9, -1]] * b, np.int32)
+    prm = params([0.0] * b, [0.0] * b, min_tokens=[4, 0, 2])  # 4: positions 0, 1 held back; 0 and 2: none
+    got = np.asarray(sampling.penalize(jnp.asarray(z), prm, jnp.asarray(counts), jnp.asarray(drafts),
+                                       jnp.asarray(stop)))
+    want = z.copy()
+    want[0, :2, 4] = want[0, :2, 9] = -np.inf
+    np.testing.assert_array_equal(got, want)
+    # the first token (nothing generated yet): held back wherever min_tokens > 0
+    first = np.asarray(sampling.penalize(jnp.asarray(z[:, 0]), prm, None, stop=jnp.asarray(stop)))
+    want = z[:, 0].copy()
+    want[[0, 2], 4] = want[[0, 2], 9] = -np.inf
+    np.testing.assert_array_equal(first, want)
 
 
 def test_no_penalties_leave_the_logits_and_counting_adds_the_first_n_tokens():
@@ -112,6 +134,30 @@ def test_a_logit_bias_bans_or_forces_a_token(demo, k):
     assert forced.tokens == [[7] * 8] * len(PROMPTS)
 
 
+def test_min_tokens_holds_back_the_stop_ids_and_mtp_keeps_the_tokens(demo):
+    """Each prompt's second greedy token made a stop id ends it early; with min_tokens it goes on, each token
+    the argmax of the teacher-forced logits with the stop ids at -inf before min_tokens tokens, until a
+    stop id after them. Sampled (MTP K = 3) too: no stop id before min_tokens tokens."""
+    ids = api.encode(demo, PROMPTS)
+    stops = sorted({out[1] for out in qmtp.generate(demo, PROMPTS, max_new_tokens=2, stop_token_ids=[]).tokens})
+    low = 8
+    run = lambda **kw: qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=stops, **kw).tokens  # noqa: E731
+    assert all(len(out) <= 2 for out in run())
+    held = run(min_tokens=low)
+    for prompt, out in zip(ids, held):
+        assert len(out) > low and not any(t in stops for t in out[:-1]), out
+        logits = qmtp.target_logits(demo, prompt + out)
+        for i, token in enumerate(out):
+            z = logits[len(prompt) - 1 + i].copy()
+            if i < low:
+                z[stops] = -np.inf
+            assert token == int(np.argmax(z)), (prompt, i)
+    for k in (1, 3):
+        assert run(min_tokens=low, mtp_k=k) == held
+    for out in run(min_tokens=low, mtp_k=3, temperature=1.0, seed=0):
+        assert len(out) >= low and not any(t in stops for t in out[:low]), out
+
+
 def test_out_of_range_adjustments_name_their_parameter():
     for name in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(ValueError, match=f"^{name}=2.5 must be in"):
@@ -122,3 +168,5 @@ def test_out_of_range_adjustments_name_their_parameter():
         qmtp.sampling_params(1, logit_bias={500: 1.0}, vocab_size=500)
     with pytest.raises(ValueError, match=f"^logit_bias=301 ids: at most {sampling.MAX_LOGIT_BIAS}"):
         qmtp.sampling_params(1, logit_bias=dict.fromkeys(range(301), 1.0))
+    with pytest.raises(ValueError, match=r"^min_tokens=-1 must be an integer >= 0"):
+        qmtp.sampling_params(1, min_tokens=-1)

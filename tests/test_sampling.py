@@ -24,12 +24,13 @@ def params(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, presenc
     seed = jnp.arange(b, dtype=jnp.uint32) if seed is None else full(seed, jnp.uint32)
     return SamplingParams(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
                           full(min_p, jnp.float32), seed, full(presence, jnp.float32), full(frequency, jnp.float32),
-                          *no_bias(b))
+                          *unadjusted(b))
 
 
-def no_bias(b):
-    """SamplingParams' logit bias fields of b rows without one."""
-    return jnp.full((b, sampling.MAX_LOGIT_BIAS), -1, jnp.int32), jnp.zeros((b, sampling.MAX_LOGIT_BIAS))
+def unadjusted(b):
+    """SamplingParams' last fields (logit bias, min_tokens) of b rows without them."""
+    return (jnp.full((b, sampling.MAX_LOGIT_BIAS), -1, jnp.int32), jnp.zeros((b, sampling.MAX_LOGIT_BIAS)),
+            jnp.zeros((b,), jnp.int32))
 
 
 def np_processed(z, temperature, top_k, top_p, min_p):
@@ -78,7 +79,8 @@ def test_rows_that_cut_nothing_keep_every_id_beside_rows_with_a_short_top_k():
     z = np.random.default_rng(3).standard_normal((4, 700)) * 2.0
     rows = [(0.0, 0, 1.0), (0.6, 20, 1.0), (0.9, 0, 1.0), (1.0, 30, 0.9)]
     prm = SamplingParams(*(jnp.asarray(c, dt) for c, dt in zip(zip(*rows), (jnp.float32, jnp.int32, jnp.float32))),
-                         jnp.zeros(4, jnp.float32), jnp.zeros(4, jnp.uint32), jnp.zeros(4), jnp.zeros(4), *no_bias(4))
+                         jnp.zeros(4, jnp.float32), jnp.zeros(4, jnp.uint32), jnp.zeros(4), jnp.zeros(4),
+                         *unadjusted(4))
     got = np.exp(np.asarray(sampling.logprobs(jnp.asarray(z, jnp.float32), prm), np.float64))
     for row, (t, k, p) in enumerate(rows):
         np.testing.assert_allclose(got[row], np_processed(z[row], t, k, p, 0.0), atol=1e-6, err_msg=f"row {row}")
@@ -124,7 +126,7 @@ def test_largest_breaks_a_tie_across_blocks_by_the_lower_id():
 def test_rows_keep_their_own_parameters_and_greedy_rows_their_token():
     z = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 30)), jnp.float32)  # [B, positions, V]
     p = SamplingParams(jnp.array([0.0, 0.8]), jnp.array([0, 3]), jnp.array([1.0, 1.0]), jnp.array([0.0, 0.0]),
-                       jnp.array([0, 0], jnp.uint32), jnp.zeros(2), jnp.zeros(2), *no_bias(2))
+                       jnp.array([0, 0], jnp.uint32), jnp.zeros(2), jnp.zeros(2), *unadjusted(2))
     lp = np.asarray(sampling.logprobs(z, p))
     assert np.all((lp[0] == 0) == (np.arange(30) == np.asarray(jnp.argmax(z[0], -1))[:, None]))
     assert np.all(np.sum(np.isfinite(lp[1]), axis=-1) == 3)

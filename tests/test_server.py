@@ -224,8 +224,9 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
      "response_format", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": "x", "repetition_penalty": 1.1}).encode(), 400, "repetition_penalty",
      "unsupported_value"),
-    (json.dumps({"model": NAME, "prompt": "x", "min_tokens": 4}).encode(), 400, "min_tokens", "unsupported_value"),
-    (json.dumps({"model": NAME, "prompt": "x", "ignore_eos": True}).encode(), 400, "ignore_eos", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "max_tokens": 3, "min_tokens": 4}).encode(), 400, "min_tokens",
+     "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "min_tokens": -1}).encode(), 400, "min_tokens", "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop",
      "invalid_value"),
     (json.dumps({"model": NAME, "prompt": [1, 99999]}).encode(), 400, "prompt", "invalid_value"),
@@ -287,6 +288,42 @@ def test_chat_parsers_on_keep_a_reply_without_tags_as_its_content(model):
         assert_all_free(server.engine, internals=False)
     finally:
         assert server.stop(60)
+
+
+def test_ignore_eos_passes_the_default_stop_ids_but_not_the_requests_own(model, mtp_server, monkeypatch):
+    server, url = mtp_server
+    prompt = ID_PROMPTS[1]
+    full = qmtp.generate(model, [prompt], max_new_tokens=6, stop_token_ids=[]).tokens[0]
+    until = lambda t: full[:full.index(t) + 1]  # noqa: E731  (the reply cut at t's first occurrence)
+    monkeypatch.setattr(server.engine, "default_stop_ids", (full[1],))
+    c = client(url)
+    assert c.completions.create(model=NAME, prompt=prompt, max_tokens=6).choices[0].token_ids == until(full[1])
+    passed = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True}).choices[0]
+    assert passed.token_ids == full and passed.finish_reason == "length"
+    own = c.completions.create(model=NAME, prompt=prompt, max_tokens=6,
+                               extra_body={"ignore_eos": True, "stop_token_ids": [full[2]]}).choices[0]
+    assert own.token_ids == until(full[2]) and own.finish_reason == "stop"
+
+
+
+def test_min_tokens_holds_back_stop_ids_and_stop_strings(model, mtp_server, monkeypatch):
+    server, url = mtp_server
+    prompt, full = next((p, out) for p in TEXTS  # one whose first token has text of its own
+                        for out in qmtp.generate(model, [encode(model, p)], max_new_tokens=6, stop_token_ids=[]).tokens
+                        if model.tokenizer.decode(out[:1]).strip() and "\ufffd" not in model.tokenizer.decode(out[:1]))
+    monkeypatch.setattr(server.engine, "default_stop_ids", (full[1],))
+    c = client(url)
+    held = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, extra_body={"min_tokens": 4}).choices[0]
+    want = qmtp.generate(model, [encode(model, prompt)], max_new_tokens=6, stop_token_ids=[full[1]],
+                         min_tokens=4).tokens[0]
+    assert len(want) > 4 and held.token_ids == want
+    first_text = model.tokenizer.decode(full[:1])
+    cut = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, stop=[first_text],
+                               extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == "" and cut.finish_reason == "stop"
+    kept = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, stop=[first_text],
+                                extra_body={"ignore_eos": True, "min_tokens": 6}).choices[0]
+    assert kept.token_ids == full and kept.finish_reason == "length"
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])

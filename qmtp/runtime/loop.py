@@ -65,38 +65,39 @@ def greedy(logits: jax.Array) -> jax.Array:
     return tp.greedy_argmax(logits)
 
 
-def choose(logits: jax.Array, sampling, position: jax.Array) -> jax.Array:
-    """The first generated token [B] at positions [B] from logits [B, V] (its logit bias applies; nothing
-    generated before it to penalize): greedy (sampling None) or drawn from each row's processed
-    distribution (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
+def choose(logits: jax.Array, sampling, position: jax.Array, stop: jax.Array) -> jax.Array:
+    """The first generated token [B] at positions [B] from logits [B, V] (its logit bias applies, and
+    min_tokens to the stop ids stop [B, NS]; nothing generated before it to penalize): greedy (sampling
+    None) or drawn from each row's processed distribution (qmtp/runtime/sampling.py; rows at temperature 0
+    keep the argmax)."""
     if sampling is None:
         return greedy(logits)
-    z = smp.penalize(tp.gather_vocab(logits), sampling, None)
+    z = smp.penalize(tp.gather_vocab(logits), sampling, None, stop=stop)
     return smp.sample(smp.logprobs(z, sampling), sampling.seed, position)
 
 
 def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
-                   counts: jax.Array, drafts: jax.Array | None = None) -> jax.Array:
+                   counts: jax.Array, stop: jax.Array, drafts: jax.Array | None = None) -> jax.Array:
     """q: the processed log-probabilities [B, V] of an MTP draft from its hidden h [B, E], over the whole
     vocabulary (a draft vocabulary's other ids get probability 0), penalized as the target is after the
-    ids counted in counts [B, V] and the drafts [B, n] before it (any q keeps speculative sampling exact;
-    the target's penalties make it likelier to be accepted). Under TP every shard gathers the whole vocabulary and draws the same
-    numbers."""
+    ids counted in counts [B, V] and the drafts [B, n] before it, min_tokens holding back the stop ids
+    stop [B, NS] (any q keeps speculative sampling exact; the target's adjustments make it likelier to
+    be accepted). Under TP every shard gathers the whole vocabulary and draws the same numbers."""
     z = tp.gather_vocab(target.draft_logits(params, h, kernels))
     vocab = params.get("mtp", {}).get("draft_vocab")
     if vocab is not None:
         z = jnp.full(z.shape[:-1] + (cfg.vocab_size,), -jnp.inf, z.dtype).at[..., vocab].set(z)
-    return smp.logprobs(smp.penalize(z, sampling, counts, drafts), sampling)
+    return smp.logprobs(smp.penalize(z, sampling, counts, drafts, stop), sampling)
 
 
 def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
-          position, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+          position, counts: jax.Array, stop: jax.Array) -> tuple[jax.Array, jax.Array]:
     """An MTP draft [B] for positions [B] and the distribution it was drawn from, q [B, V] f32
-    (draft_logprobs after the ids in counts [B, V]; the next round's q_1, Slots.q1): greedy (q all zeros,
-    unread: Slots.q1), or drawn from q."""
+    (draft_logprobs after the ids in counts [B, V], stop ids stop [B, NS]; the next round's q_1,
+    Slots.q1): greedy (q all zeros, unread: Slots.q1), or drawn from q."""
     if sampling is None:
         return target.draft_token(params, h, kernels), unread_q(cfg, h.shape[0])
-    q = draft_logprobs(cfg, params, h, kernels, sampling, counts)
+    q = draft_logprobs(cfg, params, h, kernels, sampling, counts, stop)
     return smp.gumbel_argmax(q, smp.keys(sampling.seed, position, smp.DRAFT)), q
 
 
@@ -235,8 +236,9 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     pass gives p_0 .. p_K, speculative_accept keeps a drafts and draws the next token from the residual
     (or p_K). A cap below a accepts only the first cap drafts and draws the next token from p_cap, as a
     round of K = cap would. The emitted tokens feed the MTP refresh as the target's argmax does greedily.
-    Penalties: p_i and q_i count the row's generated ids (Slots.counts) and the drafts before them, as
-    plain decoding would count them had it emitted those drafts; the emitted tokens are then counted."""
+    Penalties and min_tokens: p_i and q_i count the row's generated ids (Slots.counts) and the drafts
+    before them, as plain decoding would count them had it emitted those drafts; the emitted tokens are
+    then counted."""
     base = state.lengths  # L [B]: the pending token's position
     drafts, h = [slots.d1][:k], slots.mh
     q = [slots.q1] if k else []  # q_i [B, V]
@@ -244,12 +246,12 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
         hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
         h = hs[:, 0]
         # after d_1 .. d_step, counted only where a row has a penalty (penalize's lax.cond)
-        q.append(draft_logprobs(cfg, params, h, kernels, sampling, slots.counts, jnp.stack(drafts, axis=1)))
+        q.append(draft_logprobs(cfg, params, h, kernels, sampling, slots.counts, slots.stop, jnp.stack(drafts, axis=1)))
         drafts.append(smp.gumbel_argmax(q[-1], smp.keys(sampling.seed, base + 1 + step, smp.DRAFT)))
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
     logits = target.logits_from_hidden(params, hidden, kernels)  # [B, K+1, V]
-    z = smp.penalize(tp.gather_vocab(logits), sampling, slots.counts, tokens[:, 1:])  # p_i after d_1 .. d_i
+    z = smp.penalize(tp.gather_vocab(logits), sampling, slots.counts, tokens[:, 1:], slots.stop)  # p_i after d_1 .. d_i
     p = smp.logprobs(z, sampling)  # [B, K+1, V]
     if k:
         a, last = smp.speculative_accept(p, jnp.stack(q, axis=1), tokens[:, 1:], sampling.seed, base)
@@ -271,7 +273,7 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     if k or refresh_mtp:
         mh_all, state = mtp.forward(cfg, params, state, jnp.maximum(emitted, 0), hidden, base, n_keep, kernels)
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
-        d1, q1 = draft(cfg, params, mh, kernels, sampling, base + a + 2, counts)
+        d1, q1 = draft(cfg, params, mh, kernels, sampling, base + a + 2, counts, slots.stop)
     return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, q1=q1, mh=mh, gdn_slot=read,
                                                   counts=counts), logits
 

@@ -101,7 +101,7 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
                                  kernels.prefill_chunk, state, tokens, n_valid, None, width)
     logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [B, V]
-    first = choose(logits, sampling, start + n_valid)  # the token at position n
+    first = choose(logits, sampling, start + n_valid, stop)  # the token at position n
     if use_mtp:
         def mtp_pass(st, tok, nv, h, offset):  # a chunk's MTP positions start `offset` tokens into the prompt
             return mtp.forward(cfg, params, st, tok, h, start + jnp.minimum(offset, n_valid), nv, kernels)
@@ -109,7 +109,8 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         mh, state = _chunked(mtp_pass, kernels.prefill_chunk, state, mtp.shift_left(tokens, n_valid, first),
                              n_valid, hidden, width)
         mh = target.last_valid(mh, n_valid)
-        d1, q1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1, first_counts(first, cfg.vocab_size))
+        d1, q1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1, first_counts(first, cfg.vocab_size),
+                       stop)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
         q1 = unread_q(cfg, first.shape[0])

@@ -2,11 +2,14 @@
 
 Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k
 (0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off), a logit bias (up to
-MAX_LOGIT_BIAS ids) and a seed. The distribution a row samples from is HF transformers' order of
-processors on the logits z after the OpenAI API's adjustments: the bias b_v of id v, and penalties on
-the count c_v of v among the tokens the request generated before the position (not the prompt's):
+MAX_LOGIT_BIAS ids), min_tokens (0: off) and a seed. The distribution a row samples from is HF
+transformers' order of processors on the logits z after the OpenAI API's adjustments: the bias b_v of id
+v, and penalties on the count c_v of v among the tokens the request generated before the position (not
+the prompt's); then, while fewer than min_tokens tokens precede the position (n = sum_v c_v < min_tokens),
+the row's stop ids get -inf (vLLM's min_tokens: the row cannot end there):
 
-    z_v + b_v - frequency * c_v - presence * [c_v > 0]  ->  z / T  ->  keep the top_k largest
+    z_v + b_v - frequency * c_v - presence * [c_v > 0]  (-inf at stop ids while n < min_tokens)
+        ->  z / T  ->  keep the top_k largest
         ->  keep the smallest set of largest with mass >= top_p
         ->  keep those with probability >= min_p * the largest probability  ->  softmax
 
@@ -66,11 +69,13 @@ class SamplingParams:
     frequency_penalty: jax.Array  # f32, 0 = off: subtracted per occurrence of each id already generated
     logit_bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32: the ids whose logit gets a bias (-1: unused)
     logit_bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32: added to those ids' logits
+    min_tokens: jax.Array  # int32, 0 = off: the row's stop ids get -inf until it has generated this many tokens
 
     def adjusted(self) -> jax.Array:
-        """[B] bool: the rows whose logits are adjusted (a penalty or a logit bias) before the processing."""
+        """[B] bool: the rows whose logits are adjusted (a penalty, a logit bias, min_tokens) before the
+        processing."""
         return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
-                | jnp.any(self.logit_bias_ids >= 0, axis=-1))
+                | jnp.any(self.logit_bias_ids >= 0, axis=-1) | (self.min_tokens > 0))
 
 
 @jax.tree_util.register_dataclass
@@ -110,11 +115,12 @@ def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
 
 
 def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None,
-             drafts: jax.Array | None = None):
-    """The adjusted logits f32 (module doc: logit bias and penalties), shaped as logits: [B, V] at one
-    position after the ids counted in counts [B, V] int32 (None: nothing generated yet) and then drafts
+             drafts: jax.Array | None = None, stop: jax.Array | None = None):
+    """The adjusted logits f32 (module doc: logit bias, penalties, min_tokens), shaped as logits: [B, V] at
+    one position after the ids counted in counts [B, V] int32 (None: nothing generated yet) and then drafts
     [B, n] where given, or [B, K+1, V] at the K+1 positions that follow counts and then drafts [B, K]
-    (position i also counts d_1 .. d_i). A row without adjustments keeps its logits bit for bit (z + 0 -
+    (position i also counts d_1 .. d_i). stop [B, NS]: the rows' stop ids (negative entries: none) that
+    min_tokens holds back (None: none). A row without adjustments keeps its logits bit for bit (z + 0 -
     0 * c - 0 = z); when no row has one nothing is counted (a lax.cond)."""
     z = logits.astype(F32)
 
@@ -124,16 +130,21 @@ def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None
         bias = jnp.zeros((b, v), F32).at[jnp.arange(b)[:, None], ids].add(params.logit_bias, mode="drop")
         z = z + bias.reshape((b,) + (1,) * (z.ndim - 2) + (v,))
         if counts is None:
-            return z
-        if drafts is None:
-            c = counts
+            c = jnp.zeros(z.shape, F32)
+        elif drafts is None:
+            c = counts.astype(F32)
         elif z.ndim == 2:  # one position, after every draft
-            c = counts + jax.nn.one_hot(drafts, v, dtype=counts.dtype).sum(axis=1)
+            c = (counts + jax.nn.one_hot(drafts, v, dtype=counts.dtype).sum(axis=1)).astype(F32)
         else:
-            c = _position_counts(counts, drafts)
-        c = c.astype(F32)
+            c = _position_counts(counts, drafts).astype(F32)
         shape = (-1,) + (1,) * (z.ndim - 1)
-        return z - params.frequency_penalty.reshape(shape) * c - params.presence_penalty.reshape(shape) * (c > 0)
+        z = z - params.frequency_penalty.reshape(shape) * c - params.presence_penalty.reshape(shape) * (c > 0)
+        if stop is None:
+            return z
+        held = c.sum(axis=-1, keepdims=True) < params.min_tokens.reshape(shape).astype(F32)  # [B, .., 1]
+        stop_ids = jnp.where(stop >= 0, stop, v)  # unused entries: dropped
+        is_stop = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], stop_ids].set(True, mode="drop")
+        return jnp.where(held & is_stop.reshape((b,) + (1,) * (z.ndim - 2) + (v,)), -jnp.inf, z)
 
     return jax.lax.cond(jnp.any(params.adjusted()), apply, lambda z: z, z)
 

@@ -32,9 +32,11 @@ out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint'
 generation_config.json, else greedy and no cut); out-of-range values get a 400 naming them (the engine
 checks them). n (>= 1, at most --max_queue): n choices of one prompt, each a request of the engine
 (seeded: choice i draws with seed + i), admitted together, so one batched prefill pass computes them.
-best_of absent or 1; echo, suffix, repetition_penalty other than 1, a response_format other than text,
-and vLLM's min_tokens and ignore_eos are refused. An option the server cannot honour is refused rather
-than ignored: the client would believe it applied.
+ignore_eos (vLLM's): the default stop ids (the checkpoint's end-of-sequence ids) do not end the choice;
+its own stop_token_ids and stop strings still do. min_tokens (vLLM's, <= max_tokens): no stop id or stop
+string ends the choice before that many tokens (the stop ids get -inf until then). best_of absent or 1;
+echo, suffix, repetition_penalty other than 1 and a response_format other than text are refused. An option
+the server cannot honour is refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
 
@@ -166,6 +168,7 @@ class Parsed:
     tool_choice: str = "auto"  # chat: "auto", "none" or "required" (a named function too)
     tool_function: str | None = None  # chat: the function a named tool_choice calls
     parallel_tool_calls: bool = True  # chat: false keeps the first call only
+    ignore_eos: bool = False  # the default stop ids do not end a choice (stop_token_ids and stop still do)
 
 
 def _validate(model_cls, body) -> Any:
@@ -196,9 +199,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
                        param="model", code="model_not_found")
     _refuse(("response_format", (req.response_format or {}).get("type", "text") != "text",
              "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)"),
-            ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"),
-            ("min_tokens", req.min_tokens, "min_tokens is not supported"),
-            ("ignore_eos", req.ignore_eos, "ignore_eos is not supported"))
+            ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"))
     if req.n is not None and not 1 <= req.n <= max_choices:
         raise APIError(400, f"n={req.n} must be in [1, {max_choices}] (each choice is a queued request: "
                        "--max_queue)", param="n", code="invalid_value")
@@ -218,8 +219,9 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     sampling["presence_penalty"] = req.presence_penalty or 0.0
     sampling["frequency_penalty"] = req.frequency_penalty or 0.0
     sampling["logit_bias"] = _logit_bias(req.logit_bias)
+    sampling["min_tokens"] = req.min_tokens or 0
     return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
-                  req.n or 1)
+                  req.n or 1, ignore_eos=bool(req.ignore_eos))
 
 
 def _logit_bias(bias: dict | None) -> dict[int, float] | None:

@@ -263,8 +263,11 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             max_tokens = parsed.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(settings.default_max_tokens, engine.max_model_len - len(ids)))
-            extra = parsed.stop_token_ids  # added to the default stop ids
-            stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
+            extra = parsed.stop_token_ids  # added to the default stop ids, or alone under ignore_eos
+            if parsed.ignore_eos:
+                stop_ids = extra
+            else:
+                stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
             events: asyncio.Queue = asyncio.Queue()  # (choice index, engine event)
             try:
                 handles = responses.submit(engine, parsed, ids, max_tokens, stop_ids, asyncio.get_running_loop(), events)

@@ -102,14 +102,14 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
                       ssm=tuple(map(resume, state.ssm)), page_table=page_rows, lengths=offsets)
     hidden, sub = target.forward(cfg, params, sub, tokens, n_valid, kernels)  # hidden [n, C, E]
     logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [n, V]
-    first = loop.choose(logits, sampling, offsets + n_valid)  # [n]
+    first = loop.choose(logits, sampling, offsets + n_valid, stop_rows)  # [n]
     if use_mtp:
         at = (jnp.arange(n), jnp.maximum(n_valid - 1, 0))  # each row's last valid column
         shifted = next_tokens.at[at].set(jnp.where(last, first, next_tokens[at]))
         mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offsets, n_valid, kernels)
         mh = target.last_valid(mh, n_valid)  # [n, E]
         d1, q1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1,
-                            loop.first_counts(first, cfg.vocab_size))
+                            loop.first_counts(first, cfg.vocab_size), stop_rows)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
         q1 = loop.unread_q(cfg, first.shape[0])

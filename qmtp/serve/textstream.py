@@ -3,7 +3,8 @@
 Text is decoded from all ids so far (`skip_special_tokens=True`, as qmtp.generate), so the deltas
 concatenate to the one-shot decode. Held back: a trailing U+FFFD (an incomplete UTF-8 sequence) and
 the longest tail that is a prefix of a stop string. A stop string ends the text just before it (as
-OpenAI: it is not returned) and sets `stopped`.
+OpenAI: it is not returned) and sets `stopped`, unless it ends within the text of the first min_tokens
+ids (vLLM's min_tokens: the request cannot end before them).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = (), min_tokens: int = 0):
         if any(not s for s in stop_strings):
             raise ValueError("stop strings must be non-empty")
         self.tokenizer = tokenizer
         self.stop_strings = tuple(stop_strings)
+        self.min_tokens = min_tokens
+        self.floor: int | None = 0 if min_tokens == 0 else None  # a stop string must end past this much text
         self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False
@@ -27,10 +30,13 @@ class TextStream:
             return ""
         self.ids.extend(tokens)
         full, start = self._decoded(), len(self.text)
+        if self.floor is None and len(self.ids) >= self.min_tokens:
+            self.floor = len(self.tokenizer.decode(self.ids[:self.min_tokens], skip_special_tokens=True))
         hits = []
-        if self.stop_strings:  # searched from where a stop string straddling released and new text begins
-            search_from = max(0, start - max(map(len, self.stop_strings)) + 1)
-            hits = [i for i in (full.find(s, search_from) for s in self.stop_strings) if i >= 0]
+        if self.stop_strings and self.floor is not None:
+            # searched from where a stop string straddling released and new text begins, ending past the floor
+            hits = [i for i in (full.find(s, max(0, start - len(s) + 1, self.floor - len(s) + 1))
+                                for s in self.stop_strings) if i >= 0]
         if hits:
             self.stopped = True
             return self._release(full, max(min(hits), start))
