@@ -849,7 +849,7 @@ def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path
                                                            "temperature 0.6, top_p 0.95, top_k 20")
     limits = (NAME, MAX_TOKENS_LIMIT, 4, defaults)
     left_out = protocol.parse_completion({"model": NAME, "prompt": "x"}, *limits)
-    no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+    no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_tokens": 0}
     assert left_out.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "seed": None,
                                  **no_penalties}
     own, _, _ = protocol.parse_chat({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": 0,
