@@ -7,12 +7,12 @@ and gives generate's tokens."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qmtp
+from qmtp.runtime import loop, prefill
 from qmtp.runtime.kernel_config import PALLAS, REF
 from serving_fixtures import make_engine
 from spec_loops import load_controlled, run_plain, run_spec
@@ -46,9 +46,12 @@ def test_conv_kernel_slotted(controlled, monkeypatch):
     kernel = gdn_conv.gdn_conv_recurrence
     monkeypatch.setattr(gdn_conv, "gdn_conv_recurrence", lambda mixed, *args, **kw: traced.append(
         (mixed.shape[1], args[6].ndim, kw.get("slots") is not None)) or kernel(mixed, *args, **kw))
-    jax.clear_caches()  # a loop traced earlier in this process would not call the wrapper
+    # a loop traced earlier in this process would not call the wrapper, nor would one traced after it; only
+    # these two functions' caches (clearing all of JAX's would make the rest of the process trace again)
+    fresh = lambda: (prefill.prefill.clear_cache(), loop.decode.clear_cache())  # noqa: E731
+    fresh()
     out, stats, state = run_spec(controlled, prompts, k, max_new, cap=a, kernels=PALLAS)
-    jax.clear_caches()
+    fresh()
     assert (k + 1, 5, True) in traced and all(slotted == (rank == 5) for _, rank, slotted in traced), traced
     _check_against_plain(controlled, prompts, out, stats, state, max_new, [rounds * a] * 2, f"pallas, a={a}")
 
