@@ -306,6 +306,26 @@ def test_ignore_eos_passes_the_default_stop_ids_but_not_the_requests_own(model, 
 
 
 
+def test_tokenize_and_detokenize_give_the_ids_a_request_prefills(model, mtp_server):
+    url = mtp_server[1]
+    chat_text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    r = httpx.post(url + "/tokenize", json={"prompt": TEXTS[1]}).json()
+    assert r["tokens"] == encode(model, TEXTS[1]) and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == encode(model, chat_text)  # the checkpoint's ChatML, written out
+    bare = httpx.post(url + "/tokenize", json={"messages": messages,
+                                               "chat_template_kwargs": {"add_generation_prompt": False}}).json()
+    assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+    text = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert text == chat_text  # special tokens kept
+    for route, body, param in (("/tokenize", {"text": "x"}, "prompt"), ("/tokenize", {"messages": "x"}, "messages"),
+                               ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                               ("/detokenize", {"tokens": "x"}, "tokens")):
+        bad = httpx.post(url + route, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (route, body, bad.text)
+
+
 def test_min_tokens_holds_back_stop_ids_and_stop_strings(model, mtp_server, monkeypatch):
     server, url = mtp_server
     prompt, full = next((p, out) for p in TEXTS  # one whose first token has text of its own

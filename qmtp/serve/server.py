@@ -4,6 +4,7 @@ FastAPI + uvicorn in front of one continuous-batching engine (qmtp/serve/engine.
 decoding, MTP speculative decoding with --mtp_k). Listens on 127.0.0.1 unless --host says otherwise.
 
     POST /v1/completions, /v1/chat/completions   ("stream": true -> server-sent events)
+    POST /tokenize, /detokenize                  (vLLM's: a prompt's or a chat's token ids; ids' text)
     GET  /v1/models, /health, /metrics           (/metrics: Prometheus text)
     POST /start_profile, /stop_profile           (a device trace into --profile_dir: qmtp/serve/profiling.py)
 
@@ -240,19 +241,62 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                                param="prompt", code="invalid_value")
         return model.tokenizer.encode(prompt, add_special_tokens=False).ids
 
+    async def json_body(request: Request):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise oai.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+
+    def chat_prompt(body):
+        """(Parsed, the chat template's prompt) of a chat request's body."""
+        parsed, messages, variables = oai.parse_chat(body, *limits, tool_parser=tool_parser)
+        try:
+            return parsed, template.render(messages, variables, parsed.tools)
+        except ChatTemplateError as e:
+            raise oai.APIError(400, str(e), param="messages", code="invalid_value") from None
+
+    @api.post("/tokenize")
+    async def tokenize_route(request: Request):
+        """vLLM's: {"prompt": text} (a completion's prompt) or a chat request's {"messages", "tools",
+        "chat_template_kwargs"} (the chat template's prompt; "model" may be left out) -> {"count",
+        "max_model_len", "tokens"}: the ids the server would prefill (a tool_choice that opens the reply
+        with a call adds that opening after them)."""
+        try:
+            body = await json_body(request)
+            if isinstance(body, dict) and "messages" in body:
+                prompt = chat_prompt({"model": settings.model_name, **body})[1]
+            elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+                prompt = body["prompt"]
+            else:
+                raise oai.APIError(400, 'give "prompt" (a string) or "messages"', param="prompt", code="invalid_value")
+            ids = tokenize(prompt)
+        except oai.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @api.post("/detokenize")
+    async def detokenize_route(request: Request):
+        """vLLM's: {"tokens": [ids]} -> {"prompt": their text, special tokens included}."""
+        try:
+            body = await json_body(request)
+            tokens, vocab = body.get("tokens") if isinstance(body, dict) else None, model.cfg.vocab_size
+            if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+                raise oai.APIError(400, f"tokens: a list of token ids in [0, {vocab})", param="tokens",
+                                   code="invalid_value")
+            if model.tokenizer is None:
+                raise oai.APIError(400, "detokenize needs tokenizer.json, which this checkpoint lacks",
+                                   param="tokens", code="invalid_value")
+        except oai.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return {"prompt": model.tokenizer.decode(tokens, skip_special_tokens=False)}
+
     async def serve(request: Request, chat: bool):
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise oai.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+            body = await json_body(request)
             parsing = None  # chat: how each choice's text becomes a message (chat_output)
             if chat:
-                parsed, messages, variables = oai.parse_chat(body, *limits, tool_parser=tool_parser)
-                try:
-                    parsed.prompt = template.render(messages, variables, parsed.tools)
-                except ChatTemplateError as e:
-                    raise oai.APIError(400, str(e), param="messages", code="invalid_value") from None
+                parsed, prompt = chat_prompt(body)
+                parsed.prompt = prompt
                 parsing = chat_output.for_request(reasoning_parser, tool_parser, parsed.prompt, parsed.tools,
                                                   parsed.tool_choice, parsed.parallel_tool_calls,
                                                   parsed.tool_function)
