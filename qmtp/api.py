@@ -257,6 +257,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     the calls then find their programs compiled."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if isinstance(min_tokens, (int, np.integer)) and min_tokens > max_new_tokens:
+        raise ValueError(f"min_tokens={min_tokens} must be <= max_new_tokens={max_new_tokens}")
     adaptive = mtp_k == AUTO
     if adaptive:
         mtp_k = adaptive_k.CANDIDATES[-1]

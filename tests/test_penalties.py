@@ -170,3 +170,5 @@ def test_out_of_range_adjustments_name_their_parameter():
         qmtp.sampling_params(1, logit_bias=dict.fromkeys(range(301), 1.0))
     with pytest.raises(ValueError, match=r"^min_tokens=-1 must be an integer >= 0"):
         qmtp.sampling_params(1, min_tokens=-1)
+    with pytest.raises(ValueError, match=r"^min_tokens=5 must be <= max_new_tokens=4"):
+        qmtp.generate(None, [[1]], max_new_tokens=4, min_tokens=5)
