@@ -135,27 +135,33 @@ def test_a_logit_bias_bans_or_forces_a_token(demo, k):
 
 
 def test_min_tokens_holds_back_the_stop_ids_and_mtp_keeps_the_tokens(demo):
-    """Each prompt's second greedy token made a stop id ends it early; with min_tokens it goes on, each token
-    the argmax of the teacher-forced logits with the stop ids at -inf before min_tokens tokens, until a
-    stop id after them. Sampled (MTP K = 3) too: no stop id before min_tokens tokens."""
+    """The first prompt's second greedy token made the stop id ends it early; with min_tokens it goes on,
+    each token (every prompt's) the argmax of the teacher-forced logits with the stop id at -inf before
+    min_tokens tokens, until the stop id after them. Sampled (MTP K = 3) too: no stop id before min_tokens
+    tokens. (One stop id and NEW tokens, as the tests above: their compiled programs serve.)"""
     ids = api.encode(demo, PROMPTS)
-    stops = sorted({out[1] for out in qmtp.generate(demo, PROMPTS, max_new_tokens=2, stop_token_ids=[]).tokens})
+    stop = qmtp.generate(demo, PROMPTS[:1], max_new_tokens=NEW, stop_token_ids=[]).tokens[0][1]
     low = 8
-    run = lambda **kw: qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=stops, **kw).tokens  # noqa: E731
-    assert all(len(out) <= 2 for out in run())
+
+    def run(**kw):
+        return qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[stop], **kw).tokens
+
+    assert len(run()[0]) <= 2
     held = run(min_tokens=low)
+    assert len(held[0]) > low
     for prompt, out in zip(ids, held):
-        assert len(out) > low and not any(t in stops for t in out[:-1]), out
-        logits = qmtp.target_logits(demo, prompt + out)
+        assert len(out) >= low and stop not in out[:-1], out
+        # padded to NEW tokens (the positions read do not see the padding): one program for every prompt
+        logits = qmtp.target_logits(demo, prompt + out + [0] * (NEW - len(out)))
         for i, token in enumerate(out):
             z = logits[len(prompt) - 1 + i].copy()
             if i < low:
-                z[stops] = -np.inf
+                z[stop] = -np.inf
             assert token == int(np.argmax(z)), (prompt, i)
     for k in (1, 3):
         assert run(min_tokens=low, mtp_k=k) == held
     for out in run(min_tokens=low, mtp_k=3, temperature=1.0, seed=0):
-        assert len(out) >= low and not any(t in stops for t in out[:low]), out
+        assert len(out) >= low and stop not in out[:low], out
 
 
 def test_out_of_range_adjustments_name_their_parameter():
