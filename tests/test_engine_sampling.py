@@ -66,7 +66,8 @@ def test_a_penalized_greedy_request_gets_generate_tokens_beside_a_plain_one(mode
     engine = make_engine(model, 2)
     penalty = dict(presence_penalty=-2.0, frequency_penalty=0.5,  # negative: the tiny model repeats ids
                    logit_bias={int(qmtp.generate(model, [PROMPTS[0]], max_new_tokens=1).tokens[0][0]): -50.0})
-    stop = [qmtp.generate(model, [PROMPTS[2]], max_new_tokens=2, stop_token_ids=[]).tokens[0][1]]
+    # two stop ids (as the default ones: the programs compiled for those serve): its second greedy token and one
+    stop = [qmtp.generate(model, [PROMPTS[2]], max_new_tokens=10, mtp_k=2).tokens[0][1], model.cfg.eos_token_ids[0]]
     penalized, plain = engine.submit(PROMPTS[0], 10, **penalty), engine.submit(PROMPTS[1], 10)
     held = engine.submit(PROMPTS[2], 10, stop_token_ids=stop, min_tokens=6)
     want = qmtp.generate(model, [PROMPTS[0]], max_new_tokens=10, mtp_k=2, **penalty).tokens[0]
