@@ -27,8 +27,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 ALL_STEPS=(kernel_tests row_layers exactness_demo exactness_27b bench_b1 bench_b16 bench_long bench_131k prefill_trace
            prefill_chunks prefill_memory serve_long fp8_gemm_rows gdn_prefill attn_prefill bench_sampling sampling_ops sampling_trace
-           bench_deterministic chat_nocache chat_prefix decode_nocache decode_prefix loop_trace bench_auto serve_k0 serve_kauto moe_trace moe_sweep bench_moe
-           bench_moe_vocab warmup_threads)
+           bench_deterministic chat_nocache chat_prefix decode_nocache decode_prefix prefix_blocks loop_trace bench_auto serve_k0
+           serve_kauto moe_trace moe_sweep bench_moe bench_moe_vocab warmup_threads)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
 
@@ -47,7 +47,7 @@ run_step() {  # name default_limit_s command...
 
 # The server steps' packages (fastapi, uvicorn, httpx): the machine's own, else the wheels of `make device-wheels`
 # carried in .device-wheels/, unpacked once and put after everything else on PYTHONPATH.
-SERVER_STEPS=" serve_long chat_nocache chat_prefix decode_nocache decode_prefix serve_k0 serve_kauto warmup_threads "
+SERVER_STEPS=" serve_long chat_nocache chat_prefix decode_nocache decode_prefix prefix_blocks serve_k0 serve_kauto warmup_threads "
 server_packages() {
   "$PY" -c "import fastapi, uvicorn, httpx" 2>/dev/null && return 0
   local site=${TMPDIR:-/tmp}/qmtp_server_packages wheel
@@ -175,6 +175,16 @@ for s in "${steps[@]}"; do
                  $PY scripts/load_test.py --url=http://127.0.0.1:8124 --concurrency=8 $load ${profile[*]} \
                  --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/$s.json ${compare[*]} ${LOAD_ARGS:-}; rc=\$?; \
                  kill \$server; wait \$server; $summary; exit \$rc" ;;
+    # the prefix cache's block (--prefix_block) at 16, 64 and 256 tokens, one server start each on chat_prefix's setup
+    # with a shorter load (8 conversations of 2 turns, a 2000-token system prompt): TTFT per turn and hits in
+    # $OUT/prefix_block_<B>.json (the first start writes the checkpoint and compiles: ~170 s, the others ~60 s; H100)
+    prefix_blocks) run_step prefix_blocks 580 bash -c "for b in 16 64 256; do $PY -m qmtp.server \
+                     --checkpoint=preset:qwen3_5_27b_controlled:fp8 --impl=pallas --num_layers=${CHAT_LAYERS:-16} \
+                     --mtp_k=3 --batch_slots=8 --max_model_len=8192 --warmup_buckets=4096 --port=8127 --prefix_block=\$b \
+                     >$OUT/prefix_block_\${b}_server.log 2>&1 & server=\$!; $PY scripts/load_test.py \
+                     --url=http://127.0.0.1:8127 --concurrency=8 --requests=16 --turns=2 --system_tokens=2000 --systems=1 \
+                     --prompt_tokens=200,200 --max_tokens=200 --stream --vocab=4096 --output_json=$OUT/prefix_block_\$b.json; \
+                     rc=\$?; kill \$server; wait \$server; [ \$rc = 0 ] || exit \$rc; done" ;;
     # the decode_* steps' loop (the 27B preset's first 16 layers, 8 sequences, K=3, 200 tokens) in the bench, not
     # the server: plain and K=3 traced, by program and idle gap; beside decode_nocache's trace it tells the
     # loop's own idle time from the server's
