@@ -126,27 +126,41 @@ def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None
 
     def apply(z):
         b, v = z.shape[0], z.shape[-1]
-        ids = jnp.where(params.logit_bias_ids >= 0, params.logit_bias_ids, v)  # unused entries: dropped
-        bias = jnp.zeros((b, v), F32).at[jnp.arange(b)[:, None], ids].add(params.logit_bias, mode="drop")
-        z = z + bias.reshape((b,) + (1,) * (z.ndim - 2) + (v,))
-        if counts is None:
-            c = jnp.zeros(z.shape, F32)
-        elif drafts is None:
-            c = counts.astype(F32)
-        elif z.ndim == 2:  # one position, after every draft
-            c = (counts + jax.nn.one_hot(drafts, v, dtype=counts.dtype).sum(axis=1)).astype(F32)
+        per_id = lambda x: x.reshape((b,) + (1,) * (z.ndim - 2) + (v,))  # noqa: E731  ([B, V] over z's positions)
+        per_row = lambda x: x.reshape((b,) + (1,) * (z.ndim - 1))  # noqa: E731  ([B] over z's positions and ids)
+        z = z + per_id(_by_id(params.logit_bias_ids, params.logit_bias, v))
+        # the drafts before each position: all n of them, or d_1 .. d_i at verify position i
+        if drafts is None:
+            before = 0
+        elif z.ndim == 2:
+            before = drafts.shape[1]
         else:
-            c = _position_counts(counts, drafts).astype(F32)
-        shape = (-1,) + (1,) * (z.ndim - 1)
-        z = z - params.frequency_penalty.reshape(shape) * c - params.presence_penalty.reshape(shape) * (c > 0)
+            before = jnp.arange(drafts.shape[1] + 1)
+        if counts is not None:  # c [B, V] / [B, K+1, V]: each id's count before the position
+            if drafts is None:
+                c = counts
+            elif z.ndim == 2:
+                c = counts + jax.nn.one_hot(drafts, v, dtype=counts.dtype).sum(axis=1)
+            else:
+                c = _position_counts(counts, drafts)
+            c = c.astype(F32)
+            z = z - per_row(params.frequency_penalty) * c - per_row(params.presence_penalty) * (c > 0)
         if stop is None:
             return z
-        held = c.sum(axis=-1, keepdims=True) < params.min_tokens.reshape(shape).astype(F32)  # [B, .., 1]
-        stop_ids = jnp.where(stop >= 0, stop, v)  # unused entries: dropped
-        is_stop = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], stop_ids].set(True, mode="drop")
-        return jnp.where(held & is_stop.reshape((b,) + (1,) * (z.ndim - 2) + (v,)), -jnp.inf, z)
+        generated = 0 if counts is None else counts.sum(axis=-1).reshape((b,) + (1,) * (z.ndim - 2))
+        n = generated + before  # [B] / [B, K+1]: the tokens generated before the position
+        held = jnp.asarray(n < params.min_tokens.reshape((b,) + (1,) * (z.ndim - 2)))[..., None]  # [B, .., 1]
+        is_stop = per_id(_by_id(stop, jnp.ones(stop.shape, jnp.int32), v) > 0)
+        return jnp.where(held & is_stop, -jnp.inf, z)
 
     return jax.lax.cond(jnp.any(params.adjusted()), apply, lambda z: z, z)
+
+
+def _by_id(ids: jax.Array, values: jax.Array, vocab: int) -> jax.Array:
+    """[B, vocab]: values [B, N] added at ids [B, N] (negative ids: none), zero elsewhere."""
+    cols = jnp.where(ids >= 0, ids, vocab)  # past the vocabulary: dropped
+    return jnp.zeros((ids.shape[0], vocab), values.dtype).at[jnp.arange(ids.shape[0])[:, None], cols].add(
+        values, mode="drop")
 
 
 def _position_counts(counts: jax.Array, drafts: jax.Array) -> jax.Array:
