@@ -257,8 +257,6 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     the calls then find their programs compiled."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if isinstance(min_tokens, (int, np.integer)) and min_tokens > max_new_tokens:
-        raise ValueError(f"min_tokens={min_tokens} must be <= max_new_tokens={max_new_tokens}")
     adaptive = mtp_k == AUTO
     if adaptive:
         mtp_k = adaptive_k.CANDIDATES[-1]
@@ -273,6 +271,8 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     ops.check_deterministic_rows(model.kernels, batch, mtp_k, "prompts x (mtp_k+1)")
     sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
                                logit_bias, model.cfg.vocab_size, min_tokens)
+    if min_tokens > max_new_tokens:  # an integer >= 0 by now
+        raise ValueError(f"min_tokens={min_tokens} must be <= max_new_tokens={max_new_tokens}")
     stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)
     # a round's pass writes K+1 positions past the committed length
     capacities = [len(p) + max_new_tokens + mtp_k + 1 for p in prompt_ids]

@@ -162,6 +162,8 @@ def test_min_tokens_holds_back_the_stop_ids_and_mtp_keeps_the_tokens(demo):
         assert run(min_tokens=low, mtp_k=k) == held
     for out in run(min_tokens=low, mtp_k=3, temperature=1.0, seed=0):
         assert len(out) >= low and stop not in out[:low], out
+    with pytest.raises(ValueError, match=r"^min_tokens=25 must be <= max_new_tokens=24"):
+        run(min_tokens=NEW + 1)
 
 
 def test_out_of_range_adjustments_name_their_parameter():
@@ -176,5 +178,3 @@ def test_out_of_range_adjustments_name_their_parameter():
         qmtp.sampling_params(1, logit_bias=dict.fromkeys(range(301), 1.0))
     with pytest.raises(ValueError, match=r"^min_tokens=-1 must be an integer >= 0"):
         qmtp.sampling_params(1, min_tokens=-1)
-    with pytest.raises(ValueError, match=r"^min_tokens=5 must be <= max_new_tokens=4"):
-        qmtp.generate(None, [[1]], max_new_tokens=4, min_tokens=5)
