@@ -733,12 +733,12 @@ def _wait_healthy(proc, port: int, timeout_s: float) -> list[str]:
 BUILD_SCRIPT = """
 import sys
 from absl import flags
-from qmtp.serve import server
-server.define_flags()
+from qmtp.serve import server_cli
+server_cli.define_flags()
 for checkpoint in sys.argv[1:]:
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["server", "--checkpoint=" + checkpoint, "--dtype=float32", "--compile_cache=off"])
-    engine = server.build(["server"])[1]
+    engine = server_cli.build(["server"])[1]
     print("mtp_k", engine.config.mtp_k, "prefix cache states", engine.prefix.state_limit, flush=True)
 """
 
