@@ -290,22 +290,6 @@ def test_chat_parsers_on_keep_a_reply_without_tags_as_its_content(model):
         assert server.stop(60)
 
 
-def test_ignore_eos_passes_the_default_stop_ids_but_not_the_requests_own(model, mtp_server, monkeypatch):
-    server, url = mtp_server
-    prompt = ID_PROMPTS[1]
-    full = qmtp.generate(model, [prompt], max_new_tokens=6, stop_token_ids=[]).tokens[0]
-    until = lambda t: full[:full.index(t) + 1]  # noqa: E731  (the reply cut at t's first occurrence)
-    monkeypatch.setattr(server.engine, "default_stop_ids", (full[1],))
-    c = client(url)
-    assert c.completions.create(model=NAME, prompt=prompt, max_tokens=6).choices[0].token_ids == until(full[1])
-    passed = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True}).choices[0]
-    assert passed.token_ids == full and passed.finish_reason == "length"
-    own = c.completions.create(model=NAME, prompt=prompt, max_tokens=6,
-                               extra_body={"ignore_eos": True, "stop_token_ids": [full[2]]}).choices[0]
-    assert own.token_ids == until(full[2]) and own.finish_reason == "stop"
-
-
-
 def test_tokenize_and_detokenize_give_the_ids_a_request_prefills(model, mtp_server):
     url = mtp_server[1]
     chat_text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -326,24 +310,35 @@ def test_tokenize_and_detokenize_give_the_ids_a_request_prefills(model, mtp_serv
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (route, body, bad.text)
 
 
-def test_min_tokens_holds_back_stop_ids_and_stop_strings(model, mtp_server, monkeypatch):
-    server, url = mtp_server
+def test_ignore_eos_and_min_tokens_against_the_default_stop_ids(model):
+    """A server whose default stop id is the second token of a prompt's reply: ignore_eos passes it (the
+    request's own stop ids still end the reply); min_tokens holds it back, and stop strings too."""
     prompt, full = next((p, out) for p in TEXTS  # one whose first token has text of its own
                         for out in qmtp.generate(model, [encode(model, p)], max_new_tokens=6, stop_token_ids=[]).tokens
                         if model.tokenizer.decode(out[:1]).strip() and "\ufffd" not in model.tokenizer.decode(out[:1]))
-    monkeypatch.setattr(server.engine, "default_stop_ids", (full[1],))
-    c = client(url)
-    held = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, extra_body={"min_tokens": 4}).choices[0]
-    want = qmtp.generate(model, [encode(model, prompt)], max_new_tokens=6, stop_token_ids=[full[1]],
-                         min_tokens=4).tokens[0]
-    assert len(want) > 4 and held.token_ids == want
-    first_text = model.tokenizer.decode(full[:1])
-    cut = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, stop=[first_text],
-                               extra_body={"ignore_eos": True}).choices[0]
-    assert cut.text == "" and cut.finish_reason == "stop"
-    kept = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, stop=[first_text],
-                                extra_body={"ignore_eos": True, "min_tokens": 6}).choices[0]
-    assert kept.token_ids == full and kept.finish_reason == "length"
+    until = lambda t: full[:full.index(t) + 1]  # noqa: E731  (the reply cut at t's first occurrence)
+    server, url = serve(model, 2, stop_token_ids=(full[1],))
+    try:
+        c = client(url)
+
+        def create(**kw):
+            return c.completions.create(model=NAME, prompt=prompt, max_tokens=6, **kw).choices[0]
+
+        assert create().token_ids == until(full[1])
+        passed = create(extra_body={"ignore_eos": True})
+        assert passed.token_ids == full and passed.finish_reason == "length"
+        own = create(extra_body={"ignore_eos": True, "stop_token_ids": [full[2]]})
+        assert own.token_ids == until(full[2]) and own.finish_reason == "stop"
+        want = qmtp.generate(model, [encode(model, prompt)], max_new_tokens=6, stop_token_ids=[full[1]],
+                             min_tokens=4).tokens[0]
+        assert len(want) > 4 and create(extra_body={"min_tokens": 4}).token_ids == want
+        first_text = model.tokenizer.decode(full[:1])
+        cut = create(stop=[first_text], extra_body={"ignore_eos": True})
+        assert cut.text == "" and cut.finish_reason == "stop"
+        kept = create(stop=[first_text], extra_body={"ignore_eos": True, "min_tokens": 6})
+        assert kept.token_ids == full and kept.finish_reason == "length"
+    finally:
+        assert server.stop(60)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
