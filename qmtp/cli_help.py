@@ -57,8 +57,8 @@ def define_deterministic_flag() -> None:
 
 
 def define_sampling_flags() -> None:
-    """--temperature, --top_k, --top_p, --min_p, --seed, --presence_penalty, --frequency_penalty, --logit_bias,
-    --min_tokens (qmtp.generate's sampling), for generate and bench."""
+    """--temperature, --top_k, --top_p, --min_p, --seed, --presence_penalty, --frequency_penalty,
+    --repetition_penalty, --logit_bias, --min_tokens (qmtp.generate's sampling), for generate and bench."""
     _define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling "
                  "applies, in this order, the temperature, --top_k, --top_p and --min_p; with MTP, speculative "
                  "sampling (the same distribution, not the same tokens).")
@@ -75,6 +75,9 @@ def define_sampling_flags() -> None:
                  "of the penalized logits. Applies before the temperature.")
     _define_once(flags.DEFINE_float, "frequency_penalty", 0.0, "Subtracted from a token's logit once per time "
                  "the sequence already generated it (the OpenAI API's; -2 .. 2, 0 = off).")
+    _define_once(flags.DEFINE_float, "repetition_penalty", 1.0, "Divides the positive logits (multiplies the "
+                 "others) of the tokens in the prompt or already generated (HF's and vLLM's; > 0, 1 = off, "
+                 "1.05-1.2 typical). Applies after --logit_bias, before the presence and frequency penalties.")
     _define_once(flags.DEFINE_list, "logit_bias", [], "ID:BIAS,... added to those token ids' logits before the "
                  "penalties and the temperature (the OpenAI API's; -100 .. 100, up to 300 ids): -100 bans a token, "
                  "100 forces it.")
@@ -89,7 +92,8 @@ def sampling_from_flags(default_seed: int | None = None) -> dict:
     f = flags.FLAGS
     args = dict(temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, min_p=f.min_p,
                 seed=default_seed if f.seed is None else f.seed, presence_penalty=f.presence_penalty,
-                frequency_penalty=f.frequency_penalty, min_tokens=f.min_tokens)
+                frequency_penalty=f.frequency_penalty, repetition_penalty=f.repetition_penalty,
+                min_tokens=f.min_tokens)
     try:
         pairs = [entry.split(":") for entry in f.logit_bias]
         args["logit_bias"] = {int(token): float(bias) for token, bias in pairs} or None

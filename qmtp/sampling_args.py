@@ -12,11 +12,13 @@ from qmtp.runtime.sampling import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP
 
 def sampling_params(batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                     seed=None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
-                    vocab_size: int | None = None, min_tokens: int = 0) -> SamplingParams | None:
+                    vocab_size: int | None = None, min_tokens: int = 0,
+                    repetition_penalty: float = 1.0) -> SamplingParams | None:
     """Every row's SamplingParams (None: greedy without penalties, logit bias or min_tokens); ValueError
     naming a value out of range. seed: an int for every row, one per row, or None: a random one (the
     tokens then differ run to run). logit_bias: {token id: bias} (ids below vocab_size where given).
-    min_tokens: the tokens generated before a stop id may end the row (0: off)."""
+    min_tokens: the tokens generated before a stop id may end the row (0: off). repetition_penalty: > 0,
+    1: off (qmtp/runtime/sampling.py)."""
     if not temperature >= 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
@@ -28,6 +30,8 @@ def sampling_params(batch: int, temperature: float = 0.0, top_k: int = 0, top_p:
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise ValueError(f"{name}={value} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off)")
+    if not 0 < repetition_penalty < float("inf"):
+        raise ValueError(f"repetition_penalty={repetition_penalty} must be > 0 (1: off)")
     if not isinstance(min_tokens, (int, np.integer)) or isinstance(min_tokens, bool) or min_tokens < 0:
         raise ValueError(f"min_tokens={min_tokens!r} must be an integer >= 0 (0: off)")
     bias_ids, bias = logit_bias_row(logit_bias, vocab_size)
@@ -35,14 +39,15 @@ def sampling_params(batch: int, temperature: float = 0.0, top_k: int = 0, top_p:
         np.asarray(seed, np.int64), (batch,))
     if seeds.min() < 0 or seeds.max() >= 2 ** 32:
         raise ValueError(f"seed={seed} must be in [0, 2^32)")
-    if temperature == 0 and presence_penalty == 0 and frequency_penalty == 0 and not logit_bias and not min_tokens:
+    if (temperature == 0 and presence_penalty == 0 and frequency_penalty == 0 and repetition_penalty == 1
+            and not logit_bias and not min_tokens):
         return None
     full = lambda x, dt: jnp.full((batch,), x, dt)  # noqa: E731
     rows = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape)  # noqa: E731
     return SamplingParams(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
                           full(min_p, jnp.float32), jnp.asarray(seeds, jnp.uint32),
                           full(presence_penalty, jnp.float32), full(frequency_penalty, jnp.float32), rows(bias_ids),
-                          rows(bias), full(min_tokens, jnp.int32))
+                          rows(bias), full(min_tokens, jnp.int32), full(repetition_penalty, jnp.float32))
 
 
 def logit_bias_row(logit_bias, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,7 @@
-"""Logit bias, presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's) and min_tokens
-(vLLM's): the adjusted logits at each position of a verify pass against counts made here, a bias that
-bans or forces a token (plain and MTP), and greedy decoding with penalties or min_tokens on the demo model
+"""Logit bias, presence and frequency penalties (qmtp/runtime/sampling.py, the OpenAI API's), the
+repetition penalty (HF's and vLLM's) and min_tokens (vLLM's): the adjusted logits at each position of a
+verify pass against counts made here, a bias that bans or forces a token (plain and MTP), and greedy
+decoding with penalties or min_tokens on the demo model
 (float32): each token the argmax of the teacher-forced logits (qmtp.target_logits, another program than
 the decode loop) adjusted in numpy for the tokens generated before it, and MTP K = 1 and 3 giving plain
 decoding's tokens (tests/test_engine_sampling.py: adjusted requests beside others in the engine).
@@ -21,25 +22,33 @@ PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def"]
 NEW = 24
 # a negative presence penalty makes the demo repeat a token within a round, where the counts of the drafts
 # before a position matter (leaving them out parts MTP from plain at K = 3)
+# (a repetition penalty below 1 favours the ids seen, which the order of the adjustments then decides)
 PENALTIES = [dict(presence_penalty=2.0), dict(presence_penalty=-2.0), dict(presence_penalty=-1.0,
-                                                                           frequency_penalty=1.5)]
+                                                                           frequency_penalty=1.5),
+             dict(repetition_penalty=1.5), dict(repetition_penalty=0.7, presence_penalty=0.4)]
 
 
-def params(presence, frequency, bias=None, temperature=0.0, min_tokens=0) -> SamplingParams:
-    """Greedy rows with these penalties [B], logit biases (a {id: bias} per row; None: none) and min_tokens."""
+def params(presence, frequency, bias=None, temperature=0.0, min_tokens=0, repetition=1.0) -> SamplingParams:
+    """Greedy rows with these penalties [B], logit biases (a {id: bias} per row; None: none), min_tokens and
+    repetition penalties."""
     b = len(presence)
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))  # noqa: E731
     ids, values = zip(*(sampling_args.logit_bias_row(row) for row in (bias or [None] * b)))
     return SamplingParams(full(temperature, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32),
                           full(0.0, jnp.float32), jnp.arange(b, dtype=jnp.uint32), jnp.asarray(presence, jnp.float32),
                           jnp.asarray(frequency, jnp.float32), jnp.asarray(np.stack(ids)),
-                          jnp.asarray(np.stack(values)), full(min_tokens, jnp.int32))
+                          jnp.asarray(np.stack(values)), full(min_tokens, jnp.int32),
+                          jnp.broadcast_to(jnp.asarray(repetition, jnp.float32), (b,)))
 
 
-def np_penalized(z, generated, presence, frequency):
-    """z [V] after the ids `generated` (the OpenAI API's formula, float64)."""
+def np_penalized(z, generated, presence, frequency, repetition=1.0, prompt=()):
+    """z [V] after the ids `generated` of a prompt of ids `prompt` (vLLM's formulas, float64): the repetition
+    penalty on the ids of both, then the OpenAI API's penalties on those generated."""
     c = np.bincount(np.asarray(generated, np.int64), minlength=z.size).astype(np.float64)
-    return np.asarray(z, np.float64) - frequency * c - presence * (c > 0)
+    z = np.asarray(z, np.float64)
+    seen = (c > 0) | np.isin(np.arange(z.size), np.asarray(prompt, np.int64))
+    z = np.where(seen, np.where(z > 0, z / repetition, z * repetition), z)
+    return z - frequency * c - presence * (c > 0)
 
 
 def test_each_position_of_a_verify_pass_counts_the_drafts_before_it():
@@ -62,6 +71,32 @@ def test_each_position_of_a_verify_pass_counts_the_drafts_before_it():
     # one position after the drafts (an MTP draft step's q): the verify's last position's counts
     last = np.asarray(sampling.penalize(jnp.asarray(z[:, k]), prm, jnp.asarray(counts), jnp.asarray(drafts)))
     np.testing.assert_array_equal(last, got[:, k])
+
+
+def test_the_repetition_penalty_counts_the_prompt_and_the_ids_before_each_position():
+    rng = np.random.default_rng(3)
+    b, k, v = 2, 3, 13
+    z = (3 * rng.standard_normal((b, k + 1, v))).astype(np.float32)
+    counts = np.zeros((b, v), np.int32)
+    counts[:, [1, 6]] = [[1, 2]]
+    drafts = np.array([[4, 4, 9], [0, 2, 3]], np.int32)
+    prompts = [[2, 3, 3, 11], [5]]
+    in_prompt = np.asarray(sampling.prompt_mask(jnp.asarray([[2, 3, 3, 11], [5, 7, 7, 7]]), jnp.asarray([4, 1]), v))
+    np.testing.assert_array_equal(in_prompt, np.isin(np.arange(v), prompts[0]) & [[True], [False]]
+                                  | np.isin(np.arange(v), prompts[1]) & [[False], [True]])
+    prm = params([0.5, 0.0], [0.2, 0.0], [{4: 1.0}, None], repetition=[1.3, 0.6])
+    got = np.asarray(sampling.penalize(jnp.asarray(z), prm, jnp.asarray(counts), jnp.asarray(drafts),
+                                       in_prompt=jnp.asarray(in_prompt)))
+    bias = np.zeros(v)
+    bias[4] = 1.0
+    for row, (presence, frequency, r) in enumerate([(0.5, 0.2, 1.3), (0.0, 0.0, 0.6)]):
+        for i in range(k + 1):
+            before = np.repeat(np.arange(v), counts[row]).tolist() + drafts[row, :i].tolist()
+            want = np_penalized(z[row, i] + bias * (row == 0), before, presence, frequency, r, prompts[row])
+            np.testing.assert_allclose(got[row, i], want, rtol=1e-6, atol=1e-6, err_msg=f"{row}, {i}")
+    # the first token: the prompt's ids alone
+    first = np.asarray(sampling.penalize(jnp.asarray(z[:, 0]), prm, None, in_prompt=jnp.asarray(in_prompt)))
+    np.testing.assert_allclose(first[1], np_penalized(z[1, 0], [], 0.0, 0.0, 0.6, prompts[1]), rtol=1e-6)
 
 
 def test_min_tokens_holds_back_the_stop_ids_at_each_position_before_it():
@@ -106,12 +141,14 @@ def test_greedy_with_penalties_is_the_penalized_argmax_and_mtp_keeps_it(demo, pe
     ids = api.encode(demo, PROMPTS)
     plain = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], **penalty).tokens
     presence, frequency = penalty.get("presence_penalty", 0.0), penalty.get("frequency_penalty", 0.0)
+    repetition = penalty.get("repetition_penalty", 1.0)
     changed = 0  # tokens other than the unpenalized argmax
     for prompt, out in zip(ids, plain):
         logits = qmtp.target_logits(demo, prompt + out)  # [T, V]: position t predicts token t + 1
         for i, token in enumerate(out):
             z = logits[len(prompt) - 1 + i]
-            assert token == int(np.argmax(np_penalized(z, out[:i], presence, frequency))), (prompt, i)
+            want = np_penalized(z, out[:i], presence, frequency, repetition, prompt)
+            assert token == int(np.argmax(want)), (prompt, i)
             changed += token != int(np.argmax(z))
     assert changed  # the penalties decide some tokens
     for k in (1, 3):
@@ -178,3 +215,6 @@ def test_out_of_range_adjustments_name_their_parameter():
         qmtp.sampling_params(1, logit_bias=dict.fromkeys(range(301), 1.0))
     with pytest.raises(ValueError, match=r"^min_tokens=-1 must be an integer >= 0"):
         qmtp.sampling_params(1, min_tokens=-1)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=rf"^repetition_penalty={bad} must be > 0 \(1: off\)"):
+            qmtp.sampling_params(1, repetition_penalty=bad)

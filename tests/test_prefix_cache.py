@@ -244,7 +244,8 @@ def test_requests_finishing_together_are_kept_before_any_finishes(model):
 
 
 def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
-    """A hit resumes at a boundary; a seeded, logprobs request then gets qmtp.generate's tokens and values."""
+    """A hit resumes at a boundary; a seeded, logprobs request then gets qmtp.generate's tokens and values,
+    and so does a repetition-penalized one, whose penalty counts the cached prefix's ids too."""
     engine = Engine(model, config(2, 1 << 24)).start()
     system = np.random.default_rng(7).integers(0, 380, 40).tolist()
     for tail in ([1, 2, 3], [5, 5]):  # the second keeps their branch point, 32
@@ -257,8 +258,15 @@ def test_resumed_requests_sample_and_report_logprobs_as_generate(model):
     assert result.tokens == want.tokens[0]
     np.testing.assert_allclose([t.logprob for t in result.logprobs], [t.logprob for t in want.logprobs[0]],
                                rtol=1e-4, atol=1e-5)
+    prompt = system + [4, 4, 4]
+    penalized = dict(temperature=0.0, repetition_penalty=3.0, logprobs=3)  # the program of the seeded one
+    got = engine.submit(prompt, 6, **penalized)
+    result = got.result(300)
+    assert got.prefix_hit_tokens == 32
+    want = qmtp.generate(model, [prompt], 6, mtp_k=2, **penalized).tokens[0]
+    assert result.tokens == want != qmtp.generate(model, [prompt], 6, mtp_k=2, logprobs=3).tokens[0]
     text = metrics.render(engine)
-    assert "qmtp_prefix_cache_hit_tokens_total 32" in text and "qmtp_prefix_cache_hits_total 1" in text
+    assert "qmtp_prefix_cache_hit_tokens_total 64" in text and "qmtp_prefix_cache_hits_total 2" in text
     assert engine.stop(10)
 
 

@@ -28,9 +28,9 @@ def params(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, presenc
 
 
 def unadjusted(b):
-    """SamplingParams' last fields (logit bias, min_tokens) of b rows without them."""
+    """SamplingParams' last fields (logit bias, min_tokens, repetition penalty) of b rows without them."""
     return (jnp.full((b, sampling.MAX_LOGIT_BIAS), -1, jnp.int32), jnp.zeros((b, sampling.MAX_LOGIT_BIAS)),
-            jnp.zeros((b,), jnp.int32))
+            jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32))
 
 
 def np_processed(z, temperature, top_k, top_p, min_p):

@@ -222,8 +222,8 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
     (json.dumps({"model": NAME, "prompt": ["a", "b"]}).encode(), 400, "prompt", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": "x", "response_format": {"type": "json_object"}}).encode(), 400,
      "response_format", "unsupported_value"),
-    (json.dumps({"model": NAME, "prompt": "x", "repetition_penalty": 1.1}).encode(), 400, "repetition_penalty",
-     "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "repetition_penalty": 0}).encode(), 400, "repetition_penalty",
+     "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "max_tokens": 3, "min_tokens": 4}).encode(), 400, "min_tokens",
      "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "min_tokens": -1}).encode(), 400, "min_tokens", "invalid_value"),
@@ -857,21 +857,24 @@ def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path
     gen = tmp_path / "generation_config.json"
     gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     assert sampling_defaults.from_checkpoint(str(tmp_path)) == {}
-    gen.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 1}))
+    gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.05}))
+    assert sampling_defaults.from_checkpoint(str(tmp_path)) == {"repetition_penalty": 1.05}  # greedy's too
+    gen.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 1,
+                               "repetition_penalty": 1.1}))
     defaults = sampling_defaults.from_checkpoint(str(tmp_path))
-    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
     assert sampling_defaults.describe(defaults).startswith("sampling defaults from generation_config.json: "
-                                                           "temperature 0.6, top_p 0.95, top_k 20")
+                                                           "temperature 0.6, top_p 0.95, top_k 20, repetition_penalty 1.1")
     limits = (NAME, MAX_TOKENS_LIMIT, 4, defaults)
     left_out = protocol.parse_completion({"model": NAME, "prompt": "x"}, *limits)
     no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_tokens": 0}
     assert left_out.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "seed": None,
-                                 **no_penalties}
+                                 "repetition_penalty": 1.1, **no_penalties}
     own, _, _ = protocol.parse_chat({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": 0,
                                      "top_k": 0, "min_p": 0.1, "seed": 3, "presence_penalty": 1.5,
-                                     "logit_bias": {"7": -100}}, *limits)
+                                     "repetition_penalty": 1, "logit_bias": {"7": -100}}, *limits)
     assert own.sampling == {"temperature": 0, "top_k": 0, "top_p": 0.95, "min_p": 0.1, "seed": 3,
-                            **no_penalties, "presence_penalty": 1.5, "logit_bias": {7: -100.0}}
+                            "repetition_penalty": 1, **no_penalties, "presence_penalty": 1.5, "logit_bias": {7: -100.0}}
     gen.write_text(json.dumps({"do_sample": True, "top_p": 1.5}))
     with pytest.raises(ValueError, match=r"generation_config.json: top_p=1.5 must be in \(0, 1\]"):
         sampling_defaults.from_checkpoint(str(tmp_path))

@@ -110,7 +110,8 @@ def time_step(cfg, params, kernels: KernelConfig, context: int, n_short: int, n_
         first = jnp.zeros((1,), jnp.int32)
         return loop.Slots.started(first, first, loop.unread_q(cfg, 1),
                                   jnp.zeros((1, cfg.hidden_size), jnp.bfloat16),
-                                  jnp.full((1,), n + 1, jnp.int32), loop.stop_rows((), 1))
+                                  jnp.full((1,), n + 1, jnp.int32), loop.stop_rows((), 1),
+                                  jnp.zeros((1, cfg.vocab_size), bool))
 
     t = time.perf_counter()
     compiled = loop.decode.lower(cfg, kernels, 0, n_long, params, fresh(), slots(n_long)).compile()

@@ -65,39 +65,40 @@ def greedy(logits: jax.Array) -> jax.Array:
     return tp.greedy_argmax(logits)
 
 
-def choose(logits: jax.Array, sampling, position: jax.Array, stop: jax.Array) -> jax.Array:
-    """The first generated token [B] at positions [B] from logits [B, V] (its logit bias applies, and
-    min_tokens to the stop ids stop [B, NS]; nothing generated before it to penalize): greedy (sampling
-    None) or drawn from each row's processed distribution (qmtp/runtime/sampling.py; rows at temperature 0
-    keep the argmax)."""
+def choose(logits: jax.Array, sampling, position: jax.Array, stop: jax.Array, in_prompt: jax.Array) -> jax.Array:
+    """The first generated token [B] at positions [B] from logits [B, V] (its logit bias applies, min_tokens
+    to the stop ids stop [B, NS], the repetition penalty to the prompts' ids in_prompt [B, V]; nothing
+    generated before it): greedy (sampling None) or drawn from each row's processed distribution
+    (qmtp/runtime/sampling.py; rows at temperature 0 keep the argmax)."""
     if sampling is None:
         return greedy(logits)
-    z = smp.penalize(tp.gather_vocab(logits), sampling, None, stop=stop)
+    z = smp.penalize(tp.gather_vocab(logits), sampling, None, stop=stop, in_prompt=in_prompt)
     return smp.sample(smp.logprobs(z, sampling), sampling.seed, position)
 
 
 def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
-                   counts: jax.Array, stop: jax.Array, drafts: jax.Array | None = None) -> jax.Array:
+                   counts: jax.Array, stop: jax.Array, in_prompt: jax.Array, drafts: jax.Array | None = None
+                   ) -> jax.Array:
     """q: the processed log-probabilities [B, V] of an MTP draft from its hidden h [B, E], over the whole
     vocabulary (a draft vocabulary's other ids get probability 0), penalized as the target is after the
     ids counted in counts [B, V] and the drafts [B, n] before it, min_tokens holding back the stop ids
-    stop [B, NS] (any q keeps speculative sampling exact; the target's adjustments make it likelier to
+    stop [B, NS], the prompts' ids in_prompt [B, V] (any q keeps speculative sampling exact; the target's adjustments make it likelier to
     be accepted). Under TP every shard gathers the whole vocabulary and draws the same numbers."""
     z = tp.gather_vocab(target.draft_logits(params, h, kernels))
     vocab = params.get("mtp", {}).get("draft_vocab")
     if vocab is not None:
         z = jnp.full(z.shape[:-1] + (cfg.vocab_size,), -jnp.inf, z.dtype).at[..., vocab].set(z)
-    return smp.logprobs(smp.penalize(z, sampling, counts, drafts, stop), sampling)
+    return smp.logprobs(smp.penalize(z, sampling, counts, drafts, stop, in_prompt), sampling)
 
 
 def draft(cfg: ModelConfig, params: dict, h: jax.Array, kernels: KernelConfig, sampling,
-          position, counts: jax.Array, stop: jax.Array) -> tuple[jax.Array, jax.Array]:
+          position, counts: jax.Array, stop: jax.Array, in_prompt: jax.Array) -> tuple[jax.Array, jax.Array]:
     """An MTP draft [B] for positions [B] and the distribution it was drawn from, q [B, V] f32
-    (draft_logprobs after the ids in counts [B, V], stop ids stop [B, NS]; the next round's q_1,
-    Slots.q1): greedy (q all zeros, unread: Slots.q1), or drawn from q."""
+    (draft_logprobs after the ids in counts [B, V], stop ids stop [B, NS], prompt ids in_prompt [B, V]; the
+    next round's q_1, Slots.q1): greedy (q all zeros, unread: Slots.q1), or drawn from q."""
     if sampling is None:
         return target.draft_token(params, h, kernels), unread_q(cfg, h.shape[0])
-    q = draft_logprobs(cfg, params, h, kernels, sampling, counts, stop)
+    q = draft_logprobs(cfg, params, h, kernels, sampling, counts, stop, in_prompt)
     return smp.gumbel_argmax(q, smp.keys(sampling.seed, position, smp.DRAFT)), q
 
 
@@ -138,6 +139,7 @@ class Slots:
         counts     [B, V] int32   how often each id was generated (pending included): the penalties'
                                   (qmtp/runtime/sampling.py). Sampled rounds keep it; greedy rounds leave
                                   it, so a row with a penalty decodes with SamplingParams only
+        in_prompt  [B, V] bool    the ids of the row's prompt (the repetition penalty's)
     """
 
     pending: jax.Array
@@ -150,6 +152,7 @@ class Slots:
     accept_ema: jax.Array
     q1: jax.Array
     counts: jax.Array
+    in_prompt: jax.Array
 
     @staticmethod
     def empty(batch: int, hidden: int, vocab: int, num_stop: int, dtype) -> "Slots":
@@ -157,18 +160,19 @@ class Slots:
         return Slots(pending=zeros, d1=zeros, mh=jnp.zeros((batch, hidden), dtype), remaining=zeros,
                      stop=jnp.full((batch, num_stop), NO_STOP, jnp.int32), done=jnp.ones((batch,), bool),
                      gdn_slot=zeros, accept_ema=jnp.full((batch, MAX_K), adaptive_k.UNSEEN, jnp.float32),
-                     q1=jnp.zeros((batch, vocab), smp.F32), counts=jnp.zeros((batch, vocab), jnp.int32))
+                     q1=jnp.zeros((batch, vocab), smp.F32), counts=jnp.zeros((batch, vocab), jnp.int32),
+                     in_prompt=jnp.zeros((batch, vocab), bool))
 
     @staticmethod
-    def started(first, d1, q1, mh, max_tokens, stop) -> "Slots":
+    def started(first, d1, q1, mh, max_tokens, stop, in_prompt) -> "Slots":
         """Rows whose first token `first` [B] was just emitted by the prefill, with their first draft d1
-        [B] drawn from q1 [B, V] (`draft`), budgets max_tokens [B] (counting that token) and stop ids
-        stop [B, NS]; read slot 0."""
+        [B] drawn from q1 [B, V] (`draft`), budgets max_tokens [B] (counting that token), stop ids
+        stop [B, NS] and prompt ids in_prompt [B, V]; read slot 0."""
         remaining = max_tokens - 1
         return Slots(pending=first, d1=d1, mh=mh, remaining=remaining, stop=stop,
                      done=is_stop(first, stop) | (remaining <= 0), gdn_slot=jnp.zeros_like(first),
                      accept_ema=jnp.full(first.shape + (MAX_K,), adaptive_k.UNSEEN, jnp.float32), q1=q1,
-                     counts=first_counts(first, q1.shape[-1]))
+                     counts=first_counts(first, q1.shape[-1]), in_prompt=in_prompt)
 
 
 def first_counts(first: jax.Array, vocab: int) -> jax.Array:
@@ -246,12 +250,14 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
         hs, state = mtp.forward(cfg, params, state, drafts[-1][:, None], h[:, None], base + step - 1, live, kernels)
         h = hs[:, 0]
         # after d_1 .. d_step, counted only where a row has a penalty (penalize's lax.cond)
-        q.append(draft_logprobs(cfg, params, h, kernels, sampling, slots.counts, slots.stop, jnp.stack(drafts, axis=1)))
+        q.append(draft_logprobs(cfg, params, h, kernels, sampling, slots.counts, slots.stop, slots.in_prompt,
+                                jnp.stack(drafts, axis=1)))
         drafts.append(smp.gumbel_argmax(q[-1], smp.keys(sampling.seed, base + 1 + step, smp.DRAFT)))
     tokens = jnp.stack([slots.pending] + drafts, axis=1)  # [B, K+1]
     hidden, state = target.forward(cfg, params, state, tokens, live * (k + 1), kernels, gdn_slots=slots.gdn_slot)
     logits = target.logits_from_hidden(params, hidden, kernels)  # [B, K+1, V]
-    z = smp.penalize(tp.gather_vocab(logits), sampling, slots.counts, tokens[:, 1:], slots.stop)  # p_i after d_1 .. d_i
+    z = smp.penalize(tp.gather_vocab(logits), sampling, slots.counts, tokens[:, 1:], slots.stop,
+                     slots.in_prompt)  # p_i after d_1 .. d_i
     p = smp.logprobs(z, sampling)  # [B, K+1, V]
     if k:
         a, last = smp.speculative_accept(p, jnp.stack(q, axis=1), tokens[:, 1:], sampling.seed, base)
@@ -273,7 +279,7 @@ def _sampled_round(cfg: ModelConfig, kernels: KernelConfig, k: int, params: dict
     if k or refresh_mtp:
         mh_all, state = mtp.forward(cfg, params, state, jnp.maximum(emitted, 0), hidden, base, n_keep, kernels)
         mh = jnp.take_along_axis(mh_all, a[:, None, None], axis=1)[:, 0]
-        d1, q1 = draft(cfg, params, mh, kernels, sampling, base + a + 2, counts, slots.stop)
+        d1, q1 = draft(cfg, params, mh, kernels, sampling, base + a + 2, counts, slots.stop, slots.in_prompt)
     return emitted, a, state, dataclasses.replace(slots, pending=last, d1=d1, q1=q1, mh=mh, gdn_slot=read,
                                                   counts=counts), logits
 

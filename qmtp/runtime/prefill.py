@@ -42,7 +42,8 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
     MTP prefill over the shifted prompt (lag-1, MODEL_SPEC §4.2) for the first draft.
 
     max_tokens [B] >= 1, stop [B, NS]: the rows' budgets and stop ids; sampling: None (greedy) or the
-    rows' SamplingParams, from which the first token and the first draft are drawn. Returns (first token x_n [B],
+    rows' SamplingParams, from which the first token and the first draft are drawn (a repetition penalty
+    counts the ids of tokens as the prompts'). Returns (first token x_n [B],
     Slots.started for the rows, state); the state's GDN/conv rows are not in the ring. With top_logprobs
     N (0 .. MAX_TOP_LOGPROBS) a fourth result: the first token's TokenLogprobs [B, 1] with N alternatives.
 
@@ -101,7 +102,8 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
         hidden, state = _chunked(lambda st, tok, nv, _h, _off: target.forward(cfg, params, st, tok, nv, kernels),
                                  kernels.prefill_chunk, state, tokens, n_valid, None, width)
     logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [B, V]
-    first = choose(logits, sampling, start + n_valid, stop)  # the token at position n
+    in_prompt = smp.prompt_mask(tokens, n_valid, cfg.vocab_size)  # [B, V]
+    first = choose(logits, sampling, start + n_valid, stop, in_prompt)  # the token at position n
     if use_mtp:
         def mtp_pass(st, tok, nv, h, offset):  # a chunk's MTP positions start `offset` tokens into the prompt
             return mtp.forward(cfg, params, st, tok, h, start + jnp.minimum(offset, n_valid), nv, kernels)
@@ -110,11 +112,11 @@ def _prefill_batch(cfg, kernels, use_mtp, params, state: DecodeState, tokens, n_
                              n_valid, hidden, width)
         mh = target.last_valid(mh, n_valid)
         d1, q1 = draft(cfg, params, mh, kernels, sampling, start + n_valid + 1, first_counts(first, cfg.vocab_size),
-                       stop)
+                       stop, in_prompt)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
         q1 = unread_q(cfg, first.shape[0])
-    return (first, Slots.started(first, d1, q1, mh, max_tokens, stop), state,
+    return (first, Slots.started(first, d1, q1, mh, max_tokens, stop, in_prompt), state,
             first_logprobs(logits, first, sampling, top_logprobs))
 
 

@@ -1,15 +1,18 @@
 """Sampling and lossless speculative sampling, per row, as pure functions of logits and keys.
 
 Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k
-(0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off), a logit bias (up to
-MAX_LOGIT_BIAS ids), min_tokens (0: off) and a seed. The distribution a row samples from is HF
-transformers' order of processors on the logits z after the OpenAI API's adjustments: the bias b_v of id
-v, and penalties on the count c_v of v among the tokens the request generated before the position (not
-the prompt's); then, while fewer than min_tokens tokens precede the position (n = sum_v c_v < min_tokens),
-the row's stop ids get -inf (vLLM's min_tokens: the row cannot end there):
+(0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off), a repetition penalty
+r (1: off), a logit bias (up to MAX_LOGIT_BIAS ids), min_tokens (0: off) and a seed. The distribution a
+row samples from is HF transformers' order of processors on the logits z after the adjustments vLLM
+makes, in its order: the bias b_v of id v; the repetition penalty (HF's and vLLM's) on each id s_v of
+the prompt or generated before the position, which divides a positive logit by r and multiplies another
+by r; the OpenAI API's penalties on the count c_v of v among the tokens the request generated before the
+position (not the prompt's); then, while fewer than min_tokens tokens precede the position
+(n = sum_v c_v < min_tokens), the row's stop ids get -inf (vLLM's min_tokens: the row cannot end there):
 
-    z_v + b_v - frequency * c_v - presence * [c_v > 0]  (-inf at stop ids while n < min_tokens)
-        ->  z / T  ->  keep the top_k largest
+    y_v = z_v + b_v;  y_v -> y_v / r if y_v > 0 else y_v * r  where s_v  (in the prompt or c_v > 0)
+    y_v - frequency * c_v - presence * [c_v > 0]  (-inf at stop ids while n < min_tokens)
+        ->  / T  ->  keep the top_k largest
         ->  keep the smallest set of largest with mass >= top_p
         ->  keep those with probability >= min_p * the largest probability  ->  softmax
 
@@ -70,11 +73,12 @@ class SamplingParams:
     logit_bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32: the ids whose logit gets a bias (-1: unused)
     logit_bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32: added to those ids' logits
     min_tokens: jax.Array  # int32, 0 = off: the row's stop ids get -inf until it has generated this many tokens
+    repetition_penalty: jax.Array  # f32 > 0, 1 = off: divides (multiplies) the positive (other) logits of seen ids
 
     def adjusted(self) -> jax.Array:
         """[B] bool: the rows whose logits are adjusted (a penalty, a logit bias, min_tokens) before the
         processing."""
-        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
                 | jnp.any(self.logit_bias_ids >= 0, axis=-1) | (self.min_tokens > 0))
 
 
@@ -115,13 +119,14 @@ def keys(seed: jax.Array, position: jax.Array, purpose: int) -> jax.Array:
 
 
 def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None,
-             drafts: jax.Array | None = None, stop: jax.Array | None = None):
+             drafts: jax.Array | None = None, stop: jax.Array | None = None, in_prompt: jax.Array | None = None):
     """The adjusted logits f32 (module doc: logit bias, penalties, min_tokens), shaped as logits: [B, V] at
     one position after the ids counted in counts [B, V] int32 (None: nothing generated yet) and then drafts
     [B, n] where given, or [B, K+1, V] at the K+1 positions that follow counts and then drafts [B, K]
     (position i also counts d_1 .. d_i). stop [B, NS]: the rows' stop ids (negative entries: none) that
-    min_tokens holds back (None: none). A row without adjustments keeps its logits bit for bit (z + 0 -
-    0 * c - 0 = z); when no row has one nothing is counted (a lax.cond)."""
+    min_tokens holds back (None: none); in_prompt [B, V] bool: the ids of the rows' prompts, which the
+    repetition penalty counts as seen (None: none). A row without adjustments keeps its logits bit for bit
+    (z + 0 = z / 1 = z * 1 = z - 0 * c - 0); when no row has one nothing is counted (a lax.cond)."""
     z = logits.astype(F32)
 
     def apply(z):
@@ -136,7 +141,8 @@ def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None
             before = drafts.shape[1]
         else:
             before = jnp.arange(drafts.shape[1] + 1)
-        if counts is not None:  # c [B, V] / [B, K+1, V]: each id's count before the position
+        c = None  # [B, V] / [B, K+1, V]: each id's count before the position
+        if counts is not None:
             if drafts is None:
                 c = counts
             elif z.ndim == 2:
@@ -144,6 +150,13 @@ def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None
             else:
                 c = _position_counts(counts, drafts)
             c = c.astype(F32)
+        seen = None if in_prompt is None else per_id(in_prompt)  # the repetition penalty's ids
+        if c is not None:
+            seen = (c > 0) if seen is None else seen | (c > 0)
+        if seen is not None:
+            r = per_row(params.repetition_penalty)
+            z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
+        if c is not None:
             z = z - per_row(params.frequency_penalty) * c - per_row(params.presence_penalty) * (c > 0)
         if stop is None:
             return z
@@ -167,6 +180,13 @@ def _position_counts(counts: jax.Array, drafts: jax.Array) -> jax.Array:
     """[B, K+1, V]: counts [B, V], then at position i also d_1 .. d_i of drafts [B, K]."""
     ahead = jnp.cumsum(jax.nn.one_hot(drafts, counts.shape[-1], dtype=counts.dtype), axis=1)  # [B, K, V]
     return jnp.concatenate([counts[:, None], counts[:, None] + ahead], axis=1)
+
+
+def prompt_mask(tokens: jax.Array, n_valid: jax.Array, vocab: int) -> jax.Array:
+    """[B, vocab] bool: the ids among the first n_valid [B] of tokens [B, T] of each row (penalize's in_prompt)."""
+    b, t = tokens.shape
+    cols = jnp.where(jnp.arange(t)[None] < n_valid[:, None], tokens, vocab)  # past the vocabulary: dropped
+    return jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], cols].set(True, mode="drop")
 
 
 def count_tokens(counts: jax.Array, tokens: jax.Array, n: jax.Array) -> jax.Array:

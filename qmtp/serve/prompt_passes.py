@@ -278,7 +278,8 @@ class PassPrefill:
         copy_from[:len(pages)] = [ckpt.pages[i] for i in pages]
         copy_to[:len(pages)] = p.page_row[list(pages)]
         with e._watch("prefix cache: resume"):
-            e._device.resume(ckpt.gdn, slot, p.page_row, copy_from, copy_to, ckpt.hidden, p.handle.prompt_ids[b], b)
+            e._device.resume(ckpt.gdn, slot, p.page_row, copy_from, copy_to, ckpt.hidden, p.handle.prompt_ids[b],
+                             p.handle.prompt_ids[:b])
         p.resume = None
 
     def _checkpoint(self, slot: int, p: Pieces, hidden) -> None:

@@ -26,8 +26,9 @@ where one is named; the model writes the rest, so a call that does not parse com
 Tools without a tool-call parser are refused unless tool_choice is "none" (then the template still shows
 them and the text is returned as generated).
 Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed,
-presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice generated) and logit_bias
-({token id: -100 .. 100}, at most 300 ids; greedy takes the adjusted argmax); one of the first four left
+presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice generated), repetition_penalty
+(vLLM's: > 0, 1 = off, on the tokens of the prompt and of the choice) and logit_bias ({token id: -100 ..
+100}, at most 300 ids; greedy takes the adjusted argmax); one of the first four or repetition_penalty left
 out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's
 generation_config.json, else greedy and no cut); out-of-range values get a 400 naming them (the engine
 checks them). n (>= 1, at most --max_queue): n choices of one prompt, each a request of the engine
@@ -35,7 +36,7 @@ checks them). n (>= 1, at most --max_queue): n choices of one prompt, each a req
 ignore_eos (vLLM's): the default stop ids (the checkpoint's end-of-sequence ids) do not end the choice;
 its own stop_token_ids and stop strings still do. min_tokens (vLLM's, <= max_tokens): no stop id or stop
 string ends the choice before that many tokens (the stop ids get -inf until then). best_of absent or 1;
-echo, suffix, repetition_penalty other than 1 and a response_format other than text are refused. An option
+echo, suffix and a response_format other than text are refused. An option
 the server cannot honour is refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
@@ -67,7 +68,8 @@ from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
 from qmtp.serve import chat_template
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # a field no request or default sets
+# a field no request or default sets
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 class APIError(Exception):
@@ -100,10 +102,10 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    repetition_penalty: float | None = None
     user: str | None = None
     # options that would change the output, refused unless they leave it as it is (vLLM's extensions too)
     response_format: dict | None = None
-    repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
 
@@ -161,7 +163,7 @@ class Parsed:
     stop_token_ids: tuple[int, ...]
     stream: bool
     include_usage: bool
-    sampling: dict  # Engine.submit's temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty
+    sampling: dict  # Engine.submit's sampling arguments (temperature .. min_tokens)
     n: int = 1  # choices
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token
     tools: list[dict] | None = None  # chat: the request's tools (None: none given)
@@ -198,8 +200,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     _refuse(("response_format", (req.response_format or {}).get("type", "text") != "text",
-             "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)"),
-            ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"))
+             "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)"))
     if req.n is not None and not 1 <= req.n <= max_choices:
         raise APIError(400, f"n={req.n} must be in [1, {max_choices}] (each choice is a queued request: "
                        "--max_queue)", param="n", code="invalid_value")
@@ -213,7 +214,8 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop", code="invalid_value")
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p}
+    given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
+             "repetition_penalty": req.repetition_penalty}
     sampling = {name: value if value is not None else defaults.get(name, GREEDY[name]) for name, value in given.items()}
     sampling["seed"] = req.seed
     sampling["presence_penalty"] = req.presence_penalty or 0.0

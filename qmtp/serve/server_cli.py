@@ -92,7 +92,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("generation_config", "auto", ["auto", "none"], "auto: a request that leaves temperature, "
                       "top_p, top_k or min_p out gets the value of the checkpoint's generation_config.json, where it "
                       "sets do_sample: true (as transformers and vLLM; e.g. Qwen3's temperature 0.6, top_p 0.95, "
-                      "top_k 20); none: such a request decodes greedily.")
+                      "top_k 20), and one that leaves repetition_penalty out gets the file's; none: such a request "
+                      "decodes greedily without a repetition penalty.")
     flags.DEFINE_enum("reasoning_parser", "auto", ["auto", "qwen3", "none"], "Chat replies: qwen3 puts the text "
                       "between <think> and </think> in message.reasoning_content (streaming: delta.reasoning_content) "
                       "and the rest in content, as vLLM's and SGLang's qwen3 parser do; a reply whose prompt ends "

@@ -27,6 +27,7 @@ from qmtp.model.config import ModelConfig
 from qmtp.runtime import adaptive_k, loop, prefill, tp as tp_lib
 from qmtp.runtime.kernel_config import KernelConfig
 from qmtp.runtime.loop import Slots
+from qmtp.runtime import sampling as smp
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
 from qmtp.runtime.state import DecodeState, init_state
 
@@ -50,7 +51,7 @@ def _put_rows(state: DecodeState, slots: Slots, ids, conv, ssm, page_rows, lengt
         page_table=put(state.page_table, page_rows), lengths=put(state.lengths, lengths))
     return state, dataclasses.replace(slots, **{f: put(getattr(slots, f), getattr(new, f))
                                                 for f in ("pending", "d1", "q1", "mh", "remaining", "stop", "done",
-                                                          "accept_ema", "counts")})
+                                                          "accept_ema", "counts", "in_prompt")})
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "use_mtp"), donate_argnames=("state",))
@@ -102,18 +103,22 @@ def prefill_piece(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
                       ssm=tuple(map(resume, state.ssm)), page_table=page_rows, lengths=offsets)
     hidden, sub = target.forward(cfg, params, sub, tokens, n_valid, kernels)  # hidden [n, C, E]
     logits = target.logits_from_hidden(params, target.last_valid(hidden, n_valid), kernels)  # [n, V]
-    first = loop.choose(logits, sampling, offsets + n_valid, stop_rows)  # [n]
+    # [n, V]: the prompt's ids so far (the repetition penalty's); before this pass's, those its earlier passes
+    # or a resume (resume_prefix) left
+    in_prompt = (jnp.where((offsets > 0)[:, None], slots.in_prompt[rows], False)
+                 | smp.prompt_mask(tokens, n_valid, cfg.vocab_size))
+    first = loop.choose(logits, sampling, offsets + n_valid, stop_rows, in_prompt)  # [n]
     if use_mtp:
         at = (jnp.arange(n), jnp.maximum(n_valid - 1, 0))  # each row's last valid column
         shifted = next_tokens.at[at].set(jnp.where(last, first, next_tokens[at]))
         mh, sub = mtp.forward(cfg, params, sub, shifted, hidden, offsets, n_valid, kernels)
         mh = target.last_valid(mh, n_valid)  # [n, E]
         d1, q1 = loop.draft(cfg, params, mh, kernels, sampling, offsets + n_valid + 1,
-                            loop.first_counts(first, cfg.vocab_size), stop_rows)
+                            loop.first_counts(first, cfg.vocab_size), stop_rows, in_prompt)
     else:
         mh, d1 = jnp.zeros(hidden.shape[:1] + hidden.shape[2:], hidden.dtype), jnp.zeros_like(first)
         q1 = loop.unread_q(cfg, first.shape[0])
-    new = Slots.started(first, d1, q1, mh, max_tokens, stop_rows)
+    new = Slots.started(first, d1, q1, mh, max_tokens, stop_rows, in_prompt)
     new = dataclasses.replace(new, done=new.done | ~last)
     state = dataclasses.replace(state, kv=sub.kv, mtp_kv=sub.mtp_kv)
     lp = prefill.first_logprobs(logits, first, sampling, MAX_TOP_LOGPROBS)
@@ -132,14 +137,15 @@ def take_gdn_rows(state: DecodeState, slots: Slots, slot: jax.Array):
 def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict, state: DecodeState,
                   gdn_rows: tuple, slots: Slots, slot: jax.Array, page_row: jax.Array, copy_from: jax.Array,
                   copy_to: jax.Array, hidden: jax.Array, next_token: jax.Array, boundary: jax.Array,
-                  rewrite: jax.Array):
+                  rewrite: jax.Array, in_prompt: jax.Array):
     """Resumes slot `slot` (int32 []) at a prefix cache checkpoint of `boundary` tokens (qmtp/serve/
     prefix_cache.py): the checkpoint's GDN rows (take_gdn_rows') go to the slot's read slot; its KV pages
     copy_from [Pmax] are copied into the slot's own pages copy_to [Pmax] (entries past the pool: none;
     at least its last page, which holds position boundary - 1, the others where not shared); and with MTP
     and `rewrite` (bool []: a block checkpoint, not a response's end), the MTP KV at boundary - 1 is
     written again from the checkpoint's hidden h_{b-1} [1, E] and the request's own token there,
-    next_token (int32 []). The piece prefill then continues at `boundary`. Returns the state."""
+    next_token (int32 []). The piece prefill then continues at `boundary`. in_prompt [V] bool: the ids of
+    the request's first `boundary` tokens (Slots.in_prompt's row). Returns (the state, Slots.in_prompt)."""
     read = slots.gdn_slot[slot]
     put = lambda ring, row: ring.at[read, slot].set(row[0])  # noqa: E731
     copy = lambda pool: pool.at[copy_to].set(pool[jnp.minimum(copy_from, pool.shape[0] - 1)],  # noqa: E731
@@ -152,7 +158,7 @@ def resume_prefix(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params
         _, sub = mtp.forward(cfg, params, sub, next_token.reshape(1, 1), hidden[:, None], boundary[None] - 1,
                              rewrite.astype(jnp.int32)[None], kernels)  # n_valid 0 writes nothing
         state = dataclasses.replace(state, mtp_kv=sub.mtp_kv)
-    return (state,)
+    return state, slots.in_prompt.at[slot].set(in_prompt)
 
 
 class DeviceBatch:
@@ -231,15 +237,19 @@ class DeviceBatch:
         return sum(a.size * a.dtype.itemsize for a in s.kv.k + s.kv.v + s.mtp_kv.k + s.mtp_kv.v) // self.num_pages
 
     def resume(self, gdn_rows: tuple, slot: int, page_row, copy_from, copy_to, hidden, next_token: int,
-               boundary: int) -> None:
-        """resume_prefix; hidden None: a response's end (no MTP entry rewritten)."""
+               prefix_ids) -> None:
+        """resume_prefix at the end of prefix_ids (the request's first tokens); hidden None: a response's end
+        (no MTP entry rewritten)."""
         m = self.model
-        (self.state,) = self.call(
+        in_prompt = np.zeros(m.cfg.vocab_size, bool)  # [V]
+        in_prompt[np.asarray(prefix_ids, np.int64)] = True
+        self.state, seen = self.call(
             m, resume_prefix, (m.cfg, m.kernels, bool(self.k)),
             (m.params, self.state, gdn_rows, self.slots, np.int32(slot), page_row, copy_from, copy_to,
              self._no_hidden if hidden is None else hidden,
-             np.int32(next_token), np.int32(boundary), np.bool_(hidden is not None)),
-            ("params", "state", "gdn_rows") + ("rep",) * 9, ("state",))
+             np.int32(next_token), np.int32(len(prefix_ids)), np.bool_(hidden is not None), in_prompt),
+            ("params", "state", "gdn_rows") + ("rep",) * 10, ("state", "rep"))
+        self.slots = dataclasses.replace(self.slots, in_prompt=seen)
 
     def run(self, n: int, sampling=None, logprobs: bool = False, round_cost=None):
         """n MTP rounds (or plain steps) over all slots; sampling: every slot's SamplingParams (the loop's
