@@ -219,7 +219,8 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
     (json.dumps({"model": NAME, "prompt": "x", "logprobs": 21}).encode(), 400, "logprobs", "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "logprobs": True}).encode(), 400, "logprobs", "invalid_type"),
     (json.dumps({"model": NAME, "prompt": "x", "best_of": 2}).encode(), 400, "best_of", "unsupported_value"),
-    (json.dumps({"model": NAME, "prompt": ["a", "b"]}).encode(), 400, "prompt", "unsupported_value"),
+    (json.dumps({"model": NAME, "prompt": ["a", ""]}).encode(), 400, "prompt", "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": ["a"] * 33, "n": 2}).encode(), 400, "prompt", "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "response_format": {"type": "json_object"}}).encode(), 400,
      "response_format", "unsupported_value"),
     (json.dumps({"model": NAME, "prompt": "x", "repetition_penalty": 0}).encode(), 400, "repetition_penalty",
@@ -369,6 +370,23 @@ def _lp_reference(model, text, n_tokens, top):
     """qmtp.generate's tokens and logprobs (greedy, K = 2) for a text prompt."""
     result = qmtp.generate(model, [text], max_new_tokens=n_tokens, mtp_k=2, logprobs=top)
     return result.tokens[0], result.logprobs[0]
+
+
+def test_several_prompts_get_n_choices_each_in_prompt_order(model, mtp_server):
+    """A completion of two prompts with n = 2: choices 0, 1 are the first prompt's, 2, 3 the second's, each
+    qmtp.generate's tokens for its prompt (whole and streamed); usage counts each prompt once."""
+    c = client(mtp_server[1])
+    want = [qmtp.generate(model, [text], max_new_tokens=8).tokens[0] for text in TEXTS[:2]]
+    r = c.completions.create(model=NAME, prompt=TEXTS[:2], max_tokens=8, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.token_ids for ch in r.choices] == [want[0], want[0], want[1], want[1]]
+    assert r.usage.prompt_tokens == sum(len(encode(model, text)) for text in TEXTS[:2])
+    assert r.usage.completion_tokens == 4 * 8
+    got = {i: [] for i in range(4)}
+    for chunk in c.completions.create(model=NAME, prompt=TEXTS[:2], max_tokens=8, n=2, stream=True):
+        for ch in chunk.choices:
+            got[ch.index] += ch.model_extra["token_ids"]
+    assert list(got.values()) == [want[0], want[0], want[1], want[1]]
 
 
 def test_logprobs_in_both_routes_streamed_or_not(model, mtp_server):
@@ -848,7 +866,7 @@ def test_options_at_their_neutral_values_are_accepted():
     from qmtp.serve import protocol
     body = {"model": NAME, "prompt": "x", "response_format": {"type": "text"}, "repetition_penalty": 1.0,
             "min_tokens": 0, "ignore_eos": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
-    assert protocol.parse_completion(body, NAME, MAX_TOKENS_LIMIT, 4, {}).prompt == "x"
+    assert protocol.parse_completion(body, NAME, MAX_TOKENS_LIMIT, 4, {}).prompts == ["x"]
 
 
 def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path):

@@ -1,7 +1,7 @@
 """The OpenAI API subset the server speaks: request validation, error bodies, response and chunk shapes.
 
 Requests (JSON bodies; unknown fields are ignored):
-  /v1/completions       model, prompt (a string, token ids, or a one-element list of either),
+  /v1/completions       model, prompt (a string, token ids, or a list of either: several prompts),
                         max_tokens, stop, stop_token_ids (extension), stream, stream_options,
                         logprobs (0-20: each token's logprob and that many alternatives)
   /v1/chat/completions  model, messages [{role, content: string | [{type: "text", text}]}],
@@ -31,8 +31,10 @@ presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice genera
 100}, at most 300 ids; greedy takes the adjusted argmax); one of the first four or repetition_penalty left
 out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's
 generation_config.json, else greedy and no cut); out-of-range values get a 400 naming them (the engine
-checks them). n (>= 1, at most --max_queue): n choices of one prompt, each a request of the engine
-(seeded: choice i draws with seed + i), admitted together, so one batched prefill pass computes them.
+checks them). n (>= 1, at most --max_queue): n choices of each prompt, each a request of the engine
+(seeded: choice i of a prompt draws with seed + i), admitted together, so one batched prefill pass
+computes them; with several prompts (completions) the choices of prompt p are indexes p n .. p n + n - 1
+(as OpenAI's), at most --max_queue in all.
 ignore_eos (vLLM's): the default stop ids (the checkpoint's end-of-sequence ids) do not end the choice;
 its own stop_token_ids and stop strings still do. min_tokens (vLLM's, <= max_tokens): no stop id or stop
 string ends the choice before that many tokens (the stop ids get -inf until then). best_of absent or 1;
@@ -157,7 +159,7 @@ class ChatRequest(_Common):
 
 @dataclasses.dataclass
 class Parsed:
-    prompt: str | list[int]  # text (tokenized by the server) or token ids
+    prompts: list  # each text (tokenized by the server) or token ids: the completion's one or several, the chat's
     max_tokens: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
@@ -222,7 +224,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     sampling["frequency_penalty"] = req.frequency_penalty or 0.0
     sampling["logit_bias"] = _logit_bias(req.logit_bias)
     sampling["min_tokens"] = req.min_tokens or 0
-    return Parsed(None, max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
+    return Parsed([], max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
                   req.n or 1, ignore_eos=bool(req.ignore_eos))
 
 
@@ -252,17 +254,19 @@ def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: 
     parsed = _common(req, model_name, max_tokens_limit, req.max_tokens, max_choices, defaults)
     if req.logprobs is not None:
         parsed.top_logprobs = _check_top_logprobs(req.logprobs, "logprobs")
-    prompt = req.prompt
-    several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    several = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list))
+    prompts = list(req.prompt) if several else [req.prompt]
     _refuse(("echo", req.echo, "echo is not supported"),
             ("best_of", req.best_of not in (None, 1), f"best_of={req.best_of}: only 1 is supported"),
-            ("suffix", req.suffix, "suffix is not supported"),
-            ("prompt", several and len(prompt) != 1, f"{len(prompt)} prompts given: send one prompt per request"))
-    if several:
-        prompt = prompt[0]
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-    parsed.prompt = prompt
+            ("suffix", req.suffix, "suffix is not supported"))
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise APIError(400, f"prompt[{i}] is empty" if several else "the prompt is empty", param="prompt",
+                           code="invalid_value")
+    if len(prompts) * parsed.n > max_choices:
+        raise APIError(400, f"{len(prompts)} prompts x n={parsed.n} choices: at most {max_choices} in all (each "
+                       "choice is a queued request: --max_queue)", param="prompt", code="invalid_value")
+    parsed.prompts = prompts
     return parsed
 
 

@@ -1,5 +1,5 @@
-"""The HTTP reply of one OpenAI request (qmtp/serve/server.py): its n choices submitted to the engine as
-requests, their events gathered into one JSON body or streamed as server-sent events.
+"""The HTTP reply of one OpenAI request (qmtp/serve/server.py): its n choices of each prompt submitted to
+the engine as requests, their events gathered into one JSON body or streamed as server-sent events.
 
 A non-streamed request polls its client every DISCONNECT_POLL_S and cancels its choices when the client
 has gone (status 499); a choice that ends otherwise than by stop or length turns the reply into the
@@ -23,20 +23,23 @@ from qmtp.serve import chat_output, openai_logprobs, protocol as oai
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
-def submit(engine, parsed: oai.Parsed, ids, max_tokens: int, stop_ids, loop, events: asyncio.Queue) -> list:
-    """The request's n choices as engine requests (a seeded choice i draws with seed + i), their events
-    going to `events` as (i, event); admitted together (Engine.together); all or none: a refused one
-    cancels those before it."""
+def submit(engine, parsed: oai.Parsed, prompt_ids: list, max_tokens: list, stop_ids, loop,
+           events: asyncio.Queue) -> list:
+    """The request's n choices of each prompt (ids prompt_ids[p], max_tokens[p] tokens) as engine requests,
+    choice j of prompt p at index p n + j (a seeded one draws with seed + j), their events going to
+    `events` as (index, event); admitted together (Engine.together); all or none: a refused one cancels
+    those before it."""
     handles = []
     with engine.together():
         try:
-            for i in range(parsed.n):
-                sampling = dict(parsed.sampling)
-                if sampling["seed"] is not None:
-                    sampling["seed"] = (sampling["seed"] + i) % 2 ** 32
-                handles.append(engine.submit(ids, max_tokens, stop_ids, parsed.stop,
-                                             listener=to_loop(loop, events, i), logprobs=parsed.top_logprobs,
-                                             **sampling))
+            for ids, budget in zip(prompt_ids, max_tokens):
+                for j in range(parsed.n):
+                    sampling = dict(parsed.sampling)
+                    if sampling["seed"] is not None:
+                        sampling["seed"] = (sampling["seed"] + j) % 2 ** 32
+                    handles.append(engine.submit(ids, budget, stop_ids, parsed.stop,
+                                                 listener=to_loop(loop, events, len(handles)),
+                                                 logprobs=parsed.top_logprobs, **sampling))
         except BaseException:
             for handle in handles:
                 handle.cancel()
@@ -64,15 +67,17 @@ class Reply:
     tokenizer: object
     handles: list
     parsing: chat_output.ChatParsing | None = None  # chat: what each choice's text is parsed for (None: nothing)
+    n: int = 1  # choices per prompt: handles[p n .. p n + n - 1] are prompt p's
 
     @property
     def obj(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
     def usage(self) -> dict:
-        """The prompt once (the choices share it), the tokens of every choice."""
-        first = self.handles[0]
-        return oai.usage(len(first.prompt_ids), sum(len(h.tokens) for h in self.handles), first.prefix_hit_tokens)
+        """Each prompt once (its choices share it), the tokens of every choice."""
+        firsts = self.handles[::self.n]
+        return oai.usage(sum(len(h.prompt_ids) for h in firsts), sum(len(h.tokens) for h in self.handles),
+                         sum(h.prefix_hit_tokens for h in firsts))
 
     def logprobs(self, token_logprobs, text_offset: int = 0) -> dict | None:
         if token_logprobs is None:

@@ -167,17 +167,17 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             parsing = None  # chat: how each choice's text becomes a message (chat_output)
             if chat:
                 parsed, prompt = chat_prompt(body)
-                parsed.prompt = prompt
-                parsing = chat_output.for_request(reasoning_parser, tool_parser, parsed.prompt, parsed.tools,
+                parsing = chat_output.for_request(reasoning_parser, tool_parser, prompt, parsed.tools,
                                                   parsed.tool_choice, parsed.parallel_tool_calls,
                                                   parsed.tool_function)
-                parsed.prompt += parsing.prompt_suffix  # tool_choice "required": the reply opens a call
+                parsed.prompts = [prompt + parsing.prompt_suffix]  # tool_choice "required": the reply opens a call
             else:
                 parsed = oai.parse_completion(body, *limits)
-            ids = tokenize(parsed.prompt)
-            max_tokens = parsed.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, min(settings.default_max_tokens, engine.max_model_len - len(ids)))
+            prompt_ids = [tokenize(p) for p in parsed.prompts]
+            # each prompt's budget: the request's, or as much as its context leaves (up to the server's default)
+            max_tokens = [parsed.max_tokens if parsed.max_tokens is not None
+                          else max(1, min(settings.default_max_tokens, engine.max_model_len - len(ids)))
+                          for ids in prompt_ids]
             extra = parsed.stop_token_ids  # added to the default stop ids, or alone under ignore_eos
             if parsed.ignore_eos:
                 stop_ids = extra
@@ -185,7 +185,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
             events: asyncio.Queue = asyncio.Queue()  # (choice index, engine event)
             try:
-                handles = responses.submit(engine, parsed, ids, max_tokens, stop_ids, asyncio.get_running_loop(), events)
+                handles = responses.submit(engine, parsed, prompt_ids, max_tokens, stop_ids, asyncio.get_running_loop(),
+                                           events)
             except RequestError as e:
                 raise oai.APIError(400, str(e), param="messages" if chat and e.param == "prompt" else e.param,
                                    code=e.code) from None
@@ -200,7 +201,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         except EngineStopped as e:
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles, parsing)
+        reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles, parsing,
+                                parsed.n)
         if parsed.stream:
             return StreamingResponse(responses.stream(reply, events, parsed.include_usage),
                                      media_type="text/event-stream")
