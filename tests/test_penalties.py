@@ -167,8 +167,8 @@ def test_a_logit_bias_bans_or_forces_a_token(demo, k):
         logits = qmtp.target_logits(demo, prompt + out)
         assert out == [int(np.argmax(logits[len(prompt) - 1 + i] + np.where(np.arange(logits.shape[1]) == common,
                                                                               -100.0, 0.0))) for i in range(NEW)]
-    forced = qmtp.generate(demo, PROMPTS, max_new_tokens=8, stop_token_ids=[], mtp_k=k, logit_bias={7: 100.0})
-    assert forced.tokens == [[7] * 8] * len(PROMPTS)
+    forced = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=k, logit_bias={7: 100.0})
+    assert forced.tokens == [[7] * NEW] * len(PROMPTS)
 
 
 def test_min_tokens_holds_back_the_stop_ids_and_mtp_keeps_the_tokens(demo):
@@ -177,7 +177,7 @@ def test_min_tokens_holds_back_the_stop_ids_and_mtp_keeps_the_tokens(demo):
     min_tokens tokens, until the stop id after them. Sampled (MTP K = 3) too: no stop id before min_tokens
     tokens. (One stop id and NEW tokens, as the tests above: their compiled programs serve.)"""
     ids = api.encode(demo, PROMPTS)
-    stop = qmtp.generate(demo, PROMPTS[:1], max_new_tokens=NEW, stop_token_ids=[]).tokens[0][1]
+    stop = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[]).tokens[0][1]
     low = 8
 
     def run(**kw):
