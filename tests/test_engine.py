@@ -267,6 +267,16 @@ def test_text_stream_holds_back_partial_characters_and_stop_strings(model):
     assert "".join(held.push([t]) for t in ids) + held.finish() == text and not held.stopped
     past = TextStream(tok, ("bonac",), min_tokens=ends - 1)  # the stop string ends past those ids' text
     assert "".join(past.push([t]) for t in ids) == "def fi" and past.stopped
+    through = TextStream(tok, ("zzz", "bonac", "bo"), include_stop=True)  # the first to begin, then the shortest
+    assert "".join(through.push([t]) for t in ids) == "def fibo" and through.stopped
+    through = TextStream(tok, ("bonac",), include_stop=True)
+    assert "".join(through.push([t]) for t in ids) == through.text == "def fibonac" and through.finish() == ""
+    # special tokens: left out by default, kept when asked
+    special = [tok.token_to_id("<|im_start|>")] + ids[:4]
+    kept = TextStream(tok, skip_special_tokens=False)
+    assert "".join(kept.push([t]) for t in special) + kept.finish() == "<|im_start|>def fib"
+    plain = TextStream(tok)
+    assert "".join(plain.push([t]) for t in special) + plain.finish() == "def fib"
 
 
 def test_controlled_checkpoint_accepts_every_draft_and_metrics_show_it(tmp_path):

@@ -313,7 +313,8 @@ def test_tokenize_and_detokenize_give_the_ids_a_request_prefills(model, mtp_serv
 
 def test_ignore_eos_and_min_tokens_against_the_default_stop_ids(model):
     """A server whose default stop id is the second token of a prompt's reply: ignore_eos passes it (the
-    request's own stop ids still end the reply); min_tokens holds it back, and stop strings too."""
+    request's own stop ids still end the reply); min_tokens holds it back, and stop strings too. Also the
+    text's options: include_stop_str_in_output (through the stop string), skip_special_tokens false."""
     prompt, full = next((p, out) for p in TEXTS  # one whose first token has text of its own
                         for out in qmtp.generate(model, [encode(model, p)], max_new_tokens=6, stop_token_ids=[]).tokens
                         if model.tokenizer.decode(out[:1]).strip() and "\ufffd" not in model.tokenizer.decode(out[:1]))
@@ -338,6 +339,13 @@ def test_ignore_eos_and_min_tokens_against_the_default_stop_ids(model):
         assert cut.text == "" and cut.finish_reason == "stop"
         kept = create(stop=[first_text], extra_body={"ignore_eos": True, "min_tokens": 6})
         assert kept.token_ids == full and kept.finish_reason == "length"
+        through = create(stop=[first_text], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+        assert through.text == first_text and through.finish_reason == "stop"
+        special = model.tokenizer.token_to_id("<|im_end|>")  # forced by a logit bias
+        forced = dict(logit_bias={str(special): 100}, extra_body={"ignore_eos": True})
+        assert create(**forced).text == "" and create(**forced).token_ids == [special] * 6
+        forced["extra_body"]["skip_special_tokens"] = False
+        assert create(**forced).text == "<|im_end|>" * 6
     finally:
         assert server.stop(60)
 

@@ -171,7 +171,8 @@ class Engine:
                listener=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                seed: int | None = None, logprobs: int | None = None, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, logit_bias: dict | None = None, min_tokens: int = 0,
-               repetition_penalty: float = 1.0) -> RequestHandle:
+               repetition_penalty: float = 1.0, include_stop_str_in_output: bool = False,
+               skip_special_tokens: bool = True) -> RequestHandle:
         """Queues a completion of prompt_ids (token ids) for up to max_tokens tokens: greedy at temperature
         0, else sampled (qmtp.generate's parameters; seed None: a random one), after the logit bias, the
         repetition penalty and the presence and frequency penalties (qmtp.generate's); no stop id or stop string ends it before
@@ -179,7 +180,8 @@ class Engine:
         (qmtp.generate's), None: off.
 
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
-        tokenizer). Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
+        tokenizer), which end the text before them or, include_stop_str_in_output (vLLM's), after them;
+        skip_special_tokens (vLLM's, default True): the text leaves special tokens out. Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
         ids = self.limits.check(prompt_ids, max_tokens, stop_token_ids, stop)
         sampling = slot_sampling.check(temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
                                        logit_bias, self.model.cfg.vocab_size, min_tokens, repetition_penalty)
@@ -204,7 +206,7 @@ class Engine:
                 raise QueueFull(f"the request queue is full ({self.config.max_queue} waiting, --max_queue); "
                                 "retry later")
             handle = RequestHandle(self, self._next_id, ids, max_tokens, stop_ids, tuple(stop), listener, sampling,
-                                   logprobs)
+                                   logprobs, bool(include_stop_str_in_output), bool(skip_special_tokens))
             self._next_id += 1
             self._queue.append(handle)
             self.counters["submitted"] += 1
@@ -420,7 +422,8 @@ class Engine:
         self.counters["prompt_tokens"] += len(handle.prompt_ids)
         tokenizer = self.model.tokenizer
         min_tokens = int((handle.sampling or {}).get("min_tokens", 0))
-        stream = TextStream(tokenizer, handle.stop_strings, min_tokens) if tokenizer is not None else None
+        stream = (TextStream(tokenizer, handle.stop_strings, min_tokens, handle.include_stop_str,
+                             handle.skip_special_tokens) if tokenizer is not None else None)
         self._active[slot] = Active(handle, reservation, stream)
         pages = self.allocator.pages(reservation)
         page_row = np.zeros(self.pages_per_slot, np.int32)

@@ -37,7 +37,9 @@ computes them; with several prompts (completions) the choices of prompt p are in
 (as OpenAI's), at most --max_queue in all.
 ignore_eos (vLLM's): the default stop ids (the checkpoint's end-of-sequence ids) do not end the choice;
 its own stop_token_ids and stop strings still do. min_tokens (vLLM's, <= max_tokens): no stop id or stop
-string ends the choice before that many tokens (the stop ids get -inf until then). best_of absent or 1;
+string ends the choice before that many tokens (the stop ids get -inf until then).
+include_stop_str_in_output (vLLM's): the text goes on through the stop string that ends it;
+skip_special_tokens (vLLM's, default true): false keeps special tokens in the text. best_of absent or 1;
 echo, suffix and a response_format other than text are refused. An option
 the server cannot honour is refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
@@ -110,6 +112,8 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     response_format: dict | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class CompletionRequest(_Common):
@@ -173,6 +177,7 @@ class Parsed:
     tool_function: str | None = None  # chat: the function a named tool_choice calls
     parallel_tool_calls: bool = True  # chat: false keeps the first call only
     ignore_eos: bool = False  # the default stop ids do not end a choice (stop_token_ids and stop still do)
+    text: dict = dataclasses.field(default_factory=dict)  # Engine.submit's include_stop_str_in_output, skip_special_tokens
 
 
 def _validate(model_cls, body) -> Any:
@@ -224,8 +229,10 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     sampling["frequency_penalty"] = req.frequency_penalty or 0.0
     sampling["logit_bias"] = _logit_bias(req.logit_bias)
     sampling["min_tokens"] = req.min_tokens or 0
+    text = {"include_stop_str_in_output": bool(req.include_stop_str_in_output),
+            "skip_special_tokens": req.skip_special_tokens is not False}
     return Parsed([], max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
-                  req.n or 1, ignore_eos=bool(req.ignore_eos))
+                  req.n or 1, ignore_eos=bool(req.ignore_eos), text=text)
 
 
 def _logit_bias(bias: dict | None) -> dict[int, float] | None:

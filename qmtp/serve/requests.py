@@ -63,11 +63,13 @@ class RequestHandle:
 
     def __init__(self, engine, request_id: int, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...],
                  stop_strings: tuple[str, ...], listener=None, sampling: dict | None = None,
-                 top_logprobs: int | None = None):
+                 top_logprobs: int | None = None, include_stop_str: bool = False, skip_special_tokens: bool = True):
         self._engine, self.id, self._listener = engine, request_id, listener
         self.sampling = sampling  # None: greedy; else temperature, top_k, top_p, min_p, seed (an int)
         self.prompt_ids, self.max_tokens = prompt_ids, max_tokens
         self.stop_ids, self.stop_strings = stop_ids, stop_strings
+        self.include_stop_str = include_stop_str  # the text goes on through the stop string that ends it
+        self.skip_special_tokens = skip_special_tokens  # the text leaves special tokens out
         self.top_logprobs = top_logprobs  # None: no logprobs; else the alternatives per token (0 .. 20)
         self.tokens: list[int] = []
         self.logprobs: list | None = None if top_logprobs is None else []

@@ -39,7 +39,7 @@ def submit(engine, parsed: oai.Parsed, prompt_ids: list, max_tokens: list, stop_
                         sampling["seed"] = (sampling["seed"] + j) % 2 ** 32
                     handles.append(engine.submit(ids, budget, stop_ids, parsed.stop,
                                                  listener=to_loop(loop, events, len(handles)),
-                                                 logprobs=parsed.top_logprobs, **sampling))
+                                                 logprobs=parsed.top_logprobs, **sampling, **parsed.text))
         except BaseException:
             for handle in handles:
                 handle.cancel()
