@@ -397,6 +397,37 @@ def test_several_prompts_get_n_choices_each_in_prompt_order(model, mtp_server):
     assert list(got.values()) == [want[0], want[0], want[1], want[1]]
 
 
+def test_echo_returns_the_prompt_and_its_scores_before_the_choice(model, mtp_server):
+    """echo: the text begins with the prompt's; logprobs list the prompt's tokens first (the first with null
+    values, the others qmtp.score's), then the choice's (qmtp.generate's), with one run of text offsets;
+    streamed, the same. max_tokens 0 with echo: the prompt alone (a loglikelihood evaluation's request)."""
+    c = client(mtp_server[1])
+    ids = encode(model, TEXTS[0])
+    tokens, want = _lp_reference(model, TEXTS[0], 6, 3)
+    scored = qmtp.score(model, [ids], top_logprobs=3)[0]
+    text_of = lambda t: model.tokenizer.decode([t])  # noqa: E731
+    r = c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=6, logprobs=3, echo=True).choices[0]
+    assert r.text == TEXTS[0] + model.tokenizer.decode(tokens) and r.model_extra["token_ids"] == tokens
+    lp = r.logprobs
+    assert lp.tokens == [text_of(t) for t in ids + tokens]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], [s.logprob for s in scored] + [w.logprob for w in want],
+                               rtol=1e-5, atol=1e-5)
+    assert lp.top_logprobs[1] == pytest.approx({**{text_of(i): v for i, v in scored[0].top}, lp.tokens[1]:
+                                                scored[0].logprob})
+    assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
+    chunks = list(c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=6, logprobs=3, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.text
+    assert sum((ch.choices[0].logprobs.text_offset for ch in chunks if ch.choices[0].logprobs), []) == lp.text_offset
+    alone = c.completions.create(model=NAME, prompt=[ids], max_tokens=0, logprobs=1, echo=True)
+    assert alone.choices[0].text == TEXTS[0] and alone.choices[0].model_extra["token_ids"] == []
+    assert alone.choices[0].finish_reason == "length" and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.tokens == lp.tokens[:len(ids)]
+    np.testing.assert_allclose(alone.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:len(ids)])
+    bad = httpx.post(mtp_server[1] + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
 def test_logprobs_in_both_routes_streamed_or_not(model, mtp_server):
     """The OpenAI shapes of qmtp.generate's logprobs: completions (tokens, token_logprobs, top_logprobs with
     the chosen token, text_offset) and chat (content entries with bytes and top_logprobs), whole and

@@ -34,11 +34,15 @@ scheduling point) runs every program of the chosen prompt buckets and the loop f
 (qmtp/serve/warmup.py), one log line each; until it is done `warming` holds its progress and submit()
 refuses requests (WarmingUp). Any compile after it, a shape it did not cover, is logged with its
 seconds ("compiled while serving: ...", counted in counters["serving_compiles"]).
+
+Scoring (`score`: a prompt's tokens' log-probabilities, qmtp.score, for the server's echo) runs on the
+scheduler thread too, at the next scheduling point, on a state of its own beside the slots'.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import threading
@@ -47,7 +51,7 @@ import traceback
 
 import numpy as np
 
-from qmtp import api, sampling_args
+from qmtp import api, sampling_args, scoring
 from qmtp.runtime import adaptive_k, loop, ops
 from qmtp.runtime.paging import PageAllocator
 from qmtp.serve import compile_watch, slot_sampling
@@ -90,6 +94,7 @@ class Engine:
         self.extra = self.k + 1 if self.k else 0  # verify writes K+1 positions past the committed length
         self._cv = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._scores: collections.deque = collections.deque()  # (prompt ids, top_logprobs, Future) to score
         self._active: dict[int, Active] = {}
         self.passes = PassPrefill(self)  # prompts being prefilled pass by pass
         self._retire_mask = np.zeros(config.batch_slots, bool)
@@ -213,6 +218,43 @@ class Engine:
             self._cv.notify_all()
         return handle
 
+    def score(self, prompt_ids, top_logprobs: int) -> concurrent.futures.Future:
+        """Queues the scoring of prompt_ids (qmtp.score: each token's log-probability after the first, with
+        top_logprobs alternatives) for the next scheduling point; the Future's result is its TokenLogprobs.
+        Raises RequestError (a bad prompt or top_logprobs), EngineStopped or WarmingUp."""
+        ids = self.limits.check(prompt_ids, 1, None, ())
+        try:
+            sampling_args.check_logprobs(top_logprobs)
+        except ValueError as e:
+            raise RequestError(str(e), "logprobs") from None
+        future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping or self.failed:
+                raise EngineStopped(f"the engine is not accepting requests: {self.failed or 'shutting down'}")
+            if self.warming is not None:
+                raise WarmingUp("the server is warming up; retry when GET /health answers 200")
+            self._scores.append((ids, top_logprobs, future))
+            self._cv.notify_all()
+        return future
+
+    def _run_scores(self) -> None:
+        """Scores the queued prompts (or, shutting down, fails them)."""
+        while True:
+            with self._cv:
+                if not self._scores:
+                    return
+                ids, top, future = self._scores.popleft()
+                stopping = self._stopping
+            if stopping:
+                future.set_exception(EngineStopped(f"the engine is not accepting requests: {SHUTTING_DOWN}"))
+                continue
+            try:
+                with self._watch(f"scoring a prompt of {len(ids)} tokens"):
+                    future.set_result(scoring.score(self.model, [ids], top)[0])
+            except Exception as e:  # a device failure: the engine fails (_loop), and so does this request
+                future.set_exception(e)
+                raise
+
     @contextlib.contextmanager
     def together(self):
         """Holds admission while the caller submits several requests (a request's n choices), so that one
@@ -319,13 +361,15 @@ class Engine:
             self.failed = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             self._end_queue("error", self.failed)
+            while self._scores:
+                self._scores.popleft()[2].set_exception(EngineStopped(f"the engine failed: {self.failed}"))
             for slot in list(self._active):
                 self._release(slot, "error", error=self.failed)
 
     def _iteration(self) -> bool:
         """One scheduling point; False when the thread should exit."""
         with self._cv:
-            while not (self._queue or self._active or self._stopping or self._reload is not None):
+            while not (self._queue or self._active or self._scores or self._stopping or self._reload is not None):
                 self._cv.wait(IDLE_WAIT_S)
             expired = self._stopping and time.monotonic() >= self._deadline
             cancelled = [s for s, a in self._active.items() if a.handle.cancel_requested or expired]
@@ -335,6 +379,7 @@ class Engine:
         self._flush_retired()
         if self._reload is not None and not self._active:
             self._apply_reload()
+        self._run_scores()
         self._admit()
         if self.passes.pending:
             self.passes.run()

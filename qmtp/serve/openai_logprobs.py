@@ -33,6 +33,25 @@ def completion(tokenizer, logprobs: list, text_offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
+def prompt(tokenizer, prompt_ids: list[int], scored: list) -> dict:
+    """The completions object of a prompt's tokens (echo): the first's logprob and alternatives null (it has
+    none), then each scored one's (qmtp.score: tokens 1 .. T-1)."""
+    first = token_text(tokenizer, prompt_ids[0])
+    rest = completion(tokenizer, scored, len(first))
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+def joined(head: dict, tail: dict) -> dict:
+    """Two completions objects of consecutive tokens as one."""
+    return {key: head[key] + tail[key] for key in head}
+
+
+def text_length(obj: dict) -> int:
+    """Characters of a completions object's token texts (where the next token's text_offset starts)."""
+    return sum(map(len, obj["tokens"]))
+
+
 def chat(tokenizer, logprobs: list) -> dict:
     """The chat object for these tokens."""
     def entry(token: int, logprob: float) -> dict:

@@ -40,7 +40,10 @@ its own stop_token_ids and stop strings still do. min_tokens (vLLM's, <= max_tok
 string ends the choice before that many tokens (the stop ids get -inf until then).
 include_stop_str_in_output (vLLM's): the text goes on through the stop string that ends it;
 skip_special_tokens (vLLM's, default true): false keeps special tokens in the text. best_of absent or 1;
-echo, suffix and a response_format other than text are refused. An option
+suffix and a response_format other than text are refused. echo (completions): each choice's text begins
+with its prompt's, and its logprobs (where asked) with the prompt's tokens', the first with null values
+(qmtp.score's, computed on the engine's thread: the first prompt of a bucket compiles its program);
+max_tokens 0 with echo returns the prompt alone (as vLLM: loglikelihood evaluations). An option
 the server cannot honour is refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
@@ -178,6 +181,8 @@ class Parsed:
     parallel_tool_calls: bool = True  # chat: false keeps the first call only
     ignore_eos: bool = False  # the default stop ids do not end a choice (stop_token_ids and stop still do)
     text: dict = dataclasses.field(default_factory=dict)  # Engine.submit's include_stop_str_in_output, skip_special_tokens
+    echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs where asked)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone
 
 
 def _validate(model_cls, body) -> Any:
@@ -213,7 +218,8 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
                        "--max_queue)", param="n", code="invalid_value")
     if max_tokens is not None:
         if max_tokens < 1:
-            raise APIError(400, f"max_tokens={max_tokens} must be >= 1", param="max_tokens", code="invalid_value")
+            raise APIError(400, f"max_tokens={max_tokens} must be >= 1 (0 only with echo)", param="max_tokens",
+                           code="invalid_value")
         if max_tokens > max_tokens_limit:
             raise APIError(400, f"max_tokens={max_tokens} exceeds the server limit of {max_tokens_limit} "
                            "(--max_tokens_limit)", param="max_tokens", code="max_tokens_exceeded")
@@ -258,13 +264,14 @@ def _check_top_logprobs(n: int, param: str) -> int:
 
 def parse_completion(body, model_name: str, max_tokens_limit: int, max_choices: int, defaults: dict) -> Parsed:
     req = _validate(CompletionRequest, body)
-    parsed = _common(req, model_name, max_tokens_limit, req.max_tokens, max_choices, defaults)
+    echo_only = bool(req.echo) and req.max_tokens == 0  # the prompt alone: one token generated, then dropped
+    parsed = _common(req, model_name, max_tokens_limit, 1 if echo_only else req.max_tokens, max_choices, defaults)
+    parsed.echo, parsed.echo_only = bool(req.echo), echo_only
     if req.logprobs is not None:
         parsed.top_logprobs = _check_top_logprobs(req.logprobs, "logprobs")
     several = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list))
     prompts = list(req.prompt) if several else [req.prompt]
-    _refuse(("echo", req.echo, "echo is not supported"),
-            ("best_of", req.best_of not in (None, 1), f"best_of={req.best_of}: only 1 is supported"),
+    _refuse(("best_of", req.best_of not in (None, 1), f"best_of={req.best_of}: only 1 is supported"),
             ("suffix", req.suffix, "suffix is not supported"))
     for i, prompt in enumerate(prompts):
         if not prompt:

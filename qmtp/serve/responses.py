@@ -57,6 +57,15 @@ def to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
 
 
 @dataclasses.dataclass
+class Echo:
+    """A prompt as an echoing completion begins its choices with it: its text, and its tokens' logprobs
+    object (openai_logprobs.prompt; None: not asked)."""
+
+    text: str
+    logprobs: dict | None
+
+
+@dataclasses.dataclass
 class Reply:
     """What the response of one HTTP request is built from: its choices' engine requests."""
 
@@ -68,6 +77,8 @@ class Reply:
     handles: list
     parsing: chat_output.ChatParsing | None = None  # chat: what each choice's text is parsed for (None: nothing)
     n: int = 1  # choices per prompt: handles[p n .. p n + n - 1] are prompt p's
+    echoes: list[Echo] | None = None  # completions' echo: each prompt's
+    echo_only: bool = False  # echo with max_tokens 0: the choices are their prompts alone
 
     @property
     def obj(self) -> str:
@@ -76,8 +87,18 @@ class Reply:
     def usage(self) -> dict:
         """Each prompt once (its choices share it), the tokens of every choice."""
         firsts = self.handles[::self.n]
-        return oai.usage(sum(len(h.prompt_ids) for h in firsts), sum(len(h.tokens) for h in self.handles),
-                         sum(h.prefix_hit_tokens for h in firsts))
+        generated = 0 if self.echo_only else sum(len(h.tokens) for h in self.handles)
+        return oai.usage(sum(len(h.prompt_ids) for h in firsts), generated, sum(h.prefix_hit_tokens for h in firsts))
+
+    def echo(self, index: int) -> Echo | None:
+        """Choice `index`'s prompt, where the request echoes it."""
+        return None if self.echoes is None else self.echoes[index // self.n]
+
+    def completion_part(self, index: int, text: str, token_logprobs, text_offset: int = 0):
+        """(text, logprobs object) of choice `index`'s tokens: none of them for an echo alone."""
+        if self.echo_only:
+            return "", None
+        return text, self.logprobs(token_logprobs, text_offset)
 
     def logprobs(self, token_logprobs, text_offset: int = 0) -> dict | None:
         if token_logprobs is None:
@@ -124,11 +145,18 @@ async def complete(request, reply: Reply, events):
         return JSONResponse(body, status_code=status)
     choices = []
     for i, h in enumerate(reply.handles):
-        part, reason = {"text": h.text}, h.finish_reason
         if reply.chat:
             message, reason = (reply.parsing or chat_output.ChatParsing()).message(h.text, h.finish_reason)
-            part = {"message": message}
-        choices.append(oai.choice(i, part, list(h.tokens), reason, reply.logprobs(h.logprobs)))
+            choices.append(oai.choice(i, {"message": message}, list(h.tokens), reason, reply.logprobs(h.logprobs)))
+            continue
+        echo = reply.echo(i)
+        head = echo.logprobs if echo is not None else None
+        text, logprobs = reply.completion_part(i, h.text, h.logprobs, openai_logprobs.text_length(head) if head else 0)
+        if echo is not None:
+            text = echo.text + text
+            logprobs = head if logprobs is None else openai_logprobs.joined(head, logprobs)
+        tokens, reason = ([], "length") if reply.echo_only else (list(h.tokens), h.finish_reason)
+        choices.append(oai.choice(i, {"text": text}, tokens, reason, logprobs))
     return JSONResponse(oai.body(reply.rid, reply.obj, reply.model_name, reply.created, choices, reply.usage()))
 
 
@@ -147,6 +175,11 @@ async def stream(reply: Reply, events, include_usage: bool):
     try:
         for i in range(len(reply.handles) if reply.chat else 0):
             yield sse([oai.choice(i, {"delta": {"role": "assistant", "content": ""}}, [], None)])
+        for i in range(len(reply.handles) if reply.echoes is not None else 0):  # the prompts first
+            echo = reply.echo(i)
+            if echo.logprobs is not None:
+                offsets[i] = openai_logprobs.text_length(echo.logprobs)
+            yield sse([oai.choice(i, {"text": echo.text}, [], None, echo.logprobs)])
         unfinished = len(reply.handles)
         while unfinished:
             i, event = await events.get()
@@ -161,11 +194,13 @@ async def stream(reply: Reply, events, include_usage: bool):
                     delta = delta or ({} if reason else {"content": ""})
                 else:
                     delta = {"content": event.text} if event.text or not reason else {}
-                logprobs = reply.logprobs(event.logprobs, offsets[i])
+                text, logprobs = reply.completion_part(i, event.text, event.logprobs, offsets[i])
                 if logprobs is not None and not reply.chat:
-                    offsets[i] += sum(map(len, logprobs["tokens"]))
-                yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": event.text}, event.tokens, shown,
-                                      logprobs)])
+                    offsets[i] += openai_logprobs.text_length(logprobs)
+                tokens = event.tokens
+                if reply.echo_only:
+                    tokens, shown = [], reason and "length"
+                yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": text}, tokens, shown, logprobs)])
             if reason is None:
                 continue
             if reason not in ("stop", "length"):

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qmtp.serve import chat_output, metrics, protocol as oai, reasoning, responses, tool_calls
+from qmtp.serve import chat_output, metrics, openai_logprobs, protocol as oai, reasoning, responses, tool_calls
 from qmtp.serve.chat_template import ChatTemplate, ChatTemplateError
 from qmtp.serve.profiling import ProfileError, Profiler
 from qmtp.serve.requests import EngineStopped, QueueFull, RequestError, WarmingUp
@@ -112,6 +112,17 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                                param="prompt", code="invalid_value")
         return model.tokenizer.encode(prompt, add_special_tokens=False).ids
 
+    async def echo_of(prompt, ids: list[int], top_logprobs: int | None) -> responses.Echo:
+        """A prompt as an echoing completion shows it: its text (a token-id prompt's decoded, special tokens
+        kept), and with logprobs its tokens' (Engine.score, awaited)."""
+        text = prompt if isinstance(prompt, str) else (
+            model.tokenizer.decode(ids, skip_special_tokens=False) if model.tokenizer is not None
+            else "".join(openai_logprobs.token_text(None, t) for t in ids))
+        if top_logprobs is None:
+            return responses.Echo(text, None)
+        scored = await asyncio.wrap_future(engine.score(ids, top_logprobs))
+        return responses.Echo(text, openai_logprobs.prompt(model.tokenizer, ids, scored))
+
     async def json_body(request: Request):
         try:
             return json.loads(await request.body())
@@ -185,6 +196,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
             events: asyncio.Queue = asyncio.Queue()  # (choice index, engine event)
             try:
+                echoes = [await echo_of(p, ids, parsed.top_logprobs) for p, ids in zip(parsed.prompts, prompt_ids)
+                          ] if parsed.echo else None
                 handles = responses.submit(engine, parsed, prompt_ids, max_tokens, stop_ids, asyncio.get_running_loop(),
                                            events)
             except RequestError as e:
@@ -202,7 +215,7 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles, parsing,
-                                parsed.n)
+                                parsed.n, echoes, parsed.echo_only)
         if parsed.stream:
             return StreamingResponse(responses.stream(reply, events, parsed.include_usage),
                                      media_type="text/event-stream")
