@@ -31,7 +31,7 @@ import qmtp
 from qmtp.serve.chat_template import ChatTemplate
 from qmtp.serve.engine import Engine
 from qmtp.serve.server import create_app, Server, ServerSettings
-from serving_fixtures import assert_all_free, make_engine
+from serving_fixtures import MAX_LEN, assert_all_free, make_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-test"
@@ -426,6 +426,21 @@ def test_echo_returns_the_prompt_and_its_scores_before_the_choice(model, mtp_ser
     np.testing.assert_allclose(alone.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:len(ids)])
     bad = httpx.post(mtp_server[1] + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model, mtp_server):
+    """vLLM's truncate_prompt_tokens: k keeps the last k tokens (the reply is that prompt's); -1 keeps as many
+    as the context leaves beside max_tokens, so a prompt longer than the context is served."""
+    c = client(mtp_server[1])
+    ids = ID_PROMPTS[2] * 3
+    r = c.completions.create(model=NAME, prompt=ids, max_tokens=4, extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+    assert r.choices[0].model_extra["token_ids"] == qmtp.generate(model, [ids[-5:]], max_new_tokens=4).tokens[0]
+    long = (ids * MAX_LEN)[:MAX_LEN + 3]
+    r = c.completions.create(model=NAME, prompt=long, max_tokens=4, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == MAX_LEN - 4 and len(r.choices[0].model_extra["token_ids"]) == 4
+    bad = httpx.post(mtp_server[1] + "/v1/completions", json={"model": NAME, "prompt": "x", "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_logprobs_in_both_routes_streamed_or_not(model, mtp_server):

@@ -39,7 +39,9 @@ ignore_eos (vLLM's): the default stop ids (the checkpoint's end-of-sequence ids)
 its own stop_token_ids and stop strings still do. min_tokens (vLLM's, <= max_tokens): no stop id or stop
 string ends the choice before that many tokens (the stop ids get -inf until then).
 include_stop_str_in_output (vLLM's): the text goes on through the stop string that ends it;
-skip_special_tokens (vLLM's, default true): false keeps special tokens in the text. best_of absent or 1;
+skip_special_tokens (vLLM's, default true): false keeps special tokens in the text.
+truncate_prompt_tokens (vLLM's): the prompt's last k tokens only (-1: as many as --max_model_len leaves
+beside max_tokens, or beside one token). best_of absent or 1;
 suffix and a response_format other than text are refused. echo (completions): each choice's text begins
 with its prompt's, and its logprobs (where asked) with the prompt's tokens', the first with null values
 (qmtp.score's, computed on the engine's thread: the first prompt of a bucket compiles its program);
@@ -117,6 +119,7 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -181,6 +184,7 @@ class Parsed:
     parallel_tool_calls: bool = True  # chat: false keeps the first call only
     ignore_eos: bool = False  # the default stop ids do not end a choice (stop_token_ids and stop still do)
     text: dict = dataclasses.field(default_factory=dict)  # Engine.submit's include_stop_str_in_output, skip_special_tokens
+    truncate: int | None = None  # keep the prompt's last this many tokens (-1: as many as the context leaves)
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs where asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
 
@@ -226,6 +230,11 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop", code="invalid_value")
+    if req.truncate_prompt_tokens is not None and not (req.truncate_prompt_tokens >= 1
+                                                       or req.truncate_prompt_tokens == -1):
+        raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} must be >= 1 (the prompt's last "
+                       "tokens kept) or -1 (as many as the context leaves)", param="truncate_prompt_tokens",
+                       code="invalid_value")
     include_usage = bool((req.stream_options or {}).get("include_usage"))
     given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
              "repetition_penalty": req.repetition_penalty}
@@ -238,7 +247,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     text = {"include_stop_str_in_output": bool(req.include_stop_str_in_output),
             "skip_special_tokens": req.skip_special_tokens is not False}
     return Parsed([], max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
-                  req.n or 1, ignore_eos=bool(req.ignore_eos), text=text)
+                  req.n or 1, ignore_eos=bool(req.ignore_eos), text=text, truncate=req.truncate_prompt_tokens)
 
 
 def _logit_bias(bias: dict | None) -> dict[int, float] | None:

@@ -185,6 +185,9 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             else:
                 parsed = oai.parse_completion(body, *limits)
             prompt_ids = [tokenize(p) for p in parsed.prompts]
+            if parsed.truncate is not None:  # the last tokens (-1: those the context leaves room for)
+                keep = parsed.truncate if parsed.truncate > 0 else engine.max_model_len - (parsed.max_tokens or 1)
+                prompt_ids = [ids[-keep:] for ids in prompt_ids]
             # each prompt's budget: the request's, or as much as its context leaves (up to the server's default)
             max_tokens = [parsed.max_tokens if parsed.max_tokens is not None
                           else max(1, min(settings.default_max_tokens, engine.max_model_len - len(ids)))
@@ -196,8 +199,8 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
             events: asyncio.Queue = asyncio.Queue()  # (choice index, engine event)
             try:
-                echoes = [await echo_of(p, ids, parsed.top_logprobs) for p, ids in zip(parsed.prompts, prompt_ids)
-                          ] if parsed.echo else None
+                echoes = [await echo_of(p if parsed.truncate is None else ids, ids, parsed.top_logprobs)
+                          for p, ids in zip(parsed.prompts, prompt_ids)] if parsed.echo else None
                 handles = responses.submit(engine, parsed, prompt_ids, max_tokens, stop_ids, asyncio.get_running_loop(),
                                            events)
             except RequestError as e:
