@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmtp import api
+import qmtp.api as api  # not `from qmtp import api`: the package's __init__ imports this module
 from qmtp.model import target
 from qmtp.runtime import sampling as smp, tp as tp_lib
 from qmtp.sampling_args import check_logprobs
