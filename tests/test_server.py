@@ -439,7 +439,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model, mtp_server)
     long = (ids * MAX_LEN)[:MAX_LEN + 3]
     r = c.completions.create(model=NAME, prompt=long, max_tokens=4, extra_body={"truncate_prompt_tokens": -1})
     assert r.usage.prompt_tokens == MAX_LEN - 4 and len(r.choices[0].model_extra["token_ids"]) == 4
-    bad = httpx.post(mtp_server[1] + "/v1/completions", json={"model": NAME, "prompt": "x", "truncate_prompt_tokens": 0})
+    bad = httpx.post(mtp_server[1] + "/v1/completions",
+                     json={"model": NAME, "prompt": "x", "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
@@ -935,8 +936,8 @@ def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path
                                "repetition_penalty": 1.1}))
     defaults = sampling_defaults.from_checkpoint(str(tmp_path))
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
-    assert sampling_defaults.describe(defaults).startswith("sampling defaults from generation_config.json: "
-                                                           "temperature 0.6, top_p 0.95, top_k 20, repetition_penalty 1.1")
+    assert sampling_defaults.describe(defaults).startswith(
+        "sampling defaults from generation_config.json: temperature 0.6, top_p 0.95, top_k 20, repetition_penalty 1.1")
     limits = (NAME, MAX_TOKENS_LIMIT, 4, defaults)
     left_out = protocol.parse_completion({"model": NAME, "prompt": "x"}, *limits)
     no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_tokens": 0}

@@ -82,8 +82,9 @@ def draft_logprobs(cfg: ModelConfig, params: dict, h: jax.Array, kernels: Kernel
     """q: the processed log-probabilities [B, V] of an MTP draft from its hidden h [B, E], over the whole
     vocabulary (a draft vocabulary's other ids get probability 0), penalized as the target is after the
     ids counted in counts [B, V] and the drafts [B, n] before it, min_tokens holding back the stop ids
-    stop [B, NS], the prompts' ids in_prompt [B, V] (any q keeps speculative sampling exact; the target's adjustments make it likelier to
-    be accepted). Under TP every shard gathers the whole vocabulary and draws the same numbers."""
+    stop [B, NS], the prompts' ids in_prompt [B, V] (any q keeps speculative sampling exact; the target's
+    adjustments make it likelier to be accepted). Under TP every shard gathers the whole vocabulary and
+    draws the same numbers."""
     z = tp.gather_vocab(target.draft_logits(params, h, kernels))
     vocab = params.get("mtp", {}).get("draft_vocab")
     if vocab is not None:

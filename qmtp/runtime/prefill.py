@@ -43,8 +43,8 @@ def prefill(cfg: ModelConfig, kernels: KernelConfig, use_mtp: bool, params: dict
 
     max_tokens [B] >= 1, stop [B, NS]: the rows' budgets and stop ids; sampling: None (greedy) or the
     rows' SamplingParams, from which the first token and the first draft are drawn (a repetition penalty
-    counts the ids of tokens as the prompts'). Returns (first token x_n [B],
-    Slots.started for the rows, state); the state's GDN/conv rows are not in the ring. With top_logprobs
+    counts the ids of tokens as the prompts'). Returns (first token x_n [B], Slots.started for the rows,
+    state); the state's GDN/conv rows are not in the ring. With top_logprobs
     N (0 .. MAX_TOP_LOGPROBS) a fourth result: the first token's TokenLogprobs [B, 1] with N alternatives.
 
     kernels.deterministic: one prompt at a time (a loop over the rows, at every batch size, one

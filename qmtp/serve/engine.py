@@ -180,13 +180,14 @@ class Engine:
                skip_special_tokens: bool = True) -> RequestHandle:
         """Queues a completion of prompt_ids (token ids) for up to max_tokens tokens: greedy at temperature
         0, else sampled (qmtp.generate's parameters; seed None: a random one), after the logit bias, the
-        repetition penalty and the presence and frequency penalties (qmtp.generate's); no stop id or stop string ends it before
-        min_tokens tokens; logprobs N (0 .. 20): each token's log-probability and N alternatives
-        (qmtp.generate's), None: off.
+        repetition penalty and the presence and frequency penalties (qmtp.generate's); no stop id or stop
+        string ends it before min_tokens tokens; logprobs N (0 .. 20): each token's log-probability and N
+        alternatives (qmtp.generate's), None: off.
 
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
         tokenizer), which end the text before them or, include_stop_str_in_output (vLLM's), after them;
-        skip_special_tokens (vLLM's, default True): the text leaves special tokens out. Raises RequestError (never servable as given), QueueFull, or EngineStopped."""
+        skip_special_tokens (vLLM's, default True): the text leaves special tokens out. Raises RequestError
+        (never servable as given), QueueFull, or EngineStopped."""
         ids = self.limits.check(prompt_ids, max_tokens, stop_token_ids, stop)
         sampling = slot_sampling.check(temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
                                        logit_bias, self.model.cfg.vocab_size, min_tokens, repetition_penalty)

@@ -41,12 +41,13 @@ string ends the choice before that many tokens (the stop ids get -inf until then
 include_stop_str_in_output (vLLM's): the text goes on through the stop string that ends it;
 skip_special_tokens (vLLM's, default true): false keeps special tokens in the text.
 truncate_prompt_tokens (vLLM's): the prompt's last k tokens only (-1: as many as --max_model_len leaves
-beside max_tokens, or beside one token). best_of absent or 1;
-suffix and a response_format other than text are refused. echo (completions): each choice's text begins
-with its prompt's, and its logprobs (where asked) with the prompt's tokens', the first with null values
-(qmtp.score's, computed on the engine's thread: the first prompt of a bucket compiles its program);
-max_tokens 0 with echo returns the prompt alone (as vLLM: loglikelihood evaluations). An option
-the server cannot honour is refused rather than ignored: the client would believe it applied.
+beside max_tokens, or beside one token).
+echo (completions): each choice's text begins with its prompt's, and its logprobs (where asked) with the
+prompt's tokens', the first with null values (qmtp.score's, computed on the engine's thread: the first
+prompt of a bucket compiles its program); max_tokens 0 with echo returns the prompt alone (as vLLM:
+loglikelihood evaluations).
+best_of absent or 1; suffix and a response_format other than text are refused. An option the server
+cannot honour is refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
 when greedy), before top_k / top_p / min_p, as OpenAI reports them.
 
@@ -183,7 +184,8 @@ class Parsed:
     tool_function: str | None = None  # chat: the function a named tool_choice calls
     parallel_tool_calls: bool = True  # chat: false keeps the first call only
     ignore_eos: bool = False  # the default stop ids do not end a choice (stop_token_ids and stop still do)
-    text: dict = dataclasses.field(default_factory=dict)  # Engine.submit's include_stop_str_in_output, skip_special_tokens
+    # Engine.submit's include_stop_str_in_output and skip_special_tokens
+    text: dict = dataclasses.field(default_factory=dict)
     truncate: int | None = None  # keep the prompt's last this many tokens (-1: as many as the context leaves)
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs where asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone

@@ -94,8 +94,8 @@ class Reply:
         """Choice `index`'s prompt, where the request echoes it."""
         return None if self.echoes is None else self.echoes[index // self.n]
 
-    def completion_part(self, index: int, text: str, token_logprobs, text_offset: int = 0):
-        """(text, logprobs object) of choice `index`'s tokens: none of them for an echo alone."""
+    def completion_part(self, text: str, token_logprobs, text_offset: int = 0):
+        """(text, logprobs object) of a choice's generated tokens: none of them for an echo alone."""
         if self.echo_only:
             return "", None
         return text, self.logprobs(token_logprobs, text_offset)
@@ -151,7 +151,7 @@ async def complete(request, reply: Reply, events):
             continue
         echo = reply.echo(i)
         head = echo.logprobs if echo is not None else None
-        text, logprobs = reply.completion_part(i, h.text, h.logprobs, openai_logprobs.text_length(head) if head else 0)
+        text, logprobs = reply.completion_part(h.text, h.logprobs, openai_logprobs.text_length(head) if head else 0)
         if echo is not None:
             text = echo.text + text
             logprobs = head if logprobs is None else openai_logprobs.joined(head, logprobs)
@@ -194,7 +194,7 @@ async def stream(reply: Reply, events, include_usage: bool):
                     delta = delta or ({} if reason else {"content": ""})
                 else:
                     delta = {"content": event.text} if event.text or not reason else {}
-                text, logprobs = reply.completion_part(i, event.text, event.logprobs, offsets[i])
+                text, logprobs = reply.completion_part(event.text, event.logprobs, offsets[i])
                 if logprobs is not None and not reply.chat:
                     offsets[i] += openai_logprobs.text_length(logprobs)
                 tokens = event.tokens
