@@ -44,11 +44,11 @@ pytestmark = pytest.mark.usefixtures("single_threaded_cpu_blas")
 
 
 def serve(model, k, max_queue=64, start_engine=True, shutdown_timeout_s=30.0, profile_dir="", reasoning_parser="auto",
-          tool_call_parser="auto", **engine_kw):
+          tool_call_parser="auto", api_key="", **engine_kw):
     engine = make_engine(model, k, start=False, max_queue=max_queue, **engine_kw)
     settings = ServerSettings(NAME, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4,
                               shutdown_timeout_s=shutdown_timeout_s, profile_dir=profile_dir,
-                              reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+                              reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser, api_key=api_key)
     app = create_app(engine, settings, manage_engine=start_engine)
     server = Server(app, engine, port=0, shutdown_timeout_s=shutdown_timeout_s).start_in_thread()
     return server, f"http://127.0.0.1:{server.port}"
@@ -426,6 +426,20 @@ def test_echo_returns_the_prompt_and_its_scores_before_the_choice(model, mtp_ser
     np.testing.assert_allclose(alone.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:len(ids)])
     bad = httpx.post(mtp_server[1] + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_an_api_key_guards_every_route_but_health_and_metrics(model):
+    server, url = serve(model, 0, api_key="sesame")
+    try:
+        for headers in ({}, {"Authorization": "Bearer open"}, {"Authorization": "sesame"}):
+            for method, route in (("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/tokenize")):
+                r = getattr(httpx, method)(url + route, headers=headers, **({"json": {}} if method == "post" else {}))
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, route)
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=120)
+        assert [m.id for m in keyed.models.list().data] == [NAME]
+    finally:
+        assert server.stop(60)
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model, mtp_server):
@@ -845,7 +859,7 @@ def test_cli_serves_the_flagfile_and_exits_cleanly_on_sigterm(tmp_path):
     for flag in ("checkpoint", "mtp_k", "batch_slots", "rounds_per_call", "max_model_len", "max_tokens_limit",
                  "max_queue", "prefix_cache_bytes", "prefix_block", "host", "port", "tp",
                  "shutdown_timeout_s", "warmup_buckets", "warmup_threads", "num_layers", "reasoning_parser",
-                 "tool_call_parser"):
+                 "tool_call_parser", "api_key"):
         assert f"--{flag}" in h.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "qmtp.server", "--checkpoint=/nonexistent"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)

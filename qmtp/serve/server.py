@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import threading
 import time
@@ -40,6 +41,10 @@ class ServerSettings:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # what a request leaves out (sampling_defaults)
     reasoning_parser: str = "auto"  # reasoning.PARSERS or auto (reasoning.resolve)
     tool_call_parser: str = "auto"  # tool_calls.PARSERS or auto (tool_calls.resolve)
+    api_key: str = ""  # every route but OPEN_ROUTES needs "Authorization: Bearer <api_key>" ("": none)
+
+
+OPEN_ROUTES = ("/health", "/metrics")  # what a load balancer or a monitor reads without the API key
 
 
 def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
@@ -62,6 +67,17 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             await asyncio.to_thread(engine.stop, settings.shutdown_timeout_s)
 
     api = FastAPI(title="qmtp", lifespan=lifespan)
+
+    if settings.api_key:
+        expected = f"Bearer {settings.api_key}".encode()
+
+        @api.middleware("http")
+        async def authorize(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path in OPEN_ROUTES or hmac.compare_digest(given, expected):
+                return await call_next(request)
+            return JSONResponse(oai.error_body("a valid API key is needed: 'Authorization: Bearer <key>'",
+                                               "authentication_error", None, "invalid_api_key"), status_code=401)
 
     @api.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc):

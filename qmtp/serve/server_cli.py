@@ -30,6 +30,8 @@ from qmtp.serve.chat_template import ChatTemplate
 from qmtp.serve.server import Server, ServerSettings, create_app
 from qmtp.tools.make_checkpoint import PRESET_PREFIX, resolve_checkpoint
 
+API_KEY_ENV = "QMTP_API_KEY"  # --api_key's default
+
 FLAGS = flags.FLAGS
 
 
@@ -116,6 +118,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 8000, "TCP port.", lower_bound=0, upper_bound=65535)
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint "
                         "directory's name, or the preset name).")
+    flags.DEFINE_string("api_key", None, f"A key every request but GET /health and GET /metrics must carry as "
+                        f"'Authorization: Bearer KEY' (401 otherwise), as vLLM's --api-key; default: ${API_KEY_ENV} "
+                        "where set (keeps the key off the command line), else none: the server is open.")
     flags.DEFINE_float("shutdown_timeout_s", 30.0, "Seconds active requests get on SIGINT/SIGTERM.", lower_bound=0.0)
     flags.DEFINE_boolean("warmup", True, "Compile before serving: the programs of --warmup_buckets and the decode "
                          "loop, one log line each (seconds) and a total line; until then GET /health answers 503 "
@@ -187,8 +192,11 @@ def build(argv) -> tuple:
     tool_parser, why_tools = tool_calls.resolve(FLAGS.tool_call_parser, ChatTemplate.from_checkpoint(path).source)
     print(f"chat replies: reasoning parser {reasoning_parser} ({why_reasoning}), tool call parser {tool_parser} "
           f"({why_tools})", file=sys.stderr, flush=True)
+    api_key = FLAGS.api_key if FLAGS.api_key is not None else os.environ.get(API_KEY_ENV, "")
+    if api_key:
+        print("requests need the API key (Authorization: Bearer ...)", file=sys.stderr, flush=True)
     settings = ServerSettings(name, FLAGS.max_tokens_limit, FLAGS.default_max_tokens, FLAGS.shutdown_timeout_s,
-                              FLAGS.profile_dir, defaults, reasoning_parser, tool_parser)
+                              FLAGS.profile_dir, defaults, reasoning_parser, tool_parser, api_key)
     return model, engine, create_app(engine, settings)
 
 
