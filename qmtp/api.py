@@ -231,16 +231,16 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
              accept_cap=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | None = None, logprobs: int | None = None, warmup: bool = False,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-             min_tokens: int = 0, repetition_penalty: float = 1.0, progress=None,
+             min_tokens: int = 0, repetition_penalty: float = 1.0, allowed_token_ids=None, progress=None,
              compile_only: bool = False) -> GenerationResult | None:
-    """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at temperature 0,
-    else sampled from the processed distribution (qmtp/runtime/sampling.py: temperature, top_k, top_p,
-    min_p), after the OpenAI API's logit_bias ({token id: bias}, -100 .. 100), presence_penalty and
-    frequency_penalty on the ids the sequence generated so far, and repetition_penalty (HF's and vLLM's: > 0,
-    1 = off) on those of its prompt and the ones it generated (greedy too: the argmax of the adjusted
-    logits), with keys from (seed, position), so a seeded prompt gives the same tokens in any batch (seed
-    None: a random seed). logprobs N (0 .. 20; None: off): each token's log-probability under the target and
-    its N most likely alternatives (TokenLogprob), plain or MTP alike.
+    """Generation for a batch of prompts (text or token-id lists), loop on the device: greedy at temperature 0, else
+    sampled from the processed distribution (qmtp/runtime/sampling.py: temperature, top_k, top_p, min_p), after the
+    OpenAI API's logit_bias ({token id: bias}, -100 .. 100), presence_penalty and frequency_penalty on the ids the
+    sequence generated so far, and repetition_penalty (HF's and vLLM's: > 0, 1 = off) on those of its prompt and the
+    ones it generated (greedy too: the argmax of the adjusted logits); allowed_token_ids (vLLM's; up to 300 ids):
+    the only ids a sequence may produce. Keys come from (seed, position), so a seeded prompt gives the same tokens
+    in any batch (seed None: a random seed). logprobs N (0 .. 20; None: off): each token's log-probability under the
+    target and its N most likely alternatives (TokenLogprob), plain or MTP alike.
 
     mtp_k = 0: plain decoding; 1..4: MTP speculative decoding with K drafts per round (greedy: the same
     tokens; sampled: the same distribution, by speculative sampling); "auto": each round runs the K of
@@ -272,7 +272,7 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, stop_token_ids=Non
     batch = len(prompt_ids)
     ops.check_deterministic_rows(model.kernels, batch, mtp_k, "prompts x (mtp_k+1)")
     sampling = sampling_params(batch, temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
-                               logit_bias, model.cfg.vocab_size, min_tokens, repetition_penalty)
+                               logit_bias, model.cfg.vocab_size, min_tokens, repetition_penalty, allowed_token_ids)
     if min_tokens > max_new_tokens:  # an integer >= 0 by now
         raise ValueError(f"min_tokens={min_tokens} must be <= max_new_tokens={max_new_tokens}")
     stop = loop.stop_rows(model.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids, batch)

@@ -58,7 +58,8 @@ def define_deterministic_flag() -> None:
 
 def define_sampling_flags() -> None:
     """--temperature, --top_k, --top_p, --min_p, --seed, --presence_penalty, --frequency_penalty,
-    --repetition_penalty, --logit_bias, --min_tokens (qmtp.generate's sampling), for generate and bench."""
+    --repetition_penalty, --logit_bias, --allowed_token_ids, --min_tokens (qmtp.generate's sampling), for generate
+    and bench."""
     _define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 = greedy decoding. Sampling "
                  "applies, in this order, the temperature, --top_k, --top_p and --min_p; with MTP, speculative "
                  "sampling (the same distribution, not the same tokens).")
@@ -81,6 +82,8 @@ def define_sampling_flags() -> None:
     _define_once(flags.DEFINE_list, "logit_bias", [], "ID:BIAS,... added to those token ids' logits before the "
                  "penalties and the temperature (the OpenAI API's; -100 .. 100, up to 300 ids): -100 bans a token, "
                  "100 forces it.")
+    _define_once(flags.DEFINE_list, "allowed_token_ids", None, "ID,... : the only token ids a sequence may produce "
+                 "(vLLM's; up to 300): every other id's logit is -inf. --logit_bias applies to these.")
     _define_once(flags.DEFINE_integer, "min_tokens", 0, "No stop id ends a sequence before it has generated this "
                  "many tokens: until then the stop ids' logits are -inf (vLLM's; 0 = off).", lower_bound=0)
 
@@ -99,6 +102,10 @@ def sampling_from_flags(default_seed: int | None = None) -> dict:
         args["logit_bias"] = {int(token): float(bias) for token, bias in pairs} or None
     except ValueError:
         raise ValueError(f"--logit_bias={','.join(f.logit_bias)}: expected ID:BIAS,... (e.g. 151643:-100)") from None
+    try:
+        args["allowed_token_ids"] = None if f.allowed_token_ids is None else [int(t) for t in f.allowed_token_ids]
+    except ValueError:
+        raise ValueError(f"--allowed_token_ids={','.join(f.allowed_token_ids)}: expected ID,... (e.g. 16,17)") from None
     try:
         qmtp.sampling_params(1, **args)
     except ValueError as e:

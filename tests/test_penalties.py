@@ -28,9 +28,10 @@ PENALTIES = [dict(presence_penalty=2.0), dict(presence_penalty=-2.0), dict(prese
              dict(repetition_penalty=1.5), dict(repetition_penalty=0.7, presence_penalty=0.4)]
 
 
-def params(presence, frequency, bias=None, temperature=0.0, min_tokens=0, repetition=1.0) -> SamplingParams:
-    """Greedy rows with these penalties [B], logit biases (a {id: bias} per row; None: none), min_tokens and
-    repetition penalties."""
+def params(presence, frequency, bias=None, temperature=0.0, min_tokens=0, repetition=1.0,
+           only_listed=False) -> SamplingParams:
+    """Greedy rows with these penalties [B], logit biases (a {id: bias} per row; None: none), min_tokens,
+    repetition penalties and whether only the biased ids are allowed."""
     b = len(presence)
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))  # noqa: E731
     ids, values = zip(*(sampling_args.logit_bias_row(row) for row in (bias or [None] * b)))
@@ -38,7 +39,8 @@ def params(presence, frequency, bias=None, temperature=0.0, min_tokens=0, repeti
                           full(0.0, jnp.float32), jnp.arange(b, dtype=jnp.uint32), jnp.asarray(presence, jnp.float32),
                           jnp.asarray(frequency, jnp.float32), jnp.asarray(np.stack(ids)),
                           jnp.asarray(np.stack(values)), full(min_tokens, jnp.int32),
-                          jnp.broadcast_to(jnp.asarray(repetition, jnp.float32), (b,)))
+                          jnp.broadcast_to(jnp.asarray(repetition, jnp.float32), (b,)),
+                          jnp.broadcast_to(jnp.asarray(only_listed), (b,)))
 
 
 def np_penalized(z, generated, presence, frequency, repetition=1.0, prompt=()):
@@ -99,6 +101,18 @@ def test_the_repetition_penalty_counts_the_prompt_and_the_ids_before_each_positi
     np.testing.assert_allclose(first[1], np_penalized(z[1, 0], [], 0.0, 0.0, 0.6, prompts[1]), rtol=1e-6)
 
 
+def test_allowed_ids_leave_every_other_id_at_minus_infinity():
+    z = np.random.default_rng(4).standard_normal((2, 3, 9)).astype(np.float32)  # [B, K+1, V]
+    bias = {2: 0.0, 5: 1.5}  # allowed: 2 and 5, one biased
+    got = np.asarray(sampling.penalize(jnp.asarray(z), params([0.0, 0.0], [0.0, 0.0], [bias, bias],
+                                                              only_listed=[True, False]), None))
+    want = np.full_like(z[0], -np.inf)
+    want[:, 2], want[:, 5] = z[0, :, 2], z[0, :, 5] + 1.5
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(got[1], z[1] + np.where(np.arange(9) == 5, 1.5, 0.0).astype(np.float32))  # bias only
+    assert sampling_args.allowed_bias([5, 2, 5], {5: 1.5, 7: -3.0}) == {5: 1.5, 2: 0.0}  # 7: not allowed anyway
+
+
 def test_min_tokens_holds_back_the_stop_ids_at_each_position_before_it():
     rng = np.random.default_rng(2)
     b, k, v = 3, 3, 11
@@ -153,6 +167,19 @@ def test_greedy_with_penalties_is_the_penalized_argmax_and_mtp_keeps_it(demo, pe
     assert changed  # the penalties decide some tokens
     for k in (1, 3):
         assert qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=k, **penalty).tokens == plain
+
+
+def test_greedy_among_allowed_ids_is_their_argmax_and_mtp_keeps_it(demo):
+    ids = api.encode(demo, PROMPTS)
+    plain = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[]).tokens
+    allowed = sorted(set(plain[0][:3]) | {11, 200, 3000})  # some the model picks, some it would not
+    got = qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], allowed_token_ids=allowed).tokens
+    assert got != plain
+    for prompt, out in zip(ids, got):
+        logits = qmtp.target_logits(demo, prompt + out)
+        assert out == [allowed[int(np.argmax(logits[len(prompt) - 1 + i][allowed]))] for i in range(NEW)]
+    assert qmtp.generate(demo, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], mtp_k=3,
+                         allowed_token_ids=allowed).tokens == got
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -215,6 +242,10 @@ def test_out_of_range_adjustments_name_their_parameter():
         qmtp.sampling_params(1, logit_bias=dict.fromkeys(range(301), 1.0))
     with pytest.raises(ValueError, match=r"^min_tokens=-1 must be an integer >= 0"):
         qmtp.sampling_params(1, min_tokens=-1)
+    with pytest.raises(ValueError, match=r"^allowed_token_ids=0 ids: from 1 to 300"):
+        qmtp.sampling_params(1, allowed_token_ids=[])
+    with pytest.raises(ValueError, match=r"^allowed_token_ids=500: a token id must be an integer in \[0, 500\)"):
+        qmtp.sampling_params(1, allowed_token_ids=[3, 500], vocab_size=500)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=rf"^repetition_penalty={bad} must be > 0 \(1: off\)"):
             qmtp.sampling_params(1, repetition_penalty=bad)

@@ -28,9 +28,10 @@ def params(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, presenc
 
 
 def unadjusted(b):
-    """SamplingParams' last fields (logit bias, min_tokens, repetition penalty) of b rows without them."""
+    """SamplingParams' last fields (logit bias, min_tokens, repetition penalty, allowed ids) of b rows without
+    them."""
     return (jnp.full((b, sampling.MAX_LOGIT_BIAS), -1, jnp.int32), jnp.zeros((b, sampling.MAX_LOGIT_BIAS)),
-            jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32))
+            jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), bool))
 
 
 def np_processed(z, temperature, top_k, top_p, min_p):

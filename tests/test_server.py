@@ -228,6 +228,8 @@ def test_twenty_clients_times_64_requests_through_three_slots(model, mtp_server)
     (json.dumps({"model": NAME, "prompt": "x", "max_tokens": 3, "min_tokens": 4}).encode(), 400, "min_tokens",
      "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "min_tokens": -1}).encode(), 400, "min_tokens", "invalid_value"),
+    (json.dumps({"model": NAME, "prompt": "x", "allowed_token_ids": []}).encode(), 400, "allowed_token_ids",
+     "invalid_value"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop",
      "invalid_value"),
     (json.dumps({"model": NAME, "prompt": [1, 99999]}).encode(), 400, "prompt", "invalid_value"),
@@ -314,7 +316,8 @@ def test_tokenize_and_detokenize_give_the_ids_a_request_prefills(model, mtp_serv
 def test_ignore_eos_and_min_tokens_against_the_default_stop_ids(model):
     """A server whose default stop id is the second token of a prompt's reply: ignore_eos passes it (the
     request's own stop ids still end the reply); min_tokens holds it back, and stop strings too. Also the
-    text's options: include_stop_str_in_output (through the stop string), skip_special_tokens false."""
+    text's options: include_stop_str_in_output (through the stop string), skip_special_tokens false; and
+    allowed_token_ids."""
     prompt, full = next((p, out) for p in TEXTS  # one whose first token has text of its own
                         for out in qmtp.generate(model, [encode(model, p)], max_new_tokens=6, stop_token_ids=[]).tokens
                         if model.tokenizer.decode(out[:1]).strip() and "\ufffd" not in model.tokenizer.decode(out[:1]))
@@ -346,6 +349,8 @@ def test_ignore_eos_and_min_tokens_against_the_default_stop_ids(model):
         assert create(**forced).text == "" and create(**forced).token_ids == [special] * 6
         forced["extra_body"]["skip_special_tokens"] = False
         assert create(**forced).text == "<|im_end|>" * 6
+        allowed = [full[3], special]  # vLLM's allowed_token_ids: the reply draws on these only
+        assert set(create(extra_body={"ignore_eos": True, "allowed_token_ids": allowed}).token_ids) <= set(allowed)
     finally:
         assert server.stop(60)
 

@@ -2,9 +2,11 @@
 
 Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k
 (0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off), a repetition penalty
-r (1: off), a logit bias (up to MAX_LOGIT_BIAS ids), min_tokens (0: off) and a seed. The distribution a
-row samples from is HF transformers' order of processors on the logits z after the adjustments vLLM
-makes, in its order: the bias b_v of id v; the repetition penalty (HF's and vLLM's) on each id s_v of
+r (1: off), a logit bias (up to MAX_LOGIT_BIAS ids, which may also be the only ids allowed: vLLM's
+allowed_token_ids), min_tokens (0: off) and a seed. The distribution a row samples from is HF
+transformers' order of processors on the logits z after the adjustments vLLM makes, in its order: the
+bias b_v of id v (-inf at the ids a row that allows only its listed ones does not list); the repetition
+penalty (HF's and vLLM's) on each id s_v of
 the prompt or generated before the position, which divides a positive logit by r and multiplies another
 by r; the OpenAI API's penalties on the count c_v of v among the tokens the request generated before the
 position (not the prompt's); then, while fewer than min_tokens tokens precede the position
@@ -74,12 +76,13 @@ class SamplingParams:
     logit_bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32: added to those ids' logits
     min_tokens: jax.Array  # int32, 0 = off: the row's stop ids get -inf until it has generated this many tokens
     repetition_penalty: jax.Array  # f32 > 0, 1 = off: divides (multiplies) the positive (other) logits of seen ids
+    only_listed: jax.Array  # bool: the ids logit_bias_ids does not list get -inf (vLLM's allowed_token_ids)
 
     def adjusted(self) -> jax.Array:
-        """[B] bool: the rows whose logits are adjusted (a penalty, a logit bias, min_tokens) before the
-        processing."""
+        """[B] bool: the rows whose logits are adjusted (a penalty, a logit bias, min_tokens, allowed ids)
+        before the processing."""
         return ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
-                | jnp.any(self.logit_bias_ids >= 0, axis=-1) | (self.min_tokens > 0))
+                | jnp.any(self.logit_bias_ids >= 0, axis=-1) | (self.min_tokens > 0) | self.only_listed)
 
 
 @jax.tree_util.register_dataclass
@@ -134,6 +137,8 @@ def penalize(logits: jax.Array, params: SamplingParams, counts: jax.Array | None
         per_id = lambda x: x.reshape((b,) + (1,) * (z.ndim - 2) + (v,))  # noqa: E731  ([B, V] over z's positions)
         per_row = lambda x: x.reshape((b,) + (1,) * (z.ndim - 1))  # noqa: E731  ([B] over z's positions and ids)
         z = z + per_id(_by_id(params.logit_bias_ids, params.logit_bias, v))
+        listed = per_id(_by_id(params.logit_bias_ids, jnp.ones(params.logit_bias_ids.shape, jnp.int32), v) > 0)
+        z = jnp.where(per_row(params.only_listed) & ~listed, -jnp.inf, z)
         # the drafts before each position: all n of them, or d_1 .. d_i at verify position i
         if drafts is None:
             before = 0

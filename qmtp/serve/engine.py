@@ -176,12 +176,12 @@ class Engine:
                listener=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                seed: int | None = None, logprobs: int | None = None, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, logit_bias: dict | None = None, min_tokens: int = 0,
-               repetition_penalty: float = 1.0, include_stop_str_in_output: bool = False,
+               repetition_penalty: float = 1.0, allowed_token_ids=None, include_stop_str_in_output: bool = False,
                skip_special_tokens: bool = True) -> RequestHandle:
         """Queues a completion of prompt_ids (token ids) for up to max_tokens tokens: greedy at temperature
         0, else sampled (qmtp.generate's parameters; seed None: a random one), after the logit bias, the
-        repetition penalty and the presence and frequency penalties (qmtp.generate's); no stop id or stop
-        string ends it before min_tokens tokens; logprobs N (0 .. 20): each token's log-probability and N
+        repetition penalty and the presence and frequency penalties, among allowed_token_ids where given
+        (qmtp.generate's); no stop id or stop string ends it before min_tokens tokens; logprobs N (0 .. 20): each token's log-probability and N
         alternatives (qmtp.generate's), None: off.
 
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
@@ -190,7 +190,8 @@ class Engine:
         (never servable as given), QueueFull, or EngineStopped."""
         ids = self.limits.check(prompt_ids, max_tokens, stop_token_ids, stop)
         sampling = slot_sampling.check(temperature, top_k, top_p, min_p, seed, presence_penalty, frequency_penalty,
-                                       logit_bias, self.model.cfg.vocab_size, min_tokens, repetition_penalty)
+                                       logit_bias, self.model.cfg.vocab_size, min_tokens, repetition_penalty,
+                                       allowed_token_ids)
         if min_tokens > max_tokens:
             raise RequestError(f"min_tokens={min_tokens} must be <= max_tokens={max_tokens}", "min_tokens")
         try:

@@ -28,7 +28,8 @@ them and the text is returned as generated).
 Sampling: temperature (0: greedy), top_p, top_k and min_p (extensions, as vLLM's), seed,
 presence_penalty and frequency_penalty (-2 .. 2, on the tokens the choice generated), repetition_penalty
 (vLLM's: > 0, 1 = off, on the tokens of the prompt and of the choice) and logit_bias ({token id: -100 ..
-100}, at most 300 ids; greedy takes the adjusted argmax); one of the first four or repetition_penalty left
+100}, at most 300 ids; greedy takes the adjusted argmax), allowed_token_ids (vLLM's: the only ids the choice
+may produce, at most 300); one of the first four or repetition_penalty left
 out takes the server's default (qmtp/serve/sampling_defaults.py: the checkpoint's
 generation_config.json, else greedy and no cut); out-of-range values get a 400 naming them (the engine
 checks them). n (>= 1, at most --max_queue): n choices of each prompt, each a request of the engine
@@ -113,6 +114,7 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     frequency_penalty: float | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
     user: str | None = None
     # options that would change the output, refused unless they leave it as it is (vLLM's extensions too)
     response_format: dict | None = None
@@ -246,6 +248,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     sampling["frequency_penalty"] = req.frequency_penalty or 0.0
     sampling["logit_bias"] = _logit_bias(req.logit_bias)
     sampling["min_tokens"] = req.min_tokens or 0
+    sampling["allowed_token_ids"] = req.allowed_token_ids
     text = {"include_stop_str_in_output": bool(req.include_stop_str_in_output),
             "skip_special_tokens": req.skip_special_tokens is not False}
     return Parsed([], max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,

@@ -15,21 +15,22 @@ from qmtp.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams
 from qmtp.serve.requests import RequestError
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "presence_penalty": 0.0,
-          "frequency_penalty": 0.0, "logit_bias_ids": -1, "logit_bias": 0.0, "min_tokens": 0, "repetition_penalty": 1.0}
+          "frequency_penalty": 0.0, "logit_bias_ids": -1, "logit_bias": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,
+          "only_listed": False}
 DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "seed": np.uint32,
           "presence_penalty": np.float32, "frequency_penalty": np.float32, "logit_bias_ids": np.int32,
-          "logit_bias": np.float32, "min_tokens": np.int32, "repetition_penalty": np.float32}
+          "logit_bias": np.float32, "min_tokens": np.int32, "repetition_penalty": np.float32, "only_listed": bool}
 ROW_SHAPES = {"logit_bias_ids": (MAX_LOGIT_BIAS,), "logit_bias": (MAX_LOGIT_BIAS,)}  # a slot's [n] (others: a scalar)
 
 
 def check(temperature, top_k, top_p, min_p, seed, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None,
-          vocab_size=None, min_tokens=0, repetition_penalty=1.0) -> dict | None:
+          vocab_size=None, min_tokens=0, repetition_penalty=1.0, allowed_token_ids=None) -> dict | None:
     """A request's sampling parameters (None: greedy without penalties, logit bias or min_tokens; seed None:
     a random one), or RequestError naming the one out of range."""
     try:
         params = sampling_args.sampling_params(1, temperature, top_k, top_p, min_p, seed, presence_penalty,
                                                frequency_penalty, logit_bias, vocab_size, min_tokens,
-                                               repetition_penalty)
+                                               repetition_penalty, allowed_token_ids)
     except ValueError as e:
         raise RequestError(str(e), str(e).split("=")[0]) from None
     if params is None:
@@ -66,7 +67,8 @@ class SlotSampling:
 
 
 def _needs_params(cols: dict, rows):
-    """[n] bool: the rows that sample, have a penalty (repetition too), a logit bias or min_tokens."""
+    """[n] bool: the rows that sample, have a penalty (repetition too), a logit bias, min_tokens or allowed ids."""
     return ((cols["temperature"][rows] > 0) | (cols["presence_penalty"][rows] != 0)
             | (cols["frequency_penalty"][rows] != 0) | (cols["repetition_penalty"][rows] != 1)
-            | np.any(cols["logit_bias_ids"][rows] >= 0, axis=-1) | (cols["min_tokens"][rows] > 0))
+            | np.any(cols["logit_bias_ids"][rows] >= 0, axis=-1) | (cols["min_tokens"][rows] > 0)
+            | cols["only_listed"][rows])
