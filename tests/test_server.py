@@ -447,6 +447,26 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(model):
         assert server.stop(60)
 
 
+def test_continue_final_message_ends_the_prompt_inside_the_final_message(model, mtp_server):
+    """vLLM's continue_final_message: the prompt (as /tokenize gives it) ends with the final message's text, its
+    end-of-turn not written; add_generation_prompt at the top level is the template's variable."""
+    url = mtp_server[1]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    head = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+
+    def tokens(**kw):
+        return httpx.post(url + "/tokenize", json={"model": NAME, **kw})
+
+    begun = chat + [{"role": "assistant", "content": "The answer"}]
+    got = tokens(messages=begun, continue_final_message=True).json()["tokens"]
+    assert got == encode(model, head + "<|im_start|>assistant\nThe answer")
+    assert tokens(messages=chat, add_generation_prompt=False).json()["tokens"] == encode(model, head)
+    both = tokens(messages=begun, continue_final_message=True, add_generation_prompt=True)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    empty = tokens(messages=chat + [{"role": "assistant", "content": ""}], continue_final_message=True)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model, mtp_server):
     """vLLM's truncate_prompt_tokens: k keeps the last k tokens (the reply is that prompt's); -1 keeps as many
     as the context leaves beside max_tokens, so a prompt longer than the context is served."""

@@ -68,19 +68,30 @@ class ChatTemplate:
         tokens = [t.get("content") if isinstance(t, dict) else t for t in map(config.get, ("bos_token", "eos_token"))]
         return cls(source, *tokens, origin=path) if source else cls(DEFAULT_TEMPLATE, *tokens)
 
-    def render(self, messages: list[dict], variables: dict | None = None, tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], variables: dict | None = None, tools: list[dict] | None = None,
+               continue_final: bool = False) -> str:
         """The prompt text; variables: a request's own template variables (chat_template_kwargs), which may
         replace the defaults (add_generation_prompt, bos_token, eos_token) but not RESERVED; tools: the
-        request's tools ([{type: "function", function: {...}}], None: none)."""
+        request's tools ([{type: "function", function: {...}}], None: none). continue_final (vLLM's
+        continue_final_message): the text is cut after the final message's content, where the template
+        writes it last, so the reply continues that message (its end-of-turn is not written)."""
         check_variables(variables or {})
         context = dict(add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         context.update(variables or {})
         try:
-            return self._template.render(messages=messages, tools=tools or None, **context)
+            text = self._template.render(messages=messages, tools=tools or None, **context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}) failed: {e}") from None
+        if not continue_final:
+            return text
+        final = messages[-1].get("content") or ""
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise ChatTemplateError("continue_final_message: the final message needs text that the chat template "
+                                    "writes out")
+        return text[:at + len(final)]
 
 
 def check_variables(variables: dict) -> None:

@@ -8,7 +8,9 @@ Requests (JSON bodies; unknown fields are ignored):
                         max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options,
                         logprobs (true/false), top_logprobs (0-20, with logprobs true),
                         chat_template_kwargs (extension, as vLLM's: the chat template's own variables,
-                        e.g. {"enable_thinking": false} for Qwen3's),
+                        e.g. {"enable_thinking": false} for Qwen3's), add_generation_prompt and
+                        continue_final_message (vLLM's: the reply continues the final message, e.g. an
+                        assistant turn begun by the client),
                         tools [{type: "function", function: {name, description, parameters}}] (given
                         to the template as its `tools`; function.strict is accepted, not enforced),
                         tool_choice ("auto", the default, "none", "required" or {type: "function",
@@ -168,6 +170,8 @@ class ChatRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: pydantic.StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None  # vLLM's: the template's variable (default true)
+    continue_final_message: bool | None = None  # vLLM's: the reply continues the final message
 
 
 @dataclasses.dataclass
@@ -191,6 +195,7 @@ class Parsed:
     truncate: int | None = None  # keep the prompt's last this many tokens (-1: as many as the context leaves)
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs where asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
+    continue_final: bool = False  # chat: the prompt ends inside the final message (chat_template.render's)
 
 
 def _validate(model_cls, body) -> Any:
@@ -327,7 +332,16 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, d
         raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
     if not req.messages:
         raise APIError(400, "messages is empty", param="messages", code="invalid_value")
-    return parsed, [_template_message(i, m) for i, m in enumerate(req.messages)], req.chat_template_kwargs or {}
+    variables = dict(req.chat_template_kwargs or {})
+    if req.add_generation_prompt is not None:
+        variables.setdefault("add_generation_prompt", req.add_generation_prompt)
+    if req.continue_final_message:
+        if variables.get("add_generation_prompt"):
+            raise _invalid("continue_final_message", "cannot be true with add_generation_prompt true (the reply "
+                           "either continues the final message or starts a new one)")
+        variables["add_generation_prompt"] = False
+        parsed.continue_final = True
+    return parsed, [_template_message(i, m) for i, m in enumerate(req.messages)], variables
 
 
 def _invalid(param: str, problem: str) -> APIError:

@@ -149,7 +149,7 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         """(Parsed, the chat template's prompt) of a chat request's body."""
         parsed, messages, variables = oai.parse_chat(body, *limits, tool_parser=tool_parser)
         try:
-            return parsed, template.render(messages, variables, parsed.tools)
+            return parsed, template.render(messages, variables, parsed.tools, parsed.continue_final)
         except ChatTemplateError as e:
             raise oai.APIError(400, str(e), param="messages", code="invalid_value") from None
 
