@@ -247,6 +247,23 @@ def test_an_idle_engine_wakes_up_for_a_new_request(model):
     assert engine.stop(5)
 
 
+def test_scoring_runs_on_the_engine_thread_and_a_shutdown_fails_what_waits(model):
+    """Engine.score gives qmtp.score's values; one queued when the engine shuts down fails (no caller waits
+    forever), and a stopping engine refuses more."""
+    idle = make_engine(model, 0, start=False)  # its thread never runs: the scoring waits
+    waiting = idle.score(PROMPTS[1], 2)
+    idle.shutdown(1)
+    with pytest.raises(EngineStopped):
+        waiting.result(5)
+    with pytest.raises(EngineStopped):
+        idle.score(PROMPTS[1], 2)
+    engine = make_engine(model, 0)
+    with pytest.raises(RequestError, match="logprobs=21"):
+        engine.score(PROMPTS[1], 21)
+    assert engine.score(PROMPTS[1], 2).result(300) == qmtp.score(model, [PROMPTS[1]], top_logprobs=2)[0]
+    assert engine.stop(10)
+
+
 def test_text_stream_holds_back_partial_characters_and_stop_strings(model):
     from qmtp.serve.textstream import TextStream
     tok = model.tokenizer

@@ -240,16 +240,12 @@ class Engine:
         return future
 
     def _run_scores(self) -> None:
-        """Scores the queued prompts (or, shutting down, fails them)."""
+        """Scores the queued prompts."""
         while True:
             with self._cv:
                 if not self._scores:
                     return
                 ids, top, future = self._scores.popleft()
-                stopping = self._stopping
-            if stopping:
-                future.set_exception(EngineStopped(f"the engine is not accepting requests: {SHUTTING_DOWN}"))
-                continue
             try:
                 with self._watch(f"scoring a prompt of {len(ids)} tokens"):
                     future.set_result(scoring.score(self.model, [ids], top)[0])
@@ -363,8 +359,6 @@ class Engine:
             self.failed = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             self._end_queue("error", self.failed)
-            while self._scores:
-                self._scores.popleft()[2].set_exception(EngineStopped(f"the engine failed: {self.failed}"))
             for slot in list(self._active):
                 self._release(slot, "error", error=self.failed)
 
@@ -393,14 +387,18 @@ class Engine:
         return True
 
     def _end_queue(self, reason: str, error: str) -> None:
-        """Stops admission and finishes every queued request (outside the lock: listeners never run under it)."""
+        """Stops admission and finishes every queued request and scoring (outside the lock: listeners never run
+        under it)."""
         with self._cv:
             self._stopping = True
-            queued = list(self._queue)
+            queued, scores = list(self._queue), list(self._scores)
             self._queue.clear()
+            self._scores.clear()
             self._cv.notify_all()
         for handle in queued:
             self._finish(handle, reason, error)
+        for _, _, future in scores:
+            future.set_exception(EngineStopped(error))
 
     def _apply_reload(self) -> None:
         """Swaps the model (no request is active); queued requests the new limits refuse end in "error"."""
