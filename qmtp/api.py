@@ -75,6 +75,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]]  # (id, logprob), most likely first; as many as asked
+    rank: int | None = None  # the token's place among all ids, 1 = the most likely (qmtp.score gives it)
 
 
 @dataclasses.dataclass

@@ -29,8 +29,8 @@ SCORE_BLOCK = 128  # positions whose logits [SCORE_BLOCK, V] exist at once
 
 def score(model: api.Model, prompts, top_logprobs: int = 0) -> list[list[api.TokenLogprob]]:
     """Per prompt (text or token ids), the TokenLogprob of each token but the first (T - 1 of them: none
-    for a one-token prompt), with its top_logprobs (0 .. 20) most likely alternatives; ValueError naming
-    a bad prompt or top_logprobs."""
+    for a one-token prompt), with its top_logprobs (0 .. 20) most likely alternatives and its rank (1 + the
+    ids more likely than it); ValueError naming a bad prompt or top_logprobs."""
     check_logprobs(top_logprobs)
     out = []
     for ids in api.encode(model, prompts):
@@ -39,18 +39,18 @@ def score(model: api.Model, prompts, top_logprobs: int = 0) -> list[list[api.Tok
             continue
         tokens, n_valid = api._prompt_batch([ids])  # [1, T], [1]
         state = api._new_state(model, [tokens.shape[1]])
-        lp = api._call(model, _score, (model.cfg, model.kernels, top_logprobs), (model.params, state, tokens, n_valid),
-                       ("params", "state", "rep", "rep"), ("rep",))[0]
-        chosen, top_ids, top = (np.asarray(a)[:len(ids) - 1] for a in (lp.chosen, lp.top_ids, lp.top))
-        out.append([api.TokenLogprob(t, float(c), list(zip(i.tolist(), v.tolist())))
-                    for t, c, i, v in zip(ids[1:], chosen, top_ids, top)])
+        lp, rank = api._call(model, _score, (model.cfg, model.kernels, top_logprobs),
+                             (model.params, state, tokens, n_valid), ("params", "state", "rep", "rep"), ("rep", "rep"))
+        chosen, top_ids, top, rank = (np.asarray(a)[:len(ids) - 1] for a in (lp.chosen, lp.top_ids, lp.top, rank))
+        out.append([api.TokenLogprob(t, float(c), list(zip(i.tolist(), v.tolist())), int(r))
+                    for t, c, i, v, r in zip(ids[1:], chosen, top_ids, top, rank)])
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "top_logprobs"))
 def _score(cfg, kernels, top_logprobs: int, params: dict, state, tokens: jax.Array, n_valid: jax.Array):
-    """(TokenLogprobs [T] of tokens[0, 1:] (then a filler) at positions 0 .. T-1,) for one prompt tokens [1, T]
-    (n_valid [1] real tokens)."""
+    """(TokenLogprobs [T] of tokens[0, 1:] (then a filler) at positions 0 .. T-1, their ranks [T] int32) for one
+    prompt tokens [1, T] (n_valid [1] real tokens)."""
     t = tokens.shape[1]
     if t > kernels.prefill_chunk:  # T and the chunk are powers of two: whole chunks
         hidden, _ = target.forward_by_layer(cfg, params, state, tokens, n_valid, kernels, kernels.prefill_chunk)
@@ -60,11 +60,12 @@ def _score(cfg, kernels, top_logprobs: int, params: dict, state, tokens: jax.Arr
     nexts = jnp.concatenate([tokens[0, 1:], tokens[0, :1]])  # [T]: the token each position predicts
     blocks = (hidden[0].reshape(t // block, block, -1), nexts.reshape(t // block, block))
 
-    def one(b):  # a block's TokenLogprobs [block]
+    def one(b):  # a block's TokenLogprobs [block] and ranks [block]
         h, x = b
-        logits = tp_lib.gather_vocab(target.logits_from_hidden(params, h, kernels))  # [block, V]
-        lp = smp.token_logprobs(logits[None], x[None], None, top_logprobs)
-        return jax.tree.map(lambda a: a[0], lp)
+        logits = tp_lib.gather_vocab(target.logits_from_hidden(params, h, kernels)).astype(jnp.float32)  # [block, V]
+        lp = jax.tree.map(lambda a: a[0], smp.token_logprobs(logits[None], x[None], None, top_logprobs))
+        chosen = jnp.take_along_axis(logits, x[:, None], axis=-1)  # [block, 1]: ranked by logit, as by logprob
+        return lp, 1 + jnp.sum(logits > chosen, axis=-1, dtype=jnp.int32)
 
-    lp = jax.lax.map(one, blocks)  # [T / block, block, ...]
-    return (jax.tree.map(lambda a: a.reshape((t,) + a.shape[2:]), lp),)
+    out = jax.lax.map(one, blocks)  # [T / block, block, ...]
+    return jax.tree.map(lambda a: a.reshape((t,) + a.shape[2:]), out)

@@ -21,7 +21,8 @@ def check(model, ids, got, top):
     assert [t.token for t in got] == ids[1:]
     np.testing.assert_allclose([t.logprob for t in got], want[np.arange(len(ids) - 1), ids[1:]], rtol=1e-5,
                                atol=1e-5)
-    for t, row in zip(got, want):
+    for t, row, x in zip(got, want, ids[1:]):
+        assert t.rank == 1 + np.sum(row > row[x])
         assert [i for i, _ in t.top] == np.argsort(-row, kind="stable")[:top].tolist()
         np.testing.assert_allclose([v for _, v in t.top], np.sort(row)[::-1][:top], rtol=1e-5, atol=1e-5)
 

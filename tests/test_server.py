@@ -405,7 +405,8 @@ def test_several_prompts_get_n_choices_each_in_prompt_order(model, mtp_server):
 def test_echo_returns_the_prompt_and_its_scores_before_the_choice(model, mtp_server):
     """echo: the text begins with the prompt's; logprobs list the prompt's tokens first (the first with null
     values, the others qmtp.score's), then the choice's (qmtp.generate's), with one run of text offsets;
-    streamed, the same. max_tokens 0 with echo: the prompt alone (a loglikelihood evaluation's request)."""
+    streamed, the same. max_tokens 0 with echo: the prompt alone (a loglikelihood evaluation's request). And
+    vLLM's prompt_logprobs (completions: per choice; chat: at the top level; not streamed)."""
     c = client(mtp_server[1])
     ids = encode(model, TEXTS[0])
     tokens, want = _lp_reference(model, TEXTS[0], 6, 3)
@@ -431,6 +432,20 @@ def test_echo_returns_the_prompt_and_its_scores_before_the_choice(model, mtp_ser
     np.testing.assert_allclose(alone.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:len(ids)])
     bad = httpx.post(mtp_server[1] + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    # vLLM's prompt_logprobs: per prompt token its {id: {logprob, rank, decoded_token}}, alternatives too
+    got = c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=2, extra_body={"prompt_logprobs": 3})
+    listed = got.choices[0].model_extra["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(ids)
+    for entry, s in zip(listed[1:], scored):
+        assert entry[str(s.token)] == pytest.approx({"logprob": s.logprob, "rank": s.rank,
+                                                     "decoded_token": text_of(s.token)})
+        assert [entry[str(i)]["rank"] for i, _ in s.top] == [1, 2, 3]
+    chat = httpx.post(mtp_server[1] + "/v1/chat/completions", json={
+        "model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    streamed = httpx.post(mtp_server[1] + "/v1/completions", json={"model": NAME, "prompt": "x", "stream": True,
+                                                                 "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_an_api_key_guards_every_route_but_health_and_metrics(model):

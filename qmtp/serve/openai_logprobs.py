@@ -42,6 +42,17 @@ def prompt(tokenizer, prompt_ids: list[int], scored: list) -> dict:
             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
 
+def vllm_prompt(tokenizer, scored: list, n: int) -> list:
+    """vLLM's prompt_logprobs of a prompt scored by qmtp.score: null for its first token, then per token
+    {"<id>": {"logprob", "rank", "decoded_token"}} for it (its rank among all ids, 1 = the most likely)
+    and its n most likely alternatives (ranks 1 .. n)."""
+    def entry(logprob: float, rank: int | None, token: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token)}
+
+    return [None] + [{**{str(i): entry(v, r + 1, i) for r, (i, v) in enumerate(t.top[:n])},
+                      str(t.token): entry(t.logprob, t.rank, t.token)} for t in scored]
+
+
 def joined(head: dict, tail: dict) -> dict:
     """Two completions objects of consecutive tokens as one."""
     return {key: head[key] + tail[key] for key in head}

@@ -48,7 +48,9 @@ beside max_tokens, or beside one token).
 echo (completions): each choice's text begins with its prompt's, and its logprobs (where asked) with the
 prompt's tokens', the first with null values (qmtp.score's, computed on the engine's thread: the first
 prompt of a bucket compiles its program); max_tokens 0 with echo returns the prompt alone (as vLLM:
-loglikelihood evaluations).
+loglikelihood evaluations). prompt_logprobs N (vLLM's, 0-20, not streamed): each prompt token's
+{id: {logprob, rank, decoded_token}} with N alternatives (the first token: null), in each completions
+choice, at the chat response's top level.
 best_of absent or 1; suffix and a response_format other than text are refused. An option the server
 cannot honour is refused rather than ignored: the client would believe it applied.
 Logprobs (qmtp/serve/openai_logprobs.py) are the target's log_softmax at the request's temperature (1
@@ -125,6 +127,7 @@ class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's def
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: pydantic.StrictInt | None = None
 
 
 class CompletionRequest(_Common):
@@ -196,6 +199,7 @@ class Parsed:
     echo: bool = False  # completions: each choice begins with its prompt (text, and logprobs where asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
     continue_final: bool = False  # chat: the prompt ends inside the final message (chat_template.render's)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and this many alternatives
 
 
 def _validate(model_cls, body) -> Any:
@@ -244,6 +248,9 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
         raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} must be >= 1 (the prompt's last "
                        "tokens kept) or -1 (as many as the context leaves)", param="truncate_prompt_tokens",
                        code="invalid_value")
+    if req.prompt_logprobs is not None:
+        _check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        _refuse(("prompt_logprobs", req.stream, "prompt_logprobs: not with stream"))
     include_usage = bool((req.stream_options or {}).get("include_usage"))
     given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
              "repetition_penalty": req.repetition_penalty}
@@ -257,7 +264,8 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
     text = {"include_stop_str_in_output": bool(req.include_stop_str_in_output),
             "skip_special_tokens": req.skip_special_tokens is not False}
     return Parsed([], max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
-                  req.n or 1, ignore_eos=bool(req.ignore_eos), text=text, truncate=req.truncate_prompt_tokens)
+                  req.n or 1, ignore_eos=bool(req.ignore_eos), text=text, truncate=req.truncate_prompt_tokens,
+                  prompt_logprobs=req.prompt_logprobs)
 
 
 def _logit_bias(bias: dict | None) -> dict[int, float] | None:

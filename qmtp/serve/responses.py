@@ -79,6 +79,7 @@ class Reply:
     n: int = 1  # choices per prompt: handles[p n .. p n + n - 1] are prompt p's
     echoes: list[Echo] | None = None  # completions' echo: each prompt's
     echo_only: bool = False  # echo with max_tokens 0: the choices are their prompts alone
+    prompt_logprobs: list | None = None  # each prompt's vLLM prompt_logprobs (openai_logprobs.vllm_prompt)
 
     @property
     def obj(self) -> str:
@@ -149,6 +150,7 @@ async def complete(request, reply: Reply, events):
             message, reason = (reply.parsing or chat_output.ChatParsing()).message(h.text, h.finish_reason)
             choices.append(oai.choice(i, {"message": message}, list(h.tokens), reason, reply.logprobs(h.logprobs)))
             continue
+        extra = {} if reply.prompt_logprobs is None else {"prompt_logprobs": reply.prompt_logprobs[i // reply.n]}
         echo = reply.echo(i)
         head = echo.logprobs if echo is not None else None
         text, logprobs = reply.completion_part(h.text, h.logprobs, openai_logprobs.text_length(head) if head else 0)
@@ -156,8 +158,11 @@ async def complete(request, reply: Reply, events):
             text = echo.text + text
             logprobs = head if logprobs is None else openai_logprobs.joined(head, logprobs)
         tokens, reason = ([], "length") if reply.echo_only else (list(h.tokens), h.finish_reason)
-        choices.append(oai.choice(i, {"text": text}, tokens, reason, logprobs))
-    return JSONResponse(oai.body(reply.rid, reply.obj, reply.model_name, reply.created, choices, reply.usage()))
+        choices.append(oai.choice(i, {"text": text, **extra}, tokens, reason, logprobs))
+    body = oai.body(reply.rid, reply.obj, reply.model_name, reply.created, choices, reply.usage())
+    if reply.chat and reply.prompt_logprobs is not None:  # vLLM's place for a chat request's
+        body["prompt_logprobs"] = reply.prompt_logprobs[0]
+    return JSONResponse(body)
 
 
 async def stream(reply: Reply, events, include_usage: bool):

@@ -128,16 +128,23 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                                param="prompt", code="invalid_value")
         return model.tokenizer.encode(prompt, add_special_tokens=False).ids
 
-    async def echo_of(prompt, ids: list[int], top_logprobs: int | None) -> responses.Echo:
+    def echo_of(prompt, ids: list[int], scored: list | None, top_logprobs: int | None) -> responses.Echo:
         """A prompt as an echoing completion shows it: its text (a token-id prompt's decoded, special tokens
-        kept), and with logprobs its tokens' (Engine.score, awaited)."""
+        kept), and with logprobs its tokens' (scored: Engine.score's, with at least top_logprobs alternatives)."""
         text = prompt if isinstance(prompt, str) else (
             model.tokenizer.decode(ids, skip_special_tokens=False) if model.tokenizer is not None
             else "".join(openai_logprobs.token_text(None, t) for t in ids))
         if top_logprobs is None:
             return responses.Echo(text, None)
-        scored = await asyncio.wrap_future(engine.score(ids, top_logprobs))
+        scored = [dataclasses.replace(t, top=t.top[:top_logprobs]) for t in scored]
         return responses.Echo(text, openai_logprobs.prompt(model.tokenizer, ids, scored))
+
+    async def scores_of(parsed, prompt_ids: list) -> list | None:
+        """Each prompt's Engine.score (awaited), where the request's echo or prompt_logprobs needs them."""
+        asked = [n for n in (parsed.top_logprobs if parsed.echo else None, parsed.prompt_logprobs) if n is not None]
+        if not asked:
+            return None
+        return [await asyncio.wrap_future(engine.score(ids, max(asked))) for ids in prompt_ids]
 
     async def json_body(request: Request):
         try:
@@ -215,8 +222,11 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
                 stop_ids = tuple(dict.fromkeys(engine.default_stop_ids + extra)) if extra else None
             events: asyncio.Queue = asyncio.Queue()  # (choice index, engine event)
             try:
-                echoes = [await echo_of(p if parsed.truncate is None else ids, ids, parsed.top_logprobs)
-                          for p, ids in zip(parsed.prompts, prompt_ids)] if parsed.echo else None
+                scores = await scores_of(parsed, prompt_ids) or [None] * len(prompt_ids)
+                echoes = [echo_of(p if parsed.truncate is None else ids, ids, s, parsed.top_logprobs)
+                          for p, ids, s in zip(parsed.prompts, prompt_ids, scores)] if parsed.echo else None
+                prompt_logprobs = None if parsed.prompt_logprobs is None else [
+                    openai_logprobs.vllm_prompt(model.tokenizer, s, parsed.prompt_logprobs) for s in scores]
                 handles = responses.submit(engine, parsed, prompt_ids, max_tokens, stop_ids, asyncio.get_running_loop(),
                                            events)
             except RequestError as e:
@@ -234,7 +244,7 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
             return JSONResponse(oai.error_body(str(e), "service_unavailable", None, "shutting_down"), status_code=503)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles, parsing,
-                                parsed.n, echoes, parsed.echo_only)
+                                parsed.n, echoes, parsed.echo_only, prompt_logprobs)
         if parsed.stream:
             return StreamingResponse(responses.stream(reply, events, parsed.include_usage),
                                      media_type="text/event-stream")
