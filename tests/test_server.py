@@ -994,7 +994,8 @@ def test_sampling_defaults_come_from_generation_config_where_it_samples(tmp_path
         "sampling defaults from generation_config.json: temperature 0.6, top_p 0.95, top_k 20, repetition_penalty 1.1")
     limits = (NAME, MAX_TOKENS_LIMIT, 4, defaults)
     left_out = protocol.parse_completion({"model": NAME, "prompt": "x"}, *limits)
-    no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_tokens": 0}
+    no_penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_tokens": 0,
+                    "allowed_token_ids": None}
     assert left_out.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "seed": None,
                                  "repetition_penalty": 1.1, **no_penalties}
     own, _, _ = protocol.parse_chat({"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": 0,
