@@ -387,7 +387,8 @@ def _lp_reference(model, text, n_tokens, top):
 
 def test_several_prompts_get_n_choices_each_in_prompt_order(model, mtp_server):
     """A completion of two prompts with n = 2: choices 0, 1 are the first prompt's, 2, 3 the second's, each
-    qmtp.generate's tokens for its prompt (whole and streamed); usage counts each prompt once."""
+    qmtp.generate's tokens for its prompt (whole and streamed); usage counts each prompt once (streamed with
+    continuous_usage_stats: in every chunk, the tokens sent so far)."""
     c = client(mtp_server[1])
     want = [qmtp.generate(model, [text], max_new_tokens=8).tokens[0] for text in TEXTS[:2]]
     r = c.completions.create(model=NAME, prompt=TEXTS[:2], max_tokens=8, n=2)
@@ -395,11 +396,14 @@ def test_several_prompts_get_n_choices_each_in_prompt_order(model, mtp_server):
     assert [ch.token_ids for ch in r.choices] == [want[0], want[0], want[1], want[1]]
     assert r.usage.prompt_tokens == sum(len(encode(model, text)) for text in TEXTS[:2])
     assert r.usage.completion_tokens == 4 * 8
-    got = {i: [] for i in range(4)}
-    for chunk in c.completions.create(model=NAME, prompt=TEXTS[:2], max_tokens=8, n=2, stream=True):
+    got, usage = {i: [] for i in range(4)}, []
+    for chunk in c.completions.create(model=NAME, prompt=TEXTS[:2], max_tokens=8, n=2, stream=True,
+                                      stream_options={"include_usage": True, "continuous_usage_stats": True}):
         for ch in chunk.choices:
             got[ch.index] += ch.model_extra["token_ids"]
-    assert list(got.values()) == [want[0], want[0], want[1], want[1]]
+        usage.append(chunk.usage.completion_tokens)  # vLLM's continuous_usage_stats: in every chunk, so far
+        assert usage[-1] == sum(map(len, got.values()))
+    assert list(got.values()) == [want[0], want[0], want[1], want[1]] and usage[-1] == 4 * 8
 
 
 def test_echo_returns_the_prompt_and_its_scores_before_the_choice(model, mtp_server):

@@ -2,7 +2,8 @@
 
 Requests (JSON bodies; unknown fields are ignored):
   /v1/completions       model, prompt (a string, token ids, or a list of either: several prompts),
-                        max_tokens, stop, stop_token_ids (extension), stream, stream_options,
+                        max_tokens, stop, stop_token_ids (extension), stream, stream_options (include_usage;
+                        continuous_usage_stats as vLLM's: with it every chunk carries the usage so far),
                         logprobs (0-20: each token's logprob and that many alternatives)
   /v1/chat/completions  model, messages [{role, content: string | [{type: "text", text}]}],
                         max_completion_tokens | max_tokens, stop, stop_token_ids, stream, stream_options,
@@ -200,6 +201,7 @@ class Parsed:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
     continue_final: bool = False  # chat: the prompt ends inside the final message (chat_template.render's)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and this many alternatives
+    continuous_usage: bool = False  # stream_options' include_usage and continuous_usage_stats: usage in every chunk
 
 
 def _validate(model_cls, body) -> Any:
@@ -252,6 +254,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
         _check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
         _refuse(("prompt_logprobs", req.stream, "prompt_logprobs: not with stream"))
     include_usage = bool((req.stream_options or {}).get("include_usage"))
+    continuous_usage = include_usage and bool((req.stream_options or {}).get("continuous_usage_stats"))
     given = {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
              "repetition_penalty": req.repetition_penalty}
     sampling = {name: value if value is not None else defaults.get(name, GREEDY[name]) for name, value in given.items()}
@@ -265,7 +268,7 @@ def _common(req: _Common, model_name: str, max_tokens_limit: int, max_tokens: in
             "skip_special_tokens": req.skip_special_tokens is not False}
     return Parsed([], max_tokens, stops, tuple(req.stop_token_ids or ()), req.stream, include_usage, sampling,
                   req.n or 1, ignore_eos=bool(req.ignore_eos), text=text, truncate=req.truncate_prompt_tokens,
-                  prompt_logprobs=req.prompt_logprobs)
+                  prompt_logprobs=req.prompt_logprobs, continuous_usage=continuous_usage)
 
 
 def _logit_bias(bias: dict | None) -> dict[int, float] | None:

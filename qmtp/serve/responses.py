@@ -85,11 +85,13 @@ class Reply:
     def obj(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def usage(self) -> dict:
-        """Each prompt once (its choices share it), the tokens of every choice."""
+    def usage(self, generated: int | None = None) -> dict:
+        """Each prompt once (its choices share it), the tokens of every choice (generated: so many instead)."""
         firsts = self.handles[::self.n]
-        generated = 0 if self.echo_only else sum(len(h.tokens) for h in self.handles)
-        return oai.usage(sum(len(h.prompt_ids) for h in firsts), generated, sum(h.prefix_hit_tokens for h in firsts))
+        if generated is None:
+            generated = sum(len(h.tokens) for h in self.handles)
+        return oai.usage(sum(len(h.prompt_ids) for h in firsts), 0 if self.echo_only else generated,
+                         sum(h.prefix_hit_tokens for h in firsts))
 
     def echo(self, index: int) -> Echo | None:
         """Choice `index`'s prompt, where the request echoes it."""
@@ -165,13 +167,17 @@ async def complete(request, reply: Reply, events):
     return JSONResponse(body)
 
 
-async def stream(reply: Reply, events, include_usage: bool):
+async def stream(reply: Reply, events, include_usage: bool, continuous_usage: bool = False):
     """Server-sent events: one chunk per engine event (of choice i: "index": i), then usage (if asked)
     and [DONE] once every choice finished; a choice that fails ends the stream with its error. Leaving
-    early (the client disconnected: Starlette cancels this generator) cancels the request."""
+    early (the client disconnected: Starlette cancels this generator) cancels the request.
+    continuous_usage (vLLM's continuous_usage_stats): every chunk also carries the usage so far."""
     obj = "chat.completion.chunk" if reply.chat else "text_completion"
+    sent = [0]  # tokens the chunks so far carried
 
     def sse(choices: list, usage=None) -> str:
+        if usage is None and continuous_usage:
+            usage = reply.usage(sent[0])
         return f"data: {json.dumps(oai.body(reply.rid, obj, reply.model_name, reply.created, choices, usage))}\n\n"
 
     offsets = [0] * len(reply.handles)  # characters of each choice's token texts so far (text_offset)
@@ -203,6 +209,7 @@ async def stream(reply: Reply, events, include_usage: bool):
                 if logprobs is not None and not reply.chat:
                     offsets[i] += openai_logprobs.text_length(logprobs)
                 tokens = event.tokens
+                sent[0] += len(tokens)
                 if reply.echo_only:
                     tokens, shown = [], reason and "length"
                 yield sse([oai.choice(i, {"delta": delta} if reply.chat else {"text": text}, tokens, shown, logprobs)])

@@ -246,7 +246,7 @@ def create_app(engine, settings: ServerSettings, manage_engine: bool = True):
         reply = responses.Reply(rid, chat, settings.model_name, int(time.time()), model.tokenizer, handles, parsing,
                                 parsed.n, echoes, parsed.echo_only, prompt_logprobs)
         if parsed.stream:
-            return StreamingResponse(responses.stream(reply, events, parsed.include_usage),
+            return StreamingResponse(responses.stream(reply, events, parsed.include_usage, parsed.continuous_usage),
                                      media_type="text/event-stream")
         return await responses.complete(request, reply, events)
 
