@@ -3,7 +3,9 @@
 Loads a checkpoint (or builds a synthetic preset on first use with --checkpoint=preset:NAME),
 runs greedy decoding (plain, or MTP speculative with --mtp_k) with the loop on the device, prints
 the text, tokens/s and MTP acceptance statistics (with --compare_plain, plain decoding's tokens/s
-from the same run beside them), and optionally writes everything to --output_json. What it is doing
+from the same run beside them), and optionally writes everything to --output_json. With --score it
+generates nothing: it prints each prompt's negative log-likelihood and perplexity under the model
+(qmtp.score; with --logprobs N, each token's log-probability and N alternatives). What it is doing
 (loading, compiling, generating, with seconds) goes to stderr. Bad input ends with one line on
 stderr and exit status 2.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 
 from absl import flags
@@ -68,6 +71,10 @@ flags.DEFINE_integer("logprobs", None, "Also report each generated token's log-p
                      "(0-20): printed one line per token and written to --output_json.", lower_bound=0,
                      upper_bound=20)
 flags.DEFINE_string("output_json", None, "Write prompts, tokens, text, timings and tok/s to this file.")
+flags.DEFINE_boolean("score", False, "Score the prompts instead of generating: each prompt's negative log-likelihood "
+                     "(sum and per token, in nats) and perplexity exp(NLL / tokens) over its tokens after the first "
+                     "(qmtp.score: temperature 1, no sampling adjustment); with --logprobs N also a line per token "
+                     "with its rank and N alternatives. Written to --output_json too.")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -115,6 +122,8 @@ def run(argv) -> dict:
     stop = None if FLAGS.stop_token_ids is None else parse_ids(",".join(FLAGS.stop_token_ids))
     cli_help.check_output_file("output_json", FLAGS.output_json)
     k = cli_help.mtp_k_from_flag(FLAGS.mtp_k)
+    if FLAGS.score and (k or FLAGS.compare_plain):
+        raise ValueError("--score scores the prompts and generates nothing: leave out --mtp_k and --compare_plain")
     if FLAGS.compare_plain and not k:
         raise ValueError("--compare_plain compares MTP with plain decoding: give --mtp_k too")
     sampling = cli_help.sampling_from_flags()
@@ -127,6 +136,8 @@ def run(argv) -> dict:
                       converted_cache=FLAGS.converted_cache, draft_head=FLAGS.draft_head,
                       draft_vocab=FLAGS.draft_vocab, fp8_act_quant=FLAGS.fp8_act_quant,
                       deterministic=FLAGS.deterministic, prefill_chunk=FLAGS.prefill_chunk)
+    if FLAGS.score:
+        return score_prompts(model, prompts, phases)
     from qmtp.runtime import adaptive_k
     most = adaptive_k.CANDIDATES[-1] if k == qmtp.api.AUTO else k  # the most drafts of a round
     warning = cli_help.verify_rows_warning(model, len(prompts), most)
@@ -184,6 +195,34 @@ def run(argv) -> dict:
     if plain is not None:
         report["plain"] = {"tokens": plain.tokens, "stats": plain.stats, "tokens_identical": plain.tokens == result.tokens,
                            "decode_tokens_per_s_runs": [r.stats["decode_tokens_per_s"] for r in runs[0]]}
+    if FLAGS.output_json:
+        with open(FLAGS.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def score_prompts(model, prompts, phases) -> dict:
+    """--score: each prompt's NLL and perplexity (and with --logprobs its tokens' lines), printed and written."""
+    import qmtp
+    phases("scoring")
+    scores = qmtp.score(model, prompts, top_logprobs=FLAGS.logprobs or 0)
+    phases.done()
+    rows = []
+    for i, (prompt, scored) in enumerate(zip(prompts, scores)):
+        nll = -sum(t.logprob for t in scored)
+        n = len(scored)
+        perplexity = math.exp(nll / n) if n else None
+        shown = prompt if isinstance(prompt, str) else f"ids {prompt}"
+        print(f"[{i}] prompt: {shown!r}")
+        print(f"[{i}] {n} tokens scored: NLL {nll:.4f} nats ({nll / max(n, 1):.4f} per token), perplexity "
+              + (f"{perplexity:.4f}" if n else "- (a one-token prompt has nothing to score)"))
+        if FLAGS.logprobs is not None:
+            for line, t in zip(logprob_lines(model, scored), scored):
+                print(f"[{i}]   {line}  (rank {t.rank})")
+        rows.append({"prompt": prompt, "tokens_scored": n, "nll": nll, "perplexity": perplexity,
+                     "logprobs": [dataclasses.asdict(t) for t in scored]})
+    report = {"checkpoint": model.checkpoint_dir, "dtype": FLAGS.dtype, "impl": FLAGS.impl, "tp": FLAGS.tp,
+              "scores": rows}
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,6 +1,7 @@
 """python -m qmtp.generate end to end, including its bad-input messages."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -52,6 +53,22 @@ def test_tiny_flagfile_generates_text_and_json(cache, tmp_path):
     assert f"[0]   {first['token']} " in r.stdout and f": {first['logprob']:.4f}  | " in r.stdout, r.stdout
     # the preset was built into the cache on first use
     assert any(name.startswith("tiny-bf16") for name in os.listdir(cache / "checkpoints"))
+
+
+def test_score_prints_and_writes_each_prompts_perplexity(cache, tmp_path):
+    """--score: per prompt, the NLL over its tokens after the first and exp(NLL / tokens); with --logprobs a line
+    per token (its rank too); nothing generated."""
+    out = tmp_path / "score.json"
+    r = run("--checkpoint=preset:tiny", "--prompt=def fibonacci(n):", "--prompt_ids=5", "--dtype=float32", "--score",
+            "--logprobs=2", f"--output_json={out}", cache=cache)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["scores"]
+    first, one = rows
+    assert first["tokens_scored"] == len(first["logprobs"]) > 1 and one["tokens_scored"] == 0
+    assert first["nll"] == pytest.approx(-sum(t["logprob"] for t in first["logprobs"]))
+    assert first["perplexity"] == pytest.approx(math.exp(first["nll"] / first["tokens_scored"]))
+    assert all(len(t["top"]) == 2 and t["rank"] >= 1 for t in first["logprobs"])
+    assert f"perplexity {first['perplexity']:.4f}" in r.stdout and "(rank " in r.stdout and "text:" not in r.stdout
 
 
 @pytest.mark.slow  # CI time: three CLI runs; the text-prompt run stays in CI
@@ -111,6 +128,7 @@ def test_tp2_gives_the_tp1_tokens(cache, tmp_path):
     (("--checkpoint=/nonexistent/ckpt", "--prompt=hi", "--output_json=/nonexistent_dir/out.json"),
      "error: --output_json=/nonexistent_dir/out.json: directory /nonexistent_dir does not exist"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--compare_plain"), "error: --compare_plain .* give --mtp_k"),
+    (("--checkpoint=preset:tiny", "--prompt=hi", "--score", "--mtp_k=3"), "error: --score scores the prompts"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--deterministic"), "error: deterministic=True needs impl='pallas'"),
     (("--checkpoint=preset:tiny", "--prompt=hi", "--prefill_chunk=24"), "error: prefill_chunk=24: a power of two"),
 ])
