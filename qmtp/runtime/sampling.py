@@ -1,16 +1,16 @@
 """Sampling and lossless speculative sampling, per row, as pure functions of logits and keys.
 
-Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k
-(0: off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off), a repetition penalty
-r (1: off), a logit bias (up to MAX_LOGIT_BIAS ids, which may also be the only ids allowed: vLLM's
+Each row b has its own parameters (`SamplingParams`, arrays [B]): temperature T_b (0: greedy), top_k (0:
+off), top_p (1: off), min_p (0: off), presence and frequency penalties (0: off), a repetition penalty r
+(1: off), a logit bias (up to MAX_LOGIT_BIAS ids, which may also be the only ids allowed: vLLM's
 allowed_token_ids), min_tokens (0: off) and a seed. The distribution a row samples from is HF
 transformers' order of processors on the logits z after the adjustments vLLM makes, in its order: the
 bias b_v of id v (-inf at the ids a row that allows only its listed ones does not list); the repetition
-penalty (HF's and vLLM's) on each id s_v of
-the prompt or generated before the position, which divides a positive logit by r and multiplies another
-by r; the OpenAI API's penalties on the count c_v of v among the tokens the request generated before the
-position (not the prompt's); then, while fewer than min_tokens tokens precede the position
-(n = sum_v c_v < min_tokens), the row's stop ids get -inf (vLLM's min_tokens: the row cannot end there):
+penalty (HF's and vLLM's) on each id s_v of the prompt or generated before the position, which divides a
+positive logit by r and multiplies another by r; the OpenAI API's penalties on the count c_v of v among
+the tokens the request generated before the position (not the prompt's); then, while fewer than
+min_tokens tokens precede the position (n = sum_v c_v < min_tokens), the row's stop ids get -inf (vLLM's
+min_tokens: the row cannot end there):
 
     y_v = z_v + b_v;  y_v -> y_v / r if y_v > 0 else y_v * r  where s_v  (in the prompt or c_v > 0)
     y_v - frequency * c_v - presence * [c_v > 0]  (-inf at stop ids while n < min_tokens)

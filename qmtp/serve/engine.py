@@ -181,8 +181,8 @@ class Engine:
         """Queues a completion of prompt_ids (token ids) for up to max_tokens tokens: greedy at temperature
         0, else sampled (qmtp.generate's parameters; seed None: a random one), after the logit bias, the
         repetition penalty and the presence and frequency penalties, among allowed_token_ids where given
-        (qmtp.generate's); no stop id or stop string ends it before min_tokens tokens; logprobs N (0 .. 20): each token's log-probability and N
-        alternatives (qmtp.generate's), None: off.
+        (qmtp.generate's); no stop id or stop string ends it before min_tokens tokens; logprobs N (0 .. 20):
+        each token's log-probability and N alternatives (qmtp.generate's), None: off.
 
         stop_token_ids: None = the default stop ids, else exactly these; stop: stop strings (need a
         tokenizer), which end the text before them or, include_stop_str_in_output (vLLM's), after them;
