@@ -8,7 +8,7 @@ reports them).
 z_{i-1} being the target's logits at position i - 1 (temperature 1, no adjustment); x_0 has no score.
 One prompt at a time, padded to its power-of-two bucket (prompts of one bucket share the program); the
 target runs over it as the prefill does (chunk by chunk past KernelConfig.prefill_chunk), and the logits
-are made SCORE_BLOCK positions at a time, so no [T, V] array is formed.
+are made a block of positions at a time (SCORE_BLOCK, at most a prefill chunk), so no [T, V] array is formed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qmtp.model import target
 from qmtp.runtime import sampling as smp, tp as tp_lib
 from qmtp.sampling_args import check_logprobs
 
-SCORE_BLOCK = 128  # positions whose logits [SCORE_BLOCK, V] exist at once
+SCORE_BLOCK = 128  # positions whose logits [SCORE_BLOCK, V] exist at once (fewer where the prefill chunk is smaller)
 
 
 def score(model: api.Model, prompts, top_logprobs: int = 0) -> list[list[api.TokenLogprob]]:
@@ -56,7 +56,7 @@ def _score(cfg, kernels, top_logprobs: int, params: dict, state, tokens: jax.Arr
         hidden, _ = target.forward_by_layer(cfg, params, state, tokens, n_valid, kernels, kernels.prefill_chunk)
     else:
         hidden, _ = target.forward(cfg, params, state, tokens, n_valid, kernels)
-    block = min(SCORE_BLOCK, t)
+    block = min(SCORE_BLOCK, kernels.prefill_chunk, t)  # powers of two: whole blocks
     nexts = jnp.concatenate([tokens[0, 1:], tokens[0, :1]])  # [T]: the token each position predicts
     blocks = (hidden[0].reshape(t // block, block, -1), nexts.reshape(t // block, block))
 

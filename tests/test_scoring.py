@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import scoring
 
 
 def np_logprobs(model, ids):
@@ -38,8 +37,7 @@ def test_scores_are_the_teacher_forced_log_softmax(model):
         qmtp.score(model, prompts[:1], top_logprobs=21)
 
 
-def test_a_prompt_past_the_prefill_chunk_is_scored_chunk_by_chunk(ckpt, monkeypatch):
-    monkeypatch.setattr(scoring, "SCORE_BLOCK", 16)  # several logits blocks
-    model = qmtp.load(ckpt, dtype="float32", prefill_chunk=16, progress=False)
+def test_a_prompt_past_the_prefill_chunk_is_scored_chunk_by_chunk(ckpt):
+    model = qmtp.load(ckpt, dtype="float32", prefill_chunk=16, progress=False)  # logits blocks of 16 positions too
     ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, 40).tolist()  # bucket 64: 4 chunks
     check(model, ids, qmtp.score(model, [ids], top_logprobs=2)[0], 2)
