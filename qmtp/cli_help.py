@@ -148,6 +148,19 @@ def define_compile_cache_flag() -> None:
                  "program, versions, device and XLA_FLAGS, so changed code or settings compile afresh.")
 
 
+def define_model_flags(deterministic: bool = True) -> None:
+    """The flags of how qmtp.load builds the model and where compiled programs are kept: --fp8_act_quant,
+    --deterministic (unless deterministic=False: qmtp.bench names the mode in --engine), --prefill_chunk,
+    --draft_head, --draft_vocab, --compile_cache; for generate, bench, server."""
+    define_fp8_act_quant_flag()
+    if deterministic:
+        define_deterministic_flag()
+    define_prefill_chunk_flag()
+    define_draft_head_flag()
+    define_draft_vocab_flag()
+    define_compile_cache_flag()
+
+
 def apply_compile_cache_flag() -> str | None:
     """Turns the cache of --compile_cache on; returns its directory (None when off)."""
     from qmtp.runtime import compile_cache

@@ -55,12 +55,7 @@ flags.DEFINE_string("converted_cache", None, "Directory of an orbax cache of the
                     "parameters: the first load writes it, later loads of the same checkpoint files, dtype and --tp "
                     "restore from it instead of reading the safetensors.")
 cli_help.define_sampling_flags()
-cli_help.define_fp8_act_quant_flag()
-cli_help.define_deterministic_flag()
-cli_help.define_prefill_chunk_flag()
-cli_help.define_draft_head_flag()
-cli_help.define_draft_vocab_flag()
-cli_help.define_compile_cache_flag()
+cli_help.define_model_flags()
 flags.DEFINE_boolean("warmup", True, "Compile before timing, so tok/s measures execution only.")
 flags.DEFINE_integer("repeats", 1, "Time the generation this many times and report the run of median tok/s "
                      "(with --compare_plain the modes alternate).", lower_bound=1)

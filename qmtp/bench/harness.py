@@ -69,11 +69,7 @@ cli_help.define_sampling_flags()  # every mode samples at --temperature > 0 (no 
 flags.DEFINE_bool("sampling_cost", False, "With --temperature > 0: also run each mode greedily on the same prompts "
                   "and acceptance caps, and report what sampling adds to its time per step or round, both measured "
                   "in this run (target: <= 3% for plain and K=3).")
-cli_help.define_fp8_act_quant_flag()
-cli_help.define_prefill_chunk_flag()
-cli_help.define_draft_head_flag()
-cli_help.define_draft_vocab_flag()
-cli_help.define_compile_cache_flag()
+cli_help.define_model_flags(deterministic=False)
 flags.DEFINE_string("trace_dir", None, "Also run each mode once more, after its timed repeats, under the JAX "
                     "profiler: one perfetto trace per mode in a subdirectory named after it (plain, K3_natural, "
                     "K3_profiled, ...; summarize with scripts/trace_summary.py). Not part of the figures.")

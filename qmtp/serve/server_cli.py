@@ -141,12 +141,7 @@ def define_flags() -> None:
     flags.DEFINE_string("profile_dir", "", "Directory for device traces: POST /start_profile begins a JAX "
                         "profiler trace, POST /stop_profile writes it there (empty: both endpoints answer 400).")
     flags.DEFINE_string("log_level", "info", "uvicorn log level.")
-    cli_help.define_fp8_act_quant_flag()
-    cli_help.define_deterministic_flag()
-    cli_help.define_prefill_chunk_flag()
-    cli_help.define_draft_head_flag()
-    cli_help.define_draft_vocab_flag()
-    cli_help.define_compile_cache_flag()
+    cli_help.define_model_flags()
 
 
 def build(argv) -> tuple:
