@@ -74,32 +74,18 @@ openai client raises APIError on it) and `data: [DONE]`. Each choice carries `to
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from typing import Any
 
 import pydantic
 
 from qmtp.runtime.sampling import MAX_TOP_LOGPROBS
-from qmtp.serve import chat_template
+from qmtp.serve import chat_fields, chat_template
+# error_body too: the routes render errors as oai.error_body
+from qmtp.serve.api_error import APIError, error_body, invalid  # noqa: F401
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 # a field no request or default sets
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class _Common(pydantic.BaseModel):  # unknown fields are ignored (pydantic's default)
@@ -168,7 +154,7 @@ class ChatMessage(pydantic.BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    tools: list | None = None  # checked by _check_tools, which names the offending entry's field
+    tools: list | None = None  # checked by chat_fields.check_tools, which names the offending entry's field
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
@@ -326,13 +312,13 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, d
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     if req.logprobs:
         parsed.top_logprobs = _check_top_logprobs(req.top_logprobs or 0, "top_logprobs")
-    parsed.tool_choice, parsed.tool_function = _tool_choice(req.tool_choice)
-    parsed.tools = _check_tools(req.tools) if req.tools else None
+    parsed.tool_choice, parsed.tool_function = chat_fields.tool_choice(req.tool_choice)
+    parsed.tools = chat_fields.check_tools(req.tools) if req.tools else None
     parsed.parallel_tool_calls = req.parallel_tool_calls is not False
     if parsed.tool_choice == "required" and not parsed.tools:
-        raise _invalid("tool_choice", "a call is required but the request gives no tools")
+        raise invalid("tool_choice", "a call is required but the request gives no tools")
     if parsed.tool_function is not None and all(t["function"]["name"] != parsed.tool_function for t in parsed.tools):
-        raise _invalid("tool_choice.function.name", f"{parsed.tool_function!r} is none of the request's tools")
+        raise invalid("tool_choice.function.name", f"{parsed.tool_function!r} is none of the request's tools")
     _refuse(("tools", parsed.tools and parsed.tool_choice != "none" and tool_parser == "none",
              "tools need a tool call parser, and this server has none (--tool_call_parser=none, or auto with "
              "a chat template that writes no tool calls); tool_choice \"none\" shows the tools to the model "
@@ -348,87 +334,11 @@ def parse_chat(body, model_name: str, max_tokens_limit: int, max_choices: int, d
         variables.setdefault("add_generation_prompt", req.add_generation_prompt)
     if req.continue_final_message:
         if variables.get("add_generation_prompt"):
-            raise _invalid("continue_final_message", "cannot be true with add_generation_prompt true (the reply "
-                           "either continues the final message or starts a new one)")
+            raise invalid("continue_final_message", "cannot be true with add_generation_prompt true (the reply "
+                          "either continues the final message or starts a new one)")
         variables["add_generation_prompt"] = False
         parsed.continue_final = True
-    return parsed, [_template_message(i, m) for i, m in enumerate(req.messages)], variables
-
-
-def _invalid(param: str, problem: str) -> APIError:
-    return APIError(400, f"{param}: {problem}", param=param, code="invalid_value")
-
-
-def _tool_choice(choice) -> tuple[str, str | None]:
-    """(tool_choice, the function it names or None)."""
-    if choice is None or choice in ("auto", "none", "required"):
-        return choice or "auto", None
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(function, dict):
-            raise _invalid("tool_choice", "a named function is {\"type\": \"function\", \"function\": {\"name\": "
-                           "...}}")
-        if not isinstance(function.get("name"), str):
-            raise _invalid("tool_choice.function.name", "a string is required")
-        return "required", function["name"]
-    raise _invalid("tool_choice", f"{choice!r} is not one of \"auto\", \"none\", \"required\" or a named function")
-
-
-def _check_tools(tools: list) -> list[dict]:
-    """The request's tools as given, each checked: {type: "function", function: {name, description?,
-    parameters?}}; a name must be unique and free of blank space, '<' and '>' (they would break the
-    `<function=NAME>` format)."""
-    names = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise _invalid(where, "must be an object {\"type\": \"function\", \"function\": {...}}")
-        if tool.get("type") != "function":
-            raise _invalid(f"{where}.type", f"must be \"function\", not {tool.get('type')!r}")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise _invalid(f"{where}.function", "must be an object {name, description, parameters}")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise _invalid(f"{where}.function.name", "a non-empty string is required")
-        if re.search(r"[\s<>]", name):
-            raise _invalid(f"{where}.function.name", f"{name!r} holds blank space, '<' or '>'")
-        if name in names:
-            raise _invalid(f"{where}.function.name", f"{name!r} names an earlier tool too")
-        names.add(name)
-        if not isinstance(function.get("description", ""), str):
-            raise _invalid(f"{where}.function.description", "must be a string")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise _invalid(f"{where}.function.parameters", "must be a JSON Schema object")
-    return tools
-
-
-def _template_message(index: int, m: ChatMessage) -> dict:
-    """A message as the chat template reads it: text parts joined, tool calls' arguments as objects."""
-    content = m.content if isinstance(m.content, str) or m.content is None else "".join(
-        p.text for p in m.content if p.type == "text")
-    message = {"role": m.role, "content": content or ""}
-    for key, value in (("name", m.name), ("tool_call_id", m.tool_call_id),
-                       ("reasoning_content", m.reasoning_content if m.reasoning_content is not None else m.reasoning)):
-        if value is not None:
-            message[key] = value
-    if m.tool_calls:
-        message["tool_calls"] = [_template_call(f"messages[{index}].tool_calls[{j}]", c)
-                                 for j, c in enumerate(m.tool_calls)]
-    return message
-
-
-def _template_call(where: str, call: _ToolCall) -> dict:
-    arguments = call.function.arguments
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as e:
-            raise _invalid(f"{where}.function.arguments", f"not valid JSON ({e})") from None
-    if not isinstance(arguments, dict):
-        raise _invalid(f"{where}.function.arguments", "must be a JSON object")
-    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
-    return {"id": call.id, **out} if call.id is not None else out
+    return parsed, [chat_fields.template_message(i, m) for i, m in enumerate(req.messages)], variables
 
 
 # ---- responses -------------------------------------------------------------------------------------
